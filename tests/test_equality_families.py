@@ -1,0 +1,91 @@
+"""Exact equality with plain greedy `model.generate` for every method, family and attention implementation."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from helpers import OracleDrafter, RandomDrafter
+from tiny_models import FAMILIES, VOCAB, prompts, tiny_model
+
+import forerun
+
+NO_SDPA = {"gemma2", "gptj"}  # transformers has no sdpa attention for these: eager only
+CASES = [(f, impl) for f in FAMILIES for impl in ("eager", "sdpa") if not (impl == "sdpa" and f in NO_SDPA)]
+NEW_TOKENS = 40
+METHOD_KNOBS = {
+    "plain": {},
+    "prompt_lookup": {"max_ngram": 2, "draft_len": 5, "max_branches": 2},
+    "jacobi": {"window": 3, "ngram": 3, "max_candidates": 3},
+    "trie": {"decoding_length": 8, "branch_length": 4},
+}
+
+
+@functools.lru_cache(maxsize=4)
+def model_of(family: str, impl: str) -> torch.nn.Module:
+    return tiny_model(family, impl)
+
+
+@functools.lru_cache(maxsize=64)
+def reference(family: str, impl: str, index: int, eos: int | None) -> torch.Tensor:
+    model = model_of(family, impl)
+    prompt = prompts(3)[index]
+    return model.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=eos, pad_token_id=0)
+
+
+def eos_inside(family: str, impl: str, index: int) -> int:
+    """A token that plain greedy produces about half-way, used as EOS so the run stops early."""
+    return int(reference(family, impl, index, None)[0, prompts(3)[index].shape[1] + NEW_TOKENS // 2])
+
+
+@pytest.mark.parametrize("method", list(METHOD_KNOBS))
+@pytest.mark.parametrize(("family", "impl"), CASES)
+def test_greedy_equals_generate(family, impl, method):
+    model = model_of(family, impl)
+    decoder = forerun.Decoder(model, None, method, **METHOD_KNOBS[method])
+    for index, prompt in enumerate(prompts(3)):
+        # EOS disabled: long runs.
+        result = decoder.generate(prompt, NEW_TOKENS, eos_token_id=[])
+        assert torch.equal(result.sequences, reference(family, impl, index, None)), (
+            family,
+            impl,
+            method,
+            index,
+        )
+        assert result.stats.fallback_reason is None
+        # EOS enabled: stops exactly where plain generate stops.
+        eos = eos_inside(family, impl, index)
+        expected = reference(family, impl, index, eos)
+        result = decoder.generate(prompt, NEW_TOKENS, eos_token_id=eos)
+        assert torch.equal(result.sequences, expected), (family, impl, method, index, "eos")
+        assert result.sequences.shape[1] < prompt.shape[1] + NEW_TOKENS
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "falcon", "gpt_neox"])
+def test_oracle_reaches_full_depth_every_step(family):
+    model = model_of(family, "eager")
+    prompt = prompts(1)[0]
+    truth = reference(family, "eager", 0, None)[0].tolist()
+    depth = 5
+    oracle = OracleDrafter(truth, depth, VOCAB)
+    result = forerun.Decoder(model, None, "plain", drafters=[oracle]).generate(prompt, NEW_TOKENS, eos_token_id=[])
+    assert result.sequences[0].tolist() == truth
+    steps = result.stats.forwards - 1
+    # every step but the last accepts the whole oracle branch (depth) plus the bonus token
+    assert result.stats.accepted_hist[depth] == steps - 1
+    assert result.stats.accepted_by["oracle"] == result.stats.accepted
+    assert result.stats.accepted_by.get("decoy", 0) == 0
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "opt"])
+def test_random_drafter_accepts_nothing_and_output_is_identical(family):
+    model = model_of(family, "sdpa")
+    prompt = prompts(1)[0]
+    truth = reference(family, "sdpa", 0, None)[0].tolist()
+    result = forerun.Decoder(model, None, "plain", drafters=[RandomDrafter(truth, VOCAB)]).generate(
+        prompt, NEW_TOKENS, eos_token_id=[]
+    )
+    assert result.sequences[0].tolist() == truth
+    assert result.stats.accepted == 0 and result.stats.candidates > 0
+    assert result.stats.forwards == NEW_TOKENS

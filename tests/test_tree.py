@@ -1,0 +1,70 @@
+import pytest
+import torch
+
+from forerun.tree import TokenTree, attention_mask_4d, pack
+
+
+def drawn_tree() -> TokenTree:
+    """root(5) - 7 - 9 ; root - 8   (the docstring example of forerun.tree)"""
+    tree = TokenTree.rooted_at(5)
+    a = tree.add(0, 7)
+    tree.add(a, 9)
+    tree.add(0, 8)
+    return tree
+
+
+def test_hand_drawn_tree_nodes():
+    tree = drawn_tree()
+    assert tree.tokens == [5, 7, 9, 8]
+    assert tree.parents == [-1, 0, 1, 0]
+    assert tree.depths == [0, 1, 2, 1]
+
+
+def test_mask_exact_matrix_and_invariants():
+    tree = drawn_tree()
+    expected = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 0, 1]], dtype=torch.bool)
+    assert torch.equal(tree.ancestors(), expected)
+    mask = attention_mask_4d(tree.ancestors(), prefix_len=3, attn_implementation="sdpa", dtype=torch.float32)
+    assert mask.shape == (1, 1, 4, 7)
+    rows = mask[0, 0]
+    assert rows[:, :3].all()  # every node sees the whole cached prefix
+    assert rows[:, 3].all()  # root column
+    assert torch.equal(rows[:, 3:].diagonal(), torch.ones(4, dtype=torch.bool))
+    assert rows[:, 3:].sum(1).tolist() == [d + 1 for d in tree.depths]  # row sum = depth + 1
+
+
+def test_eager_mask_is_additive_float():
+    tree = drawn_tree()
+    mask = attention_mask_4d(tree.ancestors(), 2, "eager", torch.float32)[0, 0]
+    assert mask.dtype == torch.float32
+    assert mask[0, 2] == 0 and mask[0, 3] == torch.finfo(torch.float32).min
+    assert (mask[:, :2] == 0).all()
+
+
+def test_pack_positions_follow_depth():
+    packed = pack(drawn_tree(), 10, "sdpa", torch.float32, torch.device("cpu"))
+    assert packed.input_ids.tolist() == [[5, 7, 9, 8]]
+    assert packed.position_ids.tolist() == [[10, 11, 12, 11]]
+    single = pack(TokenTree.rooted_at(5), 10, "sdpa", torch.float32, torch.device("cpu"))
+    assert single.attention_mask is None and single.position_ids.tolist() == [[10]]
+
+
+def test_candidates_fuse_probes_do_not():
+    tree = TokenTree.rooted_at(1)
+    assert tree.add_chain(0, [4, 5]) == tree.add_chain(0, [4, 5])
+    probe = tree.add(0, 4, role="probe")
+    assert probe == 3 and len(tree) == 4
+    assert tree.candidate_children(0) == [1]
+
+
+def test_graft_fuses_shared_prefixes_and_respects_budget():
+    tree = TokenTree.rooted_at(1)
+    tree.add_chain(0, [4, 5, 6])
+    other = TokenTree.rooted_at(1)
+    other.add_chain(0, [4, 5, 7, 8])
+    tree.graft(other, budget=5)
+    # 4 and 5 fused, 7 added (5 nodes), 8 dropped by the budget
+    assert tree.tokens == [1, 4, 5, 6, 7]
+    assert tree.parents == [-1, 0, 1, 2, 2]
+    with pytest.raises(ValueError, match="rooted at"):
+        tree.graft(TokenTree.rooted_at(2), 10)

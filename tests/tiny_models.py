@@ -1,0 +1,79 @@
+"""Tiny random causal LMs of many families, built from configs (no download), for exact-equality tests.
+
+Each is a few layers wide enough to have non-trivial attention; weights come from a fixed seed, so runs repeat.
+Sliding windows are set larger than any test sequence (beyond the window forerun falls back to plain decoding).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+VOCAB = 96
+
+COMMON = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+LLAMA_LIKE = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
+
+FAMILIES: dict[str, dict] = {
+    "llama": LLAMA_LIKE,
+    "mistral": {**LLAMA_LIKE, "sliding_window": 4096},
+    "mixtral": {**LLAMA_LIKE, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None},
+    "qwen2": LLAMA_LIKE,
+    "qwen3": {**LLAMA_LIKE, "head_dim": 16},
+    "gemma": {**LLAMA_LIKE, "head_dim": 16},
+    "gemma2": {**LLAMA_LIKE, "head_dim": 16, "sliding_window": 4096},
+    "phi3": {**LLAMA_LIKE, "num_key_value_heads": 4},
+    "stablelm": {**LLAMA_LIKE, "num_key_value_heads": 4},
+    "olmo2": LLAMA_LIKE,
+    "granite": LLAMA_LIKE,
+    "gpt2": dict(n_embd=64, n_layer=2, n_head=4, n_positions=512),
+    "gptj": dict(n_embd=64, n_layer=2, n_head=4, n_positions=512, rotary_dim=8),
+    "opt": dict(
+        hidden_size=64,
+        ffn_dim=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        word_embed_proj_dim=64,
+        max_position_embeddings=512,
+    ),
+    "gpt_neox": dict(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=512,
+    ),
+    "falcon": dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        new_decoder_architecture=False,
+        alibi=False,
+        max_position_embeddings=512,
+    ),
+}
+
+
+def tiny_model(family: str, attn_implementation: str = "sdpa", seed: int = 0) -> torch.nn.Module:
+    """A seeded random model of `family` in fp32, eval mode."""
+    config = AutoConfig.for_model(family, **COMMON, **FAMILIES[family])
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=torch.float32)
+    return model.eval()
+
+
+def prompts(count: int, length: int = 24, seed: int = 0) -> list[torch.Tensor]:
+    """Random prompts [1, length] over ids 3..VOCAB-1, with repeats so prompt lookup finds matches."""
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        half = torch.randint(3, VOCAB, (1, length // 2), generator=generator)
+        out.append(torch.cat([half, half[:, : length - length // 2]], dim=1))
+    return out
