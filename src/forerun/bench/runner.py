@@ -1,0 +1,154 @@
+"""Interleaved benchmark runs: for every prompt, every method in turn (A B C A B C ...), after a warm-up.
+
+The reference is plain `model.generate` (label `generate`); each method's output is compared with it token for
+token, and speed is the ratio of the two wall times on the same prompt in the same process.
+
+Method specs: `plain`, `prompt_lookup`, `jacobi`, `trie` (forerun), `hf_prompt_lookup` (transformers'
+`prompt_lookup_num_tokens=10`), and knobs in brackets: `jacobi[window=7,ngram=5,max_candidates=7]`,
+`prompt_lookup[max_tree_nodes=8,draft_len=7]`.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from forerun.bench.datasets import BenchPrompt
+from forerun.cli import parse_knobs
+from forerun.config import METHODS
+from forerun.decoder import Decoder
+
+REFERENCE = "generate"
+HF_METHODS = ("hf_prompt_lookup",)
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    label: str
+    method: str
+    knobs: dict = field(default_factory=dict)
+    max_tree_nodes: int = 16
+
+
+def parse_methods(text: str) -> list[MethodSpec]:
+    """'plain,jacobi[window=7,ngram=5]' -> specs; raises ValueError naming an unknown method."""
+    specs = []
+    for label in re.findall(r"[^,\[]+(?:\[[^\]]*\])?", text):
+        label = label.strip()
+        name, _, rest = label.partition("[")
+        knobs = parse_knobs([p for p in rest.rstrip("]").split(",") if p]) if rest else {}
+        if name not in METHODS and name not in HF_METHODS:
+            raise ValueError(f"unknown benchmark method {name!r}; choose from {', '.join(METHODS + HF_METHODS)}")
+        nodes = knobs.pop("max_tree_nodes", 16)
+        specs.append(MethodSpec(label, name, knobs, nodes))
+    if not specs:
+        raise ValueError("no methods given")
+    return specs
+
+
+@dataclass
+class Record:
+    """One (prompt, method) run."""
+
+    prompt_id: str
+    dataset: str
+    method: str
+    new_tokens: int
+    seconds: float
+    identical: bool
+    forwards: int | None = None
+    tokens_per_forward: float | None = None
+    acceptance: float | None = None
+    draft_share: float | None = None
+    accepted_hist: dict = field(default_factory=dict)
+    speedup: float | None = None
+    """reference seconds / this run's seconds, same prompt, same process."""
+
+
+def run_interleaved(
+    model: torch.nn.Module,
+    tokenizer,
+    prompts: Sequence[BenchPrompt],
+    specs: Sequence[MethodSpec],
+    max_new_tokens: int,
+    on_step: Callable[[str, str], None] | None = None,
+    prepare: Callable[[MethodSpec, Decoder], None] | None = None,
+) -> list[Record]:
+    """Run reference + every spec on each prompt in turn; returns one Record per (prompt, method)."""
+    decoders = {
+        s.label: Decoder(model, tokenizer, s.method, max_tree_nodes=s.max_tree_nodes, **s.knobs)
+        for s in specs
+        if s.method not in HF_METHODS
+    }
+    for spec in specs:
+        if prepare is not None and spec.label in decoders:
+            prepare(spec, decoders[spec.label])
+    warm_up(model, tokenizer, decoders, prompts[0])
+    records = []
+    for prompt in prompts:
+        ids = tokenizer.apply_chat_template(
+            list(prompt.messages), add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )["input_ids"]
+        started = time.perf_counter()
+        reference = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
+        ref_seconds = time.perf_counter() - started
+        new = reference.shape[1] - ids.shape[1]
+        records.append(
+            Record(prompt.id, prompt.dataset, REFERENCE, new, ref_seconds, True, new, 1.0, None, 0.0, {}, 1.0)
+        )
+        if on_step:
+            on_step(prompt.id, REFERENCE)
+        for spec in specs:
+            records.append(
+                run_one(model, ids, spec, decoders.get(spec.label), max_new_tokens, prompt, reference, ref_seconds)
+            )
+            if on_step:
+                on_step(prompt.id, spec.label)
+    return records
+
+
+def run_one(model, ids, spec, decoder, max_new_tokens, prompt, reference, ref_seconds) -> Record:
+    if spec.method == "hf_prompt_lookup":
+        started = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, prompt_lookup_num_tokens=10)
+        seconds = time.perf_counter() - started
+        return Record(
+            prompt.id,
+            prompt.dataset,
+            spec.label,
+            out.shape[1] - ids.shape[1],
+            seconds,
+            torch.equal(out, reference),
+            speedup=ref_seconds / seconds,
+        )
+    result = decoder.generate(ids, max_new_tokens)
+    s = result.stats
+    return Record(
+        prompt.id,
+        prompt.dataset,
+        spec.label,
+        s.new_tokens,
+        s.total_seconds,
+        torch.equal(result.sequences, reference),
+        s.forwards,
+        s.tokens_per_forward,
+        s.acceptance_rate,
+        s.draft_share,
+        {str(k): v for k, v in sorted(s.accepted_hist.items())},
+        ref_seconds / s.total_seconds,
+    )
+
+
+def warm_up(model, tokenizer, decoders: dict[str, Decoder], prompt: BenchPrompt) -> None:
+    """One short run of each path, so first-call allocations do not land in the first prompt's timings."""
+    ids = tokenizer.apply_chat_template(
+        list(prompt.messages), add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )["input_ids"]
+    model.generate(ids, max_new_tokens=8, do_sample=False)
+    model.generate(ids, max_new_tokens=8, do_sample=False, prompt_lookup_num_tokens=10)
+    for decoder in decoders.values():
+        decoder.generate(ids, 8)

@@ -1,0 +1,193 @@
+"""The `forerun` command: generate, bench, demo.
+
+Bad input (unknown method, bad knob, empty prompt...) prints one `error:` line and exits with status 2.
+
+Example:
+    forerun generate "def fib(n):" --method prompt_lookup --max-new-tokens 64 -v
+    forerun generate "Explain recursion" --chat --method jacobi --knob window=4 --knob ngram=3
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from functools import wraps
+
+import typer
+from rich.console import Console
+from rich.text import Text
+
+from forerun.models import DEFAULT_MODEL
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Faster, identical text from Hugging Face LMs.")
+# Tables are wide: give them room when the output is a file or a pipe (rich would assume 80 columns).
+console = Console(width=None if sys.stdout.isatty() else 150)
+errors = Console(stderr=True)
+
+SOURCE_STYLES = {"model": "", "prompt_lookup": "bold green", "jacobi": "bold cyan", "trie": "bold magenta"}
+
+
+def user_errors(command: Callable) -> Callable:
+    """Turn the errors a user can cause into one line on stderr and exit status 2 (no traceback)."""
+
+    @wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except (ValueError, FileNotFoundError) as error:
+            errors.print(f"[bold red]error:[/] {error}", highlight=False)
+            raise typer.Exit(2) from None
+
+    return wrapper
+
+
+def parse_knobs(pairs: list[str]) -> dict[str, object]:
+    """['draft_len=8', 'pool_policy=fifo', 'pool_from_prompt=false'] -> typed keyword arguments."""
+    knobs: dict[str, object] = {}
+    for pair in pairs:
+        name, sep, raw = pair.partition("=")
+        if not sep or not name:
+            raise ValueError(f"knob {pair!r} is not NAME=VALUE")
+        value: object = raw
+        if raw.lower() in ("true", "false"):
+            value = raw.lower() == "true"
+        else:
+            for cast in (int, float):
+                try:
+                    value = cast(raw)
+                    break
+                except ValueError:
+                    continue
+        knobs[name] = value
+    return knobs
+
+
+def coloured(tokenizer, new_ids: list[int], sources: list[str]) -> Text:
+    """The new text with every token styled by where it came from (a drafter's accepted guess, or the model)."""
+    text = Text()
+    previous = tokenizer.decode(new_ids[:0], skip_special_tokens=True)
+    for i, source in enumerate(sources):
+        current = tokenizer.decode(new_ids[: i + 1], skip_special_tokens=True)
+        text.append(current[len(previous) :], style=SOURCE_STYLES.get(source, "bold yellow"))
+        previous = current
+    return text
+
+
+@app.command()
+@user_errors
+def generate(
+    prompt: str = typer.Argument(..., help="The prompt text."),
+    model: str = typer.Option(DEFAULT_MODEL, "--model", "-m", help="Alias, local folder, .gguf file or cached hub id."),
+    method: str = typer.Option("prompt_lookup", "--method", help="plain | prompt_lookup | jacobi | trie"),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n"),
+    chat: bool = typer.Option(False, "--chat", help="Wrap the prompt as a user message with the chat template."),
+    knob: list[str] = typer.Option([], "--knob", "-k", help="Method knob NAME=VALUE (repeatable)."),
+    max_tree_nodes: int = typer.Option(16, "--max-tree-nodes", help="Most tokens fed in one forward."),
+    threads: int = typer.Option(0, "--threads", help="torch threads (0 = torch's default)."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Colour tokens by origin and print stats."),
+) -> None:
+    """Generate text greedily; identical to model.generate(do_sample=False), only sooner."""
+    import torch
+
+    from forerun.decoder import Decoder
+    from forerun.models import load_model
+
+    if threads:
+        torch.set_num_threads(threads)
+    knobs = parse_knobs(knob)
+    from forerun.config import method_config
+
+    method_config(method, **knobs)  # fail on bad knobs before the slow model load
+    lm, tokenizer = load_model(model)
+    decoder = Decoder(lm, tokenizer, method, max_tree_nodes=max_tree_nodes, **knobs)
+    result = decoder.generate(prompt, max_new_tokens, chat=chat)
+    if not verbose:
+        console.print(result.text, highlight=False, markup=False)
+        return
+    console.print(coloured(tokenizer, result.new_tokens, result.token_sources))
+    legend = Text("legend: ")
+    for name, style in SOURCE_STYLES.items():
+        legend.append(f"{'own step' if name == 'model' else name} ", style=style or "default")
+    console.print(legend)
+    console.print(result.stats.summary(), highlight=False)
+    console.print(f"accepted length per step: {dict(sorted(result.stats.accepted_hist.items()))}", highlight=False)
+
+
+QUICK_METHODS = "plain,hf_prompt_lookup,prompt_lookup"
+
+
+@app.command()
+@user_errors
+def bench(
+    model: str = typer.Option(DEFAULT_MODEL, "--model", "-m"),
+    dataset: str = typer.Option(
+        "gsm8k,humaneval",
+        "--dataset",
+        "-d",
+        help="Comma-separated: gsm8k, humaneval, mbpp, typehints, restate, or a .jsonl file.",
+    ),
+    n: int = typer.Option(5, "--n", help="Prompts per dataset."),
+    methods: str = typer.Option(QUICK_METHODS, "--methods", help="e.g. plain,hf_prompt_lookup,jacobi[window=4]"),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens"),
+    threads: int = typer.Option(1, "--threads", help="torch threads, pinned for the whole run."),
+    out: str = typer.Option("bench-results", "--out", help="Folder for results.json/.md and PNG plots."),
+    quick: bool = typer.Option(False, "--quick", help="10 prompts (5 GSM8K + 5 HumanEval), the quick method set."),
+) -> None:
+    """Benchmark methods against plain model.generate on real prompts, interleaved, outputs checked."""
+    from pathlib import Path
+
+    import torch
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from forerun.bench.datasets import load_dataset
+    from forerun.bench.report import summarize, tables, write_outputs
+    from forerun.bench.runner import parse_methods, run_interleaved
+    from forerun.models import load_model
+
+    if quick:
+        dataset, n, methods = "gsm8k,humaneval", 5, QUICK_METHODS
+    if n < 1 or max_new_tokens < 1 or threads < 1:
+        raise ValueError(f"--n, --max-new-tokens and --threads must be >= 1 (got {n}, {max_new_tokens}, {threads})")
+    specs = parse_methods(methods)
+    prompts = [p for name in dataset.split(",") for p in load_dataset(name.strip(), n)]
+    torch.set_num_threads(threads)
+    lm, tokenizer = load_model(model)
+    console.print(
+        f"[bold]forerun bench[/]: {model}, {len(prompts)} prompts, {max_new_tokens} new tokens, "
+        f"torch threads {threads}, methods generate (reference), {', '.join(s.label for s in specs)}"
+    )
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console) as progress:
+        task = progress.add_task("runs", total=len(prompts) * (len(specs) + 1))
+
+        def step(prompt_id: str, label: str) -> None:
+            progress.update(task, advance=1, description=f"{prompt_id} {label}")
+
+        records = run_interleaved(lm, tokenizer, prompts, specs, max_new_tokens, step)
+    summary = summarize(records)
+    for table in tables(summary):
+        console.print(table)
+    settings = {
+        "model": model,
+        "datasets": dataset,
+        "n": n,
+        "methods": methods,
+        "max_new_tokens": max_new_tokens,
+        "threads": threads,
+        "torch": torch.__version__,
+    }
+    for path in write_outputs(records, summary, settings, Path(out)):
+        console.print(f"wrote {path}")
+    mismatches = [r for r in records if not r.identical]
+    if mismatches:
+        for r in mismatches:
+            errors.print(f"[bold red]MISMATCH[/]: {r.method} on {r.prompt_id} differs from model.generate")
+        raise typer.Exit(1)
+
+
+def main() -> None:  # pragma: no cover - console entry point
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(app())
