@@ -62,6 +62,24 @@ def test_greedy_equals_generate(family, impl, method):
         assert result.sequences.shape[1] < prompt.shape[1] + NEW_TOKENS
 
 
+JACOBI_EDGES = [
+    {"window": 1, "ngram": 2, "max_candidates": 1},
+    {"window": 4, "ngram": 2, "max_candidates": 4, "pool_policy": "frequency"},
+    {"window": 2, "ngram": 5, "max_candidates": 2, "pool_from_prompt": False},
+    {"window": 7, "ngram": 5, "max_candidates": 7},  # lade's defaults
+]
+
+
+@pytest.mark.parametrize("knobs", JACOBI_EDGES, ids=lambda k: "W{window}N{ngram}G{max_candidates}".format(**k))
+@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen3", "gemma2"])
+def test_jacobi_settings_equal_generate(family, knobs):
+    impl = "eager" if family in NO_SDPA else "sdpa"
+    decoder = forerun.Decoder(model_of(family, impl), None, "jacobi", **knobs)
+    for index, prompt in enumerate(prompts(3)):
+        result = decoder.generate(prompt, NEW_TOKENS, eos_token_id=[])
+        assert torch.equal(result.sequences, reference(family, impl, index, None)), (family, knobs, index)
+
+
 @pytest.mark.parametrize("family", ["llama", "gpt2", "falcon", "gpt_neox"])
 def test_oracle_reaches_full_depth_every_step(family):
     model = model_of(family, "eager")

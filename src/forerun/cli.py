@@ -82,7 +82,9 @@ def generate(
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n"),
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt as a user message with the chat template."),
     knob: list[str] = typer.Option([], "--knob", "-k", help="Method knob NAME=VALUE (repeatable)."),
-    max_tree_nodes: int = typer.Option(16, "--max-tree-nodes", help="Most tokens fed in one forward."),
+    max_tree_nodes: int = typer.Option(
+        0, "--max-tree-nodes", help="Most tokens fed in one forward (0 = method default)."
+    ),
     threads: int = typer.Option(0, "--threads", help="torch threads (0 = torch's default)."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Colour tokens by origin and print stats."),
 ) -> None:
@@ -99,7 +101,7 @@ def generate(
 
     method_config(method, **knobs)  # fail on bad knobs before the slow model load
     lm, tokenizer = load_model(model)
-    decoder = Decoder(lm, tokenizer, method, max_tree_nodes=max_tree_nodes, **knobs)
+    decoder = Decoder(lm, tokenizer, method, max_tree_nodes=max_tree_nodes or None, **knobs)
     result = decoder.generate(prompt, max_new_tokens, chat=chat)
     if not verbose:
         console.print(result.text, highlight=False, markup=False)

@@ -68,6 +68,30 @@ def make_drafters(method: str, config: object | None) -> list[Drafter]:
     raise ValueError(f"unknown method {method!r}")
 
 
+def budget_for(method: str, config: object | None, max_tree_nodes: int | None) -> int:
+    """Nodes per forward: the caller's choice, else what the method's knobs ask for.
+
+    The defaults follow this CPU's measured latency curve (BENCHMARKS.md): up to ~12 tokens a forward costs
+    about 1.2-1.6x a 1-token one, beyond 16 the cost climbs steeply.
+    """
+    if method == "jacobi":
+        probes = config.window * (config.ngram - 1)
+        if max_tree_nodes is None:
+            return 1 + probes + config.max_candidates * (config.ngram - 1)
+        if max_tree_nodes < 1 + probes:
+            raise ValueError(
+                f"jacobi window W={config.window} x (N-1)={config.ngram - 1} needs {1 + probes} nodes, "
+                f"but max_tree_nodes={max_tree_nodes}"
+            )
+    if max_tree_nodes is not None:
+        return max_tree_nodes
+    if method == "trie":
+        return 1 + config.decoding_length
+    if method == "prompt_lookup":
+        return 1 + min(config.draft_len * config.max_branches, 15)
+    return 16
+
+
 def eos_ids_of(model: torch.nn.Module, eos_token_id: int | Sequence[int] | None) -> frozenset[int]:
     if eos_token_id is None:
         eos_token_id = model.generation_config.eos_token_id
@@ -88,13 +112,13 @@ class Decoder:
         tokenizer: PreTrainedTokenizerBase | None = None,
         method: str = "prompt_lookup",
         *,
-        max_tree_nodes: int = 16,
+        max_tree_nodes: int | None = None,
         drafters: Sequence[Drafter] | None = None,
         **knobs: object,
     ) -> None:
         self.model, self.tokenizer, self.method = model, tokenizer, method
         self.config = method_config(method, **knobs)
-        self.engine_config = EngineConfig(max_tree_nodes=max_tree_nodes)
+        self.engine_config = EngineConfig(max_tree_nodes=budget_for(method, self.config, max_tree_nodes))
         self.drafters = list(drafters) if drafters is not None else make_drafters(method, self.config)
         check_vocabulary(model, tokenizer)
 
@@ -195,7 +219,7 @@ def generate(
     max_new_tokens: int = 256,
     *,
     tokenizer: PreTrainedTokenizerBase | None = None,
-    max_tree_nodes: int = 16,
+    max_tree_nodes: int | None = None,
     **knobs: object,
 ) -> GenerationResult:
     """One call: `Decoder(model, tokenizer, method, **knobs).generate(input_ids, max_new_tokens)`."""

@@ -118,8 +118,7 @@ def decode(
         # 1. propose: every drafter's tree, grafted under one root within the node budget
         t0 = time.perf_counter()
         tree = TokenTree.rooted_at(ctx.tokens[-1])
-        for drafter in drafters:
-            tree.graft(drafter.propose(ctx), budget)
+        node_maps = [tree.graft(drafter.propose(ctx), budget) for drafter in drafters]
         # 2. pack and 3. forward: one call of the unmodified model
         t1 = time.perf_counter()
         packed = pack(tree, prefix_len, model.config._attn_implementation or "eager", model.dtype, model.device)
@@ -140,8 +139,8 @@ def decode(
         sources = [tree.sources[i] for i in verdict.accepted_nodes] + ["model"]
         new_tokens = transcript.extend(new_tokens, sources)
         ctx.tokens.extend(new_tokens)
-        for drafter in drafters:
-            drafter.observe(ctx, StepOutcome(tree, verdict, choices, new_tokens))
+        for drafter, node_map in zip(drafters, node_maps, strict=True):
+            drafter.observe(ctx, StepOutcome(tree, verdict, choices, new_tokens, node_map))
         candidates = sum(role == "candidate" for role in tree.roles)
         stats.record_step(
             len(tree),

@@ -76,11 +76,12 @@ class TokenTree:
             nodes.append(parent)
         return nodes
 
-    def graft(self, other: TokenTree, budget: int) -> None:
+    def graft(self, other: TokenTree, budget: int) -> dict[int, int]:
         """Add the nodes of `other` (same root token) under this root while len(self) < budget.
 
         Nodes come in `other`'s order, so a node is dropped whenever its parent was dropped: every kept node
-        keeps its whole ancestry and the result is still a valid tree.
+        keeps its whole ancestry and the result is still a valid tree. Returns {node of other: node of self}
+        for the nodes kept.
         """
         if other.tokens[0] != self.tokens[0]:
             raise ValueError(f"cannot graft a tree rooted at {other.tokens[0]} onto one rooted at {self.tokens[0]}")
@@ -92,6 +93,7 @@ class TokenTree:
             if len(self) >= budget and (parent, other.tokens[i]) not in self.children:
                 continue
             mapped[i] = self.add(parent, other.tokens[i], other.roles[i], other.sources[i])
+        return mapped
 
     def candidate_children(self, node: int) -> list[int]:
         """Candidate children of `node`, in insertion order."""

@@ -31,7 +31,7 @@ class MethodSpec:
     label: str
     method: str
     knobs: dict = field(default_factory=dict)
-    max_tree_nodes: int = 16
+    max_tree_nodes: int | None = None
 
 
 def parse_methods(text: str) -> list[MethodSpec]:
@@ -43,7 +43,7 @@ def parse_methods(text: str) -> list[MethodSpec]:
         knobs = parse_knobs([p for p in rest.rstrip("]").split(",") if p]) if rest else {}
         if name not in METHODS and name not in HF_METHODS:
             raise ValueError(f"unknown benchmark method {name!r}; choose from {', '.join(METHODS + HF_METHODS)}")
-        nodes = knobs.pop("max_tree_nodes", 16)
+        nodes = knobs.pop("max_tree_nodes", None)
         specs.append(MethodSpec(label, name, knobs, nodes))
     if not specs:
         raise ValueError("no methods given")

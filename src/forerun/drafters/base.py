@@ -35,6 +35,8 @@ class StepOutcome:
     """The target's greedy choice at every node of `tree` (probe nodes included), index-aligned with it."""
     new_tokens: list[int]
     """Tokens committed by this step (accepted + bonus), already appended to the context."""
+    node_map: dict[int, int]
+    """This drafter's proposed node -> node of `tree` (nodes cut by the budget are absent)."""
 
 
 class Drafter(Protocol):

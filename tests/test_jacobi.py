@@ -1,0 +1,86 @@
+import pytest
+
+import forerun
+from forerun.config import JacobiConfig
+from forerun.drafters.base import DraftContext, StepOutcome
+from forerun.drafters.jacobi import JacobiDrafter, NGramPool
+from forerun.verify import Verdict
+
+
+def ctx(tokens, prompt_len=None):
+    return DraftContext(list(tokens), prompt_len or len(tokens), 64, frozenset())
+
+
+def test_window_probe_construction_w3_n3():
+    """The module docstring's hand-worked example: exact nodes, parents, depths (positions - prefix)."""
+    drafter = JacobiDrafter(JacobiConfig(window=3, ngram=3, max_candidates=1, pool_from_prompt=False))
+    drafter.levels = [[4, 5, 6], [7, 8, 9]]
+    drafter.pool.add([3, 11, 12])
+    tree = drafter.propose(ctx([1, 2, 3]))
+    assert tree.tokens == [3, 4, 5, 6, 7, 8, 9, 11, 12]
+    assert tree.parents == [-1, 0, 1, 2, 1, 2, 3, 0, 7]
+    assert tree.depths == [0, 1, 2, 3, 2, 3, 4, 1, 2]
+    assert tree.roles == ["root"] + ["probe"] * 6 + ["candidate"] * 2
+
+
+def test_warm_up_then_ngrams_enter_the_pool_and_the_window_moves():
+    drafter = JacobiDrafter(JacobiConfig(window=2, ngram=3, max_candidates=2, pool_from_prompt=False, seed=1))
+    c = ctx([10, 20, 30])
+    drafter.start(c)
+    assert len(drafter.levels[0]) == 2 and set(drafter.levels[0]) <= {10, 20, 30}  # seeded from the prompt
+    level0 = drafter.levels[0] = [10, 20]
+    # step 1 (warm-up): choices at level-0 nodes become level 1
+    tree = drafter.propose(c)
+    choices = [0] * len(tree)
+    choices[1], choices[2] = 41, 42
+    drafter.observe(c, StepOutcome(tree, Verdict([], 0), choices, [0], {i: i for i in range(len(tree))}))
+    assert drafter.levels == [level0, [41, 42]]
+    assert len(drafter.pool) == 0
+    # step 2: window full, choices at level-1 nodes (3, 4) complete the n-grams
+    tree = drafter.propose(c)
+    assert tree.parents[3:5] == [1, 2]
+    choices = [0] * len(tree)
+    choices[3], choices[4] = 51, 52
+    drafter.observe(c, StepOutcome(tree, Verdict([], 0), choices, [0], {i: i for i in range(len(tree))}))
+    assert drafter.pool.query(10, 5) == [(41, 51)]
+    assert drafter.pool.query(20, 5) == [(42, 52)]
+    assert drafter.levels == [[41, 42], [51, 52]]
+
+
+def test_pool_fifo_keeps_the_newest_g():
+    pool = NGramPool(capacity=2, policy="fifo")
+    for gram in ([1, 2, 3], [1, 4, 5], [1, 2, 3], [1, 6, 7], [2, 9, 9]):
+        pool.add(gram)
+    assert pool.query(1, 5) == [(6, 7), (4, 5)]
+    assert pool.query(2, 5) == [(9, 9)]
+    assert pool.query(3, 5) == []
+
+
+def test_pool_frequency_keeps_the_most_seen():
+    pool = NGramPool(capacity=2, policy="frequency")
+    for gram in ([1, 2, 3], [1, 4, 5], [1, 2, 3], [1, 6, 7]):
+        pool.add(gram)
+    # (4, 5) and (6, 7) were seen once; (4, 5) is older and leaves
+    assert pool.query(1, 5) == [(2, 3), (6, 7)]
+
+
+def test_pool_from_prompt_seeds_ngrams():
+    drafter = JacobiDrafter(JacobiConfig(window=2, ngram=3, max_candidates=3))
+    drafter.start(ctx([1, 2, 3, 1, 2, 4]))
+    assert drafter.pool.query(1, 5) == [(2, 4), (2, 3)]
+
+
+@pytest.mark.parametrize(
+    "knobs",
+    [{"window": 0}, {"ngram": 1}, {"max_candidates": -1}, {"window": 2.5}, {"ngram": "3"}, {"pool_policy": "lru"}],
+)
+def test_bad_knobs_raise_value_error_naming_the_value(knobs):
+    with pytest.raises(ValueError, match=next(iter(knobs))):
+        JacobiConfig(**knobs)
+
+
+def test_window_larger_than_budget_is_refused():
+    from tiny_models import tiny_model
+
+    with pytest.raises(ValueError, match="max_tree_nodes=8"):
+        forerun.Decoder(tiny_model("llama"), None, "jacobi", max_tree_nodes=8, window=4, ngram=4)
