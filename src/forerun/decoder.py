@@ -122,6 +122,25 @@ class Decoder:
         self.drafters = list(drafters) if drafters is not None else make_drafters(method, self.config)
         check_vocabulary(model, tokenizer)
 
+    def save_cache(self, path: str) -> None:
+        """Save the cross-request state (the trie of method 'trie') with safetensors."""
+        self.trie_drafter().trie.save(path, self.config)
+
+    def load_cache(self, path: str) -> None:
+        """Replace the trie with one saved by `save_cache`; a bad file raises ValueError and changes nothing."""
+        from forerun.drafters.trie import TokenTrie
+
+        drafter = self.trie_drafter()
+        drafter.trie = TokenTrie.load(path, drafter.config.max_nodes)
+
+    def trie_drafter(self):
+        from forerun.drafters.trie import TrieDrafter
+
+        for drafter in self.drafters:
+            if isinstance(drafter, TrieDrafter):
+                return drafter
+        raise ValueError(f"method {self.method!r} keeps no trie to save or load; use method='trie'")
+
     def encode(self, prompt: Prompt, chat: bool = False) -> torch.Tensor:
         """Prompt -> input_ids [1, L]: a string (chat=True wraps it as one user message), messages, or ids."""
         if isinstance(prompt, torch.Tensor):

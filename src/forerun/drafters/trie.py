@@ -1,0 +1,281 @@
+"""Trie lookahead (PIA, KDD 2024): a bounded frequency trie over prompts and outputs proposes a multi-branch tree.
+
+Windows of `max_query_length + branch_length` tokens, starting at every position of a text, are inserted from the
+trie's top, adding a weight to the count of every node on the way; so the top level is "a token", its subtree
+"what followed it". Prompt windows count `prompt_weight` and are withdrawn when the request ends; output windows
+count `output_weight` and stay (outputs enter incrementally, as their windows complete).
+
+Query: the context's last `max_query_length` tokens (then fewer) are walked from the top; the matched node's
+subtree is drafted best-first by estimated path probability (count / sum of sibling counts, multiplied down the
+path), at most `decoding_length` nodes and `branch_length` deep.
+
+Memory is bounded by a global node budget (`max_nodes`): beyond it every count is halved and nodes under a
+threshold are pruned, so rare paths leave first and frequent ones stay. `save`/`load` use safetensors (no pickle).
+
+Example (max_query_length=1, branch_length=2): inserting [1, 2, 3] and [1, 2, 4] twice and [1, 5, 6] once gives
+    top ─ 1 (3) ─ 2 (3) ─ 3 (1)        querying [.., 1] drafts  root(1) ─ 2 ─ 4     (4 is likelier than 3)
+                 │        └─ 4 (2)                                   │     └─ 3
+                 └─ 5 (1) ─ 6 (1)                                   └─ 5 ─ 6
+"""
+
+from __future__ import annotations
+
+import heapq
+import threading
+from pathlib import Path
+
+import torch
+
+from forerun.config import TrieConfig
+from forerun.drafters.base import DraftContext, StepOutcome
+from forerun.tree import TokenTree
+
+FORMAT, VERSION = "forerun-trie", "1"
+
+
+class Node:
+    __slots__ = ("children", "count", "prompt_count")
+
+    def __init__(self) -> None:
+        self.children: dict[int, Node] = {}
+        self.count = 0.0
+        """Weight from outputs (and corpora): kept across requests."""
+        self.prompt_count = 0.0
+        """Weight from the current request's prompt: withdrawn when the request ends."""
+
+    @property
+    def weight(self) -> float:
+        return self.count + self.prompt_count
+
+
+class TokenTrie:
+    """The trie itself; every public method takes the lock (one writer at a time, no torn reads)."""
+
+    def __init__(self, max_nodes: int = 200_000) -> None:
+        self.top = Node()
+        self.max_nodes = max_nodes
+        self.nodes = 0
+        self.lock = threading.RLock()
+
+    def insert(self, window: list[int], weight: float, prompt: bool = False) -> None:
+        with self.lock:
+            node = self.top
+            for token in window:
+                child = node.children.get(token)
+                if child is None:
+                    child = node.children[token] = Node()
+                    self.nodes += 1
+                if prompt:
+                    child.prompt_count += weight
+                else:
+                    child.count += weight
+                node = child
+            if self.nodes > self.max_nodes:
+                self.evict()
+
+    def insert_text(
+        self,
+        tokens: list[int],
+        window: int,
+        weight: float,
+        prompt: bool = False,
+        start: int = 0,
+        complete_only: bool = False,
+    ) -> int:
+        """Insert the windows of `tokens` starting at positions >= start; returns the next start position."""
+        end = len(tokens) - window + 1 if complete_only else len(tokens) - 1
+        for i in range(start, max(start, end)):
+            self.insert(tokens[i : i + window], weight, prompt)
+        return max(start, end)
+
+    def withdraw_prompt(self) -> None:
+        """Drop every prompt weight; nodes left with no weight at all are removed."""
+        with self.lock:
+            self.nodes -= prune(self.top, lambda node: node.weight - node.prompt_count <= 0.0, reset_prompt=True)
+
+    def evict(self) -> None:
+        """Halve all counts and prune those under 1 until the trie is within 80% of its budget."""
+        with self.lock:
+            threshold = 1.0
+            while self.nodes > 0.8 * self.max_nodes:
+                decay(self.top)
+                self.nodes -= prune(self.top, lambda node: node.weight < threshold)
+
+    def match(self, context: list[int], max_query_length: int) -> Node | None:
+        """The node reached by the longest suffix of `context` (<= max_query_length tokens) found in the trie."""
+        for length in range(min(max_query_length, len(context)), 0, -1):
+            node = self.top
+            for token in context[len(context) - length :]:
+                node = node.children.get(token)
+                if node is None:
+                    break
+            if node is not None and node.children:
+                return node
+        return None
+
+    def draft(self, context: list[int], config: TrieConfig, eos: frozenset[int], source: str) -> TokenTree:
+        """Best-first draft under the matched node: up to decoding_length nodes, branch_length deep."""
+        tree = TokenTree.rooted_at(context[-1])
+        with self.lock:
+            node = self.match(context, config.max_query_length)
+            if node is None:
+                return tree
+            heap: list[tuple[float, int, Node, int, int, int]] = []
+            order = 0
+
+            def push_children(parent_node: Node, parent_index: int, probability: float, depth: int) -> None:
+                nonlocal order
+                total = sum(child.weight for child in parent_node.children.values())
+                if total <= 0:
+                    return
+                for token, child in parent_node.children.items():
+                    if child.weight > 0:
+                        order += 1
+                        heapq.heappush(
+                            heap, (-probability * child.weight / total, order, child, token, parent_index, depth)
+                        )
+
+            push_children(node, 0, 1.0, 1)
+            while heap and len(tree) <= config.decoding_length:
+                negative, _, child, token, parent_index, depth = heapq.heappop(heap)
+                index = tree.add(parent_index, token, "candidate", source)
+                if depth < config.branch_length and token not in eos:
+                    push_children(child, index, -negative, depth + 1)
+        return tree
+
+    def __len__(self) -> int:
+        return self.nodes
+
+    def save(self, path: str | Path, config: TrieConfig | None = None) -> None:
+        """Write the trie (output counts only) with safetensors: parents, tokens and counts in BFS order."""
+        from safetensors.torch import save_file
+
+        with self.lock:
+            parents, tokens, counts = [], [], []
+            queue = [(self.top, -1)]
+            while queue:
+                node, index = queue.pop()
+                for token, child in node.children.items():
+                    if child.count <= 0:
+                        continue
+                    parents.append(index)
+                    tokens.append(token)
+                    counts.append(child.count)
+                    queue.append((child, len(tokens) - 1))
+        metadata = {"format": FORMAT, "version": VERSION, "max_nodes": str(self.max_nodes)}
+        if config is not None:
+            metadata["config"] = repr(config)
+        save_file(
+            {
+                "parents": torch.tensor(parents, dtype=torch.int64),
+                "tokens": torch.tensor(tokens, dtype=torch.int64),
+                "counts": torch.tensor(counts, dtype=torch.float64),
+            },
+            str(path),
+            metadata=metadata,
+        )
+
+    @classmethod
+    def load(cls, path: str | Path, max_nodes: int | None = None) -> TokenTrie:
+        """Read a file written by `save`; anything else raises ValueError (the caller's trie is untouched)."""
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                metadata = handle.metadata() or {}
+                if metadata.get("format") != FORMAT:
+                    raise ValueError(f"{path} is not a forerun trie file (format {metadata.get('format')!r})")
+                if metadata.get("version") != VERSION:
+                    raise ValueError(f"{path} has trie format version {metadata.get('version')!r}; expected {VERSION}")
+                parents = handle.get_tensor("parents").tolist()
+                tokens = handle.get_tensor("tokens").tolist()
+                counts = handle.get_tensor("counts").tolist()
+                stored_max = int(metadata.get("max_nodes", "200000"))
+        except (FileNotFoundError, ValueError):
+            raise
+        except Exception as error:  # safetensors raises its own error types for truncated/corrupt files
+            raise ValueError(f"cannot read trie file {path}: {error}") from error
+        if not len(parents) == len(tokens) == len(counts):
+            raise ValueError(f"{path}: inconsistent trie arrays")
+        trie = cls(max_nodes or stored_max)
+        nodes: list[Node] = []
+        for parent, token, count in zip(parents, tokens, counts, strict=True):
+            if not -1 <= parent < len(nodes):
+                raise ValueError(f"{path}: corrupt trie (parent {parent} before its node)")
+            node = Node()
+            node.count = count
+            (trie.top if parent < 0 else nodes[parent]).children[token] = node
+            nodes.append(node)
+        trie.nodes = len(nodes)
+        return trie
+
+
+def decay(node: Node) -> None:
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        for child in current.children.values():
+            child.count *= 0.5
+            child.prompt_count *= 0.5
+            stack.append(child)
+
+
+def prune(node: Node, condemned, reset_prompt: bool = False) -> int:
+    """Remove condemned subtrees (a child's weight never exceeds its parent's); returns the nodes removed."""
+    removed = 0
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        for token in list(current.children):
+            child = current.children[token]
+            if condemned(child):
+                removed += subtree_size(child)
+                del current.children[token]
+                continue
+            if reset_prompt:
+                child.prompt_count = 0.0
+            stack.append(child)
+    return removed
+
+
+def subtree_size(node: Node) -> int:
+    size, stack = 0, [node]
+    while stack:
+        current = stack.pop()
+        size += 1
+        stack.extend(current.children.values())
+    return size
+
+
+class TrieDrafter:
+    """Drafts from a `TokenTrie` that outlives requests (owned by the Decoder, shareable across threads)."""
+
+    name = "trie"
+
+    def __init__(self, config: TrieConfig | None = None, trie: TokenTrie | None = None) -> None:
+        self.config = config or TrieConfig()
+        self.trie = trie or TokenTrie(self.config.max_nodes)
+        self.window = self.config.max_query_length + self.config.branch_length
+        self.next_output_start = 0
+
+    def start(self, ctx: DraftContext) -> None:
+        if self.config.prompt_weight > 0:
+            self.trie.insert_text(ctx.tokens[: ctx.prompt_len], self.window, self.config.prompt_weight, prompt=True)
+        # Output windows start where the query context of the first output token starts.
+        self.next_output_start = max(0, ctx.prompt_len - self.config.max_query_length)
+
+    def propose(self, ctx: DraftContext) -> TokenTree:
+        return self.trie.draft(ctx.tokens, self.config, ctx.eos_token_ids, self.name)
+
+    def observe(self, ctx: DraftContext, outcome: StepOutcome) -> None:
+        self.next_output_start = self.trie.insert_text(
+            ctx.tokens, self.window, self.config.output_weight, start=self.next_output_start, complete_only=True
+        )
+
+    def finish(self, ctx: DraftContext) -> None:
+        self.trie.insert_text(ctx.tokens, self.window, self.config.output_weight, start=self.next_output_start)
+        self.trie.withdraw_prompt()
+
+    def learn(self, tokens: list[int]) -> None:
+        """Insert a whole text (a corpus document, a past answer) with the output weight."""
+        self.trie.insert_text(list(tokens), self.window, self.config.output_weight)

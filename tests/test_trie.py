@@ -1,0 +1,156 @@
+import threading
+import tracemalloc
+
+import pytest
+import torch
+
+import forerun
+from forerun.config import TrieConfig
+from forerun.drafters.base import DraftContext
+from forerun.drafters.trie import TokenTrie, TrieDrafter
+
+EXAMPLE = TrieConfig(max_query_length=1, branch_length=2, decoding_length=8)
+
+
+def example_trie() -> TokenTrie:
+    trie = TokenTrie()
+    for window in ([1, 2, 3], [1, 2, 4], [1, 2, 4], [1, 5, 6]):
+        trie.insert(window, 1.0)
+    return trie
+
+
+def test_docstring_example_exact_draft_tree():
+    tree = example_trie().draft([9, 1], EXAMPLE, frozenset(), "trie")
+    # best-first by path probability: 2 (3/4), 4 (3/4*2/3), 5 (1/4), 3 (1/4), 6 (1/4)
+    assert tree.tokens == [1, 2, 4, 5, 3, 6]
+    assert tree.parents == [-1, 0, 1, 0, 1, 3]
+
+
+def test_decoding_and_branch_length_limit_the_draft():
+    trie = TokenTrie()
+    trie.insert([1, 2, 3, 4, 5], 1.0)
+    config = TrieConfig(max_query_length=1, branch_length=2, decoding_length=8)
+    assert trie.draft([1], config, frozenset(), "trie").tokens == [1, 2, 3]
+    config = TrieConfig(max_query_length=1, branch_length=4, decoding_length=1)
+    assert trie.draft([1], config, frozenset(), "trie").tokens == [1, 2]
+
+
+def test_longer_query_first_then_shorter():
+    trie = TokenTrie()
+    trie.insert([7, 1, 2], 1.0)  # after "7 1" comes 2
+    trie.insert([1, 3], 5.0)  # after "1" alone, 3 is more frequent
+    config = TrieConfig(max_query_length=2, branch_length=1, decoding_length=4)
+    assert trie.draft([7, 1], config, frozenset(), "trie").tokens == [1, 2]
+    assert trie.draft([8, 1], config, frozenset(), "trie").tokens == [1, 3]
+
+
+def test_draft_stops_below_eos():
+    trie = TokenTrie()
+    trie.insert([1, 2, 3], 1.0)
+    assert trie.draft([1], EXAMPLE, frozenset({2}), "trie").tokens == [1, 2]
+
+
+def test_prompt_counts_are_withdrawn_output_counts_stay():
+    drafter = TrieDrafter(TrieConfig(max_query_length=1, branch_length=2, prompt_weight=0.5))
+    ctx = DraftContext([1, 2, 3, 4], 3, 16, frozenset())
+    drafter.start(ctx)
+    assert drafter.trie.match([1], 1).children[2].prompt_count == 0.5
+    drafter.finish(ctx)  # the output [.., 3, 4] enters: windows from position 2 on
+    assert drafter.trie.match([1], 1) is None  # prompt-only path removed
+    assert drafter.trie.match([3], 1).children[4].count == 1.0
+
+
+def test_eviction_keeps_the_budget_and_the_frequent_paths():
+    trie = TokenTrie(max_nodes=64)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(2000):
+        trie.insert([1, 2, 3], 1.0)  # the frequent path
+        trie.insert(torch.randint(10, 1000, (3,), generator=generator).tolist(), 1.0)
+        assert len(trie) <= 64
+    assert trie.draft([1], EXAMPLE, frozenset(), "trie").tokens == [1, 2, 3]
+
+
+def test_memory_stays_flat_over_10000_requests():
+    """Node count never exceeds the budget, and traced memory stays under a per-node bound the whole run."""
+    drafter = TrieDrafter(TrieConfig(max_nodes=2000, max_query_length=1, branch_length=3))
+    generator = torch.Generator().manual_seed(1)
+    tracemalloc.start()
+    samples = []
+    for request in range(10_000):
+        tokens = torch.randint(3, 5000, (12,), generator=generator).tolist()
+        ctx = DraftContext(tokens, 6, 16, frozenset())
+        drafter.start(ctx)
+        drafter.finish(ctx)
+        assert len(drafter.trie) <= 2000
+        if request % 250 == 249:
+            samples.append(tracemalloc.get_traced_memory()[0])
+    tracemalloc.stop()
+    # ~200 bytes per node measured (slots object + dict entry); 400 B x budget is the flat ceiling
+    assert max(samples) < 400 * 2000
+    assert max(samples[len(samples) // 2 :]) < 1.5 * max(samples[: len(samples) // 2])
+
+
+def test_save_load_round_trip_is_exact(tmp_path):
+    trie = example_trie()
+    trie.save(tmp_path / "t.safetensors")
+    loaded = TokenTrie.load(tmp_path / "t.safetensors")
+    assert len(loaded) == len(trie) == 6
+    for context in ([1], [2], [5]):
+        a = trie.draft(context, EXAMPLE, frozenset(), "trie")
+        b = loaded.draft(context, EXAMPLE, frozenset(), "trie")
+        assert (a.tokens, a.parents) == (b.tokens, b.parents)
+    assert loaded.match([1], 1).children[2].count == 3.0
+
+
+def test_truncated_or_foreign_file_is_rejected_cleanly(tmp_path):
+    path = tmp_path / "t.safetensors"
+    example_trie().save(path)
+    data = path.read_bytes()
+    (tmp_path / "cut.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="cannot read trie file"):
+        TokenTrie.load(tmp_path / "cut.safetensors")
+    from safetensors.torch import save_file
+
+    save_file({"x": torch.zeros(2)}, str(tmp_path / "other.safetensors"))
+    with pytest.raises(ValueError, match="not a forerun trie"):
+        TokenTrie.load(tmp_path / "other.safetensors")
+
+
+def test_decoder_load_failure_leaves_the_running_cache_untouched(tmp_path):
+    from tiny_models import tiny_model
+
+    decoder = forerun.Decoder(tiny_model("llama"), None, "trie")
+    decoder.trie_drafter().trie.insert([1, 2, 3], 1.0)
+    (tmp_path / "bad").write_bytes(b"not a trie")
+    with pytest.raises(ValueError):
+        decoder.load_cache(str(tmp_path / "bad"))
+    assert len(decoder.trie_drafter().trie) == 3
+    decoder.save_cache(str(tmp_path / "good"))
+    fresh = forerun.Decoder(tiny_model("llama"), None, "trie")
+    fresh.load_cache(str(tmp_path / "good"))
+    assert len(fresh.trie_drafter().trie) == 3
+
+
+def test_concurrent_writers_and_readers_do_not_tear():
+    trie = TokenTrie(max_nodes=500)
+    errors = []
+
+    def writer(seed):
+        generator = torch.Generator().manual_seed(seed)
+        for _ in range(300):
+            trie.insert(torch.randint(0, 50, (4,), generator=generator).tolist(), 1.0)
+
+    def reader():
+        try:
+            for i in range(300):
+                tree = trie.draft([i % 50], TrieConfig(max_query_length=1), frozenset(), "trie")
+                assert all(p < i for i, p in enumerate(tree.parents))
+        except Exception as error:  # noqa: BLE001 - surfaced below
+            errors.append(error)
+
+    threads = [threading.Thread(target=writer, args=(s,)) for s in range(3)] + [threading.Thread(target=reader)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(trie) <= 500
