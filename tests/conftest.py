@@ -11,9 +11,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 
+@pytest.fixture(autouse=True)
+def torch_threads(request):
+    """Tiny models run fastest on one thread (no pool spin-up); the real model uses both cores."""
+    torch.set_num_threads(2 if request.node.get_closest_marker("real_model") else 1)
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     import forerun
 
-    torch.set_num_threads(2)
     return forerun.load_model("smollm2-135m")

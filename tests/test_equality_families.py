@@ -6,10 +6,11 @@ import functools
 
 import pytest
 import torch
-from helpers import OracleDrafter, RandomDrafter
-from tiny_models import FAMILIES, VOCAB, prompts, tiny_model
 
 import forerun
+
+from helpers import OracleDrafter, RandomDrafter
+from tiny_models import FAMILIES, VOCAB, prompts, tiny_model
 
 NO_SDPA = {"gemma2", "gptj"}  # transformers has no sdpa attention for these: eager only
 CASES = [(f, impl) for f in FAMILIES for impl in ("eager", "sdpa") if not (impl == "sdpa" and f in NO_SDPA)]

@@ -58,16 +58,18 @@ class JacobiConfig:
     CPU pays for every token in a forward (see BENCHMARKS.md for the measured cost curve).
     """
 
-    window: int = 4
+    window: int = 2
     """W: future positions iterated in parallel (columns of the window)."""
     ngram: int = 3
     """N: n-gram size; the window keeps N-1 levels of the Jacobi trajectory."""
-    max_candidates: int = 2
+    max_candidates: int = 3
     """G: pool n-grams verified per step; the pool keeps at most G per key (0 = no verification branch)."""
     pool_policy: Literal["fifo", "frequency"] = "fifo"
     """fifo: the oldest n-gram of a key leaves first (lade). frequency: the least seen leaves first."""
     pool_from_prompt: bool = True
     """Seed the pool with the prompt's own n-grams (lade's POOL_FROM_PROMPT)."""
+    pool_from_output: bool = False
+    """Also add the n-grams of the committed output as it grows (not in lade)."""
     seed: int = 0
     """Seed of the window's initial tokens (drawn from the prompt), for reproducible step counts."""
 

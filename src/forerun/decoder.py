@@ -16,7 +16,6 @@ from dataclasses import dataclass
 import torch
 from transformers import (
     EosTokenCriteria,
-    LogitsProcessorList,
     MaxLengthCriteria,
     PreTrainedTokenizerBase,
     StoppingCriteriaList,
@@ -177,9 +176,17 @@ class Decoder:
         stop: Sequence[str] | None = None,
         eos_token_id: int | Sequence[int] | None = None,
         streamer: object | None = None,
-        processor: LogitsProcessorList | None = None,
+        do_sample: bool = False,
+        seed: int | None = None,
+        **generation_kwargs: object,
     ) -> GenerationResult:
-        """Greedy generation, token for token what `model.generate(do_sample=False)` gives."""
+        """Generate; greedy output is token for token `model.generate(do_sample=False)`.
+
+        `do_sample=True` and transformers generation settings (temperature, top_k, top_p, min_p, typical_p,
+        repetition_penalty, no_repeat_ngram_size, ...) go through `model.generate` with forerun as its
+        `custom_generate`, so the processors are exactly the ones transformers builds; sampled output keeps their
+        distribution. `seed` makes a sampled run repeatable.
+        """
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         input_ids = self.encode(prompt, chat)
@@ -189,6 +196,10 @@ class Decoder:
             raise ValueError(
                 f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model context "
                 f"({context} tokens)"
+            )
+        if do_sample or generation_kwargs:
+            return self.generate_with_transformers(
+                input_ids, max_new_tokens, stop, eos_token_id, streamer, do_sample, seed, generation_kwargs
             )
         eos = eos_ids_of(self.model, eos_token_id)
         criteria = StoppingCriteriaList([MaxLengthCriteria(max_length=prompt_len + max_new_tokens)])
@@ -201,22 +212,60 @@ class Decoder:
         transcript = Transcript(input_ids.to(self.model.device), criteria, streamer)
         with torch.inference_mode():
             stats = decode(
-                self.model,
-                transcript.sequence,
-                self.drafters,
-                transcript,
-                eos,
-                max_new_tokens,
-                self.engine_config,
-                processor,
+                self.model, transcript.sequence, self.drafters, transcript, eos, max_new_tokens, self.engine_config
             )
         if streamer is not None:
             streamer.end()
-        sequences = transcript.sequence.cpu()
+        return self.result(transcript.sequence, prompt_len, stats, transcript.sources)
+
+    def result(self, sequences: torch.Tensor, prompt_len: int, stats: GenerationStats, sources: list[str]):
+        sequences = sequences.cpu()
         text = None
         if self.tokenizer is not None:
             text = self.tokenizer.decode(sequences[0, prompt_len:], skip_special_tokens=True)
-        return GenerationResult(sequences, prompt_len, text, stats, transcript.sources)
+        return GenerationResult(sequences, prompt_len, text, stats, sources)
+
+    def generate_with_transformers(
+        self, input_ids, max_new_tokens, stop, eos_token_id, streamer, do_sample, seed, generation_kwargs
+    ) -> GenerationResult:
+        """Let `model.generate` build processors and stopping criteria, with forerun as its custom_generate."""
+        from transformers import GenerationConfig
+
+        from forerun.hf import hf_generate
+
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+            raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+        generator = torch.Generator(device=self.model.device).manual_seed(seed) if seed is not None else None
+        extra = {}
+        if eos_token_id is not None:
+            extra["eos_token_id"] = list(eos_token_id) if not isinstance(eos_token_id, int) else eos_token_id
+        if stop:
+            extra.update(stop_strings=list(stop), tokenizer=self.tokenizer)
+        try:
+            GenerationConfig(do_sample=do_sample, **generation_kwargs).validate(strict=True)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"invalid generation settings {generation_kwargs}: {error}") from error
+        output = self.model.generate(
+            input_ids.to(self.model.device),
+            max_new_tokens=max_new_tokens,
+            do_sample=do_sample,
+            custom_generate=hf_generate,
+            forerun_decoder=self,
+            forerun_streamer=streamer,
+            forerun_generator=generator,
+            return_dict_in_generate=True,
+            pad_token_id=self.pad_token_id(),
+            **extra,
+            **generation_kwargs,
+        )
+        return self.result(output.sequences, input_ids.shape[1], output.forerun_stats, output.forerun_sources)
+
+    def pad_token_id(self) -> int | None:
+        config = self.model.generation_config
+        if config.pad_token_id is not None:
+            return config.pad_token_id
+        eos = config.eos_token_id
+        return eos if isinstance(eos, int) else (eos[0] if eos else 0)
 
 
 def check_vocabulary(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase | None) -> None:

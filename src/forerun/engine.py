@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -21,7 +21,7 @@ from forerun.drafters.base import DraftContext, Drafter, StepOutcome
 from forerun.kvcache import UnsupportedCacheError, check_tree_cache, keep_accepted
 from forerun.stats import GenerationStats
 from forerun.tree import TokenTree, pack
-from forerun.verify import verify_greedy
+from forerun.verify import Verdict, verify_greedy, verify_sample
 
 logger = logging.getLogger(__name__)
 
@@ -66,25 +66,47 @@ def tree_support(model: torch.nn.Module) -> str | None:
     return None
 
 
-def choice_function(
-    logits: torch.Tensor, processor: LogitsProcessorList | None, transcript: Transcript, tree: TokenTree
-):
-    """Greedy choice per node: plain argmax, or argmax after processors applied with the node's own prefix."""
-    if not processor:
-        choices = logits.argmax(-1).tolist()  # [n]
-        return choices, choices.__getitem__
+@dataclass
+class NodeScores:
+    """Processed scores at tree nodes, computed lazily with each node's own prefix (committed text + path).
 
-    def choice_at(node: int) -> int:
-        path = [tree.tokens[i] for i in tree.path_to(node)[1:]]  # the root is already in the sequence
-        prefix = (
-            torch.cat([transcript.sequence, transcript.sequence.new_tensor([path])], dim=1)
-            if path
-            else transcript.sequence
-        )
-        scores = processor(prefix, logits[node : node + 1].float())  # [1, vocab]
-        return int(scores.argmax(-1))
+    Logits processors (repetition penalty, temperature, top-p...) read the token ids before the position they
+    score, so a node deep in a branch is scored with the branch's tokens, exactly as plain decoding would see them.
+    """
 
-    return logits.argmax(-1).tolist(), choice_at
+    logits: torch.Tensor  # [n, vocab]
+    processor: LogitsProcessorList | None
+    sequence: torch.Tensor  # [1, committed]; its last token is the root
+    tree: TokenTree
+
+    def scores(self, node: int) -> torch.Tensor:
+        row = self.logits[node : node + 1].float()  # [1, vocab]
+        if not self.processor:
+            return row[0]
+        path = [self.tree.tokens[i] for i in self.tree.path_to(node)[1:]]
+        prefix = torch.cat([self.sequence, self.sequence.new_tensor([path])], dim=1) if path else self.sequence
+        return self.processor(prefix, row)[0]
+
+    def argmax(self, node: int) -> int:
+        return int(self.scores(node).argmax())
+
+    def probs(self, node: int) -> torch.Tensor:
+        return torch.softmax(self.scores(node), dim=-1)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sample instead of argmax: the bonus tokens and acceptances draw from `generator` (None = torch's global)."""
+
+    generator: torch.Generator | None = None
+    verifier: Callable = verify_sample
+    """The lossless verifier; a parameter so tests can show that a biased one is caught."""
+
+
+def verify(tree: TokenTree, scores: NodeScores, sampling: Sampling | None) -> Verdict:
+    if sampling is None:
+        return verify_greedy(tree, scores.argmax)
+    return sampling.verifier(tree, scores.probs, sampling.generator)
 
 
 def decode(
@@ -96,6 +118,7 @@ def decode(
     max_new_tokens: int,
     engine_config: EngineConfig | None = None,
     processor: LogitsProcessorList | None = None,
+    sampling: Sampling | None = None,
 ) -> GenerationStats:
     """Greedy tree decoding of `input_ids` [1, prompt_len]; tokens land in `transcript`, stats are returned."""
     engine_config = engine_config or EngineConfig()
@@ -105,9 +128,10 @@ def decode(
 
     # Prefill, exactly as transformers does it: the first token comes from the prompt's last position.
     logits = model(input_ids=input_ids, past_key_values=cache, use_cache=True).logits[:, -1, :]
-    first = (processor(transcript.sequence, logits.float()) if processor else logits).argmax(-1)
+    prompt_end = TokenTree.rooted_at(int(input_ids[0, -1]))
+    first = verify(prompt_end, NodeScores(logits, processor, transcript.sequence, prompt_end), sampling)
     stats.forwards, stats.prefill_seconds = 1, time.perf_counter() - started
-    transcript.extend([int(first)], ["model"])
+    transcript.extend([first.bonus_token], ["model"])
 
     drafters = fallback_if_unsupported(model, cache, drafters, input_ids.shape[1] + max_new_tokens + budget, stats)
     ctx = DraftContext(transcript.sequence[0].tolist(), input_ids.shape[1], budget, eos_token_ids)
@@ -130,8 +154,8 @@ def decode(
             use_cache=True,
         ).logits[0]
         # 4. verify: the longest path the target agrees with, plus its own bonus token
-        choices, choice_at = choice_function(logits, processor, transcript, tree)
-        verdict = verify_greedy(tree, choice_at)
+        choices = logits.argmax(-1).tolist()  # [n] raw greedy choices, for drafters (the Jacobi window)
+        verdict = verify(tree, NodeScores(logits, processor, transcript.sequence, tree), sampling)
         # 5. commit: keep the accepted path in the cache, append tokens, let drafters learn
         keep_accepted(cache, prefix_len, [0, *verdict.accepted_nodes])
         prefix_len += 1 + verdict.accepted_len

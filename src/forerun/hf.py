@@ -15,7 +15,7 @@ from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from forerun.decoder import Decoder, eos_ids_of
-from forerun.engine import Transcript, decode
+from forerun.engine import Sampling, Transcript, decode
 
 
 def hf_generate(
@@ -29,11 +29,23 @@ def hf_generate(
     forerun_method: str = "prompt_lookup",
     forerun_knobs: dict | None = None,
     forerun_decoder: Decoder | None = None,
+    forerun_streamer: object | None = None,
+    forerun_generator: torch.Generator | None = None,
     **model_kwargs: object,
 ) -> GenerateDecoderOnlyOutput | torch.LongTensor:
-    """A `custom_generate` callable. `forerun_decoder` reuses a Decoder (its pools/tries persist)."""
-    if generation_config.do_sample:
-        raise ValueError("forerun.hf_generate decodes greedily; pass do_sample=False")
+    """A `custom_generate` callable. `forerun_decoder` reuses a Decoder (its pools/tries persist).
+
+    Streaming: transformers 5.23 forwards only the callable's own new keyword arguments, so `streamer=` never
+    reaches a custom_generate callable (it only receives the prompt). Pass `forerun_streamer=` instead: it gets the
+    prompt, then the new tokens as they are committed, then `end()`.
+
+    Sampling (do_sample=True) keeps exactly the distribution of plain sampling, with the processors transformers
+    built from the generation config; random draws come from `forerun_generator`, else torch's global generator
+    (so `torch.manual_seed` makes runs repeat, as with plain generate).
+    """
+    if forerun_streamer is not None:
+        streamer = forerun_streamer
+        streamer.put(input_ids.cpu())
     if generation_config.num_beams not in (None, 1):
         raise ValueError(f"forerun.hf_generate does not do beam search (num_beams={generation_config.num_beams})")
     if input_ids.shape[0] != 1:
@@ -54,11 +66,13 @@ def hf_generate(
         max_new_tokens,
         decoder.engine_config,
         logits_processor,
+        Sampling(forerun_generator) if generation_config.do_sample else None,
     )
     if streamer is not None:
         streamer.end()
     if generation_config.return_dict_in_generate:
         output = GenerateDecoderOnlyOutput(sequences=transcript.sequence)
         output.forerun_stats = stats
+        output.forerun_sources = transcript.sources
         return output
     return transcript.sequence

@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from forerun.tree import TokenTree
 
 
@@ -50,3 +52,45 @@ def verify_greedy(tree: TokenTree, choice_at: Callable[[int], int]) -> Verdict:
             return Verdict(accepted, choice)
         accepted.append(child)
         node = child
+
+
+def verify_sample(
+    tree: TokenTree, probs_at: Callable[[int], torch.Tensor], generator: torch.Generator | None = None
+) -> Verdict:
+    """Lossless verification of deterministic drafts (q = point mass), several children per node.
+
+    At each node, p = probs_at(node) [vocab] (processors applied with the node's own prefix, then softmax).
+    Recursive rejection: try the candidate children in order; child c (token t) is accepted with probability
+    p(t) / M, M the mass still in p; on rejection p(t) is set to 0 (M shrinks). If every child is rejected, the
+    bonus token is sampled from what remains of p, renormalised. The token that leaves a node is therefore
+    distributed exactly as p: P(c_i) = p(c_i) (the rejection factors telescope), and any other token x keeps
+    p(x) / M_final * M_final = p(x).
+
+    Example: p = [0.5, 0.3, 0.2] at the root, one child with token 1: accepted with probability 0.3; otherwise
+    the bonus is drawn from [0.5, 0, 0.2] / 0.7, so P(0) = 0.7 * 0.5 / 0.7 = 0.5, as under p.
+    """
+    node = 0
+    accepted: list[int] = []
+    while True:
+        p = probs_at(node).double().clone()  # [vocab]; float64 so tiny masses survive the subtractions
+        next_node = None
+        for child in (tree.children.get((node, token)) for token in candidate_tokens(tree, node)):
+            token = tree.tokens[child]
+            mass = float(p.sum())
+            chance = float(p[token]) / mass if mass > 0 else 0.0
+            if chance > 0 and float(torch.rand((), generator=generator, dtype=torch.float64)) < chance:
+                next_node = child
+                break
+            p[token] = 0.0
+        if next_node is None:
+            if float(p.sum()) <= 0:  # numerically everything was drafted and rejected: fall back to p itself
+                p = probs_at(node).double()
+            bonus = int(torch.multinomial(p / p.sum(), 1, generator=generator))
+            return Verdict(accepted, bonus)
+        accepted.append(next_node)
+        node = next_node
+
+
+def candidate_tokens(tree: TokenTree, node: int) -> list[int]:
+    """Tokens of `node`'s candidate children, in insertion order (the drafters' preference order)."""
+    return [tree.tokens[i] for i in tree.candidate_children(node)]

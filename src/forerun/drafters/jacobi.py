@@ -81,6 +81,7 @@ class JacobiDrafter:
         self.pool = NGramPool(self.config.max_candidates, self.config.pool_policy)
         self.levels: list[list[int]] = []
         self.probe_nodes: list[list[int]] = []
+        self.text_ngrams_done = 0
         """Node index (in this drafter's last tree) of each window token, [level][column]."""
 
     @property
@@ -89,6 +90,7 @@ class JacobiDrafter:
 
     def start(self, ctx: DraftContext) -> None:
         prompt = ctx.tokens[: ctx.prompt_len]
+        self.text_ngrams_done = max(0, ctx.prompt_len - self.config.ngram + 1)
         rng = random.Random(self.config.seed)
         self.levels = [[rng.choice(prompt) for _ in range(self.config.window)]]
         if self.config.pool_from_prompt:
@@ -109,6 +111,11 @@ class JacobiDrafter:
         return tree
 
     def observe(self, ctx: DraftContext, outcome: StepOutcome) -> None:
+        if self.config.pool_from_output:
+            n = self.config.ngram
+            for i in range(self.text_ngrams_done, len(ctx.tokens) - n + 1):
+                self.pool.add(ctx.tokens[i : i + n])
+            self.text_ngrams_done = max(self.text_ngrams_done, len(ctx.tokens) - n + 1)
         top = self.levels[-1]
         new_level = []
         for i, node in enumerate(self.probe_nodes[-1]):

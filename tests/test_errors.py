@@ -1,0 +1,77 @@
+"""Bad input gives a ValueError naming the value; the CLI prints one line and exits with status 2."""
+
+import pytest
+from typer.testing import CliRunner
+
+import forerun
+from forerun.cli import app
+
+from tiny_models import VOCAB, tiny_model
+
+
+class TinyTokenizer:
+    def __init__(self, size):
+        self.size = size
+
+    def __len__(self):
+        return self.size
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama")
+
+
+def test_empty_prompt(model):
+    with pytest.raises(ValueError, match="prompt is empty"):
+        forerun.generate(model, [], "prompt_lookup", 5)
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True])
+def test_max_new_tokens_must_be_positive(model, bad):
+    with pytest.raises(ValueError, match=f"max_new_tokens must be a positive integer, got {bad!r}"):
+        forerun.generate(model, [5, 6], "plain", bad)
+
+
+def test_prompt_longer_than_context(model):
+    with pytest.raises(ValueError, match=r"exceeds the model context \(512 tokens\)"):
+        forerun.generate(model, [5] * 510, "plain", 10)
+
+
+def test_unknown_method_and_knobs(model):
+    with pytest.raises(ValueError, match="unknown method 'medusa'"):
+        forerun.generate(model, [5, 6], "medusa", 5)
+    with pytest.raises(ValueError, match=r"unknown knob\(s\) \['window'\] for method 'prompt_lookup'"):
+        forerun.generate(model, [5, 6], "prompt_lookup", 5, window=3)
+    with pytest.raises(ValueError, match="draft_len must be an integer >= 1, got 0"):
+        forerun.generate(model, [5, 6], "prompt_lookup", 5, draft_len=0)
+    with pytest.raises(ValueError, match="max_tree_nodes must be an integer >= 1, got 0"):
+        forerun.generate(model, [5, 6], "prompt_lookup", 5, max_tree_nodes=0)
+
+
+def test_token_ids_outside_vocabulary(model):
+    with pytest.raises(ValueError, match=f"outside the model's vocabulary \\[0, {VOCAB}\\)"):
+        forerun.generate(model, [5, VOCAB + 3], "plain", 5)
+
+
+def test_tokenizer_model_mismatch(model):
+    with pytest.raises(ValueError, match=f"has 49152 tokens but model LlamaForCausalLM embeds only {VOCAB}"):
+        forerun.Decoder(model, TinyTokenizer(49152), "plain")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["generate", "hi", "--method", "nope"], "unknown method 'nope'"),
+        (["generate", "hi", "--knob", "draft_len=0"], "draft_len must be an integer >= 1"),
+        (["generate", "hi", "--knob", "oops"], "is not NAME=VALUE"),
+        (["generate", "hi", "--model", "/no/such/model.gguf"], "GGUF file not found"),
+        (["bench", "--dataset", "nosuch", "--n", "1"], "unknown dataset 'nosuch'"),
+        (["bench", "--methods", "plain,warp"], "unknown benchmark method 'warp'"),
+    ],
+)
+def test_cli_errors_exit_2_without_traceback(args, message):
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+    assert "Traceback" not in result.output

@@ -1,0 +1,203 @@
+"""Sampling keeps the exact distribution of `model.generate(do_sample=True)`: chi-square tests that can fail.
+
+Setup: a tiny llama with a 32-token vocabulary whose LM head is scaled so next-token distributions are peaked
+(top token ~0.5), a repetitive prompt so every drafter proposes often, 10,000 samples of 4 new tokens per setting.
+Statistic: the joint distribution of new tokens 2..4 (token 1 comes from the prefill, where nothing is drafted),
+cells with fewer than 5 expected samples pooled; chi-square test of homogeneity against plain batched sampling.
+Significance level: alpha = 0.001 per setting (7 settings; family-wise false alarm rate < 1%).
+A biased verifier (accept every drafted token that has any probability) must fail the same test: the power check.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+
+import pytest
+import torch
+from scipy.stats import chi2_contingency
+from transformers import AutoConfig, AutoModelForCausalLM, MaxLengthCriteria, StoppingCriteriaList
+
+import forerun
+from forerun.engine import Sampling, Transcript, decode
+from forerun.tree import TokenTree
+from forerun.verify import Verdict, verify_greedy, verify_sample
+
+SAMPLES = 10_000
+NEW = 4
+ALPHA = 1e-3
+SETTINGS = {
+    "T0.7": dict(temperature=0.7),
+    "T1.3-top_k5": dict(temperature=1.3, top_k=5),
+    "top_p0.9": dict(top_p=0.9),
+    "T1.3": dict(temperature=1.3),
+    "rep1.3": dict(repetition_penalty=1.3),
+}
+CASES = [
+    ("plain", "T0.7"),
+    ("prompt_lookup", "T0.7"),
+    ("prompt_lookup", "T1.3-top_k5"),
+    ("jacobi", "T1.3"),
+    ("jacobi", "rep1.3"),
+    ("trie", "top_p0.9"),
+]
+KNOBS = {"plain": {}, "prompt_lookup": {"draft_len": 4}, "jacobi": {"window": 3, "ngram": 3}, "trie": {}}
+
+
+@functools.lru_cache(maxsize=1)
+def peaked_model() -> torch.nn.Module:
+    """A 32-token llama with its LM head scaled x40: the top next token has probability ~0.5."""
+    config = AutoConfig.for_model(
+        "llama",
+        vocab_size=32,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=128,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40)  # peaked next-token distributions: drafts get accepted, tests get power
+    return model
+
+
+def likely_prompt() -> torch.Tensor:
+    """seed + the model's greedy continuation + seed: drafters then propose what the model tends to say next."""
+    seed = torch.tensor([[5, 6, 7]])
+    greedy = peaked_model().generate(seed, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return torch.cat([greedy, seed], dim=1)
+
+
+PROMPT = likely_prompt()
+
+
+def transformers_processors(model, settings):
+    """The exact processor list `model.generate(do_sample=True, **settings)` builds (captured, not rebuilt)."""
+
+    def capture(model, input_ids, logits_processor, **kwargs):
+        return logits_processor
+
+    return model.generate(
+        PROMPT,
+        do_sample=True,
+        max_new_tokens=NEW,
+        eos_token_id=None,
+        pad_token_id=0,
+        custom_generate=capture,
+        **settings,
+    )
+
+
+@functools.lru_cache(maxsize=8)
+def plain_counts(setting: str) -> Counter:
+    torch.manual_seed(1234)
+    out = peaked_model().generate(
+        PROMPT.repeat(SAMPLES, 1),
+        do_sample=True,
+        max_new_tokens=NEW,
+        eos_token_id=None,
+        pad_token_id=0,
+        **SETTINGS[setting],
+    )
+    return Counter(tuple(row) for row in out[:, PROMPT.shape[1] + 1 :].tolist())
+
+
+def forerun_counts(method: str, setting: str, verifier=verify_sample) -> tuple[Counter, float]:
+    model = peaked_model()
+    processors = transformers_processors(model, SETTINGS[setting])
+    decoder = forerun.Decoder(model, None, method, **KNOBS[method])
+    sampling = Sampling(torch.Generator().manual_seed(99), verifier)
+    counts, accepted, steps = Counter(), 0, 0
+    with torch.inference_mode():
+        for _ in range(SAMPLES):
+            transcript = Transcript(PROMPT.clone(), StoppingCriteriaList([MaxLengthCriteria(PROMPT.shape[1] + NEW)]))
+            stats = decode(
+                model,
+                PROMPT,
+                decoder.drafters,
+                transcript,
+                frozenset(),
+                NEW,
+                decoder.engine_config,
+                processors,
+                sampling,
+            )
+            counts[tuple(transcript.sequence[0, PROMPT.shape[1] + 1 :].tolist())] += 1
+            accepted, steps = accepted + stats.accepted, steps + stats.forwards - 1
+    return counts, accepted / max(1, steps)
+
+
+def homogeneity_pvalue(a: Counter, b: Counter) -> float:
+    """Chi-square test that two samples come from one distribution; rare cells pooled into one."""
+    total = a + b
+    common = [cell for cell, n in total.items() if n * min(a.total(), b.total()) / total.total() >= 5]
+    rows = [
+        [a[c] for c in common] + [a.total() - sum(a[c] for c in common)],
+        [b[c] for c in common] + [b.total() - sum(b[c] for c in common)],
+    ]
+    if rows[0][-1] + rows[1][-1] == 0:
+        rows = [r[:-1] for r in rows]
+    return float(chi2_contingency(rows)[1])
+
+
+@pytest.mark.parametrize(("method", "setting"), CASES, ids=[f"{m}-{s}" for m, s in CASES])
+def test_sampled_distribution_matches_plain_generate(method, setting):
+    counts, accepted_per_step = forerun_counts(method, setting)
+    assert counts.total() == SAMPLES
+    if method != "plain":
+        assert accepted_per_step > 0.05, "drafts were hardly ever accepted: the test would have no power"
+    assert homogeneity_pvalue(counts, plain_counts(setting)) > ALPHA
+
+
+def biased_verifier(tree: TokenTree, probs_at, generator=None) -> Verdict:
+    """WRONG on purpose: accepts any drafted token with non-zero probability (ignores p's actual value)."""
+    return verify_greedy(
+        tree,
+        lambda node: next(
+            (tree.tokens[c] for c in tree.candidate_children(node) if probs_at(node)[tree.tokens[c]] > 0),
+            int(torch.multinomial(probs_at(node), 1, generator=generator)),
+        ),
+    )
+
+
+def test_negative_control_biased_verifier_fails_the_same_test():
+    counts, _ = forerun_counts("prompt_lookup", "T0.7", biased_verifier)
+    assert homogeneity_pvalue(counts, plain_counts("T0.7")) < ALPHA
+
+
+def test_same_seed_same_output_and_greedy_processors_match():
+    model = peaked_model()
+    decoder = forerun.Decoder(model, None, "prompt_lookup")
+    first = decoder.generate(PROMPT, 12, do_sample=True, seed=7, temperature=0.9, eos_token_id=[])
+    again = decoder.generate(PROMPT, 12, do_sample=True, seed=7, temperature=0.9, eos_token_id=[])
+    other = decoder.generate(PROMPT, 12, do_sample=True, seed=8, temperature=0.9, eos_token_id=[])
+    assert torch.equal(first.sequences, again.sequences)
+    assert not torch.equal(first.sequences, other.sequences)
+    for settings in (dict(repetition_penalty=1.5), dict(no_repeat_ngram_size=2)):
+        expected = model.generate(
+            PROMPT, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0, **settings
+        )
+        assert torch.equal(decoder.generate(PROMPT, 12, eos_token_id=[], **settings).sequences, expected), settings
+
+
+def test_verify_sample_on_hand_built_distributions():
+    tree = TokenTree.rooted_at(0)
+    tree.add(0, 1)  # node 1: a zero-probability draft
+    tree.add(0, 2)  # node 2: a certain draft
+    probs = {0: torch.tensor([0.5, 0.0, 0.5, 0.0]), 2: torch.tensor([0.0, 0.0, 0.0, 1.0])}
+    generator = torch.Generator().manual_seed(0)
+    outcomes = Counter()
+    for _ in range(2000):
+        verdict = verify_sample(tree, probs.__getitem__, generator)
+        outcomes[(tuple(verdict.accepted_nodes), verdict.bonus_token)] += 1
+    # token 1 (p = 0) is never accepted; token 2 is accepted with p = 0.5, then 3 is certain; else the residual
+    # (0.5 on token 0 after removing 1 and 2) gives 0
+    assert set(outcomes) == {((2,), 3), ((), 0)}
+    assert abs(outcomes[((2,), 3)] / 2000 - 0.5) < 0.05
