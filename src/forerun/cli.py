@@ -165,7 +165,17 @@ def bench(
         def step(prompt_id: str, label: str) -> None:
             progress.update(task, advance=1, description=f"{prompt_id} {label}")
 
-        records = run_interleaved(lm, tokenizer, prompts, specs, max_new_tokens, step)
+        def warm_up_on_other_prompts(spec, decoder) -> None:
+            if not spec.warm:
+                return
+            names = [name.strip() for name in dataset.split(",")]
+            others = [p for name in names for p in load_dataset(name, n + spec.warm)[n:]]
+            warm_task = progress.add_task(f"warming {spec.label}", total=len(others))
+            for prompt in others:
+                decoder.generate(list(prompt.messages), max_new_tokens)
+                progress.advance(warm_task)
+
+        records = run_interleaved(lm, tokenizer, prompts, specs, max_new_tokens, step, warm_up_on_other_prompts)
     summary = summarize(records)
     for table in tables(summary):
         console.print(table)

@@ -5,7 +5,8 @@ token, and speed is the ratio of the two wall times on the same prompt in the sa
 
 Method specs: `plain`, `prompt_lookup`, `jacobi`, `trie` (forerun), `hf_prompt_lookup` (transformers'
 `prompt_lookup_num_tokens=10`), and knobs in brackets: `jacobi[window=7,ngram=5,max_candidates=7]`,
-`prompt_lookup[max_tree_nodes=8,draft_len=7]`.
+`prompt_lookup[max_tree_nodes=8,draft_len=7]`, `trie[warm=10]` (the trie first learns from the model's own
+answers to 10 other prompts of each dataset, disjoint from the timed ones, as PIA's benchmarks use a train split).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ class MethodSpec:
     method: str
     knobs: dict = field(default_factory=dict)
     max_tree_nodes: int | None = None
+    warm: int = 0
+    """Before timing, let the decoder answer this many other prompts per dataset (a warm trie or pool)."""
 
 
 def parse_methods(text: str) -> list[MethodSpec]:
@@ -44,7 +47,8 @@ def parse_methods(text: str) -> list[MethodSpec]:
         if name not in METHODS and name not in HF_METHODS:
             raise ValueError(f"unknown benchmark method {name!r}; choose from {', '.join(METHODS + HF_METHODS)}")
         nodes = knobs.pop("max_tree_nodes", None)
-        specs.append(MethodSpec(label, name, knobs, nodes))
+        warm = knobs.pop("warm", 0)
+        specs.append(MethodSpec(label, name, knobs, nodes, warm))
     if not specs:
         raise ValueError("no methods given")
     return specs
