@@ -197,6 +197,45 @@ def bench(
         raise typer.Exit(1)
 
 
+@app.command()
+@user_errors
+def serve(
+    model: str = typer.Option(DEFAULT_MODEL, "--model", "-m"),
+    method: str = typer.Option("prompt_lookup", "--method"),
+    knob: list[str] = typer.Option([], "--knob", "-k", help="Method knob NAME=VALUE (repeatable)."),
+    host: str = typer.Option("127.0.0.1", "--host"),
+    port: int = typer.Option(8000, "--port"),
+    api_key: str = typer.Option("", "--api-key", help="Require 'Authorization: Bearer KEY' (all but /health)."),
+    cache: str = typer.Option("", "--cache", help="Trie file: loaded at start if present, saved at shutdown."),
+    max_tokens_limit: int = typer.Option(1024, "--max-tokens-limit"),
+    timeout: float = typer.Option(300.0, "--timeout", help="Per-request generation timeout in seconds."),
+    threads: int = typer.Option(0, "--threads"),
+) -> None:
+    """Serve the model over an OpenAI-compatible HTTP API (completions, chat, streaming, /metrics)."""
+    import torch
+    import uvicorn
+
+    from forerun.config import method_config
+    from forerun.models import load_model
+    from forerun.server import ServerConfig, create_app
+
+    knobs = parse_knobs(knob)
+    method_config(method, **knobs)
+    if threads:
+        torch.set_num_threads(threads)
+    config = ServerConfig(
+        model_name=model,
+        method=method,
+        knobs=knobs,
+        api_key=api_key or None,
+        cache_path=cache or None,
+        max_tokens_limit=max_tokens_limit,
+        request_timeout_s=timeout,
+    )
+    lm, tokenizer = load_model(model)
+    uvicorn.run(create_app(lm, tokenizer, config), host=host, port=port, log_level="info")
+
+
 def main() -> None:  # pragma: no cover - console entry point
     app()
 

@@ -10,6 +10,7 @@ Example:
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -18,6 +19,7 @@ from transformers import (
     EosTokenCriteria,
     MaxLengthCriteria,
     PreTrainedTokenizerBase,
+    StoppingCriteria,
     StoppingCriteriaList,
     StopStringCriteria,
 )
@@ -178,6 +180,7 @@ class Decoder:
         streamer: object | None = None,
         do_sample: bool = False,
         seed: int | None = None,
+        cancel: threading.Event | None = None,
         **generation_kwargs: object,
     ) -> GenerationResult:
         """Generate; greedy output is token for token `model.generate(do_sample=False)`.
@@ -185,7 +188,8 @@ class Decoder:
         `do_sample=True` and transformers generation settings (temperature, top_k, top_p, min_p, typical_p,
         repetition_penalty, no_repeat_ngram_size, ...) go through `model.generate` with forerun as its
         `custom_generate`, so the processors are exactly the ones transformers builds; sampled output keeps their
-        distribution. `seed` makes a sampled run repeatable.
+        distribution. `seed` makes a sampled run repeatable. Setting `cancel` (from another thread) stops the
+        generation after the current step; the result then holds the tokens made so far.
         """
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
@@ -199,7 +203,7 @@ class Decoder:
             )
         if do_sample or generation_kwargs:
             return self.generate_with_transformers(
-                input_ids, max_new_tokens, stop, eos_token_id, streamer, do_sample, seed, generation_kwargs
+                input_ids, max_new_tokens, stop, eos_token_id, streamer, do_sample, seed, cancel, generation_kwargs
             )
         eos = eos_ids_of(self.model, eos_token_id)
         criteria = StoppingCriteriaList([MaxLengthCriteria(max_length=prompt_len + max_new_tokens)])
@@ -209,6 +213,10 @@ class Decoder:
             if self.tokenizer is None:
                 raise ValueError("stop strings need a tokenizer")
             criteria.append(StopStringCriteria(self.tokenizer, list(stop)))
+        if cancel is not None:
+            criteria.append(Cancelled(cancel))
+        if streamer is not None:
+            streamer.put(input_ids.cpu())  # transformers' convention: a streamer sees the prompt first
         transcript = Transcript(input_ids.to(self.model.device), criteria, streamer)
         with torch.inference_mode():
             stats = decode(
@@ -226,7 +234,7 @@ class Decoder:
         return GenerationResult(sequences, prompt_len, text, stats, sources)
 
     def generate_with_transformers(
-        self, input_ids, max_new_tokens, stop, eos_token_id, streamer, do_sample, seed, generation_kwargs
+        self, input_ids, max_new_tokens, stop, eos_token_id, streamer, do_sample, seed, cancel, generation_kwargs
     ) -> GenerationResult:
         """Let `model.generate` build processors and stopping criteria, with forerun as its custom_generate."""
         from transformers import GenerationConfig
@@ -255,6 +263,7 @@ class Decoder:
             forerun_generator=generator,
             return_dict_in_generate=True,
             pad_token_id=self.pad_token_id(),
+            stopping_criteria=StoppingCriteriaList([Cancelled(cancel)]) if cancel is not None else None,
             **extra,
             **generation_kwargs,
         )
@@ -266,6 +275,16 @@ class Decoder:
             return config.pad_token_id
         eos = config.eos_token_id
         return eos if isinstance(eos, int) else (eos[0] if eos else 0)
+
+
+class Cancelled(StoppingCriteria):
+    """Stops generation once `event` is set (a client went away, a timeout fired)."""
+
+    def __init__(self, event: threading.Event) -> None:
+        self.event = event
+
+    def __call__(self, input_ids: torch.Tensor, scores: object, **kwargs: object) -> torch.Tensor:
+        return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
 
 
 def check_vocabulary(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase | None) -> None:

@@ -1,0 +1,211 @@
+"""A live `forerun serve` app on 127.0.0.1, driven by the official openai client and raw HTTP."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import uvicorn
+from openai import OpenAI
+
+from forerun.server import ServerConfig, create_app
+
+pytestmark = pytest.mark.real_model
+MODEL = "smollm2-135m"
+
+
+class LiveServer:
+    def __init__(self, app):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def live(smollm2, tmp_path_factory):
+    model, tokenizer = smollm2
+    cache = tmp_path_factory.mktemp("cache") / "trie.safetensors"
+    app = create_app(
+        model, tokenizer, ServerConfig(MODEL, "trie", {"max_nodes": 5000}, cache_path=str(cache), max_tokens_limit=64)
+    )
+    server = LiveServer(app)
+    yield server, app, cache
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(live):
+    return OpenAI(base_url=live[0].url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def plain_text(smollm2, prompt=None, messages=None, max_new_tokens=16) -> str:
+    model, tokenizer = smollm2
+    if messages is not None:
+        ids = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )["input_ids"]
+    else:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+    out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
+    return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+
+
+def test_models_and_health(live, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(live[0].url + "/health").json()["status"] == "ok"
+
+
+def test_completion_equals_plain_generate(smollm2, client):
+    prompt = "def fibonacci(n):\n    "
+    response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0)
+    assert response.choices[0].text == plain_text(smollm2, prompt=prompt)
+    assert response.usage.completion_tokens == 16
+    assert response.model_extra["forerun"]["method"] == "trie"
+
+
+def test_chat_streaming_and_not_equal_plain_generate(smollm2, client):
+    messages = [{"role": "user", "content": "Name three colours."}]
+    expected = plain_text(smollm2, messages=messages)
+    response = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
+    assert response.choices[0].message.content == expected
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=16,
+        temperature=0,
+        stream=True,
+        extra_body={"forerun": {"method": "prompt_lookup"}},
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason in ("length", "stop")
+
+
+def test_stop_strings_are_cut_like_openai(client):
+    response = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=16, temperature=0, stop=[","])
+    assert "," not in response.choices[0].text
+    assert response.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize(
+    ("body", "fragment"),
+    [
+        ({"prompt": "hi", "max_tokens": "many"}, "max_tokens"),
+        ({"max_tokens": 4}, "prompt"),
+        ({"prompt": "hi", "max_tokens": 0}, "max_tokens must be between 1 and 64"),
+        ({"prompt": "hi", "max_tokens": 65}, "max_tokens must be between 1 and 64"),
+        ({"prompt": "hi", "n": 2}, "n=2 is not supported"),
+        ({"prompt": "hi", "forerun": {"method": "medusa"}}, "unknown method 'medusa'"),
+        ({"prompt": "hi", "forerun": {"method": "jacobi", "windw": 3}}, "unknown knob(s) ['windw']"),
+        ({"prompt": "word " * 8200, "max_tokens": 4}, "exceeds the model context"),
+        ({"prompt": "hi", "temperature": -1}, "temperature"),
+        ({"prompt": "hi", "frequency_penalty": 0.5}, "frequency_penalty"),
+        ({"prompt": "   "}, "prompt is empty"),
+    ],
+)
+def test_bad_requests_get_openai_style_400(live, body, fragment):
+    response = httpx.post(live[0].url + "/v1/completions", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    assert fragment in response.json()["error"]["message"]
+
+
+def test_invalid_json_unknown_model_and_server_keeps_serving(live, client):
+    response = httpx.post(
+        live[0].url + "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 400 and "error" in response.json()
+    response = httpx.post(live[0].url + "/v1/completions", json={"model": "gpt-9", "prompt": "hi"})
+    assert response.status_code == 404
+    assert client.completions.create(model=MODEL, prompt="Hello", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_api_key_checked_on_every_endpoint_but_health(smollm2):
+    model, tokenizer = smollm2
+    server = LiveServer(create_app(model, tokenizer, ServerConfig(MODEL, "plain", api_key="s3cret")))
+    try:
+        assert httpx.get(server.url + "/health").status_code == 200
+        for path in ("/v1/models", "/metrics"):
+            response = httpx.get(server.url + path)
+            assert response.status_code == 401 and response.json()["error"]["type"] == "authentication_error"
+        good = OpenAI(base_url=server.url + "/v1", api_key="s3cret", max_retries=0)
+        assert good.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices[0].text is not None
+    finally:
+        server.stop()
+
+
+def test_bounded_load_8_clients_x_10_requests(live, client):
+    def one(i: int) -> bool:
+        if i % 2:
+            stream = client.completions.create(model=MODEL, prompt=f"Count to {i}:", max_tokens=6, stream=True)
+            chunks = list(stream)
+            return chunks[-1].choices[0].finish_reason is not None
+        response = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": f"Say {i}"}], max_tokens=6
+        )
+        return response.choices[0].finish_reason is not None
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(one, range(80)))
+    assert all(results) and len(results) == 80
+    decoder = live[1].state.decoders["trie"]
+    assert len(decoder.trie_drafter().trie) <= 5000  # the shared cache stays within its bound
+
+
+def test_client_disconnect_mid_stream_does_not_affect_the_next_request(smollm2, live, client):
+    body = {"prompt": "Write a long story about a lighthouse keeper.", "max_tokens": 64, "stream": True}
+    with httpx.stream("POST", live[0].url + "/v1/completions", json=body, timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: ") and json.loads(line[6:]).get("choices"):
+                break  # one chunk read, then hang up
+    prompt = "The capital of France is"
+    response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+    assert response.choices[0].text == plain_text(smollm2, prompt=prompt, max_new_tokens=8)
+
+
+def test_metrics_report_requests_tokens_and_acceptance(live, client):
+    client.completions.create(model=MODEL, prompt="a b c a b c a b", max_tokens=8)
+    text = httpx.get(live[0].url + "/metrics").text
+    for name in (
+        "forerun_requests_total",
+        "forerun_generated_tokens_total",
+        "forerun_tokens_per_forward_bucket",
+        "forerun_request_seconds_bucket",
+        "forerun_queue_length",
+    ):
+        assert name in text
+    assert 'method="trie"' in text
+
+
+def test_cache_saved_at_shutdown_and_loaded_at_start(smollm2, tmp_path):
+    model, tokenizer = smollm2
+    path = tmp_path / "trie.safetensors"
+    config = ServerConfig(MODEL, "trie", cache_path=str(path))
+    server = LiveServer(create_app(model, tokenizer, config))
+    OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0).completions.create(
+        model=MODEL, prompt="one two three", max_tokens=8
+    )
+    server.stop()
+    assert path.is_file()
+    app = create_app(model, tokenizer, config)
+    second = LiveServer(app)
+    try:
+        assert len(app.state.decoders["trie"].trie_drafter().trie) > 0
+    finally:
+        second.stop()
