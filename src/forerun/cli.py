@@ -17,14 +17,13 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
+from forerun.chat import SOURCE_STYLES
 from forerun.models import DEFAULT_MODEL
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Faster, identical text from Hugging Face LMs.")
 # Tables are wide: give them room when the output is a file or a pipe (rich would assume 80 columns).
 console = Console(width=None if sys.stdout.isatty() else 150)
 errors = Console(stderr=True)
-
-SOURCE_STYLES = {"model": "", "prompt_lookup": "bold green", "jacobi": "bold cyan", "trie": "bold magenta"}
 
 
 def user_errors(command: Callable) -> Callable:
@@ -195,6 +194,30 @@ def bench(
         for r in mismatches:
             errors.print(f"[bold red]MISMATCH[/]: {r.method} on {r.prompt_id} differs from model.generate")
         raise typer.Exit(1)
+
+
+@app.command()
+@user_errors
+def chat(
+    model: str = typer.Option(DEFAULT_MODEL, "--model", "-m"),
+    method: str = typer.Option("prompt_lookup", "--method"),
+    knob: list[str] = typer.Option([], "--knob", "-k", help="Method knob NAME=VALUE (repeatable)."),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n"),
+    threads: int = typer.Option(0, "--threads"),
+) -> None:
+    """Chat in the terminal: streaming answers, draft-accepted tokens coloured, a stats line per answer."""
+    import torch
+
+    from forerun.chat import chat_loop
+    from forerun.config import method_config
+    from forerun.models import load_model
+
+    knobs = parse_knobs(knob)
+    method_config(method, **knobs)
+    if threads:
+        torch.set_num_threads(threads)
+    lm, tokenizer = load_model(model)
+    chat_loop(lm, tokenizer, method, knobs, max_new_tokens, console)
 
 
 @app.command()

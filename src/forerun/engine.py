@@ -51,6 +51,9 @@ class Transcript:
                 self.done = True
                 break
         if self.streamer is not None and taken:
+            note_sources = getattr(self.streamer, "note_sources", None)
+            if note_sources is not None:  # optional: streamers that colour tokens by origin (forerun chat)
+                note_sources(self.sources[len(self.sources) - len(taken) :])
             self.streamer.put(self.sequence.new_tensor(taken))
         return taken
 
