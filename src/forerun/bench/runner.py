@@ -7,6 +7,10 @@ Method specs: `plain`, `prompt_lookup`, `jacobi`, `trie` (forerun), `hf_prompt_l
 `prompt_lookup_num_tokens=10`), and knobs in brackets: `jacobi[window=7,ngram=5,max_candidates=7]`,
 `prompt_lookup[max_tree_nodes=8,draft_len=7]`, `trie[warm=10]` (the trie first learns from the model's own
 answers to 10 other prompts of each dataset, disjoint from the timed ones, as PIA's benchmarks use a train split).
+
+Sampled runs (`sampling={"temperature": 0.7, "top_p": 0.9}`) cannot be compared token for token (the methods draw
+their randomness differently; their distribution is proven equal by tests/test_sampling.py): `identical` is None
+and speed is the ratio of tokens per second, since the lengths differ.
 """
 
 from __future__ import annotations
@@ -63,14 +67,15 @@ class Record:
     method: str
     new_tokens: int
     seconds: float
-    identical: bool
+    identical: bool | None
+    """Token-for-token equal to the reference; None for sampled runs."""
     forwards: int | None = None
     tokens_per_forward: float | None = None
     acceptance: float | None = None
     draft_share: float | None = None
     accepted_hist: dict = field(default_factory=dict)
     speedup: float | None = None
-    """reference seconds / this run's seconds, same prompt, same process."""
+    """This run's tokens/s over the reference's, same prompt, same process (greedy: reference s / this run's s)."""
 
 
 def run_interleaved(
@@ -81,8 +86,14 @@ def run_interleaved(
     max_new_tokens: int,
     on_step: Callable[[str, str], None] | None = None,
     prepare: Callable[[MethodSpec, Decoder], None] | None = None,
+    sampling: dict | None = None,
+    seed: int = 0,
 ) -> list[Record]:
-    """Run reference + every spec on each prompt in turn; returns one Record per (prompt, method)."""
+    """Run reference + every spec on each prompt in turn; returns one Record per (prompt, method).
+
+    `sampling`: generation settings for sampled runs (e.g. {"temperature": 0.7, "top_p": 0.9}); None = greedy.
+    """
+    run = Run(model, max_new_tokens, dict(sampling) if sampling is not None else None, seed)
     decoders = {
         s.label: Decoder(model, tokenizer, s.method, max_tree_nodes=s.max_tree_nodes, **s.knobs)
         for s in specs
@@ -97,54 +108,73 @@ def run_interleaved(
         ids = tokenizer.apply_chat_template(
             list(prompt.messages), add_generation_prompt=True, return_tensors="pt", return_dict=True
         )["input_ids"]
-        started = time.perf_counter()
-        reference = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
-        ref_seconds = time.perf_counter() - started
+        reference, ref_seconds = run.hf(ids)
         new = reference.shape[1] - ids.shape[1]
+        identical = None if run.sampling is not None else True
         records.append(
-            Record(prompt.id, prompt.dataset, REFERENCE, new, ref_seconds, True, new, 1.0, None, 0.0, {}, 1.0)
+            Record(prompt.id, prompt.dataset, REFERENCE, new, ref_seconds, identical, new, 1.0, None, 0.0, {}, 1.0)
         )
         if on_step:
             on_step(prompt.id, REFERENCE)
         for spec in specs:
-            records.append(
-                run_one(model, ids, spec, decoders.get(spec.label), max_new_tokens, prompt, reference, ref_seconds)
-            )
+            records.append(run.one(ids, spec, decoders.get(spec.label), prompt, reference, ref_seconds))
             if on_step:
                 on_step(prompt.id, spec.label)
     return records
 
 
-def run_one(model, ids, spec, decoder, max_new_tokens, prompt, reference, ref_seconds) -> Record:
-    if spec.method == "hf_prompt_lookup":
+@dataclass(frozen=True)
+class Run:
+    """How every method is called in one benchmark run (greedy, or sampled with the same settings)."""
+
+    model: torch.nn.Module
+    max_new_tokens: int
+    sampling: dict | None
+    seed: int
+
+    def hf(self, ids: torch.Tensor, **extra) -> tuple[torch.Tensor, float]:
+        """model.generate (the reference, or with extra arguments such as prompt_lookup_num_tokens); (ids, s)."""
+        settings = {"do_sample": False} if self.sampling is None else {"do_sample": True, **self.sampling}
+        torch.manual_seed(self.seed)
         started = time.perf_counter()
-        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, prompt_lookup_num_tokens=10)
-        seconds = time.perf_counter() - started
+        out = self.model.generate(ids, max_new_tokens=self.max_new_tokens, **settings, **extra)
+        return out, time.perf_counter() - started
+
+    def one(self, ids, spec: MethodSpec, decoder: Decoder | None, prompt: BenchPrompt, reference, ref_seconds):
+        identical = None
+        ref_rate = (reference.shape[1] - ids.shape[1]) / ref_seconds
+        if spec.method == "hf_prompt_lookup":
+            out, seconds = self.hf(ids, prompt_lookup_num_tokens=10)
+            new = out.shape[1] - ids.shape[1]
+            if self.sampling is None:
+                identical = torch.equal(out, reference)
+            speedup = new / seconds / ref_rate
+            return Record(prompt.id, prompt.dataset, spec.label, new, seconds, identical, speedup=speedup)
+        if self.sampling is None:
+            result = decoder.generate(ids, self.max_new_tokens)
+            identical = torch.equal(result.sequences, reference)
+        else:
+            result = decoder.generate(ids, self.max_new_tokens, do_sample=True, seed=self.seed, **self.sampling)
+        s = result.stats
         return Record(
             prompt.id,
             prompt.dataset,
             spec.label,
-            out.shape[1] - ids.shape[1],
-            seconds,
-            torch.equal(out, reference),
-            speedup=ref_seconds / seconds,
+            s.new_tokens,
+            s.total_seconds,
+            identical,
+            s.forwards,
+            s.tokens_per_forward,
+            s.acceptance_rate,
+            s.draft_share,
+            {str(k): v for k, v in sorted(s.accepted_hist.items())},
+            s.new_tokens / s.total_seconds / ref_rate,
         )
-    result = decoder.generate(ids, max_new_tokens)
-    s = result.stats
-    return Record(
-        prompt.id,
-        prompt.dataset,
-        spec.label,
-        s.new_tokens,
-        s.total_seconds,
-        torch.equal(result.sequences, reference),
-        s.forwards,
-        s.tokens_per_forward,
-        s.acceptance_rate,
-        s.draft_share,
-        {str(k): v for k, v in sorted(s.accepted_hist.items())},
-        ref_seconds / s.total_seconds,
-    )
+
+
+def mismatch_lines(records: Sequence[Record]) -> list[str]:
+    """One line per greedy run whose tokens differ from plain model.generate (sampled runs are not compared)."""
+    return [f"{r.method} on {r.prompt_id} differs from model.generate" for r in records if r.identical is False]
 
 
 def warm_up(model, tokenizer, decoders: dict[str, Decoder], prompt: BenchPrompt) -> None:

@@ -1,0 +1,156 @@
+"""The benchmark harness itself: datasets, method specs, interleaving, the mismatch detector, outputs. No timings."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from typer.testing import CliRunner
+
+from forerun.bench.datasets import load_dataset
+from forerun.bench.latency import latency_curve, write_curve
+from forerun.bench.runner import mismatch_lines, parse_methods, run_interleaved
+from forerun.cli import app
+from forerun.models import resolve
+
+EXPECTED_COUNTS = {"gsm8k": 1319, "humaneval": 164, "mbpp": 500, "typehints": 164, "restate": 1319}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    location, gguf_file = resolve("smollm2-135m")
+    return AutoTokenizer.from_pretrained(location, gguf_file=gguf_file, local_files_only=True)
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    """A tiny random llama with the real tokenizer's vocabulary: the runner applies the real chat template."""
+    config = AutoConfig.for_model(
+        "llama",
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_COUNTS))
+def test_dataset_loaders_return_documented_counts_and_fields(name):
+    prompts = load_dataset(name)
+    assert len(prompts) == EXPECTED_COUNTS[name]
+    assert len({p.id for p in prompts}) == len(prompts)
+    for prompt in prompts[:50]:
+        assert prompt.dataset == name
+        assert [m["role"] for m in prompt.messages] == ["user"] and len(prompt.messages[0]["content"]) > 20
+    assert len(load_dataset(name, 3)) == 3
+
+
+def test_copy_heavy_prompts_contain_their_source():
+    assert "return" in load_dataset("typehints", 1)[0].messages[0]["content"]
+    assert load_dataset("gsm8k", 1)[0].messages[0]["content"] in load_dataset("restate", 1)[0].messages[0]["content"]
+
+
+def test_user_jsonl_prompt_and_messages_and_a_bad_line(tmp_path):
+    path = tmp_path / "mine.jsonl"
+    path.write_text(
+        '{"prompt": "hello there"}\n{"id": "b", "messages": [{"role": "user", "content": "hi"}]}\n',
+    )
+    prompts = load_dataset(str(path))
+    assert [p.id for p in prompts] == ["0", "b"] and prompts[0].messages[0]["content"] == "hello there"
+    path.write_text('{"question": "no"}\n')
+    with pytest.raises(ValueError, match="line 1"):
+        load_dataset(str(path))
+    with pytest.raises(ValueError, match="unknown dataset"):
+        load_dataset("nope")
+
+
+def test_method_specs_parse_knobs_budget_and_warm():
+    text = "plain,jacobi[window=7,ngram=5,max_candidates=7],trie[warm=3],prompt_lookup[max_tree_nodes=8]"
+    specs = parse_methods(text)
+    assert [s.label for s in specs] == [
+        "plain",
+        "jacobi[window=7,ngram=5,max_candidates=7]",
+        "trie[warm=3]",
+        "prompt_lookup[max_tree_nodes=8]",
+    ]
+    assert specs[1].knobs == {"window": 7, "ngram": 5, "max_candidates": 7}
+    assert specs[2].warm == 3 and specs[2].knobs == {}
+    assert specs[3].max_tree_nodes == 8
+    with pytest.raises(ValueError, match="unknown benchmark method"):
+        parse_methods("plain,warp")
+
+
+def test_runs_are_interleaved_per_prompt_and_checked(model, tokenizer):
+    order = []
+    prompts = load_dataset("gsm8k", 2)
+    specs = parse_methods("plain,prompt_lookup,hf_prompt_lookup")
+    records = run_interleaved(model, tokenizer, prompts, specs, 6, lambda pid, label: order.append((pid, label)))
+    labels = ["generate", "plain", "prompt_lookup", "hf_prompt_lookup"]
+    assert order == [(p.id, label) for p in prompts for label in labels]
+    assert all(r.identical for r in records) and mismatch_lines(records) == []
+    assert all(r.new_tokens == 6 and r.speedup > 0 for r in records)
+
+
+def test_mismatch_detector_catches_an_injected_mismatch(model, tokenizer):
+    def corrupt(spec, decoder):
+        honest = decoder.generate
+
+        def generate(*args, **kwargs):
+            result = honest(*args, **kwargs)
+            wrong = result.sequences.clone()
+            wrong[0, -1] = (wrong[0, -1] + 1) % len(tokenizer)
+            return dataclasses.replace(result, sequences=wrong)
+
+        decoder.generate = generate
+
+    specs = parse_methods("plain,prompt_lookup")
+    records = run_interleaved(model, tokenizer, load_dataset("gsm8k", 1), specs, 6, prepare=corrupt)
+    lines = mismatch_lines(records)
+    assert len(lines) == 2 and "plain on" in lines[0] and "prompt_lookup on" in lines[1]
+
+
+def test_sampled_runs_are_not_compared_token_for_token(model, tokenizer):
+    specs = parse_methods("prompt_lookup,jacobi")
+    sampling = {"temperature": 0.7, "top_p": 0.9}
+    records = run_interleaved(model, tokenizer, load_dataset("gsm8k", 1), specs, 6, sampling=sampling, seed=3)
+    assert [r.identical for r in records] == [None, None, None]
+    assert mismatch_lines(records) == [] and all(r.speedup > 0 for r in records)
+
+
+def test_cli_bench_writes_tables_json_and_plots(model, tokenizer, tmp_path):
+    folder = tmp_path / "tiny"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    out = tmp_path / "results"
+    args = ["bench", "--model", str(folder), "--dataset", "gsm8k,typehints", "--n", "1", "--max-new-tokens", "5"]
+    args += ["--methods", "plain,prompt_lookup,hf_prompt_lookup,trie[warm=1]", "--out", str(out)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "speed vs plain model.generate" in result.output and "trie[warm=1]" in result.output
+    data = json.loads((out / "results.json").read_text())
+    assert len(data["records"]) == 2 * 5 and data["settings"]["threads"] == 1
+    assert set(data["summary"]) == {"gsm8k", "typehints"}
+    assert "| trie[warm=1] |" in (out / "results.md").read_text()
+    for png in ("speedup.png", "accepted_hist.png"):
+        assert (out / png).read_bytes()[:4] == b"\x89PNG"
+    sampled = CliRunner().invoke(app, [*args[:-1], str(tmp_path / "sampled"), "--sample"])
+    assert sampled.exit_code == 0, sampled.output
+    assert "n/a (sampled)" in (tmp_path / "sampled" / "results.md").read_text()
+
+
+def test_latency_curve_shape_and_outputs(model, tmp_path):
+    curve = latency_curve(model, sizes=(1, 2, 4), context=16, repeats=2)
+    assert curve["sizes"] == [1, 2, 4] and curve["relative"][1] == 1.0
+    assert all(s > 0 for s in curve["seconds"].values())
+    paths = write_curve(curve, {"model": "tiny", "device": "cpu"}, tmp_path)
+    assert json.loads(paths[0].read_text())["context"] == 16 and paths[1].read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(ValueError):
+        latency_curve(model, sizes=(0, 2))
