@@ -27,8 +27,8 @@ demo: setup
 		--methods plain,hf_prompt_lookup,prompt_lookup --out bench-results/demo
 
 lint: setup
-	$(BIN)/ruff check src tests
-	$(BIN)/ruff format --check src tests
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
 
 test: setup lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from forerun.bench.datasets import load_dataset
 from forerun.bench.latency import latency_curve, write_curve
-from forerun.bench.runner import mismatch_lines, parse_methods, run_interleaved
+from forerun.bench.runner import load_records, mismatch_lines, parse_methods, run_interleaved
 from forerun.cli import app
 from forerun.models import resolve
 
@@ -154,3 +154,17 @@ def test_latency_curve_shape_and_outputs(model, tmp_path):
     assert json.loads(paths[0].read_text())["context"] == 16 and paths[1].read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(ValueError):
         latency_curve(model, sizes=(0, 2))
+
+
+def test_included_records_load_and_bad_files_are_refused(tmp_path):
+    row = {"prompt_id": "GSM8K/0", "dataset": "gsm8k", "method": "lade[window=7]", "new_tokens": 9, "seconds": 1.0}
+    path = tmp_path / "lade.json"
+    path.write_text(json.dumps({"records": [{**row, "identical": False, "speedup": 0.5}]}))
+    (record,) = load_records(path)
+    assert record.method == "lade[window=7]" and record.speedup == 0.5
+    assert mismatch_lines([record]) == ["lade[window=7] on GSM8K/0 differs from model.generate"]
+    path.write_text('{"records": [{"nope": 1}]}')
+    with pytest.raises(ValueError, match="not a benchmark results file"):
+        load_records(path)
+    with pytest.raises(FileNotFoundError):
+        load_records(tmp_path / "missing.json")

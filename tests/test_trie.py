@@ -50,6 +50,19 @@ def test_draft_stops_below_eos():
     assert trie.draft([1], EXAMPLE, frozenset({2}), "trie").tokens == [1, 2]
 
 
+def test_skip_anchors_are_never_the_first_token_of_a_window():
+    drafter = TrieDrafter(TrieConfig(max_query_length=1, branch_length=2, skip_anchors="13"))
+    assert drafter.config.skip_anchors == (13,)
+    drafter.learn([5, 13, 6, 7])
+    assert drafter.trie.match([13], 1) is None  # "13" anchors nothing
+    assert list(drafter.trie.match([5], 1).children) == [13]  # but it may follow another anchor
+    assert drafter.trie.draft([9, 5], drafter.config, frozenset(), "trie").tokens == [5, 13, 6]
+    with pytest.raises(ValueError, match="skip_anchors"):
+        TrieConfig(skip_anchors="a,b")
+    with pytest.raises(ValueError, match="skip_anchors"):
+        TrieConfig(skip_anchors=(-1,))
+
+
 def test_prompt_counts_are_withdrawn_output_counts_stay():
     drafter = TrieDrafter(TrieConfig(max_query_length=1, branch_length=2, prompt_weight=0.5))
     ctx = DraftContext([1, 2, 3, 4], 3, 16, frozenset())

@@ -138,6 +138,9 @@ def bench(
     temperature: float = typer.Option(0.7, "--temperature", help="With --sample."),
     top_p: float = typer.Option(0.9, "--top-p", help="With --sample."),
     seed: int = typer.Option(0, "--seed", help="With --sample: every run of a prompt starts from this seed."),
+    include: list[str] = typer.Option(
+        [], "--include", help="Add the records of another run (e.g. benchmarks/compare_lade.sh's lade.json)."
+    ),
 ) -> None:
     """Benchmark methods against plain model.generate on real prompts, interleaved, outputs checked."""
     from pathlib import Path
@@ -147,7 +150,7 @@ def bench(
 
     from forerun.bench.datasets import load_dataset
     from forerun.bench.report import summarize, tables, write_outputs
-    from forerun.bench.runner import mismatch_lines, parse_methods, run_interleaved
+    from forerun.bench.runner import load_records, mismatch_lines, parse_methods, run_interleaved
     from forerun.models import load_model
 
     if quick:
@@ -156,6 +159,7 @@ def bench(
         raise ValueError(f"--n, --max-new-tokens and --threads must be >= 1 (got {n}, {max_new_tokens}, {threads})")
     specs = parse_methods(methods)
     prompts = [p for name in dataset.split(",") for p in load_dataset(name.strip(), n)]
+    included = [record for path in include for record in load_records(Path(path))]
     torch.set_num_threads(threads)
     lm, tokenizer = load_model(model)
     sampling = {"temperature": temperature, "top_p": top_p} if sample else None
@@ -185,7 +189,9 @@ def bench(
         records = run_interleaved(
             lm, tokenizer, prompts, specs, max_new_tokens, step, warm_up_on_other_prompts, sampling, seed
         )
-    summary = summarize(records)
+    for line in mismatch_lines(included):
+        errors.print(f"[yellow]note[/]: included run: {escape(line)}", highlight=False)
+    summary = summarize(records + included)
     for table in tables(summary):
         console.print(table)
     settings = {
@@ -199,7 +205,7 @@ def bench(
         "seed": seed if sampling else None,
         "torch": torch.__version__,
     }
-    for path in write_outputs(records, summary, settings, Path(out)):
+    for path in write_outputs(records + included, summary, settings, Path(out)):
         console.print(f"wrote {path}")
     mismatches = mismatch_lines(records)
     for line in mismatches:

@@ -98,8 +98,24 @@ class TrieConfig:
     """Count added for n-grams of the current prompt (removed when the request ends)."""
     output_weight: float = 1.0
     """Count added for n-grams of generated outputs (kept across requests)."""
+    skip_anchors: tuple[int, ...] = ()
+    """Token ids never used as the first token of an inserted window (PIA's stop words: spaces, punctuation...
+    anchor poor drafts). The CLI and server take "13,28"."""
 
     def __post_init__(self) -> None:
+        anchors = self.skip_anchors
+        if isinstance(anchors, str):
+            try:
+                anchors = tuple(int(part) for part in anchors.split(",") if part.strip())
+            except ValueError:
+                raise ValueError(f"TrieConfig.skip_anchors must be token ids like '13,28', got {anchors!r}") from None
+        if isinstance(anchors, int) and not isinstance(anchors, bool):
+            anchors = (anchors,)
+        if not isinstance(anchors, (tuple, list, frozenset, set)) or not all(
+            isinstance(a, int) and not isinstance(a, bool) and a >= 0 for a in anchors
+        ):
+            raise ValueError(f"TrieConfig.skip_anchors must be token ids >= 0, got {self.skip_anchors!r}")
+        object.__setattr__(self, "skip_anchors", tuple(anchors))  # frozen: normalise once, here
         check_int(self, "decoding_length", 1)
         check_int(self, "branch_length", 1)
         check_int(self, "max_query_length", 1)

@@ -15,10 +15,12 @@ and speed is the ratio of tokens per second, since the lengths differ.
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -170,6 +172,17 @@ class Run:
             {str(k): v for k, v in sorted(s.accepted_hist.items())},
             s.new_tokens / s.total_seconds / ref_rate,
         )
+
+
+def load_records(path: Path) -> list[Record]:
+    """The records of a results.json (ours, or one written in our format by benchmarks/run_lade.py)."""
+    if not path.is_file():
+        raise FileNotFoundError(f"records file not found: {path}")
+    try:
+        rows = json.loads(path.read_text())["records"]
+        return [Record(**row) for row in rows]
+    except (json.JSONDecodeError, KeyError, TypeError) as error:
+        raise ValueError(f"{path} is not a benchmark results file ({error})") from None
 
 
 def mismatch_lines(records: Sequence[Record]) -> list[str]:

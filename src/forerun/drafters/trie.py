@@ -81,11 +81,16 @@ class TokenTrie:
         prompt: bool = False,
         start: int = 0,
         complete_only: bool = False,
+        skip_anchors: tuple[int, ...] = (),
     ) -> int:
-        """Insert the windows of `tokens` starting at positions >= start; returns the next start position."""
+        """Insert the windows of `tokens` starting at positions >= start; returns the next start position.
+
+        Windows whose first token is in `skip_anchors` are not inserted.
+        """
         end = len(tokens) - window + 1 if complete_only else len(tokens) - 1
         for i in range(start, max(start, end)):
-            self.insert(tokens[i : i + window], weight, prompt)
+            if tokens[i] not in skip_anchors:
+                self.insert(tokens[i : i + window], weight, prompt)
         return max(start, end)
 
     def withdraw_prompt(self) -> None:
@@ -260,7 +265,13 @@ class TrieDrafter:
 
     def start(self, ctx: DraftContext) -> None:
         if self.config.prompt_weight > 0:
-            self.trie.insert_text(ctx.tokens[: ctx.prompt_len], self.window, self.config.prompt_weight, prompt=True)
+            self.trie.insert_text(
+                ctx.tokens[: ctx.prompt_len],
+                self.window,
+                self.config.prompt_weight,
+                prompt=True,
+                skip_anchors=self.config.skip_anchors,
+            )
         # Output windows start where the query context of the first output token starts.
         self.next_output_start = max(0, ctx.prompt_len - self.config.max_query_length)
 
@@ -269,13 +280,25 @@ class TrieDrafter:
 
     def observe(self, ctx: DraftContext, outcome: StepOutcome) -> None:
         self.next_output_start = self.trie.insert_text(
-            ctx.tokens, self.window, self.config.output_weight, start=self.next_output_start, complete_only=True
+            ctx.tokens,
+            self.window,
+            self.config.output_weight,
+            start=self.next_output_start,
+            complete_only=True,
+            skip_anchors=self.config.skip_anchors,
         )
 
     def finish(self, ctx: DraftContext) -> None:
-        self.trie.insert_text(ctx.tokens, self.window, self.config.output_weight, start=self.next_output_start)
+        self.trie.insert_text(
+            ctx.tokens,
+            self.window,
+            self.config.output_weight,
+            start=self.next_output_start,
+            skip_anchors=self.config.skip_anchors,
+        )
         self.trie.withdraw_prompt()
 
     def learn(self, tokens: list[int]) -> None:
         """Insert a whole text (a corpus document, a past answer) with the output weight."""
-        self.trie.insert_text(list(tokens), self.window, self.config.output_weight)
+        config = self.config
+        self.trie.insert_text(list(tokens), self.window, config.output_weight, skip_anchors=config.skip_anchors)
