@@ -84,3 +84,15 @@ def test_window_larger_than_budget_is_refused():
 
     with pytest.raises(ValueError, match="max_tree_nodes=8"):
         forerun.Decoder(tiny_model("llama"), None, "jacobi", max_tree_nodes=8, window=4, ngram=4)
+
+
+def test_defaults_follow_the_device_kind_and_knobs_win():
+    from forerun.config import JacobiConfig, device_defaults
+
+    from tiny_models import tiny_model
+
+    assert device_defaults("jacobi", "cuda") == {"window": 7, "ngram": 5, "max_candidates": 7}
+    assert device_defaults("jacobi", "cpu") == {} and device_defaults("jacobi", "mps") == {}
+    model = tiny_model("llama")
+    assert forerun.Decoder(model, None, "jacobi").config == JacobiConfig()  # this test runs on a CPU
+    assert forerun.Decoder(model, None, "jacobi", window=5).config.window == 5

@@ -152,6 +152,31 @@ def check_method(method: str) -> str:
     return method
 
 
+# Defaults per device kind. A CPU pays for every token of a forward (SmolLM2-135M here: 16 tokens ~2x one token),
+# so drafts stay small; on a GPU the latency curve is flat up to dozens of tokens, so the published defaults
+# (lade: W=7, N=5, G=7; PIA: decoding_length=64 on A100) pay. Knobs the caller gives always win.
+DEVICE_DEFAULTS: dict[str, dict[str, dict[str, object]]] = {
+    "cpu": {},
+    "cuda": {
+        "jacobi": {"window": 7, "ngram": 5, "max_candidates": 7},
+        "trie": {"decoding_length": 32, "branch_length": 12},
+        "prompt_lookup": {"max_branches": 4},
+    },
+}
+
+
+def device_defaults(method: str, device_type: str) -> dict[str, object]:
+    """The default knobs of `method` on a device kind ("cpu", "cuda", ...; unknown kinds get the CPU defaults).
+
+    Example:
+        >>> device_defaults("jacobi", "cuda")
+        {'window': 7, 'ngram': 5, 'max_candidates': 7}
+        >>> device_defaults("jacobi", "cpu")
+        {}
+    """
+    return dict(DEVICE_DEFAULTS.get(device_type, {}).get(method, {}))
+
+
 def method_config(method: str, **knobs: object) -> object | None:
     """Build the config of `method` from keyword knobs; unknown knobs raise a ValueError naming them.
 

@@ -24,7 +24,7 @@ from transformers import (
     StopStringCriteria,
 )
 
-from forerun.config import EngineConfig, method_config
+from forerun.config import EngineConfig, device_defaults, method_config
 from forerun.drafters.base import Drafter
 from forerun.engine import Transcript, decode
 from forerun.stats import GenerationStats
@@ -104,7 +104,8 @@ def eos_ids_of(model: torch.nn.Module, eos_token_id: int | Sequence[int] | None)
 class Decoder:
     """A model, its tokenizer and the drafters of one method; reuse it across requests (pools and tries learn).
 
-    Knobs are the fields of the method's config (e.g. `draft_len=8` for prompt_lookup, `window=4` for jacobi).
+    Knobs are the fields of the method's config (e.g. `draft_len=8` for prompt_lookup, `window=4` for jacobi);
+    knobs not given take the defaults of the model's device kind (`config.device_defaults`: small on a CPU).
     """
 
     def __init__(
@@ -118,7 +119,8 @@ class Decoder:
         **knobs: object,
     ) -> None:
         self.model, self.tokenizer, self.method = model, tokenizer, method
-        self.config = method_config(method, **knobs)
+        device_type = next(model.parameters()).device.type
+        self.config = method_config(method, **{**device_defaults(method, device_type), **knobs})
         self.engine_config = EngineConfig(max_tree_nodes=budget_for(method, self.config, max_tree_nodes))
         self.drafters = list(drafters) if drafters is not None else make_drafters(method, self.config)
         check_vocabulary(model, tokenizer)
