@@ -16,6 +16,7 @@ from functools import wraps
 import typer
 from rich.console import Console
 from rich.markup import escape
+from rich.progress import Progress
 from rich.text import Text
 
 from forerun.chat import SOURCE_STYLES
@@ -62,6 +63,27 @@ def parse_knobs(pairs: list[str]) -> dict[str, object]:
     return knobs
 
 
+def prepare_run(method: str, pairs: list[str], threads: int) -> dict[str, object]:
+    """Parse and validate the knobs of `method` (before any slow model load), then pin torch threads if asked."""
+    import torch
+
+    from forerun.config import method_config
+
+    knobs = parse_knobs(pairs)
+    method_config(method, **knobs)
+    if threads:
+        torch.set_num_threads(threads)
+    return knobs
+
+
+def progress_bar() -> Progress:
+    """The live progress bar of long commands (bench, trie build)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    return Progress(*columns, console=console)
+
+
 def coloured(tokenizer, new_ids: list[int], sources: list[str]) -> Text:
     """The new text with every token styled by where it came from (a drafter's accepted guess, or the model)."""
     text = Text()
@@ -89,17 +111,10 @@ def generate(
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Colour tokens by origin and print stats."),
 ) -> None:
     """Generate text greedily; identical to model.generate(do_sample=False), only sooner."""
-    import torch
-
     from forerun.decoder import Decoder
     from forerun.models import load_model
 
-    if threads:
-        torch.set_num_threads(threads)
-    knobs = parse_knobs(knob)
-    from forerun.config import method_config
-
-    method_config(method, **knobs)  # fail on bad knobs before the slow model load
+    knobs = prepare_run(method, knob, threads)
     lm, tokenizer = load_model(model)
     decoder = Decoder(lm, tokenizer, method, max_tree_nodes=max_tree_nodes or None, **knobs)
     result = decoder.generate(prompt, max_new_tokens, chat=chat)
@@ -146,7 +161,6 @@ def bench(
     from pathlib import Path
 
     import torch
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from forerun.bench.datasets import load_dataset
     from forerun.bench.report import summarize, tables, write_outputs
@@ -169,8 +183,7 @@ def bench(
         f"methods generate (reference), {escape(', '.join(s.label for s in specs))}",
         highlight=False,
     )
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=console) as progress:
+    with progress_bar() as progress:
         task = progress.add_task("runs", total=len(prompts) * (len(specs) + 1))
 
         def step(prompt_id: str, label: str) -> None:
@@ -272,16 +285,10 @@ def chat(
     threads: int = typer.Option(0, "--threads"),
 ) -> None:
     """Chat in the terminal: streaming answers, draft-accepted tokens coloured, a stats line per answer."""
-    import torch
-
     from forerun.chat import chat_loop
-    from forerun.config import method_config
     from forerun.models import load_model
 
-    knobs = parse_knobs(knob)
-    method_config(method, **knobs)
-    if threads:
-        torch.set_num_threads(threads)
+    knobs = prepare_run(method, knob, threads)
     lm, tokenizer = load_model(model)
     chat_loop(lm, tokenizer, method, knobs, max_new_tokens, console)
 
@@ -301,17 +308,12 @@ def serve(
     threads: int = typer.Option(0, "--threads"),
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (completions, chat, streaming, /metrics)."""
-    import torch
     import uvicorn
 
-    from forerun.config import method_config
     from forerun.models import load_model
     from forerun.server import ServerConfig, create_app
 
-    knobs = parse_knobs(knob)
-    method_config(method, **knobs)
-    if threads:
-        torch.set_num_threads(threads)
+    knobs = prepare_run(method, knob, threads)
     config = ServerConfig(
         model_name=model,
         method=method,
@@ -342,25 +344,17 @@ def trie_build(
     """Pre-build a trie cache from a corpus; load it with `forerun serve --cache` or Decoder.load_cache."""
     from pathlib import Path
 
-    import torch
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from forerun.config import method_config
     from forerun.corpus import build_trie, read_corpus
     from forerun.decoder import Decoder
     from forerun.models import load_model
 
-    knobs = parse_knobs(knob)
-    method_config("trie", **knobs)
+    knobs = prepare_run("trie", knob, threads)
     rows = read_corpus(Path(corpus))
     if not Path(output).resolve().parent.is_dir():
         raise FileNotFoundError(f"output folder does not exist: {Path(output).parent}")
-    if threads:
-        torch.set_num_threads(threads)
     lm, tokenizer = load_model(model)
     decoder = Decoder(lm, tokenizer, "trie", **knobs)
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=console) as progress:
+    with progress_bar() as progress:
         task = progress.add_task("building trie", total=len(rows))
         counts = build_trie(decoder, rows, max_new_tokens, on_row=lambda: progress.advance(task))
     decoder.save_cache(output)
