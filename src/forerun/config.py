@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Literal, get_args
 
-Method = Literal["plain", "prompt_lookup", "jacobi", "trie"]
+Method = Literal["plain", "prompt_lookup", "jacobi", "trie", "draft_model"]
 METHODS: tuple[str, ...] = get_args(Method)
 
 
@@ -127,6 +127,50 @@ class TrieConfig:
 
 
 @dataclass(frozen=True)
+class DraftModelConfig:
+    """Speculative decoding with a draft model sharing the tokenizer (Leviathan et al. 2023; Chen et al. 2023).
+
+    The draft model itself is not a knob: pass it to `Decoder(..., draft_model=...)` (a model or a name for
+    `load_model`), or set `self_draft_layers` to draft with the target's own first layers.
+    """
+
+    gamma: int = 10
+    """Draft tokens proposed per step at the start (the schedule then moves it within [1, max_gamma])."""
+    max_gamma: int = 20
+    """Most draft tokens per step."""
+    schedule: Literal["fixed", "grow", "heuristic"] = "heuristic"
+    """fixed: always gamma. grow: +1 after a step whose drafts were all accepted, -1 otherwise.
+    heuristic: transformers' assisted-generation schedule, +2 / -1."""
+    confidence: float = 0.4
+    """Stop drafting a step early once the draft's top probability falls below this (transformers'
+    assistant_confidence_threshold); 0 drafts all gamma tokens."""
+    tree_width: int = 2
+    """Greedy only: also propose the draft's 2nd..k-th choices at the first position (leaves of a small tree).
+    Defaults measured on the Qwen2.5-Coder 1.5B/0.5B pair on this CPU (BENCHMARKS.md): the target's latency is
+    nearly flat from 4 to 21 tokens, so long drafts cost little when the confidence stop cuts the poor ones."""
+    variant: Literal["leviathan", "chen"] = "leviathan"
+    """Sampled verification as written in each paper: leviathan draws the step's uniforms first (Algorithm 1),
+    chen accepts or resamples token by token (Algorithm 2). Both keep the target's distribution exactly."""
+    self_draft_layers: int = 0
+    """> 0: no second model; the target's first K decoder layers plus its LM head draft (layer skipping)."""
+
+    def __post_init__(self) -> None:
+        check_int(self, "gamma", 1)
+        check_int(self, "max_gamma", 1)
+        check_int(self, "tree_width", 1)
+        check_int(self, "self_draft_layers", 0)
+        if self.gamma > self.max_gamma:
+            raise ValueError(f"DraftModelConfig.gamma ({self.gamma}) must be <= max_gamma ({self.max_gamma})")
+        if self.schedule not in ("fixed", "grow", "heuristic"):
+            raise ValueError(f"DraftModelConfig.schedule must be fixed, grow or heuristic, got {self.schedule!r}")
+        if self.variant not in ("leviathan", "chen"):
+            raise ValueError(f"DraftModelConfig.variant must be 'leviathan' or 'chen', got {self.variant!r}")
+        value = self.confidence
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+            raise ValueError(f"DraftModelConfig.confidence must be a number in [0, 1), got {value!r}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """What every method shares: the node budget of one forward."""
 
@@ -142,6 +186,7 @@ METHOD_CONFIGS: dict[str, type | None] = {
     "prompt_lookup": PromptLookupConfig,
     "jacobi": JacobiConfig,
     "trie": TrieConfig,
+    "draft_model": DraftModelConfig,
 }
 
 

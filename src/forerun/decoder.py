@@ -10,6 +10,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from forerun.config import EngineConfig, device_defaults, method_config
 from forerun.drafters.base import Drafter
 from forerun.engine import Transcript, decode
 from forerun.stats import GenerationStats
+from forerun.verify import verify_sample
 
 Prompt = str | Sequence[dict] | Sequence[int] | torch.Tensor
 
@@ -50,10 +52,20 @@ class GenerationResult:
         return self.sequences[0, self.prompt_len :].tolist()
 
 
-def make_drafters(method: str, config: object | None) -> list[Drafter]:
-    """The drafters of a method (imported lazily so a method's dependencies load only when used)."""
+def make_drafters(
+    method: str, config: object | None, draft: torch.nn.Module | None = None, vocab: int = 0
+) -> list[Drafter]:
+    """The drafters of a method (imported lazily so a method's dependencies load only when used).
+
+    `draft`, `vocab`: the draft model of method 'draft_model' (already checked against the target's vocabulary)
+    and the target's number of output rows.
+    """
     if method == "plain":
         return []
+    if method == "draft_model":
+        from forerun.drafters.draft_model import DraftModelDrafter
+
+        return [DraftModelDrafter(config, draft, vocab)]
     if method == "prompt_lookup":
         from forerun.drafters.prompt_lookup import PromptLookupDrafter
 
@@ -90,6 +102,8 @@ def budget_for(method: str, config: object | None, max_tree_nodes: int | None) -
         return 1 + config.decoding_length
     if method == "prompt_lookup":
         return 1 + min(config.draft_len * config.max_branches, 15)
+    if method == "draft_model":
+        return 1 + config.max_gamma + config.tree_width - 1
     return 16
 
 
@@ -116,14 +130,47 @@ class Decoder:
         *,
         max_tree_nodes: int | None = None,
         drafters: Sequence[Drafter] | None = None,
+        draft_model: torch.nn.Module | str | None = None,
+        draft_tokenizer: PreTrainedTokenizerBase | None = None,
         **knobs: object,
     ) -> None:
         self.model, self.tokenizer, self.method = model, tokenizer, method
         device_type = next(model.parameters()).device.type
         self.config = method_config(method, **{**device_defaults(method, device_type), **knobs})
         self.engine_config = EngineConfig(max_tree_nodes=budget_for(method, self.config, max_tree_nodes))
-        self.drafters = list(drafters) if drafters is not None else make_drafters(method, self.config)
         check_vocabulary(model, tokenizer)
+        self.draft_model = self.prepare_draft(draft_model, draft_tokenizer) if method == "draft_model" else None
+        if draft_model is not None and method != "draft_model":
+            raise ValueError(f"draft_model is a knob of method 'draft_model', not of {method!r}")
+        if drafters is None:
+            vocab = model.get_output_embeddings().weight.shape[0]
+            drafters = make_drafters(method, self.config, self.draft_model, vocab)
+        self.drafters = list(drafters)
+        self.sample_verifier = verify_sample
+        """The lossless sampling verifier (method draft_model, variant leviathan: uniforms drawn first)."""
+        if method == "draft_model" and self.config.variant == "leviathan":
+            self.sample_verifier = functools.partial(verify_sample, uniforms_first=True)
+
+    def prepare_draft(self, draft: torch.nn.Module | str | None, draft_tokenizer) -> torch.nn.Module:
+        """The draft model of method 'draft_model': given, loaded by name, or the target's own first layers."""
+        from forerun.drafters.draft_model import check_same_vocabulary, self_draft
+
+        if self.config.self_draft_layers:
+            if draft is not None:
+                raise ValueError("give either draft_model or self_draft_layers, not both")
+            return self_draft(self.model, self.config.self_draft_layers)
+        if draft is None:
+            raise ValueError(
+                "method 'draft_model' needs draft_model=... (a model sharing the target's tokenizer, or its name) "
+                "or the knob self_draft_layers=K (the target's own first K layers)"
+            )
+        if isinstance(draft, str):
+            from forerun.models import load_model
+
+            attn = self.model.config._attn_implementation or "sdpa"
+            draft, draft_tokenizer = load_model(draft, attn, self.model.dtype, str(self.model.device))
+        check_same_vocabulary(self.model, draft, self.tokenizer, draft_tokenizer)
+        return draft
 
     def save_cache(self, path: str) -> None:
         """Save the cross-request state (the trie of method 'trie') with safetensors."""

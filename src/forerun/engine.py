@@ -7,6 +7,7 @@ computed exactly as transformers does, and every later token is the target's own
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 from collections import Counter
@@ -130,14 +131,24 @@ def decode(
     budget = engine_config.max_tree_nodes
 
     # Prefill, exactly as transformers does it: the first token comes from the prompt's last position.
-    logits = model(input_ids=input_ids, past_key_values=cache, use_cache=True).logits[:, -1, :]
+    logits = model(input_ids=input_ids, past_key_values=cache, use_cache=True, **last_logits_only(model)).logits[
+        :, -1, :
+    ]
     prompt_end = TokenTree.rooted_at(int(input_ids[0, -1]))
     first = verify(prompt_end, NodeScores(logits, processor, transcript.sequence, prompt_end), sampling)
     stats.forwards, stats.prefill_seconds = 1, time.perf_counter() - started
     transcript.extend([first.bonus_token], ["model"])
 
     drafters = fallback_if_unsupported(model, cache, drafters, input_ids.shape[1] + max_new_tokens + budget, stats)
-    ctx = DraftContext(transcript.sequence[0].tolist(), input_ids.shape[1], budget, eos_token_ids)
+    ctx = DraftContext(
+        transcript.sequence[0].tolist(),
+        input_ids.shape[1],
+        budget,
+        eos_token_ids,
+        sampled=sampling is not None,
+        processor=processor,
+        generator=sampling.generator if sampling is not None else None,
+    )
     for drafter in drafters:
         drafter.start(ctx)
     prefix_len = input_ids.shape[1]  # tokens in the cache; the root (last committed token) is not yet there
@@ -182,6 +193,12 @@ def decode(
     stats.new_tokens = len(transcript.sources)
     stats.total_seconds = time.perf_counter() - started
     return stats
+
+
+def last_logits_only(model: torch.nn.Module) -> dict[str, int]:
+    """{'logits_to_keep': 1} when `model.forward` takes it: a prefill then skips the LM head on every prompt
+    position but the last (with a 150k vocabulary that is most of a short prompt's prefill), as generate does."""
+    return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
 
 
 def fallback_if_unsupported(

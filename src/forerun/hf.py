@@ -66,7 +66,7 @@ def hf_generate(
         max_new_tokens,
         decoder.engine_config,
         logits_processor,
-        Sampling(forerun_generator) if generation_config.do_sample else None,
+        Sampling(forerun_generator, decoder.sample_verifier) if generation_config.do_sample else None,
     )
     if streamer is not None:
         streamer.end()

@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from forerun.fetch import DEFAULT_MODELS_DIR, FETCHABLE
+
 
 @dataclass(frozen=True)
 class EmbeddedModel:
@@ -54,10 +56,18 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
-def resolve(name: str) -> tuple[str, str | None]:
-    """Map a model name to (from_pretrained location, gguf file name or None)."""
+def resolve(name: str, models_dir: Path = DEFAULT_MODELS_DIR) -> tuple[str, str | None]:
+    """Map a model name to (from_pretrained location, gguf file name or None).
+
+    Fetchable aliases (`forerun models list`) are looked up in `models_dir`, where `forerun models fetch` puts them.
+    """
     if name in EMBEDDED:
         path = EMBEDDED[name].locate()
+        return str(path.parent), path.name
+    if name in FETCHABLE:
+        path = FETCHABLE[name].path_in(models_dir)
+        if not path.is_file():
+            raise FileNotFoundError(f"{name} is not fetched yet ({path} is missing); run: forerun models fetch {name}")
         return str(path.parent), path.name
     path = Path(name).expanduser()
     if path.suffix == ".gguf":
@@ -69,7 +79,7 @@ def resolve(name: str) -> tuple[str, str | None]:
     if "/" in name and not path.exists():
         return name, None  # a hub id: only the local cache is read (local_files_only below)
     raise ValueError(
-        f"unknown model {name!r}: give an alias ({', '.join(EMBEDDED)}), a local folder, a .gguf file, "
+        f"unknown model {name!r}: give an alias ({', '.join([*EMBEDDED, *FETCHABLE])}), a local folder, a .gguf file, "
         "or a hub id already in the local cache"
     )
 

@@ -42,6 +42,9 @@ class TokenTree:
     sources: list[str]
     children: dict[tuple[int, int], int] = field(default_factory=dict)
     """(parent, token) -> node, for candidates only: the fusion index."""
+    draft_probs: dict[int, torch.Tensor] = field(default_factory=dict)
+    """node -> q [vocab], the distribution its token was sampled from (sampling drafters only). A candidate
+    without an entry is a deterministic guess (q = point mass on its token)."""
 
     @classmethod
     def rooted_at(cls, token: int) -> TokenTree:
@@ -92,7 +95,10 @@ class TokenTree:
                 continue
             if len(self) >= budget and (parent, other.tokens[i]) not in self.children:
                 continue
+            size = len(self)
             mapped[i] = self.add(parent, other.tokens[i], other.roles[i], other.sources[i])
+            if i in other.draft_probs and len(self) > size:  # a fused node keeps the q of whoever added it first
+                self.draft_probs[mapped[i]] = other.draft_probs[i]
         return mapped
 
     def candidate_children(self, node: int) -> list[int]:

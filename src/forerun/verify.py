@@ -55,40 +55,74 @@ def verify_greedy(tree: TokenTree, choice_at: Callable[[int], int]) -> Verdict:
 
 
 def verify_sample(
-    tree: TokenTree, probs_at: Callable[[int], torch.Tensor], generator: torch.Generator | None = None
+    tree: TokenTree,
+    probs_at: Callable[[int], torch.Tensor],
+    generator: torch.Generator | None = None,
+    uniforms_first: bool = False,
 ) -> Verdict:
-    """Lossless verification of deterministic drafts (q = point mass), several children per node.
+    """Lossless verification of drafted tokens, several children per node, deterministic or sampled.
 
     At each node, p = probs_at(node) [vocab] (processors applied with the node's own prefix, then softmax).
-    Recursive rejection: try the candidate children in order; child c (token t) is accepted with probability
-    p(t) / M, M the mass still in p; on rejection p(t) is set to 0 (M shrinks). If every child is rejected, the
-    bonus token is sampled from what remains of p, renormalised. The token that leaves a node is therefore
-    distributed exactly as p: P(c_i) = p(c_i) (the rejection factors telescope), and any other token x keeps
-    p(x) / M_final * M_final = p(x).
+    The candidate children are tried in order. Child c with token t, drafted from q (`tree.draft_probs[c]`; a
+    deterministic guess has q = point mass on t), is accepted with probability min(1, p(t) / q(t)); on rejection
+    p becomes the residual norm(max(0, p - q)) and the next child is tried against it. If every child is
+    rejected, the bonus token is sampled from the residual (from p itself when there were no children).
+    One child with q is the speculative sampling rule of Leviathan et al. / Chen et al.; several children are the
+    multi-round rule of SpecInfer; with point masses the residual simply zeroes p(t). Each step leaves the token
+    after the node distributed exactly as p.
 
-    Example: p = [0.5, 0.3, 0.2] at the root, one child with token 1: accepted with probability 0.3; otherwise
-    the bonus is drawn from [0.5, 0, 0.2] / 0.7, so P(0) = 0.7 * 0.5 / 0.7 = 0.5, as under p.
+    `uniforms_first`: draw one uniform per tree level before walking (Leviathan et al., Algorithm 1) instead of
+    one per try as it comes (Chen et al., Algorithm 2); the two differ only in the order of random draws.
+
+    Example: p = [0.5, 0.3, 0.2] at the root, one deterministic child with token 1: accepted with probability
+    0.3; otherwise the bonus is drawn from [0.5, 0, 0.2] / 0.7, so P(0) = 0.7 * 0.5 / 0.7 = 0.5, as under p.
     """
+    device = generator.device if generator is not None else torch.device("cpu")
+
+    def uniform() -> float:
+        return float(torch.rand((), generator=generator, dtype=torch.float64, device=device))
+
+    levels = []
+    if uniforms_first:
+        levels = torch.rand(max(tree.depths) + 1, generator=generator, dtype=torch.float64, device=device).tolist()
     node = 0
     accepted: list[int] = []
     while True:
-        p = probs_at(node).double().clone()  # [vocab]; float64 so tiny masses survive the subtractions
+        p = probs_at(node).double()  # [vocab]; float64 so tiny masses survive the subtractions
+        p = p / p.sum()
         next_node = None
-        for child in (tree.children.get((node, token)) for token in candidate_tokens(tree, node)):
+        for i, child in enumerate(tree.candidate_children(node)):
             token = tree.tokens[child]
-            mass = float(p.sum())
-            chance = float(p[token]) / mass if mass > 0 else 0.0
-            if chance > 0 and float(torch.rand((), generator=generator, dtype=torch.float64)) < chance:
+            q = tree.draft_probs.get(child)
+            if q is None:
+                chance = float(p[token])
+                residual = p.clone()
+                residual[token] = 0.0
+            else:
+                q = fit_vocab(q.double(), p.shape[0]).to(p.device)
+                chance = min(1.0, float(p[token]) / float(q[token])) if float(q[token]) > 0 else 0.0
+                residual = (p - q).clamp_(min=0.0)
+            draw = levels[tree.depths[node]] if uniforms_first and i == 0 else uniform()
+            if chance > 0 and draw < chance:
                 next_node = child
                 break
-            p[token] = 0.0
+            if float(residual.sum()) <= 0:  # p sat (numerically) all on rejected tokens: keep p itself
+                break
+            p = residual / residual.sum()
         if next_node is None:
-            if float(p.sum()) <= 0:  # numerically everything was drafted and rejected: fall back to p itself
-                p = probs_at(node).double()
-            bonus = int(torch.multinomial(p / p.sum(), 1, generator=generator))
+            bonus = int(torch.multinomial(p, 1, generator=generator))
             return Verdict(accepted, bonus)
         accepted.append(next_node)
         node = next_node
+
+
+def fit_vocab(q: torch.Tensor, size: int) -> torch.Tensor:
+    """q over the draft's rows -> q over the target's `size` rows (rows only one model has get no mass)."""
+    if q.shape[0] == size:
+        return q
+    if q.shape[0] > size:
+        return q[:size]
+    return torch.cat([q, q.new_zeros(size - q.shape[0])])
 
 
 def candidate_tokens(tree: TokenTree, node: int) -> list[int]:

@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
+from forerun.bench.runner import synchronize
+
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
 
@@ -35,15 +37,18 @@ def latency_curve(
         raise ValueError("sizes must be >= 1, context >= 1 and repeats >= 1")
     vocab = model.get_input_embeddings().weight.shape[0]
     generator = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (1, context + max(sizes)), generator=generator)
+    device = next(model.parameters()).device
+    ids = torch.randint(0, vocab, (1, context + max(sizes)), generator=generator).to(device)
     cache = DynamicCache(config=model.config)
     model(ids[:, :context], past_key_values=cache, use_cache=True)
     samples: dict[int, list[float]] = {n: [] for n in sizes}
     for _ in range(repeats + 1):  # the first round warms up and is dropped
         for n in sizes:
-            positions = torch.arange(context, context + n).unsqueeze(0)
+            positions = torch.arange(context, context + n, device=device).unsqueeze(0)
+            synchronize(device)
             started = time.perf_counter()
             model(ids[:, context : context + n], past_key_values=cache, position_ids=positions, use_cache=True)
+            synchronize(device)
             samples[n].append(time.perf_counter() - started)
             cache.crop(-n)  # back to the context (negative: drop the last n)
     seconds = {n: statistics.median(values[1:]) for n, values in samples.items()}

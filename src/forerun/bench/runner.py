@@ -30,7 +30,8 @@ from forerun.config import METHODS
 from forerun.decoder import Decoder
 
 REFERENCE = "generate"
-HF_METHODS = ("hf_prompt_lookup",)
+HF_METHODS = ("hf_prompt_lookup", "hf_assisted")
+NEEDS_DRAFT = ("hf_assisted", "draft_model")
 
 
 @dataclass(frozen=True)
@@ -90,26 +91,38 @@ def run_interleaved(
     prepare: Callable[[MethodSpec, Decoder], None] | None = None,
     sampling: dict | None = None,
     seed: int = 0,
+    draft_model: torch.nn.Module | None = None,
 ) -> list[Record]:
     """Run reference + every spec on each prompt in turn; returns one Record per (prompt, method).
 
     `sampling`: generation settings for sampled runs (e.g. {"temperature": 0.7, "top_p": 0.9}); None = greedy.
+    `draft_model`: the small model of methods draft_model and hf_assisted (transformers' assistant_model).
     """
-    run = Run(model, max_new_tokens, dict(sampling) if sampling is not None else None, seed)
+    needing = [s.label for s in specs if s.method in NEEDS_DRAFT and not s.knobs.get("self_draft_layers")]
+    if needing and draft_model is None:
+        raise ValueError(f"{', '.join(needing)} need a draft model (forerun bench --draft-model NAME)")
+    run = Run(model, max_new_tokens, dict(sampling) if sampling is not None else None, seed, draft_model)
     decoders = {
-        s.label: Decoder(model, tokenizer, s.method, max_tree_nodes=s.max_tree_nodes, **s.knobs)
+        s.label: Decoder(
+            model,
+            tokenizer,
+            s.method,
+            max_tree_nodes=s.max_tree_nodes,
+            draft_model=draft_model if s.method == "draft_model" and not s.knobs.get("self_draft_layers") else None,
+            **s.knobs,
+        )
         for s in specs
         if s.method not in HF_METHODS
     }
     for spec in specs:
         if prepare is not None and spec.label in decoders:
             prepare(spec, decoders[spec.label])
-    warm_up(model, tokenizer, decoders, prompts[0])
+    warm_up(model, tokenizer, decoders, prompts[0], draft_model)
     records = []
     for prompt in prompts:
         ids = tokenizer.apply_chat_template(
             list(prompt.messages), add_generation_prompt=True, return_tensors="pt", return_dict=True
-        )["input_ids"]
+        )["input_ids"].to(model.device)
         reference, ref_seconds = run.hf(ids)
         new = reference.shape[1] - ids.shape[1]
         identical = None if run.sampling is not None else True
@@ -133,20 +146,26 @@ class Run:
     max_new_tokens: int
     sampling: dict | None
     seed: int
+    draft_model: torch.nn.Module | None = None
 
     def hf(self, ids: torch.Tensor, **extra) -> tuple[torch.Tensor, float]:
         """model.generate (the reference, or with extra arguments such as prompt_lookup_num_tokens); (ids, s)."""
         settings = {"do_sample": False} if self.sampling is None else {"do_sample": True, **self.sampling}
         torch.manual_seed(self.seed)
+        synchronize(ids.device)
         started = time.perf_counter()
         out = self.model.generate(ids, max_new_tokens=self.max_new_tokens, **settings, **extra)
-        return out, time.perf_counter() - started
+        synchronize(ids.device)
+        return out.cpu(), time.perf_counter() - started
 
     def one(self, ids, spec: MethodSpec, decoder: Decoder | None, prompt: BenchPrompt, reference, ref_seconds):
         identical = None
         ref_rate = (reference.shape[1] - ids.shape[1]) / ref_seconds
-        if spec.method == "hf_prompt_lookup":
-            out, seconds = self.hf(ids, prompt_lookup_num_tokens=10)
+        if spec.method in HF_METHODS:
+            extra = {"prompt_lookup_num_tokens": 10}
+            if spec.method == "hf_assisted":
+                extra = {"assistant_model": self.draft_model}
+            out, seconds = self.hf(ids, **extra)
             new = out.shape[1] - ids.shape[1]
             if self.sampling is None:
                 identical = torch.equal(out, reference)
@@ -174,6 +193,12 @@ class Run:
         )
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for queued GPU work, so a timer stops when the tokens exist (no-op on a CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def load_records(path: Path) -> list[Record]:
     """The records of a results.json (ours, or one written in our format by benchmarks/run_lade.py)."""
     if not path.is_file():
@@ -190,12 +215,14 @@ def mismatch_lines(records: Sequence[Record]) -> list[str]:
     return [f"{r.method} on {r.prompt_id} differs from model.generate" for r in records if r.identical is False]
 
 
-def warm_up(model, tokenizer, decoders: dict[str, Decoder], prompt: BenchPrompt) -> None:
+def warm_up(model, tokenizer, decoders: dict[str, Decoder], prompt: BenchPrompt, draft_model=None) -> None:
     """One short run of each path, so first-call allocations do not land in the first prompt's timings."""
     ids = tokenizer.apply_chat_template(
         list(prompt.messages), add_generation_prompt=True, return_tensors="pt", return_dict=True
-    )["input_ids"]
+    )["input_ids"].to(model.device)
     model.generate(ids, max_new_tokens=8, do_sample=False)
     model.generate(ids, max_new_tokens=8, do_sample=False, prompt_lookup_num_tokens=10)
+    if draft_model is not None:
+        model.generate(ids, max_new_tokens=8, do_sample=False, assistant_model=draft_model)
     for decoder in decoders.values():
         decoder.generate(ids, 8)

@@ -10,6 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+import torch
+from transformers import LogitsProcessorList
+
 from forerun.tree import TokenTree
 from forerun.verify import Verdict
 
@@ -23,6 +26,12 @@ class DraftContext:
     budget: int
     """Most nodes, root included, the engine will feed this step."""
     eos_token_ids: frozenset[int]
+    sampled: bool = False
+    """The target samples (drafters that sample must then attach their q to the tree: `TokenTree.draft_probs`)."""
+    processor: LogitsProcessorList | None = None
+    """The target's logits processors (temperature, top-p, penalties...), for drafters that score tokens."""
+    generator: torch.Generator | None = None
+    """The run's random generator (None = torch's global one), for drafters that sample."""
 
 
 @dataclass(frozen=True)

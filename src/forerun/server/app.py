@@ -169,8 +169,8 @@ def first_stop(text: str, stops: list[str]) -> int | None:
     return min(positions) if positions else None
 
 
-def create_app(model, tokenizer, config: ServerConfig) -> FastAPI:
-    """The FastAPI app for one loaded model."""
+def create_app(model, tokenizer, config: ServerConfig, draft_model=None) -> FastAPI:
+    """The FastAPI app for one loaded model (and the draft model of method draft_model, if one was loaded)."""
     check_method(config.method)
     method_config(config.method, **config.knobs)
     decoders: dict[str, Decoder] = {}
@@ -180,12 +180,16 @@ def create_app(model, tokenizer, config: ServerConfig) -> FastAPI:
     pending = [0]  # requests waiting for or in generation
 
     def decoder_for(method: str, knobs: dict) -> Decoder:
+        draft = {"draft_model": draft_model} if method == "draft_model" and not knobs.get("self_draft_layers") else {}
+        if method == "draft_model" and draft and draft_model is None:
+            raise ValueError("method draft_model needs a draft model: start the server with --draft-model NAME")
         if not knobs or (method == config.method and knobs == config.knobs):
             key = method
             if key not in decoders:
-                decoders[key] = Decoder(model, tokenizer, method, **(config.knobs if method == config.method else {}))
+                own = config.knobs if method == config.method else {}
+                decoders[key] = Decoder(model, tokenizer, method, **draft, **own)
             return decoders[key]
-        return Decoder(model, tokenizer, method, **knobs)  # per-request knobs: a private decoder
+        return Decoder(model, tokenizer, method, **draft, **knobs)  # per-request knobs: a private decoder
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

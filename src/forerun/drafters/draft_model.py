@@ -1,0 +1,196 @@
+"""Speculative decoding with a draft model: a small model sharing the tokenizer guesses, the target verifies.
+
+Each step the draft model, which keeps its own KV cache, catches up with the committed text (rolling its cache
+back to the longest prefix it still shares with it: rejected guesses are dropped, nothing is recomputed) and
+proposes up to `gamma` tokens, one 1-token forward each. Greedy runs draft the argmax (and, with `tree_width`
+k > 1, the 2nd..k-th choices at the first position as extra leaves); sampled runs draw each token from the
+draft's distribution q after the target's own logits processors and attach q to the node, so the verifier can
+apply min(1, p/q) and resample from the residual (`forerun.verify.verify_sample`).
+
+Example (greedy, gamma 3): committed "... def", draft says " add ( a": tree root(def) -> add -> ( -> a.
+The target accepts "add (" and gives "self" as its bonus; next step the draft cache is cropped back to
+"... def add (" and fed "self" before drafting again.
+
+`self_draft(model, k)` builds the no-second-model variant: the target's first k decoder layers and its own LM
+head, sharing the target's weights (no copy).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+from forerun.config import DraftModelConfig
+from forerun.drafters.base import DraftContext, StepOutcome, cut_at_eos
+from forerun.engine import last_logits_only
+from forerun.tree import TokenTree
+
+
+class DraftModelDrafter:
+    """Drafts with `draft` (a causal LM sharing the target's token ids); `vocab` = the target's output rows."""
+
+    name = "draft_model"
+
+    def __init__(self, config: DraftModelConfig, draft: nn.Module, vocab: int) -> None:
+        self.config, self.draft, self.vocab = config, draft, vocab
+        self.gamma = config.gamma
+        """The current draft length; the schedule moves it and it carries over to the next request."""
+        self.cache: DynamicCache | None = None
+        self.cached: list[int] = []
+        """The token ids whose keys/values are in `self.cache`, in order."""
+        self.drafted = 0
+        self.last_only = last_logits_only(draft)
+
+    def start(self, ctx: DraftContext) -> None:
+        self.cache = DynamicCache(config=self.draft.config)
+        self.cached = []
+
+    def propose(self, ctx: DraftContext) -> TokenTree:
+        tree = TokenTree.rooted_at(ctx.tokens[-1])
+        room = min(self.gamma, ctx.budget - self.config.tree_width)
+        if room < 1:
+            return tree
+        device = next(self.draft.parameters()).device
+        logits = self.catch_up(ctx.tokens, device)
+        sequence = list(ctx.tokens)
+        parent, drafted = 0, []
+        for step in range(room):
+            scores = self.scores(logits, sequence, ctx)
+            probs = torch.softmax(scores, dim=-1)
+            if ctx.sampled:
+                token = int(torch.multinomial(probs, 1, generator=ctx.generator))
+            else:
+                token = int(scores.argmax())
+            node = tree.add(parent, token, source=self.name)
+            if ctx.sampled:
+                tree.draft_probs[node] = probs
+            elif step == 0 and self.config.tree_width > 1:  # leaves: the draft's next choices, verified for free
+                for alternative in scores.topk(self.config.tree_width).indices[1:].tolist():
+                    tree.add(0, alternative, source=self.name)
+            parent = node
+            drafted.append(token)
+            sequence.append(token)
+            if token in ctx.eos_token_ids or step == room - 1 or float(probs.max()) < self.config.confidence:
+                break
+            logits = self.forward([token], device)
+        self.drafted = len(cut_at_eos(drafted, ctx.eos_token_ids))
+        return tree
+
+    def catch_up(self, tokens: list[int], device: torch.device) -> torch.Tensor:
+        """Crop the cache to what it shares with `tokens` (never the last token), feed the rest; last logits."""
+        shared = 0
+        limit = min(len(self.cached), len(tokens) - 1)
+        while shared < limit and self.cached[shared] == tokens[shared]:
+            shared += 1
+        if shared < len(self.cached):
+            self.cache.crop(shared - len(self.cached))  # negative: drop that many from the end
+            del self.cached[shared:]
+        return self.forward(tokens[shared:], device)
+
+    @torch.inference_mode()
+    def forward(self, tokens: list[int], device: torch.device) -> torch.Tensor:
+        """Feed `tokens` after the cached ones; return the logits at the last one [vocab of the target]."""
+        start = len(self.cached)
+        ids = torch.tensor([tokens], dtype=torch.long, device=device)
+        positions = torch.arange(start, start + len(tokens), device=device).unsqueeze(0)
+        logits = self.draft(
+            input_ids=ids, position_ids=positions, past_key_values=self.cache, use_cache=True, **self.last_only
+        ).logits
+        self.cached.extend(tokens)
+        return fit_rows(logits[0, -1].float(), self.vocab)
+
+    def scores(self, logits: torch.Tensor, sequence: list[int], ctx: DraftContext) -> torch.Tensor:
+        """The draft's next-token scores after the target's processors, applied with the draft's own prefix."""
+        if not ctx.processor:
+            return logits
+        prefix = torch.tensor([sequence], dtype=torch.long, device=logits.device)
+        return ctx.processor(prefix, logits[None])[0]
+
+    def observe(self, ctx: DraftContext, outcome: StepOutcome) -> None:
+        if self.drafted == 0:
+            return
+        all_taken = outcome.verdict.accepted_len >= self.drafted
+        schedule = self.config.schedule
+        if schedule == "grow":
+            self.gamma += 1 if all_taken else -1
+        elif schedule == "heuristic":  # transformers' num_assistant_tokens_schedule="heuristic"
+            self.gamma += 2 if all_taken else -1
+        self.gamma = max(1, min(self.gamma, self.config.max_gamma))
+
+    def finish(self, ctx: DraftContext) -> None:
+        self.cache, self.cached = None, []  # the draft's cache is per request: free it now
+
+
+def fit_rows(logits: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Draft logits over the target's `vocab` rows: extra rows cut, missing rows -inf (never drafted)."""
+    if logits.shape[0] >= vocab:
+        return logits[:vocab]
+    return torch.cat([logits, logits.new_full((vocab - logits.shape[0],), float("-inf"))])
+
+
+def output_rows(model: nn.Module) -> int:
+    return model.get_output_embeddings().weight.shape[0]
+
+
+def model_name(model: nn.Module) -> str:
+    return getattr(model.config, "_name_or_path", "") or type(model).__name__
+
+
+def check_same_vocabulary(target: nn.Module, draft: nn.Module, target_tokenizer=None, draft_tokenizer=None) -> None:
+    """Raise a ValueError naming both models unless the draft's token ids mean the target's.
+
+    With both tokenizers, their vocabularies (token -> id) must be equal. The output rows may differ only beyond
+    the tokenizer's length (a target padded larger than its tokenizer is fine).
+    """
+    names = f"draft model {model_name(draft)!r} and target {model_name(target)!r}"
+    used = None
+    if target_tokenizer is not None and draft_tokenizer is not None:
+        if target_tokenizer.get_vocab() != draft_tokenizer.get_vocab():
+            raise ValueError(f"{names} use different tokenizers; a draft model must share the target's tokenizer")
+        used = len(target_tokenizer)
+    elif target_tokenizer is not None:
+        used = len(target_tokenizer)
+    rows_target, rows_draft = output_rows(target), output_rows(draft)
+    if rows_target != rows_draft and (used is None or used > min(rows_target, rows_draft)):
+        raise ValueError(
+            f"{names} have different vocabularies ({rows_draft} vs {rows_target} output rows); "
+            "a draft model must share the target's tokenizer"
+        )
+
+
+def shallow_copy(module: nn.Module) -> nn.Module:
+    """A new module object sharing `module`'s parameters and children, with its own table of children."""
+    clone = copy.copy(module)
+    clone._modules = dict(module._modules)
+    return clone
+
+
+def self_draft(model: nn.Module, layers: int) -> nn.Module:
+    """The target's first `layers` decoder layers + final norm + LM head, as a model of its own (shared weights).
+
+    Works for the families whose decoder layers sit in `model.<base>.layers` (llama, qwen2, mistral, gemma,
+    phi3, ...). The target is left untouched.
+    """
+    base = getattr(model, model.base_model_prefix, None)
+    stack = getattr(base, "layers", None)
+    if not isinstance(stack, nn.ModuleList):
+        raise ValueError(
+            f"self-drafting needs decoder layers at model.{model.base_model_prefix}.layers; "
+            f"{type(model).__name__} has none"
+        )
+    if not 1 <= layers < len(stack):
+        raise ValueError(f"self_draft_layers must be in [1, {len(stack) - 1}] for {type(model).__name__}, got {layers}")
+    config = copy.deepcopy(model.config)
+    config.num_hidden_layers = layers
+    if getattr(config, "layer_types", None) is not None:
+        config.layer_types = config.layer_types[:layers]
+    draft_base = shallow_copy(base)
+    draft_base.layers = nn.ModuleList(list(stack)[:layers])
+    draft_base.config = config
+    draft = shallow_copy(model)
+    setattr(draft, model.base_model_prefix, draft_base)
+    draft.config = config
+    return draft
