@@ -86,14 +86,9 @@ def progress_bar() -> Progress:
 
 
 def load_draft(name: str, target, tokenizer):
-    """Load a draft model next to `target` (same device, dtype, attention) and check it shares the tokenizer."""
-    from forerun.drafters.draft_model import check_same_vocabulary
-    from forerun.models import load_model
+    from forerun.drafters.draft_model import load_draft as load
 
-    attn = target.config._attn_implementation or "sdpa"
-    draft, draft_tokenizer = load_model(name, attn, target.dtype, str(target.device))
-    check_same_vocabulary(target, draft, tokenizer, draft_tokenizer)
-    return draft
+    return load(name, target, tokenizer)
 
 
 def coloured(tokenizer, new_ids: list[int], sources: list[str]) -> Text:

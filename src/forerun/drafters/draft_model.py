@@ -161,6 +161,21 @@ def check_same_vocabulary(target: nn.Module, draft: nn.Module, target_tokenizer=
         )
 
 
+def load_draft(name: str, target: nn.Module, tokenizer=None) -> nn.Module:
+    """Load draft model `name` next to `target` (same device, dtype, attention); refuse another tokenizer."""
+    from forerun.models import load_model
+
+    attn = target.config._attn_implementation or "sdpa"
+    draft, draft_tokenizer = load_model(name, attn, target.dtype, str(next(target.parameters()).device))
+    check_same_vocabulary(target, draft, tokenizer, draft_tokenizer)
+    return draft
+
+
+def needs_draft_model(method: str, knobs: dict) -> bool:
+    """Whether `method` with `knobs` drafts with a second model (draft_model without self_draft_layers)."""
+    return method == "draft_model" and not knobs.get("self_draft_layers")
+
+
 def shallow_copy(module: nn.Module) -> nn.Module:
     """A new module object sharing `module`'s parameters and children, with its own table of children."""
     clone = copy.copy(module)

@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from forerun.config import check_method, method_config
 from forerun.decoder import Decoder, GenerationResult
+from forerun.drafters.draft_model import needs_draft_model
 
 
 @dataclass(frozen=True)
@@ -180,8 +181,8 @@ def create_app(model, tokenizer, config: ServerConfig, draft_model=None) -> Fast
     pending = [0]  # requests waiting for or in generation
 
     def decoder_for(method: str, knobs: dict) -> Decoder:
-        draft = {"draft_model": draft_model} if method == "draft_model" and not knobs.get("self_draft_layers") else {}
-        if method == "draft_model" and draft and draft_model is None:
+        draft = {"draft_model": draft_model} if needs_draft_model(method, knobs) else {}
+        if draft and draft_model is None:
             raise ValueError("method draft_model needs a draft model: start the server with --draft-model NAME")
         if not knobs or (method == config.method and knobs == config.knobs):
             key = method
