@@ -63,15 +63,30 @@ def test_greedy_equals_generate(family, impl, method):
         assert result.sequences.shape[1] < prompt.shape[1] + NEW_TOKENS
 
 
+@pytest.mark.parametrize("method", ["prompt_lookup", "jacobi", "trie"])
+@pytest.mark.parametrize(("family", "impl"), [("llama", "sdpa"), ("gpt2", "eager"), ("qwen3", "sdpa")])
+def test_separate_prefill_equals_generate(family, impl, method):
+    """draft_in_prefill=False: generate's own prefill for the first token, then trees (the other engine path)."""
+    decoder = forerun.Decoder(model_of(family, impl), None, method, draft_in_prefill=False, **METHOD_KNOBS[method])
+    for index, prompt in enumerate(prompts(3)):
+        result = decoder.generate(prompt, NEW_TOKENS, eos_token_id=[])
+        assert torch.equal(result.sequences, reference(family, impl, index, None)), (family, impl, method, index)
+
+
 JACOBI_EDGES = [
     {"window": 1, "ngram": 2, "max_candidates": 1},
     {"window": 4, "ngram": 2, "max_candidates": 4, "pool_policy": "frequency"},
     {"window": 2, "ngram": 5, "max_candidates": 2, "pool_from_prompt": False},
-    {"window": 7, "ngram": 5, "max_candidates": 7},  # lade's defaults
+    {"window": 7, "ngram": 5, "max_candidates": 7, "pool_from_output": False},  # lade's defaults
+    {"window": 1, "ngram": 4, "max_candidates": 2, "lazy_window": True},
 ]
 
 
-@pytest.mark.parametrize("knobs", JACOBI_EDGES, ids=lambda k: "W{window}N{ngram}G{max_candidates}".format(**k))
+@pytest.mark.parametrize(
+    "knobs",
+    JACOBI_EDGES,
+    ids=lambda k: "W{window}N{ngram}G{max_candidates}".format(**k) + ("-lazy" if k.get("lazy_window") else ""),
+)
 @pytest.mark.parametrize("family", ["llama", "gpt2", "qwen3", "gemma2"])
 def test_jacobi_settings_equal_generate(family, knobs):
     impl = "eager" if family in NO_SDPA else "sdpa"
@@ -81,16 +96,19 @@ def test_jacobi_settings_equal_generate(family, knobs):
         assert torch.equal(result.sequences, reference(family, impl, index, None)), (family, knobs, index)
 
 
+@pytest.mark.parametrize("draft_in_prefill", [True, False])
 @pytest.mark.parametrize("family", ["llama", "gpt2", "falcon", "gpt_neox"])
-def test_oracle_reaches_full_depth_every_step(family):
+def test_oracle_reaches_full_depth_every_step(family, draft_in_prefill):
     model = model_of(family, "eager")
     prompt = prompts(1)[0]
     truth = reference(family, "eager", 0, None)[0].tolist()
     depth = 5
     oracle = OracleDrafter(truth, depth, VOCAB)
-    result = forerun.Decoder(model, None, "plain", drafters=[oracle]).generate(prompt, NEW_TOKENS, eos_token_id=[])
+    decoder = forerun.Decoder(model, None, "plain", drafters=[oracle], draft_in_prefill=draft_in_prefill)
+    result = decoder.generate(prompt, NEW_TOKENS, eos_token_id=[])
     assert result.sequences[0].tolist() == truth
-    steps = result.stats.forwards - 1
+    # With draft_in_prefill the prefill forward is the first step (its draft verified with the prompt).
+    steps = result.stats.forwards - (0 if draft_in_prefill else 1)
     # every step but the last accepts the whole oracle branch (depth) plus the bonus token
     assert result.stats.accepted_hist[depth] == steps - 1
     assert result.stats.accepted_by["oracle"] == result.stats.accepted

@@ -47,6 +47,25 @@ def test_warm_up_then_ngrams_enter_the_pool_and_the_window_moves():
     assert drafter.levels == [[41, 42], [51, 52]]
 
 
+def test_lazy_window_waits_for_candidates():
+    """lazy_window: no pool n-gram for the root -> a root-only tree and the window does not move."""
+    drafter = JacobiDrafter(JacobiConfig(window=1, ngram=3, max_candidates=2, pool_from_prompt=False, lazy_window=True))
+    c = ctx([10, 20, 30])
+    drafter.start(c)
+    drafter.levels = [[10], [11]]
+    tree = drafter.propose(c)
+    assert tree.tokens == [30] and drafter.probe_nodes == []
+    drafter.observe(c, StepOutcome(tree, Verdict([], 0), [0], [0], {0: 0}))
+    assert drafter.levels == [[10], [11]] and len(drafter.pool) == 0
+    drafter.pool.add([30, 7, 8])  # now the root has a candidate: window (2 probes) + candidate chain
+    tree = drafter.propose(c)
+    assert tree.tokens == [30, 10, 11, 7, 8]
+    assert tree.roles == ["root", "probe", "probe", "candidate", "candidate"]
+    choices = [0, 0, 12, 0, 0]
+    drafter.observe(c, StepOutcome(tree, Verdict([], 0), choices, [0], {i: i for i in range(len(tree))}))
+    assert drafter.levels == [[11], [12]] and drafter.pool.query(10, 5) == [(11, 12)]
+
+
 def test_pool_fifo_keeps_the_newest_g():
     pool = NGramPool(capacity=2, policy="fifo")
     for gram in ([1, 2, 3], [1, 4, 5], [1, 2, 3], [1, 6, 7], [2, 9, 9]):
@@ -91,7 +110,12 @@ def test_defaults_follow_the_device_kind_and_knobs_win():
 
     from tiny_models import tiny_model
 
-    assert device_defaults("jacobi", "cuda") == {"window": 7, "ngram": 5, "max_candidates": 7}
+    assert device_defaults("jacobi", "cuda") == {
+        "window": 7,
+        "ngram": 5,
+        "max_candidates": 7,
+        "pool_from_output": False,
+    }
     assert device_defaults("jacobi", "cpu") == {} and device_defaults("jacobi", "mps") == {}
     model = tiny_model("llama")
     assert forerun.Decoder(model, None, "jacobi").config == JacobiConfig()  # this test runs on a CPU

@@ -2,8 +2,9 @@
 
 Setup: a tiny llama with a 32-token vocabulary whose LM head is scaled so next-token distributions are peaked
 (top token ~0.5), a repetitive prompt so every drafter proposes often, 10,000 samples of 4 new tokens per setting.
-Statistic: the joint distribution of new tokens 2..4 (token 1 comes from the prefill, where nothing is drafted),
-cells with fewer than 5 expected samples pooled; chi-square test of homogeneity against plain batched sampling.
+Statistic: the joint distribution of the 4 new tokens (the first draft is verified in the prefill forward, so
+token 1 is drafted too), cells with fewer than 5 expected samples pooled; chi-square test of homogeneity against
+plain batched sampling.
 Significance level: alpha = 0.001 per setting (8 settings; family-wise false alarm rate < 1%).
 A biased verifier (accept every drafted token that has any probability) must fail the same test: the power check.
 """
@@ -135,7 +136,7 @@ def plain_counts(setting: str) -> Counter:
         pad_token_id=0,
         **SETTINGS[setting],
     )
-    return Counter(tuple(row) for row in out[:, PROMPT.shape[1] + 1 :].tolist())
+    return Counter(tuple(row) for row in out[:, PROMPT.shape[1] :].tolist())
 
 
 def forerun_counts(method: str, setting: str, verifier=None) -> tuple[Counter, float]:
@@ -158,8 +159,8 @@ def forerun_counts(method: str, setting: str, verifier=None) -> tuple[Counter, f
                 processors,
                 sampling,
             )
-            counts[tuple(transcript.sequence[0, PROMPT.shape[1] + 1 :].tolist())] += 1
-            accepted, steps = accepted + stats.accepted, steps + stats.forwards - 1
+            counts[tuple(transcript.sequence[0, PROMPT.shape[1] :].tolist())] += 1
+            accepted, steps = accepted + stats.accepted, steps + stats.forwards
     return counts, accepted / max(1, steps)
 
 

@@ -49,6 +49,37 @@ def test_pack_positions_follow_depth():
     assert single.attention_mask is None and single.position_ids.tolist() == [[10]]
 
 
+def test_lead_rows_are_causal_and_the_tree_sees_them():
+    """The docstring example of attention_mask_4d: 2-token prefix, its second token fed as lead, root + child."""
+    tree = TokenTree.rooted_at(5)
+    tree.add(0, 7)
+    mask = attention_mask_4d(tree.ancestors(), prefix_len=2, attn_implementation="sdpa", dtype=torch.float32, lead=1)
+    expected = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]], dtype=torch.bool)
+    assert torch.equal(mask[0, 0], expected)
+
+
+def test_pack_with_the_whole_prompt_as_lead():
+    """The prefill forward: prompt [3, 4, 6] whose last token 6 is the root of the drawn tree (under it 7-9, 8)."""
+    tree = TokenTree.rooted_at(6)
+    a = tree.add(0, 7)
+    tree.add(a, 9)
+    tree.add(0, 8)
+    packed = pack(tree, 2, "sdpa", torch.float32, torch.device("cpu"), lead=[3, 4])
+    assert packed.input_ids.tolist() == [[3, 4, 6, 7, 9, 8]]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 3, 4, 3]]
+    rows = packed.attention_mask[0, 0].int().tolist()
+    assert rows == [
+        [1, 0, 0, 0, 0, 0],  # lead 3
+        [1, 1, 0, 0, 0, 0],  # lead 4
+        [1, 1, 1, 0, 0, 0],  # root 6
+        [1, 1, 1, 1, 0, 0],  # 7
+        [1, 1, 1, 1, 1, 0],  # 9 (under 7)
+        [1, 1, 1, 0, 0, 1],  # 8 (root's other child)
+    ]
+    chain = pack(TokenTree.rooted_at(6), 2, "sdpa", torch.float32, torch.device("cpu"), lead=[3, 4])
+    assert chain.attention_mask is None and chain.position_ids.tolist() == [[0, 1, 2]]
+
+
 def test_candidates_fuse_probes_do_not():
     tree = TokenTree.rooted_at(1)
     assert tree.add_chain(0, [4, 5]) == tree.add_chain(0, [4, 5])

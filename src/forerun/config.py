@@ -54,22 +54,28 @@ class PromptLookupConfig:
 class JacobiConfig:
     """Jacobi lookahead decoding (lade): a W x (N-1) window of probe tokens plus an n-gram pool.
 
-    lade's defaults are window=7, ngram=5, max_candidates=7; forerun's CPU defaults are smaller because a
-    CPU pays for every token in a forward (see BENCHMARKS.md for the measured cost curve).
+    lade's defaults are window=7, ngram=5, max_candidates=7 (forerun's CUDA defaults). The CPU defaults
+    W=1, N=4, G=2 with output n-grams pooled were chosen on this CPU's measured latency curve (BENCHMARKS.md):
+    a forward of 4 tokens (root + 3 probes) costs 1.47x one token while 3 tokens cost 1.94x, and at most 10
+    tokens (+2 candidates of 3) stay in the cheap 4-12 region; W=2, N=3, G=3 (up to 11 tokens, 5 at least)
+    ran at 0.85-1.03x, W=1, N=4, G=2 at 0.94-1.19x.
     """
 
-    window: int = 2
+    window: int = 1
     """W: future positions iterated in parallel (columns of the window)."""
-    ngram: int = 3
+    ngram: int = 4
     """N: n-gram size; the window keeps N-1 levels of the Jacobi trajectory."""
-    max_candidates: int = 3
+    max_candidates: int = 2
     """G: pool n-grams verified per step; the pool keeps at most G per key (0 = no verification branch)."""
     pool_policy: Literal["fifo", "frequency"] = "fifo"
     """fifo: the oldest n-gram of a key leaves first (lade). frequency: the least seen leaves first."""
     pool_from_prompt: bool = True
     """Seed the pool with the prompt's own n-grams (lade's POOL_FROM_PROMPT)."""
-    pool_from_output: bool = False
-    """Also add the n-grams of the committed output as it grows (not in lade)."""
+    pool_from_output: bool = True
+    """Also add the n-grams of the committed output as it grows (not in lade, which pools window n-grams only)."""
+    lazy_window: bool = False
+    """Feed the window only on steps that also verify pool candidates; a step with none is a 1-token forward
+    (cost-aware: on a CPU the window alone costs ~1.5x a plain step and yields no token that step)."""
     seed: int = 0
     """Seed of the window's initial tokens (drawn from the prompt), for reproducible step counts."""
 
@@ -176,6 +182,9 @@ class EngineConfig:
 
     max_tree_nodes: int = 16
     """Most nodes (root included) fed in one forward; chosen on the device's measured latency curve."""
+    draft_in_prefill: bool = True
+    """Verify the first draft in the prefill forward (prompt + tree, as transformers' assisted generation does)
+    instead of a prefill for the first token, then a first tree: one forward fewer per request."""
 
     def __post_init__(self) -> None:
         check_int(self, "max_tree_nodes", 1)
@@ -203,7 +212,7 @@ def check_method(method: str) -> str:
 DEVICE_DEFAULTS: dict[str, dict[str, dict[str, object]]] = {
     "cpu": {},
     "cuda": {
-        "jacobi": {"window": 7, "ngram": 5, "max_candidates": 7},
+        "jacobi": {"window": 7, "ngram": 5, "max_candidates": 7, "pool_from_output": False},
         "trie": {"decoding_length": 32, "branch_length": 12},
         "prompt_lookup": {"max_branches": 4},
     },
@@ -215,7 +224,7 @@ def device_defaults(method: str, device_type: str) -> dict[str, object]:
 
     Example:
         >>> device_defaults("jacobi", "cuda")
-        {'window': 7, 'ngram': 5, 'max_candidates': 7}
+        {'window': 7, 'ngram': 5, 'max_candidates': 7, 'pool_from_output': False}
         >>> device_defaults("jacobi", "cpu")
         {}
     """

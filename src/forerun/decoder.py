@@ -129,6 +129,7 @@ class Decoder:
         method: str = "prompt_lookup",
         *,
         max_tree_nodes: int | None = None,
+        draft_in_prefill: bool = True,
         drafters: Sequence[Drafter] | None = None,
         draft_model: torch.nn.Module | str | None = None,
         draft_tokenizer: PreTrainedTokenizerBase | None = None,
@@ -137,7 +138,7 @@ class Decoder:
         self.model, self.tokenizer, self.method = model, tokenizer, method
         device_type = next(model.parameters()).device.type
         self.config = method_config(method, **{**device_defaults(method, device_type), **knobs})
-        self.engine_config = EngineConfig(max_tree_nodes=budget_for(method, self.config, max_tree_nodes))
+        self.engine_config = EngineConfig(budget_for(method, self.config, max_tree_nodes), draft_in_prefill)
         check_vocabulary(model, tokenizer)
         self.draft_model = self.prepare_draft(draft_model, draft_tokenizer) if method == "draft_model" else None
         if draft_model is not None and method != "draft_model":

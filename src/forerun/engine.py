@@ -129,29 +129,30 @@ def decode(
     stats, started = GenerationStats(), time.perf_counter()
     cache = DynamicCache(config=model.config)
     budget = engine_config.max_tree_nodes
-
-    # Prefill, exactly as transformers does it: the first token comes from the prompt's last position.
-    logits = model(input_ids=input_ids, past_key_values=cache, use_cache=True, **last_logits_only(model)).logits[
-        :, -1, :
-    ]
-    prompt_end = TokenTree.rooted_at(int(input_ids[0, -1]))
-    first = verify(prompt_end, NodeScores(logits, processor, transcript.sequence, prompt_end), sampling)
-    stats.forwards, stats.prefill_seconds = 1, time.perf_counter() - started
-    transcript.extend([first.bonus_token], ["model"])
-
-    drafters = fallback_if_unsupported(model, cache, drafters, input_ids.shape[1] + max_new_tokens + budget, stats)
+    prompt_len = input_ids.shape[1]
+    drafters = fallback_if_unsupported(model, cache, drafters, prompt_len + max_new_tokens + budget, stats)
     ctx = DraftContext(
         transcript.sequence[0].tolist(),
-        input_ids.shape[1],
+        prompt_len,
         budget,
         eos_token_ids,
         sampled=sampling is not None,
         processor=processor,
         generator=sampling.generator if sampling is not None else None,
     )
+    # The prompt's last token is the first root. With drafters, the prompt before it rides in the first tree
+    # forward (the `lead`), so the first draft is verified by the prefill itself, as transformers' assisted
+    # generation does: one forward fewer per request. Without drafters, the prefill is exactly generate's.
+    lead: list[int] = ctx.tokens[:-1] if drafters and engine_config.draft_in_prefill else []
+    if not lead:
+        logits = model(input_ids=input_ids, past_key_values=cache, use_cache=True, **last_logits(model, 1)).logits
+        prompt_end = TokenTree.rooted_at(int(input_ids[0, -1]))
+        first = verify(prompt_end, NodeScores(logits[:, -1, :], processor, transcript.sequence, prompt_end), sampling)
+        stats.forwards, stats.prefill_seconds = 1, time.perf_counter() - started
+        ctx.tokens.extend(transcript.extend([first.bonus_token], ["model"]))
     for drafter in drafters:
         drafter.start(ctx)
-    prefix_len = input_ids.shape[1]  # tokens in the cache; the root (last committed token) is not yet there
+    prefix_len = len(ctx.tokens) - 1  # tokens before the root; all of them but the lead are in the cache
     while not transcript.done:
         # 1. propose: every drafter's tree, grafted under one root within the node budget
         t0 = time.perf_counter()
@@ -159,14 +160,17 @@ def decode(
         node_maps = [tree.graft(drafter.propose(ctx), budget) for drafter in drafters]
         # 2. pack and 3. forward: one call of the unmodified model
         t1 = time.perf_counter()
-        packed = pack(tree, prefix_len, model.config._attn_implementation or "eager", model.dtype, model.device)
+        packed = pack(tree, prefix_len, model.config._attn_implementation or "eager", model.dtype, model.device, lead)
         logits = model(
             input_ids=packed.input_ids,
             attention_mask=packed.attention_mask,
             position_ids=packed.position_ids,
             past_key_values=cache,
             use_cache=True,
-        ).logits[0]
+            **(last_logits(model, len(tree)) if lead else {}),
+        ).logits[0, -len(tree) :]
+        if lead:
+            stats.prefill_seconds, lead = time.perf_counter() - started, []
         # 4. verify: the longest path the target agrees with, plus its own bonus token
         choices = logits.argmax(-1).tolist()  # [n] raw greedy choices, for drafters (the Jacobi window)
         verdict = verify(tree, NodeScores(logits, processor, transcript.sequence, tree), sampling)
@@ -195,10 +199,10 @@ def decode(
     return stats
 
 
-def last_logits_only(model: torch.nn.Module) -> dict[str, int]:
-    """{'logits_to_keep': 1} when `model.forward` takes it: a prefill then skips the LM head on every prompt
-    position but the last (with a 150k vocabulary that is most of a short prompt's prefill), as generate does."""
-    return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+def last_logits(model: torch.nn.Module, n: int) -> dict[str, int]:
+    """{'logits_to_keep': n} when `model.forward` takes it: a prefill then skips the LM head on every prompt
+    position but the last n (with a 150k vocabulary that is most of a short prompt's prefill), as generate does."""
+    return {"logits_to_keep": n} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
 
 
 def fallback_if_unsupported(

@@ -23,6 +23,7 @@ Example (the tree drawn in tests/test_tree.py)::
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -135,19 +136,28 @@ class PackedTree:
     input_ids: torch.Tensor
     position_ids: torch.Tensor
     attention_mask: torch.Tensor | None
-    """[1, 1, n, prefix_len + n]; None for a single root node (plain causal decoding needs no mask)."""
+    """[1, 1, lead + n, prefix_len + n]; None for a single root node (a causal chain needs no mask)."""
 
 
 def attention_mask_4d(
-    ancestors: torch.Tensor, prefix_len: int, attn_implementation: str, dtype: torch.dtype
+    ancestors: torch.Tensor, prefix_len: int, attn_implementation: str, dtype: torch.dtype, lead: int = 0
 ) -> torch.Tensor:
-    """Build the [1, 1, n, prefix_len + n] mask: every node sees the whole prefix, its ancestors and itself.
+    """Build the [1, 1, lead + n, prefix_len + n] mask: every node sees the whole prefix, its ancestors and itself.
 
-    eager adds the mask to the attention scores, so it needs 0 (visible) / dtype-min (hidden) floats; sdpa and
-    the other kernels that take masks accept a bool mask (True = visible).
+    The last `lead` prefix tokens are fed in the same forward, before the tree (the prompt, at the prefill);
+    their rows are causal. eager adds the mask to the attention scores, so it needs 0 (visible) / dtype-min
+    (hidden) floats; sdpa and the other kernels that take masks accept a bool mask (True = visible).
+
+    Example: a root with one child after a 2-token prefix, the second prefix token fed as lead (1 = visible):
+        lead row  [1 1 0 0]
+        root      [1 1 1 0]
+        child     [1 1 1 1]
     """
     n = ancestors.shape[0]
     visible = torch.cat([torch.ones(n, prefix_len, dtype=torch.bool), ancestors], dim=1)  # [n, prefix_len + n]
+    if lead:
+        lead_rows = torch.ones(lead, prefix_len + n, dtype=torch.bool).tril(prefix_len - lead)
+        visible = torch.cat([lead_rows, visible], dim=0)
     visible = visible[None, None]
     if attn_implementation == "eager":
         return torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
@@ -155,12 +165,21 @@ def attention_mask_4d(
 
 
 def pack(
-    tree: TokenTree, prefix_len: int, attn_implementation: str, dtype: torch.dtype, device: torch.device
+    tree: TokenTree,
+    prefix_len: int,
+    attn_implementation: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    lead: Sequence[int] = (),
 ) -> PackedTree:
-    """Flatten `tree` into model inputs; positions are prefix_len + depth, the mask follows the ancestry."""
-    input_ids = torch.tensor([tree.tokens], dtype=torch.long, device=device)
-    position_ids = torch.tensor([tree.depths], dtype=torch.long, device=device) + prefix_len
-    if len(tree) == 1:
+    """Flatten `tree` into model inputs; positions are prefix_len + depth, the mask follows the ancestry.
+
+    `lead`: the last len(lead) tokens of the prefix, not yet in the cache, fed first as a causal chain.
+    """
+    input_ids = torch.tensor([[*lead, *tree.tokens]], dtype=torch.long, device=device)
+    depths = torch.tensor([tree.depths], dtype=torch.long, device=device) + prefix_len
+    position_ids = torch.cat([torch.arange(prefix_len - len(lead), prefix_len, device=device)[None], depths], dim=1)
+    if len(tree) == 1:  # a chain: the model's own causal mask is the right one
         return PackedTree(input_ids, position_ids, None)
-    mask = attention_mask_4d(tree.ancestors(), prefix_len, attn_implementation, dtype).to(device)
+    mask = attention_mask_4d(tree.ancestors(), prefix_len, attn_implementation, dtype, len(lead)).to(device)
     return PackedTree(input_ids, position_ids, mask)

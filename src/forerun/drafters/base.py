@@ -54,7 +54,8 @@ class Drafter(Protocol):
     name: str
 
     def start(self, ctx: DraftContext) -> None:
-        """A new request begins with `ctx.tokens` = the prompt plus its first generated token."""
+        """A new request begins: `ctx.tokens` is the prompt (the first root is its last token), or the prompt plus
+        its first token when the prefill ran alone (`EngineConfig.draft_in_prefill=False`, or no drafters)."""
 
     def propose(self, ctx: DraftContext) -> TokenTree:
         """Return a tree rooted at ctx.tokens[-1], of at most ctx.budget nodes."""

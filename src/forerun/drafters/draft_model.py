@@ -25,7 +25,7 @@ from transformers import DynamicCache
 
 from forerun.config import DraftModelConfig
 from forerun.drafters.base import DraftContext, StepOutcome, cut_at_eos
-from forerun.engine import last_logits_only
+from forerun.engine import last_logits
 from forerun.tree import TokenTree
 
 
@@ -42,7 +42,7 @@ class DraftModelDrafter:
         self.cached: list[int] = []
         """The token ids whose keys/values are in `self.cache`, in order."""
         self.drafted = 0
-        self.last_only = last_logits_only(draft)
+        self.last_only = last_logits(draft, 1)
 
     def start(self, ctx: DraftContext) -> None:
         self.cache = DynamicCache(config=self.draft.config)

@@ -100,13 +100,18 @@ class JacobiDrafter:
 
     def propose(self, ctx: DraftContext) -> TokenTree:
         tree = TokenTree.rooted_at(ctx.tokens[-1])
-        # Probes first: the engine's budget (checked >= window size by the Decoder) then cuts candidates only.
-        level0 = tree.add_chain(0, self.levels[0], role="probe", source=self.name)
-        self.probe_nodes = [level0]
-        for level in self.levels[1:]:
-            below = self.probe_nodes[-1]
-            self.probe_nodes.append([tree.add(below[i], token, "probe", self.name) for i, token in enumerate(level)])
-        for rest in self.pool.query(ctx.tokens[-1], self.config.max_candidates):
+        candidates = self.pool.query(ctx.tokens[-1], self.config.max_candidates)
+        self.probe_nodes = []
+        if candidates or not self.config.lazy_window:
+            # Probes first: the engine's budget (checked >= window size by the Decoder) then cuts candidates only.
+            level0 = tree.add_chain(0, self.levels[0], role="probe", source=self.name)
+            self.probe_nodes = [level0]
+            for level in self.levels[1:]:
+                below = self.probe_nodes[-1]
+                self.probe_nodes.append(
+                    [tree.add(below[i], token, "probe", self.name) for i, token in enumerate(level)]
+                )
+        for rest in candidates:
             tree.add_chain(0, list(rest), "candidate", self.name)
         return tree
 
@@ -116,6 +121,8 @@ class JacobiDrafter:
             for i in range(self.text_ngrams_done, len(ctx.tokens) - n + 1):
                 self.pool.add(ctx.tokens[i : i + n])
             self.text_ngrams_done = max(self.text_ngrams_done, len(ctx.tokens) - n + 1)
+        if not self.probe_nodes:  # lazy window, nothing verified this step: the window waits
+            return
         top = self.levels[-1]
         new_level = []
         for i, node in enumerate(self.probe_nodes[-1]):
