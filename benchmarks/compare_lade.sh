@@ -39,4 +39,4 @@ mkdir -p "$OUT"
 "$LADE_VENV/bin/python" benchmarks/run_lade.py --export "$OUT" --window 7 --level 5 --guess 7 --out "$OUT/lade.json" \
   || fail "lade failed on the exported model (see the traceback above)"
 .venv/bin/forerun bench --dataset "$DATASETS" --n "$N" --max-new-tokens "$TOKENS" --threads 1 \
-  --methods "plain,jacobi,jacobi[window=7,ngram=5,max_candidates=7,pool_from_output=false]" --include "$OUT/lade.json" --out "$OUT"
+  --methods "plain,jacobi,jacobi[window=7,ngram=5,max_candidates=7,pool_from_output=false,lazy_window=false]" --include "$OUT/lade.json" --out "$OUT"

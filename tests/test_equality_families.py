@@ -78,7 +78,8 @@ JACOBI_EDGES = [
     {"window": 4, "ngram": 2, "max_candidates": 4, "pool_policy": "frequency"},
     {"window": 2, "ngram": 5, "max_candidates": 2, "pool_from_prompt": False},
     {"window": 7, "ngram": 5, "max_candidates": 7, "pool_from_output": False},  # lade's defaults
-    {"window": 1, "ngram": 4, "max_candidates": 2, "lazy_window": True},
+    {"window": 1, "ngram": 4, "max_candidates": 3, "lazy_window": True},  # the CPU defaults
+    {"window": 3, "ngram": 3, "max_candidates": 2, "lazy_window": False, "pool_from_output": False},
 ]
 
 

@@ -24,7 +24,8 @@ def test_window_probe_construction_w3_n3():
 
 
 def test_warm_up_then_ngrams_enter_the_pool_and_the_window_moves():
-    drafter = JacobiDrafter(JacobiConfig(window=2, ngram=3, max_candidates=2, pool_from_prompt=False, seed=1))
+    config = JacobiConfig(window=2, ngram=3, max_candidates=2, pool_from_prompt=False, lazy_window=False, seed=1)
+    drafter = JacobiDrafter(config)
     c = ctx([10, 20, 30])
     drafter.start(c)
     assert len(drafter.levels[0]) == 2 and set(drafter.levels[0]) <= {10, 20, 30}  # seeded from the prompt
@@ -110,12 +111,8 @@ def test_defaults_follow_the_device_kind_and_knobs_win():
 
     from tiny_models import tiny_model
 
-    assert device_defaults("jacobi", "cuda") == {
-        "window": 7,
-        "ngram": 5,
-        "max_candidates": 7,
-        "pool_from_output": False,
-    }
+    lade = {"window": 7, "ngram": 5, "max_candidates": 7, "pool_from_output": False, "lazy_window": False}
+    assert device_defaults("jacobi", "cuda") == lade
     assert device_defaults("jacobi", "cpu") == {} and device_defaults("jacobi", "mps") == {}
     model = tiny_model("llama")
     assert forerun.Decoder(model, None, "jacobi").config == JacobiConfig()  # this test runs on a CPU

@@ -54,18 +54,18 @@ class PromptLookupConfig:
 class JacobiConfig:
     """Jacobi lookahead decoding (lade): a W x (N-1) window of probe tokens plus an n-gram pool.
 
-    lade's defaults are window=7, ngram=5, max_candidates=7 (forerun's CUDA defaults). The CPU defaults
-    W=1, N=4, G=2 with output n-grams pooled were chosen on this CPU's measured latency curve (BENCHMARKS.md):
-    a forward of 4 tokens (root + 3 probes) costs 1.47x one token while 3 tokens cost 1.94x, and at most 10
-    tokens (+2 candidates of 3) stay in the cheap 4-12 region; W=2, N=3, G=3 (up to 11 tokens, 5 at least)
-    ran at 0.85-1.03x, W=1, N=4, G=2 at 0.94-1.19x.
+    lade's defaults are window=7, ngram=5, max_candidates=7 (forerun's CUDA defaults, lade's behaviour). The CPU
+    defaults were chosen on this CPU's measured latency curve (BENCHMARKS.md), where 4 tokens cost 1.47x one token
+    but 3 tokens 1.94x: a window of W=1, N=4 is a chain of 3 probes (4 tokens at least, 13 with G=3 candidates),
+    fed only on steps that also verify candidates (`lazy_window`), the output's n-grams pooled too. Measured (2
+    prompts x 4 datasets): W=2/N=3/G=3 as lade runs it 0.85-1.03x, W=1/N=4/G=2 0.90-1.21x, these 1.08-1.16x.
     """
 
     window: int = 1
     """W: future positions iterated in parallel (columns of the window)."""
     ngram: int = 4
     """N: n-gram size; the window keeps N-1 levels of the Jacobi trajectory."""
-    max_candidates: int = 2
+    max_candidates: int = 3
     """G: pool n-grams verified per step; the pool keeps at most G per key (0 = no verification branch)."""
     pool_policy: Literal["fifo", "frequency"] = "fifo"
     """fifo: the oldest n-gram of a key leaves first (lade). frequency: the least seen leaves first."""
@@ -73,7 +73,7 @@ class JacobiConfig:
     """Seed the pool with the prompt's own n-grams (lade's POOL_FROM_PROMPT)."""
     pool_from_output: bool = True
     """Also add the n-grams of the committed output as it grows (not in lade, which pools window n-grams only)."""
-    lazy_window: bool = False
+    lazy_window: bool = True
     """Feed the window only on steps that also verify pool candidates; a step with none is a 1-token forward
     (cost-aware: on a CPU the window alone costs ~1.5x a plain step and yields no token that step)."""
     seed: int = 0
@@ -212,7 +212,7 @@ def check_method(method: str) -> str:
 DEVICE_DEFAULTS: dict[str, dict[str, dict[str, object]]] = {
     "cpu": {},
     "cuda": {
-        "jacobi": {"window": 7, "ngram": 5, "max_candidates": 7, "pool_from_output": False},
+        "jacobi": {"window": 7, "ngram": 5, "max_candidates": 7, "pool_from_output": False, "lazy_window": False},
         "trie": {"decoding_length": 32, "branch_length": 12},
         "prompt_lookup": {"max_branches": 4},
     },
@@ -224,7 +224,7 @@ def device_defaults(method: str, device_type: str) -> dict[str, object]:
 
     Example:
         >>> device_defaults("jacobi", "cuda")
-        {'window': 7, 'ngram': 5, 'max_candidates': 7, 'pool_from_output': False}
+        {'window': 7, 'ngram': 5, 'max_candidates': 7, 'pool_from_output': False, 'lazy_window': False}
         >>> device_defaults("jacobi", "cpu")
         {}
     """
