@@ -63,7 +63,9 @@ def test_greedy_equals_generate_for_target_draft_pairs(target_family, draft_fami
         assert result.stats.fallback_reason is None
 
 
-@pytest.mark.parametrize("knobs", [{}, {"tree_width": 3}, {"schedule": "grow"}, {"schedule": "fixed", "gamma": 1}])
+@pytest.mark.parametrize(
+    "knobs", [{}, {"tree_width": 3}, {"schedule": "grow"}, {"schedule": "fixed", "gamma": 1}, {"lookup": 0}]
+)
 def test_rollback_under_forced_rejections(knobs):
     """A noisy copy of the target is right about half the time: every step rolls the draft cache back."""
     target = model_of("llama")
@@ -98,6 +100,67 @@ def test_draft_cache_rolls_back_to_exactly_the_shared_prefix():
     with torch.inference_mode():
         fresh = target(torch.tensor([ctx.tokens])).logits[0, -1]
     torch.testing.assert_close(logits, fresh, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+@pytest.mark.parametrize(("target_family", "draft_family"), [("llama", "llama"), ("qwen2", "gpt2")])
+def test_lookup_inside_the_draft_keeps_greedy_equality(target_family, draft_family, impl):
+    target = model_of(target_family, impl)
+    draft = model_of(draft_family, "sdpa", seed=1)
+    decoder = forerun.Decoder(target, None, "draft_model", draft_model=draft, confidence=0.0, gamma=6, lookup=4)
+    for index, prompt in enumerate(prompts(3)):
+        result = decoder.generate(prompt, NEW_TOKENS, eos_token_id=[])
+        assert torch.equal(result.sequences, reference(target_family, impl, index)), (index,)
+
+
+def test_lookup_inside_the_draft_drafts_the_same_tokens_with_fewer_draft_forwards():
+    """Guesses only save draft forwards: the draft's choices, hence the tree, are those of plain drafting.
+    Guesses that have not paid lately are only watched (no wider forward) until they would have paid again.
+
+    The context is the draft's own greedy text, which has entered a loop (24 80 50 ...), so prompt lookup guesses
+    its next tokens right; after the step the target rejects a token, so guessed keys/values are dropped again.
+    """
+    draft = model_of("llama")
+    prompt = prompts(2)[1]
+    own = draft.generate(prompt, max_new_tokens=25, do_sample=False, eos_token_id=None, pad_token_id=0)[0].tolist()
+    tokens, expected = own[:-10], own[-10:]
+    trees, forwards = {}, {}
+    for lookup in (0, 8, "watched"):
+        config = DraftModelConfig(
+            gamma=10, confidence=0.0, schedule="fixed", tree_width=1, lookup=8 if lookup == "watched" else lookup
+        )
+        drafter = DraftModelDrafter(config, draft, VOCAB)
+        if lookup == "watched":  # guesses have not paid lately: they are only watched, and learned from
+            drafter.guess_rate = 0.0
+        calls: list[int] = []
+        drafter.forward = counting(drafter.forward, calls)
+        ctx = DraftContext(list(tokens), len(tokens), 16, frozenset())
+        drafter.start(ctx)
+        trees[lookup] = drafter.propose(ctx).tokens[1:]
+        forwards[lookup] = list(calls)  # the proposal's forwards only
+        # the target takes 2 drafted tokens and says another third: the cache keeps exactly the shared prefix
+        ctx.tokens.extend([expected[0], expected[1], (expected[2] + 1) % VOCAB])
+        logits = drafter.catch_up(ctx.tokens, torch.device("cpu"))
+        assert drafter.cached == ctx.tokens and drafter.cache.get_seq_length() == len(ctx.tokens)
+        with torch.inference_mode():
+            fresh = draft(torch.tensor([ctx.tokens])).logits[0, -1]
+        torch.testing.assert_close(logits, fresh, rtol=1e-4, atol=1e-4)
+        if lookup == "watched":
+            assert drafter.guess_rate > 1.0  # learned from guesses it only watched: they confirmed tokens
+    assert trees[0] == expected and trees[8] == expected and trees["watched"] == expected
+    assert forwards["watched"] == forwards[0]
+    assert forwards[0] == [len(tokens)] + [1] * 9  # catch-up, then one forward per drafted token but the last
+    assert len(forwards[8]) <= 3 and max(forwards[8]) > 1, forwards  # guesses confirmed: few, wider forwards
+
+
+def counting(forward, calls: list[int]):
+    """`forward` that also records how many tokens each call feeds."""
+
+    def wrapped(ids, device, keep=None):
+        calls.append(len(ids))
+        return forward(ids, device, keep)
+
+    return wrapped
 
 
 def test_draft_equal_to_target_is_always_accepted():
@@ -202,6 +265,8 @@ def test_mismatched_vocabularies_are_refused_naming_both_models():
         ({"confidence": 1.5}, r"confidence must be a number in \[0, 1\)"),
         ({"tree_width": 0}, "tree_width must be an integer >= 1"),
         ({"self_draft_layers": -1}, "self_draft_layers must be an integer >= 0"),
+        ({"lookup": 2.5}, "lookup must be an integer >= 0"),
+        ({"lookup_min_hits": -1}, "lookup_min_hits must be a number >= 0"),
     ],
 )
 def test_bad_knobs_are_clear_errors(knobs, message):

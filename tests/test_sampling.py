@@ -5,7 +5,7 @@ Setup: a tiny llama with a 32-token vocabulary whose LM head is scaled so next-t
 Statistic: the joint distribution of the 4 new tokens (the first draft is verified in the prefill forward, so
 token 1 is drafted too), cells with fewer than 5 expected samples pooled; chi-square test of homogeneity against
 plain batched sampling.
-Significance level: alpha = 0.001 per setting (8 settings; family-wise false alarm rate < 1%).
+Significance level: alpha = 0.001 per setting (9 settings; family-wise false alarm rate < 1%).
 A biased verifier (accept every drafted token that has any probability) must fail the same test: the power check.
 """
 
@@ -43,14 +43,16 @@ CASES = [
     ("trie", "top_p0.9"),
     ("draft_model-leviathan", "T0.7"),
     ("draft_model-chen", "top_p0.9"),
+    ("draft_model-lookup", "T1.3"),
 ]
 KNOBS = {
     "plain": {},
     "prompt_lookup": {"draft_len": 4},
     "jacobi": {"window": 3, "ngram": 3},
     "trie": {},
-    "draft_model-leviathan": {"variant": "leviathan", "gamma": 3, "confidence": 0.0},
-    "draft_model-chen": {"variant": "chen", "gamma": 3, "confidence": 0.0},
+    "draft_model-leviathan": {"variant": "leviathan", "gamma": 3, "confidence": 0.0, "lookup": 0},
+    "draft_model-chen": {"variant": "chen", "gamma": 3, "confidence": 0.0, "lookup": 0},
+    "draft_model-lookup": {"gamma": 3, "confidence": 0.0, "lookup": 3},  # q drawn from rows of guessed forwards
 }
 
 

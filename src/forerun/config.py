@@ -159,12 +159,26 @@ class DraftModelConfig:
     chen accepts or resamples token by token (Algorithm 2). Both keep the target's distribution exactly."""
     self_draft_layers: int = 0
     """> 0: no second model; the target's first K decoder layers plus its LM head draft (layer skipping)."""
+    lookup: int = 8
+    """> 0: speculation inside the draft: after each drafted token, prompt lookup guesses up to `lookup` more
+    (what followed the same n-gram earlier in the text) and the draft checks them in that same forward of its
+    own; every guess the draft's own choice confirms costs no further draft forward. The drafts are unchanged
+    (the draft's choices decide), only cheaper: on this CPU (Qwen2.5-Coder 1.5B/0.5B) 1.42x -> 1.86x on
+    HumanEval, 1.00x -> 1.02x on MBPP. 0: one draft forward per drafted token, as transformers does."""
+    lookup_min_hits: float = 1.5
+    """Feed the guesses only while the draft has recently confirmed at least this many guessed tokens per guess
+    (a running mean, also over guesses it only watched): on this CPU a draft forward of 1 + 8 tokens costs ~2.4x
+    a 1-token one (Qwen2.5-Coder-0.5B), so a guess pays from about 1.4 confirmed tokens. 0: always feed."""
 
     def __post_init__(self) -> None:
         check_int(self, "gamma", 1)
         check_int(self, "max_gamma", 1)
         check_int(self, "tree_width", 1)
         check_int(self, "self_draft_layers", 0)
+        check_int(self, "lookup", 0)
+        value = self.lookup_min_hits
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise ValueError(f"DraftModelConfig.lookup_min_hits must be a number >= 0, got {value!r}")
         if self.gamma > self.max_gamma:
             raise ValueError(f"DraftModelConfig.gamma ({self.gamma}) must be <= max_gamma ({self.max_gamma})")
         if self.schedule not in ("fixed", "grow", "heuristic"):
