@@ -163,8 +163,9 @@ class DraftModelConfig:
     """> 0: speculation inside the draft: after each drafted token, prompt lookup guesses up to `lookup` more
     (what followed the same n-gram earlier in the text) and the draft checks them in that same forward of its
     own; every guess the draft's own choice confirms costs no further draft forward. The drafts are unchanged
-    (the draft's choices decide), only cheaper: on this CPU (Qwen2.5-Coder 1.5B/0.5B) 1.42x -> 1.86x on
-    HumanEval, 1.00x -> 1.02x on MBPP. 0: one draft forward per drafted token, as transformers does."""
+    (the draft's choices decide), only cheaper: on this CPU (Qwen2.5-Coder 1.5B/0.5B, BENCHMARKS.md) it cut
+    the draft's share of HumanEval time from ~59% to ~48%. 0: one draft forward per drafted token, as
+    transformers does."""
     lookup_min_hits: float = 1.5
     """Feed the guesses only while the draft has recently confirmed at least this many guessed tokens per guess
     (a running mean, also over guesses it only watched): on this CPU a draft forward of 1 + 8 tokens costs ~2.4x

@@ -15,7 +15,8 @@ With `lookup` L > 0 the draft speculates too: after drafting token t it also fee
 followed the same n-gram earlier in the text (prompt lookup), in the same forward of its own. While its own
 choices confirm those guesses, their logits are already there and no draft forward is needed; at the first
 disagreement the guessed keys/values are cropped. The drafted tokens are those of plain drafting, fewer draft
-forwards produce them (measured on code, BENCHMARKS.md: the draft's share of time fell from 59% to 47%).
+forwards produce them (HumanEval on this CPU, BENCHMARKS.md: the draft's share of time fell from 59% to 48%).
+Guesses are fed only while they pay (`lookup_min_hits`); otherwise they are only watched, to learn when to resume.
 
 Example (lookup 4): drafted "return", the text before had "return a + b", so the draft is fed
 "return a + b" at once; it chooses "a", "+", "b" from the rows it already has, then feeds its next choice.
