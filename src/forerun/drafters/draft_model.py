@@ -53,6 +53,8 @@ class DraftModelDrafter:
         self.cached: list[int] = []
         """The token ids whose keys/values are in `self.cache`, in order."""
         self.drafted = 0
+        self.keeps_logits = bool(last_logits(draft, 1))
+        """Whether the draft's forward takes logits_to_keep (inspected once: it runs per drafted token)."""
         self.lookup = (
             PromptLookupDrafter(PromptLookupConfig(draft_len=config.lookup, max_branches=1)) if config.lookup else None
         )
@@ -73,11 +75,11 @@ class DraftModelDrafter:
         if room < 1:
             return tree
         device = next(self.draft.parameters()).device
+        # rows[i]: the draft's logits after `sequence` + guess[:i], already computed (no forward needed).
         rows = [self.catch_up(ctx.tokens, device)]
-        """rows[i]: the draft's logits after `sequence` + guess[:i] (already computed, no forward needed)."""
+        # guess: the prompt-lookup guess not yet confirmed by the draft's choices; fed: its tokens were fed to the
+        # draft beyond `sequence` (else it is only watched, to learn whether guesses pay).
         guess: list[int] = []
-        """The current prompt-lookup guess not yet confirmed by the draft's choices; `fed`: its tokens were fed
-        to the draft beyond `sequence` (else it is only watched, to learn whether guesses pay)."""
         fed, watching, hits = False, False, 0
         sequence = list(ctx.tokens)
         parent, drafted = 0, []
@@ -157,7 +159,7 @@ class DraftModelDrafter:
             position_ids=positions,
             past_key_values=self.cache,
             use_cache=True,
-            **last_logits(self.draft, keep),
+            **({"logits_to_keep": keep} if self.keeps_logits else {}),
         ).logits
         self.cached.extend(tokens)
         return [fit_rows(row.float(), self.vocab) for row in logits[0, -keep:]]
