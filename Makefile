@@ -31,7 +31,7 @@ lint: setup
 	$(BIN)/ruff format --check src tests benchmarks
 
 test: setup lint
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider --doctest-modules src/forerun tests
 
 bench: setup
 	$(BIN)/forerun bench --quick --threads 1 --out bench-results/quick

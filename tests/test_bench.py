@@ -9,9 +9,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from typer.testing import CliRunner
 
 from forerun.bench.datasets import load_dataset
-from forerun.bench.latency import latency_curve, write_curve
+from forerun.bench.latency import write_curves
 from forerun.bench.runner import load_records, mismatch_lines, parse_methods, run_interleaved
 from forerun.cli import app
+from forerun.latency import measure_curve
 from forerun.models import resolve
 
 EXPECTED_COUNTS = {"gsm8k": 1319, "humaneval": 164, "mbpp": 500, "typehints": 164, "restate": 1319}
@@ -147,13 +148,15 @@ def test_cli_bench_writes_tables_json_and_plots(model, tokenizer, tmp_path):
 
 
 def test_latency_curve_shape_and_outputs(model, tmp_path):
-    curve = latency_curve(model, sizes=(1, 2, 4), context=16, repeats=2)
-    assert curve["sizes"] == [1, 2, 4] and curve["relative"][1] == 1.0
-    assert all(s > 0 for s in curve["seconds"].values())
-    paths = write_curve(curve, {"model": "tiny", "device": "cpu"}, tmp_path)
-    assert json.loads(paths[0].read_text())["context"] == 16 and paths[1].read_bytes()[:4] == b"\x89PNG"
+    curve = measure_curve(model, sizes=(1, 2, 4), context=16, repeats=2)
+    assert curve.sizes == (1, 2, 4) and curve.relative(1) == 1.0
+    assert all(s > 0 for s in curve.seconds)
+    paths = write_curves({"fp32": curve, "copy": curve}, {"model": "tiny", "device": "cpu"}, tmp_path)
+    data = json.loads(paths[0].read_text())
+    assert set(data["curves"]) == {"fp32", "copy"} and data["curves"]["fp32"]["relative"][0] == 1.0
+    assert paths[1].read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(ValueError):
-        latency_curve(model, sizes=(0, 2))
+        measure_curve(model, sizes=(0, 2))
 
 
 def test_included_records_load_and_bad_files_are_refused(tmp_path):

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import forerun
+from forerun.costmodel import LatencyCurve
 
 from helpers import OracleDrafter, RandomDrafter
 from tiny_models import FAMILIES, VOCAB, prompts, tiny_model
@@ -20,7 +21,12 @@ METHOD_KNOBS = {
     "prompt_lookup": {"max_ngram": 2, "draft_len": 5, "max_branches": 2},
     "jacobi": {"window": 3, "ngram": 3, "max_candidates": 3},
     "trie": {"decoding_length": 8, "branch_length": 4},
+    "auto": {},
+    "prompt_lookup+trie": {"prompt_lookup.draft_len": 5, "trie.decoding_length": 8},
+    "jacobi+trie": {"jacobi.window": 2, "jacobi.ngram": 3},
 }
+CURVE = LatencyCurve((1, 2, 4, 8, 16, 32, 64), (1.0, 1.0, 1.0, 1.2, 1.4, 1.9, 2.9))
+"""This CPU's bf16 shape: the cost model feeds trees often, and the root alone when drafts look poor."""
 
 
 @functools.lru_cache(maxsize=4)
@@ -44,7 +50,7 @@ def eos_inside(family: str, impl: str, index: int) -> int:
 @pytest.mark.parametrize(("family", "impl"), CASES)
 def test_greedy_equals_generate(family, impl, method):
     model = model_of(family, impl)
-    decoder = forerun.Decoder(model, None, method, **METHOD_KNOBS[method])
+    decoder = forerun.Decoder(model, None, method, latency=CURVE, **METHOD_KNOBS[method])
     for index, prompt in enumerate(prompts(3)):
         # EOS disabled: long runs.
         result = decoder.generate(prompt, NEW_TOKENS, eos_token_id=[])
@@ -63,11 +69,12 @@ def test_greedy_equals_generate(family, impl, method):
         assert result.sequences.shape[1] < prompt.shape[1] + NEW_TOKENS
 
 
-@pytest.mark.parametrize("method", ["prompt_lookup", "jacobi", "trie"])
+@pytest.mark.parametrize("method", ["prompt_lookup", "jacobi", "trie", "auto"])
 @pytest.mark.parametrize(("family", "impl"), [("llama", "sdpa"), ("gpt2", "eager"), ("qwen3", "sdpa")])
 def test_separate_prefill_equals_generate(family, impl, method):
-    """draft_in_prefill=False: generate's own prefill for the first token, then trees (the other engine path)."""
-    decoder = forerun.Decoder(model_of(family, impl), None, method, draft_in_prefill=False, **METHOD_KNOBS[method])
+    """draft_in_prefill=False: generate's own prefill for the first token, then trees."""
+    model = model_of(family, impl)
+    decoder = forerun.Decoder(model, None, method, draft_in_prefill=False, latency=CURVE, **METHOD_KNOBS[method])
     for index, prompt in enumerate(prompts(3)):
         result = decoder.generate(prompt, NEW_TOKENS, eos_token_id=[])
         assert torch.equal(result.sequences, reference(family, impl, index, None)), (family, impl, method, index)
@@ -91,7 +98,7 @@ JACOBI_EDGES = [
 @pytest.mark.parametrize("family", ["llama", "gpt2", "qwen3", "gemma2"])
 def test_jacobi_settings_equal_generate(family, knobs):
     impl = "eager" if family in NO_SDPA else "sdpa"
-    decoder = forerun.Decoder(model_of(family, impl), None, "jacobi", **knobs)
+    decoder = forerun.Decoder(model_of(family, impl), None, "jacobi", adaptive=False, **knobs)  # as lade runs
     for index, prompt in enumerate(prompts(3)):
         result = decoder.generate(prompt, NEW_TOKENS, eos_token_id=[])
         assert torch.equal(result.sequences, reference(family, impl, index, None)), (family, knobs, index)

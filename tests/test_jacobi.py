@@ -1,10 +1,17 @@
 import pytest
+import torch
 
 import forerun
 from forerun.config import JacobiConfig
 from forerun.drafters.base import DraftContext, StepOutcome
 from forerun.drafters.jacobi import JacobiDrafter, NGramPool
 from forerun.verify import Verdict
+
+
+def outcome(tree, choices):
+    """A step in which the target's greedy choice at node i was choices[i] (as one-hot logits), all nodes fed."""
+    logits = torch.nn.functional.one_hot(torch.tensor(choices), 100).float()
+    return StepOutcome(tree, Verdict([], 0), logits, [0], {i: i for i in range(len(tree))})
 
 
 def ctx(tokens, prompt_len=None):
@@ -34,7 +41,7 @@ def test_warm_up_then_ngrams_enter_the_pool_and_the_window_moves():
     tree = drafter.propose(c)
     choices = [0] * len(tree)
     choices[1], choices[2] = 41, 42
-    drafter.observe(c, StepOutcome(tree, Verdict([], 0), choices, [0], {i: i for i in range(len(tree))}))
+    drafter.observe(c, outcome(tree, choices))
     assert drafter.levels == [level0, [41, 42]]
     assert len(drafter.pool) == 0
     # step 2: window full, choices at level-1 nodes (3, 4) complete the n-grams
@@ -42,7 +49,7 @@ def test_warm_up_then_ngrams_enter_the_pool_and_the_window_moves():
     assert tree.parents[3:5] == [1, 2]
     choices = [0] * len(tree)
     choices[3], choices[4] = 51, 52
-    drafter.observe(c, StepOutcome(tree, Verdict([], 0), choices, [0], {i: i for i in range(len(tree))}))
+    drafter.observe(c, outcome(tree, choices))
     assert drafter.pool.query(10, 5) == [(41, 51)]
     assert drafter.pool.query(20, 5) == [(42, 52)]
     assert drafter.levels == [[41, 42], [51, 52]]
@@ -56,14 +63,14 @@ def test_lazy_window_waits_for_candidates():
     drafter.levels = [[10], [11]]
     tree = drafter.propose(c)
     assert tree.tokens == [30] and drafter.probe_nodes == []
-    drafter.observe(c, StepOutcome(tree, Verdict([], 0), [0], [0], {0: 0}))
+    drafter.observe(c, outcome(tree, [0]))
     assert drafter.levels == [[10], [11]] and len(drafter.pool) == 0
     drafter.pool.add([30, 7, 8])  # now the root has a candidate: window (2 probes) + candidate chain
     tree = drafter.propose(c)
     assert tree.tokens == [30, 10, 11, 7, 8]
     assert tree.roles == ["root", "probe", "probe", "candidate", "candidate"]
     choices = [0, 0, 12, 0, 0]
-    drafter.observe(c, StepOutcome(tree, Verdict([], 0), choices, [0], {i: i for i in range(len(tree))}))
+    drafter.observe(c, outcome(tree, choices))
     assert drafter.levels == [[11], [12]] and drafter.pool.query(10, 5) == [(11, 12)]
 
 
@@ -107,7 +114,8 @@ def test_window_larger_than_budget_is_refused():
 
 
 def test_defaults_follow_the_device_kind_and_knobs_win():
-    from forerun.config import JacobiConfig, device_defaults
+    from forerun.config import JacobiConfig
+    from forerun.methods import device_defaults
 
     from tiny_models import tiny_model
 
@@ -117,3 +125,29 @@ def test_defaults_follow_the_device_kind_and_knobs_win():
     model = tiny_model("llama")
     assert forerun.Decoder(model, None, "jacobi").config == JacobiConfig()  # this test runs on a CPU
     assert forerun.Decoder(model, None, "jacobi", window=5).config.window == 5
+
+
+def test_the_window_waits_when_the_budget_feeds_none_of_its_probes():
+    """A cost model may feed the root alone: the window must not move on choices it never got."""
+    drafter = JacobiDrafter(
+        JacobiConfig(window=1, ngram=3, max_candidates=2, pool_from_prompt=False, lazy_window=False)
+    )
+    c = ctx([10, 20, 30])
+    drafter.start(c)
+    drafter.levels = [[10], [11]]
+    tree = drafter.propose(c)
+    assert tree.roles == ["root", "probe", "probe"]
+    fed_root_only = StepOutcome(tree, Verdict([], 0), torch.zeros(1, 100), [0], {0: 0})
+    drafter.observe(c, fed_root_only)
+    assert drafter.levels == [[10], [11]] and len(drafter.pool) == 0
+
+
+def test_candidates_carry_count_scores():
+    drafter = JacobiDrafter(JacobiConfig(window=1, ngram=3, max_candidates=2, pool_from_prompt=False))
+    for gram in ([5, 1, 2], [5, 1, 2], [5, 1, 2], [5, 3, 4]):
+        drafter.pool.add(gram)
+    drafter.levels = [[9], [9]]
+    tree = drafter.propose(ctx([5]))
+    scores = {tuple(tree.tokens[i] for i in tree.path_to(n)[1:]): tree.scores[n] for n in range(len(tree))}
+    assert scores[(3,)] == 1 / 5 and scores[(3, 4)] == 1 / 2  # seen once of 4: 1 / (4 + 1); then 1 / (1 + 1)
+    assert scores[(1,)] == 3 / 5 and scores[(1, 2)] == 3 / 4

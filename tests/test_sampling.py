@@ -5,7 +5,7 @@ Setup: a tiny llama with a 32-token vocabulary whose LM head is scaled so next-t
 Statistic: the joint distribution of the 4 new tokens (the first draft is verified in the prefill forward, so
 token 1 is drafted too), cells with fewer than 5 expected samples pooled; chi-square test of homogeneity against
 plain batched sampling.
-Significance level: alpha = 0.001 per setting (9 settings; family-wise false alarm rate < 1%).
+Significance level: alpha = 0.001 per setting (11 settings; family-wise false alarm rate about 1%).
 A biased verifier (accept every drafted token that has any probability) must fail the same test: the power check.
 """
 
@@ -20,6 +20,7 @@ from scipy.stats import chi2_contingency
 from transformers import AutoConfig, AutoModelForCausalLM, MaxLengthCriteria, StoppingCriteriaList
 
 import forerun
+from forerun.costmodel import LatencyCurve
 from forerun.engine import Sampling, Transcript, decode
 from forerun.tree import TokenTree
 from forerun.verify import Verdict, verify_greedy, verify_sample
@@ -44,6 +45,8 @@ CASES = [
     ("draft_model-leviathan", "T0.7"),
     ("draft_model-chen", "top_p0.9"),
     ("draft_model-lookup", "T1.3"),
+    ("auto", "T1.3-top_k5"),  # the cost model picks each step's tree from the calibration of earlier draws
+    ("prompt_lookup+draft_model", "T0.7"),  # deterministic and sampled drafts under one root
 ]
 KNOBS = {
     "plain": {},
@@ -53,7 +56,11 @@ KNOBS = {
     "draft_model-leviathan": {"variant": "leviathan", "gamma": 3, "confidence": 0.0, "lookup": 0},
     "draft_model-chen": {"variant": "chen", "gamma": 3, "confidence": 0.0, "lookup": 0},
     "draft_model-lookup": {"gamma": 3, "confidence": 0.0, "lookup": 3},  # q drawn from rows of guessed forwards
+    "auto": {},
+    "prompt_lookup+draft_model": {"draft_model.gamma": 3, "draft_model.confidence": 0.0, "draft_model.lookup": 0},
 }
+FLAT = LatencyCurve((1, 64), (0.010, 0.011))
+"""A GPU-like latency curve: drafting nearly always pays, so the combined methods draft (the test has power)."""
 
 
 @functools.lru_cache(maxsize=1)
@@ -106,8 +113,8 @@ def peaked_draft() -> torch.nn.Module:
 def decoder_for(method: str) -> forerun.Decoder:
     """'draft_model-chen' -> a draft_model Decoder with the noisy draft and the variant's verifier."""
     name = method.partition("-")[0]
-    draft = peaked_draft() if name == "draft_model" else None
-    return forerun.Decoder(peaked_model(), None, name, draft_model=draft, **KNOBS[method])
+    draft = peaked_draft() if "draft_model" in name else None
+    return forerun.Decoder(peaked_model(), None, name, draft_model=draft, latency=FLAT, **KNOBS[method])
 
 
 def transformers_processors(model, settings):
@@ -157,7 +164,8 @@ def forerun_counts(method: str, setting: str, verifier=None) -> tuple[Counter, f
                 transcript,
                 frozenset(),
                 NEW,
-                decoder.engine_config,
+                decoder.budget,
+                decoder.engine_config.draft_in_prefill,
                 processors,
                 sampling,
             )

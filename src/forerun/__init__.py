@@ -1,23 +1,28 @@
 """forerun: faster, token-for-token identical generation for Hugging Face causal language models.
 
 >>> import forerun                                                    # doctest: +SKIP
->>> model, tokenizer = forerun.load_model("smollm2-135m")
->>> result = forerun.Decoder(model, tokenizer, method="prompt_lookup").generate("def add(a, b):")
+>>> model, tokenizer = forerun.load_model("smollm2-135m")                   # doctest: +SKIP
+>>> result = forerun.Decoder(model, tokenizer, method="auto").generate("def add(a, b):")  # doctest: +SKIP
 """
 
-from forerun.config import METHODS, EngineConfig, JacobiConfig, PromptLookupConfig, TrieConfig
+from forerun.config import DraftModelConfig, EngineConfig, JacobiConfig, PromptLookupConfig, TrieConfig
+from forerun.costmodel import LatencyCurve
 from forerun.decoder import Decoder, GenerationResult, generate
 from forerun.hf import hf_generate
+from forerun.methods import METHODS, REGISTRY
 from forerun.models import load_model
 from forerun.stats import GenerationStats
 
 __all__ = [
     "METHODS",
+    "REGISTRY",
     "Decoder",
+    "DraftModelConfig",
     "EngineConfig",
     "GenerationResult",
     "GenerationStats",
     "JacobiConfig",
+    "LatencyCurve",
     "PromptLookupConfig",
     "TrieConfig",
     "generate",

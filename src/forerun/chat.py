@@ -1,7 +1,7 @@
 """`forerun chat`: an interactive terminal chat on one Decoder, streaming, tokens coloured by origin.
 
-Commands: /reset (clear the history), /method NAME (switch drafting method), /quit. Ctrl-C stops the answer being
-written, not the program; Ctrl-D or /quit leaves.
+Commands: /reset (clear the history), /method NAME (switch drafting method: any method expression, e.g. auto or
+prompt_lookup+trie), /quit. Ctrl-C stops the answer being written, not the program; Ctrl-D or /quit leaves.
 """
 
 from __future__ import annotations
@@ -11,59 +11,45 @@ import threading
 
 from rich.console import Console
 
-from forerun.config import check_method
 from forerun.decoder import Decoder
-
-SOURCE_STYLES = {
-    "model": "",
-    "prompt_lookup": "bold green",
-    "jacobi": "bold cyan",
-    "trie": "bold magenta",
-    "draft_model": "bold yellow",
-}
+from forerun.methods import source_style
+from forerun.runspec import RunSpec
+from forerun.text import IncrementalText
 
 
 class ConsoleStream:
     """Prints each committed token as it arrives, styled by where it came from."""
 
     def __init__(self, console: Console, tokenizer) -> None:
-        self.console, self.tokenizer = console, tokenizer
-        self.ids: list[int] = []
+        self.console = console
+        self.text = IncrementalText(tokenizer)
         self.pending_sources: list[str] = []
-        self.printed = ""
         self.prompt_seen = False
 
     def note_sources(self, sources: list[str]) -> None:
         self.pending_sources = list(sources)
 
+    def show(self, piece: str, source: str = "model") -> None:
+        if piece:
+            self.console.print(piece, style=source_style(source), end="", markup=False, highlight=False, soft_wrap=True)
+
     def put(self, value) -> None:
         if not self.prompt_seen:
             self.prompt_seen = True
             return
-        for token, source in zip(
-            value.flatten().tolist(), self.pending_sources or ["model"] * value.numel(), strict=False
-        ):
-            self.ids.append(token)
-            text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-            if text.endswith("\ufffd"):
-                continue
-            self.console.print(
-                text[len(self.printed) :],
-                style=SOURCE_STYLES.get(source, "bold yellow"),
-                end="",
-                markup=False,
-                highlight=False,
-                soft_wrap=True,
-            )
-            self.printed = text
+        tokens = value.flatten().tolist()
+        for token, source in zip(tokens, self.pending_sources or ["model"] * len(tokens), strict=False):
+            self.show(self.text.push([token]), source)
         self.pending_sources = []
 
     def end(self) -> None:
+        self.show(self.text.finish())
         self.console.print()
 
 
-def chat_loop(model, tokenizer, method: str, knobs: dict, max_new_tokens: int, console: Console) -> None:
-    decoders = {method: Decoder(model, tokenizer, method, **knobs)}
+def chat_loop(spec: RunSpec, model, tokenizer, draft, max_new_tokens: int, console: Console) -> None:
+    method = spec.method
+    decoders = {method: spec.decoder(model, tokenizer, draft)}
     history: list[dict] = []
     console.print(f"[bold]forerun chat[/] ({method}). /reset, /method NAME, /quit; Ctrl-C stops an answer.")
     while True:
@@ -83,11 +69,11 @@ def chat_loop(model, tokenizer, method: str, knobs: dict, max_new_tokens: int, c
         if line.startswith("/method"):
             name = line.partition(" ")[2].strip()
             try:
-                check_method(name)
+                if name not in decoders:  # the start method's knobs are its own: another method starts from defaults
+                    decoders[name] = spec.decoder(model, tokenizer, draft, method=name, knobs={})
             except ValueError as error:
                 console.print(str(error), style="red", markup=False, highlight=False)
                 continue
-            decoders.setdefault(name, Decoder(model, tokenizer, name))
             method = name
             console.print(f"method: {method}")
             continue

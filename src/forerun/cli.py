@@ -1,10 +1,14 @@
-"""The `forerun` command: generate, bench, demo.
+"""The `forerun` command: generate, chat, serve, bench, curve, trie build, models.
 
-Bad input (unknown method, bad knob, empty prompt...) prints one `error:` line and exits with status 2.
+Every command that loads a model takes the same run options (`--model --method --knob --device --dtype --threads`,
+and `--draft-model --max-tree-nodes` where it decodes), parsed once into a `forerun.runspec.RunSpec` and checked
+before the model loads. Bad input (unknown method, bad knob, empty prompt...) prints one `error:` line and exits
+with status 2.
 
 Example:
-    forerun generate "def fib(n):" --method prompt_lookup --max-new-tokens 64 -v
-    forerun generate "Explain recursion" --chat --method jacobi --knob window=4 --knob ngram=3
+    forerun generate "def fib(n):" --method auto --max-new-tokens 64 -v
+    forerun generate "Explain recursion" --chat --method prompt_lookup+trie --knob trie.decoding_length=16
+    forerun bench --dataset gsm8k,humaneval --methods plain,trie,auto --dtype bf16
 """
 
 from __future__ import annotations
@@ -19,14 +23,27 @@ from rich.markup import escape
 from rich.progress import Progress
 from rich.text import Text
 
-from forerun.chat import SOURCE_STYLES
 from forerun.fetch import DEFAULT_MODELS_DIR
+from forerun.methods import parse_knob_pairs, source_style
 from forerun.models import DEFAULT_MODEL
+from forerun.runspec import RunSpec
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Faster, identical text from Hugging Face LMs.")
 # Tables are wide: give them room when the output is a file or a pipe (rich would assume 80 columns).
 console = Console(width=None if sys.stdout.isatty() else 150)
 errors = Console(stderr=True)
+
+# The run options, shared by every command (one definition each, so they cannot drift apart).
+MODEL = typer.Option(DEFAULT_MODEL, "--model", "-m", help="Alias, local folder, .gguf file or cached hub id.")
+METHOD = typer.Option(
+    "prompt_lookup", "--method", help="plain | prompt_lookup | jacobi | trie | draft_model | auto, or joined: a+b."
+)
+KNOB = typer.Option([], "--knob", "-k", help="Method knob NAME=VALUE (repeatable; METHOD.NAME when combined).")
+DEVICE = typer.Option("cpu", "--device", help="cpu, cuda, cuda:1 ...")
+DTYPE = typer.Option("fp32", "--dtype", help="fp32 (identical to generate) | bf16 | fp16 (identical up to ties).")
+THREADS = typer.Option(0, "--threads", help="torch threads (0 = torch's default).")
+DRAFT = typer.Option("", "--draft-model", help="Method draft_model: the small model that drafts.")
+NODES = typer.Option(0, "--max-tree-nodes", help="Most tokens fed in one forward (0 = the method's or device's).")
 
 
 def user_errors(command: Callable) -> Callable:
@@ -43,38 +60,27 @@ def user_errors(command: Callable) -> Callable:
     return wrapper
 
 
-def parse_knobs(pairs: list[str]) -> dict[str, object]:
-    """['draft_len=8', 'pool_policy=fifo', 'pool_from_prompt=false'] -> typed keyword arguments."""
-    knobs: dict[str, object] = {}
-    for pair in pairs:
-        name, sep, raw = pair.partition("=")
-        if not sep or not name:
-            raise ValueError(f"knob {pair!r} is not NAME=VALUE")
-        value: object = raw
-        if raw.lower() in ("true", "false"):
-            value = raw.lower() == "true"
-        else:
-            for cast in (int, float):
-                try:
-                    value = cast(raw)
-                    break
-                except ValueError:
-                    continue
-        knobs[name] = value
-    return knobs
-
-
-def prepare_run(method: str, pairs: list[str], threads: int) -> dict[str, object]:
-    """Parse and validate the knobs of `method` (before any slow model load), then pin torch threads if asked."""
-    import torch
-
-    from forerun.config import method_config
-
-    knobs = parse_knobs(pairs)
-    method_config(method, **knobs)
-    if threads:
-        torch.set_num_threads(threads)
-    return knobs
+def run_spec(
+    model: str = DEFAULT_MODEL,
+    method: str = "prompt_lookup",
+    knob: list[str] | None = None,
+    device: str = "cpu",
+    dtype: str = "fp32",
+    threads: int = 0,
+    draft_model: str = "",
+    max_tree_nodes: int = 0,
+) -> RunSpec:
+    """The command line's run options as a checked RunSpec (raises ValueError before anything loads)."""
+    return RunSpec(
+        model=model,
+        method=method,
+        knobs=parse_knob_pairs(knob or []),
+        device=device,
+        dtype=dtype,
+        draft_model=draft_model or None,
+        max_tree_nodes=max_tree_nodes or None,
+        threads=threads,
+    )
 
 
 def progress_bar() -> Progress:
@@ -85,59 +91,55 @@ def progress_bar() -> Progress:
     return Progress(*columns, console=console)
 
 
-def load_draft(name: str, target, tokenizer):
-    from forerun.drafters.draft_model import load_draft as load
-
-    return load(name, target, tokenizer)
-
-
 def coloured(tokenizer, new_ids: list[int], sources: list[str]) -> Text:
     """The new text with every token styled by where it came from (a drafter's accepted guess, or the model)."""
-    text = Text()
-    previous = tokenizer.decode(new_ids[:0], skip_special_tokens=True)
-    for i, source in enumerate(sources):
-        current = tokenizer.decode(new_ids[: i + 1], skip_special_tokens=True)
-        text.append(current[len(previous) :], style=SOURCE_STYLES.get(source, "bold yellow"))
-        previous = current
+    from forerun.text import IncrementalText
+
+    text, pieces = Text(), IncrementalText(tokenizer)
+    for token, source in zip(new_ids, sources, strict=False):
+        text.append(pieces.push([token]), style=source_style(source))
+    text.append(pieces.finish())
     return text
+
+
+def legend(names: tuple[str, ...]) -> Text:
+    line = Text("legend: ")
+    line.append("own step ", style="default")
+    for name in names:
+        line.append(f"{name} ", style=source_style(name))
+    return line
 
 
 @app.command()
 @user_errors
 def generate(
     prompt: str = typer.Argument(..., help="The prompt text."),
-    model: str = typer.Option(DEFAULT_MODEL, "--model", "-m", help="Alias, local folder, .gguf file or cached hub id."),
-    method: str = typer.Option("prompt_lookup", "--method", help="plain | prompt_lookup | jacobi | trie | draft_model"),
+    model: str = MODEL,
+    method: str = METHOD,
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n"),
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt as a user message with the chat template."),
-    knob: list[str] = typer.Option([], "--knob", "-k", help="Method knob NAME=VALUE (repeatable)."),
-    max_tree_nodes: int = typer.Option(
-        0, "--max-tree-nodes", help="Most tokens fed in one forward (0 = method default)."
-    ),
-    threads: int = typer.Option(0, "--threads", help="torch threads (0 = torch's default)."),
+    knob: list[str] = KNOB,
+    max_tree_nodes: int = NODES,
+    threads: int = THREADS,
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Colour tokens by origin and print stats."),
-    draft_model: str = typer.Option("", "--draft-model", help="Method draft_model: the small model that drafts."),
-    device: str = typer.Option("cpu", "--device", help="cpu, cuda, cuda:1 ..."),
+    draft_model: str = DRAFT,
+    device: str = DEVICE,
+    dtype: str = DTYPE,
 ) -> None:
     """Generate text greedily; identical to model.generate(do_sample=False), only sooner."""
-    from forerun.decoder import Decoder
-    from forerun.models import load_model
-
-    knobs = prepare_run(method, knob, threads)
-    if draft_model and method != "draft_model":
-        raise ValueError("--draft-model is for --method draft_model")
-    lm, tokenizer = load_model(model, device=device)
-    draft = load_draft(draft_model, lm, tokenizer) if draft_model else None
-    decoder = Decoder(lm, tokenizer, method, max_tree_nodes=max_tree_nodes or None, draft_model=draft, **knobs)
+    if max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    if not prompt.strip():
+        raise ValueError("prompt is empty")
+    spec = run_spec(model, method, knob, device, dtype, threads, draft_model, max_tree_nodes)
+    lm, tokenizer, draft = spec.load()
+    decoder = spec.decoder(lm, tokenizer, draft)
     result = decoder.generate(prompt, max_new_tokens, chat=chat)
     if not verbose:
         console.print(result.text, highlight=False, markup=False)
         return
     console.print(coloured(tokenizer, result.new_tokens, result.token_sources))
-    legend = Text("legend: ")
-    for name, style in SOURCE_STYLES.items():
-        legend.append(f"{'own step' if name == 'model' else name} ", style=style or "default")
-    console.print(legend)
+    console.print(legend(decoder.plan.names))
     console.print(result.stats.summary(), highlight=False)
     console.print(f"accepted length per step: {dict(sorted(result.stats.accepted_hist.items()))}", highlight=False)
 
@@ -148,7 +150,7 @@ QUICK_METHODS = "plain,hf_prompt_lookup,prompt_lookup"
 @app.command()
 @user_errors
 def bench(
-    model: str = typer.Option(DEFAULT_MODEL, "--model", "-m"),
+    model: str = MODEL,
     dataset: str = typer.Option(
         "gsm8k,humaneval",
         "--dataset",
@@ -156,7 +158,7 @@ def bench(
         help="Comma-separated: gsm8k, humaneval, mbpp, typehints, restate, or a .jsonl file.",
     ),
     n: int = typer.Option(5, "--n", help="Prompts per dataset."),
-    methods: str = typer.Option(QUICK_METHODS, "--methods", help="e.g. plain,hf_prompt_lookup,jacobi[window=4]"),
+    methods: str = typer.Option(QUICK_METHODS, "--methods", help="e.g. plain,hf_prompt_lookup,auto,jacobi[window=4]"),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens"),
     threads: int = typer.Option(1, "--threads", help="torch threads, pinned for the whole run."),
     out: str = typer.Option("bench-results", "--out", help="Folder for results.json/.md and PNG plots."),
@@ -171,7 +173,8 @@ def bench(
     draft_model: str = typer.Option(
         "", "--draft-model", help="Small model sharing the tokenizer, for methods draft_model and hf_assisted."
     ),
-    device: str = typer.Option("cpu", "--device", help="cpu, cuda, cuda:1 ..."),
+    device: str = DEVICE,
+    dtype: str = DTYPE,
 ) -> None:
     """Benchmark methods against plain model.generate on real prompts, interleaved, outputs checked."""
     from pathlib import Path
@@ -181,21 +184,27 @@ def bench(
     from forerun.bench.datasets import load_dataset
     from forerun.bench.report import summarize, tables, write_outputs
     from forerun.bench.runner import load_records, mismatch_lines, parse_methods, run_interleaved
-    from forerun.models import load_model
+    from forerun.latency import curve_for
 
     if quick:
         dataset, n, methods = "gsm8k,humaneval", 5, QUICK_METHODS
     if n < 1 or max_new_tokens < 1 or threads < 1:
         raise ValueError(f"--n, --max-new-tokens and --threads must be >= 1 (got {n}, {max_new_tokens}, {threads})")
     specs = parse_methods(methods)
+    spec = RunSpec(model=model, method="plain", device=device, dtype=dtype, threads=threads)
     prompts = [p for name in dataset.split(",") for p in load_dataset(name.strip(), n)]
     included = [record for path in include for record in load_records(Path(path))]
-    torch.set_num_threads(threads)
-    lm, tokenizer = load_model(model, device=device)
-    draft = load_draft(draft_model, lm, tokenizer) if draft_model else None
+    lm, tokenizer, _ = spec.load()
+    draft = None
+    if draft_model:
+        from forerun.drafters.draft_model import load_draft
+
+        draft = load_draft(draft_model, lm, tokenizer)
     sampling = {"temperature": temperature, "top_p": top_p} if sample else None
+    with console.status("latency curve (measured once per model, dtype, device and thread count)"):
+        curve = curve_for(lm)
     console.print(
-        f"[bold]forerun bench[/]: {escape(model)}, {len(prompts)} prompts, {max_new_tokens} new tokens, "
+        f"[bold]forerun bench[/]: {escape(model)} {dtype}, {len(prompts)} prompts, {max_new_tokens} new tokens, "
         f"{'sampled ' + str(sampling) if sampling else 'greedy'}, torch threads {threads}, device {device}, "
         f"{'draft ' + escape(draft_model) + ', ' if draft_model else ''}"
         f"methods generate (reference), {escape(', '.join(s.label for s in specs))}",
@@ -207,18 +216,28 @@ def bench(
         def step(prompt_id: str, label: str) -> None:
             progress.update(task, advance=1, description=f"{prompt_id} {label}")
 
-        def warm_up_on_other_prompts(spec, decoder) -> None:
-            if not spec.warm:
+        def warm_up_on_other_prompts(bench_method, decoder) -> None:
+            if not bench_method.warm:
                 return
             names = [name.strip() for name in dataset.split(",")]
-            others = [p for name in names for p in load_dataset(name, n + spec.warm)[n:]]
-            warm_task = progress.add_task(f"warming {spec.label}", total=len(others))
+            others = [p for name in names for p in load_dataset(name, n + bench_method.warm)[n:]]
+            warm_task = progress.add_task(f"warming {bench_method.label}", total=len(others))
             for prompt in others:
                 decoder.generate(list(prompt.messages), max_new_tokens)
                 progress.advance(warm_task)
 
         records = run_interleaved(
-            lm, tokenizer, prompts, specs, max_new_tokens, step, warm_up_on_other_prompts, sampling, seed, draft
+            lm,
+            tokenizer,
+            prompts,
+            specs,
+            max_new_tokens,
+            step,
+            warm_up_on_other_prompts,
+            sampling,
+            seed,
+            draft,
+            curve,
         )
     for line in mismatch_lines(included):
         errors.print(f"[yellow]note[/]: included run: {escape(line)}", highlight=False)
@@ -232,11 +251,13 @@ def bench(
         "methods": methods,
         "max_new_tokens": max_new_tokens,
         "threads": threads,
+        "dtype": dtype,
         "sampling": sampling,
         "seed": seed if sampling else None,
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name(lm.device) if lm.device.type == "cuda" else "cpu",
         "draft_model": draft_model or None,
+        "latency_curve": curve.as_dict(),
     }
     for path in write_outputs(records + included, summary, settings, Path(out)):
         console.print(f"wrote {path}")
@@ -250,23 +271,25 @@ def bench(
 @app.command()
 @user_errors
 def curve(
-    model: str = typer.Option(DEFAULT_MODEL, "--model", "-m"),
-    sizes: str = typer.Option("1,2,3,4,6,8,12,16,24,32,48,64", "--sizes", help="Tokens per forward to measure."),
-    context: int = typer.Option(300, "--context", help="Cached tokens before each forward."),
-    repeats: int = typer.Option(7, "--repeats"),
+    model: str = MODEL,
+    sizes: str = typer.Option(
+        "1,2,3,4,5,6,8,10,12,16,20,24,32,48,64", "--sizes", help="Tokens per forward to measure."
+    ),
+    context: int = typer.Option(256, "--context", help="Cached tokens before each forward."),
+    repeats: int = typer.Option(5, "--repeats"),
     threads: int = typer.Option(1, "--threads"),
     out: str = typer.Option("bench-results/latency", "--out"),
-    device: str = typer.Option("cpu", "--device", help="cpu, cuda, cuda:1 ..."),
+    device: str = DEVICE,
+    dtype: str = typer.Option("fp32", "--dtype", help="One dtype or several: fp32,bf16 (one plot)."),
 ) -> None:
-    """Measure the forward-latency curve (latency vs tokens per forward); writes latency.json and latency.png."""
-    import platform
+    """Measure the forward-latency curve(s) (latency vs tokens per forward): latency.json and latency.png, and the
+    file the cost model reads for this model, dtype, device and thread count."""
     from pathlib import Path
 
-    import torch
     from rich.table import Table
 
-    from forerun.bench.latency import latency_curve, write_curve
-    from forerun.models import load_model
+    from forerun.bench.latency import write_curves
+    from forerun.latency import DEFAULT_CACHE_DIR, curve_path, curve_settings, measure_curve, save_curve
 
     try:
         size_list = [int(x) for x in sizes.split(",") if x.strip()]
@@ -274,82 +297,94 @@ def curve(
         raise ValueError(f"--sizes must be comma-separated integers, got {sizes!r}") from None
     if threads < 1:
         raise ValueError("--threads must be >= 1")
-    torch.set_num_threads(threads)
-    lm, _ = load_model(model, device=device)
-    with console.status(f"measuring {len(size_list)} sizes x {repeats} repeats"):
-        measured = latency_curve(lm, size_list, context, repeats)
+    specs = [
+        RunSpec(model=model, method="plain", device=device, dtype=d.strip(), threads=threads) for d in dtype.split(",")
+    ]
+    curves = {}
+    for spec in specs:
+        lm, _, _ = spec.load()
+        with console.status(f"{spec.dtype}: measuring {len(size_list)} sizes x {repeats} repeats"):
+            measured = measure_curve(lm, size_list, context, repeats)
+        save_curve(measured, curve_path(lm, DEFAULT_CACHE_DIR), curve_settings(lm))
+        curves[spec.dtype] = measured
+        del lm
     table = Table(title=f"forward latency, {context} cached tokens, {threads} thread(s), {device}")
-    for column in ("tokens", "ms", "relative to 1"):
-        table.add_column(column, justify="right")
-    for n in measured["sizes"]:
-        table.add_row(str(n), f"{measured['seconds'][n] * 1000:.1f}", f"{measured['relative'][n]:.2f}")
+    table.add_column("tokens", justify="right")
+    for label in curves:
+        table.add_column(f"{label} ms", justify="right")
+        table.add_column(f"{label} relative", justify="right")
+    for n in curves[specs[0].dtype].sizes:
+        cells = [str(n)]
+        for measured in curves.values():
+            cells += [f"{measured.cost(n) * 1000:.1f}", f"{measured.relative(n):.2f}"]
+        table.add_row(*cells)
     console.print(table)
-    settings = {
-        "model": model,
-        "threads": threads,
-        "device": device,
-        "machine": platform.processor() or "",
-        "torch": torch.__version__,
-    }
-    for path in write_curve(measured, settings, Path(out)):
+    settings = {"model": model, "threads": threads, "device": device, "context": context, "repeats": repeats}
+    for path in write_curves(curves, settings, Path(out)):
         console.print(f"wrote {path}")
 
 
 @app.command()
 @user_errors
 def chat(
-    model: str = typer.Option(DEFAULT_MODEL, "--model", "-m"),
-    method: str = typer.Option("prompt_lookup", "--method"),
-    knob: list[str] = typer.Option([], "--knob", "-k", help="Method knob NAME=VALUE (repeatable)."),
+    model: str = MODEL,
+    method: str = METHOD,
+    knob: list[str] = KNOB,
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n"),
-    threads: int = typer.Option(0, "--threads"),
+    threads: int = THREADS,
+    draft_model: str = DRAFT,
+    max_tree_nodes: int = NODES,
+    device: str = DEVICE,
+    dtype: str = DTYPE,
 ) -> None:
     """Chat in the terminal: streaming answers, draft-accepted tokens coloured, a stats line per answer."""
     from forerun.chat import chat_loop
-    from forerun.models import load_model
 
-    knobs = prepare_run(method, knob, threads)
-    lm, tokenizer = load_model(model)
-    chat_loop(lm, tokenizer, method, knobs, max_new_tokens, console)
+    if max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    spec = run_spec(model, method, knob, device, dtype, threads, draft_model, max_tree_nodes)
+    lm, tokenizer, draft = spec.load()
+    chat_loop(spec, lm, tokenizer, draft, max_new_tokens, console)
 
 
 @app.command()
 @user_errors
 def serve(
-    model: str = typer.Option(DEFAULT_MODEL, "--model", "-m"),
-    method: str = typer.Option("prompt_lookup", "--method"),
-    knob: list[str] = typer.Option([], "--knob", "-k", help="Method knob NAME=VALUE (repeatable)."),
+    model: str = MODEL,
+    method: str = METHOD,
+    knob: list[str] = KNOB,
     host: str = typer.Option("127.0.0.1", "--host"),
     port: int = typer.Option(8000, "--port"),
     api_key: str = typer.Option("", "--api-key", help="Require 'Authorization: Bearer KEY' (all but /health)."),
     cache: str = typer.Option("", "--cache", help="Trie file: loaded at start if present, saved at shutdown."),
     max_tokens_limit: int = typer.Option(1024, "--max-tokens-limit"),
-    timeout: float = typer.Option(300.0, "--timeout", help="Per-request generation timeout in seconds."),
-    threads: int = typer.Option(0, "--threads"),
-    draft_model: str = typer.Option("", "--draft-model", help="Load this draft model for method draft_model."),
+    timeout: float = typer.Option(300.0, "--timeout", help="Per-request timeout in seconds."),
+    threads: int = THREADS,
+    draft_model: str = DRAFT,
+    max_tree_nodes: int = NODES,
+    device: str = DEVICE,
+    dtype: str = DTYPE,
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (completions, chat, streaming, /metrics)."""
     import uvicorn
 
-    from forerun.models import load_model
     from forerun.server import ServerConfig, create_app
 
-    knobs = prepare_run(method, knob, threads)
+    spec = run_spec(model, method, knob, device, dtype, threads, draft_model, max_tree_nodes)
     config = ServerConfig(
         model_name=model,
-        method=method,
-        knobs=knobs,
+        method=spec.method,
+        knobs=dict(spec.knobs),
         api_key=api_key or None,
         cache_path=cache or None,
         max_tokens_limit=max_tokens_limit,
         request_timeout_s=timeout,
     )
-    lm, tokenizer = load_model(model)
-    draft = load_draft(draft_model, lm, tokenizer) if draft_model else None
-    uvicorn.run(create_app(lm, tokenizer, config, draft), host=host, port=port, log_level="info")
+    lm, tokenizer, draft = spec.load()
+    uvicorn.run(create_app(lm, tokenizer, config, draft, spec), host=host, port=port, log_level="info")
 
 
-trie_app = typer.Typer(no_args_is_help=True, help="Trie cache tools (method 'trie').")
+trie_app = typer.Typer(no_args_is_help=True, help="Trie cache tools (methods with 'trie' in them).")
 app.add_typer(trie_app, name="trie")
 
 
@@ -358,24 +393,24 @@ app.add_typer(trie_app, name="trie")
 def trie_build(
     corpus: str = typer.Argument(..., help="JSONL rows: {'text': ...} inserted, {'prompt': ...} answered."),
     output: str = typer.Option(..., "--output", "-o", help="Cache file to write (safetensors)."),
-    model: str = typer.Option(DEFAULT_MODEL, "--model", "-m"),
+    model: str = MODEL,
     knob: list[str] = typer.Option([], "--knob", "-k", help="Trie knob NAME=VALUE (repeatable)."),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", help="Answer length for prompt rows."),
-    threads: int = typer.Option(0, "--threads"),
+    threads: int = THREADS,
+    device: str = DEVICE,
+    dtype: str = DTYPE,
 ) -> None:
     """Pre-build a trie cache from a corpus; load it with `forerun serve --cache` or Decoder.load_cache."""
     from pathlib import Path
 
     from forerun.corpus import build_trie, read_corpus
-    from forerun.decoder import Decoder
-    from forerun.models import load_model
 
-    knobs = prepare_run("trie", knob, threads)
+    spec = run_spec(model, "trie", knob, device, dtype, threads)
     rows = read_corpus(Path(corpus))
     if not Path(output).resolve().parent.is_dir():
         raise FileNotFoundError(f"output folder does not exist: {Path(output).parent}")
-    lm, tokenizer = load_model(model)
-    decoder = Decoder(lm, tokenizer, "trie", **knobs)
+    lm, tokenizer, _ = spec.load()
+    decoder = spec.decoder(lm, tokenizer)
     with progress_bar() as progress:
         task = progress.add_task("building trie", total=len(rows))
         counts = build_trie(decoder, rows, max_new_tokens, on_row=lambda: progress.advance(task))

@@ -1,6 +1,7 @@
 """Frozen configuration dataclasses, one per drafting method, validated on construction.
 
-Every knob is explicit: the CLI, the server and the Python API all build these same objects.
+Every knob is explicit: the CLI, the server and the Python API all build these same objects. Which method uses
+which config, and the per-device defaults, are declared by the drafter modules (`forerun.methods.REGISTRY`).
 
 Example:
     >>> from forerun.config import PromptLookupConfig
@@ -14,11 +15,8 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Literal, get_args
-
-Method = Literal["plain", "prompt_lookup", "jacobi", "trie", "draft_model"]
-METHODS: tuple[str, ...] = get_args(Method)
+from dataclasses import dataclass
+from typing import Literal
 
 
 def check_int(owner: object, name: str, minimum: int) -> None:
@@ -193,73 +191,23 @@ class DraftModelConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """What every method shares: the node budget of one forward."""
+    """What every method shares: how many nodes a forward may carry and who decides it."""
 
-    max_tree_nodes: int = 16
-    """Most nodes (root included) fed in one forward; chosen on the device's measured latency curve."""
+    max_tree_nodes: int | None = None
+    """Most nodes (root included) fed in one forward. None: what the method asks for (static budget), or the
+    largest size the device's latency curve affords (cost model)."""
     draft_in_prefill: bool = True
     """Verify the first draft in the prefill forward (prompt + tree, as transformers' assisted generation does)
     instead of a prefill for the first token, then a first tree: one forward fewer per request."""
+    adaptive: bool | None = None
+    """Decide each step's tree with the cost model (expected tokens per second on the measured latency curve).
+    None: on for every model-free method and for combinations; off for draft_model alone. False: the static
+    budget (each method feeds what its knobs ask for, every step)."""
 
     def __post_init__(self) -> None:
-        check_int(self, "max_tree_nodes", 1)
-
-
-METHOD_CONFIGS: dict[str, type | None] = {
-    "plain": None,
-    "prompt_lookup": PromptLookupConfig,
-    "jacobi": JacobiConfig,
-    "trie": TrieConfig,
-    "draft_model": DraftModelConfig,
-}
-
-
-def check_method(method: str) -> str:
-    """Return `method` if forerun knows it, else raise a ValueError listing the known ones."""
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
-    return method
-
-
-# Defaults per device kind. A CPU pays for every token of a forward (SmolLM2-135M here: 16 tokens ~2x one token),
-# so drafts stay small; on a GPU the latency curve is flat up to dozens of tokens, so the published defaults
-# (lade: W=7, N=5, G=7; PIA: decoding_length=64 on A100) pay. Knobs the caller gives always win.
-DEVICE_DEFAULTS: dict[str, dict[str, dict[str, object]]] = {
-    "cpu": {},
-    "cuda": {
-        "jacobi": {"window": 7, "ngram": 5, "max_candidates": 7, "pool_from_output": False, "lazy_window": False},
-        "trie": {"decoding_length": 32, "branch_length": 12},
-        "prompt_lookup": {"max_branches": 4},
-    },
-}
-
-
-def device_defaults(method: str, device_type: str) -> dict[str, object]:
-    """The default knobs of `method` on a device kind ("cpu", "cuda", ...; unknown kinds get the CPU defaults).
-
-    Example:
-        >>> device_defaults("jacobi", "cuda")
-        {'window': 7, 'ngram': 5, 'max_candidates': 7, 'pool_from_output': False, 'lazy_window': False}
-        >>> device_defaults("jacobi", "cpu")
-        {}
-    """
-    return dict(DEVICE_DEFAULTS.get(device_type, {}).get(method, {}))
-
-
-def method_config(method: str, **knobs: object) -> object | None:
-    """Build the config of `method` from keyword knobs; unknown knobs raise a ValueError naming them.
-
-    Example:
-        >>> method_config("prompt_lookup", draft_len=5)
-        PromptLookupConfig(max_ngram=3, min_ngram=1, draft_len=5, max_branches=2)
-    """
-    cls = METHOD_CONFIGS[check_method(method)]
-    if cls is None:
-        if knobs:
-            raise ValueError(f"method 'plain' takes no knobs, got {sorted(knobs)}")
-        return None
-    known = {f.name for f in fields(cls)}
-    unknown = sorted(set(knobs) - known)
-    if unknown:
-        raise ValueError(f"unknown knob(s) {unknown} for method {method!r}; known: {sorted(known)}")
-    return cls(**knobs)
+        if self.max_tree_nodes is not None:
+            check_int(self, "max_tree_nodes", 1)
+        for name in ("draft_in_prefill", "adaptive"):
+            value = getattr(self, name)
+            if not isinstance(value, bool) and not (name == "adaptive" and value is None):
+                raise ValueError(f"EngineConfig.{name} must be true or false, got {value!r}")

@@ -2,10 +2,11 @@
 
 Example:
     >>> import forerun                                                   # doctest: +SKIP
-    >>> model, tokenizer = forerun.load_model("smollm2-135m")
-    >>> decoder = forerun.Decoder(model, tokenizer, method="prompt_lookup", draft_len=8)
-    >>> result = decoder.generate("def fib(n):", max_new_tokens=64)
-    >>> result.sequences.shape, result.stats.tokens_per_forward       # (torch.Size([1, 70]), 1.8...)
+    >>> model, tokenizer = forerun.load_model("smollm2-135m")             # doctest: +SKIP
+    >>> decoder = forerun.Decoder(model, tokenizer, method="auto")        # doctest: +SKIP
+    >>> result = decoder.generate("def fib(n):", max_new_tokens=64)      # doctest: +SKIP
+    >>> result.sequences.shape, result.stats.tokens_per_forward           # doctest: +SKIP
+    (torch.Size([1, 70]), 1.8...)
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ import functools
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from transformers import (
     EosTokenCriteria,
+    LogitsProcessorList,
     MaxLengthCriteria,
     PreTrainedTokenizerBase,
     StoppingCriteria,
@@ -25,9 +28,12 @@ from transformers import (
     StopStringCriteria,
 )
 
-from forerun.config import EngineConfig, device_defaults, method_config
+from forerun.config import EngineConfig
+from forerun.costmodel import CostModel, LatencyCurve, StaticBudget
 from forerun.drafters.base import Drafter
-from forerun.engine import Transcript, decode
+from forerun.engine import Budget, Sampling, Transcript, decode
+from forerun.latency import DEFAULT_CACHE_DIR, curve_for
+from forerun.methods import plan_method
 from forerun.stats import GenerationStats
 from forerun.verify import verify_sample
 
@@ -52,61 +58,6 @@ class GenerationResult:
         return self.sequences[0, self.prompt_len :].tolist()
 
 
-def make_drafters(
-    method: str, config: object | None, draft: torch.nn.Module | None = None, vocab: int = 0
-) -> list[Drafter]:
-    """The drafters of a method (imported lazily so a method's dependencies load only when used).
-
-    `draft`, `vocab`: the draft model of method 'draft_model' (already checked against the target's vocabulary)
-    and the target's number of output rows.
-    """
-    if method == "plain":
-        return []
-    if method == "draft_model":
-        from forerun.drafters.draft_model import DraftModelDrafter
-
-        return [DraftModelDrafter(config, draft, vocab)]
-    if method == "prompt_lookup":
-        from forerun.drafters.prompt_lookup import PromptLookupDrafter
-
-        return [PromptLookupDrafter(config)]
-    if method == "jacobi":
-        from forerun.drafters.jacobi import JacobiDrafter
-
-        return [JacobiDrafter(config)]
-    if method == "trie":
-        from forerun.drafters.trie import TrieDrafter
-
-        return [TrieDrafter(config)]
-    raise ValueError(f"unknown method {method!r}")
-
-
-def budget_for(method: str, config: object | None, max_tree_nodes: int | None) -> int:
-    """Nodes per forward: the caller's choice, else what the method's knobs ask for.
-
-    The defaults follow this CPU's measured latency curve (BENCHMARKS.md): up to ~12 tokens a forward costs
-    about 1.2-1.6x a 1-token one, beyond 16 the cost climbs steeply.
-    """
-    if method == "jacobi":
-        probes = config.window * (config.ngram - 1)
-        if max_tree_nodes is None:
-            return 1 + probes + config.max_candidates * (config.ngram - 1)
-        if max_tree_nodes < 1 + probes:
-            raise ValueError(
-                f"jacobi window W={config.window} x (N-1)={config.ngram - 1} needs {1 + probes} nodes, "
-                f"but max_tree_nodes={max_tree_nodes}"
-            )
-    if max_tree_nodes is not None:
-        return max_tree_nodes
-    if method == "trie":
-        return 1 + config.decoding_length
-    if method == "prompt_lookup":
-        return 1 + min(config.draft_len * config.max_branches, 15)
-    if method == "draft_model":
-        return 1 + config.max_gamma + config.tree_width - 1
-    return 16
-
-
 def eos_ids_of(model: torch.nn.Module, eos_token_id: int | Sequence[int] | None) -> frozenset[int]:
     if eos_token_id is None:
         eos_token_id = model.generation_config.eos_token_id
@@ -116,10 +67,18 @@ def eos_ids_of(model: torch.nn.Module, eos_token_id: int | Sequence[int] | None)
 
 
 class Decoder:
-    """A model, its tokenizer and the drafters of one method; reuse it across requests (pools and tries learn).
+    """A model, its tokenizer and the drafters of one method expression; reuse it across requests (pools, tries
+    and the cost model's calibration learn).
 
-    Knobs are the fields of the method's config (e.g. `draft_len=8` for prompt_lookup, `window=4` for jacobi);
-    knobs not given take the defaults of the model's device kind (`config.device_defaults`: small on a CPU).
+    `method`: one method (`"trie"`), several joined by `+` (`"prompt_lookup+trie"`), `"auto"` (every model-free
+    method) or `"plain"`; see `forerun.methods`. Knobs are the fields of the methods' configs: `draft_len=8` for
+    a single method, `trie.decoding_length=16` when several are combined; knobs not given take the defaults of
+    the model's device kind (small on a CPU).
+
+    Budget: the cost model chooses each step's tree on the device's latency curve (`forerun.costmodel`), at most
+    `max_tree_nodes` nodes; `adaptive=False` feeds instead what the knobs ask for, every step (`draft_model` alone
+    does that by default). The curve is `latency` if given, else read from or measured into `latency_cache` (a
+    few seconds, once per model, dtype, device and thread count; None: measured, not stored).
     """
 
     def __init__(
@@ -130,36 +89,61 @@ class Decoder:
         *,
         max_tree_nodes: int | None = None,
         draft_in_prefill: bool = True,
+        adaptive: bool | None = None,
+        latency: LatencyCurve | None = None,
+        latency_cache: str | Path | None = DEFAULT_CACHE_DIR,
         drafters: Sequence[Drafter] | None = None,
         draft_model: torch.nn.Module | str | None = None,
         draft_tokenizer: PreTrainedTokenizerBase | None = None,
         **knobs: object,
     ) -> None:
-        self.model, self.tokenizer, self.method = model, tokenizer, method
-        device_type = next(model.parameters()).device.type
-        self.config = method_config(method, **{**device_defaults(method, device_type), **knobs})
-        self.engine_config = EngineConfig(budget_for(method, self.config, max_tree_nodes), draft_in_prefill)
+        self.model, self.tokenizer = model, tokenizer
+        self.plan = plan_method(method, knobs, next(model.parameters()).device.type)
+        self.method = self.plan.text
+        self.engine_config = EngineConfig(max_tree_nodes, draft_in_prefill, adaptive)
         check_vocabulary(model, tokenizer)
-        self.draft_model = self.prepare_draft(draft_model, draft_tokenizer) if method == "draft_model" else None
-        if draft_model is not None and method != "draft_model":
-            raise ValueError(f"draft_model is a knob of method 'draft_model', not of {method!r}")
+        uses_draft = "draft_model" in self.plan.names
+        if draft_model is not None and not uses_draft:
+            raise ValueError(f"draft_model is a knob of method 'draft_model', which is not part of {self.method!r}")
+        self.draft_model = self.prepare_draft(draft_model, draft_tokenizer) if uses_draft else None
         if drafters is None:
-            vocab = model.get_output_embeddings().weight.shape[0]
-            drafters = make_drafters(method, self.config, self.draft_model, vocab)
+            drafters = self.plan.build(self.draft_model, model.get_output_embeddings().weight.shape[0])
         self.drafters = list(drafters)
-        self.sample_verifier = verify_sample
-        """The lossless sampling verifier (method draft_model, variant leviathan: uniforms drawn first)."""
-        if method == "draft_model" and self.config.variant == "leviathan":
-            self.sample_verifier = functools.partial(verify_sample, uniforms_first=True)
+        self.budget = self.make_budget(latency, latency_cache)
+        uniforms_first = any(getattr(drafter, "uniforms_first", False) for drafter in self.drafters)
+        self.sample_verifier = (
+            functools.partial(verify_sample, uniforms_first=True) if uniforms_first else verify_sample
+        )
+        """The lossless sampling verifier (uniforms drawn first for draft_model's leviathan variant)."""
+
+    @property
+    def config(self) -> object | None:
+        """The config of the method when only one is used (None for 'plain' and combinations)."""
+        return self.plan.configs[0] if len(self.plan.configs) == 1 else None
+
+    def make_budget(self, latency: LatencyCurve | None, latency_cache: str | Path | None) -> Budget:
+        """The cost model (model-free methods and combinations, or adaptive=True) or a static node budget."""
+        config = self.engine_config
+        adaptive = self.plan.adaptive if config.adaptive is None else config.adaptive
+        if config.max_tree_nodes is not None and config.max_tree_nodes < self.plan.min_budget():
+            raise ValueError(
+                f"{self.method} needs at least {self.plan.min_budget()} nodes per forward with these knobs "
+                f"(the Jacobi window's W x (N-1) probes and the root), but max_tree_nodes={config.max_tree_nodes}"
+            )
+        if adaptive and self.drafters:
+            curve = latency if latency is not None else curve_for(self.model, latency_cache)
+            return CostModel(curve, config.max_tree_nodes or max(curve.default_cap(), self.plan.min_budget()))
+        return StaticBudget(config.max_tree_nodes or (self.plan.static_budget() if self.plan.specs else 16))
 
     def prepare_draft(self, draft: torch.nn.Module | str | None, draft_tokenizer) -> torch.nn.Module:
         """The draft model of method 'draft_model': given, loaded by name, or the target's own first layers."""
         from forerun.drafters.draft_model import check_same_vocabulary, load_draft, self_draft
 
-        if self.config.self_draft_layers:
+        layers = self.plan.config("draft_model").self_draft_layers
+        if layers:
             if draft is not None:
                 raise ValueError("give either draft_model or self_draft_layers, not both")
-            return self_draft(self.model, self.config.self_draft_layers)
+            return self_draft(self.model, layers)
         if draft is None:
             raise ValueError(
                 "method 'draft_model' needs draft_model=... (a model sharing the target's tokenizer, or its name) "
@@ -172,7 +156,8 @@ class Decoder:
 
     def save_cache(self, path: str) -> None:
         """Save the cross-request state (the trie of method 'trie') with safetensors."""
-        self.trie_drafter().trie.save(path, self.config)
+        drafter = self.trie_drafter()
+        drafter.trie.save(path, drafter.config)
 
     def load_cache(self, path: str) -> None:
         """Replace the trie with one saved by `save_cache`; a bad file raises ValueError and changes nothing."""
@@ -187,7 +172,7 @@ class Decoder:
         for drafter in self.drafters:
             if isinstance(drafter, TrieDrafter):
                 return drafter
-        raise ValueError(f"method {self.method!r} keeps no trie to save or load; use method='trie'")
+        raise ValueError(f"method {self.method!r} keeps no trie to save or load; use a method with 'trie' in it")
 
     def encode(self, prompt: Prompt, chat: bool = False) -> torch.Tensor:
         """Prompt -> input_ids [1, L]: a string (chat=True wraps it as one user message), messages, or ids."""
@@ -264,14 +249,40 @@ class Decoder:
             criteria.append(Cancelled(cancel))
         if streamer is not None:
             streamer.put(input_ids.cpu())  # transformers' convention: a streamer sees the prompt first
-        transcript = Transcript(input_ids.to(self.model.device), criteria, streamer)
-        with torch.inference_mode():
-            stats = decode(
-                self.model, transcript.sequence, self.drafters, transcript, eos, max_new_tokens, self.engine_config
-            )
+        transcript, stats = self.decode(input_ids.to(self.model.device), criteria, eos, max_new_tokens, streamer)
+        return self.result(transcript.sequence, prompt_len, stats, transcript.sources)
+
+    @torch.inference_mode()
+    def decode(
+        self,
+        input_ids: torch.Tensor,
+        stopping: StoppingCriteriaList,
+        eos: frozenset[int],
+        max_new_tokens: int,
+        streamer: object | None = None,
+        processor: LogitsProcessorList | None = None,
+        sampling: Sampling | None = None,
+    ) -> tuple[Transcript, GenerationStats]:
+        """The one path into the engine, for `generate` and for `hf_generate` (transformers' custom_generate).
+
+        The streamer has already seen the prompt; it gets the new tokens as they are committed, then `end()`.
+        """
+        transcript = Transcript(input_ids, stopping, streamer)
+        stats = decode(
+            self.model,
+            input_ids,
+            self.drafters,
+            transcript,
+            eos,
+            max_new_tokens,
+            self.budget,
+            self.engine_config.draft_in_prefill,
+            processor,
+            sampling,
+        )
         if streamer is not None:
             streamer.end()
-        return self.result(transcript.sequence, prompt_len, stats, transcript.sources)
+        return transcript, stats
 
     def result(self, sequences: torch.Tensor, prompt_len: int, stats: GenerationStats, sources: list[str]):
         sequences = sequences.cpu()
@@ -296,6 +307,12 @@ class Decoder:
             extra["eos_token_id"] = list(eos_token_id) if not isinstance(eos_token_id, int) else eos_token_id
         if stop:
             extra.update(stop_strings=list(stop), tokenizer=self.tokenizer)
+        unknown = sorted(name for name in generation_kwargs if not hasattr(GenerationConfig(), name))
+        if unknown:
+            raise ValueError(
+                f"unknown generation argument(s) {unknown}; method knobs belong to Decoder(...) "
+                "(or knobs={...} in forerun.generate)"
+            )
         try:
             GenerationConfig(do_sample=do_sample, **generation_kwargs).validate(strict=True)
         except (TypeError, ValueError) as error:
@@ -353,8 +370,18 @@ def generate(
     max_new_tokens: int = 256,
     *,
     tokenizer: PreTrainedTokenizerBase | None = None,
+    knobs: dict[str, object] | None = None,
     max_tree_nodes: int | None = None,
-    **knobs: object,
+    draft_model: torch.nn.Module | str | None = None,
+    **generation_kwargs: object,
 ) -> GenerationResult:
-    """One call: `Decoder(model, tokenizer, method, **knobs).generate(input_ids, max_new_tokens)`."""
-    return Decoder(model, tokenizer, method, max_tree_nodes=max_tree_nodes, **knobs).generate(input_ids, max_new_tokens)
+    """One call: `Decoder(model, tokenizer, method, **knobs).generate(input_ids, max_new_tokens, **generation_kwargs)`.
+
+    Method knobs go in `knobs` (e.g. `knobs={"draft_len": 8}`); every argument of `Decoder.generate` (chat, stop,
+    eos_token_id, streamer, do_sample, seed, temperature, top_p, ...) is passed through.
+
+    Example:
+        >>> forerun.generate(model, ids, "trie", 64, do_sample=True, temperature=0.7, seed=0)  # doctest: +SKIP
+    """
+    decoder = Decoder(model, tokenizer, method, max_tree_nodes=max_tree_nodes, draft_model=draft_model, **(knobs or {}))
+    return decoder.generate(input_ids, max_new_tokens, **generation_kwargs)

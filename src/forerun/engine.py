@@ -1,13 +1,12 @@
 """The decode loop: propose -> pack -> forward -> verify -> commit, for every method.
 
-Output bookkeeping (stopping, streaming, token sources) lives in `Transcript`; the loop only moves tokens.
-Greedy output equals `model.generate(do_sample=False)` token for token: the prefill and the first token are
-computed exactly as transformers does, and every later token is the target's own choice at its own prefix.
+Output bookkeeping (stopping, streaming, token sources) lives in `Transcript`; what to feed each step is the
+budget's business (`forerun.costmodel`); the loop only moves tokens. Greedy output equals
+`model.generate(do_sample=False)` token for token: every token is the target's own choice at its own prefix.
 """
 
 from __future__ import annotations
 
-import inspect
 import logging
 import time
 from collections import Counter
@@ -17,14 +16,18 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache, LogitsProcessorList, StoppingCriteriaList
 
-from forerun.config import EngineConfig
+from forerun.costmodel import CostModel, StaticBudget
 from forerun.drafters.base import DraftContext, Drafter, StepOutcome
 from forerun.kvcache import UnsupportedCacheError, check_tree_cache, keep_accepted
+from forerun.models import last_logits
 from forerun.stats import GenerationStats
 from forerun.tree import TokenTree, pack
 from forerun.verify import Verdict, verify_greedy, verify_sample
 
 logger = logging.getLogger(__name__)
+
+Budget = StaticBudget | CostModel
+"""Decides, each step, which of the proposed nodes are fed (see forerun.costmodel)."""
 
 TREE_ATTENTION = ("eager", "sdpa")
 """Attention implementations that take an arbitrary 4-D mask (flash-attention only knows causal/padding)."""
@@ -120,89 +123,81 @@ def decode(
     transcript: Transcript,
     eos_token_ids: frozenset[int],
     max_new_tokens: int,
-    engine_config: EngineConfig | None = None,
+    budget: Budget,
+    draft_in_prefill: bool = True,
     processor: LogitsProcessorList | None = None,
     sampling: Sampling | None = None,
 ) -> GenerationStats:
-    """Greedy tree decoding of `input_ids` [1, prompt_len]; tokens land in `transcript`, stats are returned."""
-    engine_config = engine_config or EngineConfig()
+    """Tree decoding of `input_ids` [1, prompt_len]; tokens land in `transcript`, stats are returned.
+
+    The first step is the prefill: the prompt before its last token rides in front of the first tree (the
+    `lead`, a causal chain), so the first draft is verified by the prefill itself, as transformers' assisted
+    generation does. With the root alone (no drafters, or `draft_in_prefill=False`) that forward is exactly
+    generate's prefill.
+    """
     stats, started = GenerationStats(), time.perf_counter()
     cache = DynamicCache(config=model.config)
-    budget = engine_config.max_tree_nodes
     prompt_len = input_ids.shape[1]
-    drafters = fallback_if_unsupported(model, cache, drafters, prompt_len + max_new_tokens + budget, stats)
+    drafters = fallback_if_unsupported(model, cache, drafters, prompt_len + max_new_tokens + budget.max_nodes, stats)
     ctx = DraftContext(
         transcript.sequence[0].tolist(),
         prompt_len,
-        budget,
+        budget.max_nodes,
         eos_token_ids,
         sampled=sampling is not None,
         processor=processor,
         generator=sampling.generator if sampling is not None else None,
+        selective=budget.selective,
     )
-    # The prompt's last token is the first root. With drafters, the prompt before it rides in the first tree
-    # forward (the `lead`), so the first draft is verified by the prefill itself, as transformers' assisted
-    # generation does: one forward fewer per request. Without drafters, the prefill is exactly generate's.
-    lead: list[int] = ctx.tokens[:-1] if drafters and engine_config.draft_in_prefill else []
-    if not lead:
-        logits = model(input_ids=input_ids, past_key_values=cache, use_cache=True, **last_logits(model, 1)).logits
-        prompt_end = TokenTree.rooted_at(int(input_ids[0, -1]))
-        first = verify(prompt_end, NodeScores(logits[:, -1, :], processor, transcript.sequence, prompt_end), sampling)
-        stats.forwards, stats.prefill_seconds = 1, time.perf_counter() - started
-        ctx.tokens.extend(transcript.extend([first.bonus_token], ["model"]))
     for drafter in drafters:
         drafter.start(ctx)
-    prefix_len = len(ctx.tokens) - 1  # tokens before the root; all of them but the lead are in the cache
+    budget.new_request()
+    lead, prefix_len = ctx.tokens[:-1], prompt_len - 1  # prefix_len: tokens before the root
+    attention = model.config._attn_implementation or "eager"
+    keeps_logits = bool(last_logits(model, 1))
     while not transcript.done:
-        # 1. propose: every drafter's tree, grafted under one root within the node budget
+        # 1. propose: every drafter's tree; the budget merges them and keeps what pays on this device
         t0 = time.perf_counter()
-        tree = TokenTree.rooted_at(ctx.tokens[-1])
-        node_maps = [tree.graft(drafter.propose(ctx), budget) for drafter in drafters]
+        proposals = [drafter.propose(ctx) for drafter in drafters]
+        drafts = draft_in_prefill or stats.forwards > 0
+        selection = budget.choose(ctx.tokens[-1], proposals, len(lead), drafts)
+        tree = selection.tree
         # 2. pack and 3. forward: one call of the unmodified model
         t1 = time.perf_counter()
-        packed = pack(tree, prefix_len, model.config._attn_implementation or "eager", model.dtype, model.device, lead)
+        packed = pack(tree, prefix_len, attention, model.dtype, model.device, lead)
         logits = model(
             input_ids=packed.input_ids,
             attention_mask=packed.attention_mask,
             position_ids=packed.position_ids,
             past_key_values=cache,
             use_cache=True,
-            **(last_logits(model, len(tree)) if lead else {}),
-        ).logits[0, -len(tree) :]
-        if lead:
-            stats.prefill_seconds, lead = time.perf_counter() - started, []
+            **({"logits_to_keep": len(tree)} if keeps_logits else {}),
+        ).logits[0, -len(tree) :]  # [n, vocab]
         # 4. verify: the longest path the target agrees with, plus its own bonus token
-        choices = logits.argmax(-1).tolist()  # [n] raw greedy choices, for drafters (the Jacobi window)
         verdict = verify(tree, NodeScores(logits, processor, transcript.sequence, tree), sampling)
-        # 5. commit: keep the accepted path in the cache, append tokens, let drafters learn
+        # 5. commit: keep the accepted path in the cache, append tokens, let drafters and the budget learn
         keep_accepted(cache, prefix_len, [0, *verdict.accepted_nodes])
-        prefix_len += 1 + verdict.accepted_len
-        new_tokens = [tree.tokens[i] for i in verdict.accepted_nodes] + [verdict.bonus_token]
+        prefix_len, lead = prefix_len + 1 + verdict.accepted_len, []
         sources = [tree.sources[i] for i in verdict.accepted_nodes] + ["model"]
-        new_tokens = transcript.extend(new_tokens, sources)
-        ctx.tokens.extend(new_tokens)
-        for drafter, node_map in zip(drafters, node_maps, strict=True):
-            drafter.observe(ctx, StepOutcome(tree, verdict, choices, new_tokens, node_map))
-        candidates = sum(role == "candidate" for role in tree.roles)
-        stats.record_step(
-            len(tree),
-            candidates,
-            verdict.accepted_len,
-            Counter(sources[:-1]),
-            t1 - t0,
-            time.perf_counter() - t1,
+        new_tokens = transcript.extend(
+            [tree.tokens[i] for i in verdict.accepted_nodes] + [verdict.bonus_token], sources
         )
+        ctx.tokens.extend(new_tokens)
+        t2 = time.perf_counter()
+        for drafter, node_map in zip(drafters, selection.node_maps, strict=True):
+            drafter.observe(ctx, StepOutcome(tree, verdict, logits, new_tokens, node_map))
+        budget.learn(proposals, new_tokens)
+        t3 = time.perf_counter()
+        stats.record_step(
+            tree, verdict.accepted_len, Counter(sources[:-1]), t1 - t0 + t3 - t2, t2 - t1, selection.expected_accepted
+        )
+        if stats.forwards == 1:
+            stats.prefill_seconds = t3 - started
     for drafter in drafters:
         drafter.finish(ctx)
     stats.new_tokens = len(transcript.sources)
     stats.total_seconds = time.perf_counter() - started
     return stats
-
-
-def last_logits(model: torch.nn.Module, n: int) -> dict[str, int]:
-    """{'logits_to_keep': n} when `model.forward` takes it: a prefill then skips the LM head on every prompt
-    position but the last n (with a 150k vocabulary that is most of a short prompt's prefill), as generate does."""
-    return {"logits_to_keep": n} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
 
 
 def fallback_if_unsupported(

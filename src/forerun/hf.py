@@ -15,7 +15,7 @@ from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from forerun.decoder import Decoder, eos_ids_of
-from forerun.engine import Sampling, Transcript, decode
+from forerun.engine import Sampling
 
 
 def hf_generate(
@@ -54,22 +54,15 @@ def hf_generate(
     if isinstance(mask, torch.Tensor) and not bool(mask.all()):
         raise ValueError("forerun does not take padded inputs: the attention mask has zeros")
     decoder = forerun_decoder or Decoder(model, None, forerun_method, **(forerun_knobs or {}))
-    eos = eos_ids_of(model, generation_config.eos_token_id)
-    max_new_tokens = generation_config.max_length - input_ids.shape[1]
-    transcript = Transcript(input_ids, stopping_criteria, streamer)
-    stats = decode(
-        model,
+    transcript, stats = decoder.decode(
         input_ids,
-        decoder.drafters,
-        transcript,
-        eos,
-        max_new_tokens,
-        decoder.engine_config,
+        stopping_criteria,
+        eos_ids_of(model, generation_config.eos_token_id),
+        generation_config.max_length - input_ids.shape[1],
+        streamer,
         logits_processor,
         Sampling(forerun_generator, decoder.sample_verifier) if generation_config.do_sample else None,
     )
-    if streamer is not None:
-        streamer.end()
     if generation_config.return_dict_in_generate:
         output = GenerateDecoderOnlyOutput(sequences=transcript.sequence)
         output.forerun_stats = stats

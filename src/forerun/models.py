@@ -7,8 +7,8 @@ Example:
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
+import inspect
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,14 +46,6 @@ EMBEDDED = {
     ),
 }
 DEFAULT_MODEL = "smollm2-135m"
-
-
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def resolve(name: str, models_dir: Path = DEFAULT_MODELS_DIR) -> tuple[str, str | None]:
@@ -105,3 +97,9 @@ def load_model(
         raise FileNotFoundError(f"cannot load {name!r} offline: {error}") from error
     model.to(device).eval()
     return model, tokenizer
+
+
+def last_logits(model: torch.nn.Module, n: int) -> dict[str, int]:
+    """{'logits_to_keep': n} when `model.forward` takes it: a prefill then skips the LM head on every prompt
+    position but the last n (with a 150k vocabulary that is most of a short prompt's prefill), as generate does."""
+    return {"logits_to_keep": n} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}

@@ -1,18 +1,23 @@
 """Per-generation statistics: forwards, tokens per forward, acceptance, time split between drafting and forwards.
 
 Example:
+    >>> from forerun.tree import TokenTree
+    >>> tree = TokenTree.rooted_at(5)
+    >>> _ = tree.add_chain(0, [7, 9, 4, 1], source="prompt_lookup")
     >>> stats = GenerationStats()
-    >>> stats.record_step(fed=5, candidates=4, accepted=2, accepted_by={"prompt_lookup": 2}, draft_s=0.001,
-    ...                   forward_s=0.02)
+    >>> stats.record_step(tree, accepted=2, accepted_by={"prompt_lookup": 2}, draft_s=0.001, forward_s=0.02,
+    ...                   expected=1.5)
     >>> stats.new_tokens = 3
-    >>> stats.tokens_per_forward, stats.acceptance_rate
-    (3.0, 0.5)
+    >>> stats.tokens_per_forward, stats.acceptance_rate, stats.mean_fed, stats.expected_per_step
+    (3.0, 0.5, 5.0, 1.5)
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import asdict, dataclass, field
+
+from forerun.tree import TokenTree
 
 
 @dataclass
@@ -32,6 +37,12 @@ class GenerationStats:
     """Accepted draft tokens per drafter name."""
     accepted_hist: Counter = field(default_factory=Counter)
     """Number of steps per accepted length (0 = only the bonus token)."""
+    fed_hist: Counter = field(default_factory=Counter)
+    """Number of steps per tree size fed (root and probes included, the prompt at the prefill not)."""
+    expected_accepted: float = 0.0
+    """The cost model's expected accepted draft tokens, summed over the steps it chose (compare with `accepted`)."""
+    expected_steps: int = 0
+    """Steps the cost model chose (those `expected_accepted` sums over)."""
     prefill_seconds: float = 0.0
     draft_seconds: float = 0.0
     forward_seconds: float = 0.0
@@ -41,21 +52,26 @@ class GenerationStats:
 
     def record_step(
         self,
-        fed: int,
-        candidates: int,
+        tree: TokenTree,
         accepted: int,
         accepted_by: dict[str, int],
         draft_s: float,
         forward_s: float,
+        expected: float | None = None,
     ) -> None:
+        """One forward over `tree`; `draft_s` = proposing + learning, `forward_s` = forward + verify + commit."""
         self.forwards += 1
-        self.fed_tokens += fed
-        self.candidates += candidates
+        self.fed_tokens += len(tree)
+        self.fed_hist[len(tree)] += 1
+        self.candidates += sum(role == "candidate" for role in tree.roles)
         self.accepted += accepted
         self.accepted_by.update(accepted_by)
         self.accepted_hist[accepted] += 1
         self.draft_seconds += draft_s
         self.forward_seconds += forward_s
+        if expected is not None:
+            self.expected_accepted += expected
+            self.expected_steps += 1
 
     @property
     def tokens_per_forward(self) -> float:
@@ -71,6 +87,21 @@ class GenerationStats:
         return self.new_tokens / self.total_seconds if self.total_seconds > 0 else 0.0
 
     @property
+    def mean_fed(self) -> float:
+        """Tokens fed per forward, on average (the prefill's prompt not counted)."""
+        return self.fed_tokens / self.forwards if self.forwards else 0.0
+
+    @property
+    def single_token_share(self) -> float:
+        """Share of forwards that fed the root alone (plain decoding steps)."""
+        return self.fed_hist.get(1, 0) / self.forwards if self.forwards else 0.0
+
+    @property
+    def expected_per_step(self) -> float | None:
+        """The cost model's expected accepted draft tokens per step it chose (None without a cost model)."""
+        return self.expected_accepted / self.expected_steps if self.expected_steps else None
+
+    @property
     def draft_share(self) -> float:
         """Share of the wall time spent proposing drafts."""
         return self.draft_seconds / self.total_seconds if self.total_seconds > 0 else 0.0
@@ -79,18 +110,29 @@ class GenerationStats:
         data = asdict(self)
         data["accepted_by"] = dict(self.accepted_by)
         data["accepted_hist"] = {str(k): v for k, v in sorted(self.accepted_hist.items())}
+        data["fed_hist"] = {str(k): v for k, v in sorted(self.fed_hist.items())}
         data.update(
             tokens_per_forward=self.tokens_per_forward,
             acceptance_rate=self.acceptance_rate,
             tokens_per_second=self.tokens_per_second,
             draft_share=self.draft_share,
+            mean_fed=self.mean_fed,
+            single_token_share=self.single_token_share,
+            expected_per_step=self.expected_per_step,
         )
         return data
 
     def summary(self) -> str:
         """One line for terminals."""
-        return (
+        line = (
             f"{self.new_tokens} tokens in {self.total_seconds:.2f}s ({self.tokens_per_second:.1f} tok/s), "
             f"{self.forwards} forwards, {self.tokens_per_forward:.2f} tokens/forward, "
             f"acceptance {self.acceptance_rate:.0%}, drafting {self.draft_share:.1%} of the time"
         )
+        if self.expected_per_step is not None:
+            actual = self.accepted / self.forwards if self.forwards else 0.0
+            line += (
+                f"; fed {self.mean_fed:.1f} tokens/forward, {self.single_token_share:.0%} 1-token steps, "
+                f"accepted {actual:.2f}/step (expected {self.expected_per_step:.2f})"
+            )
+        return line

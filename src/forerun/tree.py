@@ -8,6 +8,10 @@ node has a parent with a smaller index, so a node's ancestors always come before
 Candidates with the same parent and token are fused (shared prefixes are computed once); probes are never fused,
 since their logits feed a separate computation.
 
+Every node carries a `score`: its drafter's estimate, in [0, 1], that the target accepts it once its parent was
+accepted (trie path frequency, match length, the draft model's own probability). The cost model
+(`forerun.costmodel`) calibrates these scores and decides which nodes are worth feeding; the root's score is 1.
+
 Example (the tree drawn in tests/test_tree.py)::
 
     root(5) ─ 7 ─ 9          tokens   [5, 7, 9, 8]
@@ -41,6 +45,8 @@ class TokenTree:
     depths: list[int]
     roles: list[Role]
     sources: list[str]
+    scores: list[float]
+    """Per node: the drafter's raw estimate that it is accepted given its parent is (a fused node keeps the max)."""
     children: dict[tuple[int, int], int] = field(default_factory=dict)
     """(parent, token) -> node, for candidates only: the fusion index."""
     draft_probs: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -49,18 +55,19 @@ class TokenTree:
 
     @classmethod
     def rooted_at(cls, token: int) -> TokenTree:
-        return cls(tokens=[token], parents=[-1], depths=[0], roles=["root"], sources=[""])
+        return cls(tokens=[token], parents=[-1], depths=[0], roles=["root"], sources=[""], scores=[1.0])
 
     def __len__(self) -> int:
         return len(self.tokens)
 
-    def add(self, parent: int, token: int, role: Role = "candidate", source: str = "") -> int:
+    def add(self, parent: int, token: int, role: Role = "candidate", source: str = "", score: float = 0.5) -> int:
         """Add `token` under node `parent`; a candidate equal to an existing sibling is fused and reused."""
         if not 0 <= parent < len(self.tokens):
             raise IndexError(f"parent {parent} is not a node of a tree of {len(self.tokens)} nodes")
         if role == "candidate":
             existing = self.children.get((parent, token))
             if existing is not None:
+                self.scores[existing] = max(self.scores[existing], score)
                 return existing
         index = len(self.tokens)
         self.tokens.append(int(token))
@@ -68,20 +75,29 @@ class TokenTree:
         self.depths.append(self.depths[parent] + 1)
         self.roles.append(role)
         self.sources.append(source)
+        self.scores.append(float(score))
         if role == "candidate":
             self.children[(parent, int(token))] = index
         return index
 
-    def add_chain(self, parent: int, tokens: list[int], role: Role = "candidate", source: str = "") -> list[int]:
-        """Add `tokens` as a chain under `parent`; returns the node index of each token."""
+    def add_chain(
+        self,
+        parent: int,
+        tokens: list[int],
+        role: Role = "candidate",
+        source: str = "",
+        scores: Sequence[float] | float = 0.5,
+    ) -> list[int]:
+        """Add `tokens` as a chain under `parent` (one score for all, or one per token); returns their nodes."""
+        per_token = [scores] * len(tokens) if isinstance(scores, (int, float)) else list(scores)
         nodes = []
-        for token in tokens:
-            parent = self.add(parent, token, role, source)
+        for token, score in zip(tokens, per_token, strict=True):
+            parent = self.add(parent, token, role, source, score)
             nodes.append(parent)
         return nodes
 
-    def graft(self, other: TokenTree, budget: int) -> dict[int, int]:
-        """Add the nodes of `other` (same root token) under this root while len(self) < budget.
+    def graft(self, other: TokenTree, budget: int | None = None) -> dict[int, int]:
+        """Add the nodes of `other` (same root token) under this root while len(self) < budget (None: all).
 
         Nodes come in `other`'s order, so a node is dropped whenever its parent was dropped: every kept node
         keeps its whole ancestry and the result is still a valid tree. Returns {node of other: node of self}
@@ -94,13 +110,32 @@ class TokenTree:
             parent = mapped.get(other.parents[i])
             if parent is None:
                 continue
-            if len(self) >= budget and (parent, other.tokens[i]) not in self.children:
+            if budget is not None and len(self) >= budget and (parent, other.tokens[i]) not in self.children:
                 continue
             size = len(self)
-            mapped[i] = self.add(parent, other.tokens[i], other.roles[i], other.sources[i])
+            mapped[i] = self.add(parent, other.tokens[i], other.roles[i], other.sources[i], other.scores[i])
             if i in other.draft_probs and len(self) > size:  # a fused node keeps the q of whoever added it first
                 self.draft_probs[mapped[i]] = other.draft_probs[i]
         return mapped
+
+    def subtree(self, kept: Sequence[int]) -> tuple[TokenTree, dict[int, int]]:
+        """The tree of the nodes `kept` (root included, ancestor-closed, any order); returns it and {old: new}.
+
+        Example: kept [0, 3] of the module's example tree gives root(5) ─ 8, with {0: 0, 3: 1}.
+        """
+        mapped: dict[int, int] = {}
+        tree = TokenTree.rooted_at(self.tokens[0])
+        for old in sorted(kept):
+            if old == 0:
+                mapped[0] = 0
+                continue
+            parent = mapped.get(self.parents[old])
+            if parent is None:
+                raise ValueError(f"node {old} is kept without its parent {self.parents[old]}")
+            mapped[old] = tree.add(parent, self.tokens[old], self.roles[old], self.sources[old], self.scores[old])
+            if old in self.draft_probs:
+                tree.draft_probs[mapped[old]] = self.draft_probs[old]
+        return tree, mapped
 
     def candidate_children(self, node: int) -> list[int]:
         """Candidate children of `node`, in insertion order."""
@@ -127,6 +162,21 @@ class TokenTree:
                 matrix[i, : parent + 1] = matrix[parent, : parent + 1]
             matrix[i, i] = True
         return matrix
+
+
+def merge(root: int, trees: Sequence[TokenTree], budget: int | None = None) -> tuple[TokenTree, list[dict[int, int]]]:
+    """Graft `trees` (all rooted at `root`) in order under one root, fusing shared prefixes, while fewer than
+    `budget` nodes (None: all). Returns the merged tree and, per input tree, {its node: merged node}.
+
+    Example: [root(5) ─ 7 ─ 9] and [root(5) ─ 7 ─ 4] merge into root(5) ─ 7 ─ 9, with 7 ─ 4 beside 9:
+        >>> a, b = TokenTree.rooted_at(5), TokenTree.rooted_at(5)
+        >>> _ = a.add_chain(0, [7, 9]), b.add_chain(0, [7, 4])
+        >>> tree, maps = merge(5, [a, b])
+        >>> tree.tokens, tree.parents, maps[1]
+        ([5, 7, 9, 4], [-1, 0, 1, 1], {0: 0, 1: 1, 2: 3})
+    """
+    tree = TokenTree.rooted_at(root)
+    return tree, [tree.graft(other, budget) for other in trees]
 
 
 @dataclass(frozen=True)

@@ -32,48 +32,85 @@ def summarize(records: list[Record]) -> dict[str, dict[str, dict]]:
         tpf = [r.tokens_per_forward for r in rows if r.tokens_per_forward is not None]
         acc = [r.acceptance for r in rows if r.acceptance is not None]
         share = [r.draft_share for r in rows if r.draft_share is not None]
+        fed = [r.mean_fed for r in rows if r.mean_fed is not None]
+        single = [r.single_token_share for r in rows if r.single_token_share is not None]
+        ties = [r.tie_ulps for r in rows if r.tie_ulps is not None]
         tokens, seconds = sum(r.new_tokens for r in rows), sum(r.seconds for r in rows)
+        compared = [r for r in rows if r.identical is not None]
         summary[dataset][method] = {
             "prompts": len(rows),
-            "tokens_per_second": tokens / seconds if seconds else 0.0,
-            "speedup_geomean": geomean(speedups),
+            "tokens_per_second": tokens / seconds if seconds else None,
+            "speedup_geomean": geomean(speedups) if speedups else None,
             "speedup_min": min(speedups) if speedups else None,
             "speedup_max": max(speedups) if speedups else None,
             "tokens_per_forward": sum(tpf) / len(tpf) if tpf else None,
             "acceptance": sum(acc) / len(acc) if acc else None,
             "draft_share": sum(share) / len(share) if share else None,
+            "mean_fed": sum(fed) / len(fed) if fed else None,
+            "single_token_share": sum(single) / len(single) if single else None,
             # None: sampled runs, which are not compared token for token.
-            "identical": None if any(r.identical is None for r in rows) else all(r.identical for r in rows),
+            "identical": None if len(compared) < len(rows) else all(r.identical for r in rows),
+            "identical_count": sum(bool(r.identical) for r in compared),
+            "max_tie_ulps": max(ties) if ties else None,
         }
     return summary
+
+
+def identical_cell(row: dict) -> str:
+    """'yes', 'NO', 'n/a (sampled)', or in low precision '3/5, ties <= 1.0 ulp'."""
+    if row["identical"] is None or (row["identical"] and row["max_tie_ulps"] is None):
+        return IDENTICAL[row["identical"]]
+    if row["max_tie_ulps"] is None:
+        return "NO"
+    return f"{row['identical_count']}/{row['prompts']}, ties <= {row['max_tie_ulps']:.1f} ulp"
+
+
+def cells(row: dict) -> list[str]:
+    """The table cells of one summary row (every column after the method's name)."""
+
+    def number(key: str, fmt: str) -> str:
+        return "-" if row[key] is None else format(row[key], fmt)
+
+    speed = "-" if row["speedup_geomean"] is None else f"{row['speedup_geomean']:.2f}x"
+    spread = "-" if row["speedup_min"] is None else f"{row['speedup_min']:.2f}-{row['speedup_max']:.2f}"
+    return [
+        number("tokens_per_second", ".1f"),
+        speed,
+        spread,
+        number("tokens_per_forward", ".2f"),
+        number("acceptance", ".0%"),
+        number("mean_fed", ".1f"),
+        number("single_token_share", ".0%"),
+        number("draft_share", ".1%"),
+        identical_cell(row),
+    ]
+
+
+COLUMNS = (
+    "method",
+    "tok/s",
+    "speedup (geomean)",
+    "min-max",
+    "tokens/forward",
+    "acceptance",
+    "fed/forward",
+    "1-token steps",
+    "draft time",
+    "identical",
+)
 
 
 def tables(summary: dict[str, dict[str, dict]]) -> list[Table]:
     out = []
     for dataset, methods in summary.items():
         table = Table(title=f"{dataset}: speed vs plain model.generate (same prompts, interleaved)")
-        for column in (
-            "method",
-            "tok/s",
-            "speedup (geomean)",
-            "min-max",
-            "tokens/forward",
-            "acceptance",
-            "draft time",
-            "identical",
-        ):
+        for column in COLUMNS:
             table.add_column(column, justify="left" if column == "method" else "right")
         for method, row in methods.items():
-            table.add_row(
-                escape(method),
-                f"{row['tokens_per_second']:.1f}",
-                f"{row['speedup_geomean']:.2f}x",
-                f"{row['speedup_min']:.2f}-{row['speedup_max']:.2f}",
-                "-" if row["tokens_per_forward"] is None else f"{row['tokens_per_forward']:.2f}",
-                "-" if row["acceptance"] is None else f"{row['acceptance']:.0%}",
-                "-" if row["draft_share"] is None else f"{row['draft_share']:.1%}",
-                IDENTICAL[row["identical"]] if row["identical"] is not False else "[bold red]NO[/]",
-            )
+            row_cells = [escape(cell) for cell in cells(row)]
+            if row_cells[-1] == "NO":
+                row_cells[-1] = "[bold red]NO[/]"
+            table.add_row(escape(method), *row_cells)
         out.append(table)
     return out
 
@@ -85,19 +122,27 @@ def markdown(summary: dict[str, dict[str, dict]]) -> str:
         lines += [
             f"**{dataset}**",
             "",
-            "| method | tok/s | speedup (geomean) | min-max | tokens/forward | acceptance | draft time | identical |",
-            "|---|---:|---:|---:|---:|---:|---:|:---:|",
+            "| " + " | ".join(COLUMNS) + " |",
+            "|---" + "|---:" * (len(COLUMNS) - 2) + "|:---:|",
         ]
-        for method, r in methods.items():
-            tpf = "-" if r["tokens_per_forward"] is None else f"{r['tokens_per_forward']:.2f}"
-            acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.0%}"
-            share = "-" if r["draft_share"] is None else f"{r['draft_share']:.1%}"
-            lines.append(
-                f"| {method} | {r['tokens_per_second']:.1f} | {r['speedup_geomean']:.2f}x | "
-                f"{r['speedup_min']:.2f}-{r['speedup_max']:.2f} | {tpf} | {acc} | {share} | "
-                f"{IDENTICAL[r['identical']]} |"
-            )
+        for method, row in methods.items():
+            lines.append(f"| {method} | " + " | ".join(cells(row)) + " |")
         lines.append("")
+    return "\n".join(lines)
+
+
+def overview(summary: dict[str, dict[str, dict]]) -> str:
+    """One markdown table: method x dataset speedups (geomean), and the geometric mean over datasets."""
+    datasets = list(summary)
+    methods = [m for m in dict.fromkeys(m for d in datasets for m in summary[d]) if m != "generate"]
+    lines = ["| method | " + " | ".join(datasets) + " | all (geomean) |", "|---" + "|---:" * (len(datasets) + 1) + "|"]
+    for method in methods:
+        values = [summary[d].get(method, {}).get("speedup_geomean") for d in datasets]
+        present = [v for v in values if v]
+        if not present:  # untimed rows (the batch-2 noise floor)
+            continue
+        speedups = " | ".join("-" if not v else f"{v:.2f}x" for v in values)
+        lines.append(f"| {method} | {speedups} | {geomean(present):.2f}x |")
     return "\n".join(lines)
 
 
@@ -109,7 +154,7 @@ def write_outputs(records: list[Record], summary: dict, settings: dict, out: Pat
     paths[0].write_text(
         json.dumps({"settings": settings, "summary": summary, "records": [asdict(r) for r in records]}, indent=1)
     )
-    paths[1].write_text(markdown(summary))
+    paths[1].write_text(overview(summary) + "\n\n" + markdown(summary))
     plot_speedups(summary, paths[2])
     plot_histograms(records, paths[3])
     return paths
@@ -122,18 +167,29 @@ def plot_speedups(summary: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     datasets = list(summary)
-    methods = [m for m in dict.fromkeys(m for d in datasets for m in summary[d]) if m != "generate"]
-    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(methods) * len(datasets)), 4))
-    width = 0.8 / max(1, len(datasets))
+    methods = [
+        m
+        for m in dict.fromkeys(m for d in datasets for m in summary[d])
+        if m != "generate" and any(summary[d].get(m, {}).get("speedup_geomean") for d in datasets)
+    ]
+    # Horizontal bars, one group per method: long labels stay readable and the figure stays a sane size.
+    fig, ax = plt.subplots(figsize=(9, 1.0 + 0.22 * len(methods) * max(1, len(datasets)) + 0.3 * len(methods)))
+    height = 0.8 / max(1, len(datasets))
     for i, dataset in enumerate(datasets):
-        values = [summary[dataset].get(m, {}).get("speedup_geomean", 0) for m in methods]
-        ax.bar([x + i * width for x in range(len(methods))], values, width, label=dataset)
-    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
-    ax.set_xticks([x + width * (len(datasets) - 1) / 2 for x in range(len(methods))], methods, rotation=20)
-    ax.set_ylabel("speedup vs model.generate (geomean)")
-    ax.legend()
+        values = [summary[dataset].get(m, {}).get("speedup_geomean") or 0 for m in methods]
+        positions = [y + i * height for y in range(len(methods))]
+        bars = ax.barh(positions, values, height, label=dataset)
+        ax.bar_label(bars, labels=[f"{v:.2f}x" if v else "" for v in values], fontsize=7, padding=2)
+    ax.axvline(1.0, color="black", linewidth=0.8, linestyle="--")
+    ax.set_yticks([y + height * (len(datasets) - 1) / 2 for y in range(len(methods))], methods, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("speedup vs plain model.generate (geometric mean per dataset)")
+    ax.set_xlim(
+        0, max([1.2] + [(summary[d].get(m, {}).get("speedup_geomean") or 0) for d in datasets for m in methods]) * 1.15
+    )
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, title="dataset", title_fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 

@@ -3,14 +3,23 @@
 The reference is plain `model.generate` (label `generate`); each method's output is compared with it token for
 token, and speed is the ratio of the two wall times on the same prompt in the same process.
 
-Method specs: `plain`, `prompt_lookup`, `jacobi`, `trie` (forerun), `hf_prompt_lookup` (transformers'
-`prompt_lookup_num_tokens=10`), and knobs in brackets: `jacobi[window=7,ngram=5,max_candidates=7]`,
-`prompt_lookup[max_tree_nodes=8,draft_len=7]`, `trie[warm=10]` (the trie first learns from the model's own
-answers to 10 other prompts of each dataset, disjoint from the timed ones, as PIA's benchmarks use a train split).
+Methods: any forerun method expression (`plain`, `prompt_lookup`, `jacobi`, `trie`, `draft_model`, `auto`,
+`prompt_lookup+trie`), `hf_prompt_lookup` (transformers' `prompt_lookup_num_tokens=10`) and `hf_assisted`
+(transformers' `assistant_model=`), with knobs in brackets: `jacobi[window=7,ngram=5,max_candidates=7]`,
+`prompt_lookup[max_tree_nodes=8,draft_len=7]`, `auto[trie.decoding_length=24]`, `trie[warm=10]` (the trie first
+learns from the model's own answers to 10 other prompts of each dataset, disjoint from the timed ones, as PIA's
+benchmarks use a train split), `auto[adaptive=false]`.
+
+Speed is the ratio of tokens per second against the reference on the same prompt (for greedy fp32 runs, whose
+lengths are equal, that is the ratio of wall times).
+
+Low precision (bf16/fp16): a greedy run may leave the reference at a numerical tie (`forerun.exactness`); such a
+run has `identical=False` and `tie_ulps` (the reference's logit margin at the first difference, in units in the last
+place). Only a difference that is not a tie is a mismatch. The row `generate[batch=2]` is the noise floor: plain
+generate of the prompt in a left-padded batch of two, against itself in a batch of one (not timed).
 
 Sampled runs (`sampling={"temperature": 0.7, "top_p": 0.9}`) cannot be compared token for token (the methods draw
-their randomness differently; their distribution is proven equal by tests/test_sampling.py): `identical` is None
-and speed is the ratio of tokens per second, since the lengths differ.
+their randomness differently; their distribution is proven equal by tests/test_sampling.py): `identical` is None.
 """
 
 from __future__ import annotations
@@ -25,37 +34,51 @@ from pathlib import Path
 import torch
 
 from forerun.bench.datasets import BenchPrompt
-from forerun.cli import parse_knobs
-from forerun.config import METHODS
+from forerun.costmodel import LatencyCurve
 from forerun.decoder import Decoder
-from forerun.drafters.draft_model import needs_draft_model
+from forerun.exactness import TIE_ULPS, first_divergence
+from forerun.latency import synchronize
+from forerun.methods import METHODS, parse_knob_pairs, plan_method
 
 REFERENCE = "generate"
+NOISE_FLOOR = "generate[batch=2]"
 HF_METHODS = ("hf_prompt_lookup", "hf_assisted")
 
 
 @dataclass(frozen=True)
-class MethodSpec:
+class BenchMethod:
     label: str
     method: str
     knobs: dict = field(default_factory=dict)
     max_tree_nodes: int | None = None
     warm: int = 0
     """Before timing, let the decoder answer this many other prompts per dataset (a warm trie or pool)."""
+    adaptive: bool | None = None
+
+    def needs_draft(self) -> bool:
+        return self.method == "hf_assisted" or (
+            self.method not in HF_METHODS and plan_method(self.method, self.knobs).needs_draft()
+        )
 
 
-def parse_methods(text: str) -> list[MethodSpec]:
-    """'plain,jacobi[window=7,ngram=5]' -> specs; raises ValueError naming an unknown method."""
+def parse_methods(text: str) -> list[BenchMethod]:
+    """'plain,jacobi[window=7,ngram=5],auto' -> methods; raises ValueError naming an unknown method or knob."""
     specs = []
     for label in re.findall(r"[^,\[]+(?:\[[^\]]*\])?", text):
         label = label.strip()
         name, _, rest = label.partition("[")
-        knobs = parse_knobs([p for p in rest.rstrip("]").split(",") if p]) if rest else {}
-        if name not in METHODS and name not in HF_METHODS:
-            raise ValueError(f"unknown benchmark method {name!r}; choose from {', '.join(METHODS + HF_METHODS)}")
+        knobs = parse_knob_pairs([p for p in rest.rstrip("]").split(",") if p]) if rest else {}
         nodes = knobs.pop("max_tree_nodes", None)
         warm = knobs.pop("warm", 0)
-        specs.append(MethodSpec(label, name, knobs, nodes, warm))
+        adaptive = knobs.pop("adaptive", None)
+        if name not in HF_METHODS:
+            try:
+                plan_method(name, knobs)
+            except ValueError as error:
+                raise ValueError(
+                    f"unknown benchmark method {name!r} ({error}); choose from {', '.join(METHODS + HF_METHODS)}"
+                ) from None
+        specs.append(BenchMethod(label, name, knobs, nodes, warm, adaptive))
     if not specs:
         raise ValueError("no methods given")
     return specs
@@ -79,26 +102,35 @@ class Record:
     accepted_hist: dict = field(default_factory=dict)
     speedup: float | None = None
     """This run's tokens/s over the reference's, same prompt, same process (greedy: reference s / this run's s)."""
+    tie_ulps: float | None = None
+    """Low precision, greedy, not identical: the reference's logit margin at the first difference, in units in the
+    last place (a tie when <= forerun.exactness.TIE_ULPS)."""
+    mean_fed: float | None = None
+    """Tokens fed per forward, on average."""
+    single_token_share: float | None = None
+    """Share of forwards that fed the root alone."""
 
 
 def run_interleaved(
     model: torch.nn.Module,
     tokenizer,
     prompts: Sequence[BenchPrompt],
-    specs: Sequence[MethodSpec],
+    specs: Sequence[BenchMethod],
     max_new_tokens: int,
     on_step: Callable[[str, str], None] | None = None,
-    prepare: Callable[[MethodSpec, Decoder], None] | None = None,
+    prepare: Callable[[BenchMethod, Decoder], None] | None = None,
     sampling: dict | None = None,
     seed: int = 0,
     draft_model: torch.nn.Module | None = None,
+    latency: LatencyCurve | None = None,
 ) -> list[Record]:
     """Run reference + every spec on each prompt in turn; returns one Record per (prompt, method).
 
     `sampling`: generation settings for sampled runs (e.g. {"temperature": 0.7, "top_p": 0.9}); None = greedy.
     `draft_model`: the small model of methods draft_model and hf_assisted (transformers' assistant_model).
+    `latency`: the device's latency curve for the cost model (None: forerun.latency.curve_for).
     """
-    needing = [s.label for s in specs if s.method == "hf_assisted" or needs_draft_model(s.method, s.knobs)]
+    needing = [s.label for s in specs if s.needs_draft()]
     if needing and draft_model is None:
         raise ValueError(f"{', '.join(needing)} need a draft model (forerun bench --draft-model NAME)")
     run = Run(model, max_new_tokens, dict(sampling) if sampling is not None else None, seed, draft_model)
@@ -108,7 +140,9 @@ def run_interleaved(
             tokenizer,
             s.method,
             max_tree_nodes=s.max_tree_nodes,
-            draft_model=draft_model if needs_draft_model(s.method, s.knobs) else None,
+            adaptive=s.adaptive,
+            latency=latency,
+            draft_model=draft_model if s.needs_draft() else None,
             **s.knobs,
         )
         for s in specs
@@ -118,11 +152,9 @@ def run_interleaved(
         if prepare is not None and spec.label in decoders:
             prepare(spec, decoders[spec.label])
     warm_up(model, tokenizer, decoders, prompts[0], draft_model)
+    all_ids = [encode(tokenizer, prompt, model.device) for prompt in prompts]
     records = []
-    for prompt in prompts:
-        ids = tokenizer.apply_chat_template(
-            list(prompt.messages), add_generation_prompt=True, return_tensors="pt", return_dict=True
-        )["input_ids"].to(model.device)
+    for index, (prompt, ids) in enumerate(zip(prompts, all_ids, strict=True)):
         reference, ref_seconds = run.hf(ids)
         new = reference.shape[1] - ids.shape[1]
         identical = None if run.sampling is not None else True
@@ -131,11 +163,20 @@ def run_interleaved(
         )
         if on_step:
             on_step(prompt.id, REFERENCE)
+        if run.sampling is None and not run.exact:
+            records.append(run.noise_floor(ids, all_ids[(index + 1) % len(all_ids)], prompt, reference))
         for spec in specs:
             records.append(run.one(ids, spec, decoders.get(spec.label), prompt, reference, ref_seconds))
             if on_step:
                 on_step(prompt.id, spec.label)
     return records
+
+
+def encode(tokenizer, prompt: BenchPrompt, device: torch.device) -> torch.Tensor:
+    """The prompt's chat messages, templated, as input_ids [1, L]."""
+    return tokenizer.apply_chat_template(
+        list(prompt.messages), add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )["input_ids"].to(device)
 
 
 @dataclass(frozen=True)
@@ -147,6 +188,67 @@ class Run:
     sampling: dict | None
     seed: int
     draft_model: torch.nn.Module | None = None
+    reference_logits: dict = field(default_factory=dict)
+    """input ids (as a tuple) -> plain generate's logits per new token, computed once when a run differs."""
+
+    @property
+    def exact(self) -> bool:
+        """fp32: greedy runs must be token for token identical; lower precision: identical up to ties."""
+        return self.model.dtype == torch.float32
+
+    def judge(self, ids: torch.Tensor, reference: torch.Tensor, out: torch.Tensor) -> tuple[bool, float | None]:
+        """(identical, tie margin in ulps at the first difference or None) of a greedy output against the reference."""
+        if torch.equal(out, reference):
+            return True, None
+        if self.exact:
+            return False, None
+        key = tuple(ids[0].tolist())
+        if key not in self.reference_logits:  # the timed run kept no logits: the same generate again, untimed
+            again = self.model.generate(
+                ids,
+                max_new_tokens=self.max_new_tokens,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+            if not torch.equal(again.sequences.cpu(), reference):
+                raise RuntimeError("plain generate is not deterministic on this device; ties cannot be judged")
+            self.reference_logits[key] = [row[0].cpu() for row in again.logits]
+        start = ids.shape[1]
+        divergence = first_divergence(
+            reference[0, start:].tolist(), out[0, start:].tolist(), self.reference_logits[key], self.model.dtype
+        )
+        return False, (divergence.ulps if divergence is not None else 0.0)
+
+    def noise_floor(self, ids: torch.Tensor, other: torch.Tensor, prompt: BenchPrompt, reference) -> Record:
+        """Plain generate of `ids` in a left-padded batch of two (beside `other`), judged against batch one."""
+        pad = self.model.generation_config.pad_token_id
+        if pad is None:
+            eos = self.model.generation_config.eos_token_id
+            pad = eos if isinstance(eos, int) else eos[0]
+        width = max(ids.shape[1], other.shape[1])
+        rows = [torch.cat([ids.new_full((1, width - row.shape[1]), pad), row], dim=1) for row in (ids, other)]
+        mask = torch.cat(
+            [
+                torch.cat([row.new_zeros(1, width - t.shape[1]), row.new_ones(1, t.shape[1])], 1)
+                for row, t in zip(rows, (ids, other), strict=True)
+            ]
+        )
+        out = self.model.generate(
+            torch.cat(rows), attention_mask=mask, max_new_tokens=self.max_new_tokens, do_sample=False, pad_token_id=pad
+        )
+        row = torch.cat([ids.cpu(), out[:1, width:].cpu()], dim=1)
+        eos = self.model.generation_config.eos_token_id
+        eos_ids = {eos} if isinstance(eos, int) else set(eos or [])
+        new = row[0, ids.shape[1] :].tolist()
+        for i, token in enumerate(new):  # the batch pads a finished row: cut it after its EOS
+            if token in eos_ids:
+                row = row[:, : ids.shape[1] + i + 1]
+                break
+        identical, ties = self.judge(ids, reference, row)
+        return Record(
+            prompt.id, prompt.dataset, NOISE_FLOOR, row.shape[1] - ids.shape[1], 0.0, identical, tie_ulps=ties
+        )
 
     def hf(self, ids: torch.Tensor, **extra) -> tuple[torch.Tensor, float]:
         """model.generate (the reference, or with extra arguments such as prompt_lookup_num_tokens); (ids, s)."""
@@ -158,8 +260,8 @@ class Run:
         synchronize(ids.device)
         return out.cpu(), time.perf_counter() - started
 
-    def one(self, ids, spec: MethodSpec, decoder: Decoder | None, prompt: BenchPrompt, reference, ref_seconds):
-        identical = None
+    def one(self, ids, spec: BenchMethod, decoder: Decoder | None, prompt: BenchPrompt, reference, ref_seconds):
+        identical, ties = None, None
         ref_rate = (reference.shape[1] - ids.shape[1]) / ref_seconds
         if spec.method in HF_METHODS:
             extra = {"prompt_lookup_num_tokens": 10}
@@ -168,12 +270,14 @@ class Run:
             out, seconds = self.hf(ids, **extra)
             new = out.shape[1] - ids.shape[1]
             if self.sampling is None:
-                identical = torch.equal(out, reference)
+                identical, ties = self.judge(ids, reference, out)
             speedup = new / seconds / ref_rate
-            return Record(prompt.id, prompt.dataset, spec.label, new, seconds, identical, speedup=speedup)
+            return Record(
+                prompt.id, prompt.dataset, spec.label, new, seconds, identical, speedup=speedup, tie_ulps=ties
+            )
         if self.sampling is None:
             result = decoder.generate(ids, self.max_new_tokens)
-            identical = torch.equal(result.sequences, reference)
+            identical, ties = self.judge(ids, reference, result.sequences)
         else:
             result = decoder.generate(ids, self.max_new_tokens, do_sample=True, seed=self.seed, **self.sampling)
         s = result.stats
@@ -190,13 +294,10 @@ class Run:
             s.draft_share,
             {str(k): v for k, v in sorted(s.accepted_hist.items())},
             s.new_tokens / s.total_seconds / ref_rate,
+            ties,
+            s.mean_fed,
+            s.single_token_share,
         )
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for queued GPU work, so a timer stops when the tokens exist (no-op on a CPU)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def load_records(path: Path) -> list[Record]:
@@ -211,15 +312,19 @@ def load_records(path: Path) -> list[Record]:
 
 
 def mismatch_lines(records: Sequence[Record]) -> list[str]:
-    """One line per greedy run whose tokens differ from plain model.generate (sampled runs are not compared)."""
-    return [f"{r.method} on {r.prompt_id} differs from model.generate" for r in records if r.identical is False]
+    """One line per greedy run that differs from plain model.generate other than at a numerical tie (low
+    precision only); sampled runs are not compared."""
+    lines = []
+    for r in records:
+        if r.identical is False and (r.tie_ulps is None or r.tie_ulps > TIE_ULPS):
+            where = "" if r.tie_ulps is None else f" at a margin of {r.tie_ulps:.1f} ulp (more than a tie)"
+            lines.append(f"{r.method} on {r.prompt_id} differs from model.generate{where}")
+    return lines
 
 
 def warm_up(model, tokenizer, decoders: dict[str, Decoder], prompt: BenchPrompt, draft_model=None) -> None:
     """One short run of each path, so first-call allocations do not land in the first prompt's timings."""
-    ids = tokenizer.apply_chat_template(
-        list(prompt.messages), add_generation_prompt=True, return_tensors="pt", return_dict=True
-    )["input_ids"].to(model.device)
+    ids = encode(tokenizer, prompt, model.device)
     model.generate(ids, max_new_tokens=8, do_sample=False)
     model.generate(ids, max_new_tokens=8, do_sample=False, prompt_lookup_num_tokens=10)
     if draft_model is not None:

@@ -7,8 +7,9 @@ is reset in `start`; state that outlives requests (pools, tries) stays in the dr
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 from transformers import LogitsProcessorList
@@ -24,7 +25,7 @@ class DraftContext:
     tokens: list[int]
     prompt_len: int
     budget: int
-    """Most nodes, root included, the engine will feed this step."""
+    """Most nodes, root included, a proposal may have (the engine's budget may feed fewer)."""
     eos_token_ids: frozenset[int]
     sampled: bool = False
     """The target samples (drafters that sample must then attach their q to the tree: `TokenTree.draft_probs`)."""
@@ -32,6 +33,9 @@ class DraftContext:
     """The target's logits processors (temperature, top-p, penalties...), for drafters that score tokens."""
     generator: torch.Generator | None = None
     """The run's random generator (None = torch's global one), for drafters that sample."""
+    selective: bool = False
+    """A cost model picks which proposed nodes are fed: propose whatever might pay, with honest scores (the
+    Jacobi window even on a step without candidates); with a static budget, propose only what should be fed."""
 
 
 @dataclass(frozen=True)
@@ -40,12 +44,16 @@ class StepOutcome:
 
     tree: TokenTree
     verdict: Verdict
-    choices: list[int]
-    """The target's greedy choice at every node of `tree` (probe nodes included), index-aligned with it."""
+    logits: torch.Tensor
+    """[len(tree), vocab]: the target's raw logits at every node fed (probe nodes included)."""
     new_tokens: list[int]
     """Tokens committed by this step (accepted + bonus), already appended to the context."""
     node_map: dict[int, int]
-    """This drafter's proposed node -> node of `tree` (nodes cut by the budget are absent)."""
+    """This drafter's proposed node -> node of `tree` (nodes the budget did not feed are absent)."""
+
+    def choice(self, node: int) -> int:
+        """The target's greedy (raw argmax) choice at node `node` of `tree`; computed only when asked."""
+        return int(self.logits[node].argmax())
 
 
 class Drafter(Protocol):
@@ -79,3 +87,36 @@ def cut_at_eos(tokens: list[int], eos_token_ids: frozenset[int]) -> list[int]:
         if token in eos_token_ids:
             return tokens[: i + 1]
     return tokens
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """How a drafting method plugs into forerun: each drafter module declares one (`METHOD = MethodSpec(...)`)
+    and `forerun.methods.REGISTRY` lists them; the Decoder, CLI, chat, server and bench read only the registry.
+
+    Example (prompt lookup's own spec, abridged):
+        MethodSpec("prompt_lookup", PromptLookupConfig, build=lambda config, draft, vocab: PromptLookupDrafter(config),
+                   budget=lambda config: 1 + min(config.draft_len * config.max_branches, 15), style="bold green")
+    """
+
+    name: str
+    config: type
+    """The frozen config dataclass; its fields are the method's knobs."""
+    build: Callable[[Any, Any, int], Drafter]
+    """(config, draft model or None, the target's output rows) -> a fresh drafter."""
+    budget: Callable[[Any], int]
+    """Nodes per forward, root included, the method asks for when it drafts alone with a static budget."""
+    about: str = ""
+    """One line for help texts."""
+    min_budget: Callable[[Any], int] = lambda config: 1
+    """Fewest nodes per forward the method can work with (the Jacobi window needs all its probes)."""
+    device_defaults: Mapping[str, Mapping[str, object]] = field(default_factory=dict)
+    """Knob defaults per device kind ("cuda", ...) that differ from the config's own (CPU) defaults."""
+    style: str = "bold yellow"
+    """How the CLI and chat colour the tokens this method's drafts got accepted for (rich style)."""
+    model_free: bool = True
+    """Drafts without a second model: part of method 'auto'."""
+    needs_draft: Callable[[Any], bool] = lambda config: False
+    """Whether this config drafts with a second model that the caller must supply."""
+    adaptive: bool = True
+    """Alone, let the cost model choose each step's tree by default (else its static budget)."""

@@ -34,9 +34,9 @@ from torch import nn
 from transformers import DynamicCache
 
 from forerun.config import DraftModelConfig, PromptLookupConfig
-from forerun.drafters.base import DraftContext, StepOutcome, cut_at_eos
+from forerun.drafters.base import DraftContext, MethodSpec, StepOutcome, cut_at_eos
 from forerun.drafters.prompt_lookup import PromptLookupDrafter
-from forerun.engine import last_logits
+from forerun.models import last_logits
 from forerun.tree import TokenTree
 
 
@@ -49,6 +49,8 @@ class DraftModelDrafter:
         self.config, self.draft, self.vocab = config, draft, vocab
         self.gamma = config.gamma
         """The current draft length; the schedule moves it and it carries over to the next request."""
+        self.uniforms_first = config.variant == "leviathan"
+        """Sampled verification draws the step's uniforms first (Leviathan et al., Algorithm 1)."""
         self.cache: DynamicCache | None = None
         self.cached: list[int] = []
         """The token ids whose keys/values are in `self.cache`, in order."""
@@ -90,12 +92,12 @@ class DraftModelDrafter:
                 token = int(torch.multinomial(probs, 1, generator=ctx.generator))
             else:
                 token = int(scores.argmax())
-            node = tree.add(parent, token, source=self.name)
+            node = tree.add(parent, token, source=self.name, score=float(probs[token]))
             if ctx.sampled:
                 tree.draft_probs[node] = probs
             elif step == 0 and self.config.tree_width > 1:  # leaves: the draft's next choices, verified for free
                 for alternative in scores.topk(self.config.tree_width).indices[1:].tolist():
-                    tree.add(0, alternative, source=self.name)
+                    tree.add(0, alternative, source=self.name, score=float(probs[alternative]))
             parent = node
             drafted.append(token)
             sequence.append(token)
@@ -129,7 +131,7 @@ class DraftModelDrafter:
         if self.lookup is None or room < 1:
             return []
         found = self.lookup.continuations(sequence, ctx.eos_token_ids)
-        return found[0][:room] if found else []
+        return found[0][1][:room] if found else []
 
     def catch_up(self, tokens: list[int], device: torch.device) -> torch.Tensor:
         """Crop the cache to what it shares with `tokens` (never the last token), feed the rest; last logits."""
@@ -237,11 +239,6 @@ def load_draft(name: str, target: nn.Module, tokenizer=None) -> nn.Module:
     return draft
 
 
-def needs_draft_model(method: str, knobs: dict) -> bool:
-    """Whether `method` with `knobs` drafts with a second model (draft_model without self_draft_layers)."""
-    return method == "draft_model" and not knobs.get("self_draft_layers")
-
-
 def shallow_copy(module: nn.Module) -> nn.Module:
     """A new module object sharing `module`'s parameters and children, with its own table of children."""
     clone = copy.copy(module)
@@ -275,3 +272,16 @@ def self_draft(model: nn.Module, layers: int) -> nn.Module:
     setattr(draft, model.base_model_prefix, draft_base)
     draft.config = config
     return draft
+
+
+METHOD = MethodSpec(
+    name="draft_model",
+    config=DraftModelConfig,
+    build=lambda config, draft, vocab: DraftModelDrafter(config, draft, vocab),
+    budget=lambda config: 1 + config.max_gamma + config.tree_width - 1,
+    about="a small model sharing the tokenizer drafts (speculative sampling, Leviathan et al. / Chen et al.)",
+    style="bold yellow",
+    model_free=False,
+    needs_draft=lambda config: not config.self_draft_layers,
+    adaptive=False,  # its draft forwards are paid whatever is fed; its schedule and confidence stop size the draft
+)

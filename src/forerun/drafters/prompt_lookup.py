@@ -5,6 +5,9 @@ it, most recent last; it grows by the new tokens of each step, so a lookup costs
 Longer matches are tried first; distinct continuations (most recent occurrence first) become branches of one
 tree, sharing prefixes. transformers' version takes only the first match, as one chain.
 
+Score of a node (an estimate of acceptance given its parent was accepted, calibrated online by the cost model):
+n / (n + 1) for a match of n tokens, divided by the branch's rank (1 for the most recent occurrence).
+
 Example (max_ngram=2, min_ngram=1, draft_len=3, max_branches=2):
     text [1, 2, 3, 4, 1, 2, 5, 6, 1, 2]: the suffix [1, 2] occurred before 5 (position 6) and before 3
     (position 2); branches [5, 6, 1] then [3, 4, 1]:
@@ -18,7 +21,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from forerun.config import PromptLookupConfig
-from forerun.drafters.base import DraftContext, StepOutcome, cut_at_eos
+from forerun.drafters.base import DraftContext, MethodSpec, StepOutcome, cut_at_eos
 from forerun.tree import TokenTree
 
 
@@ -43,9 +46,10 @@ class PromptLookupDrafter:
                     table[tuple(tokens[end + 1 - n : end + 1])].append(end + 1)
         self.indexed_len = len(tokens)
 
-    def continuations(self, tokens: list[int], eos_token_ids: frozenset[int]) -> list[list[int]]:
-        """Distinct continuations of the text's suffix, longest n-gram match first, most recent first."""
-        found: list[list[int]] = []
+    def continuations(self, tokens: list[int], eos_token_ids: frozenset[int]) -> list[tuple[int, list[int]]]:
+        """Distinct continuations of the text's suffix as (match length, tokens), longest match first, most recent
+        first."""
+        found: list[tuple[int, list[int]]] = []
         seen: set[tuple[int, ...]] = set()
         length = len(tokens)
         for n in range(self.config.max_ngram, self.config.min_ngram - 1, -1):
@@ -59,15 +63,15 @@ class PromptLookupDrafter:
                 if key in seen:
                     continue
                 seen.add(key)
-                found.append(draft)
+                found.append((n, draft))
                 if len(found) >= self.config.max_branches:
                     return found
         return found
 
     def propose(self, ctx: DraftContext) -> TokenTree:
         tree = TokenTree.rooted_at(ctx.tokens[-1])
-        for draft in self.continuations(ctx.tokens, ctx.eos_token_ids):
-            tree.graft(chain_tree(ctx.tokens[-1], draft, self.name), ctx.budget)
+        for rank, (n, draft) in enumerate(self.continuations(ctx.tokens, ctx.eos_token_ids), start=1):
+            tree.graft(chain_tree(ctx.tokens[-1], draft, self.name, n / (n + 1) / rank), ctx.budget)
         return tree
 
     def observe(self, ctx: DraftContext, outcome: StepOutcome) -> None:
@@ -78,8 +82,19 @@ class PromptLookupDrafter:
         self.indexed_len = 0
 
 
-def chain_tree(root: int, tokens: list[int], source: str) -> TokenTree:
-    """A tree that is one chain of candidates under `root`."""
+def chain_tree(root: int, tokens: list[int], source: str, score: float = 0.5) -> TokenTree:
+    """A tree that is one chain of candidates under `root`, every node scored `score`."""
     tree = TokenTree.rooted_at(root)
-    tree.add_chain(0, tokens, "candidate", source)
+    tree.add_chain(0, tokens, "candidate", source, score)
     return tree
+
+
+METHOD = MethodSpec(
+    name="prompt_lookup",
+    config=PromptLookupConfig,
+    build=lambda config, draft, vocab: PromptLookupDrafter(config),
+    budget=lambda config: 1 + min(config.draft_len * config.max_branches, 15),
+    about="copy what followed earlier occurrences of the text's last n-gram (prompt and output)",
+    device_defaults={"cuda": {"max_branches": 4}},
+    style="bold green",
+)

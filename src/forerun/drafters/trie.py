@@ -7,7 +7,9 @@ count `output_weight` and stay (outputs enter incrementally, as their windows co
 
 Query: the context's last `max_query_length` tokens (then fewer) are walked from the top; the matched node's
 subtree is drafted best-first by estimated path probability (count / sum of sibling counts, multiplied down the
-path), at most `decoding_length` nodes and `branch_length` deep.
+path), at most `decoding_length` nodes and `branch_length` deep. Each node's score (its chance given its parent,
+for the cost model) is its count / (sum of its siblings' counts + 1): a path seen once scores 0.5, one seen 9
+times out of 9 scores 0.9.
 
 Memory is bounded by a global node budget (`max_nodes`): beyond it every count is halved and nodes under a
 threshold are pruned, so rare paths leave first and frequent ones stay. `save`/`load` use safetensors (no pickle).
@@ -27,7 +29,7 @@ from pathlib import Path
 import torch
 
 from forerun.config import TrieConfig
-from forerun.drafters.base import DraftContext, StepOutcome
+from forerun.drafters.base import DraftContext, MethodSpec, StepOutcome
 from forerun.tree import TokenTree
 
 FORMAT, VERSION = "forerun-trie", "1"
@@ -125,7 +127,7 @@ class TokenTrie:
             node = self.match(context, config.max_query_length)
             if node is None:
                 return tree
-            heap: list[tuple[float, int, Node, int, int, int]] = []
+            heap: list[tuple[float, int, Node, int, int, int, float]] = []
             order = 0
 
             def push_children(parent_node: Node, parent_index: int, probability: float, depth: int) -> None:
@@ -136,14 +138,14 @@ class TokenTrie:
                 for token, child in parent_node.children.items():
                     if child.weight > 0:
                         order += 1
-                        heapq.heappush(
-                            heap, (-probability * child.weight / total, order, child, token, parent_index, depth)
-                        )
+                        share = child.weight / total
+                        score = child.weight / (total + 1)
+                        heapq.heappush(heap, (-probability * share, order, child, token, parent_index, depth, score))
 
             push_children(node, 0, 1.0, 1)
             while heap and len(tree) <= config.decoding_length:
-                negative, _, child, token, parent_index, depth = heapq.heappop(heap)
-                index = tree.add(parent_index, token, "candidate", source)
+                negative, _, child, token, parent_index, depth, score = heapq.heappop(heap)
+                index = tree.add(parent_index, token, "candidate", source, score)
                 if depth < config.branch_length and token not in eos:
                     push_children(child, index, -negative, depth + 1)
         return tree
@@ -302,3 +304,14 @@ class TrieDrafter:
         """Insert a whole text (a corpus document, a past answer) with the output weight."""
         config = self.config
         self.trie.insert_text(list(tokens), self.window, config.output_weight, skip_anchors=config.skip_anchors)
+
+
+METHOD = MethodSpec(
+    name="trie",
+    config=TrieConfig,
+    build=lambda config, draft, vocab: TrieDrafter(config),
+    budget=lambda config: 1 + config.decoding_length,
+    about="PIA's lookahead: a frequency trie of prompts and past outputs drafts a multi-branch tree",
+    device_defaults={"cuda": {"decoding_length": 32, "branch_length": 12}},
+    style="bold magenta",
+)

@@ -7,8 +7,8 @@ the n-gram pool learn across requests. Errors are OpenAI-style JSON with 4xx cod
 Example:
     forerun serve --method trie --cache trie.safetensors --port 8000
     >>> from openai import OpenAI                                          # doctest: +SKIP
-    >>> client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none")
-    >>> client.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": "Hi"}])
+    >>> client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none")          # doctest: +SKIP
+    >>> client.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": "Hi"}])  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -30,9 +30,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
-from forerun.config import check_method, method_config
 from forerun.decoder import Decoder, GenerationResult
-from forerun.drafters.draft_model import needs_draft_model
+from forerun.methods import plan_method
 
 
 @dataclass(frozen=True)
@@ -170,10 +169,9 @@ def first_stop(text: str, stops: list[str]) -> int | None:
     return min(positions) if positions else None
 
 
-def create_app(model, tokenizer, config: ServerConfig, draft_model=None) -> FastAPI:
+def create_app(model, tokenizer, config: ServerConfig, draft_model=None, spec=None) -> FastAPI:
     """The FastAPI app for one loaded model (and the draft model of method draft_model, if one was loaded)."""
-    check_method(config.method)
-    method_config(config.method, **config.knobs)
+    plan_method(config.method, config.knobs)
     decoders: dict[str, Decoder] = {}
     metrics = Metrics()
     generation_lock = asyncio.Lock()  # FIFO: waiters are served in arrival order
@@ -181,7 +179,7 @@ def create_app(model, tokenizer, config: ServerConfig, draft_model=None) -> Fast
     pending = [0]  # requests waiting for or in generation
 
     def decoder_for(method: str, knobs: dict) -> Decoder:
-        draft = {"draft_model": draft_model} if needs_draft_model(method, knobs) else {}
+        draft = {"draft_model": draft_model} if plan_method(method, knobs).needs_draft() else {}
         if draft and draft_model is None:
             raise ValueError("method draft_model needs a draft model: start the server with --draft-model NAME")
         if not knobs or (method == config.method and knobs == config.knobs):
@@ -275,7 +273,6 @@ def create_app(model, tokenizer, config: ServerConfig, draft_model=None) -> Fast
         options = dict(body.forerun or {})
         method = options.pop("method", config.method)
         try:
-            check_method(method)
             decoder = decoder_for(method, options)
         except ValueError as error:
             raise APIError(400, str(error), "forerun") from None

@@ -1,0 +1,342 @@
+"""What to feed this step: the drafters' trees merged, then cut to what pays on this device. Pure: no model.
+
+Two budgets share one interface (`choose` the tree to feed from the drafters' proposals, `learn` from what was
+committed):
+
+- `StaticBudget(n)`: the drafters' trees grafted in order until n nodes (a single method's classic behaviour).
+- `CostModel(curve)`: every proposed node carries a score, its drafter's estimate that the target accepts it once
+  its parent is accepted. `Calibration` turns scores into probabilities learned online, per drafter, depth and
+  score bin, from *every* proposed node, fed or not: after a step the committed tokens are the target's own choices,
+  so any proposed path can be checked against them afterwards (this is what lets a drafter that was switched off
+  earn its way back). With p(node) calibrated, a node's chance to be accepted is the product of p along its path,
+  and feeding the k likeliest candidates (an ancestor-closed set, since a child is never likelier than its parent)
+  is expected to commit 1 + E(k) tokens, E(k) their summed chances. The cost model feeds the k that maximises
+
+        (1 + E(k)) / latency(tokens fed)
+
+  on the device's measured latency curve (`LatencyCurve`, never assumed monotone), k = 0 (the root alone, one token
+  per forward) included: when drafts are poor, decoding goes on at plain speed. Probe nodes (the Jacobi window:
+  fed for their logits, never accepted) come in groups, one per drafter, fed whole or not at all; a group is worth
+  the sum of its probes' scores (the drafter's estimate of the accepted tokens feeding it buys later) and costs
+  its size.
+
+Example (a curve where 2 tokens cost 1.5x one token and 4 tokens 1.6x):
+    >>> curve = LatencyCurve((1, 2, 4), (0.010, 0.015, 0.016))
+    >>> # one sure candidate: (1 + 1) / 0.015 beats 1 / 0.010, so it is fed
+    >>> # one candidate at 30%: (1 + 0.3) / 0.015 = 87 < 100 = 1 / 0.010, so the root goes alone
+    >>> best_prefix([1.0], curve).nodes, best_prefix([0.3], curve).nodes
+    (1, 0)
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from forerun.tree import TokenTree, merge
+
+
+@dataclass(frozen=True)
+class LatencyCurve:
+    """Seconds per forward against tokens fed in it, measured on one device, dtype and thread count.
+
+    `cost(n)` is the measurement at n, linear between measured sizes, and extrapolated linearly from the last two
+    sizes beyond the largest (a prefill of a long prompt plus a tree).
+    """
+
+    sizes: tuple[int, ...]
+    seconds: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        sizes, seconds = tuple(int(n) for n in self.sizes), tuple(float(s) for s in self.seconds)
+        if not sizes or len(sizes) != len(seconds):
+            raise ValueError("a latency curve needs as many timings as sizes, and at least one")
+        if sizes[0] != 1 or any(b <= a for a, b in zip(sizes, sizes[1:], strict=False)):
+            raise ValueError(f"latency curve sizes must start at 1 and increase, got {list(sizes)}")
+        if not all(math.isfinite(s) and s > 0 for s in seconds):
+            raise ValueError(f"latency curve timings must be positive seconds, got {list(seconds)}")
+        object.__setattr__(self, "sizes", sizes)
+        object.__setattr__(self, "seconds", seconds)
+
+    def cost(self, n: int) -> float:
+        """Seconds for a forward of `n` tokens."""
+        sizes, seconds = self.sizes, self.seconds
+        if n <= sizes[0]:
+            return seconds[0]
+        for i in range(1, len(sizes)):
+            if n <= sizes[i]:
+                left, right = sizes[i - 1], sizes[i]
+                return seconds[i - 1] + (seconds[i] - seconds[i - 1]) * (n - left) / (right - left)
+        if len(sizes) == 1:
+            return seconds[0] * n
+        slope = max(0.0, (seconds[-1] - seconds[-2]) / (sizes[-1] - sizes[-2]))
+        return seconds[-1] + slope * (n - sizes[-1])
+
+    def relative(self, n: int) -> float:
+        """cost(n) / cost(1)."""
+        return self.cost(n) / self.seconds[0]
+
+    def default_cap(self, most: float = 3.0) -> int:
+        """The largest measured size whose forward costs at most `most` times a 1-token forward."""
+        return max(n for n, s in zip(self.sizes, self.seconds, strict=True) if s <= most * self.seconds[0])
+
+    def as_dict(self) -> dict:
+        return {"sizes": list(self.sizes), "seconds": list(self.seconds)}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> LatencyCurve:
+        return cls(tuple(data["sizes"]), tuple(data["seconds"]))
+
+
+DEPTH_BUCKETS = 6
+"""Depths 1..5 each, then 6 and deeper together."""
+SCORE_BINS = 5
+PRIOR_WEIGHT = 2.0
+"""The drafter's own score counts as this many observations until real ones arrive."""
+WINDOW = 64.0
+"""Counts are halved past this many observations per cell, so the estimates follow the text as it changes."""
+MAX_PROBABILITY = 0.95
+"""No guess is certain: along a chain of n nodes at p the expected accepted length sums p + p^2 + ... + p^n, and
+near 1 a small error in p is a large error in that sum."""
+MAX_GROUPS = 3
+"""Probe groups weighed per step (every subset is tried: 2^3 options)."""
+REQUEST_WEIGHT = 2.0
+"""Pseudo-observations (agreeing with the long-run estimates) behind the per-request correction."""
+REQUEST_DECAY = 0.97
+"""Per observation: the request correction remembers about the last 30 checked nodes."""
+
+
+@dataclass
+class Calibration:
+    """Online acceptance rates per (source, depth bucket, score bin): P(accepted | parent accepted).
+
+    Two levels: long-run rates per cell (kept across requests), times a per-request correction, the ratio of what
+    was accepted to what the long-run rates predicted in this request so far (per source, first-level nodes and
+    deeper ones apart): a chat answer and a code answer differ more than any cell can tell.
+
+    Example:
+        >>> calibration = Calibration()
+        >>> calibration.probability("trie", 1, 0.9)     # no evidence yet: the drafter's own score
+        0.9
+        >>> for _ in range(8):
+        ...     calibration.record("trie", 1, 0.9, False)
+        >>> round(calibration.estimate("trie", 1, 0.9), 2)   # long-run: (0 + 2 * 0.9) / (8 + 2)
+        0.18
+    """
+
+    hits: dict[tuple[str, int, int], float] = field(default_factory=dict)
+    trials: dict[tuple[str, int, int], float] = field(default_factory=dict)
+    request_hits: dict[tuple[str, int], float] = field(default_factory=dict)
+    """This request, per (source, 0 = depth 1 / 1 = deeper): accepted nodes (recency-weighted)."""
+    request_predicted: dict[tuple[str, int], float] = field(default_factory=dict)
+    """This request: the long-run estimates of the same nodes, summed."""
+
+    @staticmethod
+    def cell(source: str, depth: int, score: float) -> tuple[str, int, int]:
+        return source, min(depth, DEPTH_BUCKETS), min(SCORE_BINS - 1, max(0, int(score * SCORE_BINS)))
+
+    def estimate(self, source: str, depth: int, score: float) -> float:
+        """The long-run rate of the cell (the drafter's score as a prior)."""
+        key = self.cell(source, depth, score)
+        prior = min(max(score, 0.0), 1.0)
+        return (self.hits.get(key, 0.0) + PRIOR_WEIGHT * prior) / (self.trials.get(key, 0.0) + PRIOR_WEIGHT)
+
+    def correction(self, source: str, depth: int) -> float:
+        """This request's accepted / predicted for the source's first-level (or deeper) nodes, shrunk to 1."""
+        level = (source, 0 if depth <= 1 else 1)
+        hits, predicted = self.request_hits.get(level, 0.0), self.request_predicted.get(level, 0.0)
+        return (hits + REQUEST_WEIGHT) / (predicted + REQUEST_WEIGHT)
+
+    def probability(self, source: str, depth: int, score: float) -> float:
+        """The long-run rate times this request's correction, at most 0.99."""
+        return min(MAX_PROBABILITY, self.estimate(source, depth, score) * self.correction(source, depth))
+
+    def record(self, source: str, depth: int, score: float, accepted: bool) -> None:
+        level = (source, 0 if depth <= 1 else 1)
+        self.request_hits[level] = self.request_hits.get(level, 0.0) * REQUEST_DECAY + accepted
+        predicted = self.request_predicted.get(level, 0.0) * REQUEST_DECAY
+        self.request_predicted[level] = predicted + self.estimate(source, depth, score)
+        key = self.cell(source, depth, score)
+        hits, trials = self.hits.get(key, 0.0) + accepted, self.trials.get(key, 0.0) + 1.0
+        if trials > WINDOW:
+            hits, trials = hits / 2, trials / 2
+        self.hits[key], self.trials[key] = hits, trials
+
+    def new_request(self) -> None:
+        """Forget the per-request correction (the long-run rates stay)."""
+        self.request_hits, self.request_predicted = {}, {}
+
+    def learn(self, tree: TokenTree, committed: Sequence[int]) -> None:
+        """Check every candidate of a proposed `tree` whose parent path was committed against what came next.
+
+        `committed`: the tokens the step appended after the root (accepted drafts, then the bonus token), i.e. the
+        target's own choices. A candidate at depth d whose path to its parent equals committed[:d-1] would have
+        been accepted exactly when its token is committed[d-1], fed or not.
+        """
+        reached = {0}
+        for node in range(1, len(tree)):
+            depth = tree.depths[node]
+            if tree.roles[node] != "candidate" or tree.parents[node] not in reached or depth > len(committed):
+                continue
+            accepted = tree.tokens[node] == committed[depth - 1]
+            self.record(tree.sources[node], depth, tree.scores[node], accepted)
+            if accepted:
+                reached.add(node)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What the cost model decided for one step."""
+
+    nodes: int
+    """Candidate nodes fed (0 = the root alone)."""
+    fed: int
+    """Tokens fed in the forward, the lead (prompt at the prefill) and probes included."""
+    expected_accepted: float
+    """E(k): the expected number of accepted draft tokens."""
+    groups: tuple[int, ...] = ()
+    """The probe groups fed (indices into the groups offered)."""
+
+
+def best_prefix(
+    chances: Sequence[float],
+    curve: LatencyCurve,
+    lead: int = 0,
+    cap: int | None = None,
+    groups: Sequence[tuple[float, int]] = (),
+) -> Choice:
+    """The k, and the probe groups, maximising (1 + chances[0] + ... + chances[k-1] + group values) / cost(tokens).
+
+    `chances`: the candidates' path probabilities, best first (each ancestor before its descendants). `groups`:
+    optional (value, size) items, each fed whole or not at all (a Jacobi window: its worth in future accepted
+    tokens, its probe count). `cap`: most nodes per forward, root included (the lead not counted).
+    """
+    best, best_rate = Choice(0, lead + 1, 0.0), 1.0 / curve.cost(lead + 1)
+    options = []  # (value, size, chosen groups) for every subset of the groups that fits
+    for count in range(len(groups) + 1):
+        for subset in itertools.combinations(range(len(groups)), count):
+            options.append((sum(groups[i][0] for i in subset), sum(groups[i][1] for i in subset), subset))
+    expected = 0.0
+    for k in range(len(chances) + 1):
+        if k:
+            expected += chances[k - 1]
+        for value, size, subset in options:
+            nodes = 1 + k + size
+            if (k or subset) and (cap is None or nodes <= cap):
+                rate = (1.0 + expected + value) / curve.cost(lead + nodes)
+                if rate > best_rate:
+                    best, best_rate = Choice(k, lead + nodes, expected, subset), rate
+    return best
+
+
+@dataclass
+class Selection:
+    """The tree to feed this step and how each proposal maps onto it."""
+
+    tree: TokenTree
+    node_maps: list[dict[int, int]]
+    """Per proposal: its node -> node of `tree` (nodes not fed are absent)."""
+    expected_accepted: float | None = None
+    """The cost model's E(k) for the fed tree (None for a static budget)."""
+
+
+@dataclass
+class StaticBudget:
+    """Graft the proposals in order until `max_nodes` nodes (root included): a fixed budget."""
+
+    max_nodes: int
+    selective = False
+    """Drafters propose only what they want fed."""
+
+    def choose(self, root: int, proposals: Sequence[TokenTree], lead: int = 0, drafts: bool = True) -> Selection:
+        """`drafts=False`: feed the root alone this step."""
+        tree, node_maps = merge(root, proposals, self.max_nodes if drafts else 1)
+        return Selection(tree, node_maps)
+
+    def learn(self, proposals: Sequence[TokenTree], committed: Sequence[int]) -> None:
+        pass
+
+    def new_request(self) -> None:
+        pass
+
+
+@dataclass
+class CostModel:
+    """Feed what maximises expected committed tokens per second, on `curve`, at most `max_nodes` per forward."""
+
+    curve: LatencyCurve
+    max_nodes: int
+    calibration: Calibration = field(default_factory=Calibration)
+    selective = True
+    """Drafters propose whatever might pay; this model picks."""
+
+    def chances(self, tree: TokenTree, proposals: Sequence[TokenTree], node_maps: Sequence[dict[int, int]]):
+        """Per node of the merged `tree`: P(accepted | parent accepted), the best of its proposers' calibrated
+        estimates; probes and the root get 0 and 1.
+
+        One token follows a node, so siblings' chances sum to at most 1. Each drafter's rate is its own average,
+        which overstates the weaker guess exactly when two drafters disagree: the likeliest sibling keeps its
+        estimate and the others share only what is left (not a proportional cut, which would tax the best guess
+        for the mere presence of a poor one).
+        """
+        p = [0.0] * len(tree)
+        p[0] = 1.0
+        for proposal, node_map in zip(proposals, node_maps, strict=True):
+            for node, merged in node_map.items():
+                if node and proposal.roles[node] == "candidate":
+                    estimate = self.calibration.probability(
+                        proposal.sources[node], proposal.depths[node], proposal.scores[node]
+                    )
+                    p[merged] = max(p[merged], estimate)
+        siblings: dict[int, list[int]] = {}
+        for node in range(1, len(tree)):
+            siblings.setdefault(tree.parents[node], []).append(node)
+        for group in siblings.values():
+            left = 1.0
+            for node in sorted(group, key=lambda n: -p[n]):
+                p[node] = min(p[node], left)
+                left -= p[node]
+        return p
+
+    def choose(self, root: int, proposals: Sequence[TokenTree], lead: int = 0, drafts: bool = True) -> Selection:
+        merged, node_maps = merge(root, proposals)
+        if not drafts or len(merged) == 1:
+            kept = [0]
+            choice = Choice(0, lead + 1, 0.0)
+        else:
+            p = self.chances(merged, proposals, node_maps)
+            reach = [1.0] + [0.0] * (len(merged) - 1)
+            verifiable = [True] + [False] * (len(merged) - 1)  # a candidate under a probe can never be accepted
+            for node in range(1, len(merged)):  # parents come first: one pass
+                parent = merged.parents[node]
+                if merged.roles[node] == "candidate" and verifiable[parent]:
+                    verifiable[node] = True
+                    reach[node] = reach[parent] * p[node]
+            # Zero-chance candidates stay in the list, last: on a non-monotone curve they may pad a forward to a
+            # cheaper size (here 4 tokens cost less than 3).
+            candidates = [n for n in range(1, len(merged)) if verifiable[n]]
+            candidates.sort(key=lambda n: (-reach[n], n))  # a child never precedes its parent
+            # Each proposal's probes form an optional group, worth the sum of their scores (the drafter's estimate
+            # of the future accepted tokens feeding them buys), fed whole or not at all.
+            probes_of = [
+                [m for n, m in node_map.items() if proposal.roles[n] == "probe"]
+                for proposal, node_map in zip(proposals, node_maps, strict=True)
+            ]
+            offered = [i for i, probes in enumerate(probes_of) if probes][:MAX_GROUPS]
+            groups = [(sum(merged.scores[m] for m in probes_of[i]), len(probes_of[i])) for i in offered]
+            chances = [reach[n] for n in candidates]
+            choice = best_prefix(chances, self.curve, lead, self.max_nodes, groups)
+            kept = [0, *candidates[: choice.nodes]]
+            kept += [m for g in choice.groups for m in probes_of[offered[g]]]
+        tree, mapped = merged.subtree(kept)
+        node_maps = [{node: mapped[m] for node, m in node_map.items() if m in mapped} for node_map in node_maps]
+        return Selection(tree, node_maps, choice.expected_accepted)
+
+    def learn(self, proposals: Sequence[TokenTree], committed: Sequence[int]) -> None:
+        for proposal in proposals:
+            self.calibration.learn(proposal, committed)
+
+    def new_request(self) -> None:
+        self.calibration.new_request()

@@ -1,0 +1,74 @@
+"""The exactness contract, measured: where two greedy outputs first differ, was it a numerical tie?
+
+fp32: forerun's greedy output is token for token plain `model.generate`'s. bf16/fp16: a verification forward over
+a tree rounds differently from a 1-token forward (other matrix shapes, other summation orders), as in every
+speculative decoder, and so does plain generate itself in a batch of two. The contract there: any first
+difference from plain generate happens at a tie, i.e. plain generate's own logits for its token and for the other
+token differ by at most `TIE_ULPS` units in the last place of the dtype at that magnitude.
+
+Example (bf16 has 8 significant bits: one unit in the last place at 20.0 is 2**4 * 2**-7 = 0.125):
+    >>> ulp(20.0, torch.bfloat16)
+    0.125
+    >>> logits = torch.zeros(2, 4); logits[1, 1], logits[1, 2] = 20.0, 19.875
+    >>> d = first_divergence([7, 1], [7, 2], logits, torch.bfloat16)    # step 0 agrees, step 1 differs
+    >>> d.position, d.reference_token, d.token, d.ulps, d.is_tie
+    (1, 1, 2, 1.0, True)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+TIE_ULPS = 2.0
+"""Most units in the last place between the two logits for a first difference to count as a tie."""
+
+
+def ulp(value: float, dtype: torch.dtype) -> float:
+    """One unit in the last place of `dtype` at the magnitude of `value` (the spacing of representable numbers)."""
+    magnitude = abs(float(value))
+    eps = torch.finfo(dtype).eps
+    if magnitude == 0.0:
+        return torch.finfo(dtype).tiny
+    return 2.0 ** math.floor(math.log2(magnitude)) * eps
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """The first position where an output left the reference, judged on the reference's own logits."""
+
+    position: int
+    """Index among the new tokens."""
+    reference_token: int
+    token: int
+    margin: float
+    """reference logit of its own token - reference logit of the other token (>= 0 for greedy)."""
+    ulps: float
+    """`margin` in units in the last place of the dtype at the larger logit's magnitude."""
+
+    @property
+    def is_tie(self) -> bool:
+        return self.ulps <= TIE_ULPS
+
+
+def first_divergence(
+    reference: Sequence[int],
+    other: Sequence[int],
+    reference_logits: torch.Tensor | Sequence[torch.Tensor],
+    dtype: torch.dtype,
+) -> Divergence | None:
+    """None when `other` follows `reference` (new tokens only) as far as both go; else the first difference.
+
+    `reference_logits[i]`: the reference's raw logits [vocab] when it chose its i-th new token (what
+    `model.generate(..., output_logits=True)` returns). A shorter output that stops early (EOS) is no difference.
+    """
+    for position, (expected, got) in enumerate(zip(reference, other, strict=False)):
+        if expected != got:
+            row = reference_logits[position].float().reshape(-1)
+            high, low = float(row[expected]), float(row[got])
+            margin = high - low
+            return Divergence(position, int(expected), int(got), margin, margin / ulp(max(abs(high), abs(low)), dtype))
+    return None

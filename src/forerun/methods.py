@@ -1,0 +1,193 @@
+"""The registry of drafting methods, and the method expressions every entry point accepts.
+
+A method expression names one method (`"trie"`), several joined by `+` (`"prompt_lookup+trie"`: their trees are
+merged under one root every step), `"auto"` (every model-free method: prompt lookup, trie, Jacobi) or `"plain"`
+(no drafter). Knobs address one method: `draft_len=8` when only one is named, `trie.decoding_length=16` (dotted)
+when several are combined.
+
+Adding a method is one drafter module that declares `METHOD = MethodSpec(...)` and one line in `REGISTRY` below.
+
+Example:
+    >>> plan = plan_method("prompt_lookup+trie", {"trie.decoding_length": 16, "prompt_lookup.draft_len": 6})
+    >>> plan.names, plan.config("trie").decoding_length, plan.config("prompt_lookup").draft_len
+    (('prompt_lookup', 'trie'), 16, 6)
+    >>> plan_method("auto").names
+    ('prompt_lookup', 'trie', 'jacobi')
+    >>> plan_method("auto", {"draft_len": 6})
+    Traceback (most recent call last):
+    ...
+    ValueError: knob 'draft_len' needs a method prefix when several methods are combined (e.g. prompt_lookup.draft_len)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+
+from forerun.drafters import draft_model, jacobi, prompt_lookup, trie
+from forerun.drafters.base import Drafter, MethodSpec
+
+REGISTRY: dict[str, MethodSpec] = {
+    spec.name: spec for spec in (prompt_lookup.METHOD, trie.METHOD, jacobi.METHOD, draft_model.METHOD)
+}
+"""Every drafting method, in the order their trees are merged under one root."""
+
+PLAIN, AUTO = "plain", "auto"
+METHODS: tuple[str, ...] = (PLAIN, *REGISTRY, AUTO)
+"""The names a method expression is made of."""
+
+
+def source_style(source: str) -> str:
+    """The rich style of tokens accepted from `source` (a method name; 'model' = the target's own step)."""
+    if source == "model":
+        return ""
+    spec = REGISTRY.get(source)
+    return spec.style if spec is not None else "bold yellow"
+
+
+@dataclass(frozen=True)
+class MethodPlan:
+    """A parsed method expression: the methods in merge order and one validated config each."""
+
+    text: str
+    specs: tuple[MethodSpec, ...]
+    configs: tuple[object, ...]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(spec.name for spec in self.specs)
+
+    @property
+    def combined(self) -> bool:
+        """More than one drafter (a '+' expression or 'auto')."""
+        return len(self.specs) > 1
+
+    def config(self, name: str) -> object | None:
+        """The config of method `name`, or None when it is not part of the plan."""
+        for spec, config in zip(self.specs, self.configs, strict=True):
+            if spec.name == name:
+                return config
+        return None
+
+    @property
+    def adaptive(self) -> bool:
+        """Whether the cost model chooses each step's tree by default: for combinations, and for a single method
+        that asks for it (every model-free one)."""
+        return bool(self.specs) and (self.combined or all(spec.adaptive for spec in self.specs))
+
+    def needs_draft(self) -> bool:
+        """Whether some method of the plan drafts with a second model the caller must supply."""
+        return any(spec.needs_draft(config) for spec, config in zip(self.specs, self.configs, strict=True))
+
+    def build(self, draft: object | None = None, vocab: int = 0) -> list[Drafter]:
+        """Fresh drafters, one per method."""
+        return [spec.build(config, draft, vocab) for spec, config in zip(self.specs, self.configs, strict=True)]
+
+    def static_budget(self) -> int:
+        """Nodes per forward (root included) that the methods ask for together: the root plus each one's drafts."""
+        return 1 + sum(spec.budget(config) - 1 for spec, config in zip(self.specs, self.configs, strict=True))
+
+    def min_budget(self) -> int:
+        return max((spec.min_budget(config) for spec, config in zip(self.specs, self.configs, strict=True)), default=1)
+
+
+def parse_method(text: str) -> tuple[MethodSpec, ...]:
+    """'prompt_lookup+trie' -> their specs; 'auto' -> every model-free one; 'plain' -> (). Bad names raise."""
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"method must be a name like 'trie' or 'prompt_lookup+trie', got {text!r}")
+    parts = [part.strip() for part in text.split("+")]
+    if parts == [PLAIN]:
+        return ()
+    names: list[str] = []
+    for part in parts:
+        if part == AUTO:
+            expanded = [name for name, spec in REGISTRY.items() if spec.model_free]
+        elif part in REGISTRY:
+            expanded = [part]
+        elif part == PLAIN:
+            raise ValueError(f"'plain' means no drafter and cannot be combined with others (in {text!r})")
+        else:
+            raise ValueError(
+                f"unknown method {part!r} in {text!r}; choose one of {', '.join(METHODS)} or join them with +"
+            )
+        for name in expanded:
+            if name in names:
+                where = " (it is part of 'auto')" if AUTO in parts else ""
+                raise ValueError(f"method {name!r} appears twice in {text!r}{where}")
+            names.append(name)
+    return tuple(REGISTRY[name] for name in names)
+
+
+def split_knobs(specs: Sequence[MethodSpec], knobs: Mapping[str, object], text: str) -> dict[str, dict[str, object]]:
+    """Route knobs to methods: 'trie.decoding_length' to trie; an undotted knob only when one method is named."""
+    routed: dict[str, dict[str, object]] = {spec.name: {} for spec in specs}
+    for key, value in knobs.items():
+        method, dot, knob = str(key).rpartition(".")
+        if not dot:
+            if not specs:
+                raise ValueError(f"method 'plain' takes no knobs, got {sorted(knobs)}")
+            if len(specs) > 1:
+                raise ValueError(
+                    f"knob {key!r} needs a method prefix when several methods are combined (e.g. {specs[0].name}.{key})"
+                )
+            method, knob = specs[0].name, key
+        if method not in routed:
+            raise ValueError(f"knob {key!r} is for method {method!r}, which is not part of {text!r}")
+        routed[method][knob] = value
+    return routed
+
+
+def plan_method(text: str, knobs: Mapping[str, object] | None = None, device_type: str = "cpu") -> MethodPlan:
+    """Parse `text`, route `knobs`, and build each method's config over its defaults for `device_type`.
+
+    Knobs the caller gives always win over device defaults; unknown knobs raise a ValueError naming them.
+    """
+    specs = parse_method(text)
+    routed = split_knobs(specs, knobs or {}, text)
+    configs = []
+    for spec in specs:
+        known = {f.name for f in fields(spec.config)}
+        unknown = sorted(set(routed[spec.name]) - known)
+        if unknown:
+            raise ValueError(f"unknown knob(s) {unknown} for method {spec.name!r}; known: {sorted(known)}")
+        defaults = dict(spec.device_defaults.get(device_type, {}))
+        configs.append(spec.config(**{**defaults, **routed[spec.name]}))
+    return MethodPlan(text.strip(), specs, tuple(configs))
+
+
+def device_defaults(method: str, device_type: str) -> dict[str, object]:
+    """The default knobs of `method` on a device kind ("cpu", "cuda", ...; unknown kinds get the CPU defaults).
+
+    Example:
+        >>> device_defaults("jacobi", "cuda")
+        {'window': 7, 'ngram': 5, 'max_candidates': 7, 'pool_from_output': False, 'lazy_window': False}
+        >>> device_defaults("jacobi", "cpu")
+        {}
+    """
+    return dict(REGISTRY[method].device_defaults.get(device_type, {}))
+
+
+def parse_knob_pairs(pairs: Sequence[str]) -> dict[str, object]:
+    """['draft_len=8', 'trie.pool_policy=fifo', 'pool_from_prompt=false'] -> typed keyword arguments.
+
+    Example:
+        >>> parse_knob_pairs(["draft_len=8", "trie.prompt_weight=0.5", "lazy_window=false"])
+        {'draft_len': 8, 'trie.prompt_weight': 0.5, 'lazy_window': False}
+    """
+    knobs: dict[str, object] = {}
+    for pair in pairs:
+        name, sep, raw = pair.partition("=")
+        if not sep or not name:
+            raise ValueError(f"knob {pair!r} is not NAME=VALUE")
+        value: object = raw
+        if raw.lower() in ("true", "false"):
+            value = raw.lower() == "true"
+        else:
+            for cast in (int, float):
+                try:
+                    value = cast(raw)
+                    break
+                except ValueError:
+                    continue
+        knobs[name] = value
+    return knobs

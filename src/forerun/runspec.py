@@ -1,0 +1,129 @@
+"""One run specification for every command: model, device, dtype, method, knobs, draft model, budget, threads.
+
+`forerun generate`, `chat`, `serve`, `bench`, `curve` and `trie build` parse their options into a `RunSpec`, which
+checks everything it can before the (slow) model load, then loads the model once and builds Decoders the same way.
+
+Example:
+    >>> spec = RunSpec(method="auto", knobs={"trie.decoding_length": 16}, dtype="bf16")
+    >>> spec.torch_dtype
+    torch.bfloat16
+    >>> RunSpec(dtype="fp64")
+    Traceback (most recent call last):
+    ...
+    ValueError: dtype must be one of fp32, bf16, fp16, got 'fp64'
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from forerun.methods import MethodPlan, plan_method
+from forerun.models import DEFAULT_MODEL
+
+DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+MAX_THREADS = 1024
+
+
+def parse_device(text: str) -> torch.device:
+    """'cpu', 'cuda', 'cuda:1', 'mps' -> a device that exists here; anything else raises a ValueError."""
+    try:
+        device = torch.device(text)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be like cpu, cuda or cuda:1, got {text!r}") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {text!r} asked for, but this machine has no CUDA device (use --device cpu)")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"device {text!r} does not exist: this machine has {torch.cuda.device_count()} GPU(s)")
+    elif device.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError("device 'mps' asked for, but MPS is not available here")
+    elif device.type not in ("cpu", "cuda", "mps"):
+        raise ValueError(f"device type {device.type!r} is not supported; use cpu, cuda or mps")
+    return device
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What to run, checked on construction (a ValueError names the bad value)."""
+
+    model: str = DEFAULT_MODEL
+    """Alias, local folder, .gguf file or cached hub id (forerun.load_model)."""
+    method: str = "prompt_lookup"
+    """A method expression: 'trie', 'prompt_lookup+trie', 'auto', 'plain' (forerun.methods)."""
+    knobs: Mapping[str, object] = field(default_factory=dict)
+    """Method knobs; dotted ('trie.decoding_length') when several methods are combined."""
+    device: str = "cpu"
+    dtype: str = "fp32"
+    """fp32 (token for token identical to generate), bf16 or fp16 (identical up to numerical ties)."""
+    draft_model: str | None = None
+    """The small model of method draft_model (a name for load_model)."""
+    max_tree_nodes: int | None = None
+    threads: int = 0
+    """torch threads (0 = torch's default), pinned before the model loads."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        parse_device(self.device)
+        if isinstance(self.threads, bool) or not isinstance(self.threads, int) or not 0 <= self.threads <= MAX_THREADS:
+            raise ValueError(
+                f"threads must be an integer in [0, {MAX_THREADS}] (this machine has {os.cpu_count()} "
+                f"cores), got {self.threads!r}"
+            )
+        if self.max_tree_nodes is not None and (
+            isinstance(self.max_tree_nodes, bool) or not isinstance(self.max_tree_nodes, int) or self.max_tree_nodes < 1
+        ):
+            raise ValueError(f"max_tree_nodes must be an integer >= 1, got {self.max_tree_nodes!r}")
+        plan = self.plan()
+        if self.draft_model and "draft_model" not in plan.names:
+            raise ValueError(f"a draft model is for method draft_model, which is not part of {self.method!r}")
+        if plan.needs_draft() and not self.draft_model:
+            raise ValueError(
+                "method draft_model needs a draft model (--draft-model NAME, a model sharing the tokenizer) "
+                "or the knob self_draft_layers=K"
+            )
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def plan(self, method: str | None = None, knobs: Mapping[str, object] | None = None) -> MethodPlan:
+        """The parsed method (this spec's, or another one on the same device: chat's /method, a server request)."""
+        device_type = torch.device(self.device).type
+        return plan_method(method or self.method, self.knobs if knobs is None else knobs, device_type)
+
+    def pin_threads(self) -> None:
+        if self.threads:
+            torch.set_num_threads(self.threads)
+
+    def load(self):
+        """(model, tokenizer, draft model or None), threads pinned first."""
+        from forerun.drafters.draft_model import load_draft
+        from forerun.models import load_model
+
+        self.pin_threads()
+        model, tokenizer = load_model(self.model, dtype=self.torch_dtype, device=self.device)
+        draft = load_draft(self.draft_model, model, tokenizer) if self.draft_model else None
+        return model, tokenizer, draft
+
+    def decoder(
+        self, model, tokenizer, draft=None, method: str | None = None, knobs: Mapping[str, object] | None = None
+    ):
+        """A Decoder for this spec's method (or `method` with `knobs`), with the draft model where it is needed."""
+        from forerun.decoder import Decoder
+
+        plan = self.plan(method, knobs)
+        if plan.needs_draft() and draft is None:
+            raise ValueError("method draft_model needs a draft model: start with --draft-model NAME")
+        return Decoder(
+            model,
+            tokenizer,
+            plan.text,
+            max_tree_nodes=self.max_tree_nodes,
+            draft_model=draft if "draft_model" in plan.names and plan.needs_draft() else None,
+            **dict(self.knobs if knobs is None else knobs),
+        )

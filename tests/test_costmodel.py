@@ -1,0 +1,226 @@
+"""The cost model on hand-made inputs: chosen trees checked by hand and by brute force; calibration; the curve."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+
+import forerun
+from forerun.costmodel import Calibration, CostModel, LatencyCurve, StaticBudget, best_prefix
+from forerun.tree import TokenTree
+
+from helpers import OracleDrafter, RandomDrafter
+from tiny_models import VOCAB, prompts, tiny_model
+
+# Shaped like this CPU's fp32 curve: 3 tokens cost more than 4 (ms).
+JAGGED = LatencyCurve((1, 2, 3, 4, 5), (10.0, 15.0, 19.5, 16.0, 25.0))
+FLAT = LatencyCurve((1, 64), (10.0, 10.5))
+STEEP = LatencyCurve((1, 2, 4, 8), (10.0, 16.0, 20.0, 24.0))
+
+
+def chain_and_sibling(scores=(0.8, 0.9, 0.9), sibling=0.2) -> TokenTree:
+    """root(1) ─ a(2) ─ b(3) ─ c(4), and root ─ d(5) beside a."""
+    tree = TokenTree.rooted_at(1)
+    tree.add_chain(0, [2, 3, 4], source="t", scores=list(scores))
+    tree.add(0, 5, source="t", score=sibling)
+    return tree
+
+
+def test_curve_interpolates_extrapolates_and_refuses_nonsense():
+    curve = LatencyCurve((1, 2, 4), (1.0, 2.0, 2.5))
+    assert curve.cost(1) == 1.0 and curve.cost(3) == 2.25 and curve.cost(8) == 3.5  # slope 0.25 past the end
+    assert curve.relative(4) == 2.5 and curve.default_cap(2.0) == 2
+    for sizes, seconds in [((2, 4), (1, 2)), ((1, 1), (1, 2)), ((1, 2), (1, -2)), ((1,), (1, 2))]:
+        with pytest.raises(ValueError):
+            LatencyCurve(sizes, seconds)
+
+
+def test_hand_worked_choice_on_a_jagged_curve():
+    """Reach a .8, b .72, c .648, d .2. Rates (1 + E) / cost: k=0 1/10=.100, k=1 1.8/15=.120,
+    k=2 2.52/19.5=.129, k=3 3.168/16=.198, k=4 3.368/25=.135: feed root + a, b, c (4 tokens, cheaper than 3)."""
+    model = CostModel(JAGGED, max_nodes=16)
+    tree = chain_and_sibling()
+    selection = model.choose(1, [tree])
+    assert selection.tree.tokens == [1, 2, 3, 4]
+    assert selection.expected_accepted == pytest.approx(0.8 + 0.72 + 0.648)
+    assert selection.node_maps == [{0: 0, 1: 1, 2: 2, 3: 3}]  # d was not fed
+
+
+def test_poor_drafts_feed_the_root_alone_and_certain_ones_the_whole_tree():
+    poor = chain_and_sibling((0.05, 0.05, 0.05), 0.05)
+    assert CostModel(STEEP, 16).choose(1, [poor]).tree.tokens == [1]
+    certain = chain_and_sibling((1.0, 1.0, 1.0), 0.0)
+    certain.scores[4] = 0.01  # the sibling: almost never right, but on a flat curve even it is worth a place
+    assert CostModel(FLAT, 16).choose(1, [certain]).tree.tokens == [1, 2, 3, 4, 5]
+    assert CostModel(FLAT, 3).choose(1, [certain]).tree.tokens == [1, 2, 3]  # the cap holds
+
+
+def test_no_drafts_at_the_first_step_when_asked():
+    assert CostModel(FLAT, 16).choose(1, [chain_and_sibling((1, 1, 1))], drafts=False).tree.tokens == [1]
+    assert StaticBudget(16).choose(1, [chain_and_sibling()], drafts=False).tree.tokens == [1]
+
+
+def ancestor_closed_subsets(tree: TokenTree):
+    nodes = list(range(1, len(tree)))
+    for size in range(len(nodes) + 1):
+        for subset in itertools.combinations(nodes, size):
+            chosen = set(subset)
+            if all(tree.parents[n] == 0 or tree.parents[n] in chosen for n in chosen):
+                yield chosen
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_choice_is_the_brute_force_optimum(seed):
+    """On random trees and random (non-monotone) curves, no ancestor-closed subset beats the chosen one."""
+    rng = random.Random(seed)
+    tree = TokenTree.rooted_at(0)
+    for token in range(1, 8):
+        tree.add(rng.randrange(len(tree)), token, source="s", score=rng.random())
+    curve = LatencyCurve(tuple(range(1, 10)), tuple(rng.uniform(1.0, 3.0) for _ in range(9)))
+    model = CostModel(curve, max_nodes=9)
+    p = model.chances(tree, [tree], [{i: i for i in range(len(tree))}])
+    reach = [1.0]
+    for node in range(1, len(tree)):
+        reach.append(reach[tree.parents[node]] * p[node])
+
+    def rate(chosen):
+        return (1 + sum(reach[n] for n in chosen)) / curve.cost(1 + len(chosen))
+
+    best = max(rate(chosen) for chosen in ancestor_closed_subsets(tree))
+    selection = model.choose(0, [tree])
+    chosen = {node for node in selection.node_maps[0] if node}
+    assert rate(chosen) == pytest.approx(best)
+
+
+def test_probe_groups_are_fed_whole_when_their_worth_pays_for_them():
+    """Probes are worth the sum of their scores (future tokens), fed all together or not at all."""
+    tree = TokenTree.rooted_at(1)
+    tree.add_chain(0, [7, 8], role="probe", source="jacobi", scores=0.25)  # worth 0.5 tokens in all
+    tree.add(0, 2, source="jacobi", score=0.01)
+    # flat curve: 4 tokens cost 5% more than 1 and bring 0.5 + 0.01 expected tokens: everything goes
+    assert CostModel(FLAT, 16).choose(1, [tree]).tree.roles == ["root", "probe", "probe", "candidate"]
+    # steep curve: 3 tokens cost 2x; 1.5 / 2.0 < 1 / 1.0: the root alone, no probes either
+    assert CostModel(STEEP, 16).choose(1, [tree]).tree.roles == ["root"]
+    # the group does not fit the cap: the candidate may still go
+    assert CostModel(FLAT, 2).choose(1, [tree]).tree.roles == ["root", "candidate"]
+    # a good candidate elsewhere is fed without worthless probes
+    other = TokenTree.rooted_at(1)
+    other.add(0, 3, source="trie", score=1.0)
+    tree.scores[1] = tree.scores[2] = 0.0
+    selection = CostModel(STEEP, 16).choose(1, [tree, other])
+    assert selection.tree.tokens == [1, 3, 2] or selection.tree.tokens == [1, 3]
+    assert "probe" not in selection.tree.roles
+
+
+def test_best_prefix_weighs_groups_by_hand():
+    """Curve (1: 10, 2: 16, 3: 17, 4: 18): candidates [0.9], group (value 0.6, size 2).
+    k=1 alone: 1.9/16 = .119; k=1 + group: 2.5/18 = .139; group alone: 1.6/17 = .094; root: .100."""
+    curve = LatencyCurve((1, 2, 3, 4), (10.0, 16.0, 17.0, 18.0))
+    choice = best_prefix([0.9], curve, groups=[(0.6, 2)])
+    assert (choice.nodes, choice.groups, choice.fed) == (1, (0,), 4)
+
+
+def test_fused_nodes_take_the_best_calibrated_estimate():
+    a, b = TokenTree.rooted_at(1), TokenTree.rooted_at(1)
+    a.add(0, 2, source="trie", score=0.1)
+    b.add(0, 2, source="prompt_lookup", score=0.9)
+    model = CostModel(STEEP, 16)
+    selection = model.choose(1, [a, b])
+    assert selection.tree.tokens == [1, 2] and selection.expected_accepted == pytest.approx(0.9)
+    assert selection.node_maps == [{0: 0, 1: 1}, {0: 0, 1: 1}]
+
+
+def test_calibration_learns_from_every_proposed_node_fed_or_not():
+    """Committed [7, 3]: node 7 (depth 1) was right, 9 under it wrong, 8 (depth 1) wrong, 4 under 8 unknown."""
+    tree = TokenTree.rooted_at(5)
+    tree.add_chain(0, [7, 9], source="s", scores=0.5)
+    tree.add_chain(0, [8, 4], source="s", scores=0.5)
+    calibration = Calibration()
+    calibration.learn(tree, [7, 3])
+    assert calibration.trials == {("s", 1, 2): 2.0, ("s", 2, 2): 1.0}
+    assert calibration.hits == {("s", 1, 2): 1.0, ("s", 2, 2): 0.0}
+    assert calibration.estimate("s", 1, 0.5) == pytest.approx((1 + 2 * 0.5) / (2 + 2))
+    # this request, depth 1: node 7 predicted 0.5 (the prior) and hit; node 8 then predicted (1 + 1) / (1 + 2)
+    # and missed; older observations decay by 0.97 each
+    hits, predicted = 0.97, 0.5 * 0.97 + 2 / 3
+    assert calibration.correction("s", 1) == pytest.approx((hits + 2) / (predicted + 2))
+
+
+def test_request_correction_scales_a_request_that_goes_worse_than_the_long_run():
+    calibration = Calibration()
+    for _ in range(60):
+        calibration.record("s", 1, 0.5, True)  # a good earlier request: the long-run rate is high
+    calibration.new_request()
+    assert calibration.probability("s", 1, 0.5) > 0.9
+    for _ in range(10):
+        calibration.record("s", 1, 0.5, False)  # this request: the guesses miss
+    assert calibration.probability("s", 1, 0.5) < 0.35 * calibration.estimate("s", 1, 0.5) / 0.9
+
+
+def test_calibration_forgets_slowly():
+    calibration = Calibration()
+    for _ in range(200):
+        calibration.record("s", 1, 0.5, True)
+    for _ in range(200):
+        calibration.record("s", 1, 0.5, False)
+    assert calibration.probability("s", 1, 0.5) < 0.05  # the old hits have been halved away
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama")
+
+
+def test_off_switch_a_drafter_that_is_always_wrong_settles_into_one_token_steps(model):
+    prompt = prompts(1)[0]
+    truth = model.generate(prompt, max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=0)[0].tolist()
+    decoder = forerun.Decoder(
+        model, None, "plain", drafters=[RandomDrafter(truth, VOCAB)], adaptive=True, latency=STEEP
+    )
+    fed = []
+    original = decoder.budget.choose
+
+    def spy(*args, **kwargs):
+        selection = original(*args, **kwargs)
+        fed.append(len(selection.tree))
+        return selection
+
+    decoder.budget.choose = spy
+    result = decoder.generate(prompt, 40, eos_token_id=[])
+    assert result.sequences[0].tolist() == truth
+    assert fed[0] > 1  # it tried (the drafter's own score, before any evidence)
+    assert set(fed[4:]) == {1}, fed  # within a few steps: the root alone, every step
+    assert result.stats.single_token_share > 0.85
+
+
+def test_an_oracle_gets_its_whole_branch_fed(model):
+    prompt = prompts(1)[0]
+    truth = model.generate(prompt, max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=0)[0].tolist()
+    oracle = OracleDrafter(truth, 5, VOCAB)
+    decoder = forerun.Decoder(model, None, "plain", drafters=[oracle], adaptive=True, latency=STEEP)
+    result = decoder.generate(prompt, 40, eos_token_id=[])
+    assert result.sequences[0].tolist() == truth
+    assert result.stats.accepted_hist[5] >= result.stats.forwards - 3  # full depth nearly every step
+    assert result.stats.accepted_by.get("decoy", 0) == 0
+
+
+def test_curve_is_measured_once_then_read_from_the_cache(model, tmp_path, monkeypatch):
+    from forerun import latency
+
+    first = latency.curve_for(model, tmp_path)
+    files = list((tmp_path / "latency").glob("*.json"))
+    assert len(files) == 1 and "LlamaForCausalLM-float32" in files[0].name
+
+    def must_not_measure(*args, **kwargs):
+        raise AssertionError("the cached curve was not used")
+
+    monkeypatch.setattr(latency, "measure_curve", must_not_measure)
+    assert latency.curve_for(model, tmp_path) == first
+    bf16 = tiny_model("llama").to(torch.bfloat16)
+    assert latency.curve_path(bf16, tmp_path) != files[0]  # another dtype, another curve
+    files[0].write_text("{not json")  # a damaged file is measured again, not trusted
+    monkeypatch.undo()
+    assert latency.curve_for(model, tmp_path).sizes == first.sizes
