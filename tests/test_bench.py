@@ -15,7 +15,7 @@ from forerun.cli import app
 from forerun.latency import measure_curve
 from forerun.models import resolve
 
-EXPECTED_COUNTS = {"gsm8k": 1319, "humaneval": 164, "mbpp": 500, "typehints": 164, "restate": 1319}
+EXPECTED_COUNTS = {"gsm8k": 1319, "humaneval": 164, "mbpp": 500, "typehints": 164, "restate": 1319, "edit": 164}
 
 
 @pytest.fixture(scope="module")
@@ -171,3 +171,14 @@ def test_included_records_load_and_bad_files_are_refused(tmp_path):
         load_records(path)
     with pytest.raises(FileNotFoundError):
         load_records(tmp_path / "missing.json")
+
+
+def test_edit_prompts_carry_their_prediction_and_predict_passes_it(model, tokenizer):
+    prompt = load_dataset("edit", 1)[0]
+    assert prompt.prediction and prompt.prediction in prompt.messages[0]["content"]
+    (spec,) = parse_methods("prompt_lookup[predict=true]")
+    assert spec.predict and spec.knobs == {}
+    records = run_interleaved(model, tokenizer, [prompt], [spec], 6)
+    assert records[1].identical and mismatch_lines(records) == []
+    with pytest.raises(ValueError, match="predict=true is for forerun methods"):
+        parse_methods("hf_prompt_lookup[predict=true]")

@@ -77,3 +77,16 @@ def test_cli_errors_exit_2_without_traceback(args, message):
     assert result.exit_code == 2, result.output
     assert message in result.output
     assert "Traceback" not in result.output
+
+
+def test_a_truncated_gguf_file_is_named_as_such(tmp_path):
+    from forerun.models import EMBEDDED
+
+    source = EMBEDDED["smollm2-135m"].locate()
+    cut = tmp_path / "cut.gguf"
+    with open(source, "rb") as handle:
+        cut.write_bytes(handle.read(source.stat().st_size // 2))
+    with pytest.raises(ValueError, match=r"cannot read GGUF file .*cut\.gguf .* truncated or corrupt"):
+        forerun.load_model(str(cut))
+    result = CliRunner().invoke(app, ["generate", "hi", "--model", str(cut)])
+    assert result.exit_code == 2 and "truncated or corrupt" in result.output and "Traceback" not in result.output

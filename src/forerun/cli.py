@@ -356,9 +356,15 @@ def serve(
     host: str = typer.Option("127.0.0.1", "--host"),
     port: int = typer.Option(8000, "--port"),
     api_key: str = typer.Option("", "--api-key", help="Require 'Authorization: Bearer KEY' (all but /health)."),
+    allow_host: list[str] = typer.Option(
+        [],
+        "--allow-host",
+        help="Host header accepted (repeatable; '*' = any). Default: any with --api-key, "
+        "else local names only (no DNS rebinding against a local server).",
+    ),
     cache: str = typer.Option("", "--cache", help="Trie file: loaded at start if present, saved at shutdown."),
     max_tokens_limit: int = typer.Option(1024, "--max-tokens-limit"),
-    timeout: float = typer.Option(300.0, "--timeout", help="Per-request timeout in seconds."),
+    timeout: float = typer.Option(300.0, "--timeout", help="Per-request timeout in seconds, arrival to last token."),
     threads: int = THREADS,
     draft_model: str = DRAFT,
     max_tree_nodes: int = NODES,
@@ -370,6 +376,8 @@ def serve(
 
     from forerun.server import ServerConfig, create_app
 
+    if not 1 <= port <= 65535 or max_tokens_limit < 1 or not 0 < timeout < float("inf"):
+        raise ValueError("--port must be in [1, 65535], --max-tokens-limit >= 1 and --timeout a positive number")
     spec = run_spec(model, method, knob, device, dtype, threads, draft_model, max_tree_nodes)
     config = ServerConfig(
         model_name=model,
@@ -379,9 +387,12 @@ def serve(
         cache_path=cache or None,
         max_tokens_limit=max_tokens_limit,
         request_timeout_s=timeout,
+        allowed_hosts=tuple(allow_host) or None,
     )
     lm, tokenizer, draft = spec.load()
-    uvicorn.run(create_app(lm, tokenizer, config, draft, spec), host=host, port=port, log_level="info")
+    app = create_app(lm, tokenizer, config, draft)  # a bad cache file or knob stops here, in one line
+    # On SIGTERM/SIGINT: stop accepting, give open requests 5 s, then cancel them; the trie is saved after.
+    uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
 
 
 trie_app = typer.Typer(no_args_is_help=True, help="Trie cache tools (methods with 'trie' in them).")

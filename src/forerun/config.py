@@ -53,10 +53,10 @@ class JacobiConfig:
     """Jacobi lookahead decoding (lade): a W x (N-1) window of probe tokens plus an n-gram pool.
 
     lade's defaults are window=7, ngram=5, max_candidates=7 (forerun's CUDA defaults, lade's behaviour). The CPU
-    defaults were chosen on this CPU's measured latency curve (BENCHMARKS.md), where 4 tokens cost 1.47x one token
-    but 3 tokens 1.94x: a window of W=1, N=4 is a chain of 3 probes (4 tokens at least, 13 with G=3 candidates),
-    fed only on steps that also verify candidates (`lazy_window`), the output's n-grams pooled too. Measured (2
-    prompts x 4 datasets): W=2/N=3/G=3 as lade runs it 0.85-1.03x, W=1/N=4/G=2 0.90-1.21x, these 1.08-1.16x.
+    defaults are small because a CPU pays for every token of a forward: a window of W=1, N=4 is a chain of 3
+    probes, fed only on steps that also verify candidates (`lazy_window`, with a static budget; the cost model
+    decides by the window's measured worth instead), the output's n-grams pooled too. How they were chosen, with
+    figures: BENCHMARKS.md.
     """
 
     window: int = 1
@@ -150,8 +150,8 @@ class DraftModelConfig:
     assistant_confidence_threshold); 0 drafts all gamma tokens."""
     tree_width: int = 2
     """Greedy only: also propose the draft's 2nd..k-th choices at the first position (leaves of a small tree).
-    Defaults measured on the Qwen2.5-Coder 1.5B/0.5B pair on this CPU (BENCHMARKS.md): the target's latency is
-    nearly flat from 4 to 21 tokens, so long drafts cost little when the confidence stop cuts the poor ones."""
+    gamma, max_gamma and this default follow a target whose latency is nearly flat over a few dozen tokens, where
+    long drafts cost little when the confidence stop cuts the poor ones (BENCHMARKS.md)."""
     variant: Literal["leviathan", "chen"] = "leviathan"
     """Sampled verification as written in each paper: leviathan draws the step's uniforms first (Algorithm 1),
     chen accepts or resamples token by token (Algorithm 2). Both keep the target's distribution exactly."""
@@ -161,13 +161,11 @@ class DraftModelConfig:
     """> 0: speculation inside the draft: after each drafted token, prompt lookup guesses up to `lookup` more
     (what followed the same n-gram earlier in the text) and the draft checks them in that same forward of its
     own; every guess the draft's own choice confirms costs no further draft forward. The drafts are unchanged
-    (the draft's choices decide), only cheaper: on this CPU (Qwen2.5-Coder 1.5B/0.5B, BENCHMARKS.md) it cut
-    the draft's share of HumanEval time from ~59% to ~48%. 0: one draft forward per drafted token, as
-    transformers does."""
+    (the draft's choices decide), only cheaper. 0: one draft forward per drafted token, as transformers does."""
     lookup_min_hits: float = 1.5
     """Feed the guesses only while the draft has recently confirmed at least this many guessed tokens per guess
-    (a running mean, also over guesses it only watched): on this CPU a draft forward of 1 + 8 tokens costs ~2.4x
-    a 1-token one (Qwen2.5-Coder-0.5B), so a guess pays from about 1.4 confirmed tokens. 0: always feed."""
+    (a running mean, also over guesses it only watched): a guess pays when the tokens it saves outweigh the cost
+    of the wider draft forward (BENCHMARKS.md has the draft's latency curve). 0: always feed."""
 
     def __post_init__(self) -> None:
         check_int(self, "gamma", 1)

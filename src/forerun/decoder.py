@@ -23,18 +23,21 @@ from transformers import (
     LogitsProcessorList,
     MaxLengthCriteria,
     PreTrainedTokenizerBase,
-    StoppingCriteria,
     StoppingCriteriaList,
-    StopStringCriteria,
 )
 
+from forerun.checks import check_logprobs, check_sampling, check_seed, check_stops, check_text
 from forerun.config import EngineConfig
 from forerun.costmodel import CostModel, LatencyCurve, StaticBudget
 from forerun.drafters.base import Drafter
+from forerun.drafters.prediction import PredictionDrafter
 from forerun.engine import Budget, Sampling, Transcript, decode
 from forerun.latency import DEFAULT_CACHE_DIR, curve_for
+from forerun.logprobs import TokenLogprob
 from forerun.methods import plan_method
 from forerun.stats import GenerationStats
+from forerun.stopping import Cancelled, StopStrings
+from forerun.text import complete
 from forerun.verify import verify_sample
 
 Prompt = str | Sequence[dict] | Sequence[int] | torch.Tensor
@@ -51,11 +54,25 @@ class GenerationResult:
     """The decoded new tokens (None without a tokenizer)."""
     stats: GenerationStats
     token_sources: list[str]
-    """Per new token: 'model' or the drafter whose guess was accepted."""
+    """Per new token: 'model' or the drafter whose guess was accepted ('prediction' for a predicted output)."""
+    logprobs: list[TokenLogprob] | None = None
+    """Per new token, with `generate(..., logprobs=k)`: its log-probability under the raw model, k alternatives."""
+    prediction_tokens: int = 0
+    """Tokens of the request's prediction (0 without one)."""
 
     @property
     def new_tokens(self) -> list[int]:
         return self.sequences[0, self.prompt_len :].tolist()
+
+    @property
+    def accepted_prediction_tokens(self) -> int:
+        """New tokens that came from the prediction (OpenAI's usage.completion_tokens_details field)."""
+        return self.stats.accepted_by.get("prediction", 0)
+
+    @property
+    def rejected_prediction_tokens(self) -> int:
+        """Prediction tokens that did not make it into the answer through the prediction."""
+        return max(0, self.prediction_tokens - self.accepted_prediction_tokens)
 
 
 def eos_ids_of(model: torch.nn.Module, eos_token_id: int | Sequence[int] | None) -> frozenset[int]:
@@ -177,6 +194,10 @@ class Decoder:
     def encode(self, prompt: Prompt, chat: bool = False) -> torch.Tensor:
         """Prompt -> input_ids [1, L]: a string (chat=True wraps it as one user message), messages, or ids."""
         if isinstance(prompt, torch.Tensor):
+            if prompt.is_floating_point() or prompt.is_complex() or prompt.dtype == torch.bool:
+                raise ValueError(f"input_ids must hold integer token ids, got a {prompt.dtype} tensor")
+            if prompt.dim() not in (1, 2):
+                raise ValueError(f"input_ids must be [length] or [1, length], got shape {list(prompt.shape)}")
             ids = prompt if prompt.dim() == 2 else prompt.unsqueeze(0)
             if ids.shape[0] != 1:
                 raise ValueError(f"forerun decodes one sequence at a time; got a batch of {ids.shape[0]}")
@@ -185,6 +206,13 @@ class Decoder:
                 raise ValueError("a text prompt needs a tokenizer; pass token ids or give Decoder a tokenizer")
             if isinstance(prompt, str) and not prompt.strip():
                 raise ValueError("prompt is empty")
+            if isinstance(prompt, str):
+                check_text("prompt", prompt)
+            else:
+                for i, message in enumerate(prompt):
+                    if not isinstance(message, dict) or not isinstance(message.get("content"), str):
+                        raise ValueError(f"messages[{i}] must be a dict with a string 'content'")
+                    check_text(f"messages[{i}].content", message["content"])
             if isinstance(prompt, str) and not chat:
                 ids = self.tokenizer(prompt, return_tensors="pt").input_ids
             else:
@@ -193,7 +221,10 @@ class Decoder:
                     messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
                 )["input_ids"]
         else:
-            ids = torch.tensor([list(prompt)], dtype=torch.long)
+            values = list(prompt)
+            if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+                raise ValueError("a prompt given as a list must hold integer token ids")
+            ids = torch.tensor([values], dtype=torch.long)
         if ids.numel() == 0:
             raise ValueError("prompt is empty")
         vocab = self.model.get_input_embeddings().num_embeddings
@@ -207,12 +238,14 @@ class Decoder:
         max_new_tokens: int = 256,
         *,
         chat: bool = False,
-        stop: Sequence[str] | None = None,
+        stop: str | Sequence[str] | None = None,
         eos_token_id: int | Sequence[int] | None = None,
         streamer: object | None = None,
         do_sample: bool = False,
         seed: int | None = None,
         cancel: threading.Event | None = None,
+        prediction: str | Sequence[int] | None = None,
+        logprobs: int | None = None,
         **generation_kwargs: object,
     ) -> GenerationResult:
         """Generate; greedy output is token for token `model.generate(do_sample=False)`.
@@ -220,11 +253,18 @@ class Decoder:
         `do_sample=True` and transformers generation settings (temperature, top_k, top_p, min_p, typical_p,
         repetition_penalty, no_repeat_ngram_size, ...) go through `model.generate` with forerun as its
         `custom_generate`, so the processors are exactly the ones transformers builds; sampled output keeps their
-        distribution. `seed` makes a sampled run repeatable. Setting `cancel` (from another thread) stops the
-        generation after the current step; the result then holds the tokens made so far.
+        distribution. `seed` makes a sampled run repeatable. `stop`: strings that end the answer (the token that
+        completes one is the last). Setting `cancel` (from another thread) stops the generation after the current
+        step; the result then holds the tokens made so far. `prediction`: text (or token ids) the answer is
+        expected to resemble, drafted from (OpenAI's predicted outputs); the answer is unchanged by it.
+        `logprobs=k`: each new token's log-probability under the raw model and its k likeliest alternatives.
         """
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        stops = check_stops(stop)
+        check_seed(seed)
+        check_logprobs(logprobs)
+        check_generation_kwargs(generation_kwargs)
         input_ids = self.encode(prompt, chat)
         prompt_len = input_ids.shape[1]
         context = getattr(self.model.config, "max_position_embeddings", None)
@@ -233,24 +273,38 @@ class Decoder:
                 f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model context "
                 f"({context} tokens)"
             )
+        request = Request(self.drafters, logprobs)
+        if prediction is not None:
+            request.prediction = self.encode_prediction(prediction)
+            request.drafters = [PredictionDrafter(request.prediction), *self.drafters]
+        stopping = StoppingCriteriaList()
+        if stops:
+            stopping.append(StopStrings(self.tokenizer, stops, prompt_len))
+        if cancel is not None:
+            stopping.append(Cancelled(cancel))
         if do_sample or generation_kwargs:
             return self.generate_with_transformers(
-                input_ids, max_new_tokens, stop, eos_token_id, streamer, do_sample, seed, cancel, generation_kwargs
+                input_ids, max_new_tokens, stopping, eos_token_id, streamer, do_sample, seed, request, generation_kwargs
             )
         eos = eos_ids_of(self.model, eos_token_id)
         criteria = StoppingCriteriaList([MaxLengthCriteria(max_length=prompt_len + max_new_tokens)])
         if eos:
             criteria.append(EosTokenCriteria(eos_token_id=sorted(eos)))
-        if stop:
-            if self.tokenizer is None:
-                raise ValueError("stop strings need a tokenizer")
-            criteria.append(StopStringCriteria(self.tokenizer, list(stop)))
-        if cancel is not None:
-            criteria.append(Cancelled(cancel))
+        criteria.extend(stopping)
         if streamer is not None:
             streamer.put(input_ids.cpu())  # transformers' convention: a streamer sees the prompt first
-        transcript, stats = self.decode(input_ids.to(self.model.device), criteria, eos, max_new_tokens, streamer)
-        return self.result(transcript.sequence, prompt_len, stats, transcript.sources)
+        transcript, stats = self.decode(
+            input_ids.to(self.model.device), criteria, eos, max_new_tokens, streamer, request
+        )
+        return self.result(transcript, prompt_len, stats, request)
+
+    def encode_prediction(self, prediction: str | Sequence[int]) -> list[int]:
+        if isinstance(prediction, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prediction needs a tokenizer; pass token ids or give Decoder a tokenizer")
+            check_text("prediction", prediction)
+            return self.tokenizer(prediction, add_special_tokens=False)["input_ids"]
+        return self.encode(list(prediction))[0].tolist()
 
     @torch.inference_mode()
     def decode(
@@ -260,18 +314,20 @@ class Decoder:
         eos: frozenset[int],
         max_new_tokens: int,
         streamer: object | None = None,
+        request: Request | None = None,
         processor: LogitsProcessorList | None = None,
         sampling: Sampling | None = None,
     ) -> tuple[Transcript, GenerationStats]:
-        """The one path into the engine, for `generate` and for `hf_generate` (transformers' custom_generate).
+        """The one path into the engine, for `generate` and for `model.generate(custom_generate=...)`.
 
         The streamer has already seen the prompt; it gets the new tokens as they are committed, then `end()`.
         """
-        transcript = Transcript(input_ids, stopping, streamer)
+        request = request or Request(self.drafters)
+        transcript = Transcript(input_ids, stopping, streamer, logprobs_top=request.logprobs)
         stats = decode(
             self.model,
             input_ids,
-            self.drafters,
+            request.drafters,
             transcript,
             eos,
             max_new_tokens,
@@ -284,35 +340,26 @@ class Decoder:
             streamer.end()
         return transcript, stats
 
-    def result(self, sequences: torch.Tensor, prompt_len: int, stats: GenerationStats, sources: list[str]):
-        sequences = sequences.cpu()
+    def result(self, transcript: Transcript, prompt_len: int, stats: GenerationStats, request: Request):
+        sequences = transcript.sequence.cpu()
         text = None
-        if self.tokenizer is not None:
-            text = self.tokenizer.decode(sequences[0, prompt_len:], skip_special_tokens=True)
-        return GenerationResult(sequences, prompt_len, text, stats, sources)
+        if self.tokenizer is not None:  # an answer cut inside a multi-byte character ends before it, not in U+FFFD
+            text = complete(self.tokenizer.decode(sequences[0, prompt_len:], skip_special_tokens=True))
+        logprobs = list(transcript.logprobs) if request.logprobs is not None else None
+        return GenerationResult(
+            sequences, prompt_len, text, stats, transcript.sources, logprobs, len(request.prediction or ())
+        )
 
     def generate_with_transformers(
-        self, input_ids, max_new_tokens, stop, eos_token_id, streamer, do_sample, seed, cancel, generation_kwargs
+        self, input_ids, max_new_tokens, stopping, eos_token_id, streamer, do_sample, seed, request, generation_kwargs
     ) -> GenerationResult:
         """Let `model.generate` build processors and stopping criteria, with forerun as its custom_generate."""
         from transformers import GenerationConfig
 
-        from forerun.hf import hf_generate
-
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
-            raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
         generator = torch.Generator(device=self.model.device).manual_seed(seed) if seed is not None else None
         extra = {}
         if eos_token_id is not None:
             extra["eos_token_id"] = list(eos_token_id) if not isinstance(eos_token_id, int) else eos_token_id
-        if stop:
-            extra.update(stop_strings=list(stop), tokenizer=self.tokenizer)
-        unknown = sorted(name for name in generation_kwargs if not hasattr(GenerationConfig(), name))
-        if unknown:
-            raise ValueError(
-                f"unknown generation argument(s) {unknown}; method knobs belong to Decoder(...) "
-                "(or knobs={...} in forerun.generate)"
-            )
         try:
             GenerationConfig(do_sample=do_sample, **generation_kwargs).validate(strict=True)
         except (TypeError, ValueError) as error:
@@ -321,17 +368,18 @@ class Decoder:
             input_ids.to(self.model.device),
             max_new_tokens=max_new_tokens,
             do_sample=do_sample,
-            custom_generate=hf_generate,
+            custom_generate=custom_generate,
             forerun_decoder=self,
             forerun_streamer=streamer,
             forerun_generator=generator,
+            forerun_request=request,
             return_dict_in_generate=True,
             pad_token_id=self.pad_token_id(),
-            stopping_criteria=StoppingCriteriaList([Cancelled(cancel)]) if cancel is not None else None,
+            stopping_criteria=stopping or None,
             **extra,
             **generation_kwargs,
         )
-        return self.result(output.sequences, input_ids.shape[1], output.forerun_stats, output.forerun_sources)
+        return self.result(output.forerun_transcript, input_ids.shape[1], output.forerun_stats, request)
 
     def pad_token_id(self) -> int | None:
         config = self.model.generation_config
@@ -341,14 +389,81 @@ class Decoder:
         return eos if isinstance(eos, int) else (eos[0] if eos else 0)
 
 
-class Cancelled(StoppingCriteria):
-    """Stops generation once `event` is set (a client went away, a timeout fired)."""
+@dataclass
+class Request:
+    """What one generation adds to its Decoder: its drafters (a prediction in front), log-probabilities asked."""
 
-    def __init__(self, event: threading.Event) -> None:
-        self.event = event
+    drafters: list[Drafter]
+    logprobs: int | None = None
+    prediction: list[int] | None = None
 
-    def __call__(self, input_ids: torch.Tensor, scores: object, **kwargs: object) -> torch.Tensor:
-        return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
+
+def check_generation_kwargs(generation_kwargs: dict[str, object]) -> None:
+    """Unknown names are refused (a method knob passed here by mistake is named as such); values range-checked."""
+    from transformers import GenerationConfig
+
+    defaults = GenerationConfig()
+    unknown = sorted(name for name in generation_kwargs if not hasattr(defaults, name))
+    if unknown:
+        raise ValueError(
+            f"unknown generation argument(s) {unknown}; method knobs belong to Decoder(...) "
+            "(or knobs={...} in forerun.generate)"
+        )
+    check_sampling(generation_kwargs)
+
+
+def custom_generate(
+    model: torch.nn.Module,
+    input_ids: torch.LongTensor,
+    logits_processor: LogitsProcessorList,
+    stopping_criteria: StoppingCriteriaList,
+    generation_config,
+    synced_gpus: bool = False,
+    streamer: object | None = None,
+    forerun_decoder: Decoder | None = None,
+    forerun_streamer: object | None = None,
+    forerun_generator: torch.Generator | None = None,
+    forerun_request: Request | None = None,
+    **model_kwargs: object,
+):
+    """forerun as transformers' `custom_generate`: decode with the processors and criteria transformers built.
+
+    Streaming: transformers 5.23 forwards only the callable's own new keyword arguments, so `streamer=` never
+    reaches a custom_generate callable (it only receives the prompt). Pass `forerun_streamer=` instead: it gets the
+    prompt, then the new tokens as they are committed, then `end()`. Random draws come from `forerun_generator`,
+    else torch's global generator (so `torch.manual_seed` makes runs repeat, as with plain generate).
+    """
+    from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+    if forerun_streamer is not None:
+        streamer = forerun_streamer
+        streamer.put(input_ids.cpu())
+    if generation_config.num_beams not in (None, 1):
+        raise ValueError(f"forerun does not do beam search (num_beams={generation_config.num_beams})")
+    if input_ids.shape[0] != 1:
+        raise ValueError(f"forerun decodes one sequence at a time; got a batch of {input_ids.shape[0]}")
+    mask = model_kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and not bool(mask.all()):
+        raise ValueError("forerun does not take padded inputs: the attention mask has zeros")
+    decoder = forerun_decoder
+    sampling = Sampling(forerun_generator, decoder.sample_verifier) if generation_config.do_sample else None
+    transcript, stats = decoder.decode(
+        input_ids,
+        stopping_criteria,
+        eos_ids_of(model, generation_config.eos_token_id),
+        generation_config.max_length - input_ids.shape[1],
+        streamer,
+        forerun_request,
+        logits_processor,
+        sampling,
+    )
+    if generation_config.return_dict_in_generate:
+        output = GenerateDecoderOnlyOutput(sequences=transcript.sequence)
+        output.forerun_stats = stats
+        output.forerun_sources = transcript.sources
+        output.forerun_transcript = transcript
+        return output
+    return transcript.sequence
 
 
 def check_vocabulary(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase | None) -> None:

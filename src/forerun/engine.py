@@ -19,6 +19,7 @@ from transformers import DynamicCache, LogitsProcessorList, StoppingCriteriaList
 from forerun.costmodel import CostModel, StaticBudget
 from forerun.drafters.base import DraftContext, Drafter, StepOutcome
 from forerun.kvcache import UnsupportedCacheError, check_tree_cache, keep_accepted
+from forerun.logprobs import TokenLogprob, token_logprobs
 from forerun.models import last_logits
 from forerun.stats import GenerationStats
 from forerun.tree import TokenTree, pack
@@ -43,9 +44,15 @@ class Transcript:
     sources: list[str] = field(default_factory=list)
     """Per new token: 'model' (the target's own step) or the name of the drafter it was accepted from."""
     done: bool = False
+    logprobs_top: int | None = None
+    """None: no log-probabilities; k >= 0: each new token's log-probability and the k likeliest alternatives."""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
-    def extend(self, tokens: list[int], sources: list[str]) -> list[int]:
-        """Append tokens until a criterion fires (exactly where plain generate stops); return those appended."""
+    def extend(self, tokens: list[int], sources: list[str], rows: torch.Tensor | None = None) -> list[int]:
+        """Append tokens until a criterion fires (exactly where plain generate stops); return those appended.
+
+        `rows` [len(tokens), vocab]: the raw logits each token was chosen from (for log-probabilities).
+        """
         taken = []
         for token, source in zip(tokens, sources, strict=True):
             self.sequence = torch.cat([self.sequence, self.sequence.new_tensor([[token]])], dim=1)
@@ -54,6 +61,8 @@ class Transcript:
             if bool(self.stopping(self.sequence, None).any()):
                 self.done = True
                 break
+        if self.logprobs_top is not None and rows is not None and taken:
+            self.logprobs.extend(token_logprobs(rows, taken, self.logprobs_top))
         if self.streamer is not None and taken:
             note_sources = getattr(self.streamer, "note_sources", None)
             if note_sources is not None:  # optional: streamers that colour tokens by origin (forerun chat)
@@ -178,10 +187,10 @@ def decode(
         # 5. commit: keep the accepted path in the cache, append tokens, let drafters and the budget learn
         keep_accepted(cache, prefix_len, [0, *verdict.accepted_nodes])
         prefix_len, lead = prefix_len + 1 + verdict.accepted_len, []
+        path = [0, *verdict.accepted_nodes]  # the node each new token was chosen at
         sources = [tree.sources[i] for i in verdict.accepted_nodes] + ["model"]
-        new_tokens = transcript.extend(
-            [tree.tokens[i] for i in verdict.accepted_nodes] + [verdict.bonus_token], sources
-        )
+        tokens = [tree.tokens[i] for i in verdict.accepted_nodes] + [verdict.bonus_token]
+        new_tokens = transcript.extend(tokens, sources, logits[path] if transcript.logprobs_top is not None else None)
         ctx.tokens.extend(new_tokens)
         t2 = time.perf_counter()
         for drafter, node_map in zip(drafters, selection.node_maps, strict=True):

@@ -5,7 +5,7 @@ strings), then calls this function; forerun decodes with them, so the result is 
 
 Example:
     >>> out = model.generate(**inputs, custom_generate=forerun.hf_generate,          # doctest: +SKIP
-    ...                      forerun_method="prompt_lookup", max_new_tokens=64, do_sample=False)
+    ...                      forerun_method="auto", max_new_tokens=64, do_sample=False)
 """
 
 from __future__ import annotations
@@ -14,8 +14,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from forerun.decoder import Decoder, eos_ids_of
-from forerun.engine import Sampling
+from forerun.decoder import Decoder, custom_generate
 
 
 def hf_generate(
@@ -33,7 +32,8 @@ def hf_generate(
     forerun_generator: torch.Generator | None = None,
     **model_kwargs: object,
 ) -> GenerateDecoderOnlyOutput | torch.LongTensor:
-    """A `custom_generate` callable. `forerun_decoder` reuses a Decoder (its pools/tries persist).
+    """A `custom_generate` callable. `forerun_decoder` reuses a Decoder (its pools, tries and calibration persist);
+    else one is built from `forerun_method` and `forerun_knobs` for this call.
 
     Streaming: transformers 5.23 forwards only the callable's own new keyword arguments, so `streamer=` never
     reaches a custom_generate callable (it only receives the prompt). Pass `forerun_streamer=` instead: it gets the
@@ -43,29 +43,17 @@ def hf_generate(
     built from the generation config; random draws come from `forerun_generator`, else torch's global generator
     (so `torch.manual_seed` makes runs repeat, as with plain generate).
     """
-    if forerun_streamer is not None:
-        streamer = forerun_streamer
-        streamer.put(input_ids.cpu())
-    if generation_config.num_beams not in (None, 1):
-        raise ValueError(f"forerun.hf_generate does not do beam search (num_beams={generation_config.num_beams})")
-    if input_ids.shape[0] != 1:
-        raise ValueError(f"forerun decodes one sequence at a time; got a batch of {input_ids.shape[0]}")
-    mask = model_kwargs.get("attention_mask")
-    if isinstance(mask, torch.Tensor) and not bool(mask.all()):
-        raise ValueError("forerun does not take padded inputs: the attention mask has zeros")
     decoder = forerun_decoder or Decoder(model, None, forerun_method, **(forerun_knobs or {}))
-    transcript, stats = decoder.decode(
+    return custom_generate(
+        model,
         input_ids,
-        stopping_criteria,
-        eos_ids_of(model, generation_config.eos_token_id),
-        generation_config.max_length - input_ids.shape[1],
-        streamer,
         logits_processor,
-        Sampling(forerun_generator, decoder.sample_verifier) if generation_config.do_sample else None,
+        stopping_criteria,
+        generation_config,
+        synced_gpus,
+        streamer,
+        forerun_decoder=decoder,
+        forerun_streamer=forerun_streamer,
+        forerun_generator=forerun_generator,
+        **model_kwargs,
     )
-    if generation_config.return_dict_in_generate:
-        output = GenerateDecoderOnlyOutput(sequences=transcript.sequence)
-        output.forerun_stats = stats
-        output.forerun_sources = transcript.sources
-        return output
-    return transcript.sequence

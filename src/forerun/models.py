@@ -95,6 +95,14 @@ def load_model(
         )
     except OSError as error:
         raise FileNotFoundError(f"cannot load {name!r} offline: {error}") from error
+    except Exception as error:  # a GGUF reader fails deep inside numpy on a cut file ("cannot reshape array...")
+        if not gguf_file:
+            raise
+        path = Path(location) / gguf_file
+        raise ValueError(
+            f"cannot read GGUF file {path} ({path.stat().st_size:,} bytes): it looks truncated or corrupt "
+            f"({type(error).__name__}: {error}); fetch or copy it again"
+        ) from error
     model.to(device).eval()
     return model, tokenizer
 

@@ -123,8 +123,3 @@ def fit_vocab(q: torch.Tensor, size: int) -> torch.Tensor:
     if q.shape[0] > size:
         return q[:size]
     return torch.cat([q, q.new_zeros(size - q.shape[0])])
-
-
-def candidate_tokens(tree: TokenTree, node: int) -> list[int]:
-    """Tokens of `node`'s candidate children, in insertion order (the drafters' preference order)."""
-    return [tree.tokens[i] for i in tree.candidate_children(node)]

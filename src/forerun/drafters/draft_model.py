@@ -14,8 +14,8 @@ The target accepts "add (" and gives "self" as its bonus; next step the draft ca
 With `lookup` L > 0 the draft speculates too: after drafting token t it also feeds the up to L tokens that
 followed the same n-gram earlier in the text (prompt lookup), in the same forward of its own. While its own
 choices confirm those guesses, their logits are already there and no draft forward is needed; at the first
-disagreement the guessed keys/values are cropped. The drafted tokens are those of plain drafting, fewer draft
-forwards produce them (HumanEval on this CPU, BENCHMARKS.md: the draft's share of time fell from 59% to 48%).
+disagreement the guessed keys/values are cropped. The drafted tokens are those of plain drafting; fewer draft
+forwards produce them.
 Guesses are fed only while they pay (`lookup_min_hits`); otherwise they are only watched, to learn when to resume.
 
 Example (lookup 4): drafted "return", the text before had "return a + b", so the draft is fed

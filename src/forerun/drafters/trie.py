@@ -23,6 +23,7 @@ Example (max_query_length=1, branch_length=2): inserting [1, 2, 3] and [1, 2, 4]
 from __future__ import annotations
 
 import heapq
+import os
 import threading
 from pathlib import Path
 
@@ -51,7 +52,9 @@ class Node:
 
 
 class TokenTrie:
-    """The trie itself; every public method takes the lock (one writer at a time, no torn reads)."""
+    """The trie itself, shared by threads: `insert`, `withdraw_prompt`, `evict`, `draft` and `save` take the lock
+    (one writer at a time, no torn reads); `insert_text` inserts window by window, each under the lock; `match` is
+    called by `draft` under its lock; `load` builds a new trie that no other thread sees yet."""
 
     def __init__(self, max_nodes: int = 200_000) -> None:
         self.top = Node()
@@ -172,15 +175,18 @@ class TokenTrie:
         metadata = {"format": FORMAT, "version": VERSION, "max_nodes": str(self.max_nodes)}
         if config is not None:
             metadata["config"] = repr(config)
+        # Written beside the target, then renamed over it: a kill mid-save leaves the old file, never half a file.
+        temporary = Path(f"{path}.tmp-{os.getpid()}")
         save_file(
             {
                 "parents": torch.tensor(parents, dtype=torch.int64),
                 "tokens": torch.tensor(tokens, dtype=torch.int64),
                 "counts": torch.tensor(counts, dtype=torch.float64),
             },
-            str(path),
+            str(temporary),
             metadata=metadata,
         )
+        os.replace(temporary, path)
 
     @classmethod
     def load(cls, path: str | Path, max_nodes: int | None = None) -> TokenTrie:

@@ -1,20 +1,26 @@
 """An OpenAI-compatible HTTP server around one model: completions and chat, streaming, metrics, a shared cache.
 
-Generation is serialised (one at a time on a CPU) behind a FIFO lock, in a worker thread, so the event loop keeps
-answering /health, /metrics and queued clients. Decoders are per method and shared by all requests: the trie and
-the n-gram pool learn across requests. Errors are OpenAI-style JSON with 4xx codes; the server keeps serving.
+The layers: `schemas` (request bodies), `translate` (request -> generation arguments, every 400 decided there),
+`pool` (the Decoders and the worker thread), `stream` (text deltas), and the thin routes below. In front of them
+a pure ASGI guard checks the Host header (no DNS rebinding against a local server), the API key (constant-time),
+and the body size while the body is read (chunked bodies included). Errors are OpenAI-style JSON; the server keeps
+serving. Every request has one deadline, from arrival to the last token; a client that goes away, the deadline or
+shutdown cancel its generation after the current step.
 
 Example:
-    forerun serve --method trie --cache trie.safetensors --port 8000
-    >>> from openai import OpenAI                                          # doctest: +SKIP
-    >>> client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none")          # doctest: +SKIP
-    >>> client.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": "Hi"}])  # doctest: +SKIP
+    forerun serve --method auto --cache trie.safetensors --port 8000
+    >>> from openai import OpenAI                                                      # doctest: +SKIP
+    >>> client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none")         # doctest: +SKIP
+    >>> messages = [{"role": "user", "content": "Hi"}]                                  # doctest: +SKIP
+    >>> client.chat.completions.create(model="smollm2-135m", messages=messages)       # doctest: +SKIP
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
+import os
 import threading
 import time
 import uuid
@@ -22,16 +28,24 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from forerun.decoder import Decoder, GenerationResult
-from forerun.methods import plan_method
+from forerun.server.pool import Abandoned, DecoderPool, Worker
+from forerun.server.schemas import ChatRequest, CompletionRequest, ErrorResponse
+from forerun.server.stream import TokenStream
+from forerun.server.translate import APIError, GenerationArgs, Limits, translate
+from forerun.stopping import first_stop
+
+ROUTES = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
+"""Metric labels are these (or 'other'), never a raw path a client chose."""
+LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
 
 
 @dataclass(frozen=True)
@@ -44,50 +58,18 @@ class ServerConfig:
     api_key: str | None = None
     """Bearer token required on every endpoint but /health (None = open)."""
     cache_path: str | None = None
-    """Trie file loaded at start (if present) and saved at shutdown (method 'trie')."""
+    """Trie file loaded at start (if present) and saved at shutdown (methods with a trie)."""
     max_tokens_limit: int = 1024
     default_max_tokens: int = 128
     max_body_bytes: int = 1_000_000
     request_timeout_s: float = 300.0
+    """From the request's arrival to its last token (queueing included)."""
+    allowed_hosts: tuple[str, ...] | None = None
+    """Host header values accepted ('*': any). None: any with an API key, else local names only."""
 
 
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.param, self.kind = status, message, param, kind
-
-
-class Message(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
-
-
-class CommonRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    model: str | None = None
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=1)
-    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0)
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    seed: int | None = Field(default=None, ge=0)
-    stop: str | list[str] | None = None
-    stream: bool = False
-    n: int = 1
-    forerun: dict[str, Any] | None = None
-
-
-class CompletionRequest(CommonRequest):
-    prompt: str
-
-
-class ChatRequest(CommonRequest):
-    messages: list[Message] = Field(min_length=1)
+class CacheError(ValueError):
+    """The cache file cannot be used: the message says why and what to do."""
 
 
 class Metrics:
@@ -120,120 +102,174 @@ class Metrics:
         )
         self.queue = Gauge("forerun_queue_length", "Requests waiting for or in generation", registry=self.registry)
 
+    def count(self, path: str, status: int) -> None:
+        self.requests.labels(path if path in ROUTES else "other", str(status)).inc()
 
-class TokenStream:
-    """A streamer (put/end, like transformers') that turns token ids into text deltas on an asyncio queue.
 
-    Text is decoded cumulatively (multi-byte characters split over tokens are held back until complete) and the
-    last characters are held back while they could still become a stop string, which is never sent.
+def error_body(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+
+
+def error_response(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+    return JSONResponse(status_code=status, content=error_body(status, message, param, kind))
+
+
+class Guard:
+    """Pure ASGI middleware: Host check, API key, body size limit while reading; then the app, body replayed.
+
+    Pure ASGI (not Starlette's BaseHTTPMiddleware) so the app still sees the client's disconnect.
     """
 
-    def __init__(self, tokenizer, loop: asyncio.AbstractEventLoop, stops: list[str]) -> None:
-        self.tokenizer, self.loop, self.stops = tokenizer, loop, stops
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.ids: list[int] = []
-        self.sent = 0
-        self.prompt_seen = False
-        self.stopped = False
-        self.holdback = max((len(s) for s in stops), default=1) - 1
+    def __init__(self, app, config: ServerConfig, metrics: Metrics) -> None:
+        self.app, self.config, self.metrics = app, config, metrics
+        hosts = config.allowed_hosts
+        if hosts is None:
+            hosts = ("*",) if config.api_key else LOCAL_HOSTS
+        self.any_host = "*" in hosts
+        self.hosts = {h.lower().strip("[]") for h in hosts}
 
-    def put(self, value) -> None:
-        if not self.prompt_seen:  # transformers' convention: the prompt comes first
-            self.prompt_seen = True
+    async def reject(self, scope, send, status: int, message: str, kind: str = "invalid_request_error") -> None:
+        self.metrics.count(scope["path"], status)
+        await error_response(status, message, kind=kind)(scope, self.idle_receive, send)
+
+    @staticmethod
+    async def idle_receive():
+        return {"type": "http.disconnect"}
+
+    def host_allowed(self, headers: dict[bytes, bytes]) -> bool:
+        host = headers.get(b"host")
+        if self.any_host or host is None:
+            return True
+        name = host.decode("latin-1").lower()
+        name = name[1 : name.index("]")] if name.startswith("[") and "]" in name else name.rsplit(":", 1)[0]
+        return name in self.hosts
+
+    def authorised(self, headers: dict[bytes, bytes]) -> bool:
+        scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
+        expected = self.config.api_key.encode()
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode("latin-1"), expected)
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
             return
-        self.ids.extend(value.flatten().tolist())
-        self.emit(final=False)
-
-    def end(self) -> None:
-        self.emit(final=True)
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, None)
-
-    def emit(self, final: bool) -> None:
-        if self.stopped:
+        headers = dict(scope.get("headers", []))
+        if not self.host_allowed(headers):
+            await self.reject(scope, send, 403, "Host not allowed (start the server with --allow-host NAME)")
             return
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        cut = first_stop(text, self.stops)
-        if cut is not None:
-            text, self.stopped = text[:cut], True
-        elif not final:
-            if text.endswith("\ufffd"):
+        if self.config.api_key and scope["path"] != "/health" and not self.authorised(headers):
+            await self.reject(scope, send, 401, "invalid or missing API key", "authentication_error")
+            return
+        limit = self.config.max_body_bytes
+        declared = headers.get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > limit:
+            await self.reject(scope, send, 413, f"request body over {limit} bytes")
+            return
+        chunks, size, more = [], 0, True
+        while more:  # read the whole body, counting as it comes (a chunked body declares no length)
+            message = await receive()
+            if message["type"] == "http.disconnect":
                 return
-            text = text[: max(self.sent, len(text) - self.holdback)]
-        if len(text) > self.sent:
-            delta, self.sent = text[self.sent :], len(text)
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, delta)
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                await self.reject(scope, send, 413, f"request body over {limit} bytes")
+                return
+            chunks.append(chunk)
+            more = message.get("more_body", False)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()  # then the real channel: the app can see the client disconnect
+
+        await self.app(scope, replay, send)
 
 
-def first_stop(text: str, stops: list[str]) -> int | None:
-    positions = [text.find(s) for s in stops if s and s in text]
-    return min(positions) if positions else None
+def load_trie_cache(pool: DecoderPool, path: str | None) -> Decoder | None:
+    """The Decoder whose trie the cache holds, with the file loaded if present; checked before serving."""
+    if not path:
+        return None
+    decoder = pool.trie_decoder()
+    if decoder is None:
+        raise CacheError(f"--cache {path}: method {pool.method!r} keeps no trie (use a method with 'trie' in it)")
+    folder = Path(path).expanduser().resolve().parent
+    if not folder.is_dir() or not os.access(folder, os.W_OK):
+        raise CacheError(f"--cache {path}: folder {folder} does not exist or is not writable")
+    if Path(path).exists():
+        try:
+            decoder.load_cache(path)
+        except (ValueError, OSError) as error:
+            raise CacheError(f"--cache {path} cannot be read ({error}); delete it or give another path") from None
+    return decoder
 
 
-def create_app(model, tokenizer, config: ServerConfig, draft_model=None, spec=None) -> FastAPI:
-    """The FastAPI app for one loaded model (and the draft model of method draft_model, if one was loaded)."""
-    plan_method(config.method, config.knobs)
-    decoders: dict[str, Decoder] = {}
-    metrics = Metrics()
-    generation_lock = asyncio.Lock()  # FIFO: waiters are served in arrival order
-    context = getattr(model.config, "max_position_embeddings", None)
+def sampling_defaults(model) -> dict:
+    """The model's generation_config sampling settings, for the fields a request leaves out."""
+    config = model.generation_config
+    if not getattr(config, "do_sample", False):
+        return {}
+    names = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+    return {"do_sample": True, **{n: getattr(config, n) for n in names if getattr(config, n, None) is not None}}
+
+
+def create_app(model, tokenizer, config: ServerConfig, draft_model=None) -> FastAPI:
+    """The FastAPI app for one loaded model (and the draft model of method draft_model, if one was loaded).
+
+    A bad method, knob or cache file raises here (ValueError), before anything is served.
+    """
+    limits = Limits(
+        model_name=config.model_name,
+        method=config.method,
+        knobs=dict(config.knobs),
+        max_tokens_limit=config.max_tokens_limit,
+        default_max_tokens=config.default_max_tokens,
+        sampling_defaults=sampling_defaults(model),
+        device_type=next(model.parameters()).device.type,
+    )
+    pool = DecoderPool(model, tokenizer, config.method, config.knobs, draft_model)
+    pool.get(config.method, {})  # a bad method or knob fails now
+    cache_decoder = load_trie_cache(pool, config.cache_path)
+    metrics, worker = Metrics(), Worker()
     pending = [0]  # requests waiting for or in generation
-
-    def decoder_for(method: str, knobs: dict) -> Decoder:
-        draft = {"draft_model": draft_model} if plan_method(method, knobs).needs_draft() else {}
-        if draft and draft_model is None:
-            raise ValueError("method draft_model needs a draft model: start the server with --draft-model NAME")
-        if not knobs or (method == config.method and knobs == config.knobs):
-            key = method
-            if key not in decoders:
-                own = config.knobs if method == config.method else {}
-                decoders[key] = Decoder(model, tokenizer, method, **draft, **own)
-            return decoders[key]
-        return Decoder(model, tokenizer, method, **draft, **knobs)  # per-request knobs: a private decoder
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        if config.cache_path and config.method == "trie":
-            decoder = decoder_for("trie", {})
-            if Path(config.cache_path).is_file():
-                decoder.load_cache(config.cache_path)
         yield
-        if config.cache_path and "trie" in decoders:
-            decoders["trie"].save_cache(config.cache_path)
+        await asyncio.get_running_loop().run_in_executor(None, worker.shutdown)
+        if cache_decoder is not None:
+            cache_decoder.save_cache(config.cache_path)
 
     app = FastAPI(title="forerun", lifespan=lifespan)
-    app.state.decoders = decoders
+    app.state.pool = pool
+    app.state.decoders = pool.shared
     app.state.metrics = metrics
-
-    def error_response(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
-        return JSONResponse(
-            status_code=status, content={"error": {"message": message, "type": kind, "param": param, "code": None}}
-        )
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError):
-        metrics.requests.labels(request.url.path, str(error.status)).inc()
+        metrics.count(request.url.path, error.status)
         return error_response(error.status, error.message, error.param, error.kind)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, error: RequestValidationError):
-        metrics.requests.labels(request.url.path, "400").inc()
+        metrics.count(request.url.path, 400)
         first = error.errors()[0] if error.errors() else {}
-        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
-        return error_response(
-            400, f"invalid request: {where or 'body'}: {first.get('msg', 'malformed')}", where or None
-        )
+        location = [str(x) for x in first.get("loc", ()) if x != "body"]
+        where = ".".join(location[:1] + [x for x in location[1:] if x.isdigit()]) or "body"
+        if first.get("type") == "extra_forbidden":
+            return error_response(400, f"unrecognized request field {where!r}", where)
+        if first.get("type") == "json_invalid":
+            return error_response(400, f"invalid JSON body: {first.get('ctx', {}).get('error', 'malformed')}")
+        return error_response(400, f"invalid request: {where}: {first.get('msg', 'malformed')}", where)
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        if config.api_key and request.url.path != "/health":
-            if request.headers.get("authorization") != f"Bearer {config.api_key}":
-                metrics.requests.labels(request.url.path, "401").inc()
-                return error_response(401, "invalid or missing API key", kind="authentication_error")
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > config.max_body_bytes:
-            metrics.requests.labels(request.url.path, "413").inc()
-            return error_response(413, f"request body over {config.max_body_bytes} bytes")
-        return await call_next(request)
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException):
+        metrics.count(request.url.path, error.status_code)
+        kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
+        return error_response(error.status_code, str(error.detail), kind=kind)
 
     @app.get("/health")
     async def health():
@@ -250,88 +286,68 @@ def create_app(model, tokenizer, config: ServerConfig, draft_model=None, spec=No
             "data": [{"id": config.model_name, "object": "model", "created": 0, "owned_by": "forerun"}],
         }
 
-    def prepare(body: CommonRequest) -> tuple[Decoder, dict]:
-        if body.model not in (None, config.model_name):
-            raise APIError(
-                404,
-                f"model {body.model!r} is not served here; this server runs {config.model_name!r}",
-                "model",
-                "not_found_error",
-            )
-        if body.n != 1:
-            raise APIError(400, f"n={body.n} is not supported: forerun returns one choice (n=1)", "n")
-        for name in ("frequency_penalty", "presence_penalty"):
-            if getattr(body, name):
-                raise APIError(400, f"{name} has no exact transformers processor; use repetition_penalty", name)
-        max_tokens = body.max_completion_tokens or body.max_tokens
-        if max_tokens is None:
-            max_tokens = min(config.default_max_tokens, config.max_tokens_limit)
-        if max_tokens <= 0 or max_tokens > config.max_tokens_limit:
-            raise APIError(
-                400, f"max_tokens must be between 1 and {config.max_tokens_limit}, got {max_tokens}", "max_tokens"
-            )
-        options = dict(body.forerun or {})
-        method = options.pop("method", config.method)
+    async def generate(args: GenerationArgs, request: Request, stream: TokenStream | None, cancel: threading.Event):
+        """Run one generation on the worker; its deadline started when the request arrived."""
         try:
-            decoder = decoder_for(method, options)
+            decoder = pool.get(args.method, args.knobs)
         except ValueError as error:
             raise APIError(400, str(error), "forerun") from None
-        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        kwargs: dict[str, Any] = {"stop": stops or None}
-        sampling = {
-            k: v for k, v in (("top_p", body.top_p), ("top_k", body.top_k), ("min_p", body.min_p)) if v is not None
-        }
-        if body.temperature not in (None, 0.0) or (body.temperature is None and sampling):
-            kwargs.update(do_sample=True, temperature=body.temperature or 1.0, seed=body.seed, **sampling)
-        if body.repetition_penalty is not None:
-            kwargs["repetition_penalty"] = body.repetition_penalty
-        kwargs["max_new_tokens"] = max_tokens
-        return decoder, kwargs
+        why: dict = {}
 
-    async def run(
-        decoder: Decoder,
-        prompt,
-        chat: bool,
-        kwargs: dict,
-        request: Request,
-        stream: TokenStream | None,
-        endpoint: str,
-        cancel: threading.Event,
-    ) -> GenerationResult:
+        def job() -> GenerationResult:
+            if cancel.is_set():  # timed out or gone while queued
+                raise Abandoned
+            return decoder.generate(
+                args.prompt,
+                args.max_new_tokens,
+                chat=args.chat,
+                stop=args.stop or None,
+                streamer=stream,
+                seed=args.seed,
+                cancel=cancel,
+                logprobs=args.logprobs,
+                prediction=args.prediction,
+                **args.sampling,
+            )
+
         metrics.queue.inc()
         pending[0] += 1
         started = time.perf_counter()
+        watcher = asyncio.create_task(watch(request, cancel, request.state.deadline, why))
         try:
-            async with generation_lock:
-                if await request.is_disconnected():
-                    raise APIError(499, "client disconnected before generation started")
-                loop = asyncio.get_running_loop()
-                job = loop.run_in_executor(
-                    None, lambda: decoder.generate(prompt, chat=chat, streamer=stream, cancel=cancel, **kwargs)
-                )
-                watcher = asyncio.create_task(watch(request, cancel, config.request_timeout_s))
-                try:
-                    result = await job
-                except ValueError as error:
-                    raise APIError(400, str(error)) from None
-                finally:
-                    watcher.cancel()
+            result = await worker.run(job, cancel)
+        except ValueError as error:
+            raise APIError(400, str(error)) from None
+        except (Abandoned, RuntimeError):
+            if why.get("reason") == "timeout":
+                raise APIError(504, request_timed_out(config), kind="timeout") from None
+            message = "the request was cancelled (client gone or server shutting down)"
+            raise APIError(503, message, kind="server_error") from None
         finally:
+            watcher.cancel()
             metrics.queue.dec()
             pending[0] -= 1
-        metrics.latency.labels(endpoint).observe(time.perf_counter() - started)
+        if why.get("reason") == "timeout":
+            raise APIError(504, request_timed_out(config), kind="timeout")
+        metrics.latency.labels(request.url.path).observe(time.perf_counter() - started)
         metrics.tokens.labels(decoder.method).inc(result.stats.new_tokens)
         metrics.tokens_per_forward.labels(decoder.method).observe(result.stats.tokens_per_forward)
         if result.stats.candidates:
             metrics.acceptance.labels(decoder.method).observe(result.stats.acceptance_rate)
-        return result
+        return decoder, result
 
-    def finish(result: GenerationResult, stops: list[str], max_tokens: int) -> tuple[str, str]:
+    def finish(result: GenerationResult, args: GenerationArgs, decoder: Decoder) -> tuple[str, str, int | None]:
+        """(text, finish_reason, where the stop cut the text or None)."""
         text = result.text or ""
-        cut = first_stop(text, stops)
+        cut = first_stop(text, args.stop)
         if cut is not None:
-            return text[:cut], "stop"
-        return text, "length" if len(result.new_tokens) >= max_tokens else "stop"
+            return text[:cut], "stop", cut
+        new = result.new_tokens
+        eos = decoder.model.generation_config.eos_token_id
+        eos_ids = {eos} if isinstance(eos, int) else set(eos or [])
+        if len(new) >= args.max_new_tokens and not (new and new[-1] in eos_ids):
+            return text, "length", None
+        return text, "stop", None
 
     def usage(result: GenerationResult, decoder: Decoder) -> dict:
         s = result.stats
@@ -340,6 +356,10 @@ def create_app(model, tokenizer, config: ServerConfig, draft_model=None, spec=No
                 "prompt_tokens": result.prompt_len,
                 "completion_tokens": s.new_tokens,
                 "total_tokens": result.prompt_len + s.new_tokens,
+                "completion_tokens_details": {
+                    "accepted_prediction_tokens": result.accepted_prediction_tokens,
+                    "rejected_prediction_tokens": result.rejected_prediction_tokens,
+                },
             },
             "forerun": {
                 "method": decoder.method,
@@ -350,34 +370,53 @@ def create_app(model, tokenizer, config: ServerConfig, draft_model=None, spec=No
             },
         }
 
-    async def handle(body: CommonRequest, request: Request, chat: bool):
+    def logprobs_payload(result: GenerationResult, cut: int | None, chat: bool) -> dict | None:
+        """OpenAI's logprobs object for the tokens whose text is shown (those before a stop string)."""
+        if result.logprobs is None:
+            return None
+        entries, offsets, shown = [], [], 0
+        for entry in result.logprobs:
+            if cut is not None and shown >= cut:
+                break
+            piece = tokenizer.decode([entry.token])
+            entries.append((entry, piece))
+            offsets.append(shown)
+            shown += len(piece)
+
+        def described(token: int, value: float) -> dict:
+            piece = tokenizer.decode([token])
+            return {"token": piece, "logprob": value, "bytes": list(piece.encode("utf-8"))}
+
+        if chat:
+            content = [
+                {**described(e.token, e.logprob), "top_logprobs": [described(t, v) for t, v in e.top]}
+                for e, _ in entries
+            ]
+            return {"content": content, "refusal": None}
+        return {
+            "tokens": [piece for _, piece in entries],
+            "token_logprobs": [e.logprob for e, _ in entries],
+            "top_logprobs": [{tokenizer.decode([t]): v for t, v in e.top} for e, _ in entries],
+            "text_offset": offsets,
+        }
+
+    async def handle(body: ChatRequest | CompletionRequest, request: Request, chat: bool):
+        request.state.deadline = time.monotonic() + config.request_timeout_s
         endpoint = request.url.path
-        decoder, kwargs = prepare(body)
-        prompt = [m.model_dump() for m in body.messages] if chat else body.prompt
-        if not chat and not body.prompt.strip():
-            raise APIError(400, "prompt is empty", "prompt")
-        if context is not None:
-            ids = decoder.encode(prompt, chat=False)
-            if ids.shape[1] + kwargs["max_new_tokens"] > context:
-                raise APIError(
-                    400,
-                    f"prompt ({ids.shape[1]} tokens) + max_tokens ({kwargs['max_new_tokens']}) "
-                    f"exceeds the model context ({context} tokens)",
-                    "max_tokens",
-                )
+        args = translate(body, limits)
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
-        stops = kwargs["stop"] or []
         cancel = threading.Event()
-        if not body.stream:
-            result = await run(decoder, prompt, chat, kwargs, request, None, endpoint, cancel)
-            text, reason = finish(result, stops, kwargs["max_new_tokens"])
-            choice = (
-                {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
-                if chat
-                else {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
-            )
-            metrics.requests.labels(endpoint, "200").inc()
+        if not args.stream:
+            decoder, result = await generate(args, request, None, cancel)
+            text, reason, cut = finish(result, args, decoder)
+            logprobs = logprobs_payload(result, cut, chat)
+            if chat:
+                message = {"role": "assistant", "content": text, "refusal": None}
+                choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": reason}
+            else:
+                choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
+            metrics.count(endpoint, 200)
             return {
                 "id": ident,
                 "object": "chat.completion" if chat else "text_completion",
@@ -386,37 +425,26 @@ def create_app(model, tokenizer, config: ServerConfig, draft_model=None, spec=No
                 "choices": [choice],
                 **usage(result, decoder),
             }
-        stream = TokenStream(tokenizer, asyncio.get_running_loop(), stops)
-        task = asyncio.create_task(run(decoder, prompt, chat, kwargs, request, stream, endpoint, cancel))
-        metrics.requests.labels(endpoint, "200").inc()
-        return StreamingResponse(
-            sse(stream, task, cancel, decoder, chat, ident, created, kwargs), media_type="text/event-stream"
-        )
+        stream = TokenStream(tokenizer, asyncio.get_running_loop(), args.stop)
+        task = asyncio.create_task(generate(args, request, stream, cancel))
+        metrics.count(endpoint, 200)
+        return StreamingResponse(sse(stream, task, cancel, args, chat, ident, created), media_type="text/event-stream")
 
     async def sse(
-        stream: TokenStream,
-        task: asyncio.Task,
-        cancel: threading.Event,
-        decoder: Decoder,
-        chat: bool,
-        ident: str,
-        created: int,
-        kwargs: dict,
+        stream: TokenStream, task: asyncio.Task, cancel: threading.Event, args, chat, ident, created
     ) -> AsyncIterator[str]:
         """Server-sent events; if the client goes away mid-stream, the generation is cancelled."""
         try:
-            async for event in events(stream, task, decoder, chat, ident, created, kwargs):
+            async for event in events(stream, task, args, chat, ident, created):
                 yield event
         finally:
             if not task.done():
                 cancel.set()
 
-    async def events(
-        stream: TokenStream, task: asyncio.Task, decoder: Decoder, chat: bool, ident: str, created: int, kwargs: dict
-    ) -> AsyncIterator[str]:
+    async def events(stream: TokenStream, task: asyncio.Task, args, chat, ident, created) -> AsyncIterator[str]:
         kind = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(delta: str | None, reason: str | None = None, extra: dict | None = None) -> str:
+        def chunk(delta: str | None, reason: str | None = None, extra: dict | None = None, choices=True) -> str:
             if chat:
                 choice = {"index": 0, "delta": {} if delta is None else {"content": delta}, "finish_reason": reason}
             else:
@@ -426,20 +454,15 @@ def create_app(model, tokenizer, config: ServerConfig, draft_model=None, spec=No
                 "object": kind,
                 "created": created,
                 "model": config.model_name,
-                "choices": [choice],
+                "choices": [choice] if choices else [],
                 **(extra or {}),
             }
             return f"data: {json.dumps(payload)}\n\n"
 
         if chat:
             first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-            yield (
-                "data: "
-                + json.dumps(
-                    {"id": ident, "object": kind, "created": created, "model": config.model_name, "choices": [first]}
-                )
-                + "\n\n"
-            )
+            opening = {"id": ident, "object": kind, "created": created, "model": config.model_name, "choices": [first]}
+            yield f"data: {json.dumps(opening)}\n\n"
         while True:
             getter = asyncio.ensure_future(stream.queue.get())
             done, _ = await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
@@ -450,34 +473,60 @@ def create_app(model, tokenizer, config: ServerConfig, draft_model=None, spec=No
                 yield chunk(delta)
                 continue
             getter.cancel()
-            if task.exception() is not None:
+            if task.cancelled() or task.exception() is not None:
                 break
-        error = task.exception() if task.done() else None
-        if error is None:
-            result = await task
-            _, reason = finish(result, kwargs["stop"] or [], kwargs["max_new_tokens"])
-            yield chunk(None, reason, usage(result, decoder))
+        try:
+            decoder, result = await task
+        except APIError as error:
+            yield f"data: {json.dumps(error_body(error.status, error.message, error.param, error.kind))}\n\n"
         else:
-            message = error.message if isinstance(error, APIError) else str(error)
-            yield f"data: {json.dumps({'error': {'message': message, 'type': 'server_error'}})}\n\n"
+            _, reason, _ = finish(result, args, decoder)
+            extra = usage(result, decoder)
+            yield chunk(None, reason, {"forerun": extra["forerun"]})
+            if args.include_usage:  # as OpenAI: a last chunk with no choices carries the usage
+                yield chunk(None, None, {"usage": extra["usage"]}, choices=False)
         yield "data: [DONE]\n\n"
 
-    @app.post("/v1/completions")
+    responses = {400: {"model": ErrorResponse, "description": "Invalid request (OpenAI-style error)"}}
+
+    @app.post("/v1/completions", responses=responses)
     async def completions(body: CompletionRequest, request: Request):
         return await handle(body, request, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=responses)
     async def chat_completions(body: ChatRequest, request: Request):
         return await handle(body, request, chat=True)
 
+    def openapi() -> dict:
+        """The schema says what the server sends: 400 with OpenAI's error shape, never FastAPI's 422."""
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version="0.1.0", routes=app.routes)
+            for path in schema.get("paths", {}).values():
+                for operation in path.values():
+                    operation.get("responses", {}).pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(name, None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
+    app.add_middleware(Guard, config=config, metrics=metrics)
     return app
 
 
-async def watch(request: Request, cancel: threading.Event, timeout_s: float) -> None:
-    """Set `cancel` when the client disconnects or the request runs past its timeout."""
-    deadline = time.monotonic() + timeout_s
+def request_timed_out(config: ServerConfig) -> str:
+    return f"the request took longer than the server's timeout of {config.request_timeout_s:g} s"
+
+
+async def watch(request: Request, cancel: threading.Event, deadline: float, why: dict) -> None:
+    """Set `cancel` when the client disconnects or the request's deadline passes (and say which)."""
     while not cancel.is_set():
-        if await request.is_disconnected() or time.monotonic() > deadline:
+        if time.monotonic() > deadline:
+            why["reason"] = "timeout"
+            cancel.set()
+            return
+        if await request.is_disconnected():
+            why["reason"] = "disconnect"
             cancel.set()
             return
         await asyncio.sleep(0.1)

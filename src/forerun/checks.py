@@ -1,0 +1,95 @@
+"""Checks on what a caller asks of one generation: every bad value is a ValueError that names it.
+
+The library, the CLI and the server share these, so `forerun.generate(..., temperature=1e-300)` and an HTTP
+request with the same value fail the same way (a 400 there), never deep inside torch.
+
+Example:
+    >>> check_sampling({"temperature": 0.7, "top_p": 0.9})
+    >>> check_sampling({"temperature": 1e-300})
+    Traceback (most recent call last):
+    ...
+    ValueError: temperature must be 0 (greedy) or between 0.0001 and 100, got 1e-300
+    >>> check_text("content", "a\\ud800b")
+    Traceback (most recent call last):
+    ...
+    ValueError: content contains a lone surrogate (U+D800 at character 1): not valid Unicode text
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+MAX_SEED = 2**63 - 1
+
+# name: (lowest, highest, lowest is allowed). Beyond these, sampling overflows (logits / 1e-300 is inf) or means
+# nothing (a repetition penalty of 1e-300 divides logits by it).
+RANGES: dict[str, tuple[float, float, bool]] = {
+    "temperature": (1e-4, 100.0, True),
+    "top_p": (0.0, 1.0, False),
+    "min_p": (0.0, 1.0, True),
+    "typical_p": (0.0, 1.0, False),
+    "epsilon_cutoff": (0.0, 1.0, True),
+    "eta_cutoff": (0.0, 1.0, True),
+    "repetition_penalty": (1e-2, 100.0, True),
+    "length_penalty": (-100.0, 100.0, True),
+}
+
+
+def check_number(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def check_sampling(settings: dict[str, object]) -> None:
+    """Range checks on transformers sampling settings (temperature, top_p, top_k, min_p, repetition_penalty...)."""
+    for name, value in settings.items():
+        if name in RANGES:
+            number = check_number(name, value)
+            low, high, inclusive = RANGES[name]
+            if name == "temperature" and number == 0:
+                continue
+            if number > high or number < low or (number == low and not inclusive):
+                prefix = "0 (greedy) or " if name == "temperature" else ""
+                bounds = f"between {low:g} and {high:g}" if inclusive else f"in ({low:g}, {high:g}]"
+                raise ValueError(f"{name} must be {prefix}{bounds}, got {value!r}")
+        elif name in ("top_k", "no_repeat_ngram_size"):
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 1_000_000:
+                raise ValueError(f"{name} must be an integer in [0, 1000000], got {value!r}")
+
+
+def check_seed(seed: object) -> None:
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED):
+        raise ValueError(f"seed must be an integer in [0, 2**63 - 1], got {seed!r}")
+
+
+def check_text(name: str, text: str) -> None:
+    """Refuse text that is not valid Unicode (a lone surrogate cannot be encoded, so no tokenizer can take it)."""
+    for index, char in enumerate(text):
+        if "\ud800" <= char <= "\udfff":
+            raise ValueError(
+                f"{name} contains a lone surrogate (U+{ord(char):04X} at character {index}): not valid Unicode text"
+            )
+
+
+def check_stops(stop: str | Sequence[str] | None) -> list[str]:
+    """None, one string or a list of non-empty strings -> a list (an empty stop string would end every answer)."""
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) for s in stops):
+        raise ValueError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
+    for i, s in enumerate(stops):
+        if not s:
+            raise ValueError(f"stop[{i}] is empty: an empty stop string would end the answer at once")
+        check_text(f"stop[{i}]", s)
+    return list(stops)
+
+
+def check_logprobs(logprobs: object, most: int = 20) -> None:
+    """None (no log-probabilities), or how many alternatives to give per token (0 = the chosen token's only)."""
+    if logprobs is not None and (
+        isinstance(logprobs, bool) or not isinstance(logprobs, int) or not 0 <= logprobs <= most
+    ):
+        raise ValueError(f"logprobs must be an integer in [0, {most}] (alternatives per token), got {logprobs!r}")

@@ -1,0 +1,91 @@
+"""The request bodies the server accepts: OpenAI's fields, strictly typed, and nothing else.
+
+Every OpenAI field is named here, so each one is either honoured or refused with a 400 that names it
+(`forerun.server.translate`); a field OpenAI does not define is refused too, as OpenAI itself does ("unrecognized
+request argument"). Numbers are strict: `true` is not 1, and `"5"` is not 5.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+
+Number = StrictInt | StrictFloat
+MAX_MESSAGES = 2048
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: StrictStr | list[dict[str, Any]] | None = None
+    """A string, or a list of parts: text parts are joined; image, audio and file parts are refused."""
+    name: StrictStr | None = None
+    tool_calls: list[Any] | None = None
+    tool_call_id: StrictStr | None = None
+    function_call: Any | None = None
+    refusal: StrictStr | None = None
+
+
+class CommonRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: StrictStr | None = None
+    max_tokens: StrictInt | None = None
+    temperature: Number | None = None
+    top_p: Number | None = None
+    top_k: StrictInt | None = None
+    min_p: Number | None = None
+    repetition_penalty: Number | None = None
+    frequency_penalty: Number | None = None
+    presence_penalty: Number | None = None
+    seed: StrictInt | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    stream: StrictBool = False
+    stream_options: dict[str, Any] | None = None
+    n: StrictInt | None = None
+    logit_bias: dict[str, Any] | None = None
+    user: StrictStr | None = None
+    forerun: dict[str, Any] | None = None
+    """forerun's own: {"method": "auto", knob: value, ...}."""
+
+
+class CompletionRequest(CommonRequest):
+    prompt: StrictStr | list[Any]
+    logprobs: StrictInt | None = None
+    best_of: StrictInt | None = None
+    echo: StrictBool | None = None
+    suffix: StrictStr | None = None
+
+
+class ChatRequest(CommonRequest):
+    messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = None
+    prediction: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any | None = None
+    functions: list[Any] | None = None
+    function_call: Any | None = None
+    parallel_tool_calls: StrictBool | None = None
+    response_format: dict[str, Any] | None = None
+    audio: Any | None = None
+    modalities: list[StrictStr] | None = None
+    reasoning_effort: StrictStr | None = None
+    web_search_options: Any | None = None
+    metadata: dict[str, Any] | None = None
+    store: StrictBool | None = None
+    service_tier: StrictStr | None = None
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every error the server sends: OpenAI's shape."""
+
+    error: ErrorBody

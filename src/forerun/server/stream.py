@@ -1,0 +1,55 @@
+"""Token ids -> server-sent text deltas, with stop strings held back and never sent.
+
+A streamer (`put`/`end`, as transformers') runs in the generation thread; deltas go to an asyncio queue the
+response reads. Text comes from the one incremental detokenizer (`forerun.text.IncrementalText`, no half
+characters), and its last characters are held back while they could still be the start of a stop string.
+
+Example:
+    >>> stream = TokenStream(tokenizer, loop, stops=["\\n\\n"])      # doctest: +SKIP
+    >>> # model writes "a\\n" -> sends "a" (the "\\n" may start a stop); then "\\nb" -> the stop: nothing more
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from forerun.stopping import first_stop
+from forerun.text import IncrementalText
+
+
+class TokenStream:
+    """Streams text deltas of a generation to `queue`; None marks the end."""
+
+    def __init__(self, tokenizer, loop: asyncio.AbstractEventLoop, stops: list[str]) -> None:
+        self.loop, self.stops = loop, stops
+        self.text = IncrementalText(tokenizer)
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.sent = 0
+        self.prompt_seen = False
+        self.stopped = False
+        self.holdback = max((len(s) for s in stops), default=1) - 1
+
+    def put(self, value) -> None:
+        if not self.prompt_seen:  # transformers' convention: the prompt comes first
+            self.prompt_seen = True
+            return
+        self.text.push(value.flatten().tolist())
+        self.emit(final=False)
+
+    def end(self) -> None:
+        self.text.finish()
+        self.emit(final=True)
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, None)
+
+    def emit(self, final: bool) -> None:
+        if self.stopped:
+            return
+        text = self.text.text
+        cut = first_stop(text, self.stops)
+        if cut is not None:
+            text, self.stopped = text[:cut], True
+        elif not final:
+            text = text[: max(self.sent, len(text) - self.holdback)]
+        if len(text) > self.sent:
+            delta, self.sent = text[self.sent :], len(text)
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, delta)

@@ -1,0 +1,297 @@
+"""Request -> generation arguments: pure, so every 400 is decided (and tested) without a model or a server.
+
+Example:
+    >>> limits = Limits(model_name="smollm2-135m", method="auto")
+    >>> args = translate(ChatRequest(messages=[{"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
+    ...                              max_tokens=8, stop="\\n"), limits)
+    >>> args.prompt, args.max_new_tokens, args.stop, args.sampling
+    ([{'role': 'user', 'content': 'Hi'}], 8, ['\\n'], {})
+    >>> translate(ChatRequest(messages=[{"role": "user", "content": "Hi"}], tools=[{"type": "function"}]), limits)
+    Traceback (most recent call last):
+    ...
+    forerun.server.translate.APIError: tools are not supported: this server runs a plain text model (no tool calls)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from forerun.checks import check_sampling, check_text
+from forerun.methods import plan_method
+from forerun.server.schemas import ChatRequest, CommonRequest, CompletionRequest
+
+MAX_STOPS = 4
+"""As OpenAI."""
+MAX_STOP_CHARS = 500
+MAX_TOP_LOGPROBS = {"chat": 20, "completions": 5}
+"""As OpenAI: top_logprobs <= 20 in chat, logprobs <= 5 in completions."""
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+class APIError(Exception):
+    """An error the client caused (or a limit it hit), sent as OpenAI's error shape with `status`."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What this server serves and allows."""
+
+    model_name: str
+    method: str = "prompt_lookup"
+    knobs: dict = field(default_factory=dict)
+    max_tokens_limit: int = 1024
+    default_max_tokens: int = 128
+    sampling_defaults: dict = field(default_factory=dict)
+    """The model's own generation_config sampling settings (do_sample, temperature, top_p, top_k, min_p,
+    repetition_penalty) for the fields a request leaves out; empty: greedy."""
+    device_type: str = "cpu"
+
+
+@dataclass(frozen=True)
+class GenerationArgs:
+    """Everything `Decoder.generate` and the response need from one request."""
+
+    prompt: str | list[dict]
+    chat: bool
+    method: str
+    knobs: dict
+    max_new_tokens: int
+    stop: list[str]
+    sampling: dict
+    """do_sample and the processors' settings; empty = greedy."""
+    seed: int | None
+    logprobs: int | None
+    """None: none asked; k: the chosen token's log-probability and k alternatives."""
+    prediction: str | None
+    stream: bool
+    include_usage: bool
+
+
+def refuse(field_name: str, message: str) -> APIError:
+    return APIError(400, message, field_name)
+
+
+def unsupported(body: CommonRequest) -> None:
+    """Fields OpenAI defines that this server cannot honour: refused when set to anything but their no-op."""
+    checks: list[tuple[str, Any, str]] = [
+        ("logit_bias", body.logit_bias, "logit_bias is not supported (it would change what the model writes)"),
+    ]
+    for name in ("frequency_penalty", "presence_penalty"):
+        value = getattr(body, name)
+        if value not in (None, 0, 0.0):
+            checks.append((name, value, f"{name} has no exact transformers processor; use repetition_penalty"))
+    if isinstance(body, ChatRequest):
+        plain = "this server runs a plain text model"
+        checks += [
+            ("tools", body.tools, f"tools are not supported: {plain} (no tool calls)"),
+            ("functions", body.functions, f"functions are not supported: {plain} (no function calls)"),
+            ("audio", body.audio, f"audio output is not supported: {plain}"),
+            ("reasoning_effort", body.reasoning_effort, f"reasoning_effort is not supported: {plain}"),
+            ("web_search_options", body.web_search_options, f"web search is not supported: {plain}"),
+        ]
+        if body.tool_choice not in (None, "none"):
+            checks.append(("tool_choice", body.tool_choice, f"tool_choice is not supported: {plain}"))
+        if body.function_call not in (None, "none"):
+            checks.append(("function_call", body.function_call, f"function_call is not supported: {plain}"))
+        if body.response_format not in (None, {"type": "text"}):
+            checks.append(("response_format", body.response_format, "response_format other than text is not supported"))
+        if body.modalities not in (None, ["text"]):
+            checks.append(("modalities", body.modalities, "only the text modality is supported"))
+    else:
+        if body.best_of not in (None, 1):
+            checks.append(("best_of", body.best_of, f"best_of={body.best_of} is not supported: one choice (best_of=1)"))
+        if body.echo:
+            checks.append(("echo", body.echo, "echo is not supported"))
+        if body.suffix:
+            checks.append(("suffix", body.suffix, "suffix (insertion) is not supported"))
+    for name, value, message in checks:
+        if value not in (None, [], {}):
+            raise refuse(name, message)
+
+
+def chat_messages(body: ChatRequest) -> list[dict]:
+    """Messages as the chat template takes them: content parts joined, everything checked."""
+    messages = []
+    for i, message in enumerate(body.messages):
+        where = f"messages[{i}]"
+        if message.tool_calls or message.function_call:
+            raise refuse(f"{where}.tool_calls", f"{where}: tool calls are not supported by this server")
+        content = message.content
+        if isinstance(content, list):
+            pieces = []
+            for j, part in enumerate(content):
+                kind = part.get("type")
+                if kind != "text":
+                    raise refuse(
+                        f"{where}.content[{j}]",
+                        f"{where}.content[{j}]: {kind!r} parts are not supported: this server runs a text-only "
+                        "model (send text parts only)",
+                    )
+                if not isinstance(part.get("text"), str):
+                    raise refuse(f"{where}.content[{j}]", f"{where}.content[{j}]: a text part needs a string 'text'")
+                pieces.append(part["text"])
+            content = "".join(pieces)
+        if content is None:
+            raise refuse(f"{where}.content", f"{where}.content is missing")
+        checked(f"{where}.content", content)
+        messages.append({"role": message.role, "content": content})
+    if all(not m["content"].strip() for m in messages):
+        raise refuse("messages", "messages are empty")
+    return messages
+
+
+def checked(name: str, text: str) -> str:
+    try:
+        check_text(name, text)
+    except ValueError as error:
+        raise refuse(name, str(error)) from None
+    return text
+
+
+def stops_of(body: CommonRequest) -> list[str]:
+    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if len(stops) > MAX_STOPS:
+        raise refuse("stop", f"stop takes at most {MAX_STOPS} sequences, got {len(stops)}")
+    for i, stop in enumerate(stops):
+        if not stop:
+            raise refuse("stop", f"stop[{i}] is empty: an empty stop sequence would end the answer at once")
+        if len(stop) > MAX_STOP_CHARS:
+            raise refuse("stop", f"stop[{i}] has {len(stop)} characters; at most {MAX_STOP_CHARS}")
+        checked(f"stop[{i}]", stop)
+    return stops
+
+
+def sampling_of(body: CommonRequest, limits: Limits) -> dict:
+    """Sampling settings: the request's fields, else the model's generation_config's; {} = greedy.
+
+    Sampling happens when the temperature (the request's, else the model's default) is above 0, or when the
+    request gives top_p, top_k or min_p without a temperature (OpenAI's default temperature is 1), or when the
+    model's generation_config samples by default. A repetition penalty applies to greedy decoding too.
+    """
+    given = {name: getattr(body, name) for name in SAMPLING_FIELDS if getattr(body, name) is not None}
+    for name, value in given.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise refuse(name, f"{name} must be a finite number, got {value}")
+    if "temperature" in given and not 0 <= given["temperature"] <= 2:
+        raise refuse("temperature", f"temperature must be between 0 and 2, got {given['temperature']}")
+    if "top_k" in given and given["top_k"] < 1:
+        raise refuse("top_k", f"top_k must be >= 1, got {given['top_k']}")
+    defaults = {k: v for k, v in limits.sampling_defaults.items() if k in SAMPLING_FIELDS}
+    settings = {**defaults, **given}
+    if "temperature" in given:
+        sample = given["temperature"] > 0
+    else:
+        sample = bool(limits.sampling_defaults.get("do_sample")) or bool(set(given) & {"top_p", "top_k", "min_p"})
+    if not sample or settings.get("temperature") == 0:
+        settings = {k: v for k, v in settings.items() if k == "repetition_penalty"}
+    else:
+        settings["do_sample"] = True
+    try:
+        check_sampling(settings)
+    except ValueError as error:
+        name = str(error).split(" ", 1)[0]
+        raise refuse(name, str(error)) from None
+    return settings
+
+
+def logprobs_of(body: CommonRequest, chat: bool) -> int | None:
+    most = MAX_TOP_LOGPROBS["chat" if chat else "completions"]
+    if chat:
+        top = body.top_logprobs
+        if top is not None and not body.logprobs:
+            raise refuse("top_logprobs", "top_logprobs needs logprobs: true")
+        if not body.logprobs:
+            return None
+        top = 0 if top is None else top
+        name = "top_logprobs"
+    else:
+        top, name = body.logprobs, "logprobs"
+        if top is None:
+            return None
+    if not 0 <= top <= most:
+        raise refuse(name, f"{name} must be between 0 and {most}, got {top}")
+    if body.stream:
+        raise refuse(name, "logprobs with stream: true are not supported; ask without streaming")
+    return top
+
+
+def prediction_of(body: ChatRequest) -> str | None:
+    prediction = body.prediction
+    if prediction is None:
+        return None
+    if prediction.get("type") != "content":
+        raise refuse("prediction", "prediction.type must be 'content'")
+    content = prediction.get("content")
+    if isinstance(content, list):
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            raise refuse("prediction", "prediction.content parts must be text parts")
+        content = "".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise refuse("prediction", "prediction.content must be a string or a list of text parts")
+    return checked("prediction.content", content) or None
+
+
+def translate(body: ChatRequest | CompletionRequest, limits: Limits) -> GenerationArgs:
+    """The generation a request asks for, or an APIError saying which field is wrong and why."""
+    chat = isinstance(body, ChatRequest)
+    if body.model not in (None, limits.model_name):
+        raise APIError(
+            404,
+            f"model {body.model!r} is not served here; this server runs {limits.model_name!r}",
+            "model",
+            "not_found_error",
+        )
+    if body.n not in (None, 1):
+        raise refuse("n", f"n={body.n} is not supported: forerun returns one choice (n=1)")
+    unsupported(body)
+    if chat:
+        prompt: str | list[dict] = chat_messages(body)
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        field_name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    else:
+        if not isinstance(body.prompt, str):
+            raise refuse("prompt", "prompt must be one string (lists of prompts or token ids are not served)")
+        if not body.prompt.strip():
+            raise refuse("prompt", "prompt is empty")
+        prompt = checked("prompt", body.prompt)
+        max_tokens, field_name = body.max_tokens, "max_tokens"
+    if max_tokens is None:
+        max_tokens = min(limits.default_max_tokens, limits.max_tokens_limit)
+    if not 1 <= max_tokens <= limits.max_tokens_limit:
+        raise refuse(field_name, f"{field_name} must be between 1 and {limits.max_tokens_limit}, got {max_tokens}")
+    if body.seed is not None and not 0 <= body.seed <= 2**63 - 1:
+        raise refuse("seed", f"seed must be between 0 and 2**63 - 1, got {body.seed}")
+    if body.stream_options is not None:
+        if not body.stream:
+            raise refuse("stream_options", "stream_options needs stream: true")
+        if set(body.stream_options) - {"include_usage"}:
+            raise refuse(
+                "stream_options", f"stream_options takes include_usage only, got {sorted(body.stream_options)}"
+            )
+    options = dict(body.forerun or {})
+    method = options.pop("method", limits.method)
+    knobs = options if options or method != limits.method else dict(limits.knobs)
+    try:
+        plan_method(method, knobs, limits.device_type)
+    except (ValueError, TypeError) as error:
+        raise refuse("forerun", str(error)) from None
+    return GenerationArgs(
+        prompt=prompt,
+        chat=chat,
+        method=method,
+        knobs=knobs,
+        max_new_tokens=max_tokens,
+        stop=stops_of(body),
+        sampling=sampling_of(body, limits),
+        seed=body.seed,
+        logprobs=logprobs_of(body, chat),
+        prediction=prediction_of(body) if chat else None,
+        stream=body.stream,
+        include_usage=bool((body.stream_options or {}).get("include_usage", False)),
+    )

@@ -1,0 +1,69 @@
+"""Contracts of the edges: models forerun cannot verify trees on fall back to plain decoding (reason named, text
+identical); the KV cache keeps exactly the accepted path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+
+import forerun
+from forerun.costmodel import LatencyCurve
+from forerun.kvcache import keep_accepted
+
+from tiny_models import COMMON, FAMILIES, prompts, tiny_model
+
+CURVE = LatencyCurve((1, 8, 32), (1.0, 1.1, 1.5))
+
+
+def plain(model, prompt, new_tokens=40):
+    return model.generate(prompt, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+
+
+@pytest.mark.parametrize("method", ["prompt_lookup", "auto"])
+def test_an_attention_that_takes_no_tree_mask_falls_back_with_the_reason(method):
+    model = tiny_model("llama", "flex_attention")
+    prompt = prompts(1)[0]
+    result = forerun.Decoder(model, None, method, latency=CURVE).generate(prompt, 40, eos_token_id=[])
+    assert torch.equal(result.sequences, plain(model, prompt))
+    reason = result.stats.fallback_reason
+    assert "LlamaForCausalLM" in reason and "flex_attention" in reason and "eager" in reason
+    assert result.stats.forwards == 40  # plain decoding: one token per forward
+
+
+def test_flash_attention_is_refused_by_name_before_any_forward():
+    from forerun.engine import tree_support
+
+    model = tiny_model("qwen2")
+    model.config._attn_implementation = "flash_attention_2"  # what a CUDA user loads; only the config is read
+    reason = tree_support(model)
+    assert "Qwen2ForCausalLM" in reason and "flash_attention_2" in reason
+
+
+def test_a_sliding_window_shorter_than_the_text_falls_back():
+    config = AutoConfig.for_model("mistral", **COMMON, **{**FAMILIES["mistral"], "sliding_window": 16})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    prompt = prompts(1)[0]
+    result = forerun.Decoder(model, None, "auto", latency=CURVE).generate(prompt, 40, eos_token_id=[])
+    assert torch.equal(result.sequences, plain(model, prompt))
+    reason = result.stats.fallback_reason
+    assert "MistralForCausalLM" in reason and "sliding window of 16 tokens" in reason
+
+
+def test_keep_accepted_on_a_hand_worked_example():
+    """Prefix p0 p1, tree n0..n4 in the cache; the accepted path is nodes [0, 3, 4]: the cache becomes
+    p0 p1 n0 n3 n4 in every layer, keys and values alike."""
+    cache = DynamicCache()
+    seq = torch.arange(7, dtype=torch.float32)  # positions: p0 p1 n0 n1 n2 n3 n4
+    for layer in range(2):
+        keys = (seq + 100 * layer).view(1, 1, 7, 1).expand(1, 2, 7, 3).contiguous()
+        cache.update(keys, -keys, layer)
+    keep_accepted(cache, prefix_len=2, kept_nodes=[0, 3, 4])
+    for layer in range(2):
+        kept = cache.layers[layer].keys[0, 0, :, 0].tolist()
+        assert kept == [100 * layer + x for x in (0, 1, 2, 5, 6)]
+        assert torch.equal(cache.layers[layer].values, -cache.layers[layer].keys)
+    assert cache.get_seq_length() == 5
+    keep_accepted(cache, prefix_len=3, kept_nodes=[0, 1])  # a contiguous path: a plain truncation
+    assert cache.layers[0].keys[0, 0, :, 0].tolist() == [0, 1, 2, 5, 6]

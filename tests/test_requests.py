@@ -1,0 +1,142 @@
+"""What one generation may ask for: stop strings, log-probabilities, a prediction; every hostile value refused."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import forerun
+from forerun.costmodel import LatencyCurve
+from forerun.drafters.base import DraftContext
+from forerun.drafters.prediction import PredictionDrafter
+
+from tiny_models import VOCAB, prompts, tiny_model
+
+CURVE = LatencyCurve((1, 8, 32), (1.0, 1.1, 1.5))
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama")
+
+
+def plain(model, prompt, new_tokens=30, **kwargs):
+    return model.generate(
+        prompt, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0, **kwargs
+    )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"do_sample": True, "temperature": 1e-300}, "temperature must be 0 \\(greedy\\) or between 0.0001 and 100"),
+        ({"do_sample": True, "top_p": 5e-324, "repetition_penalty": 5e-324}, "repetition_penalty must be between"),
+        ({"do_sample": True, "top_p": 0.0}, "top_p must be in \\(0, 1\\]"),
+        ({"do_sample": True, "temperature": float("nan")}, "temperature must be a finite number"),
+        ({"do_sample": True, "top_k": -1}, "top_k must be an integer"),
+        ({"seed": 2**64}, "seed must be an integer in \\[0, 2\\*\\*63 - 1\\]"),
+        ({"stop": [""]}, "stop\\[0\\] is empty"),
+        ({"stop": ["ok", "a\ud800"]}, "stop\\[1\\] contains a lone surrogate"),
+        ({"stop": 5}, "stop must be a string or a list of strings"),
+        ({"logprobs": 21}, "logprobs must be an integer in \\[0, 20\\]"),
+        ({"window": 3}, "unknown generation argument\\(s\\) \\['window'\\]; method knobs"),
+    ],
+)
+def test_hostile_generation_values_raise_value_errors(model, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        forerun.Decoder(model, None, "plain").generate(prompts(1)[0], 5, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "message"),
+    [
+        (torch.tensor([[3.0, 4.0]]), "input_ids must hold integer token ids, got a torch.float32 tensor"),
+        (torch.ones(1, 1, 3, dtype=torch.long), "input_ids must be \\[length\\] or \\[1, length\\], got shape"),
+        ([3, 4.5], "must hold integer token ids"),
+        ([3, True], "must hold integer token ids"),
+        (torch.ones(2, 3, dtype=torch.long), "one sequence at a time; got a batch of 2"),
+    ],
+)
+def test_bad_input_ids_are_named(model, prompt, message):
+    with pytest.raises(ValueError, match=message):
+        forerun.Decoder(model, None, "plain").generate(prompt, 5)
+
+
+def test_one_call_form_takes_generation_arguments_and_keeps_knobs_apart(model):
+    prompt = prompts(1)[0]
+    sampled = forerun.generate(model, prompt, "trie", 8, do_sample=True, temperature=0.7, seed=3, eos_token_id=[])
+    again = forerun.generate(model, prompt, "trie", 8, do_sample=True, temperature=0.7, seed=3, eos_token_id=[])
+    assert torch.equal(sampled.sequences, again.sequences) and len(sampled.new_tokens) == 8
+    greedy = forerun.generate(model, prompt, "prompt_lookup", 30, knobs={"draft_len": 4}, eos_token_id=[])
+    assert torch.equal(greedy.sequences, plain(model, prompt))
+
+
+class TinyTokenizer:
+    """Token i decodes to chr(ord('a') + i % 26): enough for stop strings on a tiny model."""
+
+    def __len__(self):
+        return VOCAB
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(chr(ord("a") + int(i) % 26) for i in ids)
+
+
+def test_stop_strings_are_cheap_and_stop_where_the_string_completes(model):
+    prompt = prompts(1)[0]
+    reference = plain(model, prompt)[0, prompt.shape[1] :].tolist()
+    text = TinyTokenizer().decode(reference)
+    stop = text[10:13]  # a string the answer reaches at its 13th token (or earlier)
+    end = text.find(stop) + len(stop)
+    decoder = forerun.Decoder(model, TinyTokenizer(), "prompt_lookup", latency=CURVE)
+    started = time.perf_counter()
+    result = decoder.generate(prompt, 30, stop=["zzzz" * 1250, stop, *[f"q{i}" for i in range(2000)]], eos_token_id=[])
+    assert time.perf_counter() - started < 30  # setting up 2,002 stop strings, one of 5,000 characters: no table
+    assert result.new_tokens == reference[:end]
+
+
+def test_logprobs_equal_the_log_softmax_of_plain_generate_logits(model):
+    prompt = prompts(1)[0]
+    out = plain(model, prompt, output_logits=True, return_dict_in_generate=True)
+    expected = [torch.log_softmax(row[0].float(), -1) for row in out.logits]
+    for method in ("plain", "prompt_lookup", "auto"):
+        result = forerun.Decoder(model, None, method, latency=CURVE).generate(prompt, 30, eos_token_id=[], logprobs=3)
+        assert torch.equal(result.sequences, out.sequences)
+        assert len(result.logprobs) == 30 and result.stats.forwards <= 30
+        for entry, row, token in zip(result.logprobs, expected, result.new_tokens, strict=True):
+            assert entry.token == token
+            assert entry.logprob == pytest.approx(float(row[token]), abs=1e-4)
+            assert [t for t, _ in entry.top] == row.topk(3).indices.tolist()
+            assert [v for _, v in entry.top] == pytest.approx(row.topk(3).values.tolist(), abs=1e-4)
+    sampled = forerun.Decoder(model, None, "trie").generate(prompt, 6, do_sample=True, seed=1, logprobs=0)
+    assert len(sampled.logprobs) == 6 and all(entry.top == () and entry.logprob <= 0 for entry in sampled.logprobs)
+    assert forerun.Decoder(model, None, "plain").generate(prompt, 4).logprobs is None
+
+
+def test_prediction_drafts_the_answer_and_changes_nothing(model):
+    prompt = prompts(1)[0]
+    reference = plain(model, prompt, 40)
+    answer = reference[0, prompt.shape[1] :].tolist()
+    edited = answer[:12] + [5, 6, 7] + answer[15:]  # the caller's guess, wrong in three places
+    for method in ("plain", "auto", "trie"):
+        decoder = forerun.Decoder(model, None, method, latency=CURVE)
+        result = decoder.generate(prompt, 40, eos_token_id=[], prediction=edited)
+        assert torch.equal(result.sequences, reference), method
+        assert result.accepted_prediction_tokens >= 30  # re-synchronised after the wrong tokens
+        assert result.prediction_tokens == 40
+        assert result.rejected_prediction_tokens == 40 - result.accepted_prediction_tokens
+        assert result.stats.forwards < 15
+    without = forerun.Decoder(model, None, "plain", latency=CURVE).generate(prompt, 40, eos_token_id=[])
+    assert without.accepted_prediction_tokens == 0 and without.prediction_tokens == 0
+
+
+def test_prediction_drafter_resynchronises_by_ngram():
+    drafter = PredictionDrafter([10, 11, 12, 13, 14, 15, 16])
+    ctx = DraftContext([1, 2], 2, 64, frozenset())
+    drafter.start(ctx)
+    assert drafter.propose(ctx).tokens == [2, 10, 11, 12, 13, 14, 15, 16]  # nothing written yet: from the start
+    ctx.tokens += [10, 11, 99, 13]  # the answer changed 12 into 99, then came back
+    assert drafter.propose(ctx).tokens == [13, 14, 15, 16]
+    ctx.tokens += [14, 15, 16]
+    assert drafter.propose(ctx).tokens == [16]  # the prediction is used up

@@ -1,0 +1,134 @@
+"""Request -> generation arguments, without a model or a server: every 400 the issue lists, and what is honoured."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from forerun.server.schemas import ChatRequest, CompletionRequest
+from forerun.server.translate import APIError, Limits, translate
+
+LIMITS = Limits(model_name="tiny", method="auto", max_tokens_limit=64)
+HI = [{"role": "user", "content": "Hi"}]
+
+
+def chat(**fields):
+    return translate(ChatRequest(**{"messages": HI, **fields}), LIMITS)
+
+
+def completion(**fields):
+    return translate(CompletionRequest(**{"prompt": "Hi", **fields}), LIMITS)
+
+
+@pytest.mark.parametrize(
+    ("make", "fields", "param", "fragment"),
+    [
+        (chat, {"stop": [f"zz{i}" for i in range(5)]}, "stop", "at most 4 sequences"),
+        (chat, {"stop": ["x" * 501]}, "stop", "at most 500"),
+        (chat, {"stop": [""]}, "stop", "stop[0] is empty"),
+        (chat, {"messages": [{"role": "user", "content": "a\ud800b"}]}, "messages[0].content", "lone surrogate"),
+        (completion, {"prompt": "a\udfffb"}, "prompt", "lone surrogate"),
+        (chat, {"temperature": 1e-300}, "temperature", "temperature must be 0 (greedy) or between 0.0001"),
+        (chat, {"temperature": 2.5}, "temperature", "between 0 and 2"),
+        (chat, {"temperature": float("inf")}, "temperature", "finite"),
+        (chat, {"top_p": 5e-324, "repetition_penalty": 5e-324}, "repetition_penalty", "repetition_penalty must be"),
+        (chat, {"top_k": 0}, "top_k", "top_k must be >= 1"),
+        (chat, {"max_completion_tokens": 0}, "max_completion_tokens", "between 1 and 64"),
+        (chat, {"max_tokens": 65}, "max_tokens", "between 1 and 64"),
+        (chat, {"max_tokens": 10**30}, "max_tokens", "between 1 and 64"),
+        (chat, {"seed": 2**64}, "seed", "seed must be between"),
+        (chat, {"n": 2}, "n", "n=2 is not supported"),
+        (chat, {"tools": [{"type": "function"}]}, "tools", "tools are not supported"),
+        (chat, {"tool_choice": "auto"}, "tool_choice", "tool_choice is not supported"),
+        (chat, {"response_format": {"type": "json_object"}}, "response_format", "other than text"),
+        (chat, {"logit_bias": {"50256": -100}}, "logit_bias", "logit_bias is not supported"),
+        (chat, {"frequency_penalty": 0.5}, "frequency_penalty", "use repetition_penalty"),
+        (chat, {"modalities": ["text", "audio"]}, "modalities", "only the text modality"),
+        (chat, {"top_logprobs": 3}, "top_logprobs", "needs logprobs: true"),
+        (chat, {"logprobs": True, "top_logprobs": 21}, "top_logprobs", "between 0 and 20"),
+        (chat, {"logprobs": True, "stream": True}, "top_logprobs", "not supported"),
+        (completion, {"logprobs": 6}, "logprobs", "between 0 and 5"),
+        (completion, {"echo": True}, "echo", "echo is not supported"),
+        (completion, {"suffix": "x"}, "suffix", "suffix"),
+        (completion, {"best_of": 3}, "best_of", "best_of=3"),
+        (completion, {"prompt": ["a", "b"]}, "prompt", "one string"),
+        (completion, {"prompt": "   "}, "prompt", "prompt is empty"),
+        (chat, {"stream_options": {"include_usage": True}}, "stream_options", "needs stream: true"),
+        (chat, {"forerun": {"method": "medusa"}}, "forerun", "unknown method 'medusa'"),
+        (chat, {"forerun": {"method": "auto", "draft_len": 3}}, "forerun", "needs a method prefix"),
+        (chat, {"prediction": {"type": "other", "content": "x"}}, "prediction", "prediction.type"),
+        (chat, {"prediction": {"type": "content", "content": [{"type": "image_url"}]}}, "prediction", "text parts"),
+        (
+            chat,
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            "messages[0].content[0]",
+            "'image_url' parts are not supported",
+        ),
+        (
+            chat,
+            {"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]},
+            "messages[0].content[0]",
+            "audio",
+        ),
+        (chat, {"messages": [{"role": "assistant", "tool_calls": [{"id": "x"}]}]}, "messages[0].tool_calls", "tool"),
+        (chat, {"messages": [{"role": "user", "content": "  "}]}, "messages", "messages are empty"),
+    ],
+)
+def test_each_refusal_is_a_400_naming_the_field(make, fields, param, fragment):
+    with pytest.raises(APIError) as caught:
+        make(**fields)
+    assert caught.value.status == 400 and caught.value.param == param
+    assert fragment in caught.value.message
+
+
+def test_another_model_is_a_404():
+    with pytest.raises(APIError) as caught:
+        chat(model="gpt-9")
+    assert caught.value.status == 404 and caught.value.kind == "not_found_error"
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"temperature": True}, {"max_tokens": "5"}, {"max_tokens": 5.0}, {"stream": 1}, {"temprature": 0.5}],
+)
+def test_strict_types_and_unknown_fields_fail_validation(fields):
+    with pytest.raises(ValidationError):
+        ChatRequest(**{"messages": HI, **fields})
+
+
+def test_what_is_honoured():
+    args = chat(
+        messages=[
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "!"}]},
+        ],
+        max_completion_tokens=7,
+        max_tokens=3,  # max_completion_tokens wins, as OpenAI
+        stop="\n",
+        seed=5,
+        logprobs=True,
+        top_logprobs=2,
+        prediction={"type": "content", "content": [{"type": "text", "text": "Hello"}]},
+        forerun={"method": "prompt_lookup+trie", "trie.decoding_length": 8},
+        user="u1",
+        metadata={"k": "v"},
+        tool_choice="none",
+        response_format={"type": "text"},
+    )
+    assert args.prompt == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    assert (args.max_new_tokens, args.stop, args.seed, args.logprobs, args.prediction) == (7, ["\n"], 5, 2, "Hello")
+    assert args.method == "prompt_lookup+trie" and args.knobs == {"trie.decoding_length": 8}
+    assert args.sampling == {} and args.chat and not args.stream
+
+
+def test_sampling_follows_the_request_then_the_models_generation_config():
+    assert chat().sampling == {}  # no defaults: greedy
+    assert chat(temperature=0).sampling == {}
+    assert chat(temperature=0.7, top_p=0.9).sampling == {"temperature": 0.7, "top_p": 0.9, "do_sample": True}
+    assert chat(top_p=0.5).sampling == {"top_p": 0.5, "do_sample": True}  # OpenAI's temperature 1
+    assert chat(repetition_penalty=1.2).sampling == {"repetition_penalty": 1.2}  # greedy with a penalty
+    sampling_model = Limits(model_name="tiny", sampling_defaults={"do_sample": True, "temperature": 0.6, "top_p": 0.95})
+    body = ChatRequest(messages=HI)
+    assert translate(body, sampling_model).sampling == {"temperature": 0.6, "top_p": 0.95, "do_sample": True}
+    body = ChatRequest(messages=HI, temperature=0)
+    assert translate(body, sampling_model).sampling == {}
