@@ -22,9 +22,9 @@ setup: $(VENV)/.installed
 
 demo: setup
 	$(BIN)/forerun generate "Write a Python function that returns the n-th Fibonacci number, with a docstring." \
-		--chat --method prompt_lookup --max-new-tokens 96 --threads 2 -v
+		--chat --method auto --max-new-tokens 96 --threads 2 -v
 	$(BIN)/forerun bench --dataset typehints,humaneval --n 2 --max-new-tokens 128 --threads 2 \
-		--methods plain,hf_prompt_lookup,prompt_lookup --out bench-results/demo
+		--methods plain,hf_prompt_lookup,prompt_lookup,auto --out bench-results/demo
 
 lint: setup
 	$(BIN)/ruff check src tests benchmarks

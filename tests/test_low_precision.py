@@ -110,6 +110,10 @@ def test_negative_control_a_verifier_that_takes_the_second_choice_fails_the_chec
     assert divergence is not None and divergence.ulps > TIE_ULPS, divergence
 
 
+BF16_CPU_CURVE = LatencyCurve((1, 2, 4, 8, 16, 32), (0.027, 0.029, 0.030, 0.034, 0.041, 0.056))
+"""SmolLM2-135M in bf16 on this CPU, 1 thread (relative: 2 -> 1.08, 4 -> 1.12, 8 -> 1.27, 16 -> 1.51, 32 -> 2.06)."""
+
+
 @pytest.mark.real_model
 def test_real_model_in_bf16_differs_only_at_ties():
     from test_real_model import PROMPTS
@@ -117,7 +121,9 @@ def test_real_model_in_bf16_differs_only_at_ties():
     model, tokenizer = forerun.load_model("smollm2-135m", dtype=torch.bfloat16)
     identical = 0
     for method in ("prompt_lookup", "auto"):
-        decoder = forerun.Decoder(model, tokenizer, method)
+        # The curve is pinned (this CPU's bf16 curve, as issue 16 measured it), not measured by the test: which
+        # trees are fed decides which roundings happen, and a test must not depend on the machine's timings.
+        decoder = forerun.Decoder(model, tokenizer, method, latency=BF16_CPU_CURVE)
         for text in PROMPTS:
             ids = tokenizer.apply_chat_template(
                 [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt", return_dict=True

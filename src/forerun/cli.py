@@ -144,7 +144,7 @@ def generate(
     console.print(f"accepted length per step: {dict(sorted(result.stats.accepted_hist.items()))}", highlight=False)
 
 
-QUICK_METHODS = "plain,hf_prompt_lookup,prompt_lookup"
+QUICK_METHODS = "plain,hf_prompt_lookup,prompt_lookup,auto"
 
 
 @app.command()
