@@ -243,6 +243,51 @@ class Selection:
 
 
 @dataclass
+class Ranking:
+    """The merged proposals of one step, with their verifiable candidates ranked by path probability."""
+
+    merged: TokenTree
+    node_maps: list[dict[int, int]]
+    candidates: list[int]
+    """Candidate nodes of `merged`, likeliest path first (a child never before its parent)."""
+    chances: list[float]
+    """Per candidate: the probability that its whole path is accepted."""
+
+    def select(self, count: int, probes: Sequence[int] = (), expected: float | None = None) -> Selection:
+        """The tree of the root, the `count` best candidates and `probes` (nodes of `merged`); `expected`: the
+        expected accepted length to report (None: the sum of the kept candidates' chances)."""
+        kept = [0, *self.candidates[:count], *probes]
+        tree, mapped = self.merged.subtree(kept)
+        node_maps = [{node: mapped[m] for node, m in node_map.items() if m in mapped} for node_map in self.node_maps]
+        return Selection(tree, node_maps, sum(self.chances[:count]) if expected is None else expected)
+
+
+def best_shared_count(chances: Sequence[Sequence[float]], curve: LatencyCurve, cap: int | None = None) -> int:
+    """Candidates per row, the same for every row of a batch (their trees are padded to one size), maximising
+
+        sum over rows of (1 + chances[row][0] + ... + chances[row][k-1]) / cost(rows * (1 + k))
+
+    on the device's curve: a batch of 8 rows x 16 nodes is a 128-token forward, so the per-row budget shrinks as
+    the batch grows, down to k = 0 (one token per row per step) where drafting does not pay.
+
+    Example (2 tokens cost 1.5x one token, 4 tokens 1.6x, 8 tokens 3x):
+        >>> curve = LatencyCurve((1, 2, 4, 8), (0.010, 0.015, 0.016, 0.030))
+        >>> best_shared_count([[0.6, 0.5]], curve), best_shared_count([[0.6, 0.5]] * 4, curve)
+        (2, 0)
+    """
+    rows = len(chances)
+    best, best_rate = 0, rows / curve.cost(rows)
+    longest = max((len(c) for c in chances), default=0)
+    for k in range(1, longest + 1):
+        if cap is not None and 1 + k > cap:
+            break
+        rate = sum(1.0 + sum(c[:k]) for c in chances) / curve.cost(rows * (1 + k))
+        if rate > best_rate:
+            best, best_rate = k, rate
+    return best
+
+
+@dataclass
 class StaticBudget:
     """Graft the proposals in order until `max_nodes` nodes (root included): a fixed budget."""
 
@@ -300,39 +345,41 @@ class CostModel:
                 left -= p[node]
         return p
 
-    def choose(self, root: int, proposals: Sequence[TokenTree], lead: int = 0, drafts: bool = True) -> Selection:
+    def rank(self, root: int, proposals: Sequence[TokenTree]) -> Ranking:
+        """Merge the proposals and order their verifiable candidates by path probability (best first)."""
         merged, node_maps = merge(root, proposals)
+        if len(merged) == 1:
+            return Ranking(merged, node_maps, [], [])
+        p = self.chances(merged, proposals, node_maps)
+        reach = [1.0] + [0.0] * (len(merged) - 1)
+        verifiable = [True] + [False] * (len(merged) - 1)  # a candidate under a probe can never be accepted
+        for node in range(1, len(merged)):  # parents come first: one pass
+            parent = merged.parents[node]
+            if merged.roles[node] == "candidate" and verifiable[parent]:
+                verifiable[node] = True
+                reach[node] = reach[parent] * p[node]
+        # Zero-chance candidates stay in the list, last: on a non-monotone curve they may pad a forward to a
+        # cheaper size (here 4 tokens cost less than 3).
+        candidates = [n for n in range(1, len(merged)) if verifiable[n]]
+        candidates.sort(key=lambda n: (-reach[n], n))  # a child never precedes its parent
+        return Ranking(merged, node_maps, candidates, [reach[n] for n in candidates])
+
+    def choose(self, root: int, proposals: Sequence[TokenTree], lead: int = 0, drafts: bool = True) -> Selection:
+        ranking = self.rank(root, proposals)
+        merged, node_maps = ranking.merged, ranking.node_maps
         if not drafts or len(merged) == 1:
-            kept = [0]
-            choice = Choice(0, lead + 1, 0.0)
-        else:
-            p = self.chances(merged, proposals, node_maps)
-            reach = [1.0] + [0.0] * (len(merged) - 1)
-            verifiable = [True] + [False] * (len(merged) - 1)  # a candidate under a probe can never be accepted
-            for node in range(1, len(merged)):  # parents come first: one pass
-                parent = merged.parents[node]
-                if merged.roles[node] == "candidate" and verifiable[parent]:
-                    verifiable[node] = True
-                    reach[node] = reach[parent] * p[node]
-            # Zero-chance candidates stay in the list, last: on a non-monotone curve they may pad a forward to a
-            # cheaper size (here 4 tokens cost less than 3).
-            candidates = [n for n in range(1, len(merged)) if verifiable[n]]
-            candidates.sort(key=lambda n: (-reach[n], n))  # a child never precedes its parent
-            # Each proposal's probes form an optional group, worth the sum of their scores (the drafter's estimate
-            # of the future accepted tokens feeding them buys), fed whole or not at all.
-            probes_of = [
-                [m for n, m in node_map.items() if proposal.roles[n] == "probe"]
-                for proposal, node_map in zip(proposals, node_maps, strict=True)
-            ]
-            offered = [i for i, probes in enumerate(probes_of) if probes][:MAX_GROUPS]
-            groups = [(sum(merged.scores[m] for m in probes_of[i]), len(probes_of[i])) for i in offered]
-            chances = [reach[n] for n in candidates]
-            choice = best_prefix(chances, self.curve, lead, self.max_nodes, groups)
-            kept = [0, *candidates[: choice.nodes]]
-            kept += [m for g in choice.groups for m in probes_of[offered[g]]]
-        tree, mapped = merged.subtree(kept)
-        node_maps = [{node: mapped[m] for node, m in node_map.items() if m in mapped} for node_map in node_maps]
-        return Selection(tree, node_maps, choice.expected_accepted)
+            return ranking.select(0)
+        # Each proposal's probes form an optional group, worth the sum of their scores (the drafter's estimate
+        # of the future accepted tokens feeding them buys), fed whole or not at all.
+        probes_of = [
+            [m for n, m in node_map.items() if proposal.roles[n] == "probe"]
+            for proposal, node_map in zip(proposals, node_maps, strict=True)
+        ]
+        offered = [i for i, probes in enumerate(probes_of) if probes][:MAX_GROUPS]
+        groups = [(sum(merged.scores[m] for m in probes_of[i]), len(probes_of[i])) for i in offered]
+        choice = best_prefix(ranking.chances, self.curve, lead, self.max_nodes, groups)
+        probes = [m for g in choice.groups for m in probes_of[offered[g]]]
+        return ranking.select(choice.nodes, probes, choice.expected_accepted)
 
     def learn(self, proposals: Sequence[TokenTree], committed: Sequence[int]) -> None:
         for proposal in proposals:

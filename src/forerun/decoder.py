@@ -20,12 +20,14 @@ from pathlib import Path
 import torch
 from transformers import (
     EosTokenCriteria,
+    GenerationConfig,
     LogitsProcessorList,
     MaxLengthCriteria,
     PreTrainedTokenizerBase,
     StoppingCriteriaList,
 )
 
+from forerun.batch import RowJob, decode_batch, fork
 from forerun.checks import check_logprobs, check_sampling, check_seed, check_stops, check_text
 from forerun.config import EngineConfig
 from forerun.costmodel import CostModel, LatencyCurve, StaticBudget
@@ -259,6 +261,21 @@ class Decoder:
         expected to resemble, drafted from (OpenAI's predicted outputs); the answer is unchanged by it.
         `logprobs=k`: each new token's log-probability under the raw model and its k likeliest alternatives.
         """
+        if is_batch(prompt):
+            return self.generate_batch(
+                prompt,
+                max_new_tokens,
+                chat=chat,
+                stop=stop,
+                eos_token_id=eos_token_id,
+                streamer=streamer,
+                do_sample=do_sample,
+                seed=seed,
+                cancel=cancel,
+                prediction=prediction,
+                logprobs=logprobs,
+                **generation_kwargs,
+            )
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         stops = check_stops(stop)
@@ -297,6 +314,116 @@ class Decoder:
             input_ids.to(self.model.device), criteria, eos, max_new_tokens, streamer, request
         )
         return self.result(transcript, prompt_len, stats, request)
+
+    def generate_batch(
+        self,
+        prompts: Sequence[Prompt] | torch.Tensor,
+        max_new_tokens: int = 256,
+        *,
+        chat: bool = False,
+        stop: str | Sequence[str] | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
+        streamer: object | None = None,
+        do_sample: bool = False,
+        seed: int | None = None,
+        cancel: threading.Event | None = None,
+        prediction: str | Sequence[int] | None = None,
+        logprobs: int | None = None,
+        **generation_kwargs: object,
+    ) -> list[GenerationResult]:
+        """Several prompts decoded together (`forerun.batch`): one GenerationResult per prompt, in order, each what
+        `generate(prompt)` alone returns (greedy: token for token, fp32). Rows finish independently; sampled rows
+        draw from their own generators (row i seeded with `seed + i`). `generate([...])` lands here."""
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        if streamer is not None:
+            raise ValueError("streamer= follows one prompt; stream a batch row by row with forerun.batch.Batch")
+        if prediction is not None:
+            raise ValueError("prediction= goes with one prompt; give batched prompts no prediction")
+        stops = check_stops(stop)
+        check_seed(seed)
+        check_logprobs(logprobs)
+        check_generation_kwargs(generation_kwargs)
+        rows = self.encode_batch(prompts, chat)
+        context = getattr(self.model.config, "max_position_embeddings", None)
+        for i, ids in enumerate(rows):
+            if context is not None and ids.shape[1] + max_new_tokens > context:
+                raise ValueError(
+                    f"prompt {i} ({ids.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model "
+                    f"context ({context} tokens)"
+                )
+        sampled = do_sample or bool(generation_kwargs)
+        if sampled:
+            try:
+                GenerationConfig(do_sample=do_sample, **generation_kwargs).validate(strict=True)
+            except (TypeError, ValueError) as error:
+                raise ValueError(f"invalid generation settings {generation_kwargs}: {error}") from error
+        eos = eos_ids_of(self.model, eos_token_id)
+        jobs, requests = [], []
+        device = self.model.device
+        for i, ids in enumerate(rows):
+            prompt_len = ids.shape[1]
+            criteria = StoppingCriteriaList([MaxLengthCriteria(max_length=prompt_len + max_new_tokens)])
+            if eos:
+                criteria.append(EosTokenCriteria(eos_token_id=sorted(eos)))
+            if stops:
+                criteria.append(StopStrings(self.tokenizer, stops, prompt_len))
+            if cancel is not None:
+                criteria.append(Cancelled(cancel))
+            request = Request(fork(self.drafters), logprobs)
+            processor = sampling = None
+            if sampled:
+                processor = self.processors(ids, max_new_tokens, do_sample, eos_token_id, generation_kwargs)
+            if do_sample:
+                generator = torch.Generator(device=device).manual_seed(seed + i) if seed is not None else None
+                sampling = Sampling(generator, self.sample_verifier)
+            transcript = Transcript(ids.to(device), criteria, None, logprobs_top=logprobs)
+            jobs.append(RowJob(ids.to(device), transcript, request.drafters, eos, max_new_tokens, processor, sampling))
+            requests.append(request)
+        with torch.inference_mode():
+            stats = decode_batch(self.model, jobs, self.budget)
+        return [
+            self.result(job.transcript, job.input_ids.shape[1], row_stats, request)
+            for job, row_stats, request in zip(jobs, stats, requests, strict=True)
+        ]
+
+    def encode_batch(self, prompts: Sequence[Prompt] | torch.Tensor, chat: bool) -> list[torch.Tensor]:
+        """Each prompt -> input_ids [1, L_i]; a 2-D tensor is one prompt per row (no padding)."""
+        if isinstance(prompts, torch.Tensor):
+            return [self.encode(row, chat) for row in prompts]
+        prompts = list(prompts)
+        if not prompts:
+            raise ValueError("the batch of prompts is empty")
+        has_text = any(isinstance(p, str) for p in prompts)
+        has_messages = any(isinstance(p, (list, tuple)) and p and isinstance(p[0], dict) for p in prompts)
+        if has_text and has_messages and not chat:
+            raise ValueError(
+                "the batch mixes raw text prompts and chat message lists; pass chat=True to wrap every text "
+                "prompt as a user message, or make every prompt the same kind"
+            )
+        encoded = []
+        for i, prompt in enumerate(prompts):
+            try:
+                encoded.append(self.encode(prompt, chat))
+            except ValueError as error:
+                raise ValueError(f"prompt {i}: {error}") from None
+        return encoded
+
+    def processors(self, input_ids, max_new_tokens, do_sample, eos_token_id, generation_kwargs) -> LogitsProcessorList:
+        """The logits processors `model.generate` builds for this prompt alone (temperature, top-p, penalties...),
+        taken from its `custom_generate` hook before any forward runs."""
+        extra = {}
+        if eos_token_id is not None:
+            extra["eos_token_id"] = list(eos_token_id) if not isinstance(eos_token_id, int) else eos_token_id
+        return self.model.generate(
+            input_ids.to(self.model.device),
+            max_new_tokens=max_new_tokens,
+            do_sample=do_sample,
+            custom_generate=processors_only,
+            pad_token_id=self.pad_token_id(),
+            **extra,
+            **generation_kwargs,
+        )
 
     def encode_prediction(self, prediction: str | Sequence[int]) -> list[int]:
         if isinstance(prediction, str):
@@ -440,13 +567,15 @@ def custom_generate(
         streamer.put(input_ids.cpu())
     if generation_config.num_beams not in (None, 1):
         raise ValueError(f"forerun does not do beam search (num_beams={generation_config.num_beams})")
-    if input_ids.shape[0] != 1:
-        raise ValueError(f"forerun decodes one sequence at a time; got a batch of {input_ids.shape[0]}")
-    mask = model_kwargs.get("attention_mask")
-    if isinstance(mask, torch.Tensor) and not bool(mask.all()):
-        raise ValueError("forerun does not take padded inputs: the attention mask has zeros")
     decoder = forerun_decoder
     sampling = Sampling(forerun_generator, decoder.sample_verifier) if generation_config.do_sample else None
+    mask = model_kwargs.get("attention_mask")
+    if input_ids.shape[0] != 1 or (isinstance(mask, torch.Tensor) and not bool(mask.all())):
+        if streamer is not None:
+            raise ValueError("forerun streams one sequence; a batch cannot take a streamer")
+        return batch_custom_generate(
+            model, input_ids, mask, logits_processor, stopping_criteria, generation_config, decoder, sampling
+        )
     transcript, stats = decoder.decode(
         input_ids,
         stopping_criteria,
@@ -464,6 +593,54 @@ def custom_generate(
         output.forerun_transcript = transcript
         return output
     return transcript.sequence
+
+
+def batch_custom_generate(
+    model, input_ids, mask, logits_processor, stopping_criteria, generation_config, decoder: Decoder, sampling
+):
+    """A left-padded batch through `custom_generate`: each row decoded without its padding (`forerun.batch`), the
+    output laid out as plain batched generate lays it out: [rows, padded prompt + longest answer], rows that
+    finished earlier filled with the pad token.
+
+    Per row, the stopping criteria are transformers' own except the length, which counts from the row's own
+    prompt; the logits processors see the row's own tokens (its padding is not text).
+    """
+    from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+    rows, padded_len = input_ids.shape
+    if mask is None:
+        mask = torch.ones_like(input_ids)
+    max_new_tokens = generation_config.max_length - padded_len
+    eos = eos_ids_of(model, generation_config.eos_token_id)
+    kept = StoppingCriteriaList(c for c in stopping_criteria if not isinstance(c, MaxLengthCriteria))
+    jobs, pads = [], []
+    for row in range(rows):
+        real = mask[row].bool()
+        pad = int((~real).sum())
+        if bool((~real[pad:]).any()) or not bool(real[pad:].all()):
+            raise ValueError(f"row {row} of the batch is not left-padded (pad with padding_side='left')")
+        if pad == padded_len:
+            raise ValueError(f"row {row} of the batch is all padding")
+        ids = input_ids[row : row + 1, pad:]
+        criteria = StoppingCriteriaList([MaxLengthCriteria(max_length=ids.shape[1] + max_new_tokens), *kept])
+        transcript = Transcript(ids, criteria)
+        jobs.append(RowJob(ids, transcript, fork(decoder.drafters), eos, max_new_tokens, logits_processor, sampling))
+        pads.append(pad)
+    stats = decode_batch(model, jobs, decoder.budget)
+    longest = max(job.transcript.sequence.shape[1] + pad for job, pad in zip(jobs, pads, strict=True))
+    pad_id = generation_config.pad_token_id
+    if pad_id is None:
+        pad_id = min(eos) if eos else 0
+    sequences = input_ids.new_full((rows, longest), int(pad_id))
+    for row, (job, pad) in enumerate(zip(jobs, pads, strict=True)):
+        sequences[row, :pad] = input_ids[row, :pad]
+        sequences[row, pad : pad + job.transcript.sequence.shape[1]] = job.transcript.sequence[0]
+    if generation_config.return_dict_in_generate:
+        output = GenerateDecoderOnlyOutput(sequences=sequences)
+        output.forerun_stats = stats
+        output.forerun_sources = [job.transcript.sources for job in jobs]
+        return output
+    return sequences
 
 
 def check_vocabulary(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase | None) -> None:
@@ -500,3 +677,17 @@ def generate(
     """
     decoder = Decoder(model, tokenizer, method, max_tree_nodes=max_tree_nodes, draft_model=draft_model, **(knobs or {}))
     return decoder.generate(input_ids, max_new_tokens, **generation_kwargs)
+
+
+def processors_only(model, input_ids, logits_processor, stopping_criteria, generation_config, **kwargs):
+    """A `custom_generate` that decodes nothing: it returns the processors transformers prepared."""
+    return logits_processor
+
+
+def is_batch(prompt: object) -> bool:
+    """A list of prompts (strings, message lists, id lists or tensors) or a [rows > 1, L] tensor, not one prompt."""
+    if isinstance(prompt, torch.Tensor):
+        return prompt.dim() == 2 and prompt.shape[0] > 1
+    if isinstance(prompt, (list, tuple)) and prompt:
+        return isinstance(prompt[0], (str, list, tuple, torch.Tensor))
+    return False

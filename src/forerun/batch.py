@@ -1,0 +1,390 @@
+"""Many sequences in one forward: batched tree decoding with ragged acceptance.
+
+Every row (one prompt) proposes its own tree with its own drafters; the trees are padded to one node count; each
+row has its own 4-D mask rows and position ids, and accepts its own number of drafts. The rows share one KV cache
+`[rows, kv_heads, slots, head_dim]` whose slots need not line up: `RowCache.visible` `[rows, slots]` says which
+slots hold a row's committed tokens. Holes (left padding where a shorter row joined, the slots a row did not fill
+when another accepted more) are masked out for good, and squeezed out when they pass half the cache (`compact`).
+
+    one step, root r and two nodes fed per row; row 0 accepts its two drafts, row 1 none. The cache grows by the
+    longest kept path (root + 2 = 3 slots); row 1's two unused slots become holes:
+
+        row 0  [p p p p | r a a]      visible 1 1 1 1 | 1 1 1
+        row 1  [_ p p p | r _ _]      visible 0 1 1 1 | 1 0 0
+
+Positions are per row (tokens committed before the node), never slot indices, so holes change nothing a row
+computes: each row's tokens are exactly those of its own single run (fp32). Rows join between steps (`Batch.add`:
+their prompt is prefilled alone, then spliced in) and leave when their own criteria stop them (EOS, stop strings,
+their own length) or when cancelled; that is what the server's continuous batching and `forerun run` build on.
+
+The per-row draft budget comes from the same latency curve as a single row's: rows x nodes tokens are fed in one
+forward, so the cost model picks one candidate count for all rows maximising committed tokens per second over the
+batch (`forerun.costmodel.best_shared_count`), down to one token per row per step when drafting does not pay.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache, LogitsProcessorList
+from transformers.cache_utils import DynamicLayer
+
+from forerun.costmodel import Calibration, CostModel, Selection, StaticBudget, best_shared_count
+from forerun.drafters.base import DraftContext, Drafter, StepOutcome
+from forerun.engine import Budget, NodeScores, Sampling, Transcript, decode, tree_support, verify
+from forerun.models import last_logits
+from forerun.stats import GenerationStats
+from forerun.tree import TokenTree, merge
+
+COMPACT_SHARE = 0.5
+"""Squeeze the holes out of the cache once they are more than this share of its slots (attention reads them all)."""
+
+
+def fork(drafters: Sequence[Drafter]) -> list[Drafter]:
+    """One more set of drafters for one more concurrent row: state that outlives requests (the trie, the n-gram
+    pool, the draft model) is shared, state of one request (indexes, windows, the draft's cache) is rebound by
+    `start`, so a shallow copy is a fresh request view."""
+    return [copy.copy(drafter) for drafter in drafters]
+
+
+def row_budget(budget: Budget) -> Budget:
+    """A row's own budget: the same curve and long-run calibration, its own per-request correction."""
+    if isinstance(budget, CostModel):
+        shared = budget.calibration
+        return CostModel(budget.curve, budget.max_nodes, Calibration(hits=shared.hits, trials=shared.trials))
+    return budget
+
+
+@dataclass
+class RowJob:
+    """What one row needs: its prompt and how it ends."""
+
+    input_ids: torch.Tensor
+    """[1, prompt_len], on the model's device."""
+    transcript: Transcript
+    """Holds the row's stopping criteria (max length, EOS, stop strings, cancel) and its streamer."""
+    drafters: list[Drafter]
+    eos: frozenset[int]
+    max_new_tokens: int
+    processor: LogitsProcessorList | None = None
+    sampling: Sampling | None = None
+
+
+@dataclass
+class Row:
+    """A row of a running batch."""
+
+    job: RowJob
+    ctx: DraftContext
+    budget: Budget
+    prefix_len: int
+    """Committed tokens in the cache before the root: the root's position."""
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    started: float = field(default_factory=time.perf_counter)
+
+    @property
+    def done(self) -> bool:
+        return self.job.transcript.done
+
+
+class RowCache:
+    """One DynamicCache for every row, and which of its slots each row may attend to."""
+
+    def __init__(self, config) -> None:
+        self.cache = DynamicCache(config=config)
+        self.visible = torch.zeros(0, 0, dtype=torch.bool)  # [rows, slots]
+
+    @property
+    def slots(self) -> int:
+        return self.visible.shape[1]
+
+    def add(self, row: DynamicCache, length: int) -> None:
+        """Append a row whose own cache holds `length` slots, every one visible; the shorter side is left-padded."""
+        rows, slots = self.visible.shape
+        size = max(slots, length)
+        for mine, theirs in zip(self.cache.layers, row.layers, strict=True):
+            ours, new = layer_tensors(mine), layer_tensors(theirs)
+            if ours is None and new is None:
+                continue
+            like = (ours or new)[0]
+            ours = ours or (like.new_zeros(rows, like.shape[1], slots, like.shape[3]),) * 2
+            new = new or (like.new_zeros(1, like.shape[1], length, like.shape[3]),) * 2
+            keys = torch.cat([left_pad(ours[0], size), left_pad(new[0], size)], dim=0)
+            values = torch.cat([left_pad(ours[1], size), left_pad(new[1], size)], dim=0)
+            set_layer(mine, keys, values)
+        visible = torch.ones(1, length, dtype=torch.bool)
+        self.visible = torch.cat([left_pad(self.visible, size, dim=1), left_pad(visible, size, dim=1)], dim=0)
+
+    def keep(self, kept: Sequence[Sequence[int]], nodes: int) -> None:
+        """After a forward of `nodes` padded tree nodes per row: keep each row's path `kept[row]` (node indices,
+        root first), gathered to the front of the new slots; the cache grows by the longest path."""
+        slots, longest = self.slots, max(len(path) for path in kept)
+        index = torch.tensor([[slots + path[min(i, len(path) - 1)] for i in range(longest)] for path in kept])
+        for layer in self.cache.layers:
+            if layer_tensors(layer) is None:
+                continue
+            keys, values = layer.keys, layer.values  # [rows, heads, slots + nodes, dim]
+            where = index.to(keys.device)[:, None, :, None].expand(keys.shape[0], keys.shape[1], longest, keys.shape[3])
+            layer.keys = torch.cat([keys[:, :, :slots], keys.gather(2, where)], dim=2)
+            layer.values = torch.cat([values[:, :, :slots], values.gather(2, where)], dim=2)
+        filled = torch.arange(longest)[None] < torch.tensor([len(path) for path in kept])[:, None]
+        self.visible = torch.cat([self.visible, filled], dim=1)
+
+    def drop(self, rows: Sequence[int]) -> None:
+        """Keep only `rows` (indices, in order); slots no remaining row sees go, holes are compacted if many."""
+        index = torch.tensor(list(rows), dtype=torch.long)
+        self.visible = self.visible.index_select(0, index)
+        for layer in self.cache.layers:
+            if layer_tensors(layer) is not None:
+                set_layer(
+                    layer,
+                    layer.keys.index_select(0, index.to(layer.keys.device)),
+                    layer.values.index_select(0, index.to(layer.keys.device)),
+                )
+        if len(rows) and self.slots:
+            self.compact(force=not bool(self.visible[:, 0].any()))
+
+    def compact(self, force: bool = False) -> None:
+        """Right-align each row's visible slots (order kept) when holes pass COMPACT_SHARE of the cache."""
+        rows, slots = self.visible.shape
+        counts = self.visible.sum(dim=1)
+        holes = rows * slots - int(counts.sum())
+        if not slots or (not force and holes <= COMPACT_SHARE * rows * slots):
+            return
+        size = int(counts.max()) if rows else 0
+        index = torch.zeros(rows, size, dtype=torch.long)
+        for row in range(rows):
+            where = self.visible[row].nonzero().flatten()
+            index[row, size - len(where) :] = where
+        visible = torch.arange(size)[None] >= (size - counts)[:, None]
+        for layer in self.cache.layers:
+            if layer_tensors(layer) is None:
+                continue
+            keys = layer.keys
+            where = index.to(keys.device)[:, None, :, None].expand(rows, keys.shape[1], size, keys.shape[3])
+            set_layer(layer, keys.gather(2, where), layer.values.gather(2, where))
+        self.visible = visible
+
+
+def layer_tensors(layer) -> tuple[torch.Tensor, torch.Tensor] | None:
+    if not layer.is_initialized or layer.keys is None or layer.keys.dim() != 4:
+        return None
+    return layer.keys, layer.values
+
+
+def set_layer(layer, keys: torch.Tensor, values: torch.Tensor) -> None:
+    if not layer.is_initialized:
+        layer.lazy_initialization(keys, values)
+    layer.keys, layer.values = keys, values
+
+
+def left_pad(tensor: torch.Tensor, size: int, dim: int = 2) -> torch.Tensor:
+    """Zeros (False) in front along `dim` up to `size`."""
+    missing = size - tensor.shape[dim]
+    if missing <= 0:
+        return tensor
+    shape = list(tensor.shape)
+    shape[dim] = missing
+    return torch.cat([tensor.new_zeros(shape), tensor], dim=dim)
+
+
+def batchable(model: torch.nn.Module) -> bool:
+    """Whether rows can share one cache: tree masks work and every cache layer is a plain, addressable one."""
+    if tree_support(model) is not None:
+        return False
+    return all(type(layer) is DynamicLayer for layer in DynamicCache(config=model.config).layers)
+
+
+class Batch:
+    """Rows decoding together: `add` rows between steps, `step` until empty; finished rows leave by themselves.
+
+    Example:
+        >>> batch = Batch(model, decoder.budget)                              # doctest: +SKIP
+        >>> for job in jobs: batch.add(job)                                   # doctest: +SKIP
+        >>> while batch.rows: finished = batch.step()                         # doctest: +SKIP
+    """
+
+    def __init__(self, model: torch.nn.Module, budget: Budget) -> None:
+        self.model, self.budget = model, budget
+        self.rows: list[Row] = []
+        self.cache = RowCache(model.config)
+        self.attention = model.config._attn_implementation or "eager"
+        self.keeps_logits = bool(last_logits(model, 1))
+
+    @torch.inference_mode()
+    def add(self, job: RowJob) -> Row:
+        """Prefill the row's prompt (all but its last token, which is the first root) alone, then splice it in."""
+        prompt = job.input_ids
+        prompt_len = prompt.shape[1]
+        own = DynamicCache(config=self.model.config)
+        started = time.perf_counter()
+        if prompt_len > 1:
+            self.model(
+                input_ids=prompt[:, :-1],
+                past_key_values=own,
+                use_cache=True,
+                **({"logits_to_keep": 1} if self.keeps_logits else {}),
+            )
+        self.cache.add(own, prompt_len - 1)
+        budget = row_budget(self.budget)
+        ctx = DraftContext(
+            job.transcript.sequence[0].tolist(),
+            prompt_len,
+            budget.max_nodes,
+            job.eos,
+            sampled=job.sampling is not None,
+            processor=job.processor,
+            generator=job.sampling.generator if job.sampling is not None else None,
+            selective=budget.selective,
+        )
+        for drafter in job.drafters:
+            drafter.start(ctx)
+        budget.new_request()
+        row = Row(job, ctx, budget, prompt_len - 1, started=started)
+        row.stats.forwards = 1 if prompt_len > 1 else 0
+        row.stats.prefill_seconds = time.perf_counter() - started
+        self.rows.append(row)
+        return row
+
+    def choose(self, proposals: list[list[TokenTree]]) -> list[Selection]:
+        """Each row's tree for this step (see the module docstring for the shared budget)."""
+        rows = self.rows
+        if len(rows) == 1:
+            return [rows[0].budget.choose(rows[0].ctx.tokens[-1], proposals[0])]
+        if isinstance(self.budget, CostModel):
+            rankings = [row.budget.rank(row.ctx.tokens[-1], p) for row, p in zip(rows, proposals, strict=True)]
+            count = best_shared_count([r.chances for r in rankings], self.budget.curve, self.budget.max_nodes)
+            return [ranking.select(count) for ranking in rankings]
+        share = max(1, self.budget.max_nodes // len(rows)) if isinstance(self.budget, StaticBudget) else 1
+        return [Selection(*merge(row.ctx.tokens[-1], p, share)) for row, p in zip(rows, proposals, strict=True)]
+
+    @torch.inference_mode()
+    def step(self) -> list[Row]:
+        """One forward for every row: propose, pack, forward, verify, commit; returns the rows that finished."""
+        rows = self.rows
+        # 1. propose: every row's drafters; the budget keeps what pays for the batch
+        t0 = time.perf_counter()
+        proposals = [[drafter.propose(row.ctx) for drafter in row.job.drafters] for row in rows]
+        selections = self.choose(proposals)
+        trees = [selection.tree for selection in selections]
+        t1 = time.perf_counter()
+        # 2. pack and 3. forward: one call for every row, trees padded to one size
+        nodes = max(len(tree) for tree in trees)
+        input_ids, position_ids, mask = self.pack(trees, nodes)
+        logits = self.model(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=position_ids,
+            past_key_values=self.cache.cache,
+            use_cache=True,
+        ).logits  # [rows, nodes, vocab]
+        # 4. verify and 5. commit, per row
+        kept: list[list[int]] = []
+        t2 = time.perf_counter()
+        for b, (row, tree, selection) in enumerate(zip(rows, trees, selections, strict=True)):
+            row_logits = logits[b, : len(tree)]
+            transcript = row.job.transcript
+            verdict = verify(
+                tree, NodeScores(row_logits, row.job.processor, transcript.sequence, tree), row.job.sampling
+            )
+            path = [0, *verdict.accepted_nodes]
+            kept.append(path)
+            row.prefix_len += len(path)
+            sources = [tree.sources[i] for i in verdict.accepted_nodes] + ["model"]
+            tokens = [tree.tokens[i] for i in verdict.accepted_nodes] + [verdict.bonus_token]
+            rows_seen = row_logits[path] if transcript.logprobs_top is not None else None
+            new_tokens = transcript.extend(tokens, sources, rows_seen)
+            row.ctx.tokens.extend(new_tokens)
+            t_row = time.perf_counter()
+            for drafter, node_map in zip(row.job.drafters, selection.node_maps, strict=True):
+                drafter.observe(row.ctx, StepOutcome(tree, verdict, row_logits, new_tokens, node_map))
+            row.budget.learn(proposals[b], new_tokens)
+            drafting = time.perf_counter() - t_row + (t1 - t0) / len(rows)
+            row.stats.record_step(
+                tree, verdict.accepted_len, Counter(sources[:-1]), drafting, t2 - t1, selection.expected_accepted
+            )
+        self.cache.keep(kept, nodes)
+        finished = [row for row in rows if row.done]
+        if finished:
+            self.remove(finished)
+        else:
+            self.cache.compact()
+        return finished
+
+    def remove(self, leaving: Sequence[Row]) -> None:
+        """Take rows out (finished or cancelled): their drafters finish, their stats are closed, slots freed."""
+        gone = {id(row) for row in leaving}
+        for row in leaving:
+            for drafter in row.job.drafters:
+                drafter.finish(row.ctx)
+            row.stats.new_tokens = len(row.job.transcript.sources)
+            row.stats.total_seconds = time.perf_counter() - row.started
+            if row.job.transcript.streamer is not None:
+                row.job.transcript.streamer.end()
+        staying = [i for i, row in enumerate(self.rows) if id(row) not in gone]
+        self.rows = [self.rows[i] for i in staying]
+        if self.rows:
+            self.cache.drop(staying)
+        else:
+            self.cache = RowCache(self.model.config)
+
+    def pack(self, trees: Sequence[TokenTree], nodes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """input_ids and position_ids [rows, nodes]; the mask [rows, 1, nodes, slots + nodes].
+
+        A row sees its visible slots, then its tree's ancestry; padding nodes (rows with smaller trees) repeat
+        the root at its position and see the row's slots and themselves only: no row ever attends to them.
+        """
+        rows, slots = len(trees), self.cache.slots
+        input_ids = torch.zeros(rows, nodes, dtype=torch.long)
+        position_ids = torch.zeros(rows, nodes, dtype=torch.long)
+        visible = torch.zeros(rows, nodes, slots + nodes, dtype=torch.bool)
+        visible[:, :, :slots] = self.cache.visible[:, None, :]
+        for b, (row, tree) in enumerate(zip(self.rows, trees, strict=True)):
+            size = len(tree)
+            input_ids[b, :size] = torch.tensor(tree.tokens)
+            input_ids[b, size:] = tree.tokens[0]
+            position_ids[b, :size] = torch.tensor(tree.depths) + row.prefix_len
+            position_ids[b, size:] = row.prefix_len
+            visible[b, :size, slots : slots + size] = tree.ancestors()
+            visible[b, range(size, nodes), range(slots + size, slots + nodes)] = True
+        mask = visible[:, None]
+        if self.attention == "eager":
+            dtype = self.model.dtype
+            mask = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, torch.finfo(dtype).min)
+        device = self.model.device
+        return input_ids.to(device), position_ids.to(device), mask.to(device)
+
+
+def decode_batch(model: torch.nn.Module, jobs: Sequence[RowJob], budget: Budget) -> list[GenerationStats]:
+    """Decode every job (rows of one batch); tokens land in each job's transcript, per-row stats are returned.
+
+    Models whose cache cannot hold ragged rows (sliding windows, linear attention) or that cannot take a tree
+    mask decode the rows one after another with the single-row engine (which falls back to plain decoding where
+    it must): still exact, just not batched.
+    """
+    if not batchable(model):
+        return [
+            decode(
+                model,
+                job.input_ids,
+                job.drafters,
+                job.transcript,
+                job.eos,
+                job.max_new_tokens,
+                budget,
+                True,
+                job.processor,
+                job.sampling,
+            )
+            for job in jobs
+        ]
+    batch = Batch(model, budget)
+    rows = [batch.add(job) for job in jobs]
+    while batch.rows:
+        batch.step()
+    return [row.stats for row in rows]

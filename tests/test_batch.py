@@ -1,0 +1,265 @@
+"""Batched decoding: each row of a batch equals plain greedy `model.generate` of that prompt alone (fp32), for
+every method, across the family matrix, with ragged prompts, ragged acceptance and rows that end apart."""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+
+import pytest
+import torch
+from transformers import MaxLengthCriteria, StoppingCriteriaList
+
+import forerun
+from forerun.batch import Batch, RowCache, RowJob, decode_batch
+from forerun.costmodel import LatencyCurve, StaticBudget, best_shared_count
+from forerun.engine import Sampling, Transcript
+
+from helpers import OracleDrafter, RandomDrafter
+from tiny_models import FAMILIES, VOCAB, prompts, tiny_model
+
+NO_SDPA = {"gemma2", "gptj"}
+CASES = [(f, impl) for f in FAMILIES for impl in ("eager", "sdpa") if not (impl == "sdpa" and f in NO_SDPA)]
+NEW_TOKENS = 32
+CURVE = LatencyCurve((1, 2, 4, 8, 16, 32, 64, 128), (1.0, 1.0, 1.0, 1.1, 1.3, 1.7, 2.6, 4.4))
+"""A flat-then-rising curve (this CPU's bf16 shape): trees pay for small batches, less so for large ones."""
+METHODS = {
+    "plain": {},
+    "prompt_lookup": {"max_ngram": 2, "draft_len": 5},
+    "trie": {"decoding_length": 8, "branch_length": 4},
+    "auto": {},
+}
+
+
+def ragged_prompts() -> list[torch.Tensor]:
+    """Four prompts [1, L] of lengths 24, 10, 17 and 1 (a one-token prompt has nothing to prefill)."""
+    base = prompts(3)
+    return [base[0], base[1][:, :10], base[2][:, :17], prompts(4, seed=3)[3][:, :1]]
+
+
+@functools.lru_cache(maxsize=4)
+def model_of(family: str, impl: str) -> torch.nn.Module:
+    return tiny_model(family, impl)
+
+
+@functools.lru_cache(maxsize=256)
+def single(family: str, impl: str, index: int, eos: int | None, new_tokens: int = NEW_TOKENS) -> torch.Tensor:
+    prompt = ragged_prompts()[index]
+    return model_of(family, impl).generate(
+        prompt, max_new_tokens=new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=0
+    )
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+@pytest.mark.parametrize(("family", "impl"), CASES)
+def test_each_row_equals_generate_of_its_prompt_alone(family, impl, method):
+    model = model_of(family, impl)
+    decoder = forerun.Decoder(model, None, method, latency=CURVE, **METHODS[method])
+    batch = [p[0].tolist() for p in ragged_prompts()]
+    results = decoder.generate(batch, NEW_TOKENS, eos_token_id=[])
+    assert len(results) == len(batch)
+    for index, result in enumerate(results):
+        assert torch.equal(result.sequences, single(family, impl, index, None)), (family, impl, method, index)
+        assert result.prompt_len == len(batch[index]) and result.stats.new_tokens == NEW_TOKENS
+    # An EOS that row 0 meets half-way: row 0 leaves the batch early, the others go on, each as alone.
+    eos = int(single(family, impl, 0, None)[0, len(batch[0]) + NEW_TOKENS // 2])
+    results = decoder.generate(batch, NEW_TOKENS, eos_token_id=eos)
+    for index, result in enumerate(results):
+        assert torch.equal(result.sequences, single(family, impl, index, eos)), (family, impl, method, index, "eos")
+    assert results[0].stats.new_tokens < NEW_TOKENS
+
+
+@pytest.mark.parametrize("method", ["jacobi", "prompt_lookup+trie", "jacobi+trie"])
+@pytest.mark.parametrize(("family", "impl"), [("llama", "sdpa"), ("gpt2", "eager"), ("qwen3", "eager")])
+def test_other_methods_batched_equal_generate(family, impl, method):
+    decoder = forerun.Decoder(model_of(family, impl), None, method, latency=CURVE)
+    results = decoder.generate([p[0].tolist() for p in ragged_prompts()], NEW_TOKENS, eos_token_id=[])
+    for index, result in enumerate(results):
+        assert torch.equal(result.sequences, single(family, impl, index, None)), (family, impl, method, index)
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_draft_model_batched_equals_generate(impl):
+    target = model_of("llama", impl)
+    draft = tiny_model("llama", impl, seed=1)
+    decoder = forerun.Decoder(target, None, "draft_model", draft_model=draft, gamma=4)
+    results = decoder.generate([p[0].tolist() for p in ragged_prompts()], NEW_TOKENS, eos_token_id=[])
+    for index, result in enumerate(results):
+        assert torch.equal(result.sequences, single("llama", impl, index, None)), (impl, index)
+
+
+def jobs_for(model, rows, drafters_per_row, max_new=NEW_TOKENS):
+    jobs = []
+    for prompt, drafters in zip(rows, drafters_per_row, strict=True):
+        criteria = StoppingCriteriaList([MaxLengthCriteria(prompt.shape[1] + max_new)])
+        jobs.append(RowJob(prompt, Transcript(prompt.clone(), criteria), drafters, frozenset(), max_new))
+    return jobs
+
+
+@pytest.mark.parametrize(("family", "impl"), [("llama", "sdpa"), ("gpt2", "eager"), ("falcon", "sdpa")])
+def test_rows_that_accept_very_different_lengths_stay_exact(family, impl):
+    """An oracle on row 0 (5 tokens accepted per step), a drafter that is always wrong on row 1: the cache gets
+    holes every step, is compacted, and both rows still equal their single runs."""
+    model = model_of(family, impl)
+    rows = ragged_prompts()[:2]
+    truths = [single(family, impl, i, None)[0].tolist() for i in range(2)]
+    drafters = [[OracleDrafter(truths[0], 5, VOCAB)], [RandomDrafter(truths[1], VOCAB)]]
+    jobs = jobs_for(model, rows, drafters)
+    stats = decode_batch(model, jobs, StaticBudget(24))
+    for index, job in enumerate(jobs):
+        assert job.transcript.sequence[0].tolist() == truths[index], (family, impl, index)
+    assert stats[0].accepted_by["oracle"] >= NEW_TOKENS // 2 and stats[1].accepted == 0
+    assert stats[0].forwards < stats[1].forwards
+
+
+def test_row_cache_keeps_each_rows_path_and_compacts_holes():
+    """The module docstring's picture, by hand: keys hold each slot's own number so the gathers can be read."""
+    cache = RowCache(tiny_model("llama").config)
+    cache.visible = torch.tensor([[True] * 4, [False, True, True, True]])
+    for layer in cache.cache.layers:
+        keys = torch.arange(2 * 7, dtype=torch.float32).reshape(2, 1, 7, 1)  # 4 slots + 3 tree nodes per row
+        layer.lazy_initialization(keys, keys)
+        layer.keys, layer.values = keys, keys.clone()
+    cache.keep([[0, 2, 1], [0]], nodes=3)  # row 0 keeps root, node 2, node 1; row 1 the root alone
+    layer = cache.cache.layers[0]
+    assert layer.keys[0, 0, :, 0].tolist() == [0, 1, 2, 3, 4, 6, 5]
+    assert layer.keys[1, 0, 4:, 0].tolist() == [11, 11, 11]  # holes repeat the last kept node, never seen
+    assert cache.visible.tolist() == [[True] * 7, [False, True, True, True, True, False, False]]
+    cache.compact(force=True)
+    assert cache.visible.tolist() == [[True] * 7, [False, False, False, True, True, True, True]]
+    assert layer.keys[1, 0, 3:, 0].tolist() == [8, 9, 10, 11] and layer.keys[0, 0, :, 0].tolist() == [
+        0,
+        1,
+        2,
+        3,
+        4,
+        6,
+        5,
+    ]
+
+
+def test_rows_join_a_running_batch_and_leave_on_their_own():
+    """Continuous batching: a row added after two steps of another still equals its single run."""
+    model = model_of("llama", "sdpa")
+    decoder = forerun.Decoder(model, None, "prompt_lookup", latency=CURVE)
+    rows = ragged_prompts()
+    batch = Batch(model, decoder.budget)
+    jobs = jobs_for(model, rows[:3], [forerun.batch.fork(decoder.drafters) for _ in range(3)])
+    batch.add(jobs[0])
+    batch.step()
+    batch.step()
+    batch.add(jobs[1])
+    batch.step()
+    batch.add(jobs[2])
+    finished = []
+    while batch.rows:
+        finished += batch.step()
+    assert len(finished) == 3
+    for index, job in enumerate(jobs):
+        assert torch.equal(job.transcript.sequence, single("llama", "sdpa", index, None)), index
+
+
+def test_the_per_row_budget_shrinks_as_the_batch_grows():
+    """On a curve that turns linear past 16 tokens (compute-bound), big batches stop drafting altogether."""
+    steep = LatencyCurve((1, 8, 16, 128), (1.0, 1.2, 2.0, 16.0))
+    chances = [0.6, 0.4, 0.2]
+    counts = [best_shared_count([chances] * rows, steep) for rows in (1, 2, 4, 8, 16, 32)]
+    assert counts == sorted(counts, reverse=True) and counts[0] == 3 and counts[-1] == 0, counts
+
+
+def test_left_padded_batch_through_custom_generate_equals_plain_batched_generate():
+    model = model_of("llama", "sdpa")
+    rows = ragged_prompts()[:3]
+    width = max(p.shape[1] for p in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, p in enumerate(rows):
+        ids[i, width - p.shape[1] :], mask[i, width - p.shape[1] :] = p[0], 1
+    eos = int(single("llama", "sdpa", 1, None)[0, rows[1].shape[1] + 5])  # row 1 ends early: padded after EOS
+    common = dict(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+    expected = model.generate(**common, eos_token_id=eos)
+    got = model.generate(**common, eos_token_id=eos, custom_generate=forerun.hf_generate, forerun_method="auto")
+    assert torch.equal(got, expected)
+    right = torch.flip(mask, [1])
+    with pytest.raises(ValueError, match="left-padded"):
+        model.generate(
+            input_ids=ids, attention_mask=right, max_new_tokens=4, pad_token_id=0, custom_generate=forerun.hf_generate
+        )
+
+
+def test_seeded_batched_sampling_repeats_and_rows_differ():
+    model = model_of("llama", "sdpa")
+    batch = [ragged_prompts()[0][0].tolist()] * 3
+    runs = [
+        [
+            r.new_tokens
+            for r in forerun.Decoder(model, None, "prompt_lookup").generate(batch, 12, do_sample=True, seed=7)
+        ]
+        for _ in range(2)
+    ]
+    assert runs[0] == runs[1]  # a fresh Decoder and the same seed: the same samples
+    assert len({tuple(row) for row in runs[0]}) > 1  # row i draws from seed + i
+
+
+@pytest.mark.parametrize(
+    ("prompts_given", "kwargs", "message"),
+    [
+        ([], {}, "empty"),
+        (["hi", [{"role": "user", "content": "hi"}]], {}, "mixes raw text prompts and chat"),
+        ([[5, 6], []], {}, "prompt 1: prompt is empty"),
+        ([[5, 6], [7, 10_000]], {}, "prompt 1: prompt has token ids outside"),
+        ([[5, 6], [7, 8]], {"streamer": object()}, "streamer"),
+        ([[5, 6], [7, 8]], {"prediction": [5, 6]}, "prediction"),
+        ([[5, 6], [7, 8]], {"max_new_tokens": 0}, "max_new_tokens"),
+    ],
+)
+def test_bad_batches_are_clear_errors(prompts_given, kwargs, message):
+    decoder = forerun.Decoder(model_of("llama", "sdpa"), None, "prompt_lookup", latency=CURVE)
+    kwargs = {"max_new_tokens": 4, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        decoder.generate(prompts_given, **kwargs)
+
+
+def test_batched_sampling_keeps_the_distribution_per_row():
+    """Rows of one batch sample independently from plain generate's distribution (chi-square per row and pooled);
+    a biased verifier fails the same pooled test (the negative control, so the test has power)."""
+    from test_sampling import (
+        ALPHA,
+        NEW,
+        PROMPT,
+        SAMPLES,
+        biased_verifier,
+        decoder_for,
+        homogeneity_pvalue,
+        peaked_model,
+        plain_counts,
+        transformers_processors,
+    )
+
+    rows = 4
+    model = peaked_model()
+    processors = transformers_processors(model, {"temperature": 0.7})
+
+    def counts(verifier=None) -> tuple[list[Counter], int]:
+        decoder = decoder_for("prompt_lookup")
+        generator = torch.Generator().manual_seed(11)
+        per_row, accepted = [Counter() for _ in range(rows)], 0
+        for _ in range(SAMPLES // rows):
+            sampling = Sampling(generator, verifier or decoder.sample_verifier)
+            jobs = jobs_for(model, [PROMPT] * rows, [forerun.batch.fork(decoder.drafters) for _ in range(rows)], NEW)
+            for job in jobs:
+                job.processor, job.sampling = processors, sampling
+            stats = decode_batch(model, jobs, decoder.budget)
+            for row, job in enumerate(jobs):
+                per_row[row][tuple(job.transcript.sequence[0, PROMPT.shape[1] :].tolist())] += 1
+            accepted += sum(s.accepted for s in stats)
+        return per_row, accepted
+
+    per_row, accepted = counts()
+    assert accepted > SAMPLES * 0.05  # drafts were accepted: the test has something to check
+    reference = plain_counts("T0.7")
+    assert homogeneity_pvalue(sum(per_row, Counter()), reference) > ALPHA
+    for row in per_row:
+        assert homogeneity_pvalue(row, reference) > ALPHA
+    biased, _ = counts(biased_verifier)
+    assert homogeneity_pvalue(sum(biased, Counter()), reference) < ALPHA
