@@ -290,3 +290,33 @@ def test_schemathesis_finds_no_server_error(guarded):
             assert response.status_code < 500, (case.operation.label, case.body, response.text[:300])
 
         no_server_error()
+
+
+def test_a_flood_beyond_max_queue_gets_429_and_nothing_else_breaks(smollm2):
+    """8 clients at once against a queue of 2: the overflow is refused at once (429, Retry-After, OpenAI's error
+    shape), every admitted request completes, and the server answers normally afterwards."""
+    model, tokenizer = smollm2
+    server = LiveServer(create_app(model, tokenizer, ServerConfig(MODEL, "prompt_lookup", max_queue=2)))
+    try:
+        body = {"messages": [{"role": "user", "content": "Count from one to twenty in words."}], "max_tokens": 48}
+        responses: list[httpx.Response] = []
+
+        def call() -> None:
+            responses.append(httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120))
+
+        threads = [threading.Thread(target=call) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        statuses = sorted(r.status_code for r in responses)
+        assert set(statuses) == {200, 429} and statuses.count(200) >= 2, statuses
+        refused = next(r for r in responses if r.status_code == 429)
+        assert refused.headers["retry-after"] == "2" and refused.json()["error"]["type"] == "rate_limit_exceeded"
+        health = httpx.get(server.url + "/health").json()
+        assert health["rejected"] == statuses.count(429) and health["queue"] == 0 and health["max_queue"] == 2
+        assert "forerun_rejected_total" in httpx.get(server.url + "/metrics").text
+        again = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120)
+        assert again.status_code == 200 and again.json()["choices"][0]["message"]["content"]
+    finally:
+        server.stop()

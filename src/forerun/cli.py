@@ -14,6 +14,7 @@ Example:
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Callable
 from functools import wraps
 
@@ -53,6 +54,8 @@ def user_errors(command: Callable) -> Callable:
     def wrapper(*args, **kwargs):
         try:
             return command(*args, **kwargs)
+        except (typer.Exit, typer.Abort):
+            raise
         except (ValueError, FileNotFoundError, RuntimeError) as error:
             errors.print(f"[bold red]error:[/] {escape(str(error))}", highlight=False, soft_wrap=True)
             raise typer.Exit(2) from None
@@ -365,6 +368,7 @@ def serve(
     cache: str = typer.Option("", "--cache", help="Trie file: loaded at start if present, saved at shutdown."),
     max_tokens_limit: int = typer.Option(1024, "--max-tokens-limit"),
     timeout: float = typer.Option(300.0, "--timeout", help="Per-request timeout in seconds, arrival to last token."),
+    max_queue: int = typer.Option(64, "--max-queue", help="Most requests queued or running; beyond it: 429."),
     threads: int = THREADS,
     draft_model: str = DRAFT,
     max_tree_nodes: int = NODES,
@@ -376,8 +380,10 @@ def serve(
 
     from forerun.server import ServerConfig, create_app
 
-    if not 1 <= port <= 65535 or max_tokens_limit < 1 or not 0 < timeout < float("inf"):
-        raise ValueError("--port must be in [1, 65535], --max-tokens-limit >= 1 and --timeout a positive number")
+    if not 1 <= port <= 65535 or max_tokens_limit < 1 or not 0 < timeout < float("inf") or max_queue < 1:
+        raise ValueError(
+            "--port must be in [1, 65535], --max-tokens-limit and --max-queue >= 1 and --timeout a positive number"
+        )
     spec = run_spec(model, method, knob, device, dtype, threads, draft_model, max_tree_nodes)
     config = ServerConfig(
         model_name=model,
@@ -388,11 +394,93 @@ def serve(
         max_tokens_limit=max_tokens_limit,
         request_timeout_s=timeout,
         allowed_hosts=tuple(allow_host) or None,
+        max_queue=max_queue,
     )
     lm, tokenizer, draft = spec.load()
     app = create_app(lm, tokenizer, config, draft)  # a bad cache file or knob stops here, in one line
     # On SIGTERM/SIGINT: stop accepting, give open requests 5 s, then cancel them; the trie is saved after.
     uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
+
+
+@app.command("run")
+@user_errors
+def run_file(
+    prompts_file: str = typer.Argument(..., help='JSONL: {"id", "prompt" | "messages", optional settings} per line.'),
+    out: str = typer.Option(..., "--out", "-o", help="Results JSONL (appended as records finish; resumable)."),
+    model: str = MODEL,
+    method: str = METHOD,
+    knob: list[str] = KNOB,
+    batch_size: int = typer.Option(8, "--batch-size", "-b", help="Rows decoded together."),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n"),
+    chat: bool = typer.Option(False, "--chat", help="Apply the chat template to text prompts."),
+    do_sample: bool = typer.Option(False, "--sample", help="Sample instead of greedy decoding."),
+    temperature: float = typer.Option(None, "--temperature", help="With --sample."),
+    top_p: float = typer.Option(None, "--top-p", help="With --sample."),
+    top_k: int = typer.Option(None, "--top-k", help="With --sample."),
+    seed: int = typer.Option(None, "--seed", help="With --sample: row i of a batch draws from seed + i."),
+    max_tree_nodes: int = NODES,
+    threads: int = THREADS,
+    draft_model: str = DRAFT,
+    device: str = DEVICE,
+    dtype: str = DTYPE,
+) -> None:
+    """Decode a JSONL file of prompts in batches; rerun to resume. Under torchrun each rank takes a shard."""
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from forerun.runner import Shard, check_writable, merge_results, read_records, run_records
+
+    if batch_size < 1 or max_new_tokens < 1:
+        raise ValueError(f"--batch-size and --max-new-tokens must be >= 1 (got {batch_size}, {max_new_tokens})")
+    source, target = Path(prompts_file), Path(out)
+    if not source.is_file():
+        raise ValueError(f"prompts file {source} does not exist")
+    check_writable(target)
+    defaults = {"max_new_tokens": max_new_tokens, "chat": chat}
+    if do_sample:
+        sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k}
+        defaults.update(do_sample=True, **{k: v for k, v in sampling.items() if v is not None})
+    if seed is not None:
+        defaults["seed"] = seed
+    spec = run_spec(model, method, knob, device, dtype, threads, draft_model, max_tree_nodes)
+    records, problems = read_records(source, defaults)
+    shard = Shard()
+    if dist.is_torchelastic_launched():  # torchrun set the rendezvous: one shard per rank
+        dist.init_process_group("nccl" if spec.device.startswith("cuda") else "gloo")
+        shard = Shard(dist.get_rank(), dist.get_world_size())
+    if shard.rank == 0:  # every rank reads the same file: one report
+        for problem in problems:
+            errors.print(f"[bold yellow]skipped:[/] {escape(problem)}", highlight=False)
+    lm, tokenizer, draft = spec.load()
+    decoder = spec.decoder(lm, tokenizer, draft)
+    label = f"rank {shard.rank}/{shard.world} " if shard.world > 1 else ""
+    totals = {"tokens": 0, "forwards": 0}
+    with progress_bar() as bar:
+        task = bar.add_task(f"{label}records", total=len(shard.take(records)))
+        started = time.perf_counter()
+
+        def advance(rows: list[dict]) -> None:
+            for row in rows:
+                totals["tokens"] += len(row.get("tokens", ()))
+                totals["forwards"] += row.get("stats", {}).get("forwards", 0)
+            rate = totals["tokens"] / max(1e-9, time.perf_counter() - started)
+            per_forward = totals["tokens"] / max(1, totals["forwards"])
+            description = f"{label}{rate:.1f} tok/s, {per_forward:.2f} tok/forward"
+            bar.update(task, advance=len(rows), description=description)
+
+        decoded = run_records(decoder, records, target, batch_size, shard, advance)
+    if shard.world > 1:
+        dist.barrier()  # every rank's part file is complete
+    if shard.rank == 0:
+        written = merge_results(target, records) if decoded or shard.world > 1 or target.exists() else 0
+        console.print(f"{written} records in {target} ({decoded} decoded now)", highlight=False)
+    if shard.world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+    if problems and shard.rank == 0:
+        errors.print(f"[bold red]error:[/] {len(problems)} bad line(s) in {source} were skipped", highlight=False)
+        raise typer.Exit(2)
 
 
 trie_app = typer.Typer(no_args_is_help=True, help="Trie cache tools (methods with 'trie' in them).")

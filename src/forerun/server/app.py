@@ -46,6 +46,8 @@ from forerun.stopping import first_stop
 ROUTES = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
 """Metric labels are these (or 'other'), never a raw path a client chose."""
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
+RETRY_AFTER_S = 2
+"""Seconds a client refused with 429 is told to wait (the Retry-After header)."""
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,8 @@ class ServerConfig:
     """From the request's arrival to its last token (queueing included)."""
     allowed_hosts: tuple[str, ...] | None = None
     """Host header values accepted ('*': any). None: any with an API key, else local names only."""
+    max_queue: int = 64
+    """Most requests waiting for or in generation; one more gets 429 with Retry-After (backpressure)."""
 
 
 class CacheError(ValueError):
@@ -101,6 +105,7 @@ class Metrics:
             registry=self.registry,
         )
         self.queue = Gauge("forerun_queue_length", "Requests waiting for or in generation", registry=self.registry)
+        self.rejected = Counter("forerun_rejected", "Requests refused with 429 (queue full)", registry=self.registry)
 
     def count(self, path: str, status: int) -> None:
         self.requests.labels(path if path in ROUTES else "other", str(status)).inc()
@@ -235,6 +240,7 @@ def create_app(model, tokenizer, config: ServerConfig, draft_model=None) -> Fast
     cache_decoder = load_trie_cache(pool, config.cache_path)
     metrics, worker = Metrics(), Worker()
     pending = [0]  # requests waiting for or in generation
+    rejected = [0]  # requests refused because the queue was full
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -251,7 +257,10 @@ def create_app(model, tokenizer, config: ServerConfig, draft_model=None) -> Fast
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError):
         metrics.count(request.url.path, error.status)
-        return error_response(error.status, error.message, error.param, error.kind)
+        response = error_response(error.status, error.message, error.param, error.kind)
+        if error.status == 429:
+            response.headers["Retry-After"] = str(RETRY_AFTER_S)
+        return response
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, error: RequestValidationError):
@@ -273,7 +282,16 @@ def create_app(model, tokenizer, config: ServerConfig, draft_model=None) -> Fast
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": config.model_name, "queue": pending[0]}
+        running = min(1, pending[0])  # one generation at a time; the rest wait
+        return {
+            "status": "ok",
+            "model": config.model_name,
+            "queue": pending[0],
+            "running": running,
+            "queued": pending[0] - running,
+            "rejected": rejected[0],
+            "max_queue": config.max_queue,
+        }
 
     @app.get("/metrics")
     async def metrics_endpoint():
@@ -310,6 +328,11 @@ def create_app(model, tokenizer, config: ServerConfig, draft_model=None) -> Fast
                 **args.sampling,
             )
 
+        if pending[0] >= config.max_queue:  # backpressure: a clear "come back later", not minutes of waiting
+            rejected[0] += 1
+            metrics.rejected.inc()
+            busy = f"the server is busy ({pending[0]} requests queued); retry later"
+            raise APIError(429, busy, kind="rate_limit_exceeded")
         metrics.queue.inc()
         pending[0] += 1
         started = time.perf_counter()

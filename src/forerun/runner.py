@@ -1,0 +1,244 @@
+"""`forerun run`: a JSONL file of prompts through batched decoding, resumable, and sharded under torchrun.
+
+Input rows: `{"id": ..., "prompt": "..."}` or `{"id": ..., "messages": [...]}`, with optional per-row settings that
+override the command's (`max_new_tokens`, `chat`, `stop`, `do_sample`, `temperature`, `top_p`, `top_k`, `min_p`,
+`repetition_penalty`, `seed`). Output rows: `{"id", "text", "tokens", "prompt_tokens", "stats"}`, one per record.
+
+Crash safety: every finished record is appended and flushed at once, so a crash loses only the records in flight;
+a rerun reads what is there (a torn last line is dropped) and skips those ids. When every record is done the file
+is rewritten in input order (a temporary file renamed over it).
+
+Under `torchrun --nproc-per-node N` (and `--nnodes` for several machines) each rank takes the pending records at
+positions rank, rank + N, ... and appends to its own part file `OUT.partR-of-N`; once every rank is done (a
+torch.distributed barrier: gloo on CPU, nccl on GPU), rank 0 merges the parts into OUT in input order.
+
+Example:
+    >>> record = parse_record('{"id": 7, "prompt": "Hi", "temperature": 0.5}', 3, {"max_new_tokens": 64})
+    >>> record.ident, record.settings["max_new_tokens"], record.settings["temperature"]
+    ('7', 64, 0.5)
+    >>> parse_record('{"id": 1, "prompt": "Hi", "colour": "red"}', 4, {})
+    Traceback (most recent call last):
+    ...
+    ValueError: line 4: unknown field(s) ['colour']
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+SETTINGS = ("max_new_tokens", "chat", "stop", "do_sample", "temperature", "top_p", "top_k", "min_p",
+            "repetition_penalty", "seed")  # fmt: skip
+"""Per-row settings a record may carry (they override the command's)."""
+
+
+@dataclass(frozen=True)
+class Record:
+    """One input row."""
+
+    ident: str
+    """The row's id, as a string (ids 7 and "7" are the same record)."""
+    position: int
+    """Index among the valid records, in input order."""
+    prompt: str | list[dict]
+    settings: dict
+
+    def settings_key(self) -> str:
+        """Rows with equal keys can share a batch (one set of generation settings per batch)."""
+        return json.dumps(self.settings, sort_keys=True)
+
+
+def parse_record(line: str, number: int, defaults: dict, position: int = 0) -> Record:
+    """A JSONL line -> Record; a ValueError names the line number and what is wrong."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"line {number}: invalid JSON ({error.msg})") from None
+    if not isinstance(row, dict):
+        raise ValueError(f"line {number}: a record must be a JSON object")
+    unknown = sorted(set(row) - {"id", "prompt", "messages", *SETTINGS})
+    if unknown:
+        raise ValueError(f"line {number}: unknown field(s) {unknown}")
+    ident = row.get("id")
+    if isinstance(ident, bool) or not isinstance(ident, (str, int)) or str(ident) == "":
+        raise ValueError(f"line {number}: 'id' must be a non-empty string or an integer")
+    if ("prompt" in row) == ("messages" in row):
+        raise ValueError(f"line {number}: give exactly one of 'prompt' (text) and 'messages' (chat)")
+    prompt = row.get("prompt", row.get("messages"))
+    if "prompt" in row and (not isinstance(prompt, str) or not prompt.strip()):
+        raise ValueError(f"line {number}: 'prompt' must be a non-empty string")
+    if "messages" in row and (
+        not isinstance(prompt, list)
+        or not prompt
+        or not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in prompt)
+    ):
+        raise ValueError(f"line {number}: 'messages' must be a list of {{role, content}} objects")
+    settings = {**defaults, **{k: row[k] for k in SETTINGS if k in row}}
+    if "messages" in row:
+        settings["chat"] = True
+    return Record(str(ident), position, prompt, settings)
+
+
+def read_records(path: str | Path, defaults: dict) -> tuple[list[Record], list[str]]:
+    """Every valid record of the file, and one message per bad line (the others still run)."""
+    records, problems, seen = [], [], set()
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = parse_record(line, number, defaults, len(records))
+            except ValueError as error:
+                problems.append(str(error))
+                continue
+            if record.ident in seen:
+                problems.append(f"line {number}: id {record.ident!r} appears again (ignored)")
+                continue
+            seen.add(record.ident)
+            records.append(record)
+    return records, problems
+
+
+def finished_rows(path: Path) -> dict[str, dict]:
+    """id -> output row of a results file (or part file); a torn last line (a crash mid-write) is cut off."""
+    if not path.exists():
+        return {}
+    data = path.read_bytes()
+    complete = data[: data.rfind(b"\n") + 1]
+    if len(complete) != len(data):
+        with open(path, "r+b") as handle:  # drop the torn tail so appends start on a fresh line
+            handle.truncate(len(complete))
+    rows = {}
+    for line in complete.decode("utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict) and "id" in row:
+            rows[str(row["id"])] = row
+    return rows
+
+
+def part_files(out: Path) -> list[Path]:
+    return sorted(out.parent.glob(f"{out.name}.part*-of-*"))
+
+
+def check_writable(out: Path) -> None:
+    """Fail now (before a model loads) if the results file cannot be written."""
+    if out.exists() and out.is_dir():
+        raise ValueError(f"output {out} is a folder; give a file path")
+    folder = out.resolve().parent
+    if not folder.is_dir():
+        raise ValueError(f"output folder {folder} does not exist")
+    if not os.access(folder, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
+        raise ValueError(f"output {out} cannot be written (permission denied)")
+
+
+def merge_results(out: Path, records: list[Record]) -> int:
+    """Write OUT with every finished row in input order (atomic rename), then delete the part files."""
+    rows = finished_rows(out)
+    parts = part_files(out)
+    for part in parts:
+        rows.update(finished_rows(part))
+    order = {record.ident: record.position for record in records}
+    ordered = sorted(rows.values(), key=lambda row: (order.get(str(row["id"]), len(order)), str(row["id"])))
+    temporary = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+    with open(temporary, "w", encoding="utf-8") as handle:
+        for row in ordered:
+            handle.write(json.dumps(row, ensure_ascii=False) + "\n")
+    os.replace(temporary, out)
+    for part in parts:
+        part.unlink()
+    return len(ordered)
+
+
+def batches(records: Iterable[Record], size: int) -> list[list[Record]]:
+    """Consecutive pending records with the same settings, at most `size` per batch, in input order."""
+    groups: dict[str, list[Record]] = {}
+    for record in records:
+        groups.setdefault(record.settings_key(), []).append(record)
+    out = []
+    for group in groups.values():
+        out += [group[i : i + size] for i in range(0, len(group), size)]
+    return sorted(out, key=lambda batch: batch[0].position)
+
+
+def run_batch(decoder, batch: list[Record]) -> list[dict]:
+    """Decode one batch; one output row per record."""
+    settings = dict(batch[0].settings)
+    max_new_tokens = settings.pop("max_new_tokens")
+    chat = settings.pop("chat", False)
+    stop = settings.pop("stop", None)
+    seed = settings.pop("seed", None)
+    sampling = {k: v for k, v in settings.items() if v is not None}
+    if not sampling.get("do_sample", False):
+        sampling = {}
+    results = decoder.generate(
+        [record.prompt for record in batch], max_new_tokens, chat=chat, stop=stop, seed=seed, **sampling
+    )
+    return [
+        {
+            "id": record.ident,
+            "text": result.text,
+            "tokens": result.new_tokens,
+            "prompt_tokens": result.prompt_len,
+            "stats": {
+                "forwards": result.stats.forwards,
+                "tokens_per_forward": round(result.stats.tokens_per_forward, 3),
+                "acceptance": round(result.stats.acceptance_rate, 3),
+                "seconds": round(result.stats.total_seconds, 3),
+            },
+        }
+        for record, result in zip(batch, results, strict=True)
+    ]
+
+
+@dataclass(frozen=True)
+class Shard:
+    """This process's share of the work: rank r of n takes pending positions r, r + n, ..."""
+
+    rank: int = 0
+    world: int = 1
+
+    def take(self, records: list[Record]) -> list[Record]:
+        return records[self.rank :: self.world]
+
+    def output(self, out: Path) -> Path:
+        return out if self.world == 1 else out.with_name(f"{out.name}.part{self.rank}-of-{self.world}")
+
+
+def run_records(
+    decoder,
+    records: list[Record],
+    out: Path,
+    batch_size: int,
+    shard: Shard = Shard(),
+    on_batch: Callable[[list[dict]], None] | None = None,
+) -> int:
+    """Decode this shard's pending records, appending each batch's rows to its output as soon as they are done.
+
+    Returns the number of records decoded now. Records already in OUT or any part file are skipped.
+    """
+    done = set(finished_rows(out))
+    for part in part_files(out):
+        done |= set(finished_rows(part))
+    pending = shard.take([record for record in records if record.ident not in done])
+    target = shard.output(out)
+    decoded = 0
+    with open(target, "a", encoding="utf-8") as handle:
+        for batch in batches(pending, batch_size):
+            try:
+                rows = run_batch(decoder, batch)
+            except ValueError as error:  # a bad setting or prompt: record it, carry on with the rest
+                rows = [{"id": record.ident, "error": str(error)} for record in batch]
+            for row in rows:
+                handle.write(json.dumps(row, ensure_ascii=False) + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+            decoded += len(batch)
+            if on_batch is not None:
+                on_batch(rows)
+    return decoded
