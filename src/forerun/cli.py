@@ -429,7 +429,7 @@ def run_file(
 
     import torch.distributed as dist
 
-    from forerun.runner import Shard, check_writable, merge_results, read_records, run_records
+    from forerun.runner import Shard, check_writable, merge_results, pending_records, read_records, run_records
 
     if batch_size < 1 or max_new_tokens < 1:
         raise ValueError(f"--batch-size and --max-new-tokens must be >= 1 (got {batch_size}, {max_new_tokens})")
@@ -452,12 +452,15 @@ def run_file(
     if shard.rank == 0:  # every rank reads the same file: one report
         for problem in problems:
             errors.print(f"[bold yellow]skipped:[/] {escape(problem)}", highlight=False)
+    pending = pending_records(records, target)
+    if shard.world > 1:
+        dist.barrier()  # every rank has read what is done before any rank appends
     lm, tokenizer, draft = spec.load()
     decoder = spec.decoder(lm, tokenizer, draft)
     label = f"rank {shard.rank}/{shard.world} " if shard.world > 1 else ""
     totals = {"tokens": 0, "forwards": 0}
     with progress_bar() as bar:
-        task = bar.add_task(f"{label}records", total=len(shard.take(records)))
+        task = bar.add_task(f"{label}records", total=len(shard.take(pending)))
         started = time.perf_counter()
 
         def advance(rows: list[dict]) -> None:
@@ -469,7 +472,7 @@ def run_file(
             description = f"{label}{rate:.1f} tok/s, {per_forward:.2f} tok/forward"
             bar.update(task, advance=len(rows), description=description)
 
-        decoded = run_records(decoder, records, target, batch_size, shard, advance)
+        decoded = run_records(decoder, pending, target, batch_size, shard, advance)
     if shard.world > 1:
         dist.barrier()  # every rank's part file is complete
     if shard.rank == 0:

@@ -102,13 +102,15 @@ def read_records(path: str | Path, defaults: dict) -> tuple[list[Record], list[s
     return records, problems
 
 
-def finished_rows(path: Path) -> dict[str, dict]:
-    """id -> output row of a results file (or part file); a torn last line (a crash mid-write) is cut off."""
+def finished_rows(path: Path, repair: bool = False) -> dict[str, dict]:
+    """id -> output row of a results file (or part file); a torn last line (a crash mid-write) is ignored, and
+    with `repair` cut off the file (only a file this process is about to append to: another rank may be writing
+    the others)."""
     if not path.exists():
         return {}
     data = path.read_bytes()
     complete = data[: data.rfind(b"\n") + 1]
-    if len(complete) != len(data):
+    if repair and len(complete) != len(data):
         with open(path, "r+b") as handle:  # drop the torn tail so appends start on a fresh line
             handle.truncate(len(complete))
     rows = {}
@@ -139,7 +141,7 @@ def check_writable(out: Path) -> None:
 
 def merge_results(out: Path, records: list[Record]) -> int:
     """Write OUT with every finished row in input order (atomic rename), then delete the part files."""
-    rows = finished_rows(out)
+    rows = finished_rows(out)  # called once every writer is done
     parts = part_files(out)
     for part in parts:
         rows.update(finished_rows(part))
@@ -210,26 +212,31 @@ class Shard:
         return out if self.world == 1 else out.with_name(f"{out.name}.part{self.rank}-of-{self.world}")
 
 
+def pending_records(records: list[Record], out: Path) -> list[Record]:
+    """The records not yet in OUT or any part file (read only: call it on every rank before any rank writes)."""
+    done = set(finished_rows(out))
+    for part in part_files(out):
+        done |= set(finished_rows(part))
+    return [record for record in records if record.ident not in done]
+
+
 def run_records(
     decoder,
-    records: list[Record],
+    pending: list[Record],
     out: Path,
     batch_size: int,
     shard: Shard = Shard(),
     on_batch: Callable[[list[dict]], None] | None = None,
 ) -> int:
-    """Decode this shard's pending records, appending each batch's rows to its output as soon as they are done.
+    """Decode this shard's share of `pending`, appending each batch's rows to its output as soon as they are done.
 
-    Returns the number of records decoded now. Records already in OUT or any part file are skipped.
+    Returns the number of records decoded.
     """
-    done = set(finished_rows(out))
-    for part in part_files(out):
-        done |= set(finished_rows(part))
-    pending = shard.take([record for record in records if record.ident not in done])
     target = shard.output(out)
+    finished_rows(target, repair=True)
     decoded = 0
     with open(target, "a", encoding="utf-8") as handle:
-        for batch in batches(pending, batch_size):
+        for batch in batches(shard.take(pending), batch_size):
             try:
                 rows = run_batch(decoder, batch)
             except ValueError as error:  # a bad setting or prompt: record it, carry on with the rest

@@ -1,0 +1,163 @@
+"""`forerun run`: every record once, equal to single generation, resumable after a crash, sharded under torchrun."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+import forerun
+from forerun.cli import app
+from forerun.runner import (
+    Record,
+    batches,
+    finished_rows,
+    merge_results,
+    parse_record,
+    pending_records,
+    read_records,
+    run_records,
+)
+
+PROMPTS = [
+    {"id": "pal", "prompt": "Write a Python function that checks whether a string is a palindrome."},
+    {"id": 2, "messages": [{"role": "user", "content": "List the planets of the solar system."}]},
+    {"id": "hash", "prompt": "Explain what a hash table is.", "max_new_tokens": 6},
+    {"id": "add", "prompt": "Add type hints to: def add(a, b): return a + b"},
+    {"id": "sea", "prompt": "Write a haiku about the sea."},
+]
+NEW_TOKENS = 12
+
+
+def write_prompts(path: Path, rows: list[dict], bad_lines: tuple[str, ...] = ()) -> Path:
+    lines = [json.dumps(row) for row in rows]
+    for i, bad in enumerate(bad_lines):
+        lines.insert(1 + 2 * i, bad)
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def expected_tokens(smollm2) -> dict[str, list[int]]:
+    """Each record decoded alone with plain greedy generate (chat template on, as the run uses --chat)."""
+    model, tokenizer = smollm2
+    out = {}
+    for row in PROMPTS:
+        messages = row.get("messages") or [{"role": "user", "content": row["prompt"]}]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        new = row.get("max_new_tokens", NEW_TOKENS)
+        sequence = model.generate(ids["input_ids"], max_new_tokens=new, do_sample=False)
+        out[str(row["id"])] = sequence[0, ids["input_ids"].shape[1] :].tolist()
+    return out
+
+
+def test_records_parse_with_line_numbers_and_group_by_settings(tmp_path):
+    path = write_prompts(tmp_path / "in.jsonl", PROMPTS, ("{not json", '{"id": "pal", "prompt": "again"}'))
+    records, problems = read_records(path, {"max_new_tokens": NEW_TOKENS, "chat": True})
+    assert [r.ident for r in records] == ["pal", "2", "hash", "add", "sea"]
+    assert problems == ["line 2: invalid JSON (Expecting property name enclosed in double quotes)",
+                        "line 4: id 'pal' appears again (ignored)"]  # fmt: skip
+    groups = batches(records, 2)
+    assert [[r.ident for r in g] for g in groups] == [["pal", "2"], ["hash"], ["add", "sea"]]
+    for bad, message in [
+        ('{"prompt": "x"}', "'id'"),
+        ('{"id": 1, "prompt": "x", "messages": []}', "exactly one"),
+        ('{"id": 1, "prompt": "  "}', "non-empty"),
+        ('{"id": 1, "messages": [{"role": "user"}]}', "messages"),
+        ("[1, 2]", "JSON object"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            parse_record(bad, 9, {})
+
+
+def test_a_torn_last_line_is_dropped_and_merge_keeps_input_order(tmp_path):
+    out = tmp_path / "out.jsonl"
+    out.write_text('{"id": "b", "text": "B"}\n{"id": "a", "te', encoding="utf-8")
+    assert list(finished_rows(out)) == ["b"] and out.read_text().endswith('"te')  # reading alone changes nothing
+    assert list(finished_rows(out, repair=True)) == ["b"]
+    assert out.read_text() == '{"id": "b", "text": "B"}\n'  # appends now start on a fresh line
+    (tmp_path / "out.jsonl.part1-of-2").write_text('{"id": "a", "text": "A"}\n', encoding="utf-8")
+    records = [Record("a", 0, "x", {}), Record("b", 1, "y", {})]
+    assert merge_results(out, records) == 2
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["a", "b"]
+    assert not list(tmp_path.glob("*.part*"))
+
+
+@pytest.mark.real_model
+def test_a_crash_midway_then_a_rerun_completes_without_duplicates(smollm2, tmp_path):
+    model, tokenizer = smollm2
+    decoder = forerun.Decoder(model, tokenizer, "auto")
+    records, _ = read_records(
+        write_prompts(tmp_path / "in.jsonl", PROMPTS), {"max_new_tokens": NEW_TOKENS, "chat": True}
+    )
+    out = tmp_path / "out.jsonl"
+
+    class Crash(Exception):
+        pass
+
+    def crash(rows):
+        raise Crash
+
+    with pytest.raises(Crash):
+        run_records(decoder, records, out, 2, on_batch=crash)  # dies after its first batch was written
+    assert len(finished_rows(out)) == 2
+    assert run_records(decoder, pending_records(records, out), out, 2) == 3  # the rest, nothing twice
+    merge_results(out, records)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [row["id"] for row in rows] == ["pal", "2", "hash", "add", "sea"]
+    expected = expected_tokens(smollm2)
+    for row in rows:
+        assert row["tokens"] == expected[row["id"]], row["id"]
+        assert row["text"] == tokenizer.decode(row["tokens"], skip_special_tokens=True)
+        assert row["stats"]["forwards"] >= 1
+
+
+@pytest.mark.real_model
+def test_bad_lines_are_reported_the_rest_runs_and_an_unwritable_output_stops_at_once(smollm2, tmp_path):
+    path = write_prompts(tmp_path / "in.jsonl", PROMPTS[:2], ("oops",))
+    out = tmp_path / "out.jsonl"
+    result = CliRunner().invoke(app, ["run", str(path), "-o", str(out), "--chat", "-n", "4", "--threads", "2"])
+    assert result.exit_code == 2
+    assert "line 2: invalid JSON" in result.output and "1 bad line(s)" in result.output
+    assert sorted(finished_rows(out)) == ["2", "pal"]
+    missing = CliRunner().invoke(app, ["run", str(path), "-o", str(tmp_path / "no" / "out.jsonl")])
+    assert missing.exit_code == 2 and "does not exist" in missing.output and "Traceback" not in missing.output
+
+
+@pytest.mark.real_model
+def test_two_ranks_under_torchrun_write_every_record_once(smollm2, tmp_path):
+    path = write_prompts(tmp_path / "in.jsonl", PROMPTS)
+    out = tmp_path / "out.jsonl"
+    bin_dir = Path(sys.executable).parent
+    command = [
+        str(bin_dir / "torchrun"),
+        "--nproc-per-node",
+        "2",
+        "--no-python",
+        str(bin_dir / "forerun"),
+        "run",
+        str(path),
+        "-o",
+        str(out),
+        "--chat",
+        "--method",
+        "auto",
+        "-n",
+        str(NEW_TOKENS),
+        "--threads",
+        "1",
+        "--batch-size",
+        "2",
+    ]
+    env = {**os.environ, "MASTER_PORT": "29531"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [row["id"] for row in rows] == ["pal", "2", "hash", "add", "sea"]
+    expected = expected_tokens(smollm2)
+    assert all(row["tokens"] == expected[row["id"]] for row in rows)
+    assert not list(tmp_path.glob("*.part*"))
