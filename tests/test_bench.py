@@ -182,3 +182,25 @@ def test_edit_prompts_carry_their_prediction_and_predict_passes_it(model, tokeni
     assert records[1].identical and mismatch_lines(records) == []
     with pytest.raises(ValueError, match="predict=true is for forerun methods"):
         parse_methods("hf_prompt_lookup[predict=true]")
+
+
+def test_cli_bench_batch_sizes_table_checks_every_row(model, tokenizer, tmp_path):
+    """`--batch-size`: plain batched generate vs forerun at each size, every row checked against generate's."""
+    folder = tmp_path / "tiny"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    out = tmp_path / "batched"
+    args = ["bench", "--model", str(folder), "--dataset", "gsm8k,typehints", "--n", "2", "--max-new-tokens", "6"]
+    result = CliRunner().invoke(
+        app, [*args, "--methods", "prompt_lookup,auto", "--batch-size", "1,3", "--out", str(out)]
+    )
+    assert result.exit_code == 0, result.output
+    data = json.loads((out / "batched.json").read_text())
+    rows = {(r["batch_size"], r["method"]): r for r in data["rows"]}
+    assert set(rows) == {(b, m) for b in (1, 3) for m in ("generate", "prompt_lookup", "auto")}
+    assert all(r["identical_rows"] == r["rows"] == 4 for r in rows.values())
+    assert "| 3 | auto |" in (out / "batched.md").read_text()
+    bad = CliRunner().invoke(app, [*args, "--methods", "hf_prompt_lookup", "--batch-size", "2"])
+    assert bad.exit_code == 2 and "without a draft model" in bad.output
+    bad = CliRunner().invoke(app, [*args, "--methods", "auto", "--batch-size", "0,x"])
+    assert bad.exit_code == 2 and "--batch-size" in bad.output

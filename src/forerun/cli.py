@@ -176,6 +176,9 @@ def bench(
     draft_model: str = typer.Option(
         "", "--draft-model", help="Small model sharing the tokenizer, for methods draft_model and hf_assisted."
     ),
+    batch_size: str = typer.Option(
+        "", "--batch-size", help="e.g. 1,2,4,8: aggregate tokens/s of batched decoding vs plain batched generate."
+    ),
     device: str = DEVICE,
     dtype: str = DTYPE,
 ) -> None:
@@ -206,6 +209,9 @@ def bench(
     sampling = {"temperature": temperature, "top_p": top_p} if sample else None
     with console.status("latency curve (measured once per model, dtype, device and thread count)"):
         curve = curve_for(lm)
+    if batch_size:
+        bench_batched(lm, tokenizer, prompts, specs, batch_size, max_new_tokens, curve, Path(out), dtype, threads)
+        return
     console.print(
         f"[bold]forerun bench[/]: {escape(model)} {dtype}, {len(prompts)} prompts, {max_new_tokens} new tokens, "
         f"{'sampled ' + str(sampling) if sampling else 'greedy'}, torch threads {threads}, device {device}, "
@@ -268,6 +274,64 @@ def bench(
     for line in mismatches:
         errors.print(f"[bold red]MISMATCH[/]: {escape(line)}", highlight=False)
     if mismatches:
+        raise typer.Exit(1)
+
+
+def bench_batched(lm, tokenizer, prompts, specs, sizes_text, max_new_tokens, curve, out, dtype, threads) -> None:
+    """`forerun bench --batch-size ...`: the batched table (forerun.bench.batched), written as JSON and Markdown."""
+    import json
+
+    from forerun.bench.batched import markdown_table, run_batched
+    from forerun.bench.runner import HF_METHODS
+    from forerun.decoder import Decoder
+
+    try:
+        sizes = [int(part) for part in sizes_text.split(",")]
+    except ValueError:
+        raise ValueError(f"--batch-size takes integers like 1,2,4,8, got {sizes_text!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"--batch-size values must be >= 1, got {sizes_text!r}")
+    skipped = [s.label for s in specs if s.method in HF_METHODS or s.needs_draft()]
+    if skipped:
+        raise ValueError(f"--batch-size runs forerun methods without a draft model; drop {', '.join(skipped)}")
+
+    def make_decoders() -> dict:
+        return {
+            s.label: Decoder(
+                lm, tokenizer, s.method, max_tree_nodes=s.max_tree_nodes, adaptive=s.adaptive, latency=curve, **s.knobs
+            )
+            for s in specs
+        }
+
+    decoders = make_decoders()
+    console.print(
+        f"[bold]forerun bench --batch-size[/] {sizes}: {len(prompts)} prompts, {max_new_tokens} new tokens, greedy, "
+        f"{dtype}, torch threads {threads}; plain batched generate (left-padded) vs {', '.join(decoders)}",
+        highlight=False,
+    )
+    decoders[next(iter(decoders))].generate([list(prompts[0].messages)] * 2, 8)  # warm-up (allocations)
+    with progress_bar() as progress:
+        total = sum(-(-len(prompts) // size) for size in sizes) * (1 + len(decoders))
+        task = progress.add_task("batches", total=total)
+
+        def step(label: str) -> None:
+            progress.update(task, advance=1, description=label)
+
+        rows = run_batched(lm, tokenizer, prompts, make_decoders, sizes, max_new_tokens, step)
+    table = markdown_table(rows)
+    console.print(table, highlight=False, markup=False)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "batched.md").write_text(table + "\n", encoding="utf-8")
+    settings = {"batch_sizes": sizes, "prompts": len(prompts), "max_new_tokens": max_new_tokens, "dtype": dtype,
+                "threads": threads, "latency_curve": curve.as_dict()}  # fmt: skip
+    (out / "batched.json").write_text(json.dumps({"settings": settings, "rows": [r.as_dict() for r in rows]}, indent=1))
+    console.print(f"wrote {out / 'batched.md'} and {out / 'batched.json'}")
+    mismatched = [r for r in rows if r.identical_rows != r.rows]
+    if mismatched and dtype == "fp32":
+        for row in mismatched:
+            errors.print(
+                f"[bold red]MISMATCH[/]: b={row.batch_size} {row.method}: {row.identical_rows}/{row.rows} rows"
+            )
         raise typer.Exit(1)
 
 

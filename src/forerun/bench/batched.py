@@ -1,0 +1,133 @@
+"""`forerun bench --batch-size 1,2,4,8`: aggregate throughput of batched decoding against plain batched generate.
+
+For each batch size b the prompts are cut into batches of b (in order); every batch runs plain batched
+`model.generate` (left-padded, greedy) and then each method's `Decoder.generate([...])`, interleaved, so both see
+the same machine load. Reported per (b, method): new tokens per second over all batches, the ratio against plain
+batched generate at the same b, tokens per forward (per row), and whether every row is identical to plain
+batched generate's row (fp32: it must be; bf16: rows may differ at numerical ties, see forerun.exactness).
+
+Example:
+    forerun bench --batch-size 1,2,4,8 --methods plain,prompt_lookup,auto --n 4 --max-new-tokens 64
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+
+from forerun.bench.datasets import BenchPrompt
+from forerun.decoder import Decoder
+
+
+@dataclass
+class BatchRow:
+    """One (batch size, method) cell of the table."""
+
+    batch_size: int
+    method: str
+    new_tokens: int = 0
+    seconds: float = 0.0
+    forwards: int = 0
+    """Summed over rows: each row counts the forwards it took part in."""
+    identical_rows: int = 0
+    rows: int = 0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def tokens_per_forward(self) -> float:
+        return self.new_tokens / self.forwards if self.forwards else 0.0
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "tokens_per_second": self.tokens_per_second}
+
+
+def left_padded(tokenizer, prompts: Sequence[BenchPrompt], device: torch.device) -> dict[str, torch.Tensor]:
+    texts = [
+        tokenizer.apply_chat_template(list(p.messages), add_generation_prompt=True, tokenize=False) for p in prompts
+    ]
+    batch = tokenizer(texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+    return {key: value.to(device) for key, value in batch.items()}
+
+
+def new_rows(sequences: torch.Tensor, prompt_width: int, pad_id: int, eos: set[int]) -> list[list[int]]:
+    """Each row's new tokens, up to and including its first EOS (the pad after it dropped)."""
+    out = []
+    for row in sequences[:, prompt_width:].tolist():
+        cut = next((i + 1 for i, token in enumerate(row) if token in eos), len(row))
+        out.append(row[:cut])
+    return out
+
+
+def run_batched(
+    model,
+    tokenizer,
+    prompts: Sequence[BenchPrompt],
+    make_decoders: Callable[[], dict[str, Decoder]],
+    batch_sizes: Sequence[int],
+    max_new_tokens: int,
+    step: Callable[[str], None] | None = None,
+) -> list[BatchRow]:
+    """The table's cells, generate's first at each batch size. Every batch size gets fresh decoders: a trie that
+    had seen these very answers at the previous size would flatter the next."""
+    eos_config = model.generation_config.eos_token_id
+    eos = {eos_config} if isinstance(eos_config, int) else set(eos_config or [])
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos or {0})
+    results: list[BatchRow] = []
+    for size in batch_sizes:
+        decoders = make_decoders()
+        reference = BatchRow(size, "generate")
+        cells = {name: BatchRow(size, name) for name in decoders}
+        for start in range(0, len(prompts), size):
+            chunk = prompts[start : start + size]
+            inputs = left_padded(tokenizer, chunk, model.device)
+            began = time.perf_counter()
+            with torch.inference_mode():
+                sequences = model.generate(
+                    **inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad_id
+                )
+            reference.seconds += time.perf_counter() - began
+            expected = new_rows(sequences, inputs["input_ids"].shape[1], pad_id, eos)
+            reference.new_tokens += sum(len(row) for row in expected)
+            reference.forwards += sum(len(row) for row in expected)
+            reference.rows += len(chunk)
+            reference.identical_rows += len(chunk)
+            if step:
+                step(f"b={size} generate")
+            messages = [list(p.messages) for p in chunk]
+            for name, decoder in decoders.items():
+                began = time.perf_counter()
+                out = decoder.generate(messages, max_new_tokens)
+                cell = cells[name]
+                cell.seconds += time.perf_counter() - began
+                for result, want in zip(out, expected, strict=True):
+                    cell.new_tokens += len(result.new_tokens)
+                    cell.forwards += result.stats.forwards
+                    cell.rows += 1
+                    cell.identical_rows += result.new_tokens == want
+                if step:
+                    step(f"b={size} {name}")
+        results += [reference, *cells.values()]
+    return results
+
+
+def markdown_table(rows: Sequence[BatchRow]) -> str:
+    """| batch | method | tok/s | vs generate | tokens/forward | identical rows |"""
+    lines = [
+        "| batch | method | tok/s | vs batched generate | tokens/forward (per row) | identical rows |",
+        "|---:|---|---:|---:|---:|---:|",
+    ]
+    base = {row.batch_size: row.tokens_per_second for row in rows if row.method == "generate"}
+    for row in rows:
+        ratio = row.tokens_per_second / base[row.batch_size] if base.get(row.batch_size) else 0.0
+        per_forward = "-" if row.method == "generate" else f"{row.tokens_per_forward:.2f}"
+        lines.append(
+            f"| {row.batch_size} | {row.method} | {row.tokens_per_second:.1f} | {ratio:.2f}x | {per_forward} | "
+            f"{row.identical_rows}/{row.rows} |"
+        )
+    return "\n".join(lines)
