@@ -74,9 +74,8 @@ def test_dropin_streamer_and_return_dict(model):
     assert out.forerun_stats.new_tokens == 20
 
 
-def test_dropin_refuses_sampling_and_batches(model):
-    prompt = prompts(2)
-    with pytest.raises(ValueError, match="batch of 2"):
-        model.generate(
-            torch.cat(prompt), max_new_tokens=5, do_sample=False, pad_token_id=0, custom_generate=forerun.hf_generate
-        )
+def test_dropin_takes_an_unpadded_batch_as_plain_generate_does(model):
+    batch = torch.cat(prompts(2))  # [2, L], no attention mask: every position is text
+    expected = model.generate(batch, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    got = model.generate(batch, max_new_tokens=5, do_sample=False, pad_token_id=0, custom_generate=forerun.hf_generate)
+    assert torch.equal(got, expected)

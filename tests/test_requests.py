@@ -56,7 +56,6 @@ def test_hostile_generation_values_raise_value_errors(model, kwargs, message):
         (torch.ones(1, 1, 3, dtype=torch.long), "input_ids must be \\[length\\] or \\[1, length\\], got shape"),
         ([3, 4.5], "must hold integer token ids"),
         ([3, True], "must hold integer token ids"),
-        (torch.ones(2, 3, dtype=torch.long), "one sequence at a time; got a batch of 2"),
     ],
 )
 def test_bad_input_ids_are_named(model, prompt, message):

@@ -34,13 +34,17 @@ import torch
 from transformers import DynamicCache, LogitsProcessorList
 from transformers.cache_utils import DynamicLayer
 
-from forerun.costmodel import Calibration, CostModel, Selection, StaticBudget, best_shared_count
+from forerun.costmodel import Calibration, CostModel, Selection, best_shared_count
 from forerun.drafters.base import DraftContext, Drafter, StepOutcome
 from forerun.engine import Budget, NodeScores, Sampling, Transcript, decode, tree_support, verify
 from forerun.models import last_logits
 from forerun.stats import GenerationStats
 from forerun.tree import TokenTree, merge
 
+BATCH_PRIOR = 4.0
+"""Pseudo-tokens (expected = accepted) behind the batch's correction of the chances."""
+BATCH_DECAY = 0.9
+"""Per step: the batch's correction remembers about its last ten steps."""
 COMPACT_SHARE = 0.5
 """Squeeze the holes out of the cache once they are more than this share of its slots (attention reads them all)."""
 
@@ -130,8 +134,10 @@ class RowCache:
                 continue
             keys, values = layer.keys, layer.values  # [rows, heads, slots + nodes, dim]
             where = index.to(keys.device)[:, None, :, None].expand(keys.shape[0], keys.shape[1], longest, keys.shape[3])
-            layer.keys = torch.cat([keys[:, :, :slots], keys.gather(2, where)], dim=2)
-            layer.values = torch.cat([values[:, :, :slots], values.gather(2, where)], dim=2)
+            # Gather first (a copy), then write over the tree's slots and cut: no copy of the whole cache.
+            keys[:, :, slots : slots + longest] = keys.gather(2, where)
+            values[:, :, slots : slots + longest] = values.gather(2, where)
+            layer.keys, layer.values = keys[:, :, : slots + longest], values[:, :, : slots + longest]
         filled = torch.arange(longest)[None] < torch.tensor([len(path) for path in kept])[:, None]
         self.visible = torch.cat([self.visible, filled], dim=1)
 
@@ -215,10 +221,20 @@ class Batch:
         self.cache = RowCache(model.config)
         self.attention = model.config._attn_implementation or "eager"
         self.keeps_logits = bool(last_logits(model, 1))
+        self.measured = {False: 1.0, True: 1.0}
+        """Measured / predicted forward time (the single-row curve at rows x nodes tokens), recency-weighted, for
+        root-only steps (False) and steps with drafts (True): batched shapes may not cost what the curve says, and
+        only their ratio matters to the decision (`best_shared_count`'s draft_penalty)."""
+        self.expected, self.accepted = 0.0, 0.0
+        """Recency-weighted sums over the batch's steps of the cost model's expected and the actually accepted
+        drafts: their ratio corrects the chances the next batch decision is made on (the rows' calibrations are
+        each young, and a batch multiplies any optimism by its rows)."""
 
     @torch.inference_mode()
-    def add(self, job: RowJob) -> Row:
-        """Prefill the row's prompt (all but its last token, which is the first root) alone, then splice it in."""
+    def add(self, job: RowJob, budget: Budget | None = None) -> Row:
+        """Prefill the row's prompt (all but its last token, which is the first root) alone, then splice it in.
+
+        `budget`: whose curve and calibration the row uses (its Decoder's; default: the batch's)."""
         prompt = job.input_ids
         prompt_len = prompt.shape[1]
         own = DynamicCache(config=self.model.config)
@@ -231,7 +247,7 @@ class Batch:
                 **({"logits_to_keep": 1} if self.keeps_logits else {}),
             )
         self.cache.add(own, prompt_len - 1)
-        budget = row_budget(self.budget)
+        budget = row_budget(budget or self.budget)
         ctx = DraftContext(
             job.transcript.sequence[0].tolist(),
             prompt_len,
@@ -256,12 +272,20 @@ class Batch:
         rows = self.rows
         if len(rows) == 1:
             return [rows[0].budget.choose(rows[0].ctx.tokens[-1], proposals[0])]
-        if isinstance(self.budget, CostModel):
+        budgets = [row.budget for row in rows]
+        if all(isinstance(budget, CostModel) for budget in budgets):
             rankings = [row.budget.rank(row.ctx.tokens[-1], p) for row, p in zip(rows, proposals, strict=True)]
-            count = best_shared_count([r.chances for r in rankings], self.budget.curve, self.budget.max_nodes)
+            correction = min(1.0, (self.accepted + BATCH_PRIOR) / (self.expected + BATCH_PRIOR))
+            chances = [[c * correction for c in r.chances] for r in rankings]
+            cap = min(budget.max_nodes for budget in budgets)
+            penalty = max(1.0, self.measured[True] / self.measured[False])
+            count = best_shared_count(chances, budgets[0].curve, cap, penalty)
             return [ranking.select(count) for ranking in rankings]
-        share = max(1, self.budget.max_nodes // len(rows)) if isinstance(self.budget, StaticBudget) else 1
-        return [Selection(*merge(row.ctx.tokens[-1], p, share)) for row, p in zip(rows, proposals, strict=True)]
+        # Static budgets (draft_model alone): each row's share of its own node budget.
+        return [
+            Selection(*merge(row.ctx.tokens[-1], p, max(1, row.budget.max_nodes // len(rows))))
+            for row, p in zip(rows, proposals, strict=True)
+        ]
 
     @torch.inference_mode()
     def step(self) -> list[Row]:
@@ -309,6 +333,15 @@ class Batch:
                 tree, verdict.accepted_len, Counter(sources[:-1]), drafting, t2 - t1, selection.expected_accepted
             )
         self.cache.keep(kept, nodes)
+        if len(rows) > 1:
+            curve = getattr(rows[0].budget, "curve", None)
+            if curve is not None:
+                drafted = nodes > 1
+                ratio = (t2 - t1) / curve.cost(len(rows) * nodes)
+                self.measured[drafted] = BATCH_DECAY * self.measured[drafted] + (1 - BATCH_DECAY) * ratio
+            expected = sum(selection.expected_accepted or 0.0 for selection in selections)
+            self.expected = BATCH_DECAY * self.expected + expected
+            self.accepted = BATCH_DECAY * self.accepted + sum(len(path) - 1 for path in kept)
         finished = [row for row in rows if row.done]
         if finished:
             self.remove(finished)

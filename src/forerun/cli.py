@@ -433,6 +433,7 @@ def serve(
     max_tokens_limit: int = typer.Option(1024, "--max-tokens-limit"),
     timeout: float = typer.Option(300.0, "--timeout", help="Per-request timeout in seconds, arrival to last token."),
     max_queue: int = typer.Option(64, "--max-queue", help="Most requests queued or running; beyond it: 429."),
+    max_batch: int = typer.Option(8, "--max-batch", help="Requests decoded together (1 = one at a time)."),
     threads: int = THREADS,
     draft_model: str = DRAFT,
     max_tree_nodes: int = NODES,
@@ -444,9 +445,15 @@ def serve(
 
     from forerun.server import ServerConfig, create_app
 
-    if not 1 <= port <= 65535 or max_tokens_limit < 1 or not 0 < timeout < float("inf") or max_queue < 1:
+    if (
+        not 1 <= port <= 65535
+        or max_tokens_limit < 1
+        or not 0 < timeout < float("inf")
+        or min(max_queue, max_batch) < 1
+    ):
         raise ValueError(
-            "--port must be in [1, 65535], --max-tokens-limit and --max-queue >= 1 and --timeout a positive number"
+            "--port must be in [1, 65535], --max-tokens-limit, --max-queue and --max-batch >= 1 and --timeout a "
+            "positive number"
         )
     spec = run_spec(model, method, knob, device, dtype, threads, draft_model, max_tree_nodes)
     config = ServerConfig(
@@ -459,6 +466,7 @@ def serve(
         request_timeout_s=timeout,
         allowed_hosts=tuple(allow_host) or None,
         max_queue=max_queue,
+        max_batch=max_batch,
     )
     lm, tokenizer, draft = spec.load()
     app = create_app(lm, tokenizer, config, draft)  # a bad cache file or knob stops here, in one line

@@ -262,13 +262,20 @@ class Ranking:
         return Selection(tree, node_maps, sum(self.chances[:count]) if expected is None else expected)
 
 
-def best_shared_count(chances: Sequence[Sequence[float]], curve: LatencyCurve, cap: int | None = None) -> int:
+def best_shared_count(
+    chances: Sequence[Sequence[float]],
+    curve: LatencyCurve,
+    cap: int | None = None,
+    draft_penalty: float = 1.0,
+) -> int:
     """Candidates per row, the same for every row of a batch (their trees are padded to one size), maximising
 
         sum over rows of (1 + chances[row][0] + ... + chances[row][k-1]) / cost(rows * (1 + k))
 
     on the device's curve: a batch of 8 rows x 16 nodes is a 128-token forward, so the per-row budget shrinks as
-    the batch grows, down to k = 0 (one token per row per step) where drafting does not pay.
+    the batch grows, down to k = 0 (one token per row per step) where drafting does not pay. `draft_penalty`
+    scales the cost of forwards that carry drafts (k > 0): how much slower such batched forwards measured than
+    the single-row curve predicts, relative to root-only ones (`forerun.batch.Batch` learns it online).
 
     Example (2 tokens cost 1.5x one token, 4 tokens 1.6x, 8 tokens 3x):
         >>> curve = LatencyCurve((1, 2, 4, 8), (0.010, 0.015, 0.016, 0.030))
@@ -281,7 +288,7 @@ def best_shared_count(chances: Sequence[Sequence[float]], curve: LatencyCurve, c
     for k in range(1, longest + 1):
         if cap is not None and 1 + k > cap:
             break
-        rate = sum(1.0 + sum(c[:k]) for c in chances) / curve.cost(rows * (1 + k))
+        rate = sum(1.0 + sum(c[:k]) for c in chances) / (curve.cost(rows * (1 + k)) * draft_penalty)
         if rate > best_rate:
             best, best_rate = k, rate
     return best

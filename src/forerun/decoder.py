@@ -334,51 +334,24 @@ class Decoder:
         """Several prompts decoded together (`forerun.batch`): one GenerationResult per prompt, in order, each what
         `generate(prompt)` alone returns (greedy: token for token, fp32). Rows finish independently; sampled rows
         draw from their own generators (row i seeded with `seed + i`). `generate([...])` lands here."""
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
-            raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         if streamer is not None:
             raise ValueError("streamer= follows one prompt; stream a batch row by row with forerun.batch.Batch")
         if prediction is not None:
             raise ValueError("prediction= goes with one prompt; give batched prompts no prediction")
-        stops = check_stops(stop)
-        check_seed(seed)
-        check_logprobs(logprobs)
-        check_generation_kwargs(generation_kwargs)
+        check_request(max_new_tokens, stop, seed, logprobs, do_sample, generation_kwargs)
         rows = self.encode_batch(prompts, chat)
-        context = getattr(self.model.config, "max_position_embeddings", None)
-        for i, ids in enumerate(rows):
-            if context is not None and ids.shape[1] + max_new_tokens > context:
-                raise ValueError(
-                    f"prompt {i} ({ids.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model "
-                    f"context ({context} tokens)"
-                )
-        sampled = do_sample or bool(generation_kwargs)
-        if sampled:
-            try:
-                GenerationConfig(do_sample=do_sample, **generation_kwargs).validate(strict=True)
-            except (TypeError, ValueError) as error:
-                raise ValueError(f"invalid generation settings {generation_kwargs}: {error}") from error
-        eos = eos_ids_of(self.model, eos_token_id)
         jobs, requests = [], []
-        device = self.model.device
         for i, ids in enumerate(rows):
-            prompt_len = ids.shape[1]
-            criteria = StoppingCriteriaList([MaxLengthCriteria(max_length=prompt_len + max_new_tokens)])
-            if eos:
-                criteria.append(EosTokenCriteria(eos_token_id=sorted(eos)))
-            if stops:
-                criteria.append(StopStrings(self.tokenizer, stops, prompt_len))
-            if cancel is not None:
-                criteria.append(Cancelled(cancel))
-            request = Request(fork(self.drafters), logprobs)
-            processor = sampling = None
-            if sampled:
-                processor = self.processors(ids, max_new_tokens, do_sample, eos_token_id, generation_kwargs)
-            if do_sample:
-                generator = torch.Generator(device=device).manual_seed(seed + i) if seed is not None else None
-                sampling = Sampling(generator, self.sample_verifier)
-            transcript = Transcript(ids.to(device), criteria, None, logprobs_top=logprobs)
-            jobs.append(RowJob(ids.to(device), transcript, request.drafters, eos, max_new_tokens, processor, sampling))
+            try:
+                self.check_context(ids, max_new_tokens)
+            except ValueError as error:
+                raise ValueError(f"prompt {i}: {error}") from None
+            row_seed = seed + i if seed is not None else None
+            job, request = self.prepare_row(
+                ids, max_new_tokens, stop, eos_token_id, None, do_sample, row_seed, cancel, None, logprobs,
+                generation_kwargs
+            )  # fmt: skip
+            jobs.append(job)
             requests.append(request)
         with torch.inference_mode():
             stats = decode_batch(self.model, jobs, self.budget)
@@ -386,6 +359,74 @@ class Decoder:
             self.result(job.transcript, job.input_ids.shape[1], row_stats, request)
             for job, row_stats, request in zip(jobs, stats, requests, strict=True)
         ]
+
+    def check_context(self, ids: torch.Tensor, max_new_tokens: int) -> None:
+        context = getattr(self.model.config, "max_position_embeddings", None)
+        if context is not None and ids.shape[1] + max_new_tokens > context:
+            raise ValueError(
+                f"prompt ({ids.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model context "
+                f"({context} tokens)"
+            )
+
+    def prepare(
+        self,
+        prompt: Prompt,
+        max_new_tokens: int = 256,
+        *,
+        chat: bool = False,
+        stop: str | Sequence[str] | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
+        streamer: object | None = None,
+        do_sample: bool = False,
+        seed: int | None = None,
+        cancel: threading.Event | None = None,
+        prediction: str | Sequence[int] | None = None,
+        logprobs: int | None = None,
+        **generation_kwargs: object,
+    ) -> tuple[RowJob, Request]:
+        """One prompt, checked and set up as a row for a running `forerun.batch.Batch` (the server's continuous
+        batching); the arguments are `generate`'s. Once the row is done, `result(job.transcript, prompt_len, stats,
+        request)` makes its GenerationResult."""
+        check_request(max_new_tokens, stop, seed, logprobs, do_sample, generation_kwargs)
+        ids = self.encode(prompt, chat)
+        self.check_context(ids, max_new_tokens)
+        tokens = self.encode_prediction(prediction) if prediction is not None else None
+        return self.prepare_row(
+            ids, max_new_tokens, stop, eos_token_id, streamer, do_sample, seed, cancel, tokens, logprobs,
+            generation_kwargs
+        )  # fmt: skip
+
+    def prepare_row(
+        self, ids, max_new_tokens, stop, eos_token_id, streamer, do_sample, seed, cancel, prediction, logprobs,
+        generation_kwargs
+    ) -> tuple[RowJob, Request]:  # fmt: skip
+        """A checked, encoded prompt [1, L] -> its RowJob (criteria, forked drafters, processors, sampling)."""
+        device = self.model.device
+        eos = eos_ids_of(self.model, eos_token_id)
+        prompt_len = ids.shape[1]
+        criteria = StoppingCriteriaList([MaxLengthCriteria(max_length=prompt_len + max_new_tokens)])
+        if eos:
+            criteria.append(EosTokenCriteria(eos_token_id=sorted(eos)))
+        stops = check_stops(stop)
+        if stops:
+            criteria.append(StopStrings(self.tokenizer, stops, prompt_len))
+        if cancel is not None:
+            criteria.append(Cancelled(cancel))
+        request = Request(fork(self.drafters), logprobs)
+        if prediction is not None:
+            request.prediction = list(prediction)
+            request.drafters = [PredictionDrafter(request.prediction), *request.drafters]
+        processor = sampling = None
+        if do_sample or generation_kwargs:
+            processor = self.processors(ids, max_new_tokens, do_sample, eos_token_id, generation_kwargs)
+        if do_sample:
+            generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
+            sampling = Sampling(generator, self.sample_verifier)
+        if streamer is not None:
+            streamer.put(ids.cpu())  # transformers' convention: a streamer sees the prompt first
+        transcript = Transcript(ids.to(device), criteria, streamer, logprobs_top=logprobs)
+        job = RowJob(ids.to(device), transcript, request.drafters, eos, max_new_tokens, processor, sampling)
+        return job, request
 
     def encode_batch(self, prompts: Sequence[Prompt] | torch.Tensor, chat: bool) -> list[torch.Tensor]:
         """Each prompt -> input_ids [1, L_i]; a 2-D tensor is one prompt per row (no padding)."""
@@ -691,3 +732,18 @@ def is_batch(prompt: object) -> bool:
     if isinstance(prompt, (list, tuple)) and prompt:
         return isinstance(prompt[0], (str, list, tuple, torch.Tensor))
     return False
+
+
+def check_request(max_new_tokens, stop, seed, logprobs, do_sample, generation_kwargs) -> None:
+    """Every per-request value, checked before anything is encoded (a ValueError names the bad one)."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    check_stops(stop)
+    check_seed(seed)
+    check_logprobs(logprobs)
+    check_generation_kwargs(generation_kwargs)
+    if do_sample or generation_kwargs:
+        try:
+            GenerationConfig(do_sample=do_sample, **generation_kwargs).validate(strict=True)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"invalid generation settings {generation_kwargs}: {error}") from error

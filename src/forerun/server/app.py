@@ -36,8 +36,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from forerun.batch import batchable
 from forerun.decoder import Decoder, GenerationResult
-from forerun.server.pool import Abandoned, DecoderPool, Worker
+from forerun.server.pool import Abandoned, BatchWorker, DecoderPool, Worker
 from forerun.server.schemas import ChatRequest, CompletionRequest, ErrorResponse
 from forerun.server.stream import TokenStream
 from forerun.server.translate import APIError, GenerationArgs, Limits, translate
@@ -70,6 +71,8 @@ class ServerConfig:
     """Host header values accepted ('*': any). None: any with an API key, else local names only."""
     max_queue: int = 64
     """Most requests waiting for or in generation; one more gets 429 with Retry-After (backpressure)."""
+    max_batch: int = 8
+    """Most requests decoded together (continuous batching); 1 = one at a time, in arrival order."""
 
 
 class CacheError(ValueError):
@@ -238,7 +241,11 @@ def create_app(model, tokenizer, config: ServerConfig, draft_model=None) -> Fast
     pool = DecoderPool(model, tokenizer, config.method, config.knobs, draft_model)
     pool.get(config.method, {})  # a bad method or knob fails now
     cache_decoder = load_trie_cache(pool, config.cache_path)
-    metrics, worker = Metrics(), Worker()
+    metrics = Metrics()
+    if config.max_batch > 1 and batchable(model):
+        worker: Worker | BatchWorker = BatchWorker(model, pool.get(config.method, {}).budget, config.max_batch)
+    else:  # one at a time (also for models whose cache cannot hold ragged rows)
+        worker = Worker()
     pending = [0]  # requests waiting for or in generation
     rejected = [0]  # requests refused because the queue was full
 
@@ -253,6 +260,7 @@ def create_app(model, tokenizer, config: ServerConfig, draft_model=None) -> Fast
     app.state.pool = pool
     app.state.decoders = pool.shared
     app.state.metrics = metrics
+    app.state.worker = worker
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError):
@@ -282,13 +290,13 @@ def create_app(model, tokenizer, config: ServerConfig, draft_model=None) -> Fast
 
     @app.get("/health")
     async def health():
-        running = min(1, pending[0])  # one generation at a time; the rest wait
+        running, queued = worker.counts(pending[0])
         return {
             "status": "ok",
             "model": config.model_name,
             "queue": pending[0],
             "running": running,
-            "queued": pending[0] - running,
+            "queued": queued,
             "rejected": rejected[0],
             "max_queue": config.max_queue,
         }
@@ -312,21 +320,24 @@ def create_app(model, tokenizer, config: ServerConfig, draft_model=None) -> Fast
             raise APIError(400, str(error), "forerun") from None
         why: dict = {}
 
+        arguments = dict(
+            chat=args.chat,
+            stop=args.stop or None,
+            streamer=stream,
+            seed=args.seed,
+            cancel=cancel,
+            logprobs=args.logprobs,
+            prediction=args.prediction,
+            **args.sampling,
+        )
+
         def job() -> GenerationResult:
             if cancel.is_set():  # timed out or gone while queued
                 raise Abandoned
-            return decoder.generate(
-                args.prompt,
-                args.max_new_tokens,
-                chat=args.chat,
-                stop=args.stop or None,
-                streamer=stream,
-                seed=args.seed,
-                cancel=cancel,
-                logprobs=args.logprobs,
-                prediction=args.prediction,
-                **args.sampling,
-            )
+            return decoder.generate(args.prompt, args.max_new_tokens, **arguments)
+
+        def row():  # continuous batching: the row this request adds to the running batch
+            return (*decoder.prepare(args.prompt, args.max_new_tokens, **arguments), decoder)
 
         if pending[0] >= config.max_queue:  # backpressure: a clear "come back later", not minutes of waiting
             rejected[0] += 1
@@ -338,7 +349,7 @@ def create_app(model, tokenizer, config: ServerConfig, draft_model=None) -> Fast
         started = time.perf_counter()
         watcher = asyncio.create_task(watch(request, cancel, request.state.deadline, why))
         try:
-            result = await worker.run(job, cancel)
+            result = await worker.run(row if isinstance(worker, BatchWorker) else job, cancel)
         except ValueError as error:
             raise APIError(400, str(error)) from None
         except (Abandoned, RuntimeError):

@@ -1,23 +1,32 @@
-"""The server's Decoders, and the one worker thread that runs generations on them, in arrival order.
+"""The server's Decoders, and the worker thread that runs generations on them.
 
 Decoders are shared by all requests of one method (its trie, n-gram pool and cost-model calibration learn across
 requests); a request with knobs of its own gets a private Decoder, kept in a small LRU so a flood of distinct knob
-sets cannot grow memory. Generation runs in a single worker thread (a CPU runs one forward at a time), so the
-event loop keeps answering /health, /metrics and queued clients; every job carries a cancel event that a
-disconnect, the request's deadline or shutdown sets, and the job stops after its current step.
+sets cannot grow memory. Generation runs in one worker thread, so the event loop keeps answering /health, /metrics
+and queued clients; every request carries a cancel event that a disconnect, the request's deadline or shutdown
+sets, and its generation stops after the current step.
+
+Two workers: `BatchWorker` (continuous batching: requests join the running batch between steps, up to
+`max_batch` rows, and leave when they finish; `forerun.batch.Batch`) and `Worker` (one request at a time, in
+arrival order; `--max-batch 1`, and models whose cache cannot hold ragged rows).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
-from forerun.decoder import Decoder
+from forerun.batch import Batch, RowJob
+from forerun.decoder import Decoder, GenerationResult, Request
 from forerun.methods import plan_method
+
+logger = logging.getLogger(__name__)
 
 PRIVATE_DECODERS = 8
 
@@ -73,6 +82,11 @@ class Worker:
         self.cancels: set[threading.Event] = set()
         self.closing = False
 
+    def counts(self, pending: int) -> tuple[int, int]:
+        """(running, queued) out of `pending` requests."""
+        running = min(1, pending)
+        return running, pending - running
+
     async def run(self, job: Callable[[], Any], cancel: threading.Event) -> Any:
         if self.closing:
             raise RuntimeError("the server is shutting down")
@@ -88,3 +102,110 @@ class Worker:
         for cancel in list(self.cancels):
             cancel.set()
         self.executor.shutdown(wait=True, cancel_futures=True)
+
+
+Prepare = Callable[[], tuple[RowJob, Request, Decoder]]
+"""Builds a request's row (encode, checks, processors) on the worker thread; a ValueError is the client's fault."""
+
+
+@dataclass
+class Admission:
+    prepare: Prepare
+    cancel: threading.Event
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+    job: RowJob | None = None
+    request: Request | None = None
+    decoder: Decoder | None = None
+
+
+class BatchWorker:
+    """Continuous batching: one thread steps a `Batch`; waiting requests join it between steps (at most
+    `max_batch` rows), finished and cancelled rows leave, each request's future gets its GenerationResult."""
+
+    def __init__(self, model, budget, max_batch: int) -> None:
+        self.model, self.budget, self.max_batch = model, budget, max_batch
+        self.batch = Batch(model, budget)
+        self.waiting: deque[Admission] = deque()
+        self.members: dict[int, Admission] = {}
+        self.wake = threading.Condition()
+        self.closing = False
+        self.thread = threading.Thread(target=self.loop, name="forerun-batch", daemon=True)
+        self.thread.start()
+
+    def counts(self, pending: int) -> tuple[int, int]:
+        running = len(self.batch.rows)
+        return running, max(0, pending - running)
+
+    async def run(self, prepare: Prepare, cancel: threading.Event) -> GenerationResult:
+        if self.closing:
+            raise RuntimeError("the server is shutting down")
+        loop = asyncio.get_running_loop()
+        admission = Admission(prepare, cancel, loop.create_future(), loop)
+        with self.wake:
+            self.waiting.append(admission)
+            self.wake.notify()
+        return await admission.future
+
+    @staticmethod
+    def settle(admission: Admission, result: object = None, error: BaseException | None = None) -> None:
+        def done() -> None:
+            if admission.future.done():
+                return
+            if error is not None:
+                admission.future.set_exception(error)
+            else:
+                admission.future.set_result(result)
+
+        admission.loop.call_soon_threadsafe(done)
+
+    def admit(self) -> None:
+        """Move waiting requests into the batch while there is room (their prompts are prefilled here)."""
+        while True:
+            with self.wake:
+                if not self.waiting or len(self.batch.rows) >= self.max_batch:
+                    return
+                admission = self.waiting.popleft()
+            if admission.cancel.is_set():  # timed out or gone while waiting
+                self.settle(admission, error=Abandoned())
+                continue
+            try:
+                admission.job, admission.request, admission.decoder = admission.prepare()
+                row = self.batch.add(admission.job, admission.decoder.budget)
+            except Exception as error:  # a ValueError is the client's (400); anything else fails this request only
+                self.settle(admission, error=error)
+                continue
+            self.members[id(row)] = admission
+
+    def loop(self) -> None:
+        while True:
+            with self.wake:
+                while not self.closing and not self.waiting and not self.batch.rows:
+                    self.wake.wait()
+                if self.closing and not self.waiting and not self.batch.rows:
+                    return
+            self.admit()
+            if not self.batch.rows:
+                continue
+            try:
+                finished = self.batch.step()
+            except Exception as error:  # never leave a client hanging: fail the batch's rows, start afresh
+                logger.exception("forerun: a batch step failed; its %d requests get an error", len(self.batch.rows))
+                for row in self.batch.rows:
+                    self.settle(self.members.pop(id(row)), error=error)
+                self.batch = Batch(self.model, self.budget)
+                continue
+            for row in finished:
+                admission = self.members.pop(id(row))
+                decoder, job = admission.decoder, admission.job
+                result = decoder.result(job.transcript, job.input_ids.shape[1], row.stats, admission.request)
+                self.settle(admission, result)
+
+    def shutdown(self) -> None:
+        """Cancel every request (running or waiting) and wait for the worker to finish its current step."""
+        self.closing = True
+        with self.wake:
+            for admission in [*self.waiting, *self.members.values()]:
+                admission.cancel.set()
+            self.wake.notify()
+        self.thread.join(timeout=60)

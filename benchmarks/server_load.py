@@ -1,0 +1,77 @@
+"""Server load: C concurrent clients x R requests each, against `forerun serve` one at a time and batched.
+
+Each setting starts the app in this process on 127.0.0.1 (uvicorn in a thread), sends the same requests (chat,
+greedy, prompts from GSM8K/HumanEval/MBPP/typehints) from C threads with the official openai client, and reports
+aggregate completion tokens per second over the wall time and p50/p95 request latency. Traffic stays on loopback.
+
+Usage:
+    .venv/bin/python benchmarks/server_load.py --clients 8 --requests 5 --max-tokens 64 --threads 1 \\
+        --settings "plain:1,auto:1,auto:8"        # method:max_batch
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+from openai import OpenAI
+
+import forerun
+from forerun.bench.datasets import load_dataset
+from forerun.server import ServerConfig, create_app
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from test_server import LiveServer  # noqa: E402  (the tests' loopback uvicorn runner)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--requests", type=int, default=5, help="Per client.")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    parser.add_argument("--settings", default="plain:1,auto:1,auto:8", help="method:max_batch, comma-separated.")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    model, tokenizer = forerun.load_model("smollm2-135m", dtype=dtype)
+    total = args.clients * args.requests
+    prompts = [p for name in ("gsm8k", "humaneval", "mbpp", "typehints") for p in load_dataset(name, total)]
+    prompts = [list(p.messages) for p in prompts[::4][:total]]  # every dataset in turn
+    print(f"{args.clients} clients x {args.requests} requests, {args.max_tokens} tokens, {args.dtype}, "
+          f"{args.threads} torch thread(s)")  # fmt: skip
+    print("| server | completion tokens/s | p50 latency (s) | p95 latency (s) | requests |")
+    print("|---|---:|---:|---:|---:|")
+    for setting in args.settings.split(","):
+        method, _, batch = setting.partition(":")
+        config = ServerConfig("smollm2-135m", method, max_batch=int(batch or 1), max_queue=total + 1)
+        server = LiveServer(create_app(model, tokenizer, config))
+        client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=3600)
+        client.chat.completions.create(model="smollm2-135m", messages=prompts[0], max_tokens=4)  # warm-up
+
+        def one(messages: list[dict], client: OpenAI = client) -> tuple[float, int]:
+            began = time.perf_counter()
+            reply = client.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=args.max_tokens)
+            return time.perf_counter() - began, reply.usage.completion_tokens
+
+        began = time.perf_counter()
+        with ThreadPoolExecutor(args.clients) as pool:
+            results = list(pool.map(one, prompts))
+        wall = time.perf_counter() - began
+        server.stop()
+        latencies = sorted(seconds for seconds, _ in results)
+        tokens = sum(n for _, n in results)
+        p95 = latencies[min(len(latencies) - 1, round(0.95 * (len(latencies) - 1)))]
+        label = f"{method}, max_batch {batch or 1}"
+        print(f"| {label} | {tokens / wall:.1f} | {statistics.median(latencies):.1f} | {p95:.1f} | {len(results)} |",
+              flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""Continuous batching in `forerun serve`: concurrent clients share forwards, each answer stays its own."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from openai import OpenAI
+from test_server import MODEL, LiveServer, plain_text
+
+from forerun.server import ServerConfig, create_app
+from forerun.server.pool import BatchWorker
+
+pytestmark = pytest.mark.real_model
+QUESTIONS = [
+    "Name three colours.",
+    "What is 12 times 11?",
+    "Write a Python function that adds two numbers.",
+    "Say hello in French.",
+    "List the first five prime numbers.",
+    "What is the capital of Italy?",
+    "Give me a synonym for happy.",
+    "Describe a cat in one sentence.",
+]
+TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def batching(smollm2):
+    model, tokenizer = smollm2
+    app = create_app(model, tokenizer, ServerConfig(MODEL, "auto", max_batch=8, max_tokens_limit=256))
+    server = LiveServer(app)
+    yield server, app
+    server.stop()
+
+
+def test_eight_concurrent_clients_get_their_own_exact_answers(smollm2, batching):
+    """8 openai clients at once, half of them streaming: every greedy answer equals plain generate's for its own
+    prompt alone, and the server really decoded them together (its batch held several rows at once)."""
+    server, app = batching
+    client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    widest = [0]
+    watching = threading.Event()
+
+    def watch_batch() -> None:  # /health's "running" is the number of rows in the batch
+        while not watching.is_set():
+            widest[0] = max(widest[0], httpx.get(server.url + "/health").json()["running"])
+            time.sleep(0.05)
+
+    def ask(index: int) -> str:
+        messages = [{"role": "user", "content": QUESTIONS[index]}]
+        if index % 2:
+            chunks = client.chat.completions.create(
+                model=MODEL, messages=messages, max_tokens=TOKENS, stream=True, temperature=0
+            )
+            return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=TOKENS, temperature=0)
+        return reply.choices[0].message.content
+
+    watcher = threading.Thread(target=watch_batch)
+    watcher.start()
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(ask, range(8)))
+    watching.set()
+    watcher.join()
+    for question, answer in zip(QUESTIONS, answers, strict=True):
+        messages = [{"role": "user", "content": question}]
+        assert answer == plain_text(smollm2, messages=messages, max_new_tokens=TOKENS), question
+    assert widest[0] >= 2, "the requests never shared the batch"
+    health = httpx.get(server.url + "/health").json()
+    assert health["queue"] == 0 and health["running"] == 0
+
+
+def test_a_client_that_disconnects_leaves_the_batch(batching):
+    server, app = batching
+    body = {"messages": [{"role": "user", "content": "Write a very long story about the sea."}], "max_tokens": 256}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/chat/completions", json=body, timeout=1.0)  # gives up after 1 s
+    deadline = time.monotonic() + 20
+    while httpx.get(server.url + "/health").json()["queue"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert httpx.get(server.url + "/health").json()["queue"] == 0  # 256 tokens take far longer: it was cancelled
+    reply = httpx.post(server.url + "/v1/chat/completions", json={**body, "max_tokens": 4}, timeout=60)
+    assert reply.status_code == 200
+
+
+def test_bad_requests_in_a_batch_fail_alone(smollm2, batching):
+    """A request that fails while it is set up as a row (a prompt over the context) gets its 400; the batch goes
+    on for the others."""
+    server, app = batching
+    assert isinstance(app.state.worker, BatchWorker)
+    good = {"messages": [{"role": "user", "content": "Name three colours."}], "max_tokens": 8}
+    bad = {"prompt": "word " * 9000, "max_tokens": 8}
+    with ThreadPoolExecutor(3) as pool:
+        futures = [pool.submit(httpx.post, server.url + path, json=body, timeout=120)
+                   for path, body in [("/v1/chat/completions", good), ("/v1/completions", bad),
+                                      ("/v1/chat/completions", good)]]  # fmt: skip
+        responses = [f.result() for f in futures]
+    assert [r.status_code for r in responses] == [200, 400, 200]
+    assert "context" in responses[1].json()["error"]["message"]
