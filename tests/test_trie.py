@@ -73,6 +73,22 @@ def test_prompt_counts_are_withdrawn_output_counts_stay():
     assert drafter.trie.match([3], 1).children[4].count == 1.0
 
 
+def test_a_finishing_request_withdraws_only_its_own_prompt():
+    """Two requests at once (a batch): the first to finish leaves the other's prompt windows in place."""
+    config = TrieConfig(max_query_length=1, branch_length=2, prompt_weight=0.5)
+    trie = TokenTrie()
+    first, second = TrieDrafter(config, trie), TrieDrafter(config, trie)
+    ctx_a, ctx_b = DraftContext([1, 2, 3], 3, 16, frozenset()), DraftContext([7, 8, 9, 1, 2], 5, 16, frozenset())
+    first.start(ctx_a)
+    second.start(ctx_b)
+    assert trie.match([1], 1).children[2].prompt_count == 1.0  # both prompts hold 1 -> 2
+    first.finish(ctx_a)
+    assert trie.match([1], 1).children[2].prompt_count == 0.5 and trie.match([7], 1) is not None
+    assert trie.match([2], 1) is None  # 2 -> 3 was the first prompt's alone
+    second.finish(ctx_b)
+    assert trie.match([1], 1) is None and trie.match([7], 1) is None and len(trie) == 0
+
+
 def test_eviction_keeps_the_budget_and_the_frequent_paths():
     trie = TokenTrie(max_nodes=64)
     generator = torch.Generator().manual_seed(0)

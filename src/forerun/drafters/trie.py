@@ -52,9 +52,9 @@ class Node:
 
 
 class TokenTrie:
-    """The trie itself, shared by threads: `insert`, `withdraw_prompt`, `evict`, `draft` and `save` take the lock
-    (one writer at a time, no torn reads); `insert_text` inserts window by window, each under the lock; `match` is
-    called by `draft` under its lock; `load` builds a new trie that no other thread sees yet."""
+    """The trie itself, shared by threads: `insert`, `withdraw_text`, `withdraw_prompt`, `evict`, `draft` and `save`
+    take the lock (one writer at a time, no torn reads); `insert_text` inserts window by window, each under the
+    lock; `match` is called by `draft` under its lock; `load` builds a new trie that no other thread sees yet."""
 
     def __init__(self, max_nodes: int = 200_000) -> None:
         self.top = Node()
@@ -97,6 +97,22 @@ class TokenTrie:
             if tokens[i] not in skip_anchors:
                 self.insert(tokens[i : i + window], weight, prompt)
         return max(start, end)
+
+    def withdraw_text(self, tokens: list[int], window: int, weight: float, skip_anchors: tuple[int, ...] = ()) -> None:
+        """Take back the prompt weight that `insert_text(tokens, window, weight, prompt=True)` added (never below
+        zero: eviction may have halved it since), and remove the nodes left with no weight at all. Concurrent
+        requests (a batch, the server) each withdraw only their own prompt."""
+        with self.lock:
+            for i in range(max(0, len(tokens) - 1)):
+                if tokens[i] in skip_anchors:
+                    continue
+                node = self.top
+                for token in tokens[i : i + window]:
+                    node = node.children.get(token)
+                    if node is None:
+                        break
+                    node.prompt_count = max(0.0, node.prompt_count - weight)
+            self.nodes -= prune(self.top, lambda node: node.weight <= 1e-9)
 
     def withdraw_prompt(self) -> None:
         """Drop every prompt weight; nodes left with no weight at all are removed."""
@@ -267,7 +283,7 @@ class TrieDrafter:
 
     def __init__(self, config: TrieConfig | None = None, trie: TokenTrie | None = None) -> None:
         self.config = config or TrieConfig()
-        self.trie = trie or TokenTrie(self.config.max_nodes)
+        self.trie = trie if trie is not None else TokenTrie(self.config.max_nodes)  # an empty trie is falsy
         self.window = self.config.max_query_length + self.config.branch_length
         self.next_output_start = 0
 
@@ -304,7 +320,10 @@ class TrieDrafter:
             start=self.next_output_start,
             skip_anchors=self.config.skip_anchors,
         )
-        self.trie.withdraw_prompt()
+        if self.config.prompt_weight > 0:  # this request's prompt only: other requests may be running beside it
+            self.trie.withdraw_text(
+                ctx.tokens[: ctx.prompt_len], self.window, self.config.prompt_weight, self.config.skip_anchors
+            )
 
     def learn(self, tokens: list[int]) -> None:
         """Insert a whole text (a corpus document, a past answer) with the output weight."""
