@@ -278,7 +278,10 @@ class Batch:
             correction = min(1.0, (self.accepted + BATCH_PRIOR) / (self.expected + BATCH_PRIOR))
             chances = [[c * correction for c in r.chances] for r in rankings]
             cap = min(budget.max_nodes for budget in budgets)
-            penalty = max(1.0, self.measured[True] / self.measured[False])
+            # The measured penalty depends on timings; sampled rows' draws depend on the trees fed, and a seeded
+            # run must repeat, so batches with sampled rows decide on the curve alone.
+            sampled = any(row.job.sampling is not None for row in rows)
+            penalty = 1.0 if sampled else max(1.0, self.measured[True] / self.measured[False])
             count = best_shared_count(chances, budgets[0].curve, cap, penalty)
             return [ranking.select(count) for ranking in rankings]
         # Static budgets (draft_model alone): each row's share of its own node budget.
@@ -295,11 +298,10 @@ class Batch:
         t0 = time.perf_counter()
         proposals = [[drafter.propose(row.ctx) for drafter in row.job.drafters] for row in rows]
         selections = self.choose(proposals)
-        trees = [selection.tree for selection in selections]
         t1 = time.perf_counter()
         # 2. pack and 3. forward: one call for every row, trees padded to one size
-        nodes = max(len(tree) for tree in trees)
-        input_ids, position_ids, mask = self.pack(trees, nodes)
+        nodes = max(len(selection.tree) for selection in selections)
+        input_ids, position_ids, mask = self.pack([selection.tree for selection in selections], nodes)
         logits = self.model(
             input_ids=input_ids,
             attention_mask=mask,
@@ -307,47 +309,59 @@ class Batch:
             past_key_values=self.cache.cache,
             use_cache=True,
         ).logits  # [rows, nodes, vocab]
-        # 4. verify and 5. commit, per row
-        kept: list[list[int]] = []
-        t2 = time.perf_counter()
-        for b, (row, tree, selection) in enumerate(zip(rows, trees, selections, strict=True)):
-            row_logits = logits[b, : len(tree)]
-            transcript = row.job.transcript
-            verdict = verify(
-                tree, NodeScores(row_logits, row.job.processor, transcript.sequence, tree), row.job.sampling
+        forward_s = time.perf_counter() - t1
+        # 4. verify and 5. commit, per row; then keep each row's accepted path in the shared cache
+        kept = [
+            self.commit(
+                row, selection, logits[b, : len(selection.tree)], proposals[b], (t1 - t0) / len(rows), forward_s
             )
-            path = [0, *verdict.accepted_nodes]
-            kept.append(path)
-            row.prefix_len += len(path)
-            sources = [tree.sources[i] for i in verdict.accepted_nodes] + ["model"]
-            tokens = [tree.tokens[i] for i in verdict.accepted_nodes] + [verdict.bonus_token]
-            rows_seen = row_logits[path] if transcript.logprobs_top is not None else None
-            new_tokens = transcript.extend(tokens, sources, rows_seen)
-            row.ctx.tokens.extend(new_tokens)
-            t_row = time.perf_counter()
-            for drafter, node_map in zip(row.job.drafters, selection.node_maps, strict=True):
-                drafter.observe(row.ctx, StepOutcome(tree, verdict, row_logits, new_tokens, node_map))
-            row.budget.learn(proposals[b], new_tokens)
-            drafting = time.perf_counter() - t_row + (t1 - t0) / len(rows)
-            row.stats.record_step(
-                tree, verdict.accepted_len, Counter(sources[:-1]), drafting, t2 - t1, selection.expected_accepted
-            )
+            for b, (row, selection) in enumerate(zip(rows, selections, strict=True))
+        ]
         self.cache.keep(kept, nodes)
-        if len(rows) > 1:
-            curve = getattr(rows[0].budget, "curve", None)
-            if curve is not None:
-                drafted = nodes > 1
-                ratio = (t2 - t1) / curve.cost(len(rows) * nodes)
-                self.measured[drafted] = BATCH_DECAY * self.measured[drafted] + (1 - BATCH_DECAY) * ratio
-            expected = sum(selection.expected_accepted or 0.0 for selection in selections)
-            self.expected = BATCH_DECAY * self.expected + expected
-            self.accepted = BATCH_DECAY * self.accepted + sum(len(path) - 1 for path in kept)
+        self.learn(selections, kept, nodes, forward_s)
         finished = [row for row in rows if row.done]
         if finished:
             self.remove(finished)
         else:
             self.cache.compact()
         return finished
+
+    def commit(
+        self, row: Row, selection: Selection, logits: torch.Tensor, proposals, propose_s: float, forward_s: float
+    ) -> list[int]:
+        """Verify one row's tree on its `logits` [nodes, vocab], append its tokens, let its drafters and budget
+        learn; returns the kept path (root first) for the cache."""
+        tree, transcript = selection.tree, row.job.transcript
+        verdict = verify(tree, NodeScores(logits, row.job.processor, transcript.sequence, tree), row.job.sampling)
+        path = [0, *verdict.accepted_nodes]
+        row.prefix_len += len(path)
+        sources = [tree.sources[i] for i in verdict.accepted_nodes] + ["model"]
+        tokens = [tree.tokens[i] for i in verdict.accepted_nodes] + [verdict.bonus_token]
+        new_tokens = transcript.extend(tokens, sources, logits[path] if transcript.logprobs_top is not None else None)
+        row.ctx.tokens.extend(new_tokens)
+        started = time.perf_counter()
+        for drafter, node_map in zip(row.job.drafters, selection.node_maps, strict=True):
+            drafter.observe(row.ctx, StepOutcome(tree, verdict, logits, new_tokens, node_map))
+        row.budget.learn(proposals, new_tokens)
+        drafting = time.perf_counter() - started + propose_s
+        row.stats.record_step(
+            tree, verdict.accepted_len, Counter(sources[:-1]), drafting, forward_s, selection.expected_accepted
+        )
+        return path
+
+    def learn(self, selections: Sequence[Selection], kept: Sequence[Sequence[int]], nodes: int, forward_s: float):
+        """Update the batch's corrections: measured vs predicted forward time, accepted vs expected drafts."""
+        rows = len(selections)
+        if rows < 2:
+            return
+        curve = getattr(self.rows[0].budget, "curve", None)
+        if curve is not None:
+            drafted = nodes > 1
+            ratio = forward_s / curve.cost(rows * nodes)
+            self.measured[drafted] = BATCH_DECAY * self.measured[drafted] + (1 - BATCH_DECAY) * ratio
+        expected = sum(selection.expected_accepted or 0.0 for selection in selections)
+        self.expected = BATCH_DECAY * self.expected + expected
+        self.accepted = BATCH_DECAY * self.accepted + sum(len(path) - 1 for path in kept)
 
     def remove(self, leaving: Sequence[Row]) -> None:
         """Take rows out (finished or cancelled): their drafters finish, their stats are closed, slots freed."""
