@@ -276,20 +276,11 @@ class Decoder:
                 logprobs=logprobs,
                 **generation_kwargs,
             )
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
-            raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        check_request(max_new_tokens, stop, seed, logprobs, do_sample, generation_kwargs)
         stops = check_stops(stop)
-        check_seed(seed)
-        check_logprobs(logprobs)
-        check_generation_kwargs(generation_kwargs)
         input_ids = self.encode(prompt, chat)
         prompt_len = input_ids.shape[1]
-        context = getattr(self.model.config, "max_position_embeddings", None)
-        if context is not None and prompt_len + max_new_tokens > context:
-            raise ValueError(
-                f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model context "
-                f"({context} tokens)"
-            )
+        self.check_context(input_ids, max_new_tokens)
         request = Request(self.drafters, logprobs)
         if prediction is not None:
             request.prediction = self.encode_prediction(prediction)
@@ -522,16 +513,11 @@ class Decoder:
         self, input_ids, max_new_tokens, stopping, eos_token_id, streamer, do_sample, seed, request, generation_kwargs
     ) -> GenerationResult:
         """Let `model.generate` build processors and stopping criteria, with forerun as its custom_generate."""
-        from transformers import GenerationConfig
 
         generator = torch.Generator(device=self.model.device).manual_seed(seed) if seed is not None else None
         extra = {}
         if eos_token_id is not None:
             extra["eos_token_id"] = list(eos_token_id) if not isinstance(eos_token_id, int) else eos_token_id
-        try:
-            GenerationConfig(do_sample=do_sample, **generation_kwargs).validate(strict=True)
-        except (TypeError, ValueError) as error:
-            raise ValueError(f"invalid generation settings {generation_kwargs}: {error}") from error
         output = self.model.generate(
             input_ids.to(self.model.device),
             max_new_tokens=max_new_tokens,
@@ -568,7 +554,6 @@ class Request:
 
 def check_generation_kwargs(generation_kwargs: dict[str, object]) -> None:
     """Unknown names are refused (a method knob passed here by mistake is named as such); values range-checked."""
-    from transformers import GenerationConfig
 
     defaults = GenerationConfig()
     unknown = sorted(name for name in generation_kwargs if not hasattr(defaults, name))
