@@ -263,3 +263,13 @@ def test_batched_sampling_keeps_the_distribution_per_row():
         assert homogeneity_pvalue(row, reference) > ALPHA
     biased, _ = counts(biased_verifier)
     assert homogeneity_pvalue(sum(biased, Counter()), reference) < ALPHA
+
+
+def test_a_batch_that_drafts_dearer_than_one_long_row_stops_drafting_sooner():
+    """Priced as one row of rows x nodes tokens, 8 rows draft; the measured 8-row curve (every row reads its own
+    cache) says a second token per row costs +60%, and the same chances no longer pay for it."""
+    single = LatencyCurve((1, 8, 16, 32), (1.0, 1.2, 1.4, 2.0))
+    rows8 = LatencyCurve((1, 2, 4), (1.2, 1.9, 2.6))
+    chances = [[0.5, 0.25]] * 8
+    assert best_shared_count(chances, single) == 1
+    assert best_shared_count(chances, single.with_batches([(8, rows8)])) == 0

@@ -224,3 +224,40 @@ def test_curve_is_measured_once_then_read_from_the_cache(model, tmp_path, monkey
     files[0].write_text("{not json")  # a damaged file is measured again, not trusted
     monkeypatch.undo()
     assert latency.curve_for(model, tmp_path).sizes == first.sizes
+
+
+def test_batched_rows_are_priced_from_their_own_curves():
+    rows2 = LatencyCurve((1, 4), (12.0, 30.0))
+    rows4 = LatencyCurve((1, 4), (14.0, 50.0))
+    curve = LatencyCurve((1, 4, 16), (10.0, 16.0, 40.0), ((4, rows4), (2, rows2)))
+    assert [rows for rows, _ in curve.batched] == [2, 4]  # sorted
+    assert curve.batch_cost(1, 4) == 16.0 and curve.batch_cost(2, 4) == 30.0 and curve.batch_cost(4, 1) == 14.0
+    assert curve.batch_cost(3, 4) == 40.0  # halfway between 2 and 4 rows
+    assert curve.batch_cost(8, 4) == 90.0  # beyond 4 rows: + (50 - 30) / 2 per row
+    assert curve.batch_cost(2, 2) == 18.0  # along the 2-row curve
+    assert LatencyCurve((1, 4, 16), (10.0, 16.0, 40.0)).batch_cost(4, 4) == 40.0  # none measured: 16 tokens
+    assert LatencyCurve.from_dict(curve.as_dict()) == curve
+    assert "batched" not in LatencyCurve((1,), (1.0,)).as_dict()  # files from before batches read the same
+    for batched in [((1, rows2),), ((2, rows2), (2, rows4))]:
+        with pytest.raises(ValueError, match="distinct row counts >= 2"):
+            LatencyCurve((1,), (1.0,), batched)
+
+
+def test_batches_measure_their_curves_once_beside_the_single_row_curve(model, tmp_path, monkeypatch):
+    from forerun import latency
+
+    decoder = forerun.Decoder(model, None, "prompt_lookup", latency_cache=tmp_path)
+    assert decoder.budget.curve.batched == ()  # a single prompt never pays for the batched measurement
+    budget = decoder.batch_budget()
+    assert budget is decoder.budget and [rows for rows, _ in budget.curve.batched] == list(latency.BATCH_ROWS)
+    assert all(c.sizes == (1, 2, 3, 4, 6, 8, 12, 16) for _, c in budget.curve.batched)
+
+    def must_not_measure(*args, **kwargs):
+        raise AssertionError("the stored curve was not used")
+
+    monkeypatch.setattr(latency, "measure_curve", must_not_measure)
+    monkeypatch.setattr(latency, "measure_batched", must_not_measure)
+    again = forerun.Decoder(model, None, "prompt_lookup", latency_cache=tmp_path)
+    assert again.batch_budget().curve == budget.curve  # read back from the one file
+    given = forerun.Decoder(model, None, "prompt_lookup", latency=STEEP)
+    assert given.batch_budget().curve is STEEP  # a curve given by the caller is used as it is

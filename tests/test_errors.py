@@ -1,6 +1,7 @@
 """Bad input gives a ValueError naming the value; the CLI prints one line and exits with status 2."""
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 import forerun
@@ -90,3 +91,11 @@ def test_a_truncated_gguf_file_is_named_as_such(tmp_path):
         forerun.load_model(str(cut))
     result = CliRunner().invoke(app, ["generate", "hi", "--model", str(cut)])
     assert result.exit_code == 2 and "truncated or corrupt" in result.output and "Traceback" not in result.output
+
+
+def test_load_model_takes_dtype_names_and_refuses_others_before_reading_the_file():
+    model, _ = forerun.load_model("smollm2-135m", dtype="bf16")
+    assert model.dtype == torch.bfloat16
+    # before this check, "fp64" reached the GGUF reader and was reported as a corrupt file
+    with pytest.raises(ValueError, match="dtype must be one of fp32, bf16, fp16, got 'fp64'"):
+        forerun.load_model("smollm2-135m", dtype="fp64")

@@ -17,8 +17,9 @@ computes: each row's tokens are exactly those of its own single run (fp32). Rows
 their prompt is prefilled alone, then spliced in) and leave when their own criteria stop them (EOS, stop strings,
 their own length) or when cancelled; that is what the server's continuous batching and `forerun run` build on.
 
-The per-row draft budget comes from the same latency curve as a single row's: rows x nodes tokens are fed in one
-forward, so the cost model picks one candidate count for all rows maximising committed tokens per second over the
+The per-row draft budget comes from the device's latency curve, measured with batches too (`LatencyCurve.
+batch_cost`: rows x nodes tokens in one forward cost more than one row of as many tokens, since every row reads its
+own cache): the cost model picks one candidate count for all rows maximising committed tokens per second over the
 batch (`forerun.costmodel.best_shared_count`), down to one token per row per step when drafting does not pay.
 """
 
@@ -39,7 +40,7 @@ from forerun.drafters.base import DraftContext, Drafter, StepOutcome
 from forerun.engine import Budget, NodeScores, Sampling, Transcript, decode, tree_support, verify
 from forerun.models import last_logits
 from forerun.stats import GenerationStats
-from forerun.tree import TokenTree, merge
+from forerun.tree import TokenTree, as_attention_mask, merge
 
 BATCH_PRIOR = 4.0
 """Pseudo-tokens (expected = accepted) behind the batch's correction of the chances."""
@@ -222,7 +223,7 @@ class Batch:
         self.attention = model.config._attn_implementation or "eager"
         self.keeps_logits = bool(last_logits(model, 1))
         self.measured = {False: 1.0, True: 1.0}
-        """Measured / predicted forward time (the single-row curve at rows x nodes tokens), recency-weighted, for
+        """Measured / predicted forward time (`LatencyCurve.batch_cost`), recency-weighted, for
         root-only steps (False) and steps with drafts (True): batched shapes may not cost what the curve says, and
         only their ratio matters to the decision (`best_shared_count`'s draft_penalty)."""
         self.expected, self.accepted = 0.0, 0.0
@@ -357,7 +358,7 @@ class Batch:
         curve = getattr(self.rows[0].budget, "curve", None)
         if curve is not None:
             drafted = nodes > 1
-            ratio = forward_s / curve.cost(rows * nodes)
+            ratio = forward_s / curve.batch_cost(rows, nodes)
             self.measured[drafted] = BATCH_DECAY * self.measured[drafted] + (1 - BATCH_DECAY) * ratio
         expected = sum(selection.expected_accepted or 0.0 for selection in selections)
         self.expected = BATCH_DECAY * self.expected + expected
@@ -399,10 +400,7 @@ class Batch:
             position_ids[b, size:] = row.prefix_len
             visible[b, :size, slots : slots + size] = tree.ancestors()
             visible[b, range(size, nodes), range(slots + size, slots + nodes)] = True
-        mask = visible[:, None]
-        if self.attention == "eager":
-            dtype = self.model.dtype
-            mask = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, torch.finfo(dtype).min)
+        mask = as_attention_mask(visible[:, None], self.attention, self.model.dtype)
         device = self.model.device
         return input_ids.to(device), position_ids.to(device), mask.to(device)
 

@@ -44,10 +44,23 @@ class LatencyCurve:
 
     `cost(n)` is the measurement at n, linear between measured sizes, and extrapolated linearly from the last two
     sizes beyond the largest (a prefill of a long prompt plus a tree).
+
+    `batched` optionally holds curves measured with several rows per forward: (rows, curve of seconds against
+    tokens per row). A batch does not cost what one row of as many tokens costs: each row reads its own cache and
+    attends through its own mask rows (on this CPU, fp32: 8 rows x 2 tokens cost 1.34x one row of 16 tokens).
+    `batch_cost` uses them; without them it prices rows x n tokens as one row of rows * n.
+
+    Example (one row: 1 token 10 ms, 2 tokens 15 ms; 2 rows: 12 ms and 24 ms):
+        >>> curve = LatencyCurve((1, 2), (0.010, 0.015), ((2, LatencyCurve((1, 2), (0.012, 0.024))),))
+        >>> round(curve.batch_cost(2, 2) * 1000, 1), round(curve.batch_cost(3, 1) * 1000, 1)  # 3 rows: beyond 2
+        (24.0, 14.0)
+        >>> round(LatencyCurve((1, 2, 4), (0.010, 0.015, 0.016)).batch_cost(2, 2) * 1000, 1)  # no rows measured
+        16.0
     """
 
     sizes: tuple[int, ...]
     seconds: tuple[float, ...]
+    batched: tuple[tuple[int, LatencyCurve], ...] = ()
 
     def __post_init__(self) -> None:
         sizes, seconds = tuple(int(n) for n in self.sizes), tuple(float(s) for s in self.seconds)
@@ -57,8 +70,12 @@ class LatencyCurve:
             raise ValueError(f"latency curve sizes must start at 1 and increase, got {list(sizes)}")
         if not all(math.isfinite(s) and s > 0 for s in seconds):
             raise ValueError(f"latency curve timings must be positive seconds, got {list(seconds)}")
+        batched = tuple(sorted(((int(rows), curve) for rows, curve in self.batched), key=lambda item: item[0]))
+        if any(rows < 2 for rows, _ in batched) or len({rows for rows, _ in batched}) != len(batched):
+            raise ValueError(f"batched latency curves need distinct row counts >= 2, got {[r for r, _ in batched]}")
         object.__setattr__(self, "sizes", sizes)
         object.__setattr__(self, "seconds", seconds)
+        object.__setattr__(self, "batched", batched)
 
     def cost(self, n: int) -> float:
         """Seconds for a forward of `n` tokens."""
@@ -74,6 +91,22 @@ class LatencyCurve:
         slope = max(0.0, (seconds[-1] - seconds[-2]) / (sizes[-1] - sizes[-2]))
         return seconds[-1] + slope * (n - sizes[-1])
 
+    def batch_cost(self, rows: int, nodes: int) -> float:
+        """Seconds for a forward of `rows` rows x `nodes` tokens each: linear in rows between the measured row
+        counts (this curve is rows = 1), extrapolated linearly beyond the largest."""
+        if rows <= 1:
+            return self.cost(nodes)
+        if not self.batched:
+            return self.cost(rows * nodes)
+        measured = [(1, self), *self.batched]
+        for (low, lower), (high, higher) in zip(measured, measured[1:], strict=False):
+            if rows <= high:
+                share = (rows - low) / (high - low)
+                return lower.cost(nodes) + (higher.cost(nodes) - lower.cost(nodes)) * share
+        (low, lower), (high, higher) = measured[-2], measured[-1]
+        slope = max(0.0, (higher.cost(nodes) - lower.cost(nodes)) / (high - low))
+        return higher.cost(nodes) + slope * (rows - high)
+
     def relative(self, n: int) -> float:
         """cost(n) / cost(1)."""
         return self.cost(n) / self.seconds[0]
@@ -82,12 +115,20 @@ class LatencyCurve:
         """The largest measured size whose forward costs at most `most` times a 1-token forward."""
         return max(n for n, s in zip(self.sizes, self.seconds, strict=True) if s <= most * self.seconds[0])
 
+    def with_batches(self, batched: Sequence[tuple[int, LatencyCurve]]) -> LatencyCurve:
+        """This curve with `batched` row curves (replacing any it had)."""
+        return LatencyCurve(self.sizes, self.seconds, tuple(batched))
+
     def as_dict(self) -> dict:
-        return {"sizes": list(self.sizes), "seconds": list(self.seconds)}
+        data: dict = {"sizes": list(self.sizes), "seconds": list(self.seconds)}
+        if self.batched:
+            data["batched"] = {str(rows): curve.as_dict() for rows, curve in self.batched}
+        return data
 
     @classmethod
     def from_dict(cls, data: dict) -> LatencyCurve:
-        return cls(tuple(data["sizes"]), tuple(data["seconds"]))
+        batched = tuple((int(rows), cls.from_dict(curve)) for rows, curve in (data.get("batched") or {}).items())
+        return cls(tuple(data["sizes"]), tuple(data["seconds"]), batched)
 
 
 DEPTH_BUCKETS = 6
@@ -270,12 +311,13 @@ def best_shared_count(
 ) -> int:
     """Candidates per row, the same for every row of a batch (their trees are padded to one size), maximising
 
-        sum over rows of (1 + chances[row][0] + ... + chances[row][k-1]) / cost(rows * (1 + k))
+        sum over rows of (1 + chances[row][0] + ... + chances[row][k-1]) / batch_cost(rows, 1 + k)
 
-    on the device's curve: a batch of 8 rows x 16 nodes is a 128-token forward, so the per-row budget shrinks as
-    the batch grows, down to k = 0 (one token per row per step) where drafting does not pay. `draft_penalty`
-    scales the cost of forwards that carry drafts (k > 0): how much slower such batched forwards measured than
-    the single-row curve predicts, relative to root-only ones (`forerun.batch.Batch` learns it online).
+    on the device's curve: a batch of 8 rows x 16 nodes is a 128-token forward (dearer still than one row of 128
+    tokens where the curve has measured batches), so the per-row budget shrinks as the batch grows, down to k = 0
+    (one token per row per step) where drafting does not pay. `draft_penalty` scales the cost of forwards that
+    carry drafts (k > 0): how much slower such forwards measured than the curve predicts, relative to root-only
+    ones (`forerun.batch.Batch` learns it online).
 
     Example (2 tokens cost 1.5x one token, 4 tokens 1.6x, 8 tokens 3x):
         >>> curve = LatencyCurve((1, 2, 4, 8), (0.010, 0.015, 0.016, 0.030))
@@ -283,12 +325,12 @@ def best_shared_count(
         (2, 0)
     """
     rows = len(chances)
-    best, best_rate = 0, rows / curve.cost(rows)
+    best, best_rate = 0, rows / curve.batch_cost(rows, 1)
     longest = max((len(c) for c in chances), default=0)
     for k in range(1, longest + 1):
         if cap is not None and 1 + k > cap:
             break
-        rate = sum(1.0 + sum(c[:k]) for c in chances) / (curve.cost(rows * (1 + k)) * draft_penalty)
+        rate = sum(1.0 + sum(c[:k]) for c in chances) / (curve.batch_cost(rows, 1 + k) * draft_penalty)
         if rate > best_rate:
             best, best_rate = k, rate
     return best

@@ -27,14 +27,14 @@ from transformers import (
     StoppingCriteriaList,
 )
 
-from forerun.batch import RowJob, decode_batch, fork
+from forerun.batch import RowJob, batchable, decode_batch, fork
 from forerun.checks import check_logprobs, check_sampling, check_seed, check_stops, check_text
 from forerun.config import EngineConfig
 from forerun.costmodel import CostModel, LatencyCurve, StaticBudget
 from forerun.drafters.base import Drafter
 from forerun.drafters.prediction import PredictionDrafter
 from forerun.engine import Budget, Sampling, Transcript, decode
-from forerun.latency import DEFAULT_CACHE_DIR, curve_for
+from forerun.latency import DEFAULT_CACHE_DIR, curve_for, measure_batched
 from forerun.logprobs import TokenLogprob
 from forerun.methods import plan_method
 from forerun.stats import GenerationStats
@@ -128,6 +128,7 @@ class Decoder:
         if drafters is None:
             drafters = self.plan.build(self.draft_model, model.get_output_embeddings().weight.shape[0])
         self.drafters = list(drafters)
+        self.latency, self.latency_cache = latency, latency_cache
         self.budget = self.make_budget(latency, latency_cache)
         uniforms_first = any(getattr(drafter, "uniforms_first", False) for drafter in self.drafters)
         self.sample_verifier = (
@@ -153,6 +154,19 @@ class Decoder:
             curve = latency if latency is not None else curve_for(self.model, latency_cache)
             return CostModel(curve, config.max_tree_nodes or max(curve.default_cap(), self.plan.min_budget()))
         return StaticBudget(config.max_tree_nodes or (self.plan.static_budget() if self.plan.specs else 16))
+
+    def batch_budget(self) -> Budget:
+        """The budget batches decide on: the cost model's curve with its batched row curves
+        (`LatencyCurve.batch_cost`), measured the first time a batch runs and stored beside the curve. A curve given
+        as `latency` is used as it is (without batched rows, a batch is priced as one row of as many tokens)."""
+        budget = self.budget
+        measure = self.latency is None and batchable(self.model)
+        if isinstance(budget, CostModel) and measure and not budget.curve.batched:
+            if self.latency_cache is None:
+                budget.curve = budget.curve.with_batches(measure_batched(self.model))
+            else:
+                budget.curve = curve_for(self.model, self.latency_cache, batched=True)
+        return budget
 
     def prepare_draft(self, draft: torch.nn.Module | str | None, draft_tokenizer) -> torch.nn.Module:
         """The draft model of method 'draft_model': given, loaded by name, or the target's own first layers."""
@@ -345,7 +359,7 @@ class Decoder:
             jobs.append(job)
             requests.append(request)
         with torch.inference_mode():
-            stats = decode_batch(self.model, jobs, self.budget)
+            stats = decode_batch(self.model, jobs, self.batch_budget() if len(jobs) > 1 else self.budget)
         return [
             self.result(job.transcript, job.input_ids.shape[1], row_stats, request)
             for job, row_stats, request in zip(jobs, stats, requests, strict=True)
@@ -652,7 +666,7 @@ def batch_custom_generate(
         transcript = Transcript(ids, criteria)
         jobs.append(RowJob(ids, transcript, fork(decoder.drafters), eos, max_new_tokens, logits_processor, sampling))
         pads.append(pad)
-    stats = decode_batch(model, jobs, decoder.budget)
+    stats = decode_batch(model, jobs, decoder.batch_budget() if len(jobs) > 1 else decoder.budget)
     longest = max(job.transcript.sequence.shape[1] + pad for job, pad in zip(jobs, pads, strict=True))
     pad_id = generation_config.pad_token_id
     if pad_id is None:

@@ -27,11 +27,16 @@ import torch
 from transformers import DynamicCache
 
 from forerun.costmodel import LatencyCurve
+from forerun.tree import as_attention_mask
 
 DEFAULT_CACHE_DIR = Path("~/.cache/forerun")
 SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)
 CONTEXT = 256
 """Cached tokens before each measured forward: a realistic mid-answer length."""
+BATCH_ROWS = (2, 4, 8)
+"""Rows per forward measured for batched decoding (between them the cost is interpolated, beyond extrapolated)."""
+BATCH_SIZES = (1, 2, 3, 4, 6, 8, 12, 16)
+"""Tokens per row measured with several rows: a batch's per-row trees stay small."""
 
 
 def synchronize(device: torch.device) -> None:
@@ -105,6 +110,56 @@ def measure_curve(
     return LatencyCurve(tuple(sizes), tuple(min(samples[n][1:]) for n in sizes))
 
 
+@torch.inference_mode()
+def measure_batched(
+    model: torch.nn.Module,
+    rows: Sequence[int] = BATCH_ROWS,
+    sizes: Sequence[int] = BATCH_SIZES,
+    context: int = CONTEXT,
+    repeats: int = 2,
+    seed: int = 0,
+) -> tuple[tuple[int, LatencyCurve], ...]:
+    """Per row count r: seconds of forwards of r rows x n tokens after `context` cached tokens per row, fed as a
+    batch feeds them (per-row position ids, a 4-D mask: every token sees its row's cache and the tokens before
+    it). The fastest of `repeats` rounds, after a warm-up round."""
+    if not rows or min(rows) < 2 or not sizes or min(sizes) < 1 or context < 1 or repeats < 1:
+        raise ValueError("rows must be >= 2, sizes >= 1, context >= 1 and repeats >= 1")
+    sizes = sorted(set(int(n) for n in sizes) | {1})
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is not None:
+        context = max(1, min(context, limit - max(sizes)))
+    vocab = model.get_input_embeddings().weight.shape[0]
+    generator = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device
+    attention = getattr(model.config, "_attn_implementation", None) or "eager"
+    measured = []
+    for count in sorted(set(int(r) for r in rows)):
+        ids = torch.randint(0, vocab, (count, context + max(sizes)), generator=generator).to(device)
+        cache = DynamicCache(config=model.config)
+        model(ids[:, :context], past_key_values=cache, use_cache=True)
+        samples: dict[int, list[float]] = {n: [] for n in sizes}
+        for _ in range(repeats + 1):
+            for n in sizes:
+                positions = torch.arange(context, context + n, device=device).expand(count, n)
+                visible = torch.ones(count, 1, n, context + n, dtype=torch.bool)
+                visible[..., context:] = torch.ones(n, n, dtype=torch.bool).tril()
+                mask = as_attention_mask(visible, attention, model.dtype).to(device)
+                synchronize(device)
+                started = time.perf_counter()
+                model(
+                    ids[:, context : context + n],
+                    attention_mask=mask,
+                    past_key_values=cache,
+                    position_ids=positions,
+                    use_cache=True,
+                )
+                synchronize(device)
+                samples[n].append(time.perf_counter() - started)
+                cache.crop(-n)
+        measured.append((count, LatencyCurve(tuple(sizes), tuple(min(samples[n][1:]) for n in sizes))))
+    return tuple(measured)
+
+
 def curve_path(model: torch.nn.Module, cache_dir: Path | str = DEFAULT_CACHE_DIR) -> Path:
     return Path(cache_dir).expanduser() / "latency" / f"{curve_key(curve_settings(model))}.json"
 
@@ -125,17 +180,25 @@ def load_curve(path: Path) -> LatencyCurve | None:
         return None
 
 
-def curve_for(model: torch.nn.Module, cache_dir: Path | str | None = DEFAULT_CACHE_DIR) -> LatencyCurve:
+def curve_for(
+    model: torch.nn.Module, cache_dir: Path | str | None = DEFAULT_CACHE_DIR, batched: bool = False
+) -> LatencyCurve:
     """The model's curve on this device: read from `cache_dir`, else measured now and stored there.
 
-    `cache_dir=None` measures without reading or writing any file.
+    `batched=True`: with its batched row curves (`measure_batched`, ten seconds or so, measured the first time a
+    batch needs them and added to the same file). `cache_dir=None` measures without reading or writing any file.
     """
     if cache_dir is None:
-        return measure_curve(model)
+        curve = measure_curve(model)
+        return curve.with_batches(measure_batched(model)) if batched else curve
     path = curve_path(model, cache_dir)
     curve = load_curve(path)
+    missing = curve is None or (batched and not curve.batched)
     if curve is None:
         curve = measure_curve(model)
+    if batched and not curve.batched:
+        curve = curve.with_batches(measure_batched(model))
+    if missing:
         try:
             save_curve(curve, path, curve_settings(model))
         except OSError:

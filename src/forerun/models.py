@@ -46,6 +46,30 @@ EMBEDDED = {
     ),
 }
 DEFAULT_MODEL = "smollm2-135m"
+DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""The dtypes forerun runs in, by the short names every command takes."""
+
+
+def as_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """A torch dtype from itself, a short name or torch's own name.
+
+    Example:
+        >>> as_dtype("bf16"), as_dtype("float16"), as_dtype(torch.float32)
+        (torch.bfloat16, torch.float16, torch.float32)
+        >>> as_dtype("fp64")
+        Traceback (most recent call last):
+        ...
+        ValueError: dtype must be one of fp32, bf16, fp16, got 'fp64'
+    """
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    if isinstance(dtype, str):
+        if dtype in DTYPES:
+            return DTYPES[dtype]
+        named = getattr(torch, dtype, None) if dtype.isidentifier() else None
+        if isinstance(named, torch.dtype) and named in DTYPES.values():
+            return named
+    raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
 
 
 def resolve(name: str, models_dir: Path = DEFAULT_MODELS_DIR) -> tuple[str, str | None]:
@@ -79,13 +103,16 @@ def resolve(name: str, models_dir: Path = DEFAULT_MODELS_DIR) -> tuple[str, str 
 def load_model(
     name: str = DEFAULT_MODEL,
     attn_implementation: str = "sdpa",
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | str = torch.float32,
     device: str = "cpu",
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load (model, tokenizer) offline; GGUF weights are dequantized to `dtype`.
+    """Load (model, tokenizer) offline; GGUF weights are dequantized to `dtype` (a torch dtype or "fp32",
+    "bf16", "fp16").
 
-    Raises FileNotFoundError with the install command when an embedded model's package is missing.
+    Raises FileNotFoundError with the install command when an embedded model's package is missing, ValueError
+    for a dtype forerun does not run in.
     """
+    dtype = as_dtype(dtype)
     location, gguf_file = resolve(name)
     extra = {"gguf_file": gguf_file} if gguf_file else {}
     try:

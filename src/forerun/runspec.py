@@ -22,9 +22,8 @@ from dataclasses import dataclass, field
 import torch
 
 from forerun.methods import MethodPlan, plan_method
-from forerun.models import DEFAULT_MODEL
+from forerun.models import DEFAULT_MODEL, DTYPES
 
-DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MAX_THREADS = 1024
 
 

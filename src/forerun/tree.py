@@ -208,7 +208,12 @@ def attention_mask_4d(
     if lead:
         lead_rows = torch.ones(lead, prefix_len + n, dtype=torch.bool).tril(prefix_len - lead)
         visible = torch.cat([lead_rows, visible], dim=0)
-    visible = visible[None, None]
+    return as_attention_mask(visible[None, None], attn_implementation, dtype)
+
+
+def as_attention_mask(visible: torch.Tensor, attn_implementation: str, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask (True = visible) as the attention kernel takes it: eager adds the mask to the scores, so it
+    needs 0 / dtype-min floats; sdpa and the other kernels that take masks accept the bools."""
     if attn_implementation == "eager":
         return torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
     return visible

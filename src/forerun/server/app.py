@@ -243,7 +243,9 @@ def create_app(model, tokenizer, config: ServerConfig, draft_model=None) -> Fast
     cache_decoder = load_trie_cache(pool, config.cache_path)
     metrics = Metrics()
     if config.max_batch > 1 and batchable(model):
-        worker: Worker | BatchWorker = BatchWorker(model, pool.get(config.method, {}).budget, config.max_batch)
+        # batch_budget: the curve's batched rows are measured now (once per model and device, then read from
+        # disk), not while the first clients wait
+        worker: Worker | BatchWorker = BatchWorker(model, pool.get(config.method, {}).batch_budget(), config.max_batch)
     else:  # one at a time (also for models whose cache cannot hold ragged rows)
         worker = Worker()
     pending = [0]  # requests waiting for or in generation

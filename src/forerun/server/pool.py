@@ -171,7 +171,7 @@ class BatchWorker:
                 continue
             try:
                 admission.job, admission.request, admission.decoder = admission.prepare()
-                row = self.batch.add(admission.job, admission.decoder.budget)
+                row = self.batch.add(admission.job, admission.decoder.batch_budget())
             except Exception as error:  # a ValueError is the client's (400); anything else fails this request only
                 self.settle(admission, error=error)
                 continue
