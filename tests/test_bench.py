@@ -159,6 +159,28 @@ def test_latency_curve_shape_and_outputs(model, tmp_path):
         measure_curve(model, sizes=(0, 2))
 
 
+def test_batched_curves_are_measured_plotted_and_stored_by_the_curve_command(model, tokenizer, tmp_path):
+    from forerun.latency import measure_batched
+
+    batched = measure_batched(model, rows=(4, 2), sizes=(2, 4), context=8, repeats=1)
+    assert [rows for rows, _ in batched] == [2, 4] and all(c.sizes == (1, 2, 4) for _, c in batched)
+    curve = measure_curve(model, sizes=(1, 2, 4), context=8, repeats=1).with_batches(batched)
+    paths = write_curves({"fp32": curve}, {"model": "tiny", "device": "cpu"}, tmp_path / "plot")
+    assert set(json.loads(paths[0].read_text())["curves"]["fp32"]["batched"]) == {"2", "4"}
+    assert paths[1].read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(ValueError, match="rows must be >= 2"):
+        measure_batched(model, rows=(1,))
+    folder = tmp_path / "tiny"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    args = ["curve", "--model", str(folder), "--sizes", "1,2", "--repeats", "1", "--context", "8", "--rows", "2,3"]
+    result = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "cli")])
+    assert result.exit_code == 0, result.output
+    assert "rows x tokens per row" in result.output
+    stored = json.loads((tmp_path / "cli" / "latency.json").read_text())["curves"]["fp32"]
+    assert set(stored["batched"]) == {"2", "3"}
+
+
 def test_included_records_load_and_bad_files_are_refused(tmp_path):
     row = {"prompt_id": "GSM8K/0", "dataset": "gsm8k", "method": "lade[window=7]", "new_tokens": 9, "seconds": 1.0}
     path = tmp_path / "lade.json"

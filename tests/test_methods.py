@@ -77,6 +77,8 @@ def test_decoder_reports_and_rejects_like_the_plan():
         (["generate", "hi", "--method", "draft_model"], "method draft_model needs a draft model"),
         (["bench", "--methods", "auto[draft_len=3]"], "needs a method prefix"),
         (["curve", "--dtype", "fp32,int8"], "dtype must be one of"),
+        (["curve", "--rows", "1,4"], "--rows must be between 2 and 256"),
+        (["curve", "--rows", "two"], "--rows must be comma-separated integers"),
         (["generate", "hi", "--device", "cuda"], "this machine has no CUDA device"),
         (["generate", "hi", "--device", "tpu:0"], "device"),
         (["serve", "--port", "0"], "--port must be in [1, 65535]"),

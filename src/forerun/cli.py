@@ -208,7 +208,7 @@ def bench(
         draft = load_draft(draft_model, lm, tokenizer)
     sampling = {"temperature": temperature, "top_p": top_p} if sample else None
     with console.status("latency curve (measured once per model, dtype, device and thread count)"):
-        curve = curve_for(lm)
+        curve = curve_for(lm, batched=bool(batch_size))
     if batch_size:
         bench_batched(lm, tokenizer, prompts, specs, batch_size, max_new_tokens, curve, Path(out), dtype, threads)
         return
@@ -348,20 +348,36 @@ def curve(
     out: str = typer.Option("bench-results/latency", "--out"),
     device: str = DEVICE,
     dtype: str = typer.Option("fp32", "--dtype", help="One dtype or several: fp32,bf16 (one plot)."),
+    rows: str = typer.Option(
+        "2,4,8", "--rows", help="Rows per forward for the batched curves (what batches decide on); '' for none."
+    ),
 ) -> None:
-    """Measure the forward-latency curve(s) (latency vs tokens per forward): latency.json and latency.png, and the
-    file the cost model reads for this model, dtype, device and thread count."""
+    """Measure the forward-latency curve(s) (latency vs tokens per forward, and with several rows per forward):
+    latency.json and latency.png, and the file the cost model reads for this model, dtype, device and threads."""
     from pathlib import Path
 
     from rich.table import Table
 
     from forerun.bench.latency import write_curves
-    from forerun.latency import DEFAULT_CACHE_DIR, curve_path, curve_settings, measure_curve, save_curve
+    from forerun.latency import (
+        DEFAULT_CACHE_DIR,
+        curve_path,
+        curve_settings,
+        measure_batched,
+        measure_curve,
+        save_curve,
+    )
 
     try:
         size_list = [int(x) for x in sizes.split(",") if x.strip()]
     except ValueError:
         raise ValueError(f"--sizes must be comma-separated integers, got {sizes!r}") from None
+    try:
+        row_list = [int(x) for x in rows.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--rows must be comma-separated integers, got {rows!r}") from None
+    if any(r < 2 or r > 256 for r in row_list):
+        raise ValueError(f"--rows must be between 2 and 256, got {rows!r}")
     if threads < 1:
         raise ValueError("--threads must be >= 1")
     specs = [
@@ -372,6 +388,9 @@ def curve(
         lm, _, _ = spec.load()
         with console.status(f"{spec.dtype}: measuring {len(size_list)} sizes x {repeats} repeats"):
             measured = measure_curve(lm, size_list, context, repeats)
+        if row_list:
+            with console.status(f"{spec.dtype}: measuring batches of {rows} rows"):
+                measured = measured.with_batches(measure_batched(lm, row_list, context=context, repeats=repeats))
         save_curve(measured, curve_path(lm, DEFAULT_CACHE_DIR), curve_settings(lm))
         curves[spec.dtype] = measured
         del lm
@@ -386,6 +405,16 @@ def curve(
             cells += [f"{measured.cost(n) * 1000:.1f}", f"{measured.relative(n):.2f}"]
         table.add_row(*cells)
     console.print(table)
+    for label, measured in curves.items():
+        if measured.batched:
+            batch_sizes = measured.batched[0][1].sizes
+            grid = Table(title=f"{label}: rows x tokens per row, relative to 1 row x 1 token")
+            grid.add_column("rows", justify="right")
+            for n in batch_sizes:
+                grid.add_column(str(n), justify="right")
+            for count, row_curve in ((1, measured), *measured.batched):
+                grid.add_row(str(count), *[f"{row_curve.cost(n) / measured.seconds[0]:.2f}" for n in batch_sizes])
+            console.print(grid)
     settings = {"model": model, "threads": threads, "device": device, "context": context, "repeats": repeats}
     for path in write_curves(curves, settings, Path(out)):
         console.print(f"wrote {path}")

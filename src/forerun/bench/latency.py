@@ -1,4 +1,5 @@
-"""Latency curves as files: JSON and one plot of every curve measured (e.g. fp32 and bf16 side by side).
+"""Latency curves as files: JSON and one plot of every curve measured (e.g. fp32 and bf16 side by side), with a
+third panel for the batched row curves when they were measured.
 
 The measurement itself is `forerun.latency.measure_curve` (the cost model's); `forerun curve` also stores each
 curve where the cost model looks for it.
@@ -31,7 +32,9 @@ def write_curves(curves: dict[str, LatencyCurve], settings: dict, out: Path) -> 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    batched = any(curve.batched for curve in curves.values())
+    fig, axes = plt.subplots(1, 3 if batched else 2, figsize=(15 if batched else 10, 4))
+    left, right = axes[0], axes[1]
     for label, curve in curves.items():
         sizes = list(curve.sizes)
         left.plot(sizes, [s * 1000 for s in curve.seconds], marker="o", label=label)
@@ -44,6 +47,20 @@ def write_curves(curves: dict[str, LatencyCurve], settings: dict, out: Path) -> 
         ax.set_xlabel("tokens fed in one forward")
         ax.grid(alpha=0.3)
         ax.legend()
+    if batched:
+        rows_axis = axes[2]
+        for label, curve in curves.items():
+            top = max((max(c.sizes) for _, c in curve.batched), default=max(curve.sizes))
+            for rows, row_curve in ((1, curve), *curve.batched):
+                sizes = [n for n in row_curve.sizes if n <= top]
+                relative = [row_curve.cost(n) / curve.seconds[0] for n in sizes]
+                rows_axis.plot(sizes, relative, marker=".", label=f"{label}, {rows} row{'s' if rows > 1 else ''}")
+        rows_axis.set_xscale("log", base=2)
+        rows_axis.set_xlabel("tokens per row, several rows in one forward")
+        rows_axis.set_ylabel("latency / latency of 1 row x 1 token")
+        rows_axis.set_ylim(bottom=0)
+        rows_axis.grid(alpha=0.3)
+        rows_axis.legend(fontsize="small")
     left.set_ylabel("ms per forward")
     left.set_ylim(bottom=0)
     right.set_ylabel("latency / latency of 1 token")
