@@ -161,3 +161,27 @@ def test_two_ranks_under_torchrun_write_every_record_once(smollm2, tmp_path):
     expected = expected_tokens(smollm2)
     assert all(row["tokens"] == expected[row["id"]] for row in rows)
     assert not list(tmp_path.glob("*.part*"))
+
+
+@pytest.mark.real_model
+def test_a_refused_prompt_costs_only_its_own_record_and_bad_bytes_only_their_line(smollm2, tmp_path):
+    model, tokenizer = smollm2
+    long = {"id": "long", "prompt": "word " * 9000}  # more tokens than the model's 8192 positions
+    path = tmp_path / "in.jsonl"
+    lines = [json.dumps(PROMPTS[0]).encode(), b'{"id": "bytes", "prompt": "caf\xe9"}', json.dumps(long).encode()]
+    path.write_bytes(b"\n".join([*lines, json.dumps(PROMPTS[1]).encode()]) + b"\n")
+    records, problems = read_records(path, {"max_new_tokens": NEW_TOKENS, "chat": True})
+    assert problems == ["line 2: not UTF-8 (byte 30 of the line)"]
+    assert [record.ident for record in records] == ["pal", "long", "2"]
+    out = tmp_path / "out.jsonl"
+    assert run_records(forerun.Decoder(model, tokenizer, "auto"), records, out, 8) == 3  # one batch of three
+    rows = finished_rows(out)
+    assert "context" in rows["long"]["error"] and "tokens" not in rows["long"]
+    expected = expected_tokens(smollm2)
+    assert rows["pal"]["tokens"] == expected["pal"] and rows["2"]["tokens"] == expected["2"]
+    assert [record.ident for record in pending_records(records, out)] == ["long"]  # a rerun tries it again
+    result = CliRunner().invoke(app, ["run", str(path), "-o", str(out), "--chat", "-n", str(NEW_TOKENS)])
+    assert result.exit_code == 2, result.output
+    assert "refused: record long" in result.output and "1 record(s) refused" in result.output
+    assert "line 2: not UTF-8" in result.output and "Traceback" not in result.output
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["pal", "long", "2"]  # merged once

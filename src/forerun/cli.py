@@ -559,13 +559,16 @@ def run_file(
     lm, tokenizer, draft = spec.load()
     decoder = spec.decoder(lm, tokenizer, draft)
     label = f"rank {shard.rank}/{shard.world} " if shard.world > 1 else ""
-    totals = {"tokens": 0, "forwards": 0}
+    totals = {"tokens": 0, "forwards": 0, "refused": 0}
     with progress_bar() as bar:
         task = bar.add_task(f"{label}records", total=len(shard.take(pending)))
         started = time.perf_counter()
 
         def advance(rows: list[dict]) -> None:
             for row in rows:
+                if "error" in row:
+                    totals["refused"] += 1
+                    errors.print(f"[bold yellow]refused:[/] record {escape(row['id'])}: {escape(row['error'])}")
                 totals["tokens"] += len(row.get("tokens", ()))
                 totals["forwards"] += row.get("stats", {}).get("forwards", 0)
             rate = totals["tokens"] / max(1e-9, time.perf_counter() - started)
@@ -582,8 +585,15 @@ def run_file(
     if shard.world > 1:
         dist.barrier()
         dist.destroy_process_group()
+    if totals["refused"]:
+        errors.print(
+            f"[bold red]error:[/] {label}{totals['refused']} record(s) refused; their rows in {target} hold the "
+            "reason under 'error' (a rerun tries them again)",
+            highlight=False,
+        )
     if problems and shard.rank == 0:
         errors.print(f"[bold red]error:[/] {len(problems)} bad line(s) in {source} were skipped", highlight=False)
+    if totals["refused"] or (problems and shard.rank == 0):
         raise typer.Exit(2)
 
 

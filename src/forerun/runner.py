@@ -5,7 +5,9 @@ override the command's (`max_new_tokens`, `chat`, `stop`, `do_sample`, `temperat
 `repetition_penalty`, `seed`). Output rows: `{"id", "text", "tokens", "prompt_tokens", "stats"}`, one per record.
 
 Crash safety: every finished record is appended and flushed at once, so a crash loses only the records in flight;
-a rerun reads what is there (a torn last line is dropped) and skips those ids. When every record is done the file
+a rerun reads what is there (a torn last line is dropped) and skips those ids. A record the decoder refuses (a
+prompt beyond the model's context, a bad setting) gets `{"id", "error"}` without costing its batchmates anything,
+and is tried again by a rerun. When every record is done the file
 is rewritten in input order (a temporary file renamed over it).
 
 Under `torchrun --nproc-per-node N` (and `--nnodes` for several machines) each rank takes the pending records at
@@ -85,8 +87,13 @@ def parse_record(line: str, number: int, defaults: dict, position: int = 0) -> R
 def read_records(path: str | Path, defaults: dict) -> tuple[list[Record], list[str]]:
     """Every valid record of the file, and one message per bad line (the others still run)."""
     records, problems, seen = [], [], set()
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
+    with open(path, "rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                problems.append(f"line {number}: not UTF-8 (byte {error.start} of the line)")
+                continue
             if not line.strip():
                 continue
             try:
@@ -169,7 +176,17 @@ def batches(records: Iterable[Record], size: int) -> list[list[Record]]:
 
 
 def run_batch(decoder, batch: list[Record]) -> list[dict]:
-    """Decode one batch; one output row per record."""
+    """Decode one batch; one output row per record. A record the decoder refuses (a prompt longer than the
+    model's context, a bad setting) gets `{"id", "error"}`; its batchmates are decoded without it."""
+    try:
+        return decode_records(decoder, batch)
+    except ValueError as error:
+        if len(batch) == 1:
+            return [{"id": batch[0].ident, "error": str(error)}]
+    return [row for record in batch for row in run_batch(decoder, [record])]
+
+
+def decode_records(decoder, batch: list[Record]) -> list[dict]:
     settings = dict(batch[0].settings)
     max_new_tokens = settings.pop("max_new_tokens")
     chat = settings.pop("chat", False)
@@ -213,10 +230,12 @@ class Shard:
 
 
 def pending_records(records: list[Record], out: Path) -> list[Record]:
-    """The records not yet in OUT or any part file (read only: call it on every rank before any rank writes)."""
-    done = set(finished_rows(out))
+    """The records not yet in OUT or any part file (read only: call it on every rank before any rank writes).
+    A record whose row is an error (a refused prompt) is tried again: the input may have been fixed since."""
+    rows = finished_rows(out)
     for part in part_files(out):
-        done |= set(finished_rows(part))
+        rows.update(finished_rows(part))
+    done = {ident for ident, row in rows.items() if "error" not in row}
     return [record for record in records if record.ident not in done]
 
 
@@ -237,10 +256,7 @@ def run_records(
     decoded = 0
     with open(target, "a", encoding="utf-8") as handle:
         for batch in batches(shard.take(pending), batch_size):
-            try:
-                rows = run_batch(decoder, batch)
-            except ValueError as error:  # a bad setting or prompt: record it, carry on with the rest
-                rows = [{"id": record.ident, "error": str(error)} for record in batch]
+            rows = run_batch(decoder, batch)
             for row in rows:
                 handle.write(json.dumps(row, ensure_ascii=False) + "\n")
             handle.flush()
