@@ -134,3 +134,23 @@ def test_real_model_in_bf16_differs_only_at_ties():
             assert divergence is None or divergence.is_tie, (method, text, divergence)
             identical += divergence is None and len(got) == len(expected)
     assert identical >= 1  # most runs are identical; a test where every run diverged would hide a bug
+
+
+@pytest.mark.real_model
+def test_real_model_batched_rows_in_bf16_differ_only_at_ties():
+    """Rows of one batch (padded trees, shared ragged cache) keep the bf16 contract against each prompt alone."""
+    from test_real_model import PROMPTS
+
+    model, tokenizer = forerun.load_model("smollm2-135m", dtype=torch.bfloat16)
+    rows2 = LatencyCurve((1, 2, 4, 8), (0.040, 0.042, 0.044, 0.050))
+    decoder = forerun.Decoder(model, tokenizer, "auto", latency=BF16_CPU_CURVE.with_batches([(2, rows2)]))
+    messages = [[{"role": "user", "content": text}] for text in PROMPTS[:3]]
+    results = decoder.generate(messages, 64, chat=True)
+    for conversation, result in zip(messages, results, strict=True):
+        ids = tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )["input_ids"]
+        expected, logits = reference(model, ids, 64, stop_at_eos=True)
+        divergence = first_divergence(expected, result.new_tokens, logits, model.dtype)
+        assert divergence is None or divergence.is_tie, (conversation, divergence)
+    assert sum(result.stats.tokens_per_forward > 1 for result in results) >= 1  # the rows did draft
