@@ -273,3 +273,20 @@ def test_a_batch_that_drafts_dearer_than_one_long_row_stops_drafting_sooner():
     chances = [[0.5, 0.25]] * 8
     assert best_shared_count(chances, single) == 1
     assert best_shared_count(chances, single.with_batches([(8, rows8)])) == 0
+
+
+def test_rows_finished_by_their_prefill_leave_at_the_next_step_without_a_forward():
+    """The prefill verifies a row's first tree: a row whose first token is its EOS (or whose max_new_tokens is 1)
+    is finished on joining, and leaves the batch while the others go on, each as alone."""
+    model = model_of("llama", "sdpa")
+    decoder = forerun.Decoder(model, None, "prompt_lookup", latency=CURVE)
+    rows = ragged_prompts()[:3]
+    first = int(single("llama", "sdpa", 1, None)[0, rows[1].shape[1]])  # row 1's first new token
+    results = decoder.generate([p[0].tolist() for p in rows], NEW_TOKENS, eos_token_id=first)
+    for index, result in enumerate(results):
+        assert torch.equal(result.sequences, single("llama", "sdpa", index, first)), index
+    assert results[1].new_tokens == [first] and results[1].stats.forwards == 1
+    ones = decoder.generate([p[0].tolist() for p in rows], 1, eos_token_id=[])
+    assert [r.stats.forwards for r in ones] == [1, 1, 1]  # the prefill alone, never a step
+    for index, result in enumerate(ones):
+        assert torch.equal(result.sequences, single("llama", "sdpa", index, None, 1)), index

@@ -14,7 +14,8 @@ when another accepted more) are masked out for good, and squeezed out when they 
 
 Positions are per row (tokens committed before the node), never slot indices, so holes change nothing a row
 computes: each row's tokens are exactly those of its own single run (fp32). Rows join between steps (`Batch.add`:
-their prompt is prefilled alone, then spliced in) and leave when their own criteria stop them (EOS, stop strings,
+their prompt is prefilled alone, with their first tree verified in that forward as a single run does, then spliced
+in) and leave when their own criteria stop them (EOS, stop strings,
 their own length) or when cancelled; that is what the server's continuous batching and `forerun run` build on.
 
 The per-row draft budget comes from the device's latency curve, measured with batches too (`LatencyCurve.
@@ -38,9 +39,10 @@ from transformers.cache_utils import DynamicLayer
 from forerun.costmodel import Calibration, CostModel, Selection, best_shared_count
 from forerun.drafters.base import DraftContext, Drafter, StepOutcome
 from forerun.engine import Budget, NodeScores, Sampling, Transcript, decode, tree_support, verify
+from forerun.kvcache import keep_accepted
 from forerun.models import last_logits
 from forerun.stats import GenerationStats
-from forerun.tree import TokenTree, as_attention_mask, merge
+from forerun.tree import TokenTree, as_attention_mask, merge, pack
 
 BATCH_PRIOR = 4.0
 """Pseudo-tokens (expected = accepted) behind the batch's correction of the chances."""
@@ -233,21 +235,15 @@ class Batch:
 
     @torch.inference_mode()
     def add(self, job: RowJob, budget: Budget | None = None) -> Row:
-        """Prefill the row's prompt (all but its last token, which is the first root) alone, then splice it in.
+        """Prefill the row's prompt alone, verifying its first tree in the same forward (as the single-row engine
+        does: the prompt rides as the lead, so the first token costs no forward of its own), then splice it in.
 
-        `budget`: whose curve and calibration the row uses (its Decoder's; default: the batch's)."""
+        `budget`: whose curve and calibration the row uses (its Decoder's; default: the batch's). A row that is
+        finished at once (its first token was EOS, max_new_tokens=1) leaves at the next `step`.
+        """
+        started = time.perf_counter()
         prompt = job.input_ids
         prompt_len = prompt.shape[1]
-        own = DynamicCache(config=self.model.config)
-        started = time.perf_counter()
-        if prompt_len > 1:
-            self.model(
-                input_ids=prompt[:, :-1],
-                past_key_values=own,
-                use_cache=True,
-                **({"logits_to_keep": 1} if self.keeps_logits else {}),
-            )
-        self.cache.add(own, prompt_len - 1)
         budget = row_budget(budget or self.budget)
         ctx = DraftContext(
             job.transcript.sequence[0].tolist(),
@@ -263,7 +259,24 @@ class Batch:
             drafter.start(ctx)
         budget.new_request()
         row = Row(job, ctx, budget, prompt_len - 1, started=started)
-        row.stats.forwards = 1 if prompt_len > 1 else 0
+        proposals = [drafter.propose(ctx) for drafter in job.drafters]
+        lead = ctx.tokens[:-1]
+        selection = budget.choose(ctx.tokens[-1], proposals, len(lead))
+        tree = selection.tree
+        t1 = time.perf_counter()
+        own = DynamicCache(config=self.model.config)
+        packed = pack(tree, prompt_len - 1, self.attention, self.model.dtype, self.model.device, lead)
+        logits = self.model(
+            input_ids=packed.input_ids,
+            attention_mask=packed.attention_mask,
+            position_ids=packed.position_ids,
+            past_key_values=own,
+            use_cache=True,
+            **({"logits_to_keep": len(tree)} if self.keeps_logits else {}),
+        ).logits[0, -len(tree) :]
+        path = self.commit(row, selection, logits, proposals, t1 - started, time.perf_counter() - t1)
+        keep_accepted(own, prompt_len - 1, path)
+        self.cache.add(own, prompt_len - 1 + len(path))
         row.stats.prefill_seconds = time.perf_counter() - started
         self.rows.append(row)
         return row
@@ -293,7 +306,13 @@ class Batch:
 
     @torch.inference_mode()
     def step(self) -> list[Row]:
-        """One forward for every row: propose, pack, forward, verify, commit; returns the rows that finished."""
+        """One forward for every row: propose, pack, forward, verify, commit; returns the rows that finished
+        (rows that finished when they joined leave first, without a forward)."""
+        finished_early = [row for row in self.rows if row.done]
+        if finished_early:
+            self.remove(finished_early)
+            if not self.rows:
+                return finished_early
         rows = self.rows
         # 1. propose: every row's drafters; the budget keeps what pays for the batch
         t0 = time.perf_counter()
@@ -325,7 +344,7 @@ class Batch:
             self.remove(finished)
         else:
             self.cache.compact()
-        return finished
+        return finished_early + finished
 
     def commit(
         self, row: Row, selection: Selection, logits: torch.Tensor, proposals, propose_s: float, forward_s: float
