@@ -290,3 +290,27 @@ def test_rows_finished_by_their_prefill_leave_at_the_next_step_without_a_forward
     assert [r.stats.forwards for r in ones] == [1, 1, 1]  # the prefill alone, never a step
     for index, result in enumerate(ones):
         assert torch.equal(result.sequences, single("llama", "sdpa", index, None, 1)), index
+
+
+def test_a_closed_batch_drafts_for_the_rows_that_decide_when_it_ends():
+    """Weights: a row that will finish first anyway (weight 0) cannot make the batch draft; the slowest row can."""
+    curve = LatencyCurve((1, 2, 4), (1.0, 1.1, 1.2), ((2, LatencyCurve((1, 2, 4), (1.2, 1.6, 2.0))),))
+    sure, hopeless = [0.95, 0.9, 0.85], [0.0, 0.0, 0.0]
+    assert best_shared_count([sure, hopeless], curve) == 3  # every row's progress alike (an open batch)
+    assert best_shared_count([sure, hopeless], curve, weights=[0.0, 1.0]) == 0  # only the slow row counts
+    assert best_shared_count([hopeless, sure], curve, weights=[0.0, 1.0]) == 3
+
+
+def test_closed_batch_weights_follow_each_rows_steps_left():
+    model = model_of("llama", "sdpa")
+    decoder = forerun.Decoder(model, None, "prompt_lookup", latency=CURVE)
+    closed, open_batch = Batch(model, decoder.budget, closed=True), Batch(model, decoder.budget)
+    for batch in (closed, open_batch):
+        for job in jobs_for(model, ragged_prompts()[:2], [forerun.batch.fork(decoder.drafters) for _ in range(2)]):
+            batch.add(job)
+    assert open_batch.weights() is None
+    ahead = closed.rows[0]
+    ahead.job.transcript.sources.extend(["model"] * 8)  # as if row 0 had made 8 more tokens in one more step
+    ahead.stats.forwards += 1
+    weights = closed.weights()
+    assert weights[1] == 1.0 and 0.0 < weights[0] < 0.5, weights

@@ -48,6 +48,8 @@ BATCH_PRIOR = 4.0
 """Pseudo-tokens (expected = accepted) behind the batch's correction of the chances."""
 BATCH_DECAY = 0.9
 """Per step: the batch's correction remembers about its last ten steps."""
+CLOSED_FOCUS = 4.0
+"""How sharply a closed batch weighs the rows with the most steps left (a row 10% ahead counts 0.66)."""
 COMPACT_SHARE = 0.5
 """Squeeze the holes out of the cache once they are more than this share of its slots (attention reads them all)."""
 
@@ -131,6 +133,9 @@ class RowCache:
         """After a forward of `nodes` padded tree nodes per row: keep each row's path `kept[row]` (node indices,
         root first), gathered to the front of the new slots; the cache grows by the longest path."""
         slots, longest = self.slots, max(len(path) for path in kept)
+        if nodes == 1:  # the roots alone: they already sit where they belong
+            self.visible = torch.cat([self.visible, torch.ones(len(kept), 1, dtype=torch.bool)], dim=1)
+            return
         index = torch.tensor([[slots + path[min(i, len(path) - 1)] for i in range(longest)] for path in kept])
         for layer in self.cache.layers:
             if layer_tensors(layer) is None:
@@ -218,8 +223,11 @@ class Batch:
         >>> while batch.rows: finished = batch.step()                         # doctest: +SKIP
     """
 
-    def __init__(self, model: torch.nn.Module, budget: Budget) -> None:
-        self.model, self.budget = model, budget
+    def __init__(self, model: torch.nn.Module, budget: Budget, closed: bool = False) -> None:
+        self.model, self.budget, self.closed = model, budget, closed
+        """closed: no row will join once stepping starts (`decode_batch`): the batch ends with its slowest row,
+        so drafts are weighed by how much each row has left to do (`weights`); open batches (the server) weigh
+        every row's progress alike."""
         self.rows: list[Row] = []
         self.cache = RowCache(model.config)
         self.attention = model.config._attn_implementation or "eager"
@@ -296,13 +304,28 @@ class Batch:
             # run must repeat, so batches with sampled rows decide on the curve alone.
             sampled = any(row.job.sampling is not None for row in rows)
             penalty = 1.0 if sampled else max(1.0, self.measured[True] / self.measured[False])
-            count = best_shared_count(chances, budgets[0].curve, cap, penalty)
+            count = best_shared_count(chances, budgets[0].curve, cap, penalty, self.weights())
             return [ranking.select(count) for ranking in rankings]
         # Static budgets (draft_model alone): each row's share of its own node budget.
         return [
             Selection(*merge(row.ctx.tokens[-1], p, max(1, row.budget.max_nodes // len(rows))))
             for row, p in zip(rows, proposals, strict=True)
         ]
+
+    def weights(self) -> list[float] | None:
+        """What each row's progress is worth to a closed batch: (steps it has left / the most any row has left)
+        to the power CLOSED_FOCUS, a row's steps left being its tokens left over its tokens per step so far. A
+        closed batch lasts as long as its slowest row, and a forward of fewer rows costs nearly as much, so tokens
+        won by rows that will finish first anyway buy little wall time."""
+        if not self.closed:
+            return None
+        steps_left = []
+        for row in self.rows:
+            made = len(row.job.transcript.sources)
+            per_step = max(1.0, made / max(1, row.stats.forwards))
+            steps_left.append(max(0, row.job.max_new_tokens - made) / per_step)
+        most = max(steps_left, default=0.0)
+        return [(n / most) ** CLOSED_FOCUS if most else 1.0 for n in steps_left]
 
     @torch.inference_mode()
     def step(self) -> list[Row]:
@@ -380,8 +403,9 @@ class Batch:
             ratio = forward_s / curve.batch_cost(rows, nodes)
             self.measured[drafted] = BATCH_DECAY * self.measured[drafted] + (1 - BATCH_DECAY) * ratio
         expected = sum(selection.expected_accepted or 0.0 for selection in selections)
-        self.expected = BATCH_DECAY * self.expected + expected
-        self.accepted = BATCH_DECAY * self.accepted + sum(len(path) - 1 for path in kept)
+        if expected > 0:  # only drafted steps are evidence: root-only ones must not fade a lesson back to optimism
+            self.expected = BATCH_DECAY * self.expected + expected
+            self.accepted = BATCH_DECAY * self.accepted + sum(len(path) - 1 for path in kept)
 
     def remove(self, leaving: Sequence[Row]) -> None:
         """Take rows out (finished or cancelled): their drafters finish, their stats are closed, slots freed."""
@@ -447,7 +471,7 @@ def decode_batch(model: torch.nn.Module, jobs: Sequence[RowJob], budget: Budget)
             )
             for job in jobs
         ]
-    batch = Batch(model, budget)
+    batch = Batch(model, budget, closed=True)
     rows = [batch.add(job) for job in jobs]
     while batch.rows:
         batch.step()

@@ -308,16 +308,18 @@ def best_shared_count(
     curve: LatencyCurve,
     cap: int | None = None,
     draft_penalty: float = 1.0,
+    weights: Sequence[float] | None = None,
 ) -> int:
     """Candidates per row, the same for every row of a batch (their trees are padded to one size), maximising
 
-        sum over rows of (1 + chances[row][0] + ... + chances[row][k-1]) / batch_cost(rows, 1 + k)
+        sum over rows of weight[row] * (1 + chances[row][0] + ... + chances[row][k-1]) / batch_cost(rows, 1 + k)
 
     on the device's curve: a batch of 8 rows x 16 nodes is a 128-token forward (dearer still than one row of 128
     tokens where the curve has measured batches), so the per-row budget shrinks as the batch grows, down to k = 0
     (one token per row per step) where drafting does not pay. `draft_penalty` scales the cost of forwards that
     carry drafts (k > 0): how much slower such forwards measured than the curve predicts, relative to root-only
-    ones (`forerun.batch.Batch` learns it online).
+    ones (`forerun.batch.Batch` learns it online). `weights` (default 1 each): what a row's progress is worth, e.g.
+    in a batch that no row will join only the rows with the most left to do decide when it ends.
 
     Example (2 tokens cost 1.5x one token, 4 tokens 1.6x, 8 tokens 3x):
         >>> curve = LatencyCurve((1, 2, 4, 8), (0.010, 0.015, 0.016, 0.030))
@@ -325,12 +327,14 @@ def best_shared_count(
         (2, 0)
     """
     rows = len(chances)
-    best, best_rate = 0, rows / curve.batch_cost(rows, 1)
-    longest = max((len(c) for c in chances), default=0)
+    weights = [1.0] * rows if weights is None else list(weights)
+    best, best_rate = 0, sum(weights) / curve.batch_cost(rows, 1)
+    longest = max((len(c) for c, w in zip(chances, weights, strict=True) if w > 0), default=0)
     for k in range(1, longest + 1):
         if cap is not None and 1 + k > cap:
             break
-        rate = sum(1.0 + sum(c[:k]) for c in chances) / (curve.batch_cost(rows, 1 + k) * draft_penalty)
+        gain = sum(w * (1.0 + sum(c[:k])) for c, w in zip(chances, weights, strict=True))
+        rate = gain / (curve.batch_cost(rows, 1 + k) * draft_penalty)
         if rate > best_rate:
             best, best_rate = k, rate
     return best
