@@ -158,7 +158,9 @@ def test_predicted_outputs_with_the_openai_client(smollm2, client):
     response = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=48, prediction=prediction)
     assert response.choices[0].message.content == expected
     details = response.usage.completion_tokens_details
-    assert details.accepted_prediction_tokens > 10 and details.rejected_prediction_tokens >= 0
+    # The code is in the prompt too: prompt lookup proposes the same tokens, and fused nodes' credit is shared, so
+    # the prediction's count depends on which tree each step fed (9 since batch prefills verify a first tree).
+    assert details.accepted_prediction_tokens > 5 and details.rejected_prediction_tokens >= 0
     stream = client.chat.completions.create(
         model=MODEL,
         messages=messages,

@@ -498,7 +498,8 @@ def serve(
         max_batch=max_batch,
     )
     lm, tokenizer, draft = spec.load()
-    app = create_app(lm, tokenizer, config, draft)  # a bad cache file or knob stops here, in one line
+    with console.status("preparing the server (the latency curves are measured once per model, dtype and device)"):
+        app = create_app(lm, tokenizer, config, draft)  # a bad cache file or knob stops here, in one line
     # On SIGTERM/SIGINT: stop accepting, give open requests 5 s, then cancel them; the trie is saved after.
     uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
 
