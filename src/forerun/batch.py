@@ -38,11 +38,11 @@ from transformers.cache_utils import DynamicLayer
 
 from forerun.costmodel import Calibration, CostModel, Selection, best_shared_count
 from forerun.drafters.base import DraftContext, Drafter, StepOutcome
-from forerun.engine import Budget, NodeScores, Sampling, Transcript, decode, tree_support, verify
+from forerun.engine import Budget, NodeScores, Sampling, Transcript, decode, forward_tree, tree_support, verify
 from forerun.kvcache import keep_accepted
 from forerun.models import last_logits
 from forerun.stats import GenerationStats
-from forerun.tree import TokenTree, as_attention_mask, merge, pack
+from forerun.tree import TokenTree, as_attention_mask, merge
 
 BATCH_PRIOR = 4.0
 """Pseudo-tokens (expected = accepted) behind the batch's correction of the chances."""
@@ -273,15 +273,7 @@ class Batch:
         tree = selection.tree
         t1 = time.perf_counter()
         own = DynamicCache(config=self.model.config)
-        packed = pack(tree, prompt_len - 1, self.attention, self.model.dtype, self.model.device, lead)
-        logits = self.model(
-            input_ids=packed.input_ids,
-            attention_mask=packed.attention_mask,
-            position_ids=packed.position_ids,
-            past_key_values=own,
-            use_cache=True,
-            **({"logits_to_keep": len(tree)} if self.keeps_logits else {}),
-        ).logits[0, -len(tree) :]
+        logits = forward_tree(self.model, own, tree, prompt_len - 1, lead, self.attention, self.keeps_logits)
         path = self.commit(row, selection, logits, proposals, t1 - started, time.perf_counter() - t1)
         keep_accepted(own, prompt_len - 1, path)
         self.cache.add(own, prompt_len - 1 + len(path))

@@ -173,15 +173,7 @@ def decode(
         tree = selection.tree
         # 2. pack and 3. forward: one call of the unmodified model
         t1 = time.perf_counter()
-        packed = pack(tree, prefix_len, attention, model.dtype, model.device, lead)
-        logits = model(
-            input_ids=packed.input_ids,
-            attention_mask=packed.attention_mask,
-            position_ids=packed.position_ids,
-            past_key_values=cache,
-            use_cache=True,
-            **({"logits_to_keep": len(tree)} if keeps_logits else {}),
-        ).logits[0, -len(tree) :]  # [n, vocab]
+        logits = forward_tree(model, cache, tree, prefix_len, lead, attention, keeps_logits)  # [n, vocab]
         # 4. verify: the longest path the target agrees with, plus its own bonus token
         verdict = verify(tree, NodeScores(logits, processor, transcript.sequence, tree), sampling)
         # 5. commit: keep the accepted path in the cache, append tokens, let drafters and the budget learn
@@ -207,6 +199,29 @@ def decode(
     stats.new_tokens = len(transcript.sources)
     stats.total_seconds = time.perf_counter() - started
     return stats
+
+
+def forward_tree(
+    model: torch.nn.Module,
+    cache: DynamicCache,
+    tree: TokenTree,
+    prefix_len: int,
+    lead: Sequence[int],
+    attention: str,
+    keeps_logits: bool,
+) -> torch.Tensor:
+    """One call of the unmodified model on `tree` (after the `lead` tokens, at the prefill) with `prefix_len`
+    tokens cached in `cache`; returns the tree's logits [len(tree), vocab] (the lead's are not computed where the
+    model takes `logits_to_keep`)."""
+    packed = pack(tree, prefix_len, attention, model.dtype, model.device, lead)
+    return model(
+        input_ids=packed.input_ids,
+        attention_mask=packed.attention_mask,
+        position_ids=packed.position_ids,
+        past_key_values=cache,
+        use_cache=True,
+        **({"logits_to_keep": len(tree)} if keeps_logits else {}),
+    ).logits[0, -len(tree) :]
 
 
 def fallback_if_unsupported(

@@ -87,27 +87,7 @@ def measure_curve(
     """Time forwards of each size after `context` cached tokens; the fastest of `repeats` rounds per size."""
     if not sizes or min(sizes) < 1 or context < 1 or repeats < 1:
         raise ValueError("sizes must be >= 1, context >= 1 and repeats >= 1")
-    sizes = sorted(set(int(n) for n in sizes) | {1})
-    limit = getattr(model.config, "max_position_embeddings", None)
-    if limit is not None:
-        context = max(1, min(context, limit - max(sizes)))
-    vocab = model.get_input_embeddings().weight.shape[0]
-    generator = torch.Generator().manual_seed(seed)
-    device = next(model.parameters()).device
-    ids = torch.randint(0, vocab, (1, context + max(sizes)), generator=generator).to(device)
-    cache = DynamicCache(config=model.config)
-    model(ids[:, :context], past_key_values=cache, use_cache=True)
-    samples: dict[int, list[float]] = {n: [] for n in sizes}
-    for _ in range(repeats + 1):  # the first round warms up and is dropped
-        for n in sizes:
-            positions = torch.arange(context, context + n, device=device).unsqueeze(0)
-            synchronize(device)
-            started = time.perf_counter()
-            model(ids[:, context : context + n], past_key_values=cache, position_ids=positions, use_cache=True)
-            synchronize(device)
-            samples[n].append(time.perf_counter() - started)
-            cache.crop(-n)  # back to the context (negative: drop the last n)
-    return LatencyCurve(tuple(sizes), tuple(min(samples[n][1:]) for n in sizes))
+    return time_forwards(model, 1, sizes, context, repeats, seed)
 
 
 @torch.inference_mode()
@@ -124,6 +104,15 @@ def measure_batched(
     it). The fastest of `repeats` rounds, after a warm-up round."""
     if not rows or min(rows) < 2 or not sizes or min(sizes) < 1 or context < 1 or repeats < 1:
         raise ValueError("rows must be >= 2, sizes >= 1, context >= 1 and repeats >= 1")
+    return tuple((count, time_forwards(model, count, sizes, context, repeats, seed)) for count in sorted(set(rows)))
+
+
+def time_forwards(
+    model: torch.nn.Module, rows: int, sizes: Sequence[int], context: int, repeats: int, seed: int
+) -> LatencyCurve:
+    """The fastest of `repeats` rounds (after a warm-up round) of forwards of `rows` x n tokens per size n, after
+    `context` random cached tokens per row. One row is fed as plain decoding feeds it (no mask); several rows with
+    a 4-D mask, as a batch feeds them."""
     sizes = sorted(set(int(n) for n in sizes) | {1})
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit is not None:
@@ -132,32 +121,27 @@ def measure_batched(
     generator = torch.Generator().manual_seed(seed)
     device = next(model.parameters()).device
     attention = getattr(model.config, "_attn_implementation", None) or "eager"
-    measured = []
-    for count in sorted(set(int(r) for r in rows)):
-        ids = torch.randint(0, vocab, (count, context + max(sizes)), generator=generator).to(device)
-        cache = DynamicCache(config=model.config)
-        model(ids[:, :context], past_key_values=cache, use_cache=True)
-        samples: dict[int, list[float]] = {n: [] for n in sizes}
-        for _ in range(repeats + 1):
-            for n in sizes:
-                positions = torch.arange(context, context + n, device=device).expand(count, n)
-                visible = torch.ones(count, 1, n, context + n, dtype=torch.bool)
+    ids = torch.randint(0, vocab, (rows, context + max(sizes)), generator=generator).to(device)
+    cache = DynamicCache(config=model.config)
+    model(ids[:, :context], past_key_values=cache, use_cache=True)
+    samples: dict[int, list[float]] = {n: [] for n in sizes}
+    for _ in range(repeats + 1):  # the first round warms up and is dropped
+        for n in sizes:
+            positions = torch.arange(context, context + n, device=device).expand(rows, n)
+            masked = {}
+            if rows > 1:
+                visible = torch.ones(rows, 1, n, context + n, dtype=torch.bool)
                 visible[..., context:] = torch.ones(n, n, dtype=torch.bool).tril()
-                mask = as_attention_mask(visible, attention, model.dtype).to(device)
-                synchronize(device)
-                started = time.perf_counter()
-                model(
-                    ids[:, context : context + n],
-                    attention_mask=mask,
-                    past_key_values=cache,
-                    position_ids=positions,
-                    use_cache=True,
-                )
-                synchronize(device)
-                samples[n].append(time.perf_counter() - started)
-                cache.crop(-n)
-        measured.append((count, LatencyCurve(tuple(sizes), tuple(min(samples[n][1:]) for n in sizes))))
-    return tuple(measured)
+                masked["attention_mask"] = as_attention_mask(visible, attention, model.dtype).to(device)
+            synchronize(device)
+            started = time.perf_counter()
+            model(
+                ids[:, context : context + n], past_key_values=cache, position_ids=positions, use_cache=True, **masked
+            )
+            synchronize(device)
+            samples[n].append(time.perf_counter() - started)
+            cache.crop(-n)  # back to the context (negative: drop the last n)
+    return LatencyCurve(tuple(sizes), tuple(min(samples[n][1:]) for n in sizes))
 
 
 def curve_path(model: torch.nn.Module, cache_dir: Path | str = DEFAULT_CACHE_DIR) -> Path:
