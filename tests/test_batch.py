@@ -314,3 +314,51 @@ def test_closed_batch_weights_follow_each_rows_steps_left():
     ahead.stats.forwards += 1
     weights = closed.weights()
     assert weights[1] == 1.0 and 0.0 < weights[0] < 0.5, weights
+
+
+@pytest.mark.parametrize(("family", "impl"), [("llama", "sdpa"), ("gpt2", "eager")])
+def test_a_narrower_batch_refills_finished_rows_with_waiting_prompts(family, impl):
+    """batch_size 2 for 4 prompts: never more than 2 rows in a forward, a finished row's place goes to the next
+    prompt at once (so a 2-row forward follows the first row's finish), results come in finishing order from
+    `generate_each` and in input order from `generate`, each row as alone."""
+    model = model_of(family, impl)
+    decoder = forerun.Decoder(model, None, "prompt_lookup", latency=CURVE)
+    batch = [p[0].tolist() for p in ragged_prompts()]
+    eos = int(single(family, impl, 0, None)[0, len(batch[0]) + 3])  # row 0 ends early: its place is refilled
+    expected = [single(family, impl, index, eos) for index in range(len(batch))]
+    rows_fed = []
+
+    def spy(_, args, kwargs):  # (rows, prefill?): a joining row's prefill runs alone on a fresh cache
+        rows_fed.append((kwargs["input_ids"].shape[0], kwargs["past_key_values"].get_seq_length() == 0))
+
+    hook = model.register_forward_pre_hook(spy, with_kwargs=True)
+    try:
+        order = []
+        for index, result in decoder.generate_each(batch, NEW_TOKENS, batch_size=2, eos_token_id=eos):
+            order.append(index)
+            assert torch.equal(result.sequences, expected[index]), (family, impl, index)
+    finally:
+        hook.remove()
+    assert sorted(order) == [0, 1, 2, 3] and order[0] == 0  # row 0 finishes first
+    assert max(rows for rows, _ in rows_fed) == 2
+    prefills = [i for i, (_, prefill) in enumerate(rows_fed) if prefill]
+    assert len(prefills) == 4 and rows_fed[prefills[2] + 1] == (2, False)  # the third prompt joined the running row
+    results = decoder.generate(batch, NEW_TOKENS, batch_size=2, eos_token_id=eos)
+    for index, result in enumerate(results):
+        assert torch.equal(result.sequences, single(family, impl, index, eos)), (family, impl, index, "list")
+    with pytest.raises(ValueError, match="batch_size must be a positive integer"):
+        decoder.generate(batch, 4, batch_size=0)
+
+
+def test_one_seed_per_prompt():
+    """seed=[s0, s1, ...]: row i draws from s_i (the same prompt with the same seed in one batch samples alike);
+    one integer seeds row i with seed + i; a list of the wrong length or a bad seed is a clear error."""
+    decoder = forerun.Decoder(model_of("llama", "sdpa"), None, "prompt_lookup", latency=CURVE)
+    prompt = ragged_prompts()[0][0].tolist()
+    same = decoder.generate([prompt, prompt], 16, do_sample=True, seed=[5, 5], eos_token_id=[])
+    assert same[0].new_tokens == same[1].new_tokens
+    apart = decoder.generate([prompt, prompt], 16, do_sample=True, seed=5, eos_token_id=[])
+    assert apart[0].new_tokens != apart[1].new_tokens
+    for seed, message in [([5], "one per prompt"), ([5, -1], "seed must be"), ("55", "seed must be")]:
+        with pytest.raises(ValueError, match=message):
+            decoder.generate([prompt, prompt], 4, do_sample=True, seed=seed)

@@ -221,7 +221,13 @@ def test_cli_bench_batch_sizes_table_checks_every_row(model, tokenizer, tmp_path
     rows = {(r["batch_size"], r["method"]): r for r in data["rows"]}
     assert set(rows) == {(b, m) for b in (1, 3) for m in ("generate", "prompt_lookup", "auto")}
     assert all(r["identical_rows"] == r["rows"] == 4 for r in rows.values())
-    assert "| 3 | auto |" in (out / "batched.md").read_text()
+    assert "| 3 | auto |" in (out / "batched.md").read_text() and data["settings"]["refill"] is True
+    chunked = CliRunner().invoke(
+        app, [*args, "--methods", "auto", "--batch-size", "3", "--no-refill", "--out", str(out)]
+    )  # forerun decodes generate's very batches (3 + 1 prompts)
+    assert chunked.exit_code == 0, chunked.output
+    data = json.loads((out / "batched.json").read_text())
+    assert data["settings"]["refill"] is False and all(r["identical_rows"] == r["rows"] == 4 for r in data["rows"])
     bad = CliRunner().invoke(app, [*args, "--methods", "hf_prompt_lookup", "--batch-size", "2"])
     assert bad.exit_code == 2 and "without a draft model" in bad.output
     bad = CliRunner().invoke(app, [*args, "--methods", "auto", "--batch-size", "0,x"])

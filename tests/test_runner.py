@@ -15,13 +15,13 @@ import forerun
 from forerun.cli import app
 from forerun.runner import (
     Record,
-    batches,
     finished_rows,
     merge_results,
     parse_record,
     pending_records,
     read_records,
     run_records,
+    settings_groups,
 )
 
 PROMPTS = [
@@ -61,8 +61,8 @@ def test_records_parse_with_line_numbers_and_group_by_settings(tmp_path):
     assert [r.ident for r in records] == ["pal", "2", "hash", "add", "sea"]
     assert problems == ["line 2: invalid JSON (Expecting property name enclosed in double quotes)",
                         "line 4: id 'pal' appears again (ignored)"]  # fmt: skip
-    groups = batches(records, 2)
-    assert [[r.ident for r in g] for g in groups] == [["pal", "2"], ["hash"], ["add", "sea"]]
+    groups = settings_groups(records)  # one rolling batch per set of settings, in order of first appearance
+    assert [[r.ident for r in g] for g in groups] == [["pal", "2", "add", "sea"], ["hash"]]
     for bad, message in [
         ('{"prompt": "x"}', "'id'"),
         ('{"id": 1, "prompt": "x", "messages": []}', "exactly one"),
@@ -99,12 +99,16 @@ def test_a_crash_midway_then_a_rerun_completes_without_duplicates(smollm2, tmp_p
     class Crash(Exception):
         pass
 
-    def crash(rows):
-        raise Crash
+    written = []
+
+    def crash(row):
+        written.append(row["id"])
+        if len(written) == 2:
+            raise Crash
 
     with pytest.raises(Crash):
-        run_records(decoder, records, out, 2, on_batch=crash)  # dies after its first batch was written
-    assert len(finished_rows(out)) == 2
+        run_records(decoder, records, out, 2, on_row=crash)  # dies after its second row was written
+    assert sorted(finished_rows(out)) == sorted(written)  # every row is on disk the moment it is done
     assert run_records(decoder, pending_records(records, out), out, 2) == 3  # the rest, nothing twice
     merge_results(out, records)
     rows = [json.loads(line) for line in out.read_text().splitlines()]
@@ -174,7 +178,7 @@ def test_a_refused_prompt_costs_only_its_own_record_and_bad_bytes_only_their_lin
     assert problems == ["line 2: not UTF-8 (byte 30 of the line)"]
     assert [record.ident for record in records] == ["pal", "long", "2"]
     out = tmp_path / "out.jsonl"
-    assert run_records(forerun.Decoder(model, tokenizer, "auto"), records, out, 8) == 3  # one batch of three
+    assert run_records(forerun.Decoder(model, tokenizer, "auto"), records, out, 8) == 3  # refused one, and two
     rows = finished_rows(out)
     assert "context" in rows["long"]["error"] and "tokens" not in rows["long"]
     expected = expected_tokens(smollm2)
@@ -185,3 +189,29 @@ def test_a_refused_prompt_costs_only_its_own_record_and_bad_bytes_only_their_lin
     assert "refused: record long" in result.output and "1 record(s) refused" in result.output
     assert "line 2: not UTF-8" in result.output and "Traceback" not in result.output
     assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["pal", "long", "2"]  # merged once
+
+
+@pytest.mark.real_model
+def test_sampled_records_draw_from_their_own_seeds_and_a_bad_seed_refuses_only_its_group(smollm2, tmp_path):
+    """A sampled record's seed is the run's seed + its position in the file (not its place among the records
+    left to do); a record whose seed is not an integer gets an error row, the others are decoded."""
+    model, tokenizer = smollm2
+    defaults = {"max_new_tokens": NEW_TOKENS, "chat": True, "do_sample": True, "temperature": 1.0, "seed": 11}
+    rows = [row for row in PROMPTS if "max_new_tokens" not in row]
+    records, _ = read_records(write_prompts(tmp_path / "in.jsonl", rows), defaults)
+    seeds = []
+
+    class Spy(forerun.Decoder):
+        def generate_each(self, prompts, max_new_tokens=256, **options):
+            seeds.append(options["seed"])
+            return super().generate_each(prompts, max_new_tokens, **options)
+
+    out = tmp_path / "out.jsonl"
+    run_records(Spy(model, tokenizer, "prompt_lookup"), records[2:], out, 4)  # as a rerun after two were done
+    assert seeds == [[13, 14]]
+    assert len({tuple(row["tokens"]) for row in finished_rows(out).values()}) == 2  # sampled, each its own
+    bad, _ = read_records(write_prompts(tmp_path / "bad.jsonl", [{**rows[0], "seed": "x"}, rows[1]]), defaults)
+    out = tmp_path / "bad-out.jsonl"
+    assert run_records(forerun.Decoder(model, tokenizer, "prompt_lookup"), bad, out, 4) == 2
+    assert "seed" in finished_rows(out)[str(rows[0]["id"])]["error"]
+    assert "tokens" in finished_rows(out)[str(rows[1]["id"])]

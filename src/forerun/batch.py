@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import copy
 import time
-from collections import Counter
-from collections.abc import Sequence
+from collections import Counter, deque
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -225,7 +225,7 @@ class Batch:
 
     def __init__(self, model: torch.nn.Module, budget: Budget, closed: bool = False) -> None:
         self.model, self.budget, self.closed = model, budget, closed
-        """closed: no row will join once stepping starts (`decode_batch`): the batch ends with its slowest row,
+        """closed: no row will join any more (`decode_rows` once nothing waits): the batch ends with its slowest row,
         so drafts are weighed by how much each row has left to do (`weights`); open batches (the server) weigh
         every row's progress alike."""
         self.rows: list[Row] = []
@@ -242,12 +242,16 @@ class Batch:
         each young, and a batch multiplies any optimism by its rows)."""
 
     @torch.inference_mode()
-    def add(self, job: RowJob, budget: Budget | None = None) -> Row:
-        """Prefill the row's prompt alone, verifying its first tree in the same forward (as the single-row engine
-        does: the prompt rides as the lead, so the first token costs no forward of its own), then splice it in.
+    def add(self, job: RowJob, budget: Budget | None = None, draft: bool | None = None) -> Row:
+        """Prefill the row's prompt alone, its first token verified in the same forward (the prompt rides as the
+        lead, so the first token costs no forward of its own), then splice it in.
 
-        `budget`: whose curve and calibration the row uses (its Decoder's; default: the batch's). A row that is
-        finished at once (its first token was EOS, max_new_tokens=1) leaves at the next `step`.
+        `budget`: whose curve and calibration the row uses (its Decoder's; default: the batch's). `draft`: whether
+        the prefill also verifies the row's first tree, as the single-row engine does (default: only when the row
+        decodes alone, no other row in the batch). A tree makes the prefill dearer (a tree mask instead of the
+        causal kernel: +20-40 ms for a 60-180-token prompt, fp32 CPU) to win the tokens of one step, and one step of
+        a row among several costs a fraction of a forward; alone, it costs a whole one. A row that is finished at
+        once (its first token was EOS, max_new_tokens=1) leaves at the next `step`.
         """
         started = time.perf_counter()
         prompt = job.input_ids
@@ -269,7 +273,7 @@ class Batch:
         row = Row(job, ctx, budget, prompt_len - 1, started=started)
         proposals = [drafter.propose(ctx) for drafter in job.drafters]
         lead = ctx.tokens[:-1]
-        selection = budget.choose(ctx.tokens[-1], proposals, len(lead))
+        selection = budget.choose(ctx.tokens[-1], proposals, len(lead), not self.rows if draft is None else draft)
         tree = selection.tree
         t1 = time.perf_counter()
         own = DynamicCache(config=self.model.config)
@@ -440,31 +444,66 @@ class Batch:
         return input_ids.to(device), position_ids.to(device), mask.to(device)
 
 
-def decode_batch(model: torch.nn.Module, jobs: Sequence[RowJob], budget: Budget) -> list[GenerationStats]:
-    """Decode every job (rows of one batch); tokens land in each job's transcript, per-row stats are returned.
+def decode_batch(
+    model: torch.nn.Module, jobs: Sequence[RowJob], budget: Budget, width: int | None = None
+) -> list[GenerationStats]:
+    """Decode every job; tokens land in each job's transcript, per-row stats are returned in job order.
+
+    `width`: at most this many rows at once (default: all); see `decode_rows`.
+    """
+    stats: list[GenerationStats | None] = [None] * len(jobs)
+    for index, row_stats in decode_rows(model, jobs, budget, width):
+        stats[index] = row_stats
+    return stats  # type: ignore[return-value]
+
+
+def decode_rows(
+    model: torch.nn.Module, jobs: Sequence[RowJob], budget: Budget, width: int | None = None
+) -> Iterator[tuple[int, GenerationStats]]:
+    """Decode the jobs, at most `width` rows at once, yielding (job index, stats) as each row finishes.
+
+    A finished row's place goes to the next waiting job at the next step boundary (continuous batching, as the
+    server's), so a batch never idles behind its slowest row while work waits: with 8 prompts and width 4, rows
+    5-8 join as rows 1-4 finish, whenever that is. Once nothing waits the batch is closed (`Batch.closed`): it ends
+    with its slowest row, and drafts are weighed by each row's steps left.
 
     Models whose cache cannot hold ragged rows (sliding windows, linear attention) or that cannot take a tree
     mask decode the rows one after another with the single-row engine (which falls back to plain decoding where
     it must): still exact, just not batched.
+
+    Example (a list of 8 prompts through 4 rows; `forerun run --batch-size 4` does this):
+        >>> for index, stats in decode_rows(model, jobs, budget, width=4):   # doctest: +SKIP
+        ...     print(index, jobs[index].transcript.sources)
     """
+    if width is not None and width < 1:
+        raise ValueError(f"width must be >= 1, got {width}")
     if not batchable(model):
-        return [
-            decode(
-                model,
-                job.input_ids,
-                job.drafters,
-                job.transcript,
-                job.eos,
-                job.max_new_tokens,
-                budget,
-                True,
-                job.processor,
-                job.sampling,
+        for index, job in enumerate(jobs):
+            yield (
+                index,
+                decode(
+                    model,
+                    job.input_ids,
+                    job.drafters,
+                    job.transcript,
+                    job.eos,
+                    job.max_new_tokens,
+                    budget,
+                    True,
+                    job.processor,
+                    job.sampling,
+                ),
             )
-            for job in jobs
-        ]
-    batch = Batch(model, budget, closed=True)
-    rows = [batch.add(job) for job in jobs]
-    while batch.rows:
-        batch.step()
-    return [row.stats for row in rows]
+        return
+    width = len(jobs) if width is None else width
+    waiting = deque(enumerate(jobs))
+    batch = Batch(model, budget)
+    index_of: dict[int, int] = {}
+    alone = min(width, len(jobs)) == 1  # only a row that decodes alone drafts at its prefill (`Batch.add`)
+    while waiting or batch.rows:
+        while waiting and len(batch.rows) < width:
+            index, job = waiting.popleft()
+            index_of[id(batch.add(job, draft=alone))] = index
+        batch.closed = not waiting
+        for row in batch.step():
+            yield index_of.pop(id(row)), row.stats

@@ -64,6 +64,37 @@ def check_seed(seed: object) -> None:
         raise ValueError(f"seed must be an integer in [0, 2**63 - 1], got {seed!r}")
 
 
+def check_batch_size(batch_size: object) -> None:
+    """None (every prompt at once) or a positive integer."""
+    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
+        raise ValueError(f"batch_size must be a positive integer (rows decoded at once), got {batch_size!r}")
+
+
+def row_seeds(seed: object, rows: int) -> list[int] | None:
+    """Each row's seed: row i of a batch draws from seed + i (wrapping below 2**63), or from seed[i] given one
+    per row.
+
+    Example:
+        >>> row_seeds(7, 3), row_seeds([5, 5, 9], 3), row_seeds(None, 3)
+        ([7, 8, 9], [5, 5, 9], None)
+    """
+    if seed is None:
+        return None
+    if isinstance(seed, (list, tuple)):
+        if len(seed) != rows:
+            raise ValueError(f"seed takes one integer, or one per prompt ({rows}), got {len(seed)}")
+        for one in seed:
+            check_seed(one)
+        return list(seed)
+    return [offset_seed(seed, i) for i in range(rows)]
+
+
+def offset_seed(seed: object, offset: int) -> int:
+    """seed + offset, checked, wrapping below 2**63: `offset_seed(2**63 - 1, 1) == 0`."""
+    check_seed(seed)
+    return (seed + offset) % (MAX_SEED + 1)  # type: ignore[operator]
+
+
 def check_text(name: str, text: str) -> None:
     """Refuse text that is not valid Unicode (a lone surrogate cannot be encoded, so no tokenizer can take it)."""
     for index, char in enumerate(text):

@@ -179,6 +179,12 @@ def bench(
     batch_size: str = typer.Option(
         "", "--batch-size", help="e.g. 1,2,4,8: aggregate tokens/s of batched decoding vs plain batched generate."
     ),
+    refill: bool = typer.Option(
+        True,
+        "--refill/--no-refill",
+        help="With --batch-size: forerun gives a finished row's place to the next prompt (as `forerun run`), or "
+        "decodes generate's very batches.",
+    ),
     device: str = DEVICE,
     dtype: str = DTYPE,
 ) -> None:
@@ -210,7 +216,9 @@ def bench(
     with console.status("latency curve (measured once per model, dtype, device and thread count)"):
         curve = curve_for(lm, batched=bool(batch_size))
     if batch_size:
-        bench_batched(lm, tokenizer, prompts, specs, batch_size, max_new_tokens, curve, Path(out), dtype, threads)
+        bench_batched(
+            lm, tokenizer, prompts, specs, batch_size, max_new_tokens, curve, Path(out), dtype, threads, refill
+        )
         return
     console.print(
         f"[bold]forerun bench[/]: {escape(model)} {dtype}, {len(prompts)} prompts, {max_new_tokens} new tokens, "
@@ -277,7 +285,9 @@ def bench(
         raise typer.Exit(1)
 
 
-def bench_batched(lm, tokenizer, prompts, specs, sizes_text, max_new_tokens, curve, out, dtype, threads) -> None:
+def bench_batched(
+    lm, tokenizer, prompts, specs, sizes_text, max_new_tokens, curve, out, dtype, threads, refill=True
+) -> None:
     """`forerun bench --batch-size ...`: the batched table (forerun.bench.batched), written as JSON and Markdown."""
     import json
 
@@ -306,24 +316,26 @@ def bench_batched(lm, tokenizer, prompts, specs, sizes_text, max_new_tokens, cur
     decoders = make_decoders()
     console.print(
         f"[bold]forerun bench --batch-size[/] {sizes}: {len(prompts)} prompts, {max_new_tokens} new tokens, greedy, "
-        f"{dtype}, torch threads {threads}; plain batched generate (left-padded) vs {', '.join(decoders)}",
+        f"{dtype}, torch threads {threads}; plain batched generate (left-padded) vs {', '.join(decoders)}"
+        f"{' (finished rows refilled)' if refill else ' (the same batches)'}",
         highlight=False,
     )
     decoders[next(iter(decoders))].generate([list(prompts[0].messages)] * 2, 8)  # warm-up (allocations)
     with progress_bar() as progress:
-        total = sum(-(-len(prompts) // size) for size in sizes) * (1 + len(decoders))
+        chunks = sum(-(-len(prompts) // size) for size in sizes)
+        total = chunks + (len(sizes) if refill else chunks) * len(decoders)
         task = progress.add_task("batches", total=total)
 
         def step(label: str) -> None:
             progress.update(task, advance=1, description=label)
 
-        rows = run_batched(lm, tokenizer, prompts, make_decoders, sizes, max_new_tokens, step)
+        rows = run_batched(lm, tokenizer, prompts, make_decoders, sizes, max_new_tokens, step, refill)
     table = markdown_table(rows)
     console.print(table, highlight=False, markup=False)
     out.mkdir(parents=True, exist_ok=True)
     (out / "batched.md").write_text(table + "\n", encoding="utf-8")
     settings = {"batch_sizes": sizes, "prompts": len(prompts), "max_new_tokens": max_new_tokens, "dtype": dtype,
-                "threads": threads, "latency_curve": curve.as_dict()}  # fmt: skip
+                "threads": threads, "refill": refill, "latency_curve": curve.as_dict()}  # fmt: skip
     (out / "batched.json").write_text(json.dumps({"settings": settings, "rows": [r.as_dict() for r in rows]}, indent=1))
     console.print(f"wrote {out / 'batched.md'} and {out / 'batched.json'}")
     mismatched = [r for r in rows if r.identical_rows != r.rows]
@@ -512,21 +524,24 @@ def run_file(
     model: str = MODEL,
     method: str = METHOD,
     knob: list[str] = KNOB,
-    batch_size: int = typer.Option(8, "--batch-size", "-b", help="Rows decoded together."),
+    batch_size: int = typer.Option(
+        8, "--batch-size", "-b", help="Rows decoded at once; a finished row's place goes to the next record."
+    ),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n"),
     chat: bool = typer.Option(False, "--chat", help="Apply the chat template to text prompts."),
     do_sample: bool = typer.Option(False, "--sample", help="Sample instead of greedy decoding."),
     temperature: float = typer.Option(None, "--temperature", help="With --sample."),
     top_p: float = typer.Option(None, "--top-p", help="With --sample."),
     top_k: int = typer.Option(None, "--top-k", help="With --sample."),
-    seed: int = typer.Option(None, "--seed", help="With --sample: row i of a batch draws from seed + i."),
+    seed: int = typer.Option(None, "--seed", help="With --sample: the file's i-th record draws from seed + i."),
     max_tree_nodes: int = NODES,
     threads: int = THREADS,
     draft_model: str = DRAFT,
     device: str = DEVICE,
     dtype: str = DTYPE,
 ) -> None:
-    """Decode a JSONL file of prompts in batches; rerun to resume. Under torchrun each rank takes a shard."""
+    """Decode a JSONL file of prompts, --batch-size rows at once; rerun to resume. Under torchrun each rank takes a
+    shard."""
     from pathlib import Path
 
     import torch.distributed as dist
@@ -565,17 +580,16 @@ def run_file(
         task = bar.add_task(f"{label}records", total=len(shard.take(pending)))
         started = time.perf_counter()
 
-        def advance(rows: list[dict]) -> None:
-            for row in rows:
-                if "error" in row:
-                    totals["refused"] += 1
-                    errors.print(f"[bold yellow]refused:[/] record {escape(row['id'])}: {escape(row['error'])}")
-                totals["tokens"] += len(row.get("tokens", ()))
-                totals["forwards"] += row.get("stats", {}).get("forwards", 0)
+        def advance(row: dict) -> None:
+            if "error" in row:
+                totals["refused"] += 1
+                errors.print(f"[bold yellow]refused:[/] record {escape(row['id'])}: {escape(row['error'])}")
+            totals["tokens"] += len(row.get("tokens", ()))
+            totals["forwards"] += row.get("stats", {}).get("forwards", 0)
             rate = totals["tokens"] / max(1e-9, time.perf_counter() - started)
             per_forward = totals["tokens"] / max(1, totals["forwards"])
             description = f"{label}{rate:.1f} tok/s, {per_forward:.2f} tok/forward"
-            bar.update(task, advance=len(rows), description=description)
+            bar.update(task, advance=1, description=description)
 
         decoded = run_records(decoder, pending, target, batch_size, shard, advance)
     if shard.world > 1:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,8 +27,16 @@ from transformers import (
     StoppingCriteriaList,
 )
 
-from forerun.batch import RowJob, batchable, decode_batch, fork
-from forerun.checks import check_logprobs, check_sampling, check_seed, check_stops, check_text
+from forerun.batch import RowJob, batchable, decode_batch, decode_rows, fork
+from forerun.checks import (
+    check_batch_size,
+    check_logprobs,
+    check_sampling,
+    check_seed,
+    check_stops,
+    check_text,
+    row_seeds,
+)
 from forerun.config import EngineConfig
 from forerun.costmodel import CostModel, LatencyCurve, StaticBudget
 from forerun.drafters.base import Drafter
@@ -262,6 +270,7 @@ class Decoder:
         cancel: threading.Event | None = None,
         prediction: str | Sequence[int] | None = None,
         logprobs: int | None = None,
+        batch_size: int | None = None,
         **generation_kwargs: object,
     ) -> GenerationResult:
         """Generate; greedy output is token for token `model.generate(do_sample=False)`.
@@ -274,11 +283,14 @@ class Decoder:
         step; the result then holds the tokens made so far. `prediction`: text (or token ids) the answer is
         expected to resemble, drafted from (OpenAI's predicted outputs); the answer is unchanged by it.
         `logprobs=k`: each new token's log-probability under the raw model and its k likeliest alternatives.
+        A list of prompts returns a list of results (`generate_batch`; `batch_size`: rows decoded at once).
         """
+        check_batch_size(batch_size)
         if is_batch(prompt):
             return self.generate_batch(
                 prompt,
                 max_new_tokens,
+                batch_size=batch_size,
                 chat=chat,
                 stop=stop,
                 eos_token_id=eos_token_id,
@@ -325,25 +337,58 @@ class Decoder:
         prompts: Sequence[Prompt] | torch.Tensor,
         max_new_tokens: int = 256,
         *,
+        batch_size: int | None = None,
+        **options: object,
+    ) -> list[GenerationResult]:
+        """Several prompts decoded together (`forerun.batch`): one GenerationResult per prompt, in order, each what
+        `generate(prompt)` alone returns (greedy: token for token, fp32). Rows finish independently; sampled rows
+        draw from their own generators (row i seeded with `seed + i`). `batch_size`: at most this many rows at
+        once, a finished row's place going to the next prompt (default: every prompt at once). The other options
+        are `generate`'s. `generate([...])` lands here.
+
+        Example:
+            >>> results = decoder.generate(["Hi", "Name a colour."], 32, chat=True)   # doctest: +SKIP
+            >>> [r.text for r in results]                                            # doctest: +SKIP
+        """
+        results: list[GenerationResult | None] = [None] * (len(prompts))
+        for index, result in self.generate_each(prompts, max_new_tokens, batch_size=batch_size, **options):
+            results[index] = result
+        return results  # type: ignore[return-value]
+
+    def generate_each(
+        self,
+        prompts: Sequence[Prompt] | torch.Tensor,
+        max_new_tokens: int = 256,
+        *,
+        batch_size: int | None = None,
         chat: bool = False,
         stop: str | Sequence[str] | None = None,
         eos_token_id: int | Sequence[int] | None = None,
         streamer: object | None = None,
         do_sample: bool = False,
-        seed: int | None = None,
+        seed: int | Sequence[int] | None = None,
         cancel: threading.Event | None = None,
         prediction: str | Sequence[int] | None = None,
         logprobs: int | None = None,
         **generation_kwargs: object,
-    ) -> list[GenerationResult]:
-        """Several prompts decoded together (`forerun.batch`): one GenerationResult per prompt, in order, each what
-        `generate(prompt)` alone returns (greedy: token for token, fp32). Rows finish independently; sampled rows
-        draw from their own generators (row i seeded with `seed + i`). `generate([...])` lands here."""
+    ) -> Iterator[tuple[int, GenerationResult]]:
+        """`generate_batch`, yielding (prompt index, result) as each row finishes (finishing order): write or
+        show each answer as soon as it is there. Every prompt and setting is checked before this returns (a
+        ValueError names the prompt); decoding starts when the iterator is first advanced. `seed`: row i draws
+        from seed + i, or from seed[i] given one seed per prompt (`forerun run` seeds a record by its place in
+        the file, whichever records are left to do).
+
+        Example (8 prompts through 4 rows; each line printed the moment its row is done):
+            >>> for i, result in decoder.generate_each(prompts, 64, batch_size=4):   # doctest: +SKIP
+            ...     print(i, result.text)
+        """
         if streamer is not None:
             raise ValueError("streamer= follows one prompt; stream a batch row by row with forerun.batch.Batch")
         if prediction is not None:
             raise ValueError("prediction= goes with one prompt; give batched prompts no prediction")
-        check_request(max_new_tokens, stop, seed, logprobs, do_sample, generation_kwargs)
+        check_batch_size(batch_size)
+        seeds = row_seeds(seed, len(prompts))
+        check_request(max_new_tokens, stop, None, logprobs, do_sample, generation_kwargs)
         rows = self.encode_batch(prompts, chat)
         jobs, requests = [], []
         for i, ids in enumerate(rows):
@@ -351,19 +396,29 @@ class Decoder:
                 self.check_context(ids, max_new_tokens)
             except ValueError as error:
                 raise ValueError(f"prompt {i}: {error}") from None
-            row_seed = seed + i if seed is not None else None
+            row_seed = seeds[i] if seeds is not None else None
             job, request = self.prepare_row(
                 ids, max_new_tokens, stop, eos_token_id, None, do_sample, row_seed, cancel, None, logprobs,
                 generation_kwargs
             )  # fmt: skip
             jobs.append(job)
             requests.append(request)
-        with torch.inference_mode():
-            stats = decode_batch(self.model, jobs, self.batch_budget() if len(jobs) > 1 else self.budget)
-        return [
-            self.result(job.transcript, job.input_ids.shape[1], row_stats, request)
-            for job, row_stats, request in zip(jobs, stats, requests, strict=True)
-        ]
+        budget = self.batch_budget() if len(jobs) > 1 and batch_size != 1 else self.budget
+
+        def finished() -> Iterator[tuple[int, GenerationResult]]:
+            with torch.inference_mode():
+                for index, stats in decode_rows(self.model, jobs, budget, batch_size):
+                    job = jobs[index]
+                    yield index, self.result(job.transcript, job.input_ids.shape[1], stats, requests[index])
+
+        return finished()
+
+    def check_prompt(self, prompt: Prompt, max_new_tokens: int = 256, chat: bool = False) -> torch.Tensor:
+        """The prompt's input_ids [1, L] if `generate` would take it with `max_new_tokens`; otherwise the
+        ValueError `generate` would raise (empty, ids outside the vocabulary, beyond the model's context)."""
+        ids = self.encode(prompt, chat)
+        self.check_context(ids, max_new_tokens)
+        return ids
 
     def check_context(self, ids: torch.Tensor, max_new_tokens: int) -> None:
         context = getattr(self.model.config, "max_position_embeddings", None)

@@ -4,6 +4,9 @@ Input rows: `{"id": ..., "prompt": "..."}` or `{"id": ..., "messages": [...]}`, 
 override the command's (`max_new_tokens`, `chat`, `stop`, `do_sample`, `temperature`, `top_p`, `top_k`, `min_p`,
 `repetition_penalty`, `seed`). Output rows: `{"id", "text", "tokens", "prompt_tokens", "stats"}`, one per record.
 
+Batching: records with the same settings decode together, at most `--batch-size` rows at once; a finished row's
+place goes to the next record at once (continuous batching), so no row waits for the slowest of its batch.
+
 Crash safety: every finished record is appended and flushed at once, so a crash loses only the records in flight;
 a rerun reads what is there (a torn last line is dropped) and skips those ids. A record the decoder refuses (a
 prompt beyond the model's context, a bad setting) gets `{"id", "error"}` without costing its batchmates anything,
@@ -28,9 +31,11 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from forerun.checks import offset_seed
 
 SETTINGS = ("max_new_tokens", "chat", "stop", "do_sample", "temperature", "top_p", "top_k", "min_p",
             "repetition_penalty", "seed")  # fmt: skip
@@ -164,30 +169,25 @@ def merge_results(out: Path, records: list[Record]) -> int:
     return len(ordered)
 
 
-def batches(records: Iterable[Record], size: int) -> list[list[Record]]:
-    """Consecutive pending records with the same settings, at most `size` per batch, in input order."""
+def settings_groups(records: Iterable[Record]) -> list[list[Record]]:
+    """Pending records grouped by their settings (one set of generation settings per batch), each group in input
+    order, the groups in the order of their first record."""
     groups: dict[str, list[Record]] = {}
     for record in records:
         groups.setdefault(record.settings_key(), []).append(record)
-    out = []
-    for group in groups.values():
-        out += [group[i : i + size] for i in range(0, len(group), size)]
-    return sorted(out, key=lambda batch: batch[0].position)
+    return list(groups.values())
 
 
-def run_batch(decoder, batch: list[Record]) -> list[dict]:
-    """Decode one batch; one output row per record. A record the decoder refuses (a prompt longer than the
-    model's context, a bad setting) gets `{"id", "error"}`; its batchmates are decoded without it."""
-    try:
-        return decode_records(decoder, batch)
-    except ValueError as error:
-        if len(batch) == 1:
-            return [{"id": batch[0].ident, "error": str(error)}]
-    return [row for record in batch for row in run_batch(decoder, [record])]
+def decode_group(decoder, group: list[Record], batch_size: int) -> Iterator[dict]:
+    """Output rows for one settings group, each yielded as soon as its record is done (finishing order): at most
+    `batch_size` rows decode at once, a finished row's place going to the next record (`Decoder.generate_each`).
 
-
-def decode_records(decoder, batch: list[Record]) -> list[dict]:
-    settings = dict(batch[0].settings)
+    A sampled record draws from seed + its position among the input's records, whichever records are left to do
+    (its samples still depend on the drafts fed: what the trie has learned, its batchmates). A record the decoder
+    refuses (a prompt longer than the model's context, ids outside the vocabulary) gets `{"id", "error"}` without
+    costing the others anything; settings the decoder refuses refuse the whole group.
+    """
+    settings = dict(group[0].settings)
     max_new_tokens = settings.pop("max_new_tokens")
     chat = settings.pop("chat", False)
     stop = settings.pop("stop", None)
@@ -195,24 +195,47 @@ def decode_records(decoder, batch: list[Record]) -> list[dict]:
     sampling = {k: v for k, v in settings.items() if v is not None}
     if not sampling.get("do_sample", False):
         sampling = {}
-    results = decoder.generate(
-        [record.prompt for record in batch], max_new_tokens, chat=chat, stop=stop, seed=seed, **sampling
-    )
-    return [
-        {
-            "id": record.ident,
-            "text": result.text,
-            "tokens": result.new_tokens,
-            "prompt_tokens": result.prompt_len,
-            "stats": {
-                "forwards": result.stats.forwards,
-                "tokens_per_forward": round(result.stats.tokens_per_forward, 3),
-                "acceptance": round(result.stats.acceptance_rate, 3),
-                "seconds": round(result.stats.total_seconds, 3),
-            },
-        }
-        for record, result in zip(batch, results, strict=True)
-    ]
+    admitted = []
+    for record in group:
+        try:
+            decoder.check_prompt(record.prompt, max_new_tokens, chat)
+            admitted.append(record)
+        except ValueError as error:
+            yield {"id": record.ident, "error": str(error)}
+    if not admitted:
+        return
+    try:
+        finished = decoder.generate_each(
+            [record.prompt for record in admitted],
+            max_new_tokens,
+            batch_size=batch_size,
+            chat=chat,
+            stop=stop,
+            seed=None if seed is None else [offset_seed(seed, record.position) for record in admitted],
+            **sampling,
+        )
+    except ValueError as error:
+        for record in admitted:
+            yield {"id": record.ident, "error": str(error)}
+        return
+    for index, result in finished:
+        yield output_row(admitted[index], result)
+
+
+def output_row(record: Record, result) -> dict:
+    """{"id", "text", "tokens", "prompt_tokens", "stats"} of one decoded record."""
+    return {
+        "id": record.ident,
+        "text": result.text,
+        "tokens": result.new_tokens,
+        "prompt_tokens": result.prompt_len,
+        "stats": {
+            "forwards": result.stats.forwards,
+            "tokens_per_forward": round(result.stats.tokens_per_forward, 3),
+            "acceptance": round(result.stats.acceptance_rate, 3),
+            "seconds": round(result.stats.total_seconds, 3),
+        },
+    }
 
 
 @dataclass(frozen=True)
@@ -245,9 +268,10 @@ def run_records(
     out: Path,
     batch_size: int,
     shard: Shard = Shard(),
-    on_batch: Callable[[list[dict]], None] | None = None,
+    on_row: Callable[[dict], None] | None = None,
 ) -> int:
-    """Decode this shard's share of `pending`, appending each batch's rows to its output as soon as they are done.
+    """Decode this shard's share of `pending`, appending (and syncing) each record's row the moment it is done,
+    so a crash loses only the rows in flight. `on_row` sees each row once it is on disk.
 
     Returns the number of records decoded.
     """
@@ -255,13 +279,12 @@ def run_records(
     finished_rows(target, repair=True)
     decoded = 0
     with open(target, "a", encoding="utf-8") as handle:
-        for batch in batches(shard.take(pending), batch_size):
-            rows = run_batch(decoder, batch)
-            for row in rows:
+        for group in settings_groups(shard.take(pending)):
+            for row in decode_group(decoder, group, batch_size):
                 handle.write(json.dumps(row, ensure_ascii=False) + "\n")
-            handle.flush()
-            os.fsync(handle.fileno())
-            decoded += len(batch)
-            if on_batch is not None:
-                on_batch(rows)
+                handle.flush()
+                os.fsync(handle.fileno())
+                decoded += 1
+                if on_row is not None:
+                    on_row(row)
     return decoded

@@ -1,10 +1,12 @@
 """`forerun bench --batch-size 1,2,4,8`: aggregate throughput of batched decoding against plain batched generate.
 
-For each batch size b the prompts are cut into batches of b (in order); every batch runs plain batched
-`model.generate` (left-padded, greedy) and then each method's `Decoder.generate([...])`, interleaved, so both see
-the same machine load. Reported per (b, method): new tokens per second over all batches, the ratio against plain
-batched generate at the same b, tokens per forward (per row), and whether every row is identical to plain
-batched generate's row (fp32: it must be; bf16: rows may differ at numerical ties, see forerun.exactness).
+For each batch size b, plain batched `model.generate` (left-padded, greedy) decodes the prompts in batches of b (in
+order), each batch lasting as long as its longest row. forerun decodes the same prompts with at most b rows at once,
+a finished row's place going to the next prompt (`--refill`, the default: what `forerun run --batch-size b` does),
+or in generate's very batches, interleaved batch by batch (`--no-refill`). Reported per (b, method): new tokens
+per second over all prompts, the ratio against plain batched generate at the same b, tokens per forward (per row),
+and whether every row is identical to plain batched generate's row (fp32: it must be; bf16: rows may differ at
+numerical ties, see forerun.exactness).
 
 Example:
     forerun bench --batch-size 1,2,4,8 --methods plain,prompt_lookup,auto --n 4 --max-new-tokens 64
@@ -72,9 +74,16 @@ def run_batched(
     batch_sizes: Sequence[int],
     max_new_tokens: int,
     step: Callable[[str], None] | None = None,
+    refill: bool = True,
 ) -> list[BatchRow]:
     """The table's cells, generate's first at each batch size. Every batch size gets fresh decoders: a trie that
-    had seen these very answers at the previous size would flatter the next."""
+    had seen these very answers at the previous size would flatter the next.
+
+    refill: forerun decodes every prompt with at most b rows at once, a finished row's place going to the next
+    prompt (`Decoder.generate(prompts, batch_size=b)`, what `forerun run --batch-size b` does), after generate's
+    batches; otherwise it gets generate's very batches, interleaved batch by batch (both wait for their slowest
+    row).
+    """
     eos_config = model.generation_config.eos_token_id
     eos = {eos_config} if isinstance(eos_config, int) else set(eos_config or [])
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos or {0})
@@ -83,6 +92,8 @@ def run_batched(
         decoders = make_decoders()
         reference = BatchRow(size, "generate")
         cells = {name: BatchRow(size, name) for name in decoders}
+        expected: list[list[int]] = []
+
         for start in range(0, len(prompts), size):
             chunk = prompts[start : start + size]
             inputs = left_padded(tokenizer, chunk, model.device)
@@ -92,28 +103,45 @@ def run_batched(
                     **inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad_id
                 )
             reference.seconds += time.perf_counter() - began
-            expected = new_rows(sequences, inputs["input_ids"].shape[1], pad_id, eos)
-            reference.new_tokens += sum(len(row) for row in expected)
-            reference.forwards += sum(len(row) for row in expected)
+            rows = new_rows(sequences, inputs["input_ids"].shape[1], pad_id, eos)
+            expected += rows
+            reference.new_tokens += sum(len(row) for row in rows)
+            reference.forwards += sum(len(row) for row in rows)
             reference.rows += len(chunk)
             reference.identical_rows += len(chunk)
             if step:
                 step(f"b={size} generate")
-            messages = [list(p.messages) for p in chunk]
-            for name, decoder in decoders.items():
-                began = time.perf_counter()
-                out = decoder.generate(messages, max_new_tokens)
-                cell = cells[name]
-                cell.seconds += time.perf_counter() - began
-                for result, want in zip(out, expected, strict=True):
-                    cell.new_tokens += len(result.new_tokens)
-                    cell.forwards += result.stats.forwards
-                    cell.rows += 1
-                    cell.identical_rows += result.new_tokens == want
-                if step:
-                    step(f"b={size} {name}")
+            if not refill:
+                time_decoders(decoders, cells, chunk, rows, size, max_new_tokens, step)
+        if refill:
+            time_decoders(decoders, cells, prompts, expected, size, max_new_tokens, step)
         results += [reference, *cells.values()]
     return results
+
+
+def time_decoders(
+    decoders: dict[str, Decoder],
+    cells: dict[str, BatchRow],
+    prompts: Sequence[BenchPrompt],
+    expected: Sequence[list[int]],
+    size: int,
+    max_new_tokens: int,
+    step: Callable[[str], None] | None,
+) -> None:
+    """Each decoder on `prompts` (at most `size` rows at once), timed and checked row by row into its cell."""
+    messages = [list(p.messages) for p in prompts]
+    for name, decoder in decoders.items():
+        began = time.perf_counter()
+        out = decoder.generate(messages, max_new_tokens, batch_size=size)
+        cell = cells[name]
+        cell.seconds += time.perf_counter() - began
+        for result, tokens in zip(out, expected, strict=True):
+            cell.new_tokens += len(result.new_tokens)
+            cell.forwards += result.stats.forwards
+            cell.rows += 1
+            cell.identical_rows += result.new_tokens == tokens
+        if step:
+            step(f"b={size} {name}")
 
 
 def markdown_table(rows: Sequence[BatchRow]) -> str:

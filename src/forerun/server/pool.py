@@ -171,7 +171,8 @@ class BatchWorker:
                 continue
             try:
                 admission.job, admission.request, admission.decoder = admission.prepare()
-                row = self.batch.add(admission.job, admission.decoder.batch_budget())
+                alone = not self.batch.rows and not self.waiting  # a lone row drafts at its prefill too
+                row = self.batch.add(admission.job, admission.decoder.batch_budget(), alone)
             except Exception as error:  # a ValueError is the client's (400); anything else fails this request only
                 self.settle(admission, error=error)
                 continue
