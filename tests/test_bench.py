@@ -223,11 +223,14 @@ def test_cli_bench_batch_sizes_table_checks_every_row(model, tokenizer, tmp_path
     assert all(r["identical_rows"] == r["rows"] == 4 for r in rows.values())
     assert "| 3 | auto |" in (out / "batched.md").read_text() and data["settings"]["refill"] is True
     chunked = CliRunner().invoke(
-        app, [*args, "--methods", "auto", "--batch-size", "3", "--no-refill", "--out", str(out)]
-    )  # forerun decodes generate's very batches (3 + 1 prompts)
+        app, [*args, "--methods", "auto", "--batch-size", "3", "--no-refill", "--rounds", "2", "--out", str(out)]
+    )  # forerun decodes generate's very batches (3 + 1 prompts), the faster of two rounds
     assert chunked.exit_code == 0, chunked.output
     data = json.loads((out / "batched.json").read_text())
     assert data["settings"]["refill"] is False and all(r["identical_rows"] == r["rows"] == 4 for r in data["rows"])
+    assert [r["method"] for r in data["rows"]] == ["generate", "auto"]
+    bad = CliRunner().invoke(app, [*args, "--methods", "auto", "--batch-size", "2", "--rounds", "0"])
+    assert bad.exit_code == 2 and "--rounds" in bad.output
     bad = CliRunner().invoke(app, [*args, "--methods", "hf_prompt_lookup", "--batch-size", "2"])
     assert bad.exit_code == 2 and "without a draft model" in bad.output
     bad = CliRunner().invoke(app, [*args, "--methods", "auto", "--batch-size", "0,x"])

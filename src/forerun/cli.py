@@ -185,6 +185,7 @@ def bench(
         help="With --batch-size: forerun gives a finished row's place to the next prompt (as `forerun run`), or "
         "decodes generate's very batches.",
     ),
+    rounds: int = typer.Option(1, "--rounds", help="With --batch-size: each cell the fastest of this many rounds."),
     device: str = DEVICE,
     dtype: str = DTYPE,
 ) -> None:
@@ -217,7 +218,7 @@ def bench(
         curve = curve_for(lm, batched=bool(batch_size))
     if batch_size:
         bench_batched(
-            lm, tokenizer, prompts, specs, batch_size, max_new_tokens, curve, Path(out), dtype, threads, refill
+            lm, tokenizer, prompts, specs, batch_size, max_new_tokens, curve, Path(out), dtype, threads, refill, rounds
         )
         return
     console.print(
@@ -286,7 +287,7 @@ def bench(
 
 
 def bench_batched(
-    lm, tokenizer, prompts, specs, sizes_text, max_new_tokens, curve, out, dtype, threads, refill=True
+    lm, tokenizer, prompts, specs, sizes_text, max_new_tokens, curve, out, dtype, threads, refill=True, rounds=1
 ) -> None:
     """`forerun bench --batch-size ...`: the batched table (forerun.bench.batched), written as JSON and Markdown."""
     import json
@@ -301,6 +302,8 @@ def bench_batched(
         raise ValueError(f"--batch-size takes integers like 1,2,4,8, got {sizes_text!r}") from None
     if not sizes or min(sizes) < 1:
         raise ValueError(f"--batch-size values must be >= 1, got {sizes_text!r}")
+    if rounds < 1:
+        raise ValueError(f"--rounds must be >= 1, got {rounds}")
     skipped = [s.label for s in specs if s.method in HF_METHODS or s.needs_draft()]
     if skipped:
         raise ValueError(f"--batch-size runs forerun methods without a draft model; drop {', '.join(skipped)}")
@@ -323,19 +326,19 @@ def bench_batched(
     decoders[next(iter(decoders))].generate([list(prompts[0].messages)] * 2, 8)  # warm-up (allocations)
     with progress_bar() as progress:
         chunks = sum(-(-len(prompts) // size) for size in sizes)
-        total = chunks + (len(sizes) if refill else chunks) * len(decoders)
+        total = (chunks + (len(sizes) if refill else chunks) * len(decoders)) * rounds
         task = progress.add_task("batches", total=total)
 
         def step(label: str) -> None:
             progress.update(task, advance=1, description=label)
 
-        rows = run_batched(lm, tokenizer, prompts, make_decoders, sizes, max_new_tokens, step, refill)
+        rows = run_batched(lm, tokenizer, prompts, make_decoders, sizes, max_new_tokens, step, refill, rounds)
     table = markdown_table(rows)
     console.print(table, highlight=False, markup=False)
     out.mkdir(parents=True, exist_ok=True)
     (out / "batched.md").write_text(table + "\n", encoding="utf-8")
     settings = {"batch_sizes": sizes, "prompts": len(prompts), "max_new_tokens": max_new_tokens, "dtype": dtype,
-                "threads": threads, "refill": refill, "latency_curve": curve.as_dict()}  # fmt: skip
+                "threads": threads, "refill": refill, "rounds": rounds, "latency_curve": curve.as_dict()}  # fmt: skip
     (out / "batched.json").write_text(json.dumps({"settings": settings, "rows": [r.as_dict() for r in rows]}, indent=1))
     console.print(f"wrote {out / 'batched.md'} and {out / 'batched.json'}")
     mismatched = [r for r in rows if r.identical_rows != r.rows]
