@@ -195,10 +195,10 @@ def decode_group(decoder, group: list[Record], batch_size: int) -> Iterator[dict
     sampling = {k: v for k, v in settings.items() if v is not None}
     if not sampling.get("do_sample", False):
         sampling = {}
-    admitted = []
+    admitted, prompt_ids = [], []
     for record in group:
         try:
-            decoder.check_prompt(record.prompt, max_new_tokens, chat)
+            prompt_ids.append(decoder.check_prompt(record.prompt, max_new_tokens, chat))  # encoded once, here
             admitted.append(record)
         except ValueError as error:
             yield {"id": record.ident, "error": str(error)}
@@ -206,7 +206,7 @@ def decode_group(decoder, group: list[Record], batch_size: int) -> Iterator[dict
         return
     try:
         finished = decoder.generate_each(
-            [record.prompt for record in admitted],
+            prompt_ids,
             max_new_tokens,
             batch_size=batch_size,
             chat=chat,
