@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import forerun
-from forerun.costmodel import Calibration, CostModel, LatencyCurve, StaticBudget, best_prefix
+from forerun.costmodel import Calibration, CostModel, LatencyCurve, StaticBudget, best_prefix, support_keys
 from forerun.tree import TokenTree
 
 from helpers import OracleDrafter, RandomDrafter
@@ -81,7 +81,7 @@ def test_choice_is_the_brute_force_optimum(seed):
         tree.add(rng.randrange(len(tree)), token, source="s", score=rng.random())
     curve = LatencyCurve(tuple(range(1, 10)), tuple(rng.uniform(1.0, 3.0) for _ in range(9)))
     model = CostModel(curve, max_nodes=9)
-    p = model.chances(tree, [tree], [{i: i for i in range(len(tree))}])
+    p = model.chances(tree, support_keys(tree, [tree], [{i: i for i in range(len(tree))}]))
     reach = [1.0]
     for node in range(1, len(tree)):
         reach.append(reach[tree.parents[node]] * p[node])
@@ -131,6 +131,32 @@ def test_fused_nodes_take_the_best_calibrated_estimate():
     selection = model.choose(1, [a, b])
     assert selection.tree.tokens == [1, 2] and selection.expected_accepted == pytest.approx(0.9)
     assert selection.node_maps == [{0: 0, 1: 1}, {0: 0, 1: 1}]
+
+
+def test_a_contested_guess_is_calibrated_apart_from_the_same_drafter_alone_or_agreed_with():
+    """Trie guesses 7, prompt lookup 8, and the text goes on with 8, step after step: the trie's contested guesses
+    fall to a low rate (and stop being fed), while a trie guess nobody disputes keeps its own prior and one both
+    drafters make is calibrated as their agreement."""
+
+    def proposal(source: str, token: int, score: float = 0.5) -> TokenTree:
+        tree = TokenTree.rooted_at(1)
+        tree.add(0, token, source=source, score=score)
+        return tree
+
+    model = CostModel(STEEP, 16)
+    for _ in range(30):
+        selection = model.choose(1, [proposal("trie", 7), proposal("prompt_lookup", 8)])
+        model.learn(selection, [8, 2])
+    assert selection.ranking.keys == [None, ("trie/contested", 0.5), ("prompt_lookup/contested", 0.5)]
+    assert selection.tree.tokens == [1, 8]  # the contested trie guess is no longer fed
+    assert model.calibration.probability("trie/contested", 1, 0.5) < 0.1
+    assert model.calibration.probability("prompt_lookup/contested", 1, 0.5) > 0.9
+    alone = model.rank(1, [proposal("trie", 7)])
+    assert alone.keys[1] == ("trie", 0.5) and alone.chances == [pytest.approx(0.5)]  # untouched prior
+    agreed = model.rank(1, [proposal("trie", 8, 0.3), proposal("prompt_lookup", 8, 0.6)])
+    assert agreed.keys[1] == ("prompt_lookup+trie", 0.6)
+    # learning also reaches nodes that were not fed: the unfed trie guess was counted every step
+    assert model.calibration.trials[("trie/contested", 1, 2)] == pytest.approx(30)
 
 
 def test_calibration_learns_from_every_proposed_node_fed_or_not():

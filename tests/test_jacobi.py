@@ -123,7 +123,8 @@ def test_defaults_follow_the_device_kind_and_knobs_win():
     assert device_defaults("jacobi", "cuda") == lade
     assert device_defaults("jacobi", "cpu") == {} and device_defaults("jacobi", "mps") == {}
     model = tiny_model("llama")
-    assert forerun.Decoder(model, None, "jacobi").config == JacobiConfig()  # this test runs on a CPU
+    steep = forerun.LatencyCurve((1, 16), (0.010, 0.025))  # a CPU's fp32 curve (a tiny model's own is flat)
+    assert forerun.Decoder(model, None, "jacobi", latency=steep).config == JacobiConfig()  # this test runs on a CPU
     assert forerun.Decoder(model, None, "jacobi", window=5).config.window == 5
 
 

@@ -51,6 +51,21 @@ def test_bad_expressions_and_knobs_raise_value_errors_naming_them(method, knobs,
         plan_method(method, knobs)
 
 
+def test_a_flat_latency_curve_widens_the_default_proposals_and_nothing_else():
+    """On a flat curve (extra tokens nearly free) the cost model gets wider proposals to choose from; knobs the
+    caller gives, static budgets and steep curves keep the CPU defaults."""
+    model = tiny_model("llama")
+    flat, steep = forerun.LatencyCurve((1, 16), (0.010, 0.012)), forerun.LatencyCurve((1, 16), (0.010, 0.025))
+    wide = forerun.Decoder(model, None, "auto", latency=flat, **{"trie.branch_length": 10})
+    assert wide.plan.config("trie") == TrieConfig(decoding_length=64, branch_length=10)  # the caller's knob wins
+    assert wide.plan.config("prompt_lookup") == PromptLookupConfig(max_branches=8, draft_len=16)
+    assert wide.plan.config("jacobi") == JacobiConfig(max_candidates=7)
+    assert [d.config for d in wide.drafters] == list(wide.plan.configs)  # the drafters are built from it
+    assert forerun.Decoder(model, None, "auto", latency=steep).plan.configs == plan_method("auto").configs
+    static = forerun.Decoder(model, None, "trie", latency=flat, adaptive=False)
+    assert static.plan.config("trie") == TrieConfig()
+
+
 def test_decoder_reports_and_rejects_like_the_plan():
     model = tiny_model("llama")
     curve = forerun.LatencyCurve((1, 16), (1.0, 1.2))

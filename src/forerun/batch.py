@@ -278,7 +278,7 @@ class Batch:
         t1 = time.perf_counter()
         own = DynamicCache(config=self.model.config)
         logits = forward_tree(self.model, own, tree, prompt_len - 1, lead, self.attention, self.keeps_logits)
-        path = self.commit(row, selection, logits, proposals, t1 - started, time.perf_counter() - t1)
+        path = self.commit(row, selection, logits, t1 - started, time.perf_counter() - t1)
         keep_accepted(own, prompt_len - 1, path)
         self.cache.add(own, prompt_len - 1 + len(path))
         row.stats.prefill_seconds = time.perf_counter() - started
@@ -351,9 +351,7 @@ class Batch:
         forward_s = time.perf_counter() - t1
         # 4. verify and 5. commit, per row; then keep each row's accepted path in the shared cache
         kept = [
-            self.commit(
-                row, selection, logits[b, : len(selection.tree)], proposals[b], (t1 - t0) / len(rows), forward_s
-            )
+            self.commit(row, selection, logits[b, : len(selection.tree)], (t1 - t0) / len(rows), forward_s)
             for b, (row, selection) in enumerate(zip(rows, selections, strict=True))
         ]
         self.cache.keep(kept, nodes)
@@ -366,7 +364,7 @@ class Batch:
         return finished_early + finished
 
     def commit(
-        self, row: Row, selection: Selection, logits: torch.Tensor, proposals, propose_s: float, forward_s: float
+        self, row: Row, selection: Selection, logits: torch.Tensor, propose_s: float, forward_s: float
     ) -> list[int]:
         """Verify one row's tree on its `logits` [nodes, vocab], append its tokens, let its drafters and budget
         learn; returns the kept path (root first) for the cache."""
@@ -381,7 +379,7 @@ class Batch:
         started = time.perf_counter()
         for drafter, node_map in zip(row.job.drafters, selection.node_maps, strict=True):
             drafter.observe(row.ctx, StepOutcome(tree, verdict, logits, new_tokens, node_map))
-        row.budget.learn(proposals, new_tokens)
+        row.budget.learn(selection, new_tokens)
         drafting = time.perf_counter() - started + propose_s
         row.stats.record_step(
             tree, verdict.accepted_len, Counter(sources[:-1]), drafting, forward_s, selection.expected_accepted

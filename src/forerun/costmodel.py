@@ -37,6 +37,9 @@ from dataclasses import dataclass, field
 
 from forerun.tree import TokenTree, merge
 
+FLAT_AT_16 = 1.5
+"""A latency curve is flat where a 16-token forward costs at most this many 1-token forwards."""
+
 
 @dataclass(frozen=True)
 class LatencyCurve:
@@ -110,6 +113,17 @@ class LatencyCurve:
     def relative(self, n: int) -> float:
         """cost(n) / cost(1)."""
         return self.cost(n) / self.seconds[0]
+
+    @property
+    def flat(self) -> bool:
+        """Whether 16 tokens cost at most `FLAT_AT_16` times one token: drafters may then propose wide trees (the
+        cost model still cuts each step's). bf16 on a CPU with native bf16 (1.21x), a GPU; not fp32 on a CPU
+        (2.2x) nor bf16 on one without bf16 units (10x).
+
+            >>> LatencyCurve((1, 16), (0.030, 0.036)).flat, LatencyCurve((1, 16), (0.035, 0.080)).flat
+            (True, False)
+        """
+        return self.relative(16) <= FLAT_AT_16
 
     def default_cap(self, most: float = 3.0) -> int:
         """The largest measured size whose forward costs at most `most` times a 1-token forward."""
@@ -209,12 +223,15 @@ class Calibration:
         """Forget the per-request correction (the long-run rates stay)."""
         self.request_hits, self.request_predicted = {}, {}
 
-    def learn(self, tree: TokenTree, committed: Sequence[int]) -> None:
+    def learn(
+        self, tree: TokenTree, committed: Sequence[int], keys: Sequence[tuple[str, float] | None] | None = None
+    ) -> None:
         """Check every candidate of a proposed `tree` whose parent path was committed against what came next.
 
         `committed`: the tokens the step appended after the root (accepted drafts, then the bonus token), i.e. the
         target's own choices. A candidate at depth d whose path to its parent equals committed[:d-1] would have
-        been accepted exactly when its token is committed[d-1], fed or not.
+        been accepted exactly when its token is committed[d-1], fed or not. `keys`: per node, the (source, score)
+        its cell is filed under (default: the tree's own; see `support_keys`).
         """
         reached = {0}
         for node in range(1, len(tree)):
@@ -222,7 +239,9 @@ class Calibration:
             if tree.roles[node] != "candidate" or tree.parents[node] not in reached or depth > len(committed):
                 continue
             accepted = tree.tokens[node] == committed[depth - 1]
-            self.record(tree.sources[node], depth, tree.scores[node], accepted)
+            key = keys[node] if keys is not None else None
+            source, score = key if key is not None else (tree.sources[node], tree.scores[node])
+            self.record(source, depth, score, accepted)
             if accepted:
                 reached.add(node)
 
@@ -272,15 +291,43 @@ def best_prefix(
     return best
 
 
-@dataclass
-class Selection:
-    """The tree to feed this step and how each proposal maps onto it."""
+def support_keys(
+    merged: TokenTree, proposals: Sequence[TokenTree], node_maps: Sequence[dict[int, int]]
+) -> list[tuple[str, float] | None]:
+    """Per node of the `merged` proposals: the (source, score) its acceptance is calibrated under, None for the
+    root and probes.
 
-    tree: TokenTree
-    node_maps: list[dict[int, int]]
-    """Per proposal: its node -> node of `tree` (nodes not fed are absent)."""
-    expected_accepted: float | None = None
-    """The cost model's E(k) for the fed tree (None for a static budget)."""
+    The source names every drafter that proposed the node (`"prompt_lookup+trie"` where two agree) and ends in
+    `"/contested"` where another drafter proposed a different token at the same place: a drafter's guess is
+    likelier right when another makes it too and less likely when another guesses otherwise, and its average
+    rate fits neither (measured on SmolLM2: a Jacobi guess that no other drafter shared was accepted a quarter as
+    often as Jacobi guesses overall). The score is the best of the proposers' scores.
+
+    Example: trie proposes 7 and 8 after the root, prompt lookup 7:
+        >>> a, b = TokenTree.rooted_at(5), TokenTree.rooted_at(5)
+        >>> _ = a.add(0, 7, source="trie", score=0.4), a.add(0, 8, source="trie", score=0.2)
+        >>> _ = b.add(0, 7, source="prompt_lookup", score=0.9)
+        >>> tree, maps = merge(5, [a, b])
+        >>> support_keys(tree, [a, b], maps)
+        [None, ('prompt_lookup+trie', 0.9), ('trie/contested', 0.2)]
+    """
+    proposers: list[dict[str, float]] = [{} for _ in range(len(merged))]
+    for proposal, node_map in zip(proposals, node_maps, strict=True):
+        for node, m in node_map.items():
+            if node and proposal.roles[node] == "candidate":
+                source = proposal.sources[node]
+                proposers[m][source] = max(proposers[m].get(source, 0.0), proposal.scores[node])
+    offered: dict[int, set[str]] = {}  # parent -> every drafter that proposed a child of it
+    for node in range(1, len(merged)):
+        offered.setdefault(merged.parents[node], set()).update(proposers[node])
+    keys: list[tuple[str, float] | None] = [None] * len(merged)
+    for node in range(1, len(merged)):
+        if proposers[node]:
+            source = "+".join(sorted(proposers[node]))
+            if offered[merged.parents[node]] - proposers[node].keys():
+                source += "/contested"
+            keys[node] = (source, max(proposers[node].values()))
+    return keys
 
 
 @dataclass
@@ -293,6 +340,8 @@ class Ranking:
     """Candidate nodes of `merged`, likeliest path first (a child never before its parent)."""
     chances: list[float]
     """Per candidate: the probability that its whole path is accepted."""
+    keys: list[tuple[str, float] | None] = field(default_factory=list)
+    """Per node of `merged`: its calibration cell's source and score (`support_keys`)."""
 
     def select(self, count: int, probes: Sequence[int] = (), expected: float | None = None) -> Selection:
         """The tree of the root, the `count` best candidates and `probes` (nodes of `merged`); `expected`: the
@@ -300,7 +349,20 @@ class Ranking:
         kept = [0, *self.candidates[:count], *probes]
         tree, mapped = self.merged.subtree(kept)
         node_maps = [{node: mapped[m] for node, m in node_map.items() if m in mapped} for node_map in self.node_maps]
-        return Selection(tree, node_maps, sum(self.chances[:count]) if expected is None else expected)
+        return Selection(tree, node_maps, sum(self.chances[:count]) if expected is None else expected, self)
+
+
+@dataclass
+class Selection:
+    """The tree to feed this step and how each proposal maps onto it."""
+
+    tree: TokenTree
+    node_maps: list[dict[int, int]]
+    """Per proposal: its node -> node of `tree` (nodes not fed are absent)."""
+    expected_accepted: float | None = None
+    """The cost model's E(k) for the fed tree (None for a static budget)."""
+    ranking: Ranking | None = None
+    """Every proposal of the step, merged and ranked (the cost model learns from all of them, fed or not)."""
 
 
 def best_shared_count(
@@ -353,7 +415,7 @@ class StaticBudget:
         tree, node_maps = merge(root, proposals, self.max_nodes if drafts else 1)
         return Selection(tree, node_maps)
 
-    def learn(self, proposals: Sequence[TokenTree], committed: Sequence[int]) -> None:
+    def learn(self, selection: Selection, committed: Sequence[int]) -> None:
         pass
 
     def new_request(self) -> None:
@@ -370,24 +432,20 @@ class CostModel:
     selective = True
     """Drafters propose whatever might pay; this model picks."""
 
-    def chances(self, tree: TokenTree, proposals: Sequence[TokenTree], node_maps: Sequence[dict[int, int]]):
-        """Per node of the merged `tree`: P(accepted | parent accepted), the best of its proposers' calibrated
-        estimates; probes and the root get 0 and 1.
+    def chances(self, tree: TokenTree, keys: Sequence[tuple[str, float] | None]) -> list[float]:
+        """Per node of the merged `tree`: P(accepted | parent accepted), calibrated in the cell of its `keys`
+        (who proposed it, who disputes it: `support_keys`); probes and the root get 0 and 1.
 
-        One token follows a node, so siblings' chances sum to at most 1. Each drafter's rate is its own average,
-        which overstates the weaker guess exactly when two drafters disagree: the likeliest sibling keeps its
-        estimate and the others share only what is left (not a proportional cut, which would tax the best guess
-        for the mere presence of a poor one).
+        One token follows a node, so siblings' chances sum to at most 1: the likeliest sibling keeps its estimate
+        and the others share only what is left (not a proportional cut, which would tax the best guess for the
+        mere presence of a poor one).
         """
         p = [0.0] * len(tree)
         p[0] = 1.0
-        for proposal, node_map in zip(proposals, node_maps, strict=True):
-            for node, merged in node_map.items():
-                if node and proposal.roles[node] == "candidate":
-                    estimate = self.calibration.probability(
-                        proposal.sources[node], proposal.depths[node], proposal.scores[node]
-                    )
-                    p[merged] = max(p[merged], estimate)
+        for node in range(1, len(tree)):
+            key = keys[node]
+            if key is not None:
+                p[node] = self.calibration.probability(key[0], tree.depths[node], key[1])
         siblings: dict[int, list[int]] = {}
         for node in range(1, len(tree)):
             siblings.setdefault(tree.parents[node], []).append(node)
@@ -402,8 +460,9 @@ class CostModel:
         """Merge the proposals and order their verifiable candidates by path probability (best first)."""
         merged, node_maps = merge(root, proposals)
         if len(merged) == 1:
-            return Ranking(merged, node_maps, [], [])
-        p = self.chances(merged, proposals, node_maps)
+            return Ranking(merged, node_maps, [], [], [None])
+        keys = support_keys(merged, proposals, node_maps)
+        p = self.chances(merged, keys)
         reach = [1.0] + [0.0] * (len(merged) - 1)
         verifiable = [True] + [False] * (len(merged) - 1)  # a candidate under a probe can never be accepted
         for node in range(1, len(merged)):  # parents come first: one pass
@@ -415,7 +474,7 @@ class CostModel:
         # cheaper size (here 4 tokens cost less than 3).
         candidates = [n for n in range(1, len(merged)) if verifiable[n]]
         candidates.sort(key=lambda n: (-reach[n], n))  # a child never precedes its parent
-        return Ranking(merged, node_maps, candidates, [reach[n] for n in candidates])
+        return Ranking(merged, node_maps, candidates, [reach[n] for n in candidates], keys)
 
     def choose(self, root: int, proposals: Sequence[TokenTree], lead: int = 0, drafts: bool = True) -> Selection:
         ranking = self.rank(root, proposals)
@@ -434,9 +493,11 @@ class CostModel:
         probes = [m for g in choice.groups for m in probes_of[offered[g]]]
         return ranking.select(choice.nodes, probes, choice.expected_accepted)
 
-    def learn(self, proposals: Sequence[TokenTree], committed: Sequence[int]) -> None:
-        for proposal in proposals:
-            self.calibration.learn(proposal, committed)
+    def learn(self, selection: Selection, committed: Sequence[int]) -> None:
+        """Check every node proposed this step (`selection.ranking`), fed or not, against the `committed` tokens."""
+        ranking = selection.ranking
+        if ranking is not None:
+            self.calibration.learn(ranking.merged, committed, ranking.keys)
 
     def new_request(self) -> None:
         self.calibration.new_request()

@@ -187,7 +187,7 @@ def decode(
         t2 = time.perf_counter()
         for drafter, node_map in zip(drafters, selection.node_maps, strict=True):
             drafter.observe(ctx, StepOutcome(tree, verdict, logits, new_tokens, node_map))
-        budget.learn(proposals, new_tokens)
+        budget.learn(selection, new_tokens)
         t3 = time.perf_counter()
         stats.record_step(
             tree, verdict.accepted_len, Counter(sources[:-1]), t1 - t0 + t3 - t2, t2 - t1, selection.expected_accepted

@@ -137,8 +137,11 @@ def split_knobs(specs: Sequence[MethodSpec], knobs: Mapping[str, object], text: 
     return routed
 
 
-def plan_method(text: str, knobs: Mapping[str, object] | None = None, device_type: str = "cpu") -> MethodPlan:
-    """Parse `text`, route `knobs`, and build each method's config over its defaults for `device_type`.
+def plan_method(
+    text: str, knobs: Mapping[str, object] | None = None, device_type: str = "cpu", flat: bool = False
+) -> MethodPlan:
+    """Parse `text`, route `knobs`, and build each method's config over its defaults for `device_type` (and,
+    `flat=True`, for a cost model on a flat latency curve: see `device_defaults`).
 
     Knobs the caller gives always win over device defaults; unknown knobs raise a ValueError naming them.
     """
@@ -150,21 +153,24 @@ def plan_method(text: str, knobs: Mapping[str, object] | None = None, device_typ
         unknown = sorted(set(routed[spec.name]) - known)
         if unknown:
             raise ValueError(f"unknown knob(s) {unknown} for method {spec.name!r}; known: {sorted(known)}")
-        defaults = dict(spec.device_defaults.get(device_type, {}))
+        defaults = device_defaults(spec.name, device_type, flat)
         configs.append(spec.config(**{**defaults, **routed[spec.name]}))
     return MethodPlan(text.strip(), specs, tuple(configs))
 
 
-def device_defaults(method: str, device_type: str) -> dict[str, object]:
-    """The default knobs of `method` on a device kind ("cpu", "cuda", ...; unknown kinds get the CPU defaults).
+def device_defaults(method: str, device_type: str, flat: bool = False) -> dict[str, object]:
+    """The default knobs of `method` on a device kind ("cpu", "cuda", ...; unknown kinds get the CPU defaults);
+    `flat`: under a cost model whose latency curve is flat (`LatencyCurve.flat`), the method's "flat" defaults
+    first, the device kind's own over them.
 
     Example:
         >>> device_defaults("jacobi", "cuda")
         {'window': 7, 'ngram': 5, 'max_candidates': 7, 'pool_from_output': False, 'lazy_window': False}
-        >>> device_defaults("jacobi", "cpu")
-        {}
+        >>> device_defaults("jacobi", "cpu"), device_defaults("trie", "cpu", flat=True)
+        ({}, {'decoding_length': 64, 'branch_length': 16})
     """
-    return dict(REGISTRY[method].device_defaults.get(device_type, {}))
+    spec = REGISTRY[method]
+    return {**(spec.device_defaults.get("flat", {}) if flat else {}), **spec.device_defaults.get(device_type, {})}
 
 
 def parse_knob_pairs(pairs: Sequence[str]) -> dict[str, object]:

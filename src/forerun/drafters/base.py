@@ -111,7 +111,9 @@ class MethodSpec:
     min_budget: Callable[[Any], int] = lambda config: 1
     """Fewest nodes per forward the method can work with (the Jacobi window needs all its probes)."""
     device_defaults: Mapping[str, Mapping[str, object]] = field(default_factory=dict)
-    """Knob defaults per device kind ("cuda", ...) that differ from the config's own (CPU) defaults."""
+    """Knob defaults per device kind ("cuda", ...) that differ from the config's own (CPU) defaults, and under
+    "flat" those for a cost model on a flat latency curve (`LatencyCurve.flat`: extra tokens nearly free, so the
+    method proposes wider and the cost model cuts what does not pay); a device kind's own entry wins."""
     style: str = "bold yellow"
     """How the CLI and chat colour the tokens this method's drafts got accepted for (rich style)."""
     model_free: bool = True

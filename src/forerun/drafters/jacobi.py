@@ -189,7 +189,8 @@ METHOD = MethodSpec(
     min_budget=lambda config: 1 + config.window * (config.ngram - 1),
     about="lade's lookahead: a window of Jacobi iterations fills an n-gram pool that drafts",
     device_defaults={
-        "cuda": {"window": 7, "ngram": 5, "max_candidates": 7, "pool_from_output": False, "lazy_window": False}
+        "cuda": {"window": 7, "ngram": 5, "max_candidates": 7, "pool_from_output": False, "lazy_window": False},
+        "flat": {"max_candidates": 7},
     },
     style="bold cyan",
 )

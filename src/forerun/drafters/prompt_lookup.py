@@ -95,6 +95,6 @@ METHOD = MethodSpec(
     build=lambda config, draft, vocab: PromptLookupDrafter(config),
     budget=lambda config: 1 + min(config.draft_len * config.max_branches, 15),
     about="copy what followed earlier occurrences of the text's last n-gram (prompt and output)",
-    device_defaults={"cuda": {"max_branches": 4}},
+    device_defaults={"cuda": {"max_branches": 4}, "flat": {"max_branches": 8, "draft_len": 16}},
     style="bold green",
 )

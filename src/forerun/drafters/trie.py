@@ -337,6 +337,9 @@ METHOD = MethodSpec(
     build=lambda config, draft, vocab: TrieDrafter(config),
     budget=lambda config: 1 + config.decoding_length,
     about="PIA's lookahead: a frequency trie of prompts and past outputs drafts a multi-branch tree",
-    device_defaults={"cuda": {"decoding_length": 32, "branch_length": 12}},
+    device_defaults={
+        "cuda": {"decoding_length": 32, "branch_length": 12},
+        "flat": {"decoding_length": 64, "branch_length": 16},
+    },
     style="bold magenta",
 )
