@@ -148,6 +148,10 @@ def test_cli_bench_writes_tables_json_and_plots(model, tokenizer, tmp_path):
 
 
 def test_latency_curve_shape_and_outputs(model, tmp_path):
+    from forerun.cli import CURVE_SIZES
+    from forerun.latency import SIZES
+
+    assert CURVE_SIZES == ",".join(map(str, SIZES))  # `forerun curve` measures what the cost model measures
     curve = measure_curve(model, sizes=(1, 2, 4), context=16, repeats=2)
     assert curve.sizes == (1, 2, 4) and curve.relative(1) == 1.0
     assert all(s > 0 for s in curve.seconds)

@@ -86,13 +86,32 @@ def test_choice_is_the_brute_force_optimum(seed):
     for node in range(1, len(tree)):
         reach.append(reach[tree.parents[node]] * p[node])
 
-    def rate(chosen):
-        return (1 + sum(reach[n] for n in chosen)) / curve.cost(1 + len(chosen))
+    def rate(chosen):  # a forward may be padded up to any cheaper size within the cap
+        return (1 + sum(reach[n] for n in chosen)) / min(curve.cost(m) for m in range(1 + len(chosen), 10))
 
     best = max(rate(chosen) for chosen in ancestor_closed_subsets(tree))
     selection = model.choose(0, [tree])
     chosen = {node for node in selection.node_maps[0] if node}
     assert rate(chosen) == pytest.approx(best)
+    padding = selection.tree.sources.count("padding")
+    assert curve.cost(len(selection.tree)) == min(curve.cost(m) for m in range(1 + len(chosen), 10))
+    assert padding == 0 or curve.cost(len(selection.tree) - padding) > curve.cost(len(selection.tree))
+
+
+def test_a_step_is_padded_where_a_larger_forward_costs_less(model):
+    """bf16 on a CPU with bf16 units: 2-4 tokens cost less than 1. A step with nothing worth feeding is padded to
+    the cheapest size with probes of no drafter's; the text stays plain generate's."""
+    dip = LatencyCurve((1, 2, 3, 4, 8), (10.0, 9.0, 9.2, 9.1, 12.0))
+    selection = CostModel(dip, 16).choose(1, [])
+    assert selection.tree.tokens == [1, 1] and selection.tree.roles == ["root", "probe"]
+    assert selection.tree.sources == ["", "padding"] and selection.expected_accepted == 0.0
+    assert CostModel(STEEP, 16).choose(1, []).tree.tokens == [1]  # a monotone curve: the root alone
+    assert len(CostModel(dip, 1).choose(1, []).tree) == 1  # never beyond the cap
+    prompt = prompts(1)[0]
+    truth = model.generate(prompt, max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0)[0].tolist()
+    decoder = forerun.Decoder(model, None, "plain", drafters=[RandomDrafter(truth, VOCAB)], adaptive=True, latency=dip)
+    result = decoder.generate(prompt, 20, eos_token_id=[])
+    assert result.sequences[0].tolist() == truth and result.stats.fed_hist[1] == 0
 
 
 def test_probe_groups_are_fed_whole_when_their_worth_pays_for_them():

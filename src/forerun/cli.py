@@ -350,12 +350,16 @@ def bench_batched(
         raise typer.Exit(1)
 
 
+CURVE_SIZES = ",".join(str(n) for n in (*range(1, 17), 20, 24, 32, 48, 64))
+"""forerun.latency.SIZES, spelled out here so that `--help` does not import torch."""
+
+
 @app.command()
 @user_errors
 def curve(
     model: str = MODEL,
     sizes: str = typer.Option(
-        "1,2,3,4,5,6,8,10,12,16,20,24,32,48,64", "--sizes", help="Tokens per forward to measure."
+        CURVE_SIZES, "--sizes", help="Tokens per forward to measure (default: what the cost model measures)."
     ),
     context: int = typer.Option(256, "--context", help="Cached tokens before each forward."),
     repeats: int = typer.Option(5, "--repeats"),

@@ -258,6 +258,9 @@ class Choice:
     """E(k): the expected number of accepted draft tokens."""
     groups: tuple[int, ...] = ()
     """The probe groups fed (indices into the groups offered)."""
+    padding: int = 0
+    """Padding probes fed besides (counted in `fed`): where a larger forward costs less than a smaller one (bf16
+    on a CPU with bf16 units: 2 tokens 0.89x one token), a step is padded up to the cheaper size."""
 
 
 def best_prefix(
@@ -273,7 +276,18 @@ def best_prefix(
     optional (value, size) items, each fed whole or not at all (a Jacobi window: its worth in future accepted
     tokens, its probe count). `cap`: most nodes per forward, root included (the lead not counted).
     """
-    best, best_rate = Choice(0, lead + 1, 0.0), 1.0 / curve.cost(lead + 1)
+    # cheapest[n]: the cheapest forward of at least n nodes (lead not counted) within the cap, and its size
+    cheapest: dict[int, tuple[float, int]] = {}
+    if cap is not None:
+        for n in range(cap, 0, -1):
+            here = (curve.cost(lead + n), n)
+            cheapest[n] = min(here, cheapest.get(n + 1, here))
+
+    def cost(nodes: int) -> tuple[float, int]:
+        return cheapest.get(nodes, (curve.cost(lead + nodes), nodes))
+
+    root_cost, root_size = cost(1)
+    best, best_rate = Choice(0, lead + root_size, 0.0, (), root_size - 1), 1.0 / root_cost
     options = []  # (value, size, chosen groups) for every subset of the groups that fits
     for count in range(len(groups) + 1):
         for subset in itertools.combinations(range(len(groups)), count):
@@ -285,9 +299,10 @@ def best_prefix(
         for value, size, subset in options:
             nodes = 1 + k + size
             if (k or subset) and (cap is None or nodes <= cap):
-                rate = (1.0 + expected + value) / curve.cost(lead + nodes)
+                seconds, size = cost(nodes)
+                rate = (1.0 + expected + value) / seconds
                 if rate > best_rate:
-                    best, best_rate = Choice(k, lead + nodes, expected, subset), rate
+                    best, best_rate = Choice(k, lead + size, expected, subset, size - nodes), rate
     return best
 
 
@@ -311,22 +326,31 @@ def support_keys(
         >>> support_keys(tree, [a, b], maps)
         [None, ('prompt_lookup+trie', 0.9), ('trie/contested', 0.2)]
     """
-    proposers: list[dict[str, float]] = [{} for _ in range(len(merged))]
+    # One bit per drafter: a node's proposers and the drafters offering any child of its parent are bit masks
+    # (this runs every step over a few hundred nodes).
+    bits: dict[str, int] = {}
+    masks, scores = [0] * len(merged), [-math.inf] * len(merged)
     for proposal, node_map in zip(proposals, node_maps, strict=True):
+        roles, sources, own_scores = proposal.roles, proposal.sources, proposal.scores
         for node, m in node_map.items():
-            if node and proposal.roles[node] == "candidate":
-                source = proposal.sources[node]
-                proposers[m][source] = max(proposers[m].get(source, 0.0), proposal.scores[node])
-    offered: dict[int, set[str]] = {}  # parent -> every drafter that proposed a child of it
+            if node and roles[node] == "candidate":
+                masks[m] |= bits.setdefault(sources[node], 1 << len(bits))
+                scores[m] = max(scores[m], own_scores[node])
+    parents = merged.parents
+    offered = [0] * len(merged)
     for node in range(1, len(merged)):
-        offered.setdefault(merged.parents[node], set()).update(proposers[node])
+        offered[parents[node]] |= masks[node]
+    names: dict[tuple[int, bool], str] = {}
     keys: list[tuple[str, float] | None] = [None] * len(merged)
     for node in range(1, len(merged)):
-        if proposers[node]:
-            source = "+".join(sorted(proposers[node]))
-            if offered[merged.parents[node]] - proposers[node].keys():
-                source += "/contested"
-            keys[node] = (source, max(proposers[node].values()))
+        mask = masks[node]
+        if mask:
+            cell = (mask, bool(offered[parents[node]] & ~mask))
+            name = names.get(cell)
+            if name is None:
+                name = "+".join(sorted(source for source, bit in bits.items() if bit & mask))
+                names[cell] = name = name + "/contested" if cell[1] else name
+            keys[node] = (name, scores[node])
     return keys
 
 
@@ -343,11 +367,16 @@ class Ranking:
     keys: list[tuple[str, float] | None] = field(default_factory=list)
     """Per node of `merged`: its calibration cell's source and score (`support_keys`)."""
 
-    def select(self, count: int, probes: Sequence[int] = (), expected: float | None = None) -> Selection:
-        """The tree of the root, the `count` best candidates and `probes` (nodes of `merged`); `expected`: the
-        expected accepted length to report (None: the sum of the kept candidates' chances)."""
+    def select(
+        self, count: int, probes: Sequence[int] = (), expected: float | None = None, padding: int = 0
+    ) -> Selection:
+        """The tree of the root, the `count` best candidates and `probes` (nodes of `merged`), and `padding` probes
+        of no drafter's (fed for a cheaper forward, their logits unused); `expected`: the expected accepted length
+        to report (None: the sum of the kept candidates' chances)."""
         kept = [0, *self.candidates[:count], *probes]
         tree, mapped = self.merged.subtree(kept)
+        for _ in range(padding):
+            tree.add(0, tree.tokens[0], role="probe", source="padding", score=0.0)
         node_maps = [{node: mapped[m] for node, m in node_map.items() if m in mapped} for node_map in self.node_maps]
         return Selection(tree, node_maps, sum(self.chances[:count]) if expected is None else expected, self)
 
@@ -479,7 +508,7 @@ class CostModel:
     def choose(self, root: int, proposals: Sequence[TokenTree], lead: int = 0, drafts: bool = True) -> Selection:
         ranking = self.rank(root, proposals)
         merged, node_maps = ranking.merged, ranking.node_maps
-        if not drafts or len(merged) == 1:
+        if not drafts:
             return ranking.select(0)
         # Each proposal's probes form an optional group, worth the sum of their scores (the drafter's estimate
         # of the future accepted tokens feeding them buys), fed whole or not at all.
@@ -491,7 +520,7 @@ class CostModel:
         groups = [(sum(merged.scores[m] for m in probes_of[i]), len(probes_of[i])) for i in offered]
         choice = best_prefix(ranking.chances, self.curve, lead, self.max_nodes, groups)
         probes = [m for g in choice.groups for m in probes_of[offered[g]]]
-        return ranking.select(choice.nodes, probes, choice.expected_accepted)
+        return ranking.select(choice.nodes, probes, choice.expected_accepted, choice.padding)
 
     def learn(self, selection: Selection, committed: Sequence[int]) -> None:
         """Check every node proposed this step (`selection.ranking`), fed or not, against the `committed` tokens."""
