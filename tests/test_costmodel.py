@@ -109,9 +109,16 @@ def test_a_step_is_padded_where_a_larger_forward_costs_less(model):
     assert len(CostModel(dip, 1).choose(1, []).tree) == 1  # never beyond the cap
     prompt = prompts(1)[0]
     truth = model.generate(prompt, max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0)[0].tolist()
-    decoder = forerun.Decoder(model, None, "plain", drafters=[RandomDrafter(truth, VOCAB)], adaptive=True, latency=dip)
-    result = decoder.generate(prompt, 20, eos_token_id=[])
-    assert result.sequences[0].tolist() == truth and result.stats.fed_hist[1] == 0
+    guessing = forerun.Decoder(model, None, "plain", drafters=[RandomDrafter(truth, VOCAB)], adaptive=True, latency=dip)
+    result = guessing.generate(prompt, 20, eos_token_id=[])
+    assert result.sequences[0].tolist() == truth and result.stats.fed_hist[1] == 0  # a guess rides for free
+    silent = forerun.Decoder(
+        model, None, "plain", drafters=[RandomDrafter(truth, VOCAB, width=0)], adaptive=True, latency=dip
+    )
+    result = silent.generate(prompt, 20, eos_token_id=[])
+    assert result.sequences[0].tolist() == truth
+    assert result.stats.fed_hist[2] >= result.stats.forwards - 1  # every step padded (the prefill's prompt aside)
+    assert result.stats.single_token_share == 1.0  # padded steps are still plain decoding steps
 
 
 def test_probe_groups_are_fed_whole_when_their_worth_pays_for_them():

@@ -89,6 +89,27 @@ def test_a_finishing_request_withdraws_only_its_own_prompt():
     assert trie.match([1], 1) is None and trie.match([7], 1) is None and len(trie) == 0
 
 
+def test_withdrawing_prompts_leaves_exactly_what_a_whole_trie_prune_would():
+    """Requests start and finish interleaved, prompts overlapping: after each finish no node is left without
+    weight and the node count is the trie's true size."""
+    from forerun.drafters.trie import prune, subtree_size
+
+    config = TrieConfig(max_query_length=2, branch_length=3, prompt_weight=0.5)
+    trie = TokenTrie()
+    generator = torch.Generator().manual_seed(3)
+    running = []
+    for request in range(300):
+        tokens = torch.randint(1, 12, (10,), generator=generator).tolist()
+        drafter, ctx = TrieDrafter(config, trie), DraftContext(tokens, 6, 16, frozenset())
+        drafter.start(ctx)
+        running.append((drafter, ctx))
+        if request % 3 != 0:
+            drafter, ctx = running.pop(int(torch.randint(len(running), (1,), generator=generator)))
+            drafter.finish(ctx)
+            assert len(trie) == subtree_size(trie.top) - 1  # the root is not counted
+            assert prune(trie.top, lambda node: node.weight <= 1e-9) == 0  # nothing left to prune
+
+
 def test_eviction_keeps_the_budget_and_the_frequent_paths():
     trie = TokenTrie(max_nodes=64)
     generator = torch.Generator().manual_seed(0)

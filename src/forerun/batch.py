@@ -61,6 +61,30 @@ def fork(drafters: Sequence[Drafter]) -> list[Drafter]:
     return [copy.copy(drafter) for drafter in drafters]
 
 
+PROPOSAL_COST = 2.0
+"""A row in a batch proposes at most as many nodes as the batch could feed per row for this many times the cost of
+a step of one token per row: per-row drafting work (proposing, ranking, merging; ~1 ms per row per step with a
+flat curve's wide proposals) is paid whether fed or not, and bigger trees are never fed in a batch (bf16, 8 rows:
+4 tokens per row already cost 1.7x one)."""
+
+
+def proposal_budget(budget: Budget, rows: int) -> int:
+    """Most nodes, root included, a row's drafters may propose in a batch of `rows` rows (`PROPOSAL_COST`).
+
+    Example (2 rows: 1 token each 12 ms, 2: 18 ms, 4: 24 ms, 8: 40 ms):
+        >>> from forerun.costmodel import LatencyCurve
+        >>> two = LatencyCurve((1, 2, 4, 8), (0.012, 0.018, 0.024, 0.040))
+        >>> budget = CostModel(LatencyCurve((1, 8), (0.010, 0.012), ((2, two),)), 16)
+        >>> proposal_budget(budget, 1), proposal_budget(budget, 2)
+        (16, 4)
+    """
+    if rows <= 1 or not isinstance(budget, CostModel):
+        return budget.max_nodes
+    curve, most = budget.curve, budget.max_nodes
+    bound = PROPOSAL_COST * curve.batch_cost(rows, 1)
+    return max((n for n in range(1, most + 1) if curve.batch_cost(rows, n) <= bound), default=1)
+
+
 def row_budget(budget: Budget) -> Budget:
     """A row's own budget: the same curve and long-run calibration, its own per-request correction."""
     if isinstance(budget, CostModel):
@@ -335,6 +359,8 @@ class Batch:
         rows = self.rows
         # 1. propose: every row's drafters; the budget keeps what pays for the batch
         t0 = time.perf_counter()
+        for row in rows:
+            row.ctx.budget = proposal_budget(row.budget, len(rows))
         proposals = [[drafter.propose(row.ctx) for drafter in row.job.drafters] for row in rows]
         selections = self.choose(proposals)
         t1 = time.perf_counter()

@@ -39,6 +39,8 @@ class GenerationStats:
     """Number of steps per accepted length (0 = only the bonus token)."""
     fed_hist: Counter = field(default_factory=Counter)
     """Number of steps per tree size fed (root and probes included, the prompt at the prefill not)."""
+    undrafted_steps: int = 0
+    """Forwards that fed no drafter's node: the root alone, or padded up to a cheaper forward size."""
     expected_accepted: float = 0.0
     """The cost model's expected accepted draft tokens, summed over the steps it chose (compare with `accepted`)."""
     expected_steps: int = 0
@@ -63,6 +65,7 @@ class GenerationStats:
         self.forwards += 1
         self.fed_tokens += len(tree)
         self.fed_hist[len(tree)] += 1
+        self.undrafted_steps += all(source == "padding" for source in tree.sources[1:])
         self.candidates += sum(role == "candidate" for role in tree.roles)
         self.accepted += accepted
         self.accepted_by.update(accepted_by)
@@ -93,8 +96,8 @@ class GenerationStats:
 
     @property
     def single_token_share(self) -> float:
-        """Share of forwards that fed the root alone (plain decoding steps)."""
-        return self.fed_hist.get(1, 0) / self.forwards if self.forwards else 0.0
+        """Share of forwards that fed no drafter's node (plain decoding steps, padded or not)."""
+        return self.undrafted_steps / self.forwards if self.forwards else 0.0
 
     @property
     def expected_per_step(self) -> float | None:

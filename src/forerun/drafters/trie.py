@@ -106,13 +106,21 @@ class TokenTrie:
             for i in range(max(0, len(tokens) - 1)):
                 if tokens[i] in skip_anchors:
                     continue
-                node = self.top
+                parent = self.top
                 for token in tokens[i : i + window]:
-                    node = node.children.get(token)
+                    node = parent.children.get(token)
                     if node is None:
                         break
                     node.prompt_count = max(0.0, node.prompt_count - weight)
-            self.nodes -= prune(self.top, lambda node: node.weight <= 1e-9)
+                    # Only nodes on the prompt's own windows lose weight, so only they can be left with none
+                    # (a child never outweighs its parent: the subtree goes with them). Pruning here, not over the
+                    # whole trie, keeps a finishing request's cost to its prompt (~15 ms a request had been spent
+                    # walking a trie of a few hundred requests, stalling every row of a batch).
+                    if node.weight <= 1e-9:
+                        self.nodes -= subtree_size(node)
+                        del parent.children[token]
+                        break
+                    parent = node
 
     def withdraw_prompt(self) -> None:
         """Drop every prompt weight; nodes left with no weight at all are removed."""
@@ -139,9 +147,13 @@ class TokenTrie:
                 return node
         return None
 
-    def draft(self, context: list[int], config: TrieConfig, eos: frozenset[int], source: str) -> TokenTree:
-        """Best-first draft under the matched node: up to decoding_length nodes, branch_length deep."""
+    def draft(
+        self, context: list[int], config: TrieConfig, eos: frozenset[int], source: str, budget: int | None = None
+    ) -> TokenTree:
+        """Best-first draft under the matched node: up to decoding_length nodes (and fewer than `budget`, the root
+        counted), branch_length deep."""
         tree = TokenTree.rooted_at(context[-1])
+        length = config.decoding_length if budget is None else min(config.decoding_length, budget - 1)
         with self.lock:
             node = self.match(context, config.max_query_length)
             if node is None:
@@ -162,7 +174,7 @@ class TokenTrie:
                         heapq.heappush(heap, (-probability * share, order, child, token, parent_index, depth, score))
 
             push_children(node, 0, 1.0, 1)
-            while heap and len(tree) <= config.decoding_length:
+            while heap and len(tree) <= length:
                 negative, _, child, token, parent_index, depth, score = heapq.heappop(heap)
                 index = tree.add(parent_index, token, "candidate", source, score)
                 if depth < config.branch_length and token not in eos:
@@ -300,7 +312,7 @@ class TrieDrafter:
         self.next_output_start = max(0, ctx.prompt_len - self.config.max_query_length)
 
     def propose(self, ctx: DraftContext) -> TokenTree:
-        return self.trie.draft(ctx.tokens, self.config, ctx.eos_token_ids, self.name)
+        return self.trie.draft(ctx.tokens, self.config, ctx.eos_token_ids, self.name, ctx.budget)
 
     def observe(self, ctx: DraftContext, outcome: StepOutcome) -> None:
         self.next_output_start = self.trie.insert_text(
