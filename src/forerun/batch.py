@@ -359,8 +359,12 @@ class Batch:
         rows = self.rows
         # 1. propose: every row's drafters; the budget keeps what pays for the batch
         t0 = time.perf_counter()
+        caps: dict[tuple[int, int], int] = {}  # rows of one Decoder share a curve and a cap: price it once
         for row in rows:
-            row.ctx.budget = proposal_budget(row.budget, len(rows))
+            shape = (id(getattr(row.budget, "curve", None)), row.budget.max_nodes)
+            if shape not in caps:
+                caps[shape] = proposal_budget(row.budget, len(rows))
+            row.ctx.budget = caps[shape]
         proposals = [[drafter.propose(row.ctx) for drafter in row.job.drafters] for row in rows]
         selections = self.choose(proposals)
         t1 = time.perf_counter()

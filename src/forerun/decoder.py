@@ -134,15 +134,15 @@ class Decoder:
         if draft_model is not None and not uses_draft:
             raise ValueError(f"draft_model is a knob of method 'draft_model', which is not part of {self.method!r}")
         self.draft_model = self.prepare_draft(draft_model, draft_tokenizer) if uses_draft else None
-        vocab = model.get_output_embeddings().weight.shape[0]
-        self.drafters = list(self.plan.build(self.draft_model, vocab) if drafters is None else drafters)
         self.latency, self.latency_cache = latency, latency_cache
-        self.budget = self.make_budget(latency, latency_cache)
+        drafting = bool(self.plan.specs) if drafters is None else bool(drafters)
+        self.budget = self.make_budget(latency, latency_cache, drafting)
         if drafters is None and isinstance(self.budget, CostModel) and self.budget.curve.flat:
             # Extra tokens cost little here: the drafters propose wide trees, the cost model cuts each step's
             # (bf16 on a CPU with bf16 units, SmolLM2 greedy: 1.91x -> 2.03x plain generate in forwards' cost)
             self.plan = plan_method(method, knobs, device_type, flat=True)
-            self.drafters = list(self.plan.build(self.draft_model, vocab))
+        vocab = model.get_output_embeddings().weight.shape[0]
+        self.drafters = list(self.plan.build(self.draft_model, vocab) if drafters is None else drafters)
         uniforms_first = any(getattr(drafter, "uniforms_first", False) for drafter in self.drafters)
         self.sample_verifier = (
             functools.partial(verify_sample, uniforms_first=True) if uniforms_first else verify_sample
@@ -154,8 +154,9 @@ class Decoder:
         """The config of the method when only one is used (None for 'plain' and combinations)."""
         return self.plan.configs[0] if len(self.plan.configs) == 1 else None
 
-    def make_budget(self, latency: LatencyCurve | None, latency_cache: str | Path | None) -> Budget:
-        """The cost model (model-free methods and combinations, or adaptive=True) or a static node budget."""
+    def make_budget(self, latency: LatencyCurve | None, latency_cache: str | Path | None, drafting: bool) -> Budget:
+        """The cost model (model-free methods and combinations, or adaptive=True) or a static node budget;
+        `drafting`: whether there are drafters at all (without any, nothing is left to weigh)."""
         config = self.engine_config
         adaptive = self.plan.adaptive if config.adaptive is None else config.adaptive
         if config.max_tree_nodes is not None and config.max_tree_nodes < self.plan.min_budget():
@@ -163,7 +164,7 @@ class Decoder:
                 f"{self.method} needs at least {self.plan.min_budget()} nodes per forward with these knobs "
                 f"(the Jacobi window's W x (N-1) probes and the root), but max_tree_nodes={config.max_tree_nodes}"
             )
-        if adaptive and self.drafters:
+        if adaptive and drafting:
             curve = latency if latency is not None else curve_for(self.model, latency_cache)
             return CostModel(curve, config.max_tree_nodes or max(curve.default_cap(), self.plan.min_budget()))
         return StaticBudget(config.max_tree_nodes or (self.plan.static_budget() if self.plan.specs else 16))
