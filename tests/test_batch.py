@@ -4,6 +4,7 @@ every method, across the family matrix, with ragged prompts, ragged acceptance a
 from __future__ import annotations
 
 import functools
+import time
 from collections import Counter
 
 import pytest
@@ -12,8 +13,9 @@ from transformers import MaxLengthCriteria, StoppingCriteriaList
 
 import forerun
 from forerun.batch import Batch, RowCache, RowJob, decode_batch
-from forerun.costmodel import LatencyCurve, StaticBudget, best_shared_count
+from forerun.costmodel import CostModel, LatencyCurve, StaticBudget, best_shared_count
 from forerun.engine import Sampling, Transcript
+from forerun.noise import GumbelNoise
 
 from helpers import OracleDrafter, RandomDrafter
 from tiny_models import FAMILIES, VOCAB, prompts, tiny_model
@@ -245,10 +247,10 @@ def test_batched_sampling_keeps_the_distribution_per_row():
         generator = torch.Generator().manual_seed(11)
         per_row, accepted = [Counter() for _ in range(rows)], 0
         for _ in range(SAMPLES // rows):
-            sampling = Sampling(generator, verifier or decoder.sample_verifier)
             jobs = jobs_for(model, [PROMPT] * rows, [forerun.batch.fork(decoder.drafters) for _ in range(rows)], NEW)
             for job in jobs:
-                job.processor, job.sampling = processors, sampling
+                noise = GumbelNoise.drawn(generator)
+                job.processor, job.sampling = processors, Sampling(noise, *([verifier] if verifier else []))
             stats = decode_batch(model, jobs, decoder.budget)
             for row, job in enumerate(jobs):
                 per_row[row][tuple(job.transcript.sequence[0, PROMPT.shape[1] :].tolist())] += 1
@@ -362,3 +364,43 @@ def test_one_seed_per_prompt():
     for seed, message in [([5], "one per prompt"), ([5, -1], "seed must be"), ("55", "seed must be")]:
         with pytest.raises(ValueError, match=message):
             decoder.generate([prompt, prompt], 4, do_sample=True, seed=seed)
+
+
+class SlowDrafter(RandomDrafter):
+    """Never right, and 20 ms to propose: drafting costs more wall time than any forward it could save."""
+
+    calls = 0
+
+    def propose(self, ctx):
+        self.calls += 1
+        time.sleep(0.02)
+        return super().propose(ctx)
+
+
+class CountedOracle(OracleDrafter):
+    calls = 0
+
+    def propose(self, ctx):
+        self.calls += 1
+        return super().propose(ctx)
+
+
+def test_a_batch_stops_proposing_while_drafting_measures_slower_and_keeps_it_while_it_pays():
+    """The draft switch compares measured rates: slow useless proposals are paused (proposed on well under half
+    the row-steps), an oracle's are kept (after one short plain probe); both batches stay exact."""
+    model = model_of("llama", "sdpa")
+    rows = ragged_prompts()[:2]
+    new = 64
+    truths = [single("llama", "sdpa", i, None, new)[0].tolist() for i in range(2)]
+    for drafter_class, paused in ((SlowDrafter, True), (CountedOracle, False)):
+        drafters = [
+            SlowDrafter(truth, VOCAB) if drafter_class is SlowDrafter else CountedOracle(truth, 3, VOCAB)
+            for truth in truths
+        ]
+        jobs = jobs_for(model, rows, [[d] for d in drafters], new)
+        stats = decode_batch(model, jobs, CostModel(CURVE, 16))
+        for index, job in enumerate(jobs):
+            assert job.transcript.sequence[0].tolist() == truths[index], (drafter_class, index)
+        row_steps = sum(s.forwards for s in stats)
+        calls = sum(d.calls for d in drafters)
+        assert (calls < row_steps / 2) if paused else (calls > row_steps / 2), (drafter_class, calls, row_steps)

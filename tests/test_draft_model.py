@@ -1,6 +1,6 @@
 """Method draft_model: greedy equality across target/draft pairs, rollback, schedules, vocabulary checks, knobs.
 
-The sampled distribution is tested in test_sampling.py (both variants), with the other methods.
+The sampled distribution is tested in test_sampling.py, with the other methods.
 """
 
 from __future__ import annotations
@@ -14,8 +14,6 @@ import forerun
 from forerun.config import DraftModelConfig
 from forerun.drafters.base import DraftContext
 from forerun.drafters.draft_model import DraftModelDrafter, check_same_vocabulary, self_draft
-from forerun.tree import TokenTree
-from forerun.verify import verify_sample
 
 from tiny_models import VOCAB, prompts, tiny_model
 
@@ -261,7 +259,6 @@ def test_mismatched_vocabularies_are_refused_naming_both_models():
         ({"gamma": 0}, "gamma must be an integer >= 1"),
         ({"gamma": 9, "max_gamma": 4}, r"gamma \(9\) must be <= max_gamma \(4\)"),
         ({"schedule": "sometimes"}, "schedule must be fixed, grow or heuristic"),
-        ({"variant": "google"}, "variant must be 'leviathan' or 'chen'"),
         ({"confidence": 1.5}, r"confidence must be a number in \[0, 1\)"),
         ({"tree_width": 0}, "tree_width must be an integer >= 1"),
         ({"self_draft_layers": -1}, "self_draft_layers must be an integer >= 0"),
@@ -281,30 +278,3 @@ def test_missing_or_misplaced_draft_model_is_a_clear_error():
         forerun.Decoder(model_of("llama"), None, "draft_model", draft_model=model_of("llama"), self_draft_layers=1)
     with pytest.raises(ValueError, match="knob of method 'draft_model'"):
         forerun.Decoder(model_of("llama"), None, "prompt_lookup", draft_model=model_of("llama"))
-
-
-def test_sampled_drafts_carry_q_and_the_verifier_uses_it():
-    """One child drawn from q each trial, verified with min(1, p/q) and the residual: the result follows p.
-
-    p = [0.5, 0.3, 0.2, 0], q = [0.1, 0.6, 0.1, 0.2] (q even drafts a token p never says). 20,000 trials per
-    variant; each token's frequency must be within 4.5 standard errors of p (a wrong rule, e.g. accepting with
-    probability p(t) as for a deterministic draft, gives P(1) = 0.18 and fails by far).
-    """
-    p = torch.tensor([0.5, 0.3, 0.2, 0.0])
-    q = torch.tensor([0.1, 0.6, 0.1, 0.2])
-    trials = 20_000
-    for uniforms_first in (False, True):
-        generator = torch.Generator().manual_seed(11)
-        counts = torch.zeros(4)
-        for _ in range(trials):
-            tree = TokenTree.rooted_at(9)
-            node = tree.add(0, int(torch.multinomial(q, 1, generator=generator)))
-            tree.draft_probs[node] = q
-            verdict = verify_sample(
-                tree, lambda n: p if n == 0 else torch.tensor([1.0, 0, 0, 0]), generator, uniforms_first
-            )
-            first = tree.tokens[verdict.accepted_nodes[0]] if verdict.accepted_nodes else verdict.bonus_token
-            counts[first] += 1
-        frequency = counts / trials
-        tolerance = 4.5 * torch.sqrt(p * (1 - p) / trials) + 1e-9
-        assert torch.all((frequency - p).abs() <= tolerance), (uniforms_first, frequency)

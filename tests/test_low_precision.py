@@ -18,6 +18,7 @@ import forerun
 from forerun.costmodel import LatencyCurve
 from forerun.engine import Sampling, Transcript, decode
 from forerun.exactness import TIE_ULPS, first_divergence, ulp
+from forerun.noise import GumbelNoise
 from forerun.tree import TokenTree
 from forerun.verify import Verdict
 
@@ -64,14 +65,14 @@ def test_first_differences_are_ties(family, dtype, method):
     assert drafted > 0  # trees were verified: the test exercised tree forwards, not only 1-token steps
 
 
-def lenient_verifier(tree: TokenTree, probs_at, generator=None) -> Verdict:
+def lenient_verifier(tree: TokenTree, scores_at, noise=None, position=0) -> Verdict:
     """WRONG on purpose: at the root, accept a drafted child holding the target's second choice."""
-    p = probs_at(0)
-    second = int(p.topk(2).indices[1])
+    scores = scores_at(0)
+    second = int(scores.topk(2).indices[1])
     child = tree.children.get((0, second))
     if child is not None:
-        return Verdict([child], int(probs_at(child).argmax()))
-    return Verdict([], int(p.argmax()))
+        return Verdict([child], int(scores_at(child).argmax()))
+    return Verdict([], int(scores.argmax()))
 
 
 class EveryToken:
@@ -101,8 +102,8 @@ def test_negative_control_a_verifier_that_takes_the_second_choice_fails_the_chec
     expected, logits = reference(model, prompt, 8)
     transcript = Transcript(prompt.clone(), StoppingCriteriaList([MaxLengthCriteria(prompt.shape[1] + 8)]))
     budget = forerun.costmodel.StaticBudget(VOCAB + 1)
-    # Sampling with a temperature-free processor: probs are softmax(logits), so rankings are the target's own.
-    sampling = Sampling(torch.Generator().manual_seed(0), lenient_verifier)
+    # Sampling with no processor: the scores are the logits, so rankings are the target's own.
+    sampling = Sampling(GumbelNoise(0), lenient_verifier)
     with torch.inference_mode():
         decode(model, prompt, [EveryToken()], transcript, frozenset(), 8, budget, True, None, sampling)
     got = transcript.sequence[0, prompt.shape[1] :].tolist()

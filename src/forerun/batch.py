@@ -22,6 +22,8 @@ The per-row draft budget comes from the device's latency curve, measured with ba
 batch_cost`: rows x nodes tokens in one forward cost more than one row of as many tokens, since every row reads its
 own cache): the cost model picks one candidate count for all rows maximising committed tokens per second over the
 batch (`forerun.costmodel.best_shared_count`), down to one token per row per step when drafting does not pay.
+Proposing itself costs time the forwards do not show; a `DraftSwitch` compares the measured wall-clock rates of
+drafting and plain steps and pauses proposals while drafting is the slower.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import torch
 from transformers import DynamicCache, LogitsProcessorList
 from transformers.cache_utils import DynamicLayer
 
-from forerun.costmodel import Calibration, CostModel, Selection, best_shared_count
+from forerun.costmodel import Calibration, CostModel, LatencyCurve, Selection, best_shared_count
 from forerun.drafters.base import DraftContext, Drafter, StepOutcome
 from forerun.engine import Budget, NodeScores, Sampling, Transcript, decode, forward_tree, tree_support, verify
 from forerun.kvcache import keep_accepted
@@ -66,6 +68,62 @@ PROPOSAL_COST = 2.0
 a step of one token per row: per-row drafting work (proposing, ranking, merging; ~1 ms per row per step with a
 flat curve's wide proposals) is paid whether fed or not, and bigger trees are never fed in a batch (bf16, 8 rows:
 4 tokens per row already cost 1.7x one)."""
+
+
+PAUSE_STEPS = 32
+"""Steps a batch decodes without proposing once drafting has measured slower than not drafting."""
+PROBE_STEPS = 6
+"""Steps of drafting after a pause before the comparison is made again (fresh evidence, not the old average)."""
+
+
+@dataclass
+class DraftSwitch:
+    """Whether a batch's rows propose at all this step, from measured wall-clock rates of both modes.
+
+    The cost model weighs forwards; proposing, ranking and learning cost time too (at 8 rows in bf16 on this CPU,
+    ~16% of the wall time), spent before the model may still feed nothing. Each step's rate is measured as
+    tokens per row per predicted undrafted step (`curve.batch_cost(rows, 1)`, so batches of different sizes
+    compare), recency-weighted per mode. While drafting measures slower than plain decoding, the batch decodes
+    `PAUSE_STEPS` steps without proposals, then drafts `PROBE_STEPS` steps before comparing again. Outputs do
+    not depend on it: what is fed never changes what is written.
+
+    Example: drafting makes 1.2 tokens per row per step-equivalent, plain decoding 1.3 (d: a drafting step):
+        >>> switch, modes = DraftSwitch(), ""
+        >>> for _ in range(64):
+        ...     drafting = switch.drafting()
+        ...     switch.record(drafting, 1.2 if drafting else 1.3)
+        ...     modes += "d" if drafting else "."
+        >>> modes   # draft, measure plain once, draft again, then pause and probe
+        'dddddd......dddddd................................dddddd........'
+    """
+
+    rates: dict[bool, float] = field(default_factory=lambda: {True: 1.0, False: 1.0})
+    """Recency-weighted tokens per row per predicted undrafted step, for drafting steps and plain ones."""
+    seen: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})
+    paused: int = 0
+    """Plain steps left in the current pause."""
+    probing: int = PROBE_STEPS
+    """Drafting steps left before the next comparison."""
+
+    def drafting(self) -> bool:
+        return self.paused == 0
+
+    def record(self, drafted: bool, rate: float) -> None:
+        """One step's measured rate; decides the next steps' mode."""
+        weight = 1 - BATCH_DECAY if self.seen[drafted] else 1.0  # the first measurement replaces the prior
+        self.rates[drafted] = (1 - weight) * self.rates[drafted] + weight * rate
+        self.seen[drafted] += 1
+        if not drafted:
+            self.paused = max(0, self.paused - 1)
+            if self.paused == 0:
+                self.probing = PROBE_STEPS
+            return
+        self.probing = max(0, self.probing - 1)
+        if self.probing == 0:
+            if not self.seen[False]:
+                self.paused = PROBE_STEPS  # plain decoding not measured yet: measure it briefly
+            elif self.rates[True] < self.rates[False]:
+                self.paused = PAUSE_STEPS
 
 
 def proposal_budget(budget: Budget, rows: int) -> int:
@@ -260,6 +318,8 @@ class Batch:
         """Measured / predicted forward time (`LatencyCurve.batch_cost`), recency-weighted, for
         root-only steps (False) and steps with drafts (True): batched shapes may not cost what the curve says, and
         only their ratio matters to the decision (`best_shared_count`'s draft_penalty)."""
+        self.switch = DraftSwitch()
+        """Whether rows propose at all (measured wall-clock rates of drafting and plain steps)."""
         self.expected, self.accepted = 0.0, 0.0
         """Recency-weighted sums over the batch's steps of the cost model's expected and the actually accepted
         drafts: their ratio corrects the chances the next batch decision is made on (the rows' calibrations are
@@ -288,7 +348,7 @@ class Batch:
             job.eos,
             sampled=job.sampling is not None,
             processor=job.processor,
-            generator=job.sampling.generator if job.sampling is not None else None,
+            noise=job.sampling.noise if job.sampling is not None else None,
             selective=budget.selective,
         )
         for drafter in job.drafters:
@@ -320,10 +380,8 @@ class Batch:
             correction = min(1.0, (self.accepted + BATCH_PRIOR) / (self.expected + BATCH_PRIOR))
             chances = [[c * correction for c in r.chances] for r in rankings]
             cap = min(budget.max_nodes for budget in budgets)
-            # The measured penalty depends on timings; sampled rows' draws depend on the trees fed, and a seeded
-            # run must repeat, so batches with sampled rows decide on the curve alone.
-            sampled = any(row.job.sampling is not None for row in rows)
-            penalty = 1.0 if sampled else max(1.0, self.measured[True] / self.measured[False])
+            # What is fed never changes what is written (greedy or sampled: `forerun.noise`), so timings may steer.
+            penalty = max(1.0, self.measured[True] / self.measured[False])
             count = best_shared_count(chances, budgets[0].curve, cap, penalty, self.weights())
             return [ranking.select(count) for ranking in rankings]
         # Static budgets (draft_model alone): each row's share of its own node budget.
@@ -331,6 +389,13 @@ class Batch:
             Selection(*merge(row.ctx.tokens[-1], p, max(1, row.budget.max_nodes // len(rows))))
             for row, p in zip(rows, proposals, strict=True)
         ]
+
+    def shared_curve(self) -> LatencyCurve | None:
+        """The latency curve the draft switch prices steps on: only for batches of two rows or more whose rows
+        all use a cost model (a row alone drafts as a single run does; static budgets always propose)."""
+        if len(self.rows) < 2 or not all(isinstance(row.budget, CostModel) for row in self.rows):
+            return None
+        return self.rows[0].budget.curve
 
     def weights(self) -> list[float] | None:
         """What each row's progress is worth to a closed batch: (steps it has left / the most any row has left)
@@ -359,14 +424,22 @@ class Batch:
         rows = self.rows
         # 1. propose: every row's drafters; the budget keeps what pays for the batch
         t0 = time.perf_counter()
-        caps: dict[tuple[int, int], int] = {}  # rows of one Decoder share a curve and a cap: price it once
-        for row in rows:
-            shape = (id(getattr(row.budget, "curve", None)), row.budget.max_nodes)
-            if shape not in caps:
-                caps[shape] = proposal_budget(row.budget, len(rows))
-            row.ctx.budget = caps[shape]
-        proposals = [[drafter.propose(row.ctx) for drafter in row.job.drafters] for row in rows]
-        selections = self.choose(proposals)
+        curve = self.shared_curve()
+        drafting = curve is None or self.switch.drafting()
+        if drafting:
+            caps: dict[tuple[int, int], int] = {}  # rows of one Decoder share a curve and a cap: price it once
+            for row in rows:
+                shape = (id(getattr(row.budget, "curve", None)), row.budget.max_nodes)
+                if shape not in caps:
+                    caps[shape] = proposal_budget(row.budget, len(rows))
+                row.ctx.budget = caps[shape]
+            proposals = [[drafter.propose(row.ctx) for drafter in row.job.drafters] for row in rows]
+            selections = self.choose(proposals)
+        else:  # paused: no proposals, one token per row
+            selections = [
+                Selection(*merge(row.ctx.tokens[-1], [TokenTree.rooted_at(row.ctx.tokens[-1])] * len(row.job.drafters)))
+                for row in rows
+            ]
         t1 = time.perf_counter()
         # 2. pack and 3. forward: one call for every row, trees padded to one size
         nodes = max(len(selection.tree) for selection in selections)
@@ -386,6 +459,10 @@ class Batch:
         ]
         self.cache.keep(kept, nodes)
         self.learn(selections, kept, nodes, forward_s)
+        if curve is not None:  # tokens per row per predicted plain step, everything of this step counted
+            seconds = time.perf_counter() - t0
+            tokens = sum(len(path) for path in kept) / len(rows)
+            self.switch.record(drafting, tokens * curve.batch_cost(len(rows), 1) / max(seconds, 1e-9))
         finished = [row for row in rows if row.done]
         if finished:
             self.remove(finished)

@@ -149,12 +149,10 @@ class DraftModelConfig:
     """Stop drafting a step early once the draft's top probability falls below this (transformers'
     assistant_confidence_threshold); 0 drafts all gamma tokens."""
     tree_width: int = 2
-    """Greedy only: also propose the draft's 2nd..k-th choices at the first position (leaves of a small tree).
+    """Also propose the draft's 2nd..k-th choices at the first position (leaves of a small tree; sampled runs:
+    the runners-up of its noisy scores).
     gamma, max_gamma and this default follow a target whose latency is nearly flat over a few dozen tokens, where
     long drafts cost little when the confidence stop cuts the poor ones (BENCHMARKS.md)."""
-    variant: Literal["leviathan", "chen"] = "leviathan"
-    """Sampled verification as written in each paper: leviathan draws the step's uniforms first (Algorithm 1),
-    chen accepts or resamples token by token (Algorithm 2). Both keep the target's distribution exactly."""
     self_draft_layers: int = 0
     """> 0: no second model; the target's first K decoder layers plus its LM head draft (layer skipping)."""
     lookup: int = 8
@@ -180,8 +178,6 @@ class DraftModelConfig:
             raise ValueError(f"DraftModelConfig.gamma ({self.gamma}) must be <= max_gamma ({self.max_gamma})")
         if self.schedule not in ("fixed", "grow", "heuristic"):
             raise ValueError(f"DraftModelConfig.schedule must be fixed, grow or heuristic, got {self.schedule!r}")
-        if self.variant not in ("leviathan", "chen"):
-            raise ValueError(f"DraftModelConfig.variant must be 'leviathan' or 'chen', got {self.variant!r}")
         value = self.confidence
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
             raise ValueError(f"DraftModelConfig.confidence must be a number in [0, 1), got {value!r}")

@@ -11,7 +11,6 @@ Example:
 
 from __future__ import annotations
 
-import functools
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -45,10 +44,10 @@ from forerun.engine import Budget, Sampling, Transcript, decode
 from forerun.latency import DEFAULT_CACHE_DIR, curve_for, measure_batched
 from forerun.logprobs import TokenLogprob
 from forerun.methods import plan_method
+from forerun.noise import GumbelNoise
 from forerun.stats import GenerationStats
 from forerun.stopping import Cancelled, StopStrings
 from forerun.text import complete
-from forerun.verify import verify_sample
 
 Prompt = str | Sequence[dict] | Sequence[int] | torch.Tensor
 
@@ -143,11 +142,6 @@ class Decoder:
             self.plan = plan_method(method, knobs, device_type, flat=True)
         vocab = model.get_output_embeddings().weight.shape[0]
         self.drafters = list(self.plan.build(self.draft_model, vocab) if drafters is None else drafters)
-        uniforms_first = any(getattr(drafter, "uniforms_first", False) for drafter in self.drafters)
-        self.sample_verifier = (
-            functools.partial(verify_sample, uniforms_first=True) if uniforms_first else verify_sample
-        )
-        """The lossless sampling verifier (uniforms drawn first for draft_model's leviathan variant)."""
 
     @property
     def config(self) -> object | None:
@@ -284,10 +278,11 @@ class Decoder:
         `do_sample=True` and transformers generation settings (temperature, top_k, top_p, min_p, typical_p,
         repetition_penalty, no_repeat_ngram_size, ...) go through `model.generate` with forerun as its
         `custom_generate`, so the processors are exactly the ones transformers builds; sampled output keeps their
-        distribution. `seed` makes a sampled run repeatable. `stop`: strings that end the answer (the token that
-        completes one is the last). Setting `cancel` (from another thread) stops the generation after the current
-        step; the result then holds the tokens made so far. `prediction`: text (or token ids) the answer is
-        expected to resemble, drafted from (OpenAI's predicted outputs); the answer is unchanged by it.
+        distribution. `seed` fixes a sampled answer, whichever method drafts it (`forerun.noise`). `stop`: strings
+        that end the answer (the token that completes one is the last). Setting `cancel` (from another thread)
+        stops the generation after the current step; the result then holds the tokens made so far. `prediction`:
+        text (or token ids) the answer is expected to resemble, drafted from (OpenAI's predicted outputs); the
+        answer is unchanged by it.
         `logprobs=k`: each new token's log-probability under the raw model and its k likeliest alternatives.
         A list of prompts returns a list of results (`generate_batch`; `batch_size`: rows decoded at once).
         """
@@ -347,8 +342,8 @@ class Decoder:
         **options: object,
     ) -> list[GenerationResult]:
         """Several prompts decoded together (`forerun.batch`): one GenerationResult per prompt, in order, each what
-        `generate(prompt)` alone returns (greedy: token for token, fp32). Rows finish independently; sampled rows
-        draw from their own generators (row i seeded with `seed + i`). `batch_size`: at most this many rows at
+        `generate(prompt)` alone returns (greedy: token for token, fp32; sampled: row i what `generate` writes with
+        `seed + i`). Rows finish independently. `batch_size`: at most this many rows at
         once, a finished row's place going to the next prompt (default: every prompt at once). The other options
         are `generate`'s. `generate([...])` lands here.
 
@@ -486,8 +481,7 @@ class Decoder:
         if do_sample or generation_kwargs:
             processor = self.processors(ids, max_new_tokens, do_sample, eos_token_id, generation_kwargs)
         if do_sample:
-            generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
-            sampling = Sampling(generator, self.sample_verifier)
+            sampling = Sampling(GumbelNoise.drawn(seeded(seed)))
         if streamer is not None:
             streamer.put(ids.cpu())  # transformers' convention: a streamer sees the prompt first
         transcript = Transcript(ids.to(device), criteria, streamer, logprobs_top=logprobs)
@@ -589,7 +583,7 @@ class Decoder:
     ) -> GenerationResult:
         """Let `model.generate` build processors and stopping criteria, with forerun as its custom_generate."""
 
-        generator = torch.Generator(device=self.model.device).manual_seed(seed) if seed is not None else None
+        generator = seeded(seed)
         extra = {}
         if eos_token_id is not None:
             extra["eos_token_id"] = list(eos_token_id) if not isinstance(eos_token_id, int) else eos_token_id
@@ -658,8 +652,9 @@ def custom_generate(
 
     Streaming: transformers 5.23 forwards only the callable's own new keyword arguments, so `streamer=` never
     reaches a custom_generate callable (it only receives the prompt). Pass `forerun_streamer=` instead: it gets the
-    prompt, then the new tokens as they are committed, then `end()`. Random draws come from `forerun_generator`,
-    else torch's global generator (so `torch.manual_seed` makes runs repeat, as with plain generate).
+    prompt, then the new tokens as they are committed, then `end()`. Each sequence's noise seed (`forerun.noise`)
+    is drawn from `forerun_generator`, else torch's global generator (so `torch.manual_seed` makes runs repeat, as
+    with plain generate).
     """
     from transformers.generation.utils import GenerateDecoderOnlyOutput
 
@@ -669,7 +664,11 @@ def custom_generate(
     if generation_config.num_beams not in (None, 1):
         raise ValueError(f"forerun does not do beam search (num_beams={generation_config.num_beams})")
     decoder = forerun_decoder
-    sampling = Sampling(forerun_generator, decoder.sample_verifier) if generation_config.do_sample else None
+
+    def sampling() -> Sampling | None:
+        """A sampled sequence's own noise (each row of a batch gets its own seed, drawn in row order)."""
+        return Sampling(GumbelNoise.drawn(forerun_generator)) if generation_config.do_sample else None
+
     mask = model_kwargs.get("attention_mask")
     if input_ids.shape[0] != 1 or (isinstance(mask, torch.Tensor) and not bool(mask.all())):
         if streamer is not None:
@@ -685,7 +684,7 @@ def custom_generate(
         streamer,
         forerun_request,
         logits_processor,
-        sampling,
+        sampling(),
     )
     if generation_config.return_dict_in_generate:
         output = GenerateDecoderOnlyOutput(sequences=transcript.sequence)
@@ -725,7 +724,7 @@ def batch_custom_generate(
         ids = input_ids[row : row + 1, pad:]
         criteria = StoppingCriteriaList([MaxLengthCriteria(max_length=ids.shape[1] + max_new_tokens), *kept])
         transcript = Transcript(ids, criteria)
-        jobs.append(RowJob(ids, transcript, fork(decoder.drafters), eos, max_new_tokens, logits_processor, sampling))
+        jobs.append(RowJob(ids, transcript, fork(decoder.drafters), eos, max_new_tokens, logits_processor, sampling()))
         pads.append(pad)
     stats = decode_batch(model, jobs, decoder.batch_budget() if len(jobs) > 1 else decoder.budget)
     longest = max(job.transcript.sequence.shape[1] + pad for job, pad in zip(jobs, pads, strict=True))
@@ -742,6 +741,12 @@ def batch_custom_generate(
         output.forerun_sources = [job.transcript.sources for job in jobs]
         return output
     return sequences
+
+
+def seeded(seed: int | None) -> torch.Generator | None:
+    """The generator a `seed` stands for (on the CPU: the same seed gives the same noise on every device); None:
+    torch's global one."""
+    return torch.Generator().manual_seed(seed) if seed is not None else None
 
 
 def check_vocabulary(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase | None) -> None:

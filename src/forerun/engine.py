@@ -21,9 +21,10 @@ from forerun.drafters.base import DraftContext, Drafter, StepOutcome
 from forerun.kvcache import UnsupportedCacheError, check_tree_cache, keep_accepted
 from forerun.logprobs import TokenLogprob, token_logprobs
 from forerun.models import last_logits
+from forerun.noise import GumbelNoise
 from forerun.stats import GenerationStats
 from forerun.tree import TokenTree, pack
-from forerun.verify import Verdict, verify_greedy, verify_sample
+from forerun.verify import Verdict, verify_greedy, verify_sampled
 
 logger = logging.getLogger(__name__)
 
@@ -106,23 +107,20 @@ class NodeScores:
     def argmax(self, node: int) -> int:
         return int(self.scores(node).argmax())
 
-    def probs(self, node: int) -> torch.Tensor:
-        return torch.softmax(self.scores(node), dim=-1)
-
 
 @dataclass(frozen=True)
 class Sampling:
-    """Sample instead of argmax: the bonus tokens and acceptances draw from `generator` (None = torch's global)."""
+    """Sample instead of argmax: each token is the target's Gumbel-max draw under `noise` at its position."""
 
-    generator: torch.Generator | None = None
-    verifier: Callable = verify_sample
+    noise: GumbelNoise
+    verifier: Callable = verify_sampled
     """The lossless verifier; a parameter so tests can show that a biased one is caught."""
 
 
 def verify(tree: TokenTree, scores: NodeScores, sampling: Sampling | None) -> Verdict:
     if sampling is None:
         return verify_greedy(tree, scores.argmax)
-    return sampling.verifier(tree, scores.probs, sampling.generator)
+    return sampling.verifier(tree, scores.scores, sampling.noise, scores.sequence.shape[1])
 
 
 def decode(
@@ -155,7 +153,7 @@ def decode(
         eos_token_ids,
         sampled=sampling is not None,
         processor=processor,
-        generator=sampling.generator if sampling is not None else None,
+        noise=sampling.noise if sampling is not None else None,
         selective=budget.selective,
     )
     for drafter in drafters:

@@ -40,8 +40,9 @@ def hf_generate(
     prompt, then the new tokens as they are committed, then `end()`.
 
     Sampling (do_sample=True) keeps exactly the distribution of plain sampling, with the processors transformers
-    built from the generation config; random draws come from `forerun_generator`, else torch's global generator
-    (so `torch.manual_seed` makes runs repeat, as with plain generate).
+    built from the generation config; each sequence's noise seed (`forerun.noise`) is drawn from
+    `forerun_generator`, else torch's global generator (so `torch.manual_seed` makes runs repeat, as with plain
+    generate, and what forerun drafts never changes the text).
     """
     decoder = forerun_decoder or Decoder(model, None, forerun_method, **(forerun_knobs or {}))
     return custom_generate(

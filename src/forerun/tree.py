@@ -49,9 +49,6 @@ class TokenTree:
     """Per node: the drafter's raw estimate that it is accepted given its parent is (a fused node keeps the max)."""
     children: dict[tuple[int, int], int] = field(default_factory=dict)
     """(parent, token) -> node, for candidates only: the fusion index."""
-    draft_probs: dict[int, torch.Tensor] = field(default_factory=dict)
-    """node -> q [vocab], the distribution its token was sampled from (sampling drafters only). A candidate
-    without an entry is a deterministic guess (q = point mass on its token)."""
 
     @classmethod
     def rooted_at(cls, token: int) -> TokenTree:
@@ -112,10 +109,7 @@ class TokenTree:
                 continue
             if budget is not None and len(self) >= budget and (parent, other.tokens[i]) not in self.children:
                 continue
-            size = len(self)
             mapped[i] = self.add(parent, other.tokens[i], other.roles[i], other.sources[i], other.scores[i])
-            if i in other.draft_probs and len(self) > size:  # a fused node keeps the q of whoever added it first
-                self.draft_probs[mapped[i]] = other.draft_probs[i]
         return mapped
 
     def subtree(self, kept: Sequence[int]) -> tuple[TokenTree, dict[int, int]]:
@@ -133,8 +127,6 @@ class TokenTree:
             if parent is None:
                 raise ValueError(f"node {old} is kept without its parent {self.parents[old]}")
             mapped[old] = tree.add(parent, self.tokens[old], self.roles[old], self.sources[old], self.scores[old])
-            if old in self.draft_probs:
-                tree.draft_probs[mapped[old]] = self.draft_probs[old]
         return tree, mapped
 
     def candidate_children(self, node: int) -> list[int]:

@@ -2,12 +2,13 @@
 
 Notation and glossary, stated once:
 - p: the target model's distribution at a node, after logits processors applied with that node's own prefix
-  (committed tokens + the path to the node). Greedy decoding picks argmax p.
-- q: the draft distribution of a proposed token. Model-free drafters (prompt lookup, trie, Jacobi pool) are
-  deterministic: q is a point mass on the proposed token.
+  (committed tokens + the path to the node). Greedy decoding picks argmax p; sampling picks the Gumbel-max draw
+  of p at the node's position, a function of the run's seed and the position only (`forerun.noise`).
 - accepted tokens: candidate tokens along one root-to-leaf path that the target agrees with.
 - bonus token: the target's own choice at the last accepted node (or at the root when nothing was accepted). It is
   always produced, so every forward yields at least one token, exactly the token plain decoding would produce.
+
+Sampled runs are greedy runs over perturbed scores: one walk (`verify_greedy`) serves both.
 
 Example (greedy): tree root(5) -> 7 -> 9, root -> 8; the target's argmax is 7 at the root, 3 at node 1.
 Node 1 (token 7) is accepted, nothing under it matches 3, so the step yields [7, 3]: one accepted, one bonus.
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from forerun.noise import GumbelNoise
 from forerun.tree import TokenTree
 
 
@@ -54,72 +56,20 @@ def verify_greedy(tree: TokenTree, choice_at: Callable[[int], int]) -> Verdict:
         node = child
 
 
-def verify_sample(
-    tree: TokenTree,
-    probs_at: Callable[[int], torch.Tensor],
-    generator: torch.Generator | None = None,
-    uniforms_first: bool = False,
+def verify_sampled(
+    tree: TokenTree, scores_at: Callable[[int], torch.Tensor], noise: GumbelNoise, position: int
 ) -> Verdict:
-    """Lossless verification of drafted tokens, several children per node, deterministic or sampled.
+    """Lossless verification when sampling: at each node the target's token is its own draw, the Gumbel-max
+    argmax(scores + G) with the noise of the node's position (`forerun.noise`); the walk is then the greedy one.
 
-    At each node, p = probs_at(node) [vocab] (processors applied with the node's own prefix, then softmax).
-    The candidate children are tried in order. Child c with token t, drafted from q (`tree.draft_probs[c]`; a
-    deterministic guess has q = point mass on t), is accepted with probability min(1, p(t) / q(t)); on rejection
-    p becomes the residual norm(max(0, p - q)) and the next child is tried against it. If every child is
-    rejected, the bonus token is sampled from the residual (from p itself when there were no children).
-    One child with q is the speculative sampling rule of Leviathan et al. / Chen et al.; several children are the
-    multi-round rule of SpecInfer; with point masses the residual simply zeroes p(t). Each step leaves the token
-    after the node distributed exactly as p.
+    `scores_at(node)`: processed scores [vocab] (temperature, top-p... applied with the node's own prefix).
+    `position`: where the root's next token goes in the sequence (the committed length); a node at depth d draws
+    at position + d. Every token written is the target's draw at its position whatever was drafted, so the
+    distribution is exactly that of plain sampling, and a drafted token is accepted with probability p(token)
+    (for a deterministic guess, as under the residual rule of Leviathan et al.; several children: their p summed,
+    as under SpecInfer's).
 
-    `uniforms_first`: draw one uniform per tree level before walking (Leviathan et al., Algorithm 1) instead of
-    one per try as it comes (Chen et al., Algorithm 2); the two differ only in the order of random draws.
-
-    Example: p = [0.5, 0.3, 0.2] at the root, one deterministic child with token 1: accepted with probability
-    0.3; otherwise the bonus is drawn from [0.5, 0, 0.2] / 0.7, so P(0) = 0.7 * 0.5 / 0.7 = 0.5, as under p.
+    Example: p = [0.5, 0.3, 0.2] at the root and one child with token 1: over seeds, the child is accepted 30% of
+    the time, and the bonus is 0 / 1 / 2 with probability 0.5 / 0.3 / 0.2 as under p.
     """
-    device = generator.device if generator is not None else torch.device("cpu")
-
-    def uniform() -> float:
-        return float(torch.rand((), generator=generator, dtype=torch.float64, device=device))
-
-    levels = []
-    if uniforms_first:
-        levels = torch.rand(max(tree.depths) + 1, generator=generator, dtype=torch.float64, device=device).tolist()
-    node = 0
-    accepted: list[int] = []
-    while True:
-        p = probs_at(node).double()  # [vocab]; float64 so tiny masses survive the subtractions
-        p = p / p.sum()
-        next_node = None
-        for i, child in enumerate(tree.candidate_children(node)):
-            token = tree.tokens[child]
-            q = tree.draft_probs.get(child)
-            if q is None:
-                chance = float(p[token])
-                residual = p.clone()
-                residual[token] = 0.0
-            else:
-                q = fit_vocab(q.double(), p.shape[0]).to(p.device)
-                chance = min(1.0, float(p[token]) / float(q[token])) if float(q[token]) > 0 else 0.0
-                residual = (p - q).clamp_(min=0.0)
-            draw = levels[tree.depths[node]] if uniforms_first and i == 0 else uniform()
-            if chance > 0 and draw < chance:
-                next_node = child
-                break
-            if float(residual.sum()) <= 0:  # p sat (numerically) all on rejected tokens: keep p itself
-                break
-            p = residual / residual.sum()
-        if next_node is None:
-            bonus = int(torch.multinomial(p, 1, generator=generator))
-            return Verdict(accepted, bonus)
-        accepted.append(next_node)
-        node = next_node
-
-
-def fit_vocab(q: torch.Tensor, size: int) -> torch.Tensor:
-    """q over the draft's rows -> q over the target's `size` rows (rows only one model has get no mass)."""
-    if q.shape[0] == size:
-        return q
-    if q.shape[0] > size:
-        return q[:size]
-    return torch.cat([q, q.new_zeros(size - q.shape[0])])
+    return verify_greedy(tree, lambda node: noise.draw(scores_at(node), position + tree.depths[node]))

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 import torch
 from transformers import LogitsProcessorList
 
+from forerun.noise import GumbelNoise
 from forerun.tree import TokenTree
 from forerun.verify import Verdict
 
@@ -28,11 +29,11 @@ class DraftContext:
     """Most nodes, root included, a proposal may have (the engine's budget may feed fewer)."""
     eos_token_ids: frozenset[int]
     sampled: bool = False
-    """The target samples (drafters that sample must then attach their q to the tree: `TokenTree.draft_probs`)."""
+    """The target samples (each token its Gumbel-max draw under `noise`)."""
     processor: LogitsProcessorList | None = None
     """The target's logits processors (temperature, top-p, penalties...), for drafters that score tokens."""
-    generator: torch.Generator | None = None
-    """The run's random generator (None = torch's global one), for drafters that sample."""
+    noise: GumbelNoise | None = None
+    """The run's sampling noise, for drafters that guess the target's draws (a draft model draws with it too)."""
     selective: bool = False
     """A cost model picks which proposed nodes are fed: propose whatever might pay, with honest scores (the
     Jacobi window even on a step without candidates); with a static budget, propose only what should be fed."""

@@ -3,9 +3,10 @@
 Each step the draft model, which keeps its own KV cache, catches up with the committed text (rolling its cache
 back to the longest prefix it still shares with it: rejected guesses are dropped, nothing is recomputed) and
 proposes up to `gamma` tokens, one 1-token forward each. Greedy runs draft the argmax (and, with `tree_width`
-k > 1, the 2nd..k-th choices at the first position as extra leaves); sampled runs draw each token from the
-draft's distribution q after the target's own logits processors and attach q to the node, so the verifier can
-apply min(1, p/q) and resample from the residual (`forerun.verify.verify_sample`).
+k > 1, the 2nd..k-th choices at the first position as extra leaves); sampled runs draft the argmax of the draft's
+scores (after the target's own logits processors) plus the run's Gumbel noise at the token's position: the very
+noise the target draws with (`forerun.noise`), so where the two models' distributions are close their draws
+coincide, and the verifier accepts a token exactly when it is the target's own draw.
 
 Example (greedy, gamma 3): committed "... def", draft says " add ( a": tree root(def) -> add -> ( -> a.
 The target accepts "add (" and gives "self" as its bonus; next step the draft cache is cropped back to
@@ -49,8 +50,6 @@ class DraftModelDrafter:
         self.config, self.draft, self.vocab = config, draft, vocab
         self.gamma = config.gamma
         """The current draft length; the schedule moves it and it carries over to the next request."""
-        self.uniforms_first = config.variant == "leviathan"
-        """Sampled verification draws the step's uniforms first (Leviathan et al., Algorithm 1)."""
         self.cache: DynamicCache | None = None
         self.cached: list[int] = []
         """The token ids whose keys/values are in `self.cache`, in order."""
@@ -88,14 +87,11 @@ class DraftModelDrafter:
         for step in range(room):
             scores = self.scores(rows.pop(0), sequence, ctx)
             probs = torch.softmax(scores, dim=-1)
-            if ctx.sampled:
-                token = int(torch.multinomial(probs, 1, generator=ctx.generator))
-            else:
-                token = int(scores.argmax())
+            if ctx.noise is not None:  # sampled: guess the target's draw at this position (the same noise)
+                scores = scores.detach().cpu().double() + ctx.noise.at(len(sequence), scores.shape[-1])
+            token = int(scores.argmax())
             node = tree.add(parent, token, source=self.name, score=float(probs[token]))
-            if ctx.sampled:
-                tree.draft_probs[node] = probs
-            elif step == 0 and self.config.tree_width > 1:  # leaves: the draft's next choices, verified for free
+            if step == 0 and self.config.tree_width > 1:  # leaves: the draft's next choices, verified for free
                 for alternative in scores.topk(self.config.tree_width).indices[1:].tolist():
                     tree.add(0, alternative, source=self.name, score=float(probs[alternative]))
             parent = node
