@@ -74,6 +74,26 @@ def test_eight_concurrent_clients_get_their_own_exact_answers(smollm2, batching)
     assert health["queue"] == 0 and health["running"] == 0
 
 
+def test_a_seeded_sampled_answer_is_the_same_alone_or_among_concurrent_requests(batching):
+    """Sampling noise depends on the seed and the position only (`forerun.noise`): 8 seeded requests decoded
+    together, sharing forwards and drafts with each other, write exactly what each writes when sent alone."""
+    server, _ = batching
+    client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+    def ask(index: int) -> str:
+        messages = [{"role": "user", "content": QUESTIONS[index]}]
+        reply = client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=TOKENS, temperature=1.0, seed=100 + index
+        )
+        return reply.choices[0].message.content
+
+    with ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(ask, range(8)))
+    alone = [ask(index) for index in range(8)]
+    assert together == alone
+    assert len(set(together)) == 8
+
+
 def test_a_client_that_disconnects_leaves_the_batch(batching):
     server, app = batching
     body = {"messages": [{"role": "user", "content": "Write a very long story about the sea."}], "max_tokens": 256}
