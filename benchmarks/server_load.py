@@ -36,16 +36,17 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    parser.add_argument("--attention", default="sdpa", choices=["sdpa", "eager"])
     parser.add_argument("--settings", default="plain:1,auto:1,auto:8", help="method:max_batch, comma-separated.")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
-    model, tokenizer = forerun.load_model("smollm2-135m", dtype=dtype)
+    model, tokenizer = forerun.load_model("smollm2-135m", attn_implementation=args.attention, dtype=dtype)
     total = args.clients * args.requests
     prompts = [p for name in ("gsm8k", "humaneval", "mbpp", "typehints") for p in load_dataset(name, total)]
     prompts = [list(p.messages) for p in prompts[::4][:total]]  # every dataset in turn
     print(f"{args.clients} clients x {args.requests} requests, {args.max_tokens} tokens, {args.dtype}, "
-          f"{args.threads} torch thread(s)")  # fmt: skip
+          f"{args.attention} attention, {args.threads} torch thread(s)")  # fmt: skip
     print("| server | completion tokens/s | p50 latency (s) | p95 latency (s) | requests |")
     print("|---|---:|---:|---:|---:|")
     for setting in args.settings.split(","):
