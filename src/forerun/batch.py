@@ -355,9 +355,12 @@ class Batch:
             drafter.start(ctx)
         budget.new_request()
         row = Row(job, ctx, budget, prompt_len - 1, started=started)
-        proposals = [drafter.propose(ctx) for drafter in job.drafters]
+        drafting = not self.rows if draft is None else draft
+        root = ctx.tokens[-1]
+        # A prefill that verifies no tree needs no proposals (a row joining others: proposing there was wasted work)
+        proposals = [drafter.propose(ctx) if drafting else TokenTree.rooted_at(root) for drafter in job.drafters]
         lead = ctx.tokens[:-1]
-        selection = budget.choose(ctx.tokens[-1], proposals, len(lead), not self.rows if draft is None else draft)
+        selection = budget.choose(root, proposals, len(lead), drafting)
         tree = selection.tree
         t1 = time.perf_counter()
         own = DynamicCache(config=self.model.config)
