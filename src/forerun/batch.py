@@ -71,7 +71,9 @@ flat curve's wide proposals) is paid whether fed or not, and bigger trees are ne
 
 
 PAUSE_STEPS = 32
-"""Steps a batch decodes without proposing once drafting has measured slower than not drafting."""
+"""Steps a batch decodes without proposing once drafting has measured slower than not drafting; each probe that
+finds drafting still slower doubles the next pause, up to `MAX_PAUSE_STEPS` (a probe costs what drafting loses)."""
+MAX_PAUSE_STEPS = 256
 PROBE_STEPS = 6
 """Steps of drafting after a pause before the comparison is made again (fresh evidence, not the old average)."""
 
@@ -84,17 +86,19 @@ class DraftSwitch:
     ~16% of the wall time), spent before the model may still feed nothing. Each step's rate is measured as
     tokens per row per predicted undrafted step (`curve.batch_cost(rows, 1)`, so batches of different sizes
     compare), recency-weighted per mode. While drafting measures slower than plain decoding, the batch decodes
-    `PAUSE_STEPS` steps without proposals, then drafts `PROBE_STEPS` steps before comparing again. Outputs do
-    not depend on it: what is fed never changes what is written.
+    `PAUSE_STEPS` steps without proposals (twice as many after each probe that confirms it), then drafts
+    `PROBE_STEPS` steps before comparing again. Outputs do not depend on it: what is fed never changes what is
+    written.
 
-    Example: drafting makes 1.2 tokens per row per step-equivalent, plain decoding 1.3 (d: a drafting step):
+    Example: drafting makes 1.2 tokens per row per step-equivalent, plain decoding 1.3 (d: drafting steps, p: plain):
+        >>> import itertools
         >>> switch, modes = DraftSwitch(), ""
-        >>> for _ in range(64):
+        >>> for _ in range(200):
         ...     drafting = switch.drafting()
         ...     switch.record(drafting, 1.2 if drafting else 1.3)
-        ...     modes += "d" if drafting else "."
-        >>> modes   # draft, measure plain once, draft again, then pause and probe
-        'dddddd......dddddd................................dddddd........'
+        ...     modes += "d" if drafting else "p"
+        >>> [f"{len(list(run))}{mode}" for mode, run in itertools.groupby(modes)]  # plain measured once, then pauses
+        ['6d', '6p', '6d', '32p', '6d', '64p', '6d', '74p']
     """
 
     rates: dict[bool, float] = field(default_factory=lambda: {True: 1.0, False: 1.0})
@@ -104,6 +108,8 @@ class DraftSwitch:
     """Plain steps left in the current pause."""
     probing: int = PROBE_STEPS
     """Drafting steps left before the next comparison."""
+    pause: int = PAUSE_STEPS
+    """The next pause's length."""
 
     def drafting(self) -> bool:
         return self.paused == 0
@@ -123,7 +129,9 @@ class DraftSwitch:
             if not self.seen[False]:
                 self.paused = PROBE_STEPS  # plain decoding not measured yet: measure it briefly
             elif self.rates[True] < self.rates[False]:
-                self.paused = PAUSE_STEPS
+                self.paused, self.pause = self.pause, min(2 * self.pause, MAX_PAUSE_STEPS)
+            else:
+                self.pause = PAUSE_STEPS
 
 
 def proposal_budget(budget: Budget, rows: int) -> int:
