@@ -29,7 +29,7 @@ def completion(**fields):
         (chat, {"messages": [{"role": "user", "content": "a\ud800b"}]}, "messages[0].content", "lone surrogate"),
         (completion, {"prompt": "a\udfffb"}, "prompt", "lone surrogate"),
         (chat, {"temperature": 1e-300}, "temperature", "temperature must be 0 (greedy) or between 0.0001"),
-        (chat, {"temperature": 2.5}, "temperature", "between 0 and 2"),
+        (chat, {"temperature": 2.5}, "temperature", "between 0.0001 and 2"),
         (chat, {"temperature": float("inf")}, "temperature", "finite"),
         (chat, {"top_p": 5e-324, "repetition_penalty": 5e-324}, "repetition_penalty", "repetition_penalty must be"),
         (chat, {"top_k": 0}, "top_k", "top_k must be >= 1"),

@@ -178,8 +178,10 @@ def sampling_of(body: CommonRequest, limits: Limits) -> dict:
     for name, value in given.items():
         if isinstance(value, float) and not math.isfinite(value):
             raise refuse(name, f"{name} must be a finite number, got {value}")
-    if "temperature" in given and not 0 <= given["temperature"] <= 2:
-        raise refuse("temperature", f"temperature must be between 0 and 2, got {given['temperature']}")
+    if "temperature" in given and not (given["temperature"] == 0 or 1e-4 <= given["temperature"] <= 2):
+        raise refuse(
+            "temperature", f"temperature must be 0 (greedy) or between 0.0001 and 2, got {given['temperature']}"
+        )
     if "top_k" in given and given["top_k"] < 1:
         raise refuse("top_k", f"top_k must be >= 1, got {given['top_k']}")
     defaults = {k: v for k, v in limits.sampling_defaults.items() if k in SAMPLING_FIELDS}
