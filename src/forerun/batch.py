@@ -41,7 +41,7 @@ from transformers.cache_utils import DynamicLayer
 from forerun.costmodel import Calibration, CostModel, LatencyCurve, Selection, best_shared_count
 from forerun.drafters.base import DraftContext, Drafter, StepOutcome
 from forerun.engine import Budget, NodeScores, Sampling, Transcript, decode, forward_tree, tree_support, verify
-from forerun.kvcache import keep_accepted
+from forerun.kvcache import keep_accepted, roomy_cache
 from forerun.models import last_logits
 from forerun.stats import GenerationStats
 from forerun.tree import TokenTree, as_attention_mask, merge
@@ -195,7 +195,7 @@ class RowCache:
     """One DynamicCache for every row, and which of its slots each row may attend to."""
 
     def __init__(self, config) -> None:
-        self.cache = DynamicCache(config=config)
+        self.cache = roomy_cache(config)  # new slots written in place: no copy of every row's cache each step
         self.visible = torch.zeros(0, 0, dtype=torch.bool)  # [rows, slots]
 
     @property

@@ -67,3 +67,67 @@ def keep_accepted(cache: DynamicCache, prefix_len: int, kept_nodes: list[int]) -
         layer.values = values[..., :new_len, :]
         if isinstance(layer, DynamicSlidingWindowLayer):
             layer.cumulative_length = new_len
+
+
+ROOM = 64
+"""Slots a `RoomyLayer` adds beyond what it holds when it must grow (at least; a quarter of its length if more)."""
+
+
+class RoomyLayer(DynamicLayer):
+    """A `DynamicLayer` whose keys/values are views of buffers with spare slots: a forward's new entries are written
+    in place, where `DynamicLayer` concatenates (copies) the whole layer every forward. A batch of 8 rows x 400
+    cached tokens (SmolLM2, fp32, this CPU): 76.5 -> 71.3 ms a step; one row: unchanged.
+
+    Whoever replaces `keys`/`values` (cropping to a view, gathering, compacting) may; the next `update` writes in
+    place when the tensors it finds are still the leading slots of its buffers, and re-buffers (one copy) otherwise.
+
+    Example:
+        >>> layer = RoomyLayer()
+        >>> keys, _ = layer.update(torch.ones(1, 2, 3, 4), torch.ones(1, 2, 3, 4))
+        >>> keys.shape, layer.buffers[0].shape[2]        # 3 slots used, 67 allocated
+        (torch.Size([1, 2, 3, 4]), 67)
+        >>> keys, _ = layer.update(torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4))
+        >>> keys.shape[2], keys.data_ptr() == layer.buffers[0].data_ptr()   # written in place
+        (4, True)
+    """
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self.buffers: list[torch.Tensor | None] = [None, None]
+
+    def appended(self, which: int, current: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        """`current` [rows, heads, length, dim] followed by `new` [rows, heads, n, dim], as a view of a buffer."""
+        buffer = self.buffers[which]
+        length = current.shape[-2] if current.dim() == 4 else 0
+        total = length + new.shape[-2]
+        in_place = (
+            buffer is not None
+            and length > 0
+            and current.data_ptr() == buffer.data_ptr()
+            and current.shape[:2] == buffer.shape[:2]
+            and current.stride() == buffer.stride()
+            and total <= buffer.shape[-2]
+        )
+        if not in_place:
+            buffer = new.new_empty((*new.shape[:2], total + max(ROOM, total // 4), new.shape[-1]))
+            if length:
+                buffer[:, :, :length] = current
+            self.buffers[which] = buffer
+        buffer[:, :, length:total] = new
+        return buffer[:, :, :total]
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.keys = self.appended(0, self.keys, key_states)
+        self.values = self.appended(1, self.values, value_states)
+        return self.keys, self.values
+
+
+def roomy_cache(config) -> DynamicCache:
+    """A DynamicCache for `config` whose full-attention layers are `RoomyLayer`s (sliding ones stay as they are)."""
+    cache = DynamicCache(config=config)
+    cache.layers = [RoomyLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache
