@@ -354,7 +354,6 @@ class Batch:
             prompt_len,
             budget.max_nodes,
             job.eos,
-            sampled=job.sampling is not None,
             processor=job.processor,
             noise=job.sampling.noise if job.sampling is not None else None,
             selective=budget.selective,

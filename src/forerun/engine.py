@@ -151,7 +151,6 @@ def decode(
         prompt_len,
         budget.max_nodes,
         eos_token_ids,
-        sampled=sampling is not None,
         processor=processor,
         noise=sampling.noise if sampling is not None else None,
         selective=budget.selective,

@@ -69,6 +69,11 @@ class GumbelNoise:
             self.kept[key] = noise
         return noise
 
+    def perturbed(self, scores: torch.Tensor, position: int) -> torch.Tensor:
+        """`scores` [vocab] (processed logits) plus this position's noise, on the CPU in float64: its argmax is the
+        draw, its runners-up the likeliest other draws."""
+        return scores.detach().cpu().double() + self.at(position, scores.shape[-1])
+
     def draw(self, scores: torch.Tensor, position: int) -> int:
         """The token drawn at `position` from softmax(`scores`) [vocab] (processed logits)."""
-        return int((scores.detach().cpu().double() + self.at(position, scores.shape[-1])).argmax())
+        return int(self.perturbed(scores, position).argmax())

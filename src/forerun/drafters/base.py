@@ -28,12 +28,10 @@ class DraftContext:
     budget: int
     """Most nodes, root included, a proposal may have (the engine's budget may feed fewer)."""
     eos_token_ids: frozenset[int]
-    sampled: bool = False
-    """The target samples (each token its Gumbel-max draw under `noise`)."""
     processor: LogitsProcessorList | None = None
     """The target's logits processors (temperature, top-p, penalties...), for drafters that score tokens."""
     noise: GumbelNoise | None = None
-    """The run's sampling noise, for drafters that guess the target's draws (a draft model draws with it too)."""
+    """The run's sampling noise (None: greedy); drafters that score tokens guess the target's draws with it."""
     selective: bool = False
     """A cost model picks which proposed nodes are fed: propose whatever might pay, with honest scores (the
     Jacobi window even on a step without candidates); with a static budget, propose only what should be fed."""

@@ -88,7 +88,7 @@ class DraftModelDrafter:
             scores = self.scores(rows.pop(0), sequence, ctx)
             probs = torch.softmax(scores, dim=-1)
             if ctx.noise is not None:  # sampled: guess the target's draw at this position (the same noise)
-                scores = scores.detach().cpu().double() + ctx.noise.at(len(sequence), scores.shape[-1])
+                scores = ctx.noise.perturbed(scores, len(sequence))
             token = int(scores.argmax())
             node = tree.add(parent, token, source=self.name, score=float(probs[token]))
             if step == 0 and self.config.tree_width > 1:  # leaves: the draft's next choices, verified for free
