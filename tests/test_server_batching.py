@@ -121,3 +121,23 @@ def test_bad_requests_in_a_batch_fail_alone(smollm2, batching):
         responses = [f.result() for f in futures]
     assert [r.status_code for r in responses] == [200, 400, 200]
     assert "context" in responses[1].json()["error"]["message"]
+
+
+def test_a_next_turn_reuses_what_the_server_read_and_reports_it(smollm2, batching):
+    """OpenAI's `usage.prompt_tokens_details.cached_tokens`: the system prompt is read once for every request, and
+    a conversation's next turn reads only its new message; the answers stay plain generate's."""
+    server, _ = batching
+    client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    first = [{"role": "user", "content": "Name a fruit that is yellow."}]
+    reply = client.chat.completions.create(model=MODEL, messages=first, max_tokens=TOKENS, temperature=0)
+    answer, first_prompt = reply.choices[0].message.content, reply.usage.prompt_tokens
+    assert answer == plain_text(smollm2, messages=first, max_new_tokens=TOKENS)
+    assert reply.usage.prompt_tokens_details.cached_tokens >= 20  # SmolLM2's default system prompt: 24 tokens
+    second = [*first, {"role": "assistant", "content": answer}, {"role": "user", "content": "And a red one?"}]
+    reply = client.chat.completions.create(model=MODEL, messages=second, max_tokens=TOKENS, temperature=0)
+    assert reply.choices[0].message.content == plain_text(smollm2, messages=second, max_new_tokens=TOKENS)
+    # the first turn's prompt and (most of) its answer: re-rendered by the template, the answer's last tokens may
+    # tokenize otherwise than they were generated
+    cached = reply.usage.prompt_tokens_details.cached_tokens
+    assert first_prompt + TOKENS // 2 < cached < reply.usage.prompt_tokens, (first_prompt, cached)

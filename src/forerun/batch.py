@@ -43,6 +43,7 @@ from forerun.drafters.base import DraftContext, Drafter, StepOutcome
 from forerun.engine import Budget, NodeScores, Sampling, Transcript, decode, forward_tree, tree_support, verify
 from forerun.kvcache import keep_accepted, roomy_cache
 from forerun.models import last_logits
+from forerun.prefixcache import PrefixCache
 from forerun.stats import GenerationStats
 from forerun.tree import TokenTree, as_attention_mask, merge
 
@@ -172,6 +173,8 @@ class RowJob:
     max_new_tokens: int
     processor: LogitsProcessorList | None = None
     sampling: Sampling | None = None
+    prefixes: PrefixCache | None = None
+    """Where the prompt's head may already be cached, and where the row leaves what it read."""
 
 
 @dataclass
@@ -252,6 +255,17 @@ class RowCache:
                 )
         if len(rows) and self.slots:
             self.compact(force=not bool(self.visible[:, 0].any()))
+
+    def row(self, row: int) -> DynamicCache:
+        """Row `row`'s visible slots alone, in order, as a one-row cache ([1, heads, visible, dim] per layer)."""
+        where = self.visible[row].nonzero().flatten()
+        single = DynamicCache()
+        for index, layer in enumerate(self.cache.layers):
+            if layer_tensors(layer) is None:
+                return DynamicCache()  # a layer without entries: nothing to keep
+            at = where.to(layer.keys.device)
+            single.update(layer.keys[row : row + 1, :, at], layer.values[row : row + 1, :, at], index)
+        return single
 
     def compact(self, force: bool = False) -> None:
         """Right-align each row's visible slots (order kept) when holes pass COMPACT_SHARE of the cache."""
@@ -366,14 +380,18 @@ class Batch:
         root = ctx.tokens[-1]
         # A prefill that verifies no tree needs no proposals (a row joining others: proposing there was wasted work)
         proposals = [drafter.propose(ctx) if drafting else TokenTree.rooted_at(root) for drafter in job.drafters]
-        lead = ctx.tokens[:-1]
+        own = DynamicCache(config=self.model.config)
+        if job.prefixes is not None:
+            row.stats.cached_prompt_tokens = job.prefixes.seed(own, ctx.tokens)
+        lead = ctx.tokens[row.stats.cached_prompt_tokens : -1]  # what the prefill feeds before the first tree
         selection = budget.choose(root, proposals, len(lead), drafting)
         tree = selection.tree
         t1 = time.perf_counter()
-        own = DynamicCache(config=self.model.config)
         logits = forward_tree(self.model, own, tree, prompt_len - 1, lead, self.attention, self.keeps_logits)
         path = self.commit(row, selection, logits, t1 - started, time.perf_counter() - t1)
         keep_accepted(own, prompt_len - 1, path)
+        if job.prefixes is not None:
+            job.prefixes.store(ctx.tokens, own, prompt_len - 1 + len(path))
         self.cache.add(own, prompt_len - 1 + len(path))
         row.stats.prefill_seconds = time.perf_counter() - started
         self.rows.append(row)
@@ -521,6 +539,9 @@ class Batch:
     def remove(self, leaving: Sequence[Row]) -> None:
         """Take rows out (finished or cancelled): their drafters finish, their stats are closed, slots freed."""
         gone = {id(row) for row in leaving}
+        for place, row in enumerate(self.rows):
+            if id(row) in gone and row.job.prefixes is not None:  # what it read (prompt, answer) for its next turn
+                row.job.prefixes.store(row.ctx.tokens, self.cache.row(place), row.prefix_len)
         for row in leaving:
             for drafter in row.job.drafters:
                 drafter.finish(row.ctx)
@@ -607,6 +628,7 @@ def decode_rows(
                     True,
                     job.processor,
                     job.sampling,
+                    job.prefixes,
                 ),
             )
         return

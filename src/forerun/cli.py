@@ -482,6 +482,9 @@ def serve(
     timeout: float = typer.Option(300.0, "--timeout", help="Per-request timeout in seconds, arrival to last token."),
     max_queue: int = typer.Option(64, "--max-queue", help="Most requests queued or running; beyond it: 429."),
     max_batch: int = typer.Option(8, "--max-batch", help="Requests decoded together (1 = one at a time)."),
+    prefix_cache: int = typer.Option(
+        4096, "--prefix-cache", help="Tokens of KV kept for prompts that begin alike (system prompt, next turn); 0: off"
+    ),
     threads: int = THREADS,
     draft_model: str = DRAFT,
     max_tree_nodes: int = NODES,
@@ -498,10 +501,11 @@ def serve(
         or max_tokens_limit < 1
         or not 0 < timeout < float("inf")
         or min(max_queue, max_batch) < 1
+        or prefix_cache < 0
     ):
         raise ValueError(
-            "--port must be in [1, 65535], --max-tokens-limit, --max-queue and --max-batch >= 1 and --timeout a "
-            "positive number"
+            "--port must be in [1, 65535], --max-tokens-limit, --max-queue and --max-batch >= 1, --prefix-cache >= 0 "
+            "and --timeout a positive number"
         )
     spec = run_spec(model, method, knob, device, dtype, threads, draft_model, max_tree_nodes)
     config = ServerConfig(
@@ -515,6 +519,7 @@ def serve(
         allowed_hosts=tuple(allow_host) or None,
         max_queue=max_queue,
         max_batch=max_batch,
+        prefix_cache_tokens=prefix_cache,
     )
     lm, tokenizer, draft = spec.load()
     with console.status("preparing the server (the latency curves are measured once per model, dtype and device)"):

@@ -22,6 +22,7 @@ from forerun.kvcache import UnsupportedCacheError, check_tree_cache, keep_accept
 from forerun.logprobs import TokenLogprob, token_logprobs
 from forerun.models import last_logits
 from forerun.noise import GumbelNoise
+from forerun.prefixcache import PrefixCache
 from forerun.stats import GenerationStats
 from forerun.tree import TokenTree, pack
 from forerun.verify import Verdict, verify_greedy, verify_sampled
@@ -134,13 +135,15 @@ def decode(
     draft_in_prefill: bool = True,
     processor: LogitsProcessorList | None = None,
     sampling: Sampling | None = None,
+    prefixes: PrefixCache | None = None,
 ) -> GenerationStats:
     """Tree decoding of `input_ids` [1, prompt_len]; tokens land in `transcript`, stats are returned.
 
     The first step is the prefill: the prompt before its last token rides in front of the first tree (the
     `lead`, a causal chain), so the first draft is verified by the prefill itself, as transformers' assisted
     generation does. With the root alone (no drafters, or `draft_in_prefill=False`) that forward is exactly
-    generate's prefill.
+    generate's prefill. `prefixes`: the KV of a head this prompt shares with earlier text is taken from there and
+    not fed again; the text read here (prompt and answer) is left there for later prompts.
     """
     stats, started = GenerationStats(), time.perf_counter()
     cache = DynamicCache(config=model.config)
@@ -158,7 +161,8 @@ def decode(
     for drafter in drafters:
         drafter.start(ctx)
     budget.new_request()
-    lead, prefix_len = ctx.tokens[:-1], prompt_len - 1  # prefix_len: tokens before the root
+    stats.cached_prompt_tokens = prefixes.seed(cache, ctx.tokens) if prefixes is not None else 0
+    lead, prefix_len = ctx.tokens[stats.cached_prompt_tokens : -1], prompt_len - 1  # prefix_len: tokens before the root
     attention = model.config._attn_implementation or "eager"
     keeps_logits = bool(last_logits(model, 1))
     while not transcript.done:
@@ -193,6 +197,8 @@ def decode(
             stats.prefill_seconds = t3 - started
     for drafter in drafters:
         drafter.finish(ctx)
+    if prefixes is not None:  # the cache holds prompt + accepted tokens, of which ctx.tokens has the committed ones
+        prefixes.store(ctx.tokens, cache, prefix_len)
     stats.new_tokens = len(transcript.sources)
     stats.total_seconds = time.perf_counter() - started
     return stats

@@ -45,6 +45,8 @@ class GenerationStats:
     """The cost model's expected accepted draft tokens, summed over the steps it chose (compare with `accepted`)."""
     expected_steps: int = 0
     """Steps the cost model chose (those `expected_accepted` sums over)."""
+    cached_prompt_tokens: int = 0
+    """Prompt tokens whose KV came from the prefix cache (not fed again; OpenAI's `cached_tokens`)."""
     prefill_seconds: float = 0.0
     draft_seconds: float = 0.0
     forward_seconds: float = 0.0
@@ -138,4 +140,6 @@ class GenerationStats:
                 f"; fed {self.mean_fed:.1f} tokens/forward, {self.single_token_share:.0%} 1-token steps, "
                 f"accepted {actual:.2f}/step (expected {self.expected_per_step:.2f})"
             )
+        if self.cached_prompt_tokens:
+            line += f"; {self.cached_prompt_tokens} prompt tokens from the prefix cache"
         return line

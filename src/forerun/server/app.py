@@ -37,7 +37,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from forerun.batch import batchable
-from forerun.decoder import Decoder, GenerationResult
+from forerun.decoder import DEFAULT_PREFIX_TOKENS, Decoder, GenerationResult
+from forerun.prefixcache import PrefixCache
 from forerun.server.pool import Abandoned, BatchWorker, DecoderPool, Worker
 from forerun.server.schemas import ChatRequest, CompletionRequest, ErrorResponse
 from forerun.server.stream import TokenStream
@@ -73,6 +74,8 @@ class ServerConfig:
     """Most requests waiting for or in generation; one more gets 429 with Retry-After (backpressure)."""
     max_batch: int = 8
     """Most requests decoded together (continuous batching); 1 = one at a time, in arrival order."""
+    prefix_cache_tokens: int = DEFAULT_PREFIX_TOKENS
+    """Tokens of KV kept for prompts that begin alike (system prompts, next turns), shared by every method; 0: off."""
 
 
 class CacheError(ValueError):
@@ -238,7 +241,9 @@ def create_app(model, tokenizer, config: ServerConfig, draft_model=None) -> Fast
         sampling_defaults=sampling_defaults(model),
         device_type=next(model.parameters()).device.type,
     )
-    pool = DecoderPool(model, tokenizer, config.method, config.knobs, draft_model)
+    pool = DecoderPool(
+        model, tokenizer, config.method, config.knobs, draft_model, PrefixCache(config.prefix_cache_tokens)
+    )
     pool.get(config.method, {})  # a bad method or knob fails now
     cache_decoder = load_trie_cache(pool, config.cache_path)
     metrics = Metrics()
@@ -392,6 +397,7 @@ def create_app(model, tokenizer, config: ServerConfig, draft_model=None) -> Fast
                 "prompt_tokens": result.prompt_len,
                 "completion_tokens": s.new_tokens,
                 "total_tokens": result.prompt_len + s.new_tokens,
+                "prompt_tokens_details": {"cached_tokens": s.cached_prompt_tokens},
                 "completion_tokens_details": {
                     "accepted_prediction_tokens": result.accepted_prediction_tokens,
                     "rejected_prediction_tokens": result.rejected_prediction_tokens,

@@ -25,6 +25,7 @@ from typing import Any
 from forerun.batch import Batch, RowJob
 from forerun.decoder import Decoder, GenerationResult, Request
 from forerun.methods import plan_method
+from forerun.prefixcache import PrefixCache
 
 logger = logging.getLogger(__name__)
 
@@ -36,8 +37,10 @@ class Abandoned(Exception):
 
 
 class DecoderPool:
-    def __init__(self, model, tokenizer, method: str, knobs: dict, draft_model=None) -> None:
+    def __init__(self, model, tokenizer, method: str, knobs: dict, draft_model=None, prefixes=None) -> None:
         self.model, self.tokenizer, self.draft_model = model, tokenizer, draft_model
+        self.prefixes = prefixes if prefixes is not None else PrefixCache(0)
+        """One prefix cache for every Decoder: the KV of a text is the model's, whichever method drafts."""
         self.method, self.knobs = method, dict(knobs)
         self.shared: dict[str, Decoder] = {}
         self.private: OrderedDict[tuple, Decoder] = OrderedDict()
@@ -50,7 +53,7 @@ class DecoderPool:
             if self.draft_model is None:
                 raise ValueError("method draft_model needs a draft model: start the server with --draft-model NAME")
             draft = {"draft_model": self.draft_model}
-        return Decoder(self.model, self.tokenizer, method, **draft, **knobs)
+        return Decoder(self.model, self.tokenizer, method, prefix_cache=self.prefixes, **draft, **knobs)
 
     def get(self, method: str, knobs: dict) -> Decoder:
         """The shared Decoder of `method` (with the server's knobs for its own method), or a private one."""

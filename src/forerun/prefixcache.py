@@ -1,0 +1,132 @@
+"""Reuse the KV cache of text the model has already read: a prompt's head that an earlier request shared.
+
+Chat prompts begin alike (the template's system prompt: 24 of SmolLM2's tokens before every user message), and a
+conversation's next turn begins with the whole previous turn, answer included. Prefilling them again computes the
+same keys and values again. A `PrefixCache` keeps the KV entries of recent requests (prompt and answer) and seeds a
+new request's cache with the longest head it shares with one of them; the prefill feeds only the rest.
+
+Exactness: a token's keys and values depend only on the tokens before it, so a reused head holds the values a full
+prefill computes, up to floating-point rounding (a 24-token forward and a 300-token forward may sum in another
+order), the same order of difference as verifying a tree instead of one token: fp32 output stays token for token
+plain generate's (tested), low precision up to ties.
+
+Only caches whose every layer is a plain full-attention `DynamicLayer` are seeded or stored (sliding windows,
+linear attention and recurrent states are not per-token prefixes): others decode as before.
+
+Example (a second prompt with the same 4-token head as a stored one reuses 4 entries; shapes [1, heads, len, dim]):
+    >>> from transformers import DynamicCache
+    >>> prefixes = PrefixCache(max_tokens=100)
+    >>> stored = DynamicCache()
+    >>> _ = stored.update(torch.ones(1, 2, 5, 8), torch.ones(1, 2, 5, 8), 0)
+    >>> prefixes.store([1, 2, 3, 4, 5], stored, 5)
+    >>> cache = DynamicCache()
+    >>> prefixes.seed(cache, [1, 2, 3, 4, 9, 10])        # 4 shared tokens; the root (10) is always fed
+    4
+    >>> cache.get_seq_length()
+    4
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+MIN_REUSE = 4
+"""Shorter shared heads are prefilled again: not worth the copy."""
+
+
+@dataclass(eq=False)  # identity: entries are removed by `is`, never compared by value
+class Entry:
+    tokens: torch.Tensor
+    """[length] token ids whose KV this entry holds."""
+    keys: list[torch.Tensor]
+    """Per layer [1, kv_heads, length, head_dim] (clones: nothing else writes to them)."""
+    values: list[torch.Tensor]
+
+
+def reusable(cache: DynamicCache) -> bool:
+    """Whether `cache` is a per-token prefix of the text in every layer (plain full-attention layers only; a
+    cache made without a config adds such layers as it goes)."""
+    if not isinstance(cache, DynamicCache):
+        return False
+    if not cache.layers:
+        return getattr(cache, "layer_class_to_replicate", None) is DynamicLayer
+    return all(type(layer) is DynamicLayer for layer in cache.layers)
+
+
+def shared_head(a: torch.Tensor, b: torch.Tensor) -> int:
+    """How many leading tokens `a` and `b` (1-D) have in common."""
+    n = min(len(a), len(b))
+    differs = (a[:n] != b[:n]).nonzero()
+    return int(differs[0]) if len(differs) else n
+
+
+class PrefixCache:
+    """KV entries of recent requests, least recently used dropped first once they hold over `max_tokens` tokens.
+
+    Thread-safe (a server's decode loop and a direct `generate` may share a Decoder). `max_tokens=0` turns it off.
+    Memory: SmolLM2-135M keeps 30 layers x 2 x 3 heads x 64 floats = 46 KB per token in fp32 (8192 tokens: 377 MB).
+    """
+
+    def __init__(self, max_tokens: int = 8192) -> None:
+        if max_tokens < 0:
+            raise ValueError(f"prefix cache max_tokens must be >= 0, got {max_tokens}")
+        self.max_tokens = max_tokens
+        self.entries: list[Entry] = []  # least recently used first
+        self.lock = threading.Lock()
+
+    @property
+    def held_tokens(self) -> int:
+        return sum(len(entry.tokens) for entry in self.entries)
+
+    def seed(self, cache: DynamicCache, tokens: list[int]) -> int:
+        """Fill the empty `cache` with the KV of the longest stored head of `tokens[:-1]` (the last token, the
+        root of the first tree, is always fed); return how many tokens it holds now (0: nothing reused)."""
+        if not self.max_tokens or len(tokens) <= MIN_REUSE or not reusable(cache) or cache.get_seq_length():
+            return 0
+        wanted = torch.tensor(tokens[:-1])
+        with self.lock:
+            best, length = None, 0
+            for entry in self.entries:
+                shared = shared_head(entry.tokens, wanted)
+                if shared > length:
+                    best, length = entry, shared
+            if best is None or length < MIN_REUSE or len(best.keys) != (len(cache.layers) or len(best.keys)):
+                return 0
+            self.entries.remove(best)
+            self.entries.append(best)  # most recently used
+        for index, (keys, values) in enumerate(zip(best.keys, best.values, strict=True)):
+            cache.update(keys[:, :, :length], values[:, :, :length], index)  # a copy (the layer concatenates)
+        return length
+
+    def store(self, tokens: list[int], cache: DynamicCache, length: int) -> None:
+        """Keep the first `length` entries of `cache` (the KV of `tokens[:length]`, batch row 0) for later requests.
+
+        An entry that is a head of the new one is replaced by it; a new one that is a head of a held entry adds
+        nothing."""
+        whole = reusable(cache) and bool(cache.layers) and all(layer.is_initialized for layer in cache.layers)
+        length = min(length, len(tokens), cache.get_seq_length() if whole else 0)
+        if not self.max_tokens or length < MIN_REUSE or length > self.max_tokens:
+            return
+        held = torch.tensor(tokens[:length])
+        with self.lock:
+            for entry in self.entries:
+                if shared_head(entry.tokens, held) == length:  # already held in full
+                    self.entries.remove(entry)
+                    self.entries.append(entry)
+                    return
+        keys = [layer.keys[:1, :, :length].clone() for layer in cache.layers]
+        values = [layer.values[:1, :, :length].clone() for layer in cache.layers]
+        with self.lock:
+            self.entries = [e for e in self.entries if shared_head(e.tokens, held) < len(e.tokens)]
+            self.entries.append(Entry(held, keys, values))
+            while self.held_tokens > self.max_tokens:
+                self.entries.pop(0)
+
+    def clear(self) -> None:
+        with self.lock:
+            self.entries.clear()

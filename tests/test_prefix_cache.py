@@ -1,0 +1,169 @@
+"""The prefix cache: a prompt's head read before is not fed again, and the text stays plain generate's (fp32)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicSlidingWindowLayer
+
+import forerun
+from forerun.costmodel import LatencyCurve
+from forerun.prefixcache import MIN_REUSE, PrefixCache
+
+from tiny_models import VOCAB, tiny_model
+
+CURVE = LatencyCurve((1, 2, 4, 8, 16, 32, 64), (1.0, 1.0, 1.0, 1.2, 1.4, 1.9, 2.9))
+NEW = 24
+
+
+def filled(length: int, layers: int = 2, mark: float = 1.0) -> DynamicCache:
+    """A cache of `layers` layers whose entry at position i holds mark * (i + 1): shapes [1, 2, length, 4]."""
+    cache = DynamicCache()
+    ramp = torch.arange(1, length + 1, dtype=torch.float32)[None, None, :, None].expand(1, 2, length, 4) * mark
+    for index in range(layers):
+        cache.update(ramp.clone(), -ramp.clone(), index)
+    return cache
+
+
+def test_seed_takes_the_longest_shared_head_and_never_the_root():
+    prefixes = PrefixCache(max_tokens=100)
+    prefixes.store(list(range(10, 20)), filled(10, mark=1.0), 10)
+    prefixes.store([10, 11, 12, 13, 14, 15, 99, 98], filled(8, mark=2.0), 8)
+    cache = DynamicCache()
+    assert prefixes.seed(cache, [10, 11, 12, 13, 14, 15, 16, 17, 50]) == 8  # the first entry shares 8
+    assert cache.get_seq_length() == 8
+    assert cache.layers[1].keys[0, 0, :, 0].tolist() == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert cache.layers[1].values[0, 0, 7, 0] == -8
+    # the whole stored text as the prompt: everything but the root comes from the cache
+    assert prefixes.seed(DynamicCache(), list(range(10, 20))) == 9
+    # the second entry wins where it shares more
+    cache = DynamicCache()
+    assert prefixes.seed(cache, [10, 11, 12, 13, 14, 15, 99, 98, 7]) == 8
+    assert cache.layers[0].keys[0, 0, -1, 0] == 16.0  # mark 2.0 at position 8
+
+
+def test_short_heads_unlike_caches_and_a_full_cache_are_left_alone():
+    prefixes = PrefixCache(max_tokens=100)
+    prefixes.store(list(range(10, 20)), filled(10), 10)
+    assert prefixes.seed(DynamicCache(), [10, 11, 12, 40, 41, 42]) == 0  # 3 shared < MIN_REUSE
+    assert MIN_REUSE == 4
+    sliding = DynamicCache()
+    sliding.layers = [DynamicSlidingWindowLayer(sliding_window=64)]
+    assert prefixes.seed(sliding, list(range(10, 20))) == 0
+    started = filled(3)
+    assert prefixes.seed(started, list(range(10, 20))) == 0  # a cache that holds something already
+    assert started.get_seq_length() == 3
+    off = PrefixCache(max_tokens=0)
+    off.store(list(range(10, 20)), filled(10), 10)
+    assert off.entries == [] and off.seed(DynamicCache(), list(range(10, 20))) == 0
+    with pytest.raises(ValueError, match="max_tokens must be >= 0"):
+        PrefixCache(max_tokens=-1)
+
+
+def test_store_keeps_one_entry_per_conversation_and_drops_the_least_recent():
+    prefixes = PrefixCache(max_tokens=25)
+    prefixes.store(list(range(100, 110)), filled(10), 10)
+    prefixes.store(list(range(100, 115)), filled(15), 15)  # the next turn: replaces its head
+    assert [len(entry.tokens) for entry in prefixes.entries] == [15]
+    prefixes.store(list(range(100, 108)), filled(8), 8)  # a head of what is held: nothing new
+    assert [len(entry.tokens) for entry in prefixes.entries] == [15]
+    prefixes.store(list(range(200, 208)), filled(8), 8)
+    assert prefixes.held_tokens == 23
+    prefixes.seed(DynamicCache(), list(range(100, 112)))  # touch the first: the second is now least recent
+    prefixes.store(list(range(300, 306)), filled(6), 6)  # 29 > 25: the least recently used goes
+    assert sorted(int(entry.tokens[0]) for entry in prefixes.entries) == [100, 300]
+    # a store never holds more than the cache has, nor more than the tokens given
+    prefixes.store(list(range(400, 450)), filled(12), 50)
+    assert len(prefixes.entries[-1].tokens) == 12
+
+
+@functools.lru_cache(maxsize=8)
+def model_of(family: str, impl: str) -> torch.nn.Module:
+    return tiny_model(family, impl)
+
+
+def conversation(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A shared 'system prompt' of 16 tokens, then a 'user message' of 8; ids in 3..VOCAB-1."""
+    generator = torch.Generator().manual_seed(seed)
+    return (
+        torch.randint(3, VOCAB, (1, 16), generator=torch.Generator().manual_seed(99)),
+        torch.randint(3, VOCAB, (1, 8), generator=generator),
+    )
+
+
+@pytest.mark.parametrize("method", ["plain", "prompt_lookup", "auto"])
+@pytest.mark.parametrize(
+    ("family", "impl"), [("llama", "sdpa"), ("llama", "eager"), ("qwen3", "sdpa"), ("gpt2", "eager"), ("opt", "sdpa")]
+)
+def test_shared_heads_and_next_turns_equal_plain_generate(family, impl, method):
+    model = model_of(family, impl)
+    decoder = forerun.Decoder(model, None, method, latency=CURVE)
+    for seed in range(3):
+        system, message = conversation(seed)
+        prompt = torch.cat([system, message], dim=1)
+        expected = model.generate(prompt, max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
+        result = decoder.generate(prompt, NEW, eos_token_id=[])
+        assert torch.equal(result.sequences, expected), (family, impl, method, seed)
+        assert result.stats.cached_prompt_tokens == (0 if seed == 0 else 16)  # the shared system prompt
+        # the next turn: the whole first turn (prompt and answer), then a new message
+        follow_up = torch.cat([result.sequences, torch.randint(3, VOCAB, (1, 6))], dim=1)
+        expected = model.generate(follow_up, max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
+        result = decoder.generate(follow_up, NEW, eos_token_id=[])
+        assert torch.equal(result.sequences, expected), (family, impl, method, seed, "next turn")
+        # everything the first turn read: its prompt and its answer, but for the last token where that was the
+        # model's own (never fed; a drafted last token was fed and verified)
+        assert result.stats.cached_prompt_tokens in (prompt.shape[1] + NEW - 1, prompt.shape[1] + NEW)
+
+
+def test_a_corrupted_entry_changes_the_text():
+    """The control: the seeded keys and values are what the model attends to (a cache nobody read would pass the
+    equality test above by itself)."""
+    model = model_of("llama", "sdpa")
+    decoder = forerun.Decoder(model, None, "plain", latency=CURVE)
+    system, message = conversation(0)
+    prompt = torch.cat([system, message], dim=1)
+    first = decoder.generate(prompt, NEW, eos_token_id=[])
+    generator = torch.Generator().manual_seed(0)
+    for entry in decoder.prefixes.entries:
+        # values: a random tiny model attends almost uniformly, so its keys matter less than what they carry
+        entry.values = [torch.randn(values.shape, generator=generator) for values in entry.values]
+    again = decoder.generate(prompt, NEW, eos_token_id=[])
+    assert again.stats.cached_prompt_tokens == prompt.shape[1] - 1
+    assert not torch.equal(again.sequences, first.sequences)
+
+
+@pytest.mark.parametrize("method", ["plain", "auto"])
+def test_batch_rows_reuse_heads_and_leave_their_text(method):
+    model = model_of("llama", "sdpa")
+    decoder = forerun.Decoder(model, None, method, latency=CURVE)
+    rows = [torch.cat(conversation(seed), dim=1) for seed in range(4)]
+    expected = [
+        model.generate(row, max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0) for row in rows
+    ]
+    results = decoder.generate([row[0].tolist() for row in rows], NEW, eos_token_id=[], batch_size=2)
+    for index, (result, reference) in enumerate(zip(results, expected, strict=True)):
+        assert torch.equal(result.sequences, reference), (method, index)
+    # row 0 found nothing; every later row found the system prompt (rows 0-1 stored theirs at their prefill)
+    assert [r.stats.cached_prompt_tokens for r in results] == [0, 16, 16, 16]
+    # each finished row left its whole text: a next turn of row 2 reuses prompt and answer
+    follow_up = torch.cat([results[2].sequences, torch.tensor([[5, 6, 7, 8]])], dim=1)
+    reference = model.generate(follow_up, max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
+    again = decoder.generate([follow_up[0].tolist(), rows[3][0].tolist()], NEW, eos_token_id=[])
+    assert torch.equal(again[0].sequences, reference)
+    assert again[0].stats.cached_prompt_tokens in (rows[2].shape[1] + NEW - 1, rows[2].shape[1] + NEW)
+
+
+def test_decoders_can_share_one_prefix_cache_or_have_none():
+    model = model_of("llama", "sdpa")
+    shared = PrefixCache()
+    first = forerun.Decoder(model, None, "plain", prefix_cache=shared)
+    second = forerun.Decoder(model, None, "prompt_lookup", latency=CURVE, prefix_cache=shared)
+    prompt = torch.cat(conversation(0), dim=1)
+    first.generate(prompt, 4, eos_token_id=[])
+    assert second.generate(prompt, 4, eos_token_id=[]).stats.cached_prompt_tokens == prompt.shape[1] - 1
+    off = forerun.Decoder(model, None, "plain", prefix_cache=0)
+    off.generate(prompt, 4, eos_token_id=[])
+    assert off.generate(prompt, 4, eos_token_id=[]).stats.cached_prompt_tokens == 0
