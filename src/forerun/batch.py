@@ -36,12 +36,11 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache, LogitsProcessorList
-from transformers.cache_utils import DynamicLayer
 
 from forerun.costmodel import Calibration, CostModel, LatencyCurve, Selection, best_shared_count
 from forerun.drafters.base import DraftContext, Drafter, StepOutcome
 from forerun.engine import Budget, NodeScores, Sampling, Transcript, decode, forward_tree, tree_support, verify
-from forerun.kvcache import keep_accepted, roomy_cache
+from forerun.kvcache import keep_accepted, plain_layers, roomy_cache
 from forerun.models import last_logits
 from forerun.prefixcache import PrefixCache
 from forerun.stats import GenerationStats
@@ -315,7 +314,7 @@ def batchable(model: torch.nn.Module) -> bool:
     """Whether rows can share one cache: tree masks work and every cache layer is a plain, addressable one."""
     if tree_support(model) is not None:
         return False
-    return all(type(layer) is DynamicLayer for layer in DynamicCache(config=model.config).layers)
+    return plain_layers(DynamicCache(config=model.config))
 
 
 class Batch:

@@ -45,6 +45,16 @@ def check_tree_cache(cache: object, max_len: int, model_name: str) -> None:
             )
 
 
+def plain_layers(cache: object) -> bool:
+    """Whether every layer of `cache` is a plain full-attention `DynamicLayer` (a per-token prefix of the text; a
+    DynamicCache made without a config adds such layers as it goes)."""
+    if not isinstance(cache, DynamicCache):
+        return False
+    if not cache.layers:
+        return getattr(cache, "layer_class_to_replicate", None) is DynamicLayer
+    return all(type(layer) is DynamicLayer for layer in cache.layers)
+
+
 def keep_accepted(cache: DynamicCache, prefix_len: int, kept_nodes: list[int]) -> None:
     """Keep cache entries [0, prefix_len) plus tree nodes `kept_nodes` (in order); drop everything else.
 

@@ -33,7 +33,8 @@ from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+
+from forerun.kvcache import plain_layers
 
 MIN_REUSE = 4
 """Shorter shared heads are prefilled again: not worth the copy."""
@@ -46,16 +47,6 @@ class Entry:
     keys: list[torch.Tensor]
     """Per layer [1, kv_heads, length, head_dim] (clones: nothing else writes to them)."""
     values: list[torch.Tensor]
-
-
-def reusable(cache: DynamicCache) -> bool:
-    """Whether `cache` is a per-token prefix of the text in every layer (plain full-attention layers only; a
-    cache made without a config adds such layers as it goes)."""
-    if not isinstance(cache, DynamicCache):
-        return False
-    if not cache.layers:
-        return getattr(cache, "layer_class_to_replicate", None) is DynamicLayer
-    return all(type(layer) is DynamicLayer for layer in cache.layers)
 
 
 def shared_head(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -86,7 +77,7 @@ class PrefixCache:
     def seed(self, cache: DynamicCache, tokens: list[int]) -> int:
         """Fill the empty `cache` with the KV of the longest stored head of `tokens[:-1]` (the last token, the
         root of the first tree, is always fed); return how many tokens it holds now (0: nothing reused)."""
-        if not self.max_tokens or len(tokens) <= MIN_REUSE or not reusable(cache) or cache.get_seq_length():
+        if not self.max_tokens or len(tokens) <= MIN_REUSE or not plain_layers(cache) or cache.get_seq_length():
             return 0
         wanted = torch.tensor(tokens[:-1])
         with self.lock:
@@ -108,7 +99,7 @@ class PrefixCache:
 
         An entry that is a head of the new one is replaced by it; a new one that is a head of a held entry adds
         nothing."""
-        whole = reusable(cache) and bool(cache.layers) and all(layer.is_initialized for layer in cache.layers)
+        whole = plain_layers(cache) and bool(cache.layers) and all(layer.is_initialized for layer in cache.layers)
         length = min(length, len(tokens), cache.get_seq_length() if whole else 0)
         if not self.max_tokens or length < MIN_REUSE or length > self.max_tokens:
             return
