@@ -95,6 +95,9 @@ def test_method_specs_parse_knobs_budget_and_warm():
     assert specs[3].max_tree_nodes == 8
     (off,) = parse_methods("auto[prefix_cache=0]")
     assert off.prefix_cache == 0 and off.knobs == {} and specs[0].prefix_cache > 0
+    for bad in ("auto[prefix_cache=-1]", "auto[prefix_cache=many]"):
+        with pytest.raises(ValueError, match="prefix_cache takes a number of tokens >= 0"):
+            parse_methods(bad)
     with pytest.raises(ValueError, match="unknown benchmark method"):
         parse_methods("plain,warp")
 

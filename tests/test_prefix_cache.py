@@ -61,6 +61,9 @@ def test_short_heads_unlike_caches_and_a_full_cache_are_left_alone():
     assert off.entries == [] and off.seed(DynamicCache(), list(range(10, 20))) == 0
     with pytest.raises(ValueError, match="max_tokens must be >= 0"):
         PrefixCache(max_tokens=-1)
+    for bad in ("4096", 1.5, True):
+        with pytest.raises(ValueError, match="a whole number of tokens"):
+            PrefixCache(max_tokens=bad)
 
 
 def test_store_keeps_one_entry_per_conversation_and_drops_the_least_recent():
@@ -164,6 +167,8 @@ def test_decoders_can_share_one_prefix_cache_or_have_none():
     prompt = torch.cat(conversation(0), dim=1)
     first.generate(prompt, 4, eos_token_id=[])
     assert second.generate(prompt, 4, eos_token_id=[]).stats.cached_prompt_tokens == prompt.shape[1] - 1
+    with pytest.raises(ValueError, match="a whole number of tokens"):
+        forerun.Decoder(model, None, "plain", prefix_cache="lots")
     off = forerun.Decoder(model, None, "plain", prefix_cache=0)
     off.generate(prompt, 4, eos_token_id=[])
     assert off.generate(prompt, 4, eos_token_id=[]).stats.cached_prompt_tokens == 0

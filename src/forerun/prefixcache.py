@@ -64,8 +64,8 @@ class PrefixCache:
     """
 
     def __init__(self, max_tokens: int = 8192) -> None:
-        if max_tokens < 0:
-            raise ValueError(f"prefix cache max_tokens must be >= 0, got {max_tokens}")
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
+            raise ValueError(f"prefix cache max_tokens must be >= 0 (a whole number of tokens), got {max_tokens!r}")
         self.max_tokens = max_tokens
         self.entries: list[Entry] = []  # least recently used first
         self.lock = threading.Lock()

@@ -80,7 +80,9 @@ def parse_methods(text: str) -> list[BenchMethod]:
         warm = knobs.pop("warm", 0)
         adaptive = knobs.pop("adaptive", None)
         predict = bool(knobs.pop("predict", False))
-        prefix_cache = int(knobs.pop("prefix_cache", DEFAULT_PREFIX_TOKENS))
+        prefix_cache = knobs.pop("prefix_cache", DEFAULT_PREFIX_TOKENS)
+        if isinstance(prefix_cache, bool) or not isinstance(prefix_cache, int) or prefix_cache < 0:
+            raise ValueError(f"{label}: prefix_cache takes a number of tokens >= 0, got {prefix_cache!r}")
         if predict and name in HF_METHODS:
             raise ValueError(f"{label}: predict=true is for forerun methods")
         if name not in HF_METHODS:
