@@ -140,6 +140,40 @@ def test_row_cache_keeps_each_rows_path_and_compacts_holes():
     ]
 
 
+def test_compacting_happens_only_when_it_frees_slots():
+    """Holes beside a much longer row (its padding) cannot be squeezed out: no copy of the cache for nothing;
+    once the long row leaves, its slots go."""
+    cache = RowCache(tiny_model("llama").config)
+    cache.visible = torch.tensor([[True] * 10, [False] * 8 + [True] * 2, [False] * 9 + [True]])
+    for layer in cache.cache.layers:
+        keys = torch.arange(3 * 10, dtype=torch.float32).reshape(3, 1, 10, 1)
+        layer.lazy_initialization(keys, keys)
+        layer.keys, layer.values = keys, keys.clone()
+    before = cache.cache.layers[0].keys
+    cache.compact()  # 17 holes of 30 slots, but the first row needs all 10: nothing to free
+    assert cache.cache.layers[0].keys is before and cache.slots == 10
+    cache.drop([1, 2])  # the long row leaves: 8 of 10 slots are nobody's
+    assert cache.slots == 2 and cache.visible.tolist() == [[True, True], [False, True]]
+    keys = cache.cache.layers[0].keys[:, 0, :, 0]
+    assert keys[0].tolist() == [18, 19] and keys[1, 1] == 29  # each row's own slots, right-aligned
+
+
+def test_a_batch_measures_again_when_its_cache_changes_length_manyfold():
+    """What drafting cost beside a long row (paused proposals, slow drafted forwards) is forgotten once the cache is
+    more than twice or less than half as long; within that it stands."""
+    model = model_of("llama", "sdpa")
+    batch = Batch(model, forerun.Decoder(model, None, "auto", latency=CURVE).budget)
+    batch.cache.visible = torch.ones(2, 2000, dtype=torch.bool)
+    batch.rebase()  # a long row joined: from 1 slot to 2000
+    batch.switch.paused, batch.measured[True] = 64, 5.0
+    batch.cache.visible = torch.ones(2, 1100, dtype=torch.bool)
+    batch.rebase()
+    assert batch.switch.paused == 64 and batch.measured[True] == 5.0
+    batch.cache.visible = torch.ones(2, 900, dtype=torch.bool)  # the long row left: under half
+    batch.rebase()
+    assert batch.switch.drafting() and batch.measured == {False: 1.0, True: 1.0} and batch.measured_at == 900
+
+
 def test_rows_join_a_running_batch_and_leave_on_their_own():
     """Continuous batching: a row added after two steps of another still equals its single run."""
     model = model_of("llama", "sdpa")
@@ -159,6 +193,47 @@ def test_rows_join_a_running_batch_and_leave_on_their_own():
     assert len(finished) == 3
     for index, job in enumerate(jobs):
         assert torch.equal(job.transcript.sequence, single("llama", "sdpa", index, None)), index
+
+
+@pytest.mark.parametrize(("family", "impl"), [("llama", "sdpa"), ("gpt2", "eager"), ("qwen2", "eager")])
+def test_a_prompt_fed_in_chunks_joins_while_the_running_row_steps(family, impl):
+    """`begin` + `feed(chunk=5)`: the 24-token prompt goes in 4 causal chunks of 5 and a last forward of 3 with
+    its first token; the running row steps between chunks (as the server interleaves them); both rows, and a
+    prompt whose head came from the prefix cache before its chunks, equal their single runs."""
+    model = model_of(family, impl)
+    decoder = forerun.Decoder(model, None, "prompt_lookup", latency=CURVE)
+    rows = ragged_prompts()
+    batch = Batch(model, decoder.budget)
+    running, long = jobs_for(model, [rows[1], rows[0]], [forerun.batch.fork(decoder.drafters) for _ in range(2)])
+    batch.add(running)
+    joining = batch.begin(long)
+    steps = 0
+    while (row := batch.feed(joining, chunk=5)) is None:
+        batch.step()
+        steps += 1
+    assert steps == 4 and row.stats.prefill_chunks == 5 and batch.rows[1] is row
+    assert len(running.transcript.sources) >= 1 + steps  # the running row wrote a token or more per chunk
+    while batch.rows:
+        batch.step()
+    assert torch.equal(running.transcript.sequence, single(family, impl, 1, None))
+    assert torch.equal(long.transcript.sequence, single(family, impl, 0, None))
+    # a head from the prefix cache, the rest in chunks: 8 tokens seeded, 15 left before the root: 2 chunks of 5 and
+    # a last forward of 5 with the first token
+    prefixes = forerun.prefixcache.PrefixCache()
+    seed_job = jobs_for(model, [rows[0][:, :8]], [[]], max_new=1)[0]
+    seed_job.prefixes = prefixes
+    Batch(model, decoder.budget).add(seed_job)
+    (again,) = jobs_for(model, [rows[0]], [forerun.batch.fork(decoder.drafters)])
+    again.prefixes = prefixes
+    batch = Batch(model, decoder.budget)
+    joining = batch.begin(again)
+    assert joining.fed == 8 and joining.left == 16
+    while (row := batch.feed(joining, chunk=5)) is None:
+        pass
+    assert row.stats.prefill_chunks == 3 and row.stats.cached_prompt_tokens == 8
+    while batch.rows:
+        batch.step()
+    assert torch.equal(again.transcript.sequence, single(family, impl, 0, None))
 
 
 def test_the_per_row_budget_shrinks_as_the_batch_grows():

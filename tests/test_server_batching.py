@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+import torch
 from openai import OpenAI
 from test_server import MODEL, LiveServer, plain_text
 
+import forerun
+from forerun.costmodel import LatencyCurve
 from forerun.server import ServerConfig, create_app
 from forerun.server.pool import BatchWorker
+
+from tiny_models import prompts, tiny_model
 
 pytestmark = pytest.mark.real_model
 QUESTIONS = [
@@ -141,3 +147,57 @@ def test_a_next_turn_reuses_what_the_server_read_and_reports_it(smollm2, batchin
     # tokenize otherwise than they were generated
     cached = reply.usage.prompt_tokens_details.cached_tokens
     assert first_prompt + TOKENS // 2 < cached < reply.usage.prompt_tokens, (first_prompt, cached)
+
+
+@pytest.mark.parametrize("chunk", [5, 0])
+def test_a_long_prompt_joins_a_chunk_at_a_time_between_the_running_rows_steps(chunk):
+    """The worker feeds a joining 24-token prompt 5 tokens at a time, a step of the running request after each
+    chunk: the running request writes 4 times while the long prompt is read (with chunk 0 it waits for the whole
+    prefill: not once). Both answers equal plain generate's, and a bad chunk size is refused."""
+    model = tiny_model("llama", "sdpa")
+    decoder = forerun.Decoder(model, None, "prompt_lookup", latency=LatencyCurve((1, 8, 64), (1.0, 1.2, 3.0)))
+    events: list[str] = []  # in the worker thread's order
+
+    class Recorder:  # a transformers-style streamer: the prompt first, then each step's new tokens
+        def __init__(self, name: str) -> None:
+            self.name, self.puts = name, 0
+
+        def put(self, ids) -> None:
+            self.puts += 1
+            if self.puts > 1:
+                events.append(self.name)
+
+        def end(self) -> None:
+            pass
+
+    short, long = prompts(2, length=24)
+    short = short[:, :6]
+
+    def prepare(prompt, name: str):
+        def build():
+            events.append("begin " + name)
+            return (*decoder.prepare(prompt[0].tolist(), 16, eos_token_id=[], streamer=Recorder(name)), decoder)
+
+        return build
+
+    worker = BatchWorker(model, decoder.batch_budget(), max_batch=4, prefill_chunk=chunk)
+
+    async def both():
+        first = asyncio.ensure_future(worker.run(prepare(short, "a"), threading.Event()))
+        while "a" not in events:  # the short request is running
+            await asyncio.sleep(0.001)
+        second = asyncio.ensure_future(worker.run(prepare(long, "b"), threading.Event()))
+        return await first, await second
+
+    try:
+        results = asyncio.run(both())
+    finally:
+        worker.shutdown()
+    between = events[events.index("begin b") : events.index("b")]
+    assert between.count("a") == (4 if chunk else 0), events
+    assert results[1].stats.prefill_chunks == (5 if chunk else 1)
+    for prompt, result in zip([short, long], results, strict=True):
+        reference = model.generate(prompt, max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert torch.equal(result.sequences, reference)
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        BatchWorker(model, decoder.batch_budget(), max_batch=4, prefill_chunk=-1)

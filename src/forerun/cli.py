@@ -485,6 +485,12 @@ def serve(
     prefix_cache: int = typer.Option(
         4096, "--prefix-cache", help="Tokens of KV kept for prompts that begin alike (system prompt, next turn); 0: off"
     ),
+    prefill_chunk: int = typer.Option(
+        256,
+        "--prefill-chunk",
+        help="Prompt tokens a joining request feeds between two steps of the running ones (a long prompt does not "
+        "freeze the other streams); 0: whole prompts at once",
+    ),
     threads: int = THREADS,
     draft_model: str = DRAFT,
     max_tree_nodes: int = NODES,
@@ -501,11 +507,11 @@ def serve(
         or max_tokens_limit < 1
         or not 0 < timeout < float("inf")
         or min(max_queue, max_batch) < 1
-        or prefix_cache < 0
+        or min(prefix_cache, prefill_chunk) < 0
     ):
         raise ValueError(
-            "--port must be in [1, 65535], --max-tokens-limit, --max-queue and --max-batch >= 1, --prefix-cache >= 0 "
-            "and --timeout a positive number"
+            "--port must be in [1, 65535], --max-tokens-limit, --max-queue and --max-batch >= 1, --prefix-cache and "
+            "--prefill-chunk >= 0 and --timeout a positive number"
         )
     spec = run_spec(model, method, knob, device, dtype, threads, draft_model, max_tree_nodes)
     config = ServerConfig(
@@ -520,6 +526,7 @@ def serve(
         max_queue=max_queue,
         max_batch=max_batch,
         prefix_cache_tokens=prefix_cache,
+        prefill_chunk=prefill_chunk,
     )
     lm, tokenizer, draft = spec.load()
     with console.status("preparing the server (the latency curves are measured once per model, dtype and device)"):

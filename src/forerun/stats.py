@@ -48,6 +48,10 @@ class GenerationStats:
     cached_prompt_tokens: int = 0
     """Prompt tokens whose KV came from the prefix cache (not fed again; OpenAI's `cached_tokens`)."""
     prefill_seconds: float = 0.0
+    """From the request's start to its first token (in a server batch, running rows' steps between chunks
+    included)."""
+    prefill_chunks: int = 1
+    """Forwards the prompt was fed in: more than one where a long prompt joined a running batch in chunks."""
     draft_seconds: float = 0.0
     forward_seconds: float = 0.0
     total_seconds: float = 0.0

@@ -39,7 +39,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from forerun.batch import batchable
 from forerun.decoder import DEFAULT_PREFIX_TOKENS, Decoder, GenerationResult
 from forerun.prefixcache import PrefixCache
-from forerun.server.pool import Abandoned, BatchWorker, DecoderPool, Worker
+from forerun.server.pool import DEFAULT_PREFILL_CHUNK, Abandoned, BatchWorker, DecoderPool, Worker
 from forerun.server.schemas import ChatRequest, CompletionRequest, ErrorResponse
 from forerun.server.stream import TokenStream
 from forerun.server.translate import APIError, GenerationArgs, Limits, translate
@@ -76,6 +76,9 @@ class ServerConfig:
     """Most requests decoded together (continuous batching); 1 = one at a time, in arrival order."""
     prefix_cache_tokens: int = DEFAULT_PREFIX_TOKENS
     """Tokens of KV kept for prompts that begin alike (system prompts, next turns), shared by every method; 0: off."""
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK
+    """Prompt tokens a request joining the running batch feeds between two of its steps; 0: whole prompts at once
+    (a long prompt then stops every other stream for its whole prefill)."""
 
 
 class CacheError(ValueError):
@@ -250,7 +253,8 @@ def create_app(model, tokenizer, config: ServerConfig, draft_model=None) -> Fast
     if config.max_batch > 1 and batchable(model):
         # batch_budget: the curve's batched rows are measured now (once per model and device, then read from
         # disk), not while the first clients wait
-        worker: Worker | BatchWorker = BatchWorker(model, pool.get(config.method, {}).batch_budget(), config.max_batch)
+        budget = pool.get(config.method, {}).batch_budget()
+        worker: Worker | BatchWorker = BatchWorker(model, budget, config.max_batch, config.prefill_chunk)
     else:  # one at a time (also for models whose cache cannot hold ragged rows)
         worker = Worker()
     pending = [0]  # requests waiting for or in generation
@@ -409,6 +413,8 @@ def create_app(model, tokenizer, config: ServerConfig, draft_model=None) -> Fast
                 "tokens_per_forward": s.tokens_per_forward,
                 "acceptance": s.acceptance_rate,
                 "seconds": s.total_seconds,
+                "prefill_seconds": s.prefill_seconds,
+                "prefill_chunks": s.prefill_chunks,
             },
         }
 

@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from forerun.batch import Batch, RowJob
+from forerun.batch import Batch, Joining, RowJob
 from forerun.decoder import Decoder, GenerationResult, Request
 from forerun.methods import plan_method
 from forerun.prefixcache import PrefixCache
@@ -122,14 +122,28 @@ class Admission:
     decoder: Decoder | None = None
 
 
+DEFAULT_PREFILL_CHUNK = 256
+"""Prompt tokens a joining request feeds between two steps of the running rows (about a second of a 1-thread
+fp32 CPU forward of SmolLM2-135M): a long prompt delays the other streams by a chunk at a time, not by its whole
+prefill."""
+
+
 class BatchWorker:
     """Continuous batching: one thread steps a `Batch`; waiting requests join it between steps (at most
-    `max_batch` rows), finished and cancelled rows leave, each request's future gets its GenerationResult."""
+    `max_batch` rows), finished and cancelled rows leave, each request's future gets its GenerationResult.
 
-    def __init__(self, model, budget, max_batch: int) -> None:
+    A joining prompt longer than `prefill_chunk` tokens is fed in chunks, one chunk between two steps of the
+    running rows (0: every prompt in one forward, the running rows waiting for it)."""
+
+    def __init__(self, model, budget, max_batch: int, prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> None:
+        if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 0:
+            raise ValueError(f"prefill_chunk must be a whole number of tokens >= 0 (0: off), got {prefill_chunk!r}")
         self.model, self.budget, self.max_batch = model, budget, max_batch
+        self.prefill_chunk = prefill_chunk or None
         self.batch = Batch(model, budget)
         self.waiting: deque[Admission] = deque()
+        self.joining: list[tuple[Joining, Admission]] = []
+        """Requests whose prompts are being fed; the one with the least left to feed goes first."""
         self.members: dict[int, Admission] = {}
         self.wake = threading.Condition()
         self.closing = False
@@ -137,7 +151,7 @@ class BatchWorker:
         self.thread.start()
 
     def counts(self, pending: int) -> tuple[int, int]:
-        running = len(self.batch.rows)
+        running = len(self.batch.rows) + len(self.joining)
         return running, max(0, pending - running)
 
     async def run(self, prepare: Prepare, cancel: threading.Event) -> GenerationResult:
@@ -163,10 +177,11 @@ class BatchWorker:
         admission.loop.call_soon_threadsafe(done)
 
     def admit(self) -> None:
-        """Move waiting requests into the batch while there is room (their prompts are prefilled here)."""
+        """Move waiting requests into the batch while there is room: each begins its prefill here (`prefill`
+        feeds it)."""
         while True:
             with self.wake:
-                if not self.waiting or len(self.batch.rows) >= self.max_batch:
+                if not self.waiting or len(self.batch.rows) + len(self.joining) >= self.max_batch:
                     return
                 admission = self.waiting.popleft()
             if admission.cancel.is_set():  # timed out or gone while waiting
@@ -174,21 +189,47 @@ class BatchWorker:
                 continue
             try:
                 admission.job, admission.request, admission.decoder = admission.prepare()
-                alone = not self.batch.rows and not self.waiting  # a lone row drafts at its prefill too
-                row = self.batch.add(admission.job, admission.decoder.batch_budget(), alone)
+                joining = self.batch.begin(admission.job, admission.decoder.batch_budget())
             except Exception as error:  # a ValueError is the client's (400); anything else fails this request only
                 self.settle(admission, error=error)
                 continue
+            self.joining.append((joining, admission))
+
+    def prefill(self) -> None:
+        """Feed one joining request (the one with the least prompt left: a short prompt need not wait for a long
+        one's whole prefill) a chunk of its prompt, or the rest of it and its first token (it then joins the batch);
+        a request gone meanwhile is dropped between chunks."""
+        if not self.joining:
+            return
+        place = min(range(len(self.joining)), key=lambda i: self.joining[i][0].left)
+        joining, admission = self.joining[place]  # stays listed while fed: shutdown must find its cancel event
+        if admission.cancel.is_set():
+            del self.joining[place]
+            self.batch.abandon(joining)
+            self.settle(admission, error=Abandoned())
+            return
+        with self.wake:  # a lone row drafts at its prefill too
+            alone = not self.batch.rows and len(self.joining) == 1 and not self.waiting
+        try:
+            row = self.batch.feed(joining, self.prefill_chunk, draft=alone)
+        except Exception as error:  # fails this request only
+            del self.joining[place]
+            self.batch.abandon(joining)
+            self.settle(admission, error=error)
+            return
+        if row is not None:
+            del self.joining[place]
             self.members[id(row)] = admission
 
     def loop(self) -> None:
         while True:
             with self.wake:
-                while not self.closing and not self.waiting and not self.batch.rows:
+                while not self.closing and not self.waiting and not self.joining and not self.batch.rows:
                     self.wake.wait()
-                if self.closing and not self.waiting and not self.batch.rows:
+                if self.closing and not self.waiting and not self.joining and not self.batch.rows:
                     return
             self.admit()
+            self.prefill()
             if not self.batch.rows:
                 continue
             try:
@@ -209,7 +250,7 @@ class BatchWorker:
         """Cancel every request (running or waiting) and wait for the worker to finish its current step."""
         self.closing = True
         with self.wake:
-            for admission in [*self.waiting, *self.members.values()]:
+            for admission in [*self.waiting, *(admission for _, admission in self.joining), *self.members.values()]:
                 admission.cancel.set()
             self.wake.notify()
         self.thread.join(timeout=60)
