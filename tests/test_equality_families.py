@@ -6,9 +6,12 @@ import functools
 
 import pytest
 import torch
+from transformers import MaxLengthCriteria, StoppingCriteriaList
 
 import forerun
+from forerun.batch import Batch, RowJob
 from forerun.costmodel import LatencyCurve
+from forerun.engine import Transcript
 
 from helpers import OracleDrafter, RandomDrafter
 from tiny_models import FAMILIES, VOCAB, prompts, tiny_model
@@ -121,6 +124,26 @@ def test_oracle_reaches_full_depth_every_step(family, draft_in_prefill):
     assert result.stats.accepted_hist[depth] == steps - 1
     assert result.stats.accepted_by["oracle"] == result.stats.accepted
     assert result.stats.accepted_by.get("decoy", 0) == 0
+
+
+@pytest.mark.parametrize(("length", "tree_in_prefill"), [(200, True), (300, False)])
+def test_a_long_prompt_is_prefilled_causally_and_drafts_from_the_next_step(length, tree_in_prefill):
+    """A lead over PREFILL_TREE_MAX_LEAD (256) tokens is read as generate reads it (a tree's mask would cost the
+    whole prompt the causal kernel); the oracle's first branch is then verified at the next step. Alone and as a
+    batch row that would draft at its prefill."""
+    model = model_of("llama", "sdpa")
+    prompt = prompts(1, length=length)[0]
+    truth = model.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
+    truth = truth[0].tolist()
+    decoder = forerun.Decoder(model, None, "plain", drafters=[OracleDrafter(truth, 5, VOCAB)])
+    result = decoder.generate(prompt, NEW_TOKENS, eos_token_id=[])
+    assert result.sequences[0].tolist() == truth
+    steps = result.stats.forwards - (0 if tree_in_prefill else 1)
+    assert result.stats.accepted_hist[5] == steps - 1  # every step but the last takes the whole branch
+    criteria = StoppingCriteriaList([MaxLengthCriteria(length + NEW_TOKENS)])
+    job = RowJob(prompt, Transcript(prompt.clone(), criteria), [OracleDrafter(truth, 5, VOCAB)], frozenset(), 40)
+    row = Batch(model, decoder.budget).add(job, draft=True)
+    assert len(job.transcript.sources) == (6 if tree_in_prefill else 1) and row.stats.forwards == 1
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "opt"])

@@ -41,7 +41,17 @@ from transformers import DynamicCache, LogitsProcessorList
 
 from forerun.costmodel import Calibration, CostModel, LatencyCurve, Selection, best_shared_count
 from forerun.drafters.base import DraftContext, Drafter, StepOutcome
-from forerun.engine import Budget, NodeScores, Sampling, Transcript, decode, forward_tree, tree_support, verify
+from forerun.engine import (
+    PREFILL_TREE_MAX_LEAD,
+    Budget,
+    NodeScores,
+    Sampling,
+    Transcript,
+    decode,
+    forward_tree,
+    tree_support,
+    verify,
+)
 from forerun.kvcache import keep_accepted, plain_layers, roomy_cache
 from forerun.models import last_logits
 from forerun.prefixcache import PrefixCache
@@ -437,7 +447,7 @@ class Batch:
             joining.chunks += 1
             return None
         t0 = time.perf_counter()
-        drafting = not self.rows if draft is None else draft
+        drafting = (not self.rows if draft is None else draft) and len(lead) <= PREFILL_TREE_MAX_LEAD
         root = ctx.tokens[-1]
         # A prefill that verifies no tree needs no proposals (a row joining others: proposing there was wasted work)
         proposals = [drafter.propose(ctx) if drafting else TokenTree.rooted_at(root) for drafter in job.drafters]
