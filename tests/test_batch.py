@@ -212,6 +212,8 @@ def test_a_prompt_fed_in_chunks_joins_while_the_running_row_steps(family, impl):
         batch.step()
         steps += 1
     assert steps == 4 and row.stats.prefill_chunks == 5 and batch.rows[1] is row
+    with pytest.raises(ValueError, match="chunk must be"):
+        batch.feed(batch.begin(jobs_for(model, [rows[2]], [[]])[0]), chunk=0)
     assert len(running.transcript.sources) >= 1 + steps  # the running row wrote a token or more per chunk
     while batch.rows:
         batch.step()

@@ -434,6 +434,8 @@ class Batch:
         Chunks let running rows step between the parts of a long prompt, so a long prompt joining does not freeze
         every stream for its whole prefill; the cache a chunked prefill leaves holds the same tokens at the same
         positions (fp32: the same text as a one-forward prefill, as the prefix cache's seeded prefills are)."""
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+            raise ValueError(f"chunk must be a whole number of tokens >= 1 (None: the rest at once), got {chunk!r}")
         row, own = joining.row, joining.cache
         ctx, job, budget = row.ctx, row.job, row.budget
         prompt_len = job.input_ids.shape[1]
