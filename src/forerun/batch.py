@@ -39,16 +39,17 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache, LogitsProcessorList
 
+from forerun.checks import is_count
 from forerun.costmodel import Calibration, CostModel, LatencyCurve, Selection, best_shared_count
 from forerun.drafters.base import DraftContext, Drafter, StepOutcome
 from forerun.engine import (
-    PREFILL_TREE_MAX_LEAD,
     Budget,
     NodeScores,
     Sampling,
     Transcript,
     decode,
     forward_tree,
+    tree_in_prefill,
     tree_support,
     verify,
 )
@@ -434,7 +435,7 @@ class Batch:
         Chunks let running rows step between the parts of a long prompt, so a long prompt joining does not freeze
         every stream for its whole prefill; the cache a chunked prefill leaves holds the same tokens at the same
         positions (fp32: the same text as a one-forward prefill, as the prefix cache's seeded prefills are)."""
-        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        if chunk is not None and not is_count(chunk, 1):
             raise ValueError(f"chunk must be a whole number of tokens >= 1 (None: the rest at once), got {chunk!r}")
         row, own = joining.row, joining.cache
         ctx, job, budget = row.ctx, row.job, row.budget
@@ -449,7 +450,7 @@ class Batch:
             joining.chunks += 1
             return None
         t0 = time.perf_counter()
-        drafting = (not self.rows if draft is None else draft) and len(lead) <= PREFILL_TREE_MAX_LEAD
+        drafting = tree_in_prefill(not self.rows if draft is None else draft, len(lead))
         root = ctx.tokens[-1]
         # A prefill that verifies no tree needs no proposals (a row joining others: proposing there was wasted work)
         proposals = [drafter.propose(ctx) if drafting else TokenTree.rooted_at(root) for drafter in job.drafters]

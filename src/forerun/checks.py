@@ -36,6 +36,11 @@ RANGES: dict[str, tuple[float, float, bool]] = {
 }
 
 
+def is_count(value: object, minimum: int = 0) -> bool:
+    """Whether `value` is a whole number (an int, not a bool) of at least `minimum`."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
 def check_number(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number, got {value!r}")
@@ -66,7 +71,7 @@ def check_seed(seed: object) -> None:
 
 def check_batch_size(batch_size: object) -> None:
     """None (every prompt at once) or a positive integer."""
-    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
+    if batch_size is not None and not is_count(batch_size, 1):
         raise ValueError(f"batch_size must be a positive integer (rows decoded at once), got {batch_size!r}")
 
 

@@ -44,6 +44,11 @@ read causally, exactly as generate's prefill, and drafting starts at the next st
 the prefix cache holds the rest rides with its tree (it has no long triangle of its own to lose)."""
 
 
+def tree_in_prefill(wanted: bool, lead: int) -> bool:
+    """Whether the prefill, feeding `lead` prompt tokens, verifies a first tree too (`wanted`: the caller would)."""
+    return wanted and lead <= PREFILL_TREE_MAX_LEAD
+
+
 @dataclass
 class Transcript:
     """The growing sequence [1, prompt + new], checked against the stopping criteria one token at a time."""
@@ -177,8 +182,9 @@ def decode(
     while not transcript.done:
         # 1. propose: every drafter's tree; the budget merges them and keeps what pays on this device
         t0 = time.perf_counter()
-        proposals = [drafter.propose(ctx) for drafter in drafters]
-        drafts = stats.forwards > 0 or (draft_in_prefill and len(lead) <= PREFILL_TREE_MAX_LEAD)
+        drafts = stats.forwards > 0 or tree_in_prefill(draft_in_prefill, len(lead))
+        # a prefill that verifies no tree needs no proposals (as for a batch row's)
+        proposals = [drafter.propose(ctx) if drafts else TokenTree.rooted_at(ctx.tokens[-1]) for drafter in drafters]
         selection = budget.choose(ctx.tokens[-1], proposals, len(lead), drafts)
         tree = selection.tree
         # 2. pack and 3. forward: one call of the unmodified model

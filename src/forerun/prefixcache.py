@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from forerun.checks import is_count
 from forerun.kvcache import plain_layers
 
 MIN_REUSE = 4
@@ -64,7 +65,7 @@ class PrefixCache:
     """
 
     def __init__(self, max_tokens: int = 8192) -> None:
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
+        if not is_count(max_tokens):
             raise ValueError(f"prefix cache max_tokens must be >= 0 (a whole number of tokens), got {max_tokens!r}")
         self.max_tokens = max_tokens
         self.entries: list[Entry] = []  # least recently used first

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from forerun.batch import Batch, Joining, RowJob
+from forerun.checks import is_count
 from forerun.decoder import Decoder, GenerationResult, Request
 from forerun.methods import plan_method
 from forerun.prefixcache import PrefixCache
@@ -136,7 +137,7 @@ class BatchWorker:
     running rows (0: every prompt in one forward, the running rows waiting for it)."""
 
     def __init__(self, model, budget, max_batch: int, prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> None:
-        if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 0:
+        if not is_count(prefill_chunk):
             raise ValueError(f"prefill_chunk must be a whole number of tokens >= 0 (0: off), got {prefill_chunk!r}")
         self.model, self.budget, self.max_batch = model, budget, max_batch
         self.prefill_chunk = prefill_chunk or None
