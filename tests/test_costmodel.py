@@ -9,7 +9,15 @@ import pytest
 import torch
 
 import forerun
-from forerun.costmodel import Calibration, CostModel, LatencyCurve, StaticBudget, best_prefix, support_keys
+from forerun.costmodel import (
+    Calibration,
+    CostModel,
+    ForwardTimes,
+    LatencyCurve,
+    StaticBudget,
+    best_prefix,
+    support_keys,
+)
 from forerun.tree import TokenTree
 
 from helpers import OracleDrafter, RandomDrafter
@@ -257,6 +265,77 @@ def test_an_oracle_gets_its_whole_branch_fed(model):
     assert result.sequences[0].tolist() == truth
     assert result.stats.accepted_hist[5] >= result.stats.forwards - 3  # full depth nearly every step
     assert result.stats.accepted_by.get("decoy", 0) == 0
+
+
+def test_forward_times_learn_the_ratio_of_drafted_to_one_token_forwards():
+    times = ForwardTimes()
+    assert times.penalty == 1.0  # nothing timed: the curve as measured
+    for _ in range(100):
+        times.record(1, 0.010, 0.020)  # every forward twice its price (a busy machine): no penalty
+        times.record(4, 0.015, 0.030)
+    assert times.penalty == pytest.approx(1.0)
+    for _ in range(100):
+        times.record(1, 0.010, 0.010)
+        times.record(8, 0.020, 0.040)  # drafted forwards 2x their price, 1-token ones on it (a long context)
+    assert times.penalty == pytest.approx(2.0, rel=0.01)
+    times.record(8, 0.020, 50.0)  # a stall counts as a 3x forward at most: one step of 20, not a thousandfold
+    assert times.penalty == pytest.approx(2.05, rel=0.01)
+    times.record(8, 0.020, float("nan"))
+    times.record(8, 0.0, 1.0)
+    assert times.penalty == pytest.approx(2.05, rel=0.01)  # nonsense timings are ignored
+
+
+def test_forward_times_forget_a_penalty_that_stopped_all_drafting():
+    times = ForwardTimes(root=1.0, drafted=3.0)
+    for _ in range(16):
+        times.record(1, 0.010, 0.010)
+    assert times.penalty == pytest.approx(3.0)  # a few undrafted steps are the penalty working, not evidence
+    for _ in range(30):
+        times.record(1, 0.010, 0.010)
+    assert times.penalty < 1.1  # after many, drafting is tried again and measured afresh
+
+
+def test_a_penalty_on_drafted_forwards_changes_what_is_fed():
+    """STEEP: one candidate at 0.8 pays on the curve, (1 + .8) / 16 = .1125 > 1 / 10; measured 1.5x dearer than
+    the curve (relative to 1-token forwards) it does not: 1.8 / 24 = .075; and a certain chain of 7 still does:
+    (1 + 7 * .95-ish) / 36 > .1."""
+    tree = TokenTree.rooted_at(1)
+    tree.add(0, 2, source="t", score=0.8)
+    assert CostModel(STEEP, 16).choose(1, [tree]).tree.tokens == [1, 2]
+    assert CostModel(STEEP, 16, times=ForwardTimes(drafted=1.5)).choose(1, [tree]).tree.tokens == [1]
+    chain = TokenTree.rooted_at(1)
+    chain.add_chain(0, list(range(2, 9)), source="t", scores=[1.0] * 7)
+    assert len(CostModel(STEEP, 16, times=ForwardTimes(drafted=1.5)).choose(1, [chain]).tree) == 8
+    assert best_prefix([0.8], STEEP, draft_penalty=1.5).nodes == 0 and best_prefix([0.8], STEEP).nodes == 1
+
+
+def test_decoding_times_each_forward_after_the_prefill(model):
+    """The engine reports every decoding forward's size and seconds to the budget; not the prefill's."""
+    prompt = prompts(1)[0]
+    truth = model.generate(prompt, max_new_tokens=30, do_sample=False, eos_token_id=None, pad_token_id=0)[0].tolist()
+    decoder = forerun.Decoder(
+        model, None, "plain", drafters=[OracleDrafter(truth, 3, VOCAB)], adaptive=True, latency=STEEP
+    )
+    assert decoder.budget.times is None  # a given curve is priced as it is
+    decoder.budget.times = ForwardTimes()
+    timed, fed = [], []
+    original_timed, original_choose = decoder.budget.timed, decoder.budget.choose
+
+    def spy_timed(size, seconds):
+        timed.append((size, seconds))
+        original_timed(size, seconds)
+
+    def spy_choose(*args, **kwargs):
+        selection = original_choose(*args, **kwargs)
+        fed.append(len(selection.tree))
+        return selection
+
+    decoder.budget.timed, decoder.budget.choose = spy_timed, spy_choose
+    result = decoder.generate(prompt, 30, eos_token_id=[])
+    assert result.sequences[0].tolist() == truth
+    assert [size for size, _ in timed] == fed[1:] and len(timed) == result.stats.forwards - 1
+    assert all(seconds > 0 for _, seconds in timed)
+    assert decoder.budget.times.root != 1.0 or decoder.budget.times.drafted != 1.0  # it learnt from them
 
 
 def test_curve_is_measured_once_then_read_from_the_cache(model, tmp_path, monkeypatch):

@@ -16,7 +16,7 @@ from test_server import MODEL, LiveServer, plain_text
 import forerun
 from forerun.costmodel import LatencyCurve
 from forerun.server import ServerConfig, create_app
-from forerun.server.pool import BatchWorker
+from forerun.server.pool import Abandoned, BatchWorker
 
 from tiny_models import prompts, tiny_model
 
@@ -201,3 +201,55 @@ def test_a_long_prompt_joins_a_chunk_at_a_time_between_the_running_rows_steps(ch
         assert torch.equal(result.sequences, reference)
     with pytest.raises(ValueError, match="prefill_chunk"):
         BatchWorker(model, decoder.batch_budget(), max_batch=4, prefill_chunk=-1)
+
+
+def test_a_joining_prompt_whose_client_went_away_is_dropped_between_chunks():
+    """The long prompt's client goes away after its first chunk (its cancel event set while the running request
+    steps): it gets no further chunk, its future ends in Abandoned, its slots are given back, and the running
+    request finishes equal to plain generate."""
+    model = tiny_model("llama", "sdpa")
+    decoder = forerun.Decoder(model, None, "prompt_lookup", latency=LatencyCurve((1, 8, 64), (1.0, 1.2, 3.0)))
+    gone, began, stepping = threading.Event(), threading.Event(), threading.Event()
+
+    class Leaver:  # the running request's streamer: the first step after the long prompt began cancels it
+        def put(self, ids) -> None:
+            if stepping.is_set() and began.is_set():
+                gone.set()
+            stepping.set()  # (the first put is the prompt)
+
+        def end(self) -> None:
+            pass
+
+    short, long = prompts(2, length=24)
+    short = short[:, :6]
+    worker = BatchWorker(model, decoder.batch_budget(), max_batch=4, prefill_chunk=5)
+    fed, abandoned = [], []
+    feed, abandon = worker.batch.feed, worker.batch.abandon
+    worker.batch.feed = lambda joining, *a, **k: fed.append(id(joining.row.job)) or feed(joining, *a, **k)
+    worker.batch.abandon = lambda joining: abandoned.append(id(joining.row.job)) or abandon(joining)
+
+    def prepare(prompt, streamer, mark=None):
+        def build():
+            if mark is not None:
+                mark.set()
+            return (*decoder.prepare(prompt[0].tolist(), 16, eos_token_id=[], streamer=streamer), decoder)
+
+        return build
+
+    async def both():
+        first = asyncio.ensure_future(worker.run(prepare(short, Leaver()), threading.Event()))
+        while not stepping.is_set():
+            await asyncio.sleep(0.001)
+        second = asyncio.ensure_future(worker.run(prepare(long, None, began), gone))
+        return await asyncio.gather(first, second, return_exceptions=True)
+
+    try:
+        kept, dropped = asyncio.run(both())
+    finally:
+        worker.shutdown()
+    assert isinstance(dropped, Abandoned), dropped
+    reference = model.generate(short, max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(kept.sequences, reference)
+    long_job = abandoned[0]
+    assert abandoned == [long_job] and fed.count(long_job) == 1  # one chunk of 24 tokens, then dropped
+    assert not worker.joining and worker.batch.cache.slots == 0

@@ -269,22 +269,29 @@ def best_prefix(
     lead: int = 0,
     cap: int | None = None,
     groups: Sequence[tuple[float, int]] = (),
+    draft_penalty: float = 1.0,
 ) -> Choice:
     """The k, and the probe groups, maximising (1 + chances[0] + ... + chances[k-1] + group values) / cost(tokens).
 
     `chances`: the candidates' path probabilities, best first (each ancestor before its descendants). `groups`:
     optional (value, size) items, each fed whole or not at all (a Jacobi window: its worth in future accepted
     tokens, its probe count). `cap`: most nodes per forward, root included (the lead not counted).
+    `draft_penalty`: scales the cost of every forward of more than one token (`ForwardTimes.penalty`: how much
+    dearer such forwards measured, against the curve, than 1-token ones).
     """
+
+    def price(tokens: int) -> float:
+        return curve.cost(tokens) * (draft_penalty if tokens > 1 else 1.0)
+
     # cheapest[n]: the cheapest forward of at least n nodes (lead not counted) within the cap, and its size
     cheapest: dict[int, tuple[float, int]] = {}
     if cap is not None:
         for n in range(cap, 0, -1):
-            here = (curve.cost(lead + n), n)
+            here = (price(lead + n), n)
             cheapest[n] = min(here, cheapest.get(n + 1, here))
 
     def cost(nodes: int) -> tuple[float, int]:
-        return cheapest.get(nodes, (curve.cost(lead + nodes), nodes))
+        return cheapest.get(nodes, (price(lead + nodes), nodes))
 
     root_cost, root_size = cost(1)
     best, best_rate = Choice(0, lead + root_size, 0.0, (), root_size - 1), 1.0 / root_cost
@@ -431,6 +438,72 @@ def best_shared_count(
     return best
 
 
+TIME_DECAY = 0.95
+"""Per timed step: a `ForwardTimes` ratio remembers about its last twenty forwards."""
+TIME_RELAX = 0.9
+"""Per 1-token forward after `IDLE_STEPS` of them in a row, the drafted ratio keeps this much of its distance from
+the 1-token one: a penalty learnt in a burst of load, or in a long context since gone, that stopped all drafting
+is forgotten (the next drafted step measures afresh) instead of stopping it for good."""
+IDLE_STEPS = 16
+TIME_PRIOR = 2.0
+"""The curve's own price counts as this many forwards until timings arrive."""
+RATIO_BOUNDS = (1 / 3, 3.0)
+"""One timing moves a ratio at most as if it measured 3x off the curve: a scheduler stall or a page fault mid-
+forward is not the device's cost."""
+PENALTY_BOUNDS = (0.5, 3.0)
+
+
+@dataclass
+class ForwardTimes:
+    """Measured / predicted seconds of this device's forwards, recency-weighted: for 1-token forwards (`root`) and
+    for forwards of more tokens (`drafted`), each against the latency curve.
+
+    The curve is measured once, after 256 cached tokens, and kept on disk; the forwards a request makes are not
+    those: after a 2000-token document 8 tokens cost 2.55x one token here instead of 1.6x (attention grows with the
+    context, and with a tree's mask transformers copies the cache per head group), and a curve measured while the
+    machine was busy keeps that machine's shape (stored: 12 tokens 2.06x one token; measured quiet: 2.23x). Only
+    the ratio of the two corrections changes a decision (`penalty`): a load that slows every forward alike cancels.
+
+    Example (drafted forwards measuring 1.5x their curve price, 1-token ones on it):
+        >>> times = ForwardTimes()
+        >>> for _ in range(60):
+        ...     times.record(1, 0.010, 0.010)
+        ...     times.record(8, 0.020, 0.030)
+        >>> round(times.penalty, 2)
+        1.5
+    """
+
+    root: float = 1.0
+    drafted: float = 1.0
+    weights: tuple[float, float] = (TIME_PRIOR, TIME_PRIOR)
+    """How many (recency-weighted) forwards stand behind `root` and `drafted`: the first timings move a young
+    estimate most (an average until about 1 / (1 - TIME_DECAY) forwards, a moving average after)."""
+    idle: int = 0
+    """1-token forwards since the last drafted one."""
+
+    def record(self, fed: int, predicted: float, seconds: float) -> None:
+        """One forward of `fed` tokens, priced `predicted` by the curve, took `seconds`."""
+        if not (predicted > 0 and math.isfinite(seconds) and seconds > 0):
+            return
+        ratio = min(RATIO_BOUNDS[1], max(RATIO_BOUNDS[0], seconds / predicted))
+        root_weight, drafted_weight = self.weights
+        if fed > 1:
+            drafted_weight = TIME_DECAY * drafted_weight + 1
+            self.drafted += (ratio - self.drafted) / drafted_weight
+            self.weights, self.idle = (root_weight, drafted_weight), 0
+            return
+        root_weight = TIME_DECAY * root_weight + 1
+        self.root += (ratio - self.root) / root_weight
+        self.weights, self.idle = (root_weight, drafted_weight), self.idle + 1
+        if self.idle > IDLE_STEPS:
+            self.drafted = self.root + TIME_RELAX * (self.drafted - self.root)
+
+    @property
+    def penalty(self) -> float:
+        """How much dearer than the curve says a forward of several tokens is, relative to a 1-token forward."""
+        return min(PENALTY_BOUNDS[1], max(PENALTY_BOUNDS[0], self.drafted / self.root))
+
+
 @dataclass
 class StaticBudget:
     """Graft the proposals in order until `max_nodes` nodes (root included): a fixed budget."""
@@ -447,6 +520,9 @@ class StaticBudget:
     def learn(self, selection: Selection, committed: Sequence[int]) -> None:
         pass
 
+    def timed(self, fed: int, seconds: float) -> None:
+        pass
+
     def new_request(self) -> None:
         pass
 
@@ -458,6 +534,9 @@ class CostModel:
     curve: LatencyCurve
     max_nodes: int
     calibration: Calibration = field(default_factory=Calibration)
+    times: ForwardTimes | None = field(default_factory=ForwardTimes)
+    """How this device's forwards measure against `curve` (`timed`): drafted forwards are priced with its penalty.
+    None: `curve` is the price, as it is (a hand-made curve, in tests)."""
     selective = True
     """Drafters propose whatever might pay; this model picks."""
 
@@ -518,7 +597,8 @@ class CostModel:
         ]
         offered = [i for i, probes in enumerate(probes_of) if probes][:MAX_GROUPS]
         groups = [(sum(merged.scores[m] for m in probes_of[i]), len(probes_of[i])) for i in offered]
-        choice = best_prefix(ranking.chances, self.curve, lead, self.max_nodes, groups)
+        penalty = self.times.penalty if self.times is not None else 1.0
+        choice = best_prefix(ranking.chances, self.curve, lead, self.max_nodes, groups, penalty)
         probes = [m for g in choice.groups for m in probes_of[offered[g]]]
         return ranking.select(choice.nodes, probes, choice.expected_accepted, choice.padding)
 
@@ -527,6 +607,11 @@ class CostModel:
         ranking = selection.ranking
         if ranking is not None:
             self.calibration.learn(ranking.merged, committed, ranking.keys)
+
+    def timed(self, fed: int, seconds: float) -> None:
+        """A decoding forward (no prompt lead) of `fed` tokens took `seconds`, verification included."""
+        if self.times is not None:
+            self.times.record(fed, self.curve.cost(fed), seconds)
 
     def new_request(self) -> None:
         self.calibration.new_request()

@@ -37,7 +37,7 @@ from forerun.checks import (
     row_seeds,
 )
 from forerun.config import EngineConfig
-from forerun.costmodel import CostModel, LatencyCurve, StaticBudget
+from forerun.costmodel import CostModel, ForwardTimes, LatencyCurve, StaticBudget
 from forerun.drafters.base import Drafter
 from forerun.drafters.prediction import PredictionDrafter
 from forerun.engine import Budget, Sampling, Transcript, decode
@@ -108,8 +108,10 @@ class Decoder:
 
     Budget: the cost model chooses each step's tree on the device's latency curve (`forerun.costmodel`), at most
     `max_tree_nodes` nodes; `adaptive=False` feeds instead what the knobs ask for, every step (`draft_model` alone
-    does that by default). The curve is `latency` if given, else read from or measured into `latency_cache` (a
-    few seconds, once per model, dtype, device and thread count; None: measured, not stored).
+    does that by default). The curve is `latency` if given (priced as it is), else read from or measured into
+    `latency_cache` (a few seconds, once per model, dtype, device and thread count; None: measured, not stored) and
+    corrected as decoding times its forwards (`costmodel.ForwardTimes`: longer contexts, a curve measured under
+    load).
 
     `prefix_cache`: the KV of text this Decoder has read (prompts and answers) is kept for up to this many tokens,
     and a prompt that begins the same way (a shared system prompt, the next turn of a conversation) prefills only
@@ -172,7 +174,9 @@ class Decoder:
             )
         if adaptive and drafting:
             curve = latency if latency is not None else curve_for(self.model, latency_cache)
-            return CostModel(curve, config.max_tree_nodes or max(curve.default_cap(), self.plan.min_budget()))
+            cap = config.max_tree_nodes or max(curve.default_cap(), self.plan.min_budget())
+            # a measured curve is corrected by what this run's forwards take; a given one is the price as it is
+            return CostModel(curve, cap, times=ForwardTimes() if latency is None else None)
         return StaticBudget(config.max_tree_nodes or (self.plan.static_budget() if self.plan.specs else 16))
 
     def batch_budget(self) -> Budget:

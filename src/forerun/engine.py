@@ -192,6 +192,8 @@ def decode(
         logits = forward_tree(model, cache, tree, prefix_len, lead, attention, keeps_logits)  # [n, vocab]
         # 4. verify: the longest path the target agrees with, plus its own bonus token
         verdict = verify(tree, NodeScores(logits, processor, transcript.sequence, tree), sampling)
+        if not lead:  # what this forward cost against the curve (a prefill is not on it)
+            budget.timed(len(tree), time.perf_counter() - t1)
         # 5. commit: keep the accepted path in the cache, append tokens, let drafters and the budget learn
         keep_accepted(cache, prefix_len, [0, *verdict.accepted_nodes])
         prefix_len, lead = prefix_len + 1 + verdict.accepted_len, []
