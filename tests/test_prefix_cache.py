@@ -172,3 +172,30 @@ def test_decoders_can_share_one_prefix_cache_or_have_none():
     off = forerun.Decoder(model, None, "plain", prefix_cache=0)
     off.generate(prompt, 4, eos_token_id=[])
     assert off.generate(prompt, 4, eos_token_id=[]).stats.cached_prompt_tokens == 0
+
+
+def test_salted_requests_share_entries_only_with_the_same_salt():
+    """A tenant's text is reused for its own later prompts and never seeds another salt's or an unsalted prompt
+    (whose first token would come sooner: a timing channel); the text stays plain generate's throughout."""
+    model = model_of("llama", "sdpa")
+    decoder = forerun.Decoder(model, None, "prompt_lookup", latency=CURVE)
+    prompt = torch.cat(conversation(0), dim=1)
+    expected = model.generate(prompt, max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
+
+    def cached(salt, batch=False):
+        if batch:
+            result = decoder.generate([prompt[0].tolist()], NEW, eos_token_id=[], cache_salt=salt)[0]
+        else:
+            result = decoder.generate(prompt, NEW, eos_token_id=[], cache_salt=salt)
+        assert torch.equal(result.sequences, expected), salt
+        return result.stats.cached_prompt_tokens
+
+    assert cached("tenant-a") == 0
+    assert cached("tenant-b") == 0 and cached(None) == 0  # another salt and no salt: nothing of tenant-a's
+    assert cached("tenant-a") == prompt.shape[1] - 1  # its own: the whole prompt but the root
+    assert cached("tenant-b", batch=True) == prompt.shape[1] - 1  # batch rows keep to their salt too
+    assert cached("tenant-c", batch=True) == 0
+    job, _ = decoder.prepare(prompt[0].tolist(), NEW, eos_token_id=[], cache_salt="tenant-d")  # the server's rows
+    assert job.prefixes.salt == "tenant-d"
+    with pytest.raises(ValueError, match="cache_salt must be a string"):
+        decoder.generate(prompt, NEW, cache_salt=7)

@@ -149,6 +149,29 @@ def test_a_next_turn_reuses_what_the_server_read_and_reports_it(smollm2, batchin
     assert first_prompt + TOKENS // 2 < cached < reply.usage.prompt_tokens, (first_prompt, cached)
 
 
+def test_a_cache_salt_keeps_a_tenants_text_to_itself(batching):
+    """vLLM's `cache_salt`: a prompt read under one salt speeds up that salt's next prompt only; another tenant
+    sending the same text is not seeded from it (and cannot time whether it was sent); a bad salt is a 400."""
+    server, _ = batching
+    client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    messages = [{"role": "user", "content": "Spell the word banana backwards, one letter per line."}]
+
+    def ask(salt: str):
+        reply = client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=4, temperature=0, extra_body={"cache_salt": salt}
+        )
+        return reply.usage.prompt_tokens_details.cached_tokens, reply.usage.prompt_tokens
+
+    assert ask("alice")[0] == 0  # not even the unsalted system prompt other requests left
+    assert ask("mallory")[0] == 0
+    cached, prompt_tokens = ask("alice")
+    assert cached == prompt_tokens - 1  # everything but the last token, always fed
+    reply = httpx.post(
+        server.url + "/v1/chat/completions", json={"messages": messages, "cache_salt": 7, "max_tokens": 2}, timeout=60
+    )
+    assert reply.status_code == 400 and "cache_salt" in reply.text
+
+
 @pytest.mark.parametrize("chunk", [5, 0])
 def test_a_long_prompt_joins_a_chunk_at_a_time_between_the_running_rows_steps(chunk):
     """The worker feeds a joining 24-token prompt 5 tokens at a time, a step of the running request after each

@@ -56,6 +56,9 @@ def completion(**fields):
         (chat, {"stream_options": {"include_usage": True}}, "stream_options", "needs stream: true"),
         (chat, {"forerun": {"method": "medusa"}}, "forerun", "unknown method 'medusa'"),
         (chat, {"forerun": {"method": "auto", "draft_len": 3}}, "forerun", "needs a method prefix"),
+        (chat, {"cache_salt": ""}, "cache_salt", "1 to 256 characters, got 0"),
+        (completion, {"cache_salt": "t" * 257}, "cache_salt", "1 to 256 characters, got 257"),
+        (chat, {"cache_salt": "a\ud800"}, "cache_salt", "lone surrogate"),
         (chat, {"prediction": {"type": "other", "content": "x"}}, "prediction", "prediction.type"),
         (chat, {"prediction": {"type": "content", "content": [{"type": "image_url"}]}}, "prediction", "text parts"),
         (
@@ -111,6 +114,7 @@ def test_what_is_honoured():
         prediction={"type": "content", "content": [{"type": "text", "text": "Hello"}]},
         forerun={"method": "prompt_lookup+trie", "trie.decoding_length": 8},
         user="u1",
+        cache_salt="tenant-7",
         metadata={"k": "v"},
         tool_choice="none",
         response_format={"type": "text"},
@@ -119,6 +123,7 @@ def test_what_is_honoured():
     assert (args.max_new_tokens, args.stop, args.seed, args.logprobs, args.prediction) == (7, ["\n"], 5, 2, "Hello")
     assert args.method == "prompt_lookup+trie" and args.knobs == {"trie.decoding_length": 8}
     assert args.sampling == {} and args.chat and not args.stream
+    assert args.cache_salt == "tenant-7" and chat().cache_salt is None
 
 
 def test_sampling_follows_the_request_then_the_models_generation_config():

@@ -55,7 +55,7 @@ from forerun.engine import (
 )
 from forerun.kvcache import keep_accepted, plain_layers, roomy_cache
 from forerun.models import last_logits
-from forerun.prefixcache import PrefixCache
+from forerun.prefixcache import Prefixes
 from forerun.stats import GenerationStats
 from forerun.tree import TokenTree, as_attention_mask, merge
 
@@ -187,7 +187,7 @@ class RowJob:
     max_new_tokens: int
     processor: LogitsProcessorList | None = None
     sampling: Sampling | None = None
-    prefixes: PrefixCache | None = None
+    prefixes: Prefixes | None = None
     """Where the prompt's head may already be cached, and where the row leaves what it read."""
 
 

@@ -45,7 +45,7 @@ from forerun.latency import DEFAULT_CACHE_DIR, curve_for, measure_batched
 from forerun.logprobs import TokenLogprob
 from forerun.methods import plan_method
 from forerun.noise import GumbelNoise
-from forerun.prefixcache import PrefixCache
+from forerun.prefixcache import PrefixCache, Prefixes
 from forerun.stats import GenerationStats
 from forerun.stopping import Cancelled, StopStrings
 from forerun.text import complete
@@ -287,6 +287,7 @@ class Decoder:
         prediction: str | Sequence[int] | None = None,
         logprobs: int | None = None,
         batch_size: int | None = None,
+        cache_salt: str | None = None,
         **generation_kwargs: object,
     ) -> GenerationResult:
         """Generate; greedy output is token for token `model.generate(do_sample=False)`.
@@ -301,6 +302,8 @@ class Decoder:
         answer is unchanged by it.
         `logprobs=k`: each new token's log-probability under the raw model and its k likeliest alternatives.
         A list of prompts returns a list of results (`generate_batch`; `batch_size`: rows decoded at once).
+        `cache_salt`: the prompt reuses (and leaves) prefix-cache entries only among requests with the same salt
+        (`forerun.prefixcache`: one tenant cannot time whether another sent the same text).
         """
         check_batch_size(batch_size)
         if is_batch(prompt):
@@ -317,6 +320,7 @@ class Decoder:
                 cancel=cancel,
                 prediction=prediction,
                 logprobs=logprobs,
+                cache_salt=cache_salt,
                 **generation_kwargs,
             )
         check_request(max_new_tokens, stop, seed, logprobs, do_sample, generation_kwargs)
@@ -324,7 +328,7 @@ class Decoder:
         input_ids = self.encode(prompt, chat)
         prompt_len = input_ids.shape[1]
         self.check_context(input_ids, max_new_tokens)
-        request = Request(self.drafters, logprobs)
+        request = Request(self.drafters, logprobs, prefixes=self.scoped_prefixes(cache_salt))
         if prediction is not None:
             request.prediction = self.encode_prediction(prediction)
             request.drafters = [PredictionDrafter(request.prediction), *self.drafters]
@@ -387,6 +391,7 @@ class Decoder:
         cancel: threading.Event | None = None,
         prediction: str | Sequence[int] | None = None,
         logprobs: int | None = None,
+        cache_salt: str | None = None,
         **generation_kwargs: object,
     ) -> Iterator[tuple[int, GenerationResult]]:
         """`generate_batch`, yielding (prompt index, result) as each row finishes (finishing order): write or
@@ -406,6 +411,7 @@ class Decoder:
         check_batch_size(batch_size)
         seeds = row_seeds(seed, len(prompts))
         check_request(max_new_tokens, stop, None, logprobs, do_sample, generation_kwargs)
+        prefixes = self.scoped_prefixes(cache_salt)
         rows = self.encode_batch(prompts, chat)
         jobs, requests = [], []
         for i, ids in enumerate(rows):
@@ -416,7 +422,7 @@ class Decoder:
             row_seed = seeds[i] if seeds is not None else None
             job, request = self.prepare_row(
                 ids, max_new_tokens, stop, eos_token_id, None, do_sample, row_seed, cancel, None, logprobs,
-                generation_kwargs
+                generation_kwargs, prefixes
             )  # fmt: skip
             jobs.append(job)
             requests.append(request)
@@ -459,6 +465,7 @@ class Decoder:
         cancel: threading.Event | None = None,
         prediction: str | Sequence[int] | None = None,
         logprobs: int | None = None,
+        cache_salt: str | None = None,
         **generation_kwargs: object,
     ) -> tuple[RowJob, Request]:
         """One prompt, checked and set up as a row for a running `forerun.batch.Batch` (the server's continuous
@@ -470,12 +477,18 @@ class Decoder:
         tokens = self.encode_prediction(prediction) if prediction is not None else None
         return self.prepare_row(
             ids, max_new_tokens, stop, eos_token_id, streamer, do_sample, seed, cancel, tokens, logprobs,
-            generation_kwargs
+            generation_kwargs, self.scoped_prefixes(cache_salt)
         )  # fmt: skip
+
+    def scoped_prefixes(self, cache_salt: str | None) -> Prefixes:
+        """The prefix cache as requests with `cache_salt` see it; a salt that is not a string is refused."""
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
+        return self.prefixes.scoped(cache_salt) if cache_salt else self.prefixes
 
     def prepare_row(
         self, ids, max_new_tokens, stop, eos_token_id, streamer, do_sample, seed, cancel, prediction, logprobs,
-        generation_kwargs
+        generation_kwargs, prefixes=None
     ) -> tuple[RowJob, Request]:  # fmt: skip
         """A checked, encoded prompt [1, L] -> its RowJob (criteria, forked drafters, processors, sampling)."""
         device = self.model.device
@@ -489,7 +502,7 @@ class Decoder:
             criteria.append(StopStrings(self.tokenizer, stops, prompt_len))
         if cancel is not None:
             criteria.append(Cancelled(cancel))
-        request = Request(fork(self.drafters), logprobs)
+        request = Request(fork(self.drafters), logprobs, prefixes=prefixes)
         if prediction is not None:
             request.prediction = list(prediction)
             request.drafters = [PredictionDrafter(request.prediction), *request.drafters]
@@ -502,8 +515,9 @@ class Decoder:
             streamer.put(ids.cpu())  # transformers' convention: a streamer sees the prompt first
         transcript = Transcript(ids.to(device), criteria, streamer, logprobs_top=logprobs)
         job = RowJob(
-            ids.to(device), transcript, request.drafters, eos, max_new_tokens, processor, sampling, self.prefixes
-        )
+            ids.to(device), transcript, request.drafters, eos, max_new_tokens, processor, sampling,
+            prefixes if prefixes is not None else self.prefixes
+        )  # fmt: skip
         return job, request
 
     def encode_batch(self, prompts: Sequence[Prompt] | torch.Tensor, chat: bool) -> list[torch.Tensor]:
@@ -581,7 +595,7 @@ class Decoder:
             self.engine_config.draft_in_prefill,
             processor,
             sampling,
-            self.prefixes,
+            request.prefixes if request.prefixes is not None else self.prefixes,
         )
         if streamer is not None:
             streamer.end()
@@ -638,6 +652,8 @@ class Request:
     drafters: list[Drafter]
     logprobs: int | None = None
     prediction: list[int] | None = None
+    prefixes: Prefixes | None = None
+    """The prefix cache as this request's salt sees it (None: the Decoder's, unsalted)."""
 
 
 def check_generation_kwargs(generation_kwargs: dict[str, object]) -> None:

@@ -22,7 +22,7 @@ from forerun.kvcache import UnsupportedCacheError, check_tree_cache, keep_accept
 from forerun.logprobs import TokenLogprob, token_logprobs
 from forerun.models import last_logits
 from forerun.noise import GumbelNoise
-from forerun.prefixcache import PrefixCache
+from forerun.prefixcache import Prefixes
 from forerun.stats import GenerationStats
 from forerun.tree import TokenTree, pack
 from forerun.verify import Verdict, verify_greedy, verify_sampled
@@ -148,7 +148,7 @@ def decode(
     draft_in_prefill: bool = True,
     processor: LogitsProcessorList | None = None,
     sampling: Sampling | None = None,
-    prefixes: PrefixCache | None = None,
+    prefixes: Prefixes | None = None,
 ) -> GenerationStats:
     """Tree decoding of `input_ids` [1, prompt_len]; tokens land in `transcript`, stats are returned.
 

@@ -13,6 +13,10 @@ plain generate's (tested), low precision up to ties.
 Only caches whose every layer is a plain full-attention `DynamicLayer` are seeded or stored (sliding windows,
 linear attention and recurrent states are not per-token prefixes): others decode as before.
 
+Isolation: a reused head makes a prompt's first token come sooner, so whoever can time answers can tell whether
+someone sent the same head before. Entries carry a salt (a request's `cache_salt`, vLLM's name for it): a prompt
+is seeded only from text read under the same salt (`scoped`); requests without one share the unsalted entries.
+
 Example (a second prompt with the same 4-token head as a stored one reuses 4 entries; shapes [1, heads, len, dim]):
     >>> from transformers import DynamicCache
     >>> prefixes = PrefixCache(max_tokens=100)
@@ -48,6 +52,8 @@ class Entry:
     keys: list[torch.Tensor]
     """Per layer [1, kv_heads, length, head_dim] (clones: nothing else writes to them)."""
     values: list[torch.Tensor]
+    salt: str = ""
+    """Only requests with the same salt are seeded from this entry."""
 
 
 def shared_head(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -75,15 +81,22 @@ class PrefixCache:
     def held_tokens(self) -> int:
         return sum(len(entry.tokens) for entry in self.entries)
 
-    def seed(self, cache: DynamicCache, tokens: list[int]) -> int:
-        """Fill the empty `cache` with the KV of the longest stored head of `tokens[:-1]` (the last token, the
-        root of the first tree, is always fed); return how many tokens it holds now (0: nothing reused)."""
+    def scoped(self, salt: str | None) -> PrefixScope:
+        """This cache as seen by requests with `salt` (None or "": the shared, unsalted entries)."""
+        return PrefixScope(self, salt or "")
+
+    def seed(self, cache: DynamicCache, tokens: list[int], salt: str = "") -> int:
+        """Fill the empty `cache` with the KV of the longest head of `tokens[:-1]` stored under `salt` (the last
+        token, the root of the first tree, is always fed); return how many tokens it holds now (0: nothing
+        reused)."""
         if not self.max_tokens or len(tokens) <= MIN_REUSE or not plain_layers(cache) or cache.get_seq_length():
             return 0
         wanted = torch.tensor(tokens[:-1])
         with self.lock:
             best, length = None, 0
             for entry in self.entries:
+                if entry.salt != salt:
+                    continue
                 shared = shared_head(entry.tokens, wanted)
                 if shared > length:
                     best, length = entry, shared
@@ -95,11 +108,12 @@ class PrefixCache:
             cache.update(keys[:, :, :length], values[:, :, :length], index)  # a copy (the layer concatenates)
         return length
 
-    def store(self, tokens: list[int], cache: DynamicCache, length: int) -> None:
-        """Keep the first `length` entries of `cache` (the KV of `tokens[:length]`, batch row 0) for later requests.
+    def store(self, tokens: list[int], cache: DynamicCache, length: int, salt: str = "") -> None:
+        """Keep the first `length` entries of `cache` (the KV of `tokens[:length]`, batch row 0) for later requests
+        with the same `salt`.
 
         An entry that is a head of the new one is replaced by it; a new one that is a head of a held entry adds
-        nothing."""
+        nothing (both under the same salt)."""
         whole = plain_layers(cache) and bool(cache.layers) and all(layer.is_initialized for layer in cache.layers)
         length = min(length, len(tokens), cache.get_seq_length() if whole else 0)
         if not self.max_tokens or length < MIN_REUSE or length > self.max_tokens:
@@ -107,18 +121,51 @@ class PrefixCache:
         held = torch.tensor(tokens[:length])
         with self.lock:
             for entry in self.entries:
-                if shared_head(entry.tokens, held) == length:  # already held in full
+                if entry.salt == salt and shared_head(entry.tokens, held) == length:  # already held in full
                     self.entries.remove(entry)
                     self.entries.append(entry)
                     return
         keys = [layer.keys[:1, :, :length].clone() for layer in cache.layers]
         values = [layer.values[:1, :, :length].clone() for layer in cache.layers]
         with self.lock:
-            self.entries = [e for e in self.entries if shared_head(e.tokens, held) < len(e.tokens)]
-            self.entries.append(Entry(held, keys, values))
+            self.entries = [e for e in self.entries if e.salt != salt or shared_head(e.tokens, held) < len(e.tokens)]
+            self.entries.append(Entry(held, keys, values, salt))
             while self.held_tokens > self.max_tokens:
                 self.entries.pop(0)
 
     def clear(self) -> None:
         with self.lock:
             self.entries.clear()
+
+
+@dataclass(frozen=True)
+class PrefixScope:
+    """A `PrefixCache` as one salt's requests see it: they are seeded only from what was stored under that salt.
+
+    Example (the same text stored under salt "a" is not seen under "b"):
+        >>> from transformers import DynamicCache
+        >>> prefixes = PrefixCache(max_tokens=100)
+        >>> stored = DynamicCache()
+        >>> _ = stored.update(torch.ones(1, 2, 5, 8), torch.ones(1, 2, 5, 8), 0)
+        >>> prefixes.scoped("a").store([1, 2, 3, 4, 5], stored, 5)
+        >>> prompt = [1, 2, 3, 4, 5, 6]
+        >>> prefixes.scoped("b").seed(DynamicCache(), prompt), prefixes.scoped("a").seed(DynamicCache(), prompt)
+        (0, 5)
+    """
+
+    cache: PrefixCache
+    salt: str = ""
+
+    @property
+    def max_tokens(self) -> int:
+        return self.cache.max_tokens
+
+    def seed(self, cache: DynamicCache, tokens: list[int]) -> int:
+        return self.cache.seed(cache, tokens, self.salt)
+
+    def store(self, tokens: list[int], cache: DynamicCache, length: int) -> None:
+        self.cache.store(tokens, cache, length, self.salt)
+
+
+Prefixes = PrefixCache | PrefixScope
+"""What the engine and batches seed from and store to."""

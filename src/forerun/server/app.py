@@ -339,6 +339,7 @@ def create_app(model, tokenizer, config: ServerConfig, draft_model=None) -> Fast
             cancel=cancel,
             logprobs=args.logprobs,
             prediction=args.prediction,
+            cache_salt=args.cache_salt,
             **args.sampling,
         )
 

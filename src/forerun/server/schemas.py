@@ -45,6 +45,8 @@ class CommonRequest(BaseModel):
     n: StrictInt | None = None
     logit_bias: dict[str, Any] | None = None
     user: StrictStr | None = None
+    cache_salt: StrictStr | None = None
+    """vLLM's: the prompt shares prefix-cache entries only with requests carrying the same salt."""
     forerun: dict[str, Any] | None = None
     """forerun's own: {"method": "auto", knob: value, ...}."""
 

@@ -27,6 +27,8 @@ MAX_STOPS = 4
 MAX_STOP_CHARS = 500
 MAX_TOP_LOGPROBS = {"chat": 20, "completions": 5}
 """As OpenAI: top_logprobs <= 20 in chat, logprobs <= 5 in completions."""
+MAX_SALT_CHARS = 256
+"""A cache salt names a tenant (a hash or an id), not a text."""
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
@@ -71,6 +73,8 @@ class GenerationArgs:
     prediction: str | None
     stream: bool
     include_usage: bool
+    cache_salt: str | None = None
+    """Prefix-cache entries are shared only among requests with the same salt (None: the unsalted ones)."""
 
 
 def refuse(field_name: str, message: str) -> APIError:
@@ -296,4 +300,14 @@ def translate(body: ChatRequest | CompletionRequest, limits: Limits) -> Generati
         prediction=prediction_of(body) if chat else None,
         stream=body.stream,
         include_usage=bool((body.stream_options or {}).get("include_usage", False)),
+        cache_salt=cache_salt_of(body),
     )
+
+
+def cache_salt_of(body: CommonRequest) -> str | None:
+    salt = body.cache_salt
+    if salt is None:
+        return None
+    if not salt or len(salt) > MAX_SALT_CHARS:
+        raise refuse("cache_salt", f"cache_salt must be 1 to {MAX_SALT_CHARS} characters, got {len(salt)}")
+    return checked("cache_salt", salt)
