@@ -488,9 +488,10 @@ class Decoder:
 
     def prepare_row(
         self, ids, max_new_tokens, stop, eos_token_id, streamer, do_sample, seed, cancel, prediction, logprobs,
-        generation_kwargs, prefixes=None
+        generation_kwargs, prefixes
     ) -> tuple[RowJob, Request]:  # fmt: skip
-        """A checked, encoded prompt [1, L] -> its RowJob (criteria, forked drafters, processors, sampling)."""
+        """A checked, encoded prompt [1, L] -> its RowJob (criteria, forked drafters, processors, sampling);
+        `prefixes`: the prefix cache as its salt sees it (`scoped_prefixes`)."""
         device = self.model.device
         eos = eos_ids_of(self.model, eos_token_id)
         prompt_len = ids.shape[1]
@@ -514,10 +515,7 @@ class Decoder:
         if streamer is not None:
             streamer.put(ids.cpu())  # transformers' convention: a streamer sees the prompt first
         transcript = Transcript(ids.to(device), criteria, streamer, logprobs_top=logprobs)
-        job = RowJob(
-            ids.to(device), transcript, request.drafters, eos, max_new_tokens, processor, sampling,
-            prefixes if prefixes is not None else self.prefixes
-        )  # fmt: skip
+        job = RowJob(ids.to(device), transcript, request.drafters, eos, max_new_tokens, processor, sampling, prefixes)
         return job, request
 
     def encode_batch(self, prompts: Sequence[Prompt] | torch.Tensor, chat: bool) -> list[torch.Tensor]:
