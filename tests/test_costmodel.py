@@ -193,6 +193,58 @@ def test_a_contested_guess_is_calibrated_apart_from_the_same_drafter_alone_or_ag
     assert model.calibration.trials[("trie/contested", 1, 2)] == pytest.approx(30)
 
 
+def proposal(source: str, score: float = 0.8) -> TokenTree:
+    """root(1) -> 2, guessed by `source`."""
+    tree = TokenTree.rooted_at(1)
+    tree.add(0, 2, source=source, score=score)
+    return tree
+
+
+def test_fed_guesses_that_fail_beyond_their_estimate_lower_their_source_alone():
+    """The calibrated chance of a trie guess says 0.8, but the trie guesses that were fed kept failing (as the
+    guesses whose estimate came out highest by chance do): the trie's chances fall and its guess is no longer fed,
+    while a prompt-lookup guess with the same calibrated chance still is, and the calibration itself is untouched."""
+    model = CostModel(STEEP, 16)
+    assert model.choose(1, [proposal("trie")]).tree.tokens == [1, 2]  # (1 + .8) / 16 beats 1 / 10
+    for _ in range(40):
+        model.fed_check.record("trie", 0.8, False)
+    assert model.choose(1, [proposal("trie")]).tree.tokens == [1]
+    assert model.choose(1, [proposal("prompt_lookup")]).tree.tokens == [1, 2]
+    assert model.calibration.probability("trie", 1, 0.8) == pytest.approx(0.8)
+    assert model.rank(1, [proposal("trie")]).raw[1] == pytest.approx(0.8)  # what the check learns from
+
+
+def test_a_source_the_fed_check_stopped_is_fed_again_once_it_has_waited():
+    """Only fed guesses move a source's factor: after its fed guesses failed, the trie's unfed guesses are right
+    step after step (the calibration sees it), and once it has proposed unfed for 16 steps its factor relaxes
+    toward 1 until its guesses are fed again (without the relaxation they never would be)."""
+    model = CostModel(STEEP, 16)
+    for _ in range(40):
+        model.fed_check.record("trie", 0.8, False)
+    fed = []
+    for _ in range(200):
+        selection = model.choose(1, [proposal("trie")])
+        fed.append(len(selection.tree) > 1)
+        model.learn(selection, [2, 3])
+    assert fed[:17] == [False] * 17 and fed[-1]
+
+
+def test_the_fed_check_learns_from_fed_guesses_whose_parent_was_accepted_only():
+    """Prompt lookup proposes 2 -> 3, the trie 4 beside 2 (poor, not fed); the text goes on 2, 5: the fed 2 was
+    right, the fed 3 wrong; the unfed trie guess is left to the calibration."""
+    chain, poor = TokenTree.rooted_at(1), TokenTree.rooted_at(1)
+    chain.add_chain(0, [2, 3], source="prompt_lookup", scores=0.9)
+    poor.add(0, 4, source="trie", score=0.05)
+    model = CostModel(STEEP, 16)
+    selection = model.choose(1, [chain, poor])
+    assert selection.tree.tokens == [1, 2, 3] and len(selection.fed) == 2
+    model.learn(selection, [2, 5])
+    check = model.fed_check
+    assert check.hits == {"prompt_lookup/contested": 1.0, "prompt_lookup": 0.0}
+    assert check.predicted == {"prompt_lookup/contested": pytest.approx(0.9), "prompt_lookup": pytest.approx(0.9)}
+    assert ("trie/contested", 1, 0) in model.calibration.trials  # the calibration learnt from it all the same
+
+
 def test_calibration_learns_from_every_proposed_node_fed_or_not():
     """Committed [7, 3]: node 7 (depth 1) was right, 9 under it wrong, 8 (depth 1) wrong, 4 under 8 unknown."""
     tree = TokenTree.rooted_at(5)

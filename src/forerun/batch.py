@@ -167,12 +167,12 @@ def proposal_budget(budget: Budget, rows: int) -> int:
 
 
 def row_budget(budget: Budget) -> Budget:
-    """A row's own budget: the same curve and long-run calibration, its own per-request correction (no forward
-    timings: a batch times its forwards itself, `Batch.measured`)."""
+    """A row's own budget: the same curve, long-run calibration and check of fed guesses, its own per-request
+    correction (no forward timings: a batch times its forwards itself, `Batch.measured`)."""
     if isinstance(budget, CostModel):
         shared = budget.calibration
         calibration = Calibration(hits=shared.hits, trials=shared.trials)
-        return CostModel(budget.curve, budget.max_nodes, calibration, times=None)
+        return CostModel(budget.curve, budget.max_nodes, calibration, budget.fed_check, times=None)
     return budget
 
 
