@@ -408,9 +408,11 @@ def test_a_narrower_batch_refills_finished_rows_with_waiting_prompts(family, imp
     rows_fed = []
 
     def spy(_, args, kwargs):  # (rows, prefill?): a joining row's prefill runs alone on a fresh cache
-        rows_fed.append((kwargs["input_ids"].shape[0], kwargs["past_key_values"].get_seq_length() == 0))
+        input_ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
+        rows_fed.append((input_ids.shape[0], kwargs["past_key_values"].get_seq_length() == 0))
 
-    hook = model.register_forward_pre_hook(spy, with_kwargs=True)
+    # on the body: every forward runs it, also those whose logits forerun computes itself (forerun.head)
+    hook = model.base_model.register_forward_pre_hook(spy, with_kwargs=True)
     try:
         order = []
         for index, result in decoder.generate_each(batch, NEW_TOKENS, batch_size=2, eos_token_id=eos):

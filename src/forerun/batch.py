@@ -53,8 +53,8 @@ from forerun.engine import (
     tree_support,
     verify,
 )
+from forerun.head import LogitsHead
 from forerun.kvcache import keep_accepted, plain_layers, roomy_cache
-from forerun.models import last_logits
 from forerun.prefixcache import Prefixes
 from forerun.stats import GenerationStats
 from forerun.tree import TokenTree, as_attention_mask, merge
@@ -374,7 +374,8 @@ class Batch:
         self.rows: list[Row] = []
         self.cache = RowCache(model.config)
         self.attention = model.config._attn_implementation or "eager"
-        self.keeps_logits = bool(last_logits(model, 1))
+        self.head = LogitsHead(model)
+        """The batch's forwards (its first prefill decides how the logits of a few positions are computed)."""
         self.measured = {False: 1.0, True: 1.0}
         """Measured / predicted forward time (`LatencyCurve.batch_cost`), recency-weighted, for
         root-only steps (False) and steps with drafts (True): batched shapes may not cost what the curve says, and
@@ -447,8 +448,7 @@ class Batch:
             part = lead[:chunk]
             joining.fed += len(part)
             # the part's last token stands as a lone root: a causal chain, no mask; its logits are not needed
-            forward_tree(self.model, own, TokenTree.rooted_at(part[-1]), joining.fed - 1, part[:-1], self.attention,
-                         self.keeps_logits)  # fmt: skip
+            forward_tree(self.head, own, TokenTree.rooted_at(part[-1]), joining.fed - 1, part[:-1], self.attention)
             joining.chunks += 1
             return None
         t0 = time.perf_counter()
@@ -459,7 +459,7 @@ class Batch:
         selection = budget.choose(root, proposals, len(lead), drafting)
         tree = selection.tree
         t1 = time.perf_counter()
-        logits = forward_tree(self.model, own, tree, prompt_len - 1, lead, self.attention, self.keeps_logits)
+        logits = forward_tree(self.head, own, tree, prompt_len - 1, lead, self.attention)
         path = self.commit(row, selection, logits, joining.begun_s + t1 - t0, time.perf_counter() - t1)
         keep_accepted(own, prompt_len - 1, path)
         if job.prefixes is not None:
@@ -551,13 +551,13 @@ class Batch:
         # 2. pack and 3. forward: one call for every row, trees padded to one size
         nodes = max(len(selection.tree) for selection in selections)
         input_ids, position_ids, mask = self.pack([selection.tree for selection in selections], nodes)
-        logits = self.model(
+        logits = self.head(
             input_ids=input_ids,
             attention_mask=mask,
             position_ids=position_ids,
             past_key_values=self.cache.cache,
             use_cache=True,
-        ).logits  # [rows, nodes, vocab]
+        )  # [rows, nodes, vocab]
         forward_s = time.perf_counter() - t1
         # 4. verify and 5. commit, per row; then keep each row's accepted path in the shared cache
         kept = [

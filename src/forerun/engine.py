@@ -18,9 +18,9 @@ from transformers import DynamicCache, LogitsProcessorList, StoppingCriteriaList
 
 from forerun.costmodel import CostModel, StaticBudget
 from forerun.drafters.base import DraftContext, Drafter, StepOutcome
+from forerun.head import LogitsHead
 from forerun.kvcache import UnsupportedCacheError, check_tree_cache, keep_accepted
 from forerun.logprobs import TokenLogprob, token_logprobs
-from forerun.models import last_logits
 from forerun.noise import GumbelNoise
 from forerun.prefixcache import Prefixes
 from forerun.stats import GenerationStats
@@ -178,7 +178,7 @@ def decode(
     stats.cached_prompt_tokens = prefixes.seed(cache, ctx.tokens) if prefixes is not None else 0
     lead, prefix_len = ctx.tokens[stats.cached_prompt_tokens : -1], prompt_len - 1  # prefix_len: tokens before the root
     attention = model.config._attn_implementation or "eager"
-    keeps_logits = bool(last_logits(model, 1))
+    head = LogitsHead(model)
     while not transcript.done:
         # 1. propose: every drafter's tree; the budget merges them and keeps what pays on this device
         t0 = time.perf_counter()
@@ -189,7 +189,7 @@ def decode(
         tree = selection.tree
         # 2. pack and 3. forward: one call of the unmodified model
         t1 = time.perf_counter()
-        logits = forward_tree(model, cache, tree, prefix_len, lead, attention, keeps_logits)  # [n, vocab]
+        logits = forward_tree(head, cache, tree, prefix_len, lead, attention)  # [n, vocab]
         # 4. verify: the longest path the target agrees with, plus its own bonus token
         verdict = verify(tree, NodeScores(logits, processor, transcript.sequence, tree), sampling)
         if not lead:  # what this forward cost against the curve (a prefill is not on it)
@@ -222,26 +222,26 @@ def decode(
 
 
 def forward_tree(
-    model: torch.nn.Module,
+    head: LogitsHead,
     cache: DynamicCache,
     tree: TokenTree,
     prefix_len: int,
     lead: Sequence[int],
     attention: str,
-    keeps_logits: bool,
 ) -> torch.Tensor:
     """One call of the unmodified model on `tree` (after the `lead` tokens, at the prefill) with `prefix_len`
     tokens cached in `cache`; returns the tree's logits [len(tree), vocab] (the lead's are not computed where the
     model takes `logits_to_keep`)."""
+    model = head.model
     packed = pack(tree, prefix_len, attention, model.dtype, model.device, lead)
-    return model(
+    return head(
+        len(tree),
         input_ids=packed.input_ids,
         attention_mask=packed.attention_mask,
         position_ids=packed.position_ids,
         past_key_values=cache,
         use_cache=True,
-        **({"logits_to_keep": len(tree)} if keeps_logits else {}),
-    ).logits[0, -len(tree) :]
+    )[0, -len(tree) :]
 
 
 def fallback_if_unsupported(

@@ -27,12 +27,16 @@ import torch
 from transformers import DynamicCache
 
 from forerun.costmodel import LatencyCurve
+from forerun.head import LogitsHead
 from forerun.tree import as_attention_mask
 
 DEFAULT_CACHE_DIR = Path("~/.cache/forerun")
 SIZES = (*range(1, 17), 20, 24, 32, 48, 64)
 """Every size up to 16: matrix kernels favour some row counts (on an AVX-512 CPU, fp32, 7 tokens cost 1.9x one
 token and 8 tokens 1.77x), so the cost model must see each size a step may feed, not interpolate over them."""
+FORWARDS = 2
+"""How forerun runs a forward, part of a curve's key: a curve stored by an older way is measured again (2: the
+logits of 2-8 positions as a tall product where that is the model's own computation, `forerun.head`)."""
 CONTEXT = 256
 """Cached tokens before each measured forward: a realistic mid-answer length."""
 BATCH_ROWS = (2, 4, 8)
@@ -73,6 +77,7 @@ def curve_settings(model: torch.nn.Module) -> dict[str, object]:
         "threads": torch.get_num_threads() if device.type == "cpu" else None,
         "torch": torch.__version__,
         "sizes": list(SIZES),  # a curve measured at other sizes is measured again
+        "forwards": FORWARDS,
     }
 
 
@@ -126,7 +131,8 @@ def time_forwards(
     attention = getattr(model.config, "_attn_implementation", None) or "eager"
     ids = torch.randint(0, vocab, (rows, context + max(sizes)), generator=generator).to(device)
     cache = DynamicCache(config=model.config)
-    model(ids[:, :context], past_key_values=cache, use_cache=True)
+    head = LogitsHead(model)  # forwards as decoding runs them: this prefill decides how their logits are computed
+    head(1, input_ids=ids[:, :context], past_key_values=cache, use_cache=True)
     samples: dict[int, list[float]] = {n: [] for n in sizes}
     for _ in range(repeats + 1):  # the first round warms up and is dropped
         for n in sizes:
@@ -138,9 +144,8 @@ def time_forwards(
                 masked["attention_mask"] = as_attention_mask(visible, attention, model.dtype).to(device)
             synchronize(device)
             started = time.perf_counter()
-            model(
-                ids[:, context : context + n], past_key_values=cache, position_ids=positions, use_cache=True, **masked
-            )
+            head(input_ids=ids[:, context : context + n], past_key_values=cache, position_ids=positions, use_cache=True,
+                 **masked)  # fmt: skip
             synchronize(device)
             samples[n].append(time.perf_counter() - started)
             cache.crop(-n)  # back to the context (negative: drop the last n)

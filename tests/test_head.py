@@ -1,0 +1,104 @@
+"""LogitsHead: a few positions' logits as a tall product, only where that is the model's own computation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+
+from forerun.head import TALL_MAX_POSITIONS, LogitsHead
+
+from tiny_models import COMMON, FAMILIES, tiny_model
+
+OWN_HEADS = {"gemma2", "gptj", "opt"}
+"""Families whose logits are not exactly their output matrix applied to their body's last hidden states: Gemma 2
+softcaps them (30 tanh(x / 30)), GPT-J's matrix has a bias; OPT's forward calls its decoder, not the module its
+`base_model_prefix` names, so the check sees no body output and keeps the model's call. (Granite divides by
+logits_scaling, 1.0 in these configs: the same bits, so the split is its own computation.)"""
+
+
+def ids(length: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, 96, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+def positions_logits(head: LogitsHead, model: torch.nn.Module, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(head's, the model's own) logits [1, n, vocab] of n tokens after a 12-token prompt in the cache."""
+    prompt, step = ids(12), ids(n, seed=n)
+    caches = []
+    for _ in range(2):
+        cache = DynamicCache(config=model.config)
+        model(input_ids=prompt, past_key_values=cache, use_cache=True)
+        caches.append(cache)
+    return (
+        head(input_ids=step, past_key_values=caches[0], use_cache=True),
+        model(input_ids=step, past_key_values=caches[1], use_cache=True).logits,
+    )
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_logits_equal_the_models_own_for_every_family(family: str) -> None:
+    model = tiny_model(family, "eager")
+    head = LogitsHead(model)
+    head(input_ids=ids(12), use_cache=False)  # the first call decides
+    assert head.tall == (family not in OWN_HEADS)
+    for n in (1, 2, 3, 5, TALL_MAX_POSITIONS, TALL_MAX_POSITIONS + 3):
+        mine, own = positions_logits(head, model, n)
+        assert mine.shape == own.shape
+        torch.testing.assert_close(mine, own, rtol=0, atol=1e-6)
+        assert torch.equal(mine.argmax(-1), own.argmax(-1))
+
+
+def custom_model(family: str, **settings: object) -> torch.nn.Module:
+    config = AutoConfig.for_model(family, **COMMON, **{**FAMILIES[family], **settings})
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32).eval()
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize(
+    "family, settings",
+    [
+        ("granite", {"logits_scaling": 4.0}),  # logits = W h / 4
+        ("gemma2", {"final_logit_softcapping": 30.0}),  # logits = 30 tanh(W h / 30)
+        ("gptj", {}),  # an output matrix with a bias
+    ],
+)
+def test_models_that_change_their_logits_keep_their_own_call(family: str, settings: dict) -> None:
+    """Negative controls: a split there would give other logits (the first two fail with the check removed)."""
+    model = custom_model(family, **settings)
+    head = LogitsHead(model)
+    head(input_ids=ids(12), use_cache=False)
+    assert not head.tall
+    for n in (2, 4):
+        mine, own = positions_logits(head, model, n)
+        assert torch.equal(mine, own)
+
+
+@torch.inference_mode()
+def test_tall_product_only_for_two_to_eight_positions_and_keep() -> None:
+    model = tiny_model("llama", "eager")
+    head = LogitsHead(model)
+    calls = []
+    hook = model.get_output_embeddings().register_forward_hook(lambda module, args, out: calls.append(out.shape[1]))
+    try:
+        head(input_ids=ids(12), use_cache=False)
+        assert head.tall and calls == [12]
+        for n in (1, 2, 8, 9):
+            head(input_ids=ids(n), use_cache=False)
+        # the model's own matrix ran for 1 and 9 positions; 2 and 8 were the tall product
+        assert calls == [12, 1, 9]
+        out = head(3, input_ids=ids(20), use_cache=False)  # keep: only the last 3 positions' logits
+        assert out.shape == (1, 3, model.config.vocab_size) and calls == [12, 1, 9]
+        torch.testing.assert_close(out, model(input_ids=ids(20)).logits[:, -3:], rtol=0, atol=1e-6)
+    finally:
+        hook.remove()
+
+
+@torch.inference_mode()
+def test_not_in_low_precision() -> None:
+    """In bf16 the output matrix costs the same for 1-4 rows: the model's own call stays."""
+    model = tiny_model("llama", "eager").to(torch.bfloat16)
+    head = LogitsHead(model)
+    head(input_ids=ids(12), use_cache=False)
+    assert not head.tall
