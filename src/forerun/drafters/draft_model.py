@@ -37,7 +37,7 @@ from transformers import DynamicCache
 from forerun.config import DraftModelConfig, PromptLookupConfig
 from forerun.drafters.base import DraftContext, MethodSpec, StepOutcome, cut_at_eos
 from forerun.drafters.prompt_lookup import PromptLookupDrafter
-from forerun.models import last_logits
+from forerun.head import LogitsHead
 from forerun.tree import TokenTree
 
 
@@ -54,8 +54,9 @@ class DraftModelDrafter:
         self.cached: list[int] = []
         """The token ids whose keys/values are in `self.cache`, in order."""
         self.drafted = 0
-        self.keeps_logits = bool(last_logits(draft, 1))
-        """Whether the draft's forward takes logits_to_keep (inspected once: it runs per drafted token)."""
+        self.head = LogitsHead(draft)
+        """The draft's forwards (its first decides how the logits of a few positions are computed: guesses checked
+        in one draft forward need several)."""
         self.lookup = (
             PromptLookupDrafter(PromptLookupConfig(draft_len=config.lookup, max_branches=1)) if config.lookup else None
         )
@@ -152,13 +153,7 @@ class DraftModelDrafter:
         start = len(self.cached)
         ids = torch.tensor([tokens], dtype=torch.long, device=device)
         positions = torch.arange(start, start + len(tokens), device=device).unsqueeze(0)
-        logits = self.draft(
-            input_ids=ids,
-            position_ids=positions,
-            past_key_values=self.cache,
-            use_cache=True,
-            **({"logits_to_keep": keep} if self.keeps_logits else {}),
-        ).logits
+        logits = self.head(keep, input_ids=ids, position_ids=positions, past_key_values=self.cache, use_cache=True)
         self.cached.extend(tokens)
         return [fit_rows(row.float(), self.vocab) for row in logits[0, -keep:]]
 
