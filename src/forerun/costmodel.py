@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from forerun.tree import TokenTree, merge
@@ -165,6 +165,21 @@ REQUEST_DECAY = 0.97
 """Per observation: the request correction remembers about the last 30 checked nodes."""
 
 
+def checked_candidates(tree: TokenTree, committed: Sequence[int]) -> Iterator[tuple[int, bool]]:
+    """(node, accepted) for each candidate of `tree` whose parent path was committed: at depth d it would have been
+    accepted, fed or not, exactly when its token is committed[d-1] (`committed`: the step's accepted drafts, then
+    the bonus token). Candidates under a rejected one, or deeper than the step went, cannot be checked."""
+    reached = {0}
+    for node in range(1, len(tree)):
+        depth = tree.depths[node]
+        if tree.roles[node] != "candidate" or tree.parents[node] not in reached or depth > len(committed):
+            continue
+        accepted = tree.tokens[node] == committed[depth - 1]
+        if accepted:
+            reached.add(node)
+        yield node, accepted
+
+
 @dataclass
 class Calibration:
     """Online acceptance rates per (source, depth bucket, score bin): P(accepted | parent accepted).
@@ -235,17 +250,10 @@ class Calibration:
         been accepted exactly when its token is committed[d-1], fed or not. `keys`: per node, the (source, score)
         its cell is filed under (default: the tree's own; see `support_keys`).
         """
-        reached = {0}
-        for node in range(1, len(tree)):
-            depth = tree.depths[node]
-            if tree.roles[node] != "candidate" or tree.parents[node] not in reached or depth > len(committed):
-                continue
-            accepted = tree.tokens[node] == committed[depth - 1]
+        for node, accepted in checked_candidates(tree, committed):
             key = keys[node] if keys is not None else None
             source, score = key if key is not None else (tree.sources[node], tree.scores[node])
-            self.record(source, depth, score, accepted)
-            if accepted:
-                reached.add(node)
+            self.record(source, tree.depths[node], score, accepted)
 
 
 FED_WEIGHT = 4.0
@@ -302,7 +310,7 @@ class FedCheck:
     def learn(self, ranking: Ranking, fed: Sequence[int], committed: Sequence[int]) -> None:
         """Check the `fed` candidates of `ranking.merged` whose parent was accepted against the `committed` tokens;
         relax the factors of sources that have proposed without being fed for a while."""
-        merged, fed_set, reached = ranking.merged, set(fed), {0}
+        merged, fed_set = ranking.merged, set(fed)
         keys = ranking.keys
         offered = {keys[n][0] for n in range(1, len(merged)) if merged.parents[n] == 0 and keys[n] is not None}
         for source in offered - {keys[n][0] for n in fed_set}:
@@ -312,14 +320,9 @@ class FedCheck:
                 self.hits[source] *= FED_RELAX
         for node in fed_set:
             self.idle[keys[node][0]] = 0
-        for node in range(1, len(merged)):
-            depth = merged.depths[node]
-            if node not in fed_set or merged.parents[node] not in reached or depth > len(committed):
-                continue
-            accepted = merged.tokens[node] == committed[depth - 1]
-            self.record(ranking.keys[node][0], ranking.raw[node], accepted)
-            if accepted:
-                reached.add(node)
+        for node, accepted in checked_candidates(merged, committed):  # fed nodes are closed under ancestors
+            if node in fed_set:
+                self.record(keys[node][0], ranking.raw[node], accepted)
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,8 @@ class LogitsHead:
         self.decided = False
         self.body: torch.nn.Module | None = None
         """The model's body when the split was found equal to the model's own forward, else None."""
+        self.weight: torch.Tensor | None = None
+        """Its output matrix [vocab, hidden], with `body`."""
 
     @property
     def tall(self) -> bool:
@@ -64,13 +66,13 @@ class LogitsHead:
         if not self.decided:
             return self.decide(inputs, kept)
         rows, n = inputs["input_ids"].shape  # type: ignore[union-attr]
-        positions = n if not kept else min(keep or n, n)
+        positions = min(keep, n) if kept else n
         if self.body is None or not 2 <= rows * positions <= TALL_MAX_POSITIONS:
             return self.model(**inputs, **kept).logits
         hidden = self.body(**inputs).last_hidden_state[:, n - positions :]  # [rows, positions, hidden]
-        weight = self.model.get_output_embeddings().weight  # [vocab, hidden]
         flat = hidden.reshape(rows * positions, -1)
-        return torch.matmul(weight, flat.T).T.contiguous().view(rows, positions, -1)
+        # [vocab, hidden] @ [hidden, rows * positions], transposed back
+        return torch.matmul(self.weight, flat.T).T.contiguous().view(rows, positions, -1)
 
     def decide(self, inputs: dict[str, object], kept: dict[str, int]) -> torch.Tensor:
         """Run the whole model once; keep its body for later calls if its logits were exactly the output matrix
@@ -115,5 +117,5 @@ class LogitsHead:
             and isinstance(matrix_out, torch.Tensor)
             and torch.equal(matrix_out, logits)
         ):
-            self.body = body
+            self.body, self.weight = body, matrix.weight
         return logits
