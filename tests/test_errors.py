@@ -1,5 +1,7 @@
 """Bad input gives a ValueError naming the value; the CLI prints one line and exits with status 2."""
 
+import copy
+
 import pytest
 import torch
 from typer.testing import CliRunner
@@ -99,3 +101,15 @@ def test_load_model_takes_dtype_names_and_refuses_others_before_reading_the_file
     # before this check, "fp64" reached the GGUF reader and was reported as a corrupt file
     with pytest.raises(ValueError, match="dtype must be one of fp32, bf16, fp16, got 'fp64'"):
         forerun.load_model("smollm2-135m", dtype="fp64")
+
+
+@pytest.mark.real_model
+def test_messages_the_chat_template_cannot_render_are_a_value_error(smollm2):
+    model, tokenizer = smollm2
+    decoder = forerun.Decoder(model, tokenizer, "plain")
+    with pytest.raises(ValueError, match=r"messages\[1\]\.role must be a string, got 5"):
+        decoder.generate([{"role": "user", "content": "hi"}, {"role": 5, "content": "x"}], 2)
+    strict = copy.deepcopy(tokenizer)  # a template that refuses, as some models' do for roles out of turn
+    strict.chat_template = "{{ raise_exception('Conversation roles must alternate user/assistant') }}"
+    with pytest.raises(ValueError, match="the chat template refused these messages: Conversation roles must"):
+        forerun.Decoder(model, strict, "plain").generate([{"role": "user", "content": "hi"}], 2)

@@ -17,6 +17,7 @@ from forerun.runner import (
     Record,
     finished_rows,
     merge_results,
+    output_row,
     parse_record,
     pending_records,
     read_records,
@@ -72,6 +73,35 @@ def test_records_parse_with_line_numbers_and_group_by_settings(tmp_path):
     ]:
         with pytest.raises(ValueError, match=message):
             parse_record(bad, 9, {})
+
+
+def test_hostile_lines_are_reported_by_number_and_a_byte_order_mark_is_read(tmp_path):
+    path = tmp_path / "in.jsonl"
+    lines = [
+        '\ufeff{"id": "bom", "prompt": "x"}',  # Notepad's UTF-8
+        "[" * 100_000 + "]" * 100_000,  # json recurses per level: this raised RecursionError and ended the run
+        '{"id": ' + "9" * 5000 + ', "prompt": "x"}',  # Python refuses integers of more than 4300 digits
+        '{"id": "chat", "prompt": "x", "chat": "yes"}',
+        '{"id": "sample", "prompt": "x", "do_sample": 1}',
+        '{"id": "ok", "prompt": "x"}',
+    ]
+    path.write_text("\r\n".join(lines) + "\r\n", encoding="utf-8")
+    records, problems = read_records(path, {"max_new_tokens": 4})
+    assert [r.ident for r in records] == ["bom", "ok"]
+    assert [p.split(":")[0] for p in problems] == ["line 2", "line 3", "line 4", "line 5"]
+    assert "nested too deeply" in problems[0] and "4300 digits" in problems[1]
+    assert "'chat' must be true or false" in problems[2] and "'do_sample'" in problems[3]
+
+
+def test_text_ends_before_the_stop_string_and_tokens_keep_all(tmp_path):
+    class Result:
+        text, new_tokens, prompt_len = "one. two. three", [1, 2, 3], 4
+        stats = forerun.GenerationStats()
+
+    record = Record("a", 0, "x", {})
+    assert output_row(record, Result(), [". t", "three"])["text"] == "one"
+    assert output_row(record, Result(), "zz")["text"] == "one. two. three"
+    assert output_row(record, Result())["tokens"] == [1, 2, 3]
 
 
 def test_a_torn_last_line_is_dropped_and_merge_keeps_input_order(tmp_path):

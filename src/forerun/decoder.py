@@ -252,14 +252,19 @@ class Decoder:
                 for i, message in enumerate(prompt):
                     if not isinstance(message, dict) or not isinstance(message.get("content"), str):
                         raise ValueError(f"messages[{i}] must be a dict with a string 'content'")
+                    if not isinstance(message.get("role", "user"), str):
+                        raise ValueError(f"messages[{i}].role must be a string, got {message['role']!r:.40}")
                     check_text(f"messages[{i}].content", message["content"])
             if isinstance(prompt, str) and not chat:
                 ids = self.tokenizer(prompt, return_tensors="pt").input_ids
             else:
                 messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-                ids = self.tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
-                )["input_ids"]
+                try:
+                    ids = self.tokenizer.apply_chat_template(
+                        messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+                    )["input_ids"]
+                except Exception as error:  # the template runs on the caller's messages: its refusals are theirs
+                    raise ValueError(f"the chat template refused these messages: {error}") from error
         else:
             values = list(prompt)
             if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):

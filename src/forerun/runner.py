@@ -2,7 +2,8 @@
 
 Input rows: `{"id": ..., "prompt": "..."}` or `{"id": ..., "messages": [...]}`, with optional per-row settings that
 override the command's (`max_new_tokens`, `chat`, `stop`, `do_sample`, `temperature`, `top_p`, `top_k`, `min_p`,
-`repetition_penalty`, `seed`). Output rows: `{"id", "text", "tokens", "prompt_tokens", "stats"}`, one per record.
+`repetition_penalty`, `seed`). Output rows: `{"id", "text", "tokens", "prompt_tokens", "stats"}`, one per record;
+`text` ends before the first stop string, as the server's answers do.
 
 Batching: records with the same settings decode together, at most `--batch-size` rows at once; a finished row's
 place goes to the next record at once (continuous batching), so no row waits for the slowest of its batch.
@@ -31,11 +32,12 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from forerun.checks import offset_seed
+from forerun.stopping import first_stop
 
 SETTINGS = ("max_new_tokens", "chat", "stop", "do_sample", "temperature", "top_p", "top_k", "min_p",
             "repetition_penalty", "seed")  # fmt: skip
@@ -64,6 +66,10 @@ def parse_record(line: str, number: int, defaults: dict, position: int = 0) -> R
         row = json.loads(line)
     except json.JSONDecodeError as error:
         raise ValueError(f"line {number}: invalid JSON ({error.msg})") from None
+    except RecursionError:  # json's decoder recurses per nesting level: '[' * 100000 would end the whole run
+        raise ValueError(f"line {number}: invalid JSON (nested too deeply)") from None
+    except ValueError as error:  # e.g. an integer of more than 4300 digits
+        raise ValueError(f"line {number}: invalid JSON ({error})") from None
     if not isinstance(row, dict):
         raise ValueError(f"line {number}: a record must be a JSON object")
     unknown = sorted(set(row) - {"id", "prompt", "messages", *SETTINGS})
@@ -83,6 +89,9 @@ def parse_record(line: str, number: int, defaults: dict, position: int = 0) -> R
         or not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in prompt)
     ):
         raise ValueError(f"line {number}: 'messages' must be a list of {{role, content}} objects")
+    for flag in ("chat", "do_sample"):
+        if flag in row and not isinstance(row[flag], bool):
+            raise ValueError(f"line {number}: '{flag}' must be true or false, got {json.dumps(row[flag])[:40]}")
     settings = {**defaults, **{k: row[k] for k in SETTINGS if k in row}}
     if "messages" in row:
         settings["chat"] = True
@@ -94,8 +103,8 @@ def read_records(path: str | Path, defaults: dict) -> tuple[list[Record], list[s
     records, problems, seen = [], [], set()
     with open(path, "rb") as handle:
         for number, raw in enumerate(handle, start=1):
-            try:
-                line = raw.decode("utf-8")
+            try:  # a byte order mark opens files saved by some Windows editors
+                line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
             except UnicodeDecodeError as error:
                 problems.append(f"line {number}: not UTF-8 (byte {error.start} of the line)")
                 continue
@@ -219,14 +228,19 @@ def decode_group(decoder, group: list[Record], batch_size: int) -> Iterator[dict
             yield {"id": record.ident, "error": str(error)}
         return
     for index, result in finished:
-        yield output_row(admitted[index], result)
+        yield output_row(admitted[index], result, stop)
 
 
-def output_row(record: Record, result) -> dict:
-    """{"id", "text", "tokens", "prompt_tokens", "stats"} of one decoded record."""
+def output_row(record: Record, result, stop: str | Sequence[str] | None = None) -> dict:
+    """{"id", "text", "tokens", "prompt_tokens", "stats"} of one decoded record. `text` ends where the first stop
+    string begins (as the server's answers do); `tokens` are every token generated, the one that completed the stop
+    string included."""
+    text = result.text
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    cut = first_stop(text, stops) if text is not None and stops else None
     return {
         "id": record.ident,
-        "text": result.text,
+        "text": text if cut is None else text[:cut],
         "tokens": result.new_tokens,
         "prompt_tokens": result.prompt_len,
         "stats": {
