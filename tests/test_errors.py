@@ -73,6 +73,10 @@ def test_tokenizer_model_mismatch(model):
         (["generate", "hi", "--model", "/no/such/model.gguf"], "GGUF file not found"),
         (["bench", "--dataset", "nosuch", "--n", "1"], "unknown dataset 'nosuch'"),
         (["bench", "--methods", "plain,warp"], "unknown benchmark method 'warp'"),
+        # before any model loads or minutes of measuring, not at the end of them
+        (["curve", "--out", "/proc/forerun"], "--out /proc/forerun cannot be created"),
+        (["bench", "--out", "pyproject.toml"], "--out pyproject.toml is a file; give a folder"),
+        (["run", "/dev/null", "-o", "out.jsonl"], "prompts file /dev/null is not a regular file"),
     ],
 )
 def test_cli_errors_exit_2_without_traceback(args, message):

@@ -18,7 +18,9 @@ Example:
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
+from pathlib import Path
 
 MAX_SEED = 2**63 - 1
 
@@ -129,3 +131,25 @@ def check_logprobs(logprobs: object, most: int = 20) -> None:
         isinstance(logprobs, bool) or not isinstance(logprobs, int) or not 0 <= logprobs <= most
     ):
         raise ValueError(f"logprobs must be an integer in [0, {most}] (alternatives per token), got {logprobs!r}")
+
+
+def writable_folder(path: str | Path, what: str = "--out") -> Path:
+    """`path` as a folder that exists (created if missing) and can be written to; else a ValueError naming it.
+    Commands call this before loading a model or measuring, not after minutes of work.
+
+    Example:
+        >>> writable_folder("/proc/results")
+        Traceback (most recent call last):
+        ...
+        ValueError: --out /proc/results cannot be created: [Errno 2] No such file or directory: '/proc/results'
+    """
+    folder = Path(path)
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"{what} {folder} is a file; give a folder")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ValueError(f"{what} {folder} cannot be created: {error}") from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ValueError(f"{what} {folder} cannot be written (permission denied)")
+    return folder

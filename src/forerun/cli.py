@@ -24,6 +24,7 @@ from rich.markup import escape
 from rich.progress import Progress
 from rich.text import Text
 
+from forerun.checks import writable_folder
 from forerun.fetch import DEFAULT_MODELS_DIR
 from forerun.methods import parse_knob_pairs, source_style
 from forerun.models import DEFAULT_MODEL
@@ -204,6 +205,7 @@ def bench(
     if n < 1 or max_new_tokens < 1 or threads < 1:
         raise ValueError(f"--n, --max-new-tokens and --threads must be >= 1 (got {n}, {max_new_tokens}, {threads})")
     specs = parse_methods(methods)
+    writable_folder(out)
     spec = RunSpec(model=model, method="plain", device=device, dtype=dtype, threads=threads)
     prompts = [p for name in dataset.split(",") for p in load_dataset(name.strip(), n)]
     included = [record for path in include for record in load_records(Path(path))]
@@ -399,6 +401,7 @@ def curve(
         raise ValueError(f"--rows must be between 2 and 256, got {rows!r}")
     if threads < 1:
         raise ValueError("--threads must be >= 1")
+    writable_folder(out)
     specs = [
         RunSpec(model=model, method="plain", device=device, dtype=d.strip(), threads=threads) for d in dtype.split(",")
     ]
@@ -571,7 +574,7 @@ def run_file(
         raise ValueError(f"--batch-size and --max-new-tokens must be >= 1 (got {batch_size}, {max_new_tokens})")
     source, target = Path(prompts_file), Path(out)
     if not source.is_file():
-        raise ValueError(f"prompts file {source} does not exist")
+        raise ValueError(f"prompts file {source} " + ("is not a regular file" if source.exists() else "does not exist"))
     check_writable(target)
     defaults = {"max_new_tokens": max_new_tokens, "chat": chat}
     if do_sample:
