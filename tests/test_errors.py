@@ -46,11 +46,11 @@ def test_unknown_method_and_knobs(model):
         forerun.generate(model, [5, 6], "medusa", 5)
     with pytest.raises(ValueError, match=r"unknown knob\(s\) \['window'\] for method 'prompt_lookup'"):
         forerun.generate(model, [5, 6], "prompt_lookup", 5, knobs={"window": 3})
-    with pytest.raises(ValueError, match="draft_len must be an integer >= 1, got 0"):
+    with pytest.raises(ValueError, match="draft_len must be an integer >= 1 and <= 256, got 0"):
         forerun.generate(model, [5, 6], "prompt_lookup", 5, knobs={"draft_len": 0})
     with pytest.raises(ValueError, match=r"unknown generation argument\(s\) \['window'\]; method knobs"):
         forerun.generate(model, [5, 6], "prompt_lookup", 5, window=3)
-    with pytest.raises(ValueError, match="max_tree_nodes must be an integer >= 1, got 0"):
+    with pytest.raises(ValueError, match="max_tree_nodes must be an integer >= 1 and <= 4096, got 0"):
         forerun.generate(model, [5, 6], "prompt_lookup", 5, max_tree_nodes=0)
 
 

@@ -42,7 +42,13 @@ def test_combinations_keep_the_written_order_and_route_dotted_knobs():
         ("auto", {"draft_len": 3}, "knob 'draft_len' needs a method prefix when several methods are combined"),
         ("prompt_lookup+trie", {"jacobi.window": 2}, "knob 'jacobi.window' is for method 'jacobi', which is not part"),
         ("auto", {"trie.window": 2}, "unknown knob\\(s\\) \\['window'\\] for method 'trie'"),
-        ("auto", {"trie.decoding_length": 0}, "decoding_length must be an integer >= 1, got 0"),
+        ("auto", {"trie.decoding_length": 0}, "decoding_length must be an integer >= 1 and <= 1024, got 0"),
+        # every knob has a ceiling: a request's knobs build a server-side Decoder
+        ("jacobi", {"window": 100_000}, "window must be an integer >= 1 and <= 64, got 100000"),
+        ("jacobi", {"window": 64, "ngram": 32}, r"window x \(ngram - 1\) must be <= 1024 probe tokens, got 64 x 31"),
+        ("trie", {"output_weight": float("inf")}, "output_weight must be a finite number >= 0, got inf"),
+        ("trie", {"prompt_weight": float("nan")}, "prompt_weight must be a finite number >= 0, got nan"),
+        ("prompt_lookup", {"draft_len": 10**30}, "draft_len must be an integer >= 1 and <= 256"),
         ("plain", {"draft_len": 3}, "method 'plain' takes no knobs"),
     ],
 )

@@ -104,6 +104,12 @@ def test_a_dropped_non_streaming_request_stops_generating(guarded):
         (b'{"messages": [{"role": "user", "content": "hi"}], "temperature": 1e999}', "temperature"),
         (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1e999}', "max_tokens"),
         (b'\xff\xfe{"messages": []}', None),
+        # a private Decoder from these knobs: 100 million probes a step took 12 GB and minutes (no knob had a ceiling)
+        (
+            b'{"messages": [{"role": "user", "content": "hi"}], "forerun": {"method": "jacobi", "window": 100000, '
+            b'"ngram": 1000}}',
+            "forerun",
+        ),
     ],
 )
 def test_former_500s_are_400s_in_openai_shape(guarded, raw, param):

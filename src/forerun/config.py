@@ -10,20 +10,36 @@ Example:
     >>> PromptLookupConfig(max_ngram=0)
     Traceback (most recent call last):
     ...
-    ValueError: PromptLookupConfig.max_ngram must be an integer >= 1, got 0
+    ValueError: PromptLookupConfig.max_ngram must be an integer >= 1 and <= 64, got 0
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
 
-def check_int(owner: object, name: str, minimum: int) -> None:
-    """Raise a ValueError naming `owner.name` unless it is an int >= minimum (bools are refused)."""
+def check_int(owner: object, name: str, minimum: int, maximum: int) -> None:
+    """Raise a ValueError naming `owner.name` unless it is an int in [minimum, maximum] (bools are refused).
+
+    Every knob has a ceiling: the server builds a Decoder from a request's knobs, and a Jacobi window of 100000
+    columns x 999 levels (100 million probes a step) took 12 GB and minutes before the first token."""
     value = getattr(owner, name)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{type(owner).__name__}.{name} must be an integer >= {minimum}, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
+        raise ValueError(f"{type(owner).__name__}.{name} must be an integer >= {minimum} and <= {maximum}, got "
+                         f"{value!r:.40}")  # fmt: skip
+
+
+def check_number(owner: object, name: str) -> None:
+    """Raise a ValueError naming `owner.name` unless it is a finite number >= 0 (bools are refused)."""
+    value = getattr(owner, name)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 <= value < math.inf):
+        raise ValueError(f"{type(owner).__name__}.{name} must be a finite number >= 0, got {value!r:.40}")
+
+
+MAX_PROBES = 1024
+"""Most Jacobi probe tokens (window x levels) a step may carry."""
 
 
 @dataclass(frozen=True)
@@ -40,10 +56,10 @@ class PromptLookupConfig:
     """Distinct continuations proposed at once; they share prefixes in one tree."""
 
     def __post_init__(self) -> None:
-        check_int(self, "max_ngram", 1)
-        check_int(self, "min_ngram", 1)
-        check_int(self, "draft_len", 1)
-        check_int(self, "max_branches", 1)
+        check_int(self, "max_ngram", 1, 64)
+        check_int(self, "min_ngram", 1, 64)
+        check_int(self, "draft_len", 1, 256)
+        check_int(self, "max_branches", 1, 64)
         if self.min_ngram > self.max_ngram:
             raise ValueError(f"PromptLookupConfig.min_ngram ({self.min_ngram}) must be <= max_ngram ({self.max_ngram})")
 
@@ -78,10 +94,13 @@ class JacobiConfig:
     """Seed of the window's initial tokens (drawn from the prompt), for reproducible step counts."""
 
     def __post_init__(self) -> None:
-        check_int(self, "window", 1)
-        check_int(self, "ngram", 2)
-        check_int(self, "max_candidates", 0)
-        check_int(self, "seed", 0)
+        check_int(self, "window", 1, 64)
+        check_int(self, "ngram", 2, 32)
+        check_int(self, "max_candidates", 0, 256)
+        check_int(self, "seed", 0, 2**63 - 1)
+        if self.window * (self.ngram - 1) > MAX_PROBES:
+            raise ValueError(f"JacobiConfig: window x (ngram - 1) must be <= {MAX_PROBES} probe tokens, got "
+                             f"{self.window} x {self.ngram - 1}")  # fmt: skip
         if self.pool_policy not in ("fifo", "frequency"):
             raise ValueError(f"JacobiConfig.pool_policy must be 'fifo' or 'frequency', got {self.pool_policy!r}")
 
@@ -120,14 +139,12 @@ class TrieConfig:
         ):
             raise ValueError(f"TrieConfig.skip_anchors must be token ids >= 0, got {self.skip_anchors!r}")
         object.__setattr__(self, "skip_anchors", tuple(anchors))  # frozen: normalise once, here
-        check_int(self, "decoding_length", 1)
-        check_int(self, "branch_length", 1)
-        check_int(self, "max_query_length", 1)
-        check_int(self, "max_nodes", 16)
-        for name in ("prompt_weight", "output_weight"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-                raise ValueError(f"TrieConfig.{name} must be a number >= 0, got {value!r}")
+        check_int(self, "decoding_length", 1, 1024)
+        check_int(self, "branch_length", 1, 256)
+        check_int(self, "max_query_length", 1, 64)
+        check_int(self, "max_nodes", 16, 10_000_000)
+        check_number(self, "prompt_weight")
+        check_number(self, "output_weight")
 
 
 @dataclass(frozen=True)
@@ -166,14 +183,12 @@ class DraftModelConfig:
     of the wider draft forward (BENCHMARKS.md has the draft's latency curve). 0: always feed."""
 
     def __post_init__(self) -> None:
-        check_int(self, "gamma", 1)
-        check_int(self, "max_gamma", 1)
-        check_int(self, "tree_width", 1)
-        check_int(self, "self_draft_layers", 0)
-        check_int(self, "lookup", 0)
-        value = self.lookup_min_hits
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-            raise ValueError(f"DraftModelConfig.lookup_min_hits must be a number >= 0, got {value!r}")
+        check_int(self, "gamma", 1, 256)
+        check_int(self, "max_gamma", 1, 256)
+        check_int(self, "tree_width", 1, 64)
+        check_int(self, "self_draft_layers", 0, 1024)
+        check_int(self, "lookup", 0, 256)
+        check_number(self, "lookup_min_hits")
         if self.gamma > self.max_gamma:
             raise ValueError(f"DraftModelConfig.gamma ({self.gamma}) must be <= max_gamma ({self.max_gamma})")
         if self.schedule not in ("fixed", "grow", "heuristic"):
@@ -200,7 +215,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.max_tree_nodes is not None:
-            check_int(self, "max_tree_nodes", 1)
+            check_int(self, "max_tree_nodes", 1, 4096)
         for name in ("draft_in_prefill", "adaptive"):
             value = getattr(self, name)
             if not isinstance(value, bool) and not (name == "adaptive" and value is None):

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from forerun.config import EngineConfig
 from forerun.methods import MethodPlan, plan_method
 from forerun.models import DEFAULT_MODEL, DTYPES
 
@@ -73,10 +74,8 @@ class RunSpec:
                 f"threads must be an integer in [0, {MAX_THREADS}] (this machine has {os.cpu_count()} "
                 f"cores), got {self.threads!r}"
             )
-        if self.max_tree_nodes is not None and (
-            isinstance(self.max_tree_nodes, bool) or not isinstance(self.max_tree_nodes, int) or self.max_tree_nodes < 1
-        ):
-            raise ValueError(f"max_tree_nodes must be an integer >= 1, got {self.max_tree_nodes!r}")
+        if self.max_tree_nodes is not None:
+            EngineConfig(max_tree_nodes=self.max_tree_nodes)  # one check, one message: the engine's
         plan = self.plan()
         if self.draft_model and "draft_model" not in plan.names:
             raise ValueError(f"a draft model is for method draft_model, which is not part of {self.method!r}")
