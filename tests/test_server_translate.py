@@ -54,6 +54,7 @@ def completion(**fields):
         (completion, {"prompt": ["a", "b"]}, "prompt", "one string"),
         (completion, {"prompt": "   "}, "prompt", "prompt is empty"),
         (chat, {"stream_options": {"include_usage": True}}, "stream_options", "needs stream: true"),
+        (chat, {"stream": True, "stream_options": {"include_usage": "false"}}, "stream_options", "true or false"),
         (chat, {"forerun": {"method": "medusa"}}, "forerun", "unknown method 'medusa'"),
         (chat, {"forerun": {"method": "auto", "draft_len": 3}}, "forerun", "needs a method prefix"),
         (chat, {"cache_salt": ""}, "cache_salt", "1 to 256 characters, got 0"),

@@ -280,6 +280,8 @@ def translate(body: ChatRequest | CompletionRequest, limits: Limits) -> Generati
             raise refuse(
                 "stream_options", f"stream_options takes include_usage only, got {sorted(body.stream_options)}"
             )
+        if not isinstance(body.stream_options.get("include_usage", False), bool):  # bool("false") is True
+            raise refuse("stream_options", "stream_options.include_usage must be true or false")
     options = dict(body.forerun or {})
     method = options.pop("method", limits.method)
     knobs = options if options or method != limits.method else dict(limits.knobs)
