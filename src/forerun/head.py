@@ -1,50 +1,75 @@
 """A forward's logits, with the output matrix applied in the layout this CPU computes fastest for a few positions.
 
 A causal LM is a body (embeddings and layers, `model.model`) and an output matrix W [vocab, hidden] applied to the
-body's last hidden states h [n, hidden]. Verifying a tree needs logits at each of its n nodes. On a CPU in fp32,
-MKL computes the model's `F.linear(h, W)` with few rows (n small) as n passes over W, but the same product written
-as W @ h^T (a tall matrix times a few columns) in about one. SmolLM2-135M's 49152 x 576 matrix, 1 thread, AVX2
-EPYC, ms for n = 1 / 2 / 3 / 4 / 8 / 16 rows:
+body's last hidden states h [n, hidden]. Verifying a tree needs logits at each of its n nodes. The same product can
+be written two ways, and which is faster for a few rows depends on the CPU and its BLAS. SmolLM2-135M's
+49152 x 576 matrix, fp32, 1 thread, ms for n = 1 / 2 / 3 / 4 / 8 / 12 / 16 rows:
 
-    F.linear(h, W)          8.2   18.9   27.8   18.7   21.6   27.2
-    (W @ h^T)^T             8.2    9.4   12.3   10.1   17.4   30.5   (made contiguous)
+                                        1      2      3      4      8     12     16
+    AVX2 EPYC     F.linear(h, W)       8.2   18.9   27.8   18.7   21.6      -   27.2
+                  (W @ h^T)^T          8.2    9.4   12.3   10.1   17.4      -   30.5
+    AVX-512 Xeon  F.linear(h, W)       5.0    5.7    6.6   11.2   18.8   25.6   16.3
+                  (W @ h^T)^T          5.0   15.4   15.2   15.8   18.4   19.8   20.0
 
-(the AVX-512 machine of issue 16 showed the same shape: 6.9 / 15 / 21 / 9.5 ms for 1 / 2 / 3 / 4). That output
-matrix is a sixth of a 1-token forward, so a 2-token forward costs 1.44x one token instead of 1.66x.
+On the EPYC the tall product saves a sixth of a 2-token forward; on the Xeon it would cost a fifth. So the choice
+is measured, not assumed: once per matrix shape, dtype, device, thread count and torch version, both layouts are
+timed at 2 to `TALL_MAX_POSITIONS` rows (a second or two, `time_layouts`) and the result is kept under
+`~/.cache/forerun/head/`. A forward of n positions computes its logits as (W @ h^T)^T where that measured at most
+`TALL_MARGIN` of F.linear's time at n; every other forward is the model's own call.
 
-So for forwards of 2 to `TALL_MAX_POSITIONS` positions forerun calls the body and computes the logits as
-(W @ h^T)^T; every other forward is the model's own call. The split is used only where it is the same computation:
-the first forward (the prefill) runs the whole model with hooks on its body and its output matrix, and the split is
-taken from then on only if the model's logits were exactly the output matrix applied to exactly the body's last
-hidden states (a bias-free `nn.Linear`): Gemma 2's logit softcapping, Granite's logit scaling or MiniCPM's scaled
-hidden states keep the whole-model call. Only on a CPU in fp32: in bf16 the matrix costs the same for 1 to 4 rows
-(3.4 / 3.5 / 3.5 / 3.6 ms), and GPU matrix kernels have no such small-row path. The two layouts round differently
-(sums in another order: up to 1 unit in the last place); fp32 outputs stay identical to plain generate, as the
-equality tests across the model families check.
+The split is used only where it is the same computation: the first forward (the prefill) runs the whole model with
+hooks on its body and its output matrix, and the split is taken from then on only if the model's logits were
+exactly the output matrix applied to exactly the body's last hidden states (a bias-free `nn.Linear`): Gemma 2's
+logit softcapping, Granite's logit scaling or MiniCPM's scaled hidden states keep the whole-model call. Only on a
+CPU in fp32: in bf16 the matrix costs the same for 1 to 4 rows (3.4 / 3.5 / 3.5 / 3.6 ms on the Xeon), and GPU
+matrix kernels have no such small-row path. The two layouts round differently (sums in another order: up to 1 unit
+in the last place); fp32 outputs stay identical to plain generate, as the equality tests across the model families
+check.
 
 Example:
     >>> head = LogitsHead(model)                                          # doctest: +SKIP
     >>> head(input_ids=prompt, past_key_values=cache).shape               # the prefill decides  # doctest: +SKIP
     torch.Size([1, 12, 49152])
-    >>> head.tall                                                         # doctest: +SKIP
-    True
+    >>> sorted(head.tall_sizes)                                           # on the AVX2 EPYC  # doctest: +SKIP
+    [2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import time
+from collections.abc import Collection, Sequence
+from pathlib import Path
+
 import torch
 
+from forerun.measured import DEFAULT_CACHE_DIR, device_name, read_json, write_json
 from forerun.models import last_logits
 
-TALL_MAX_POSITIONS = 8
-"""Most positions whose logits are computed as (W @ h^T)^T: from 16 rows on, F.linear is as fast (table above)."""
+TALL_MAX_POSITIONS = 16
+"""Most positions whose logits may be computed as (W @ h^T)^T: beyond, F.linear's large-matrix path is as fast on
+both CPUs above."""
+TALL_MARGIN = 0.9
+"""The tall product is used at n rows only where it measured at most this share of F.linear's time: a layout that
+merely ties keeps the model's own call."""
+LAYOUTS_VERSION = 1
+"""Part of a stored measurement's key: a measurement made by an older way is made again."""
 
 
 class LogitsHead:
     """Calls `model` for logits [rows, positions, vocab]; decides at its first call whether a tall product may
     replace the model's own output matrix for a few positions (module docstring)."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tall_sizes: Collection[int] | None = None,
+        cache_dir: Path | str | None = DEFAULT_CACHE_DIR,
+    ) -> None:
+        """`tall_sizes`: the position counts to compute as a tall product (where the split is the model's own
+        computation); None: those measured faster on this device (`tall_sizes_for`, stored under `cache_dir`;
+        `cache_dir=None` measures without reading or writing a file)."""
         self.model = model
         self.keeps_logits = bool(last_logits(model, 1))
         self.decided = False
@@ -52,11 +77,15 @@ class LogitsHead:
         """The model's body when the split was found equal to the model's own forward, else None."""
         self.weight: torch.Tensor | None = None
         """Its output matrix [vocab, hidden], with `body`."""
+        self.requested = None if tall_sizes is None else frozenset(int(n) for n in tall_sizes)
+        self.cache_dir = cache_dir
+        self.tall_sizes: frozenset[int] = frozenset()
+        """Position counts (2 to TALL_MAX_POSITIONS) whose logits this head computes as (W @ h^T)^T."""
 
     @property
     def tall(self) -> bool:
-        """Whether forwards of 2 to TALL_MAX_POSITIONS positions compute their logits as (W @ h^T)^T."""
-        return self.body is not None
+        """Whether some forwards compute their logits as (W @ h^T)^T."""
+        return self.body is not None and bool(self.tall_sizes)
 
     def __call__(self, keep: int | None = None, **inputs: object) -> torch.Tensor:
         """The logits of one forward of `inputs` (the model's keyword arguments, `input_ids` [rows, n] among
@@ -67,7 +96,7 @@ class LogitsHead:
             return self.decide(inputs, kept)
         rows, n = inputs["input_ids"].shape  # type: ignore[union-attr]
         positions = min(keep, n) if kept else n
-        if self.body is None or not 2 <= rows * positions <= TALL_MAX_POSITIONS:
+        if self.body is None or rows * positions not in self.tall_sizes:
             return self.model(**inputs, **kept).logits
         hidden = self.body(**inputs).last_hidden_state[:, n - positions :]  # [rows, positions, hidden]
         flat = hidden.reshape(rows * positions, -1)
@@ -118,4 +147,51 @@ class LogitsHead:
             and torch.equal(matrix_out, logits)
         ):
             self.body, self.weight = body, matrix.weight
+            sizes = self.requested if self.requested is not None else tall_sizes_for(matrix.weight, self.cache_dir)
+            self.tall_sizes = frozenset(n for n in sizes if 2 <= n <= TALL_MAX_POSITIONS)
         return logits
+
+
+def tall_sizes_for(weight: torch.Tensor, cache_dir: Path | str | None = DEFAULT_CACHE_DIR) -> frozenset[int]:
+    """The row counts at which (W @ h^T)^T measured at most TALL_MARGIN of F.linear(h, W)'s time for this output
+    matrix `weight` [vocab, hidden] on this device: read from `cache_dir`, else measured now and stored there."""
+    settings = {
+        "matrix": list(weight.shape),
+        "dtype": str(weight.dtype).removeprefix("torch."),
+        "device": device_name(weight.device),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "version": LAYOUTS_VERSION,
+    }
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+    name = f"{weight.shape[0]}x{weight.shape[1]}-{settings['dtype']}-t{settings['threads']}-{digest}.json"
+    path = None if cache_dir is None else Path(cache_dir).expanduser() / "head" / name
+    stored = read_json(path) if path is not None else None
+    if stored is not None and isinstance(stored.get("tall"), list):
+        return frozenset(int(n) for n in stored["tall"])
+    timings = time_layouts(weight, range(2, TALL_MAX_POSITIONS + 1))
+    tall = sorted(n for n, (linear, product) in timings.items() if product <= TALL_MARGIN * linear)
+    if path is not None:
+        record = {n: {"linear_ms": linear * 1e3, "tall_ms": product * 1e3} for n, (linear, product) in timings.items()}
+        try:
+            write_json(path, {"settings": settings, "tall": tall, "timings": record})
+        except OSError:
+            pass  # a read-only home: the choice still serves this process
+    return frozenset(tall)
+
+
+@torch.inference_mode()
+def time_layouts(weight: torch.Tensor, sizes: Sequence[int], repeats: int = 3) -> dict[int, tuple[float, float]]:
+    """Seconds of F.linear(h, W) and of (W @ h^T)^T (made contiguous) for h of n rows, per n in `sizes`: the
+    fastest of `repeats` interleaved rounds after a warm-up round (load only ever slows a call down)."""
+    generator = torch.Generator().manual_seed(0)
+    inputs = {n: torch.randn(1, n, weight.shape[1], generator=generator).to(weight) for n in sizes}
+    samples: dict[int, list[tuple[float, float]]] = {n: [] for n in sizes}
+    for _ in range(repeats + 1):
+        for n, hidden in inputs.items():
+            started = time.perf_counter()
+            torch.nn.functional.linear(hidden, weight)
+            middle = time.perf_counter()
+            torch.matmul(weight, hidden[0].T).T.contiguous()
+            samples[n].append((middle - started, time.perf_counter() - middle))
+    return {n: (min(s[0] for s in runs[1:]), min(s[1] for s in runs[1:])) for n, runs in samples.items()}

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import platform
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,39 +27,23 @@ from transformers import DynamicCache
 
 from forerun.costmodel import LatencyCurve
 from forerun.head import LogitsHead
+from forerun.measured import DEFAULT_CACHE_DIR, device_name, read_json, synchronize, write_json
 from forerun.tree import as_attention_mask
 
-DEFAULT_CACHE_DIR = Path("~/.cache/forerun")
+__all__ = ["DEFAULT_CACHE_DIR", "curve_for", "device_name", "measure_batched", "measure_curve", "synchronize"]
 SIZES = (*range(1, 17), 20, 24, 32, 48, 64)
 """Every size up to 16: matrix kernels favour some row counts (on an AVX-512 CPU, fp32, 7 tokens cost 1.9x one
 token and 8 tokens 1.77x), so the cost model must see each size a step may feed, not interpolate over them."""
-FORWARDS = 2
+FORWARDS = 3
 """How forerun runs a forward, part of a curve's key: a curve stored by an older way is measured again (2: the
-logits of 2-8 positions as a tall product where that is the model's own computation, `forerun.head`)."""
+logits of 2-8 positions as a tall product where that is the model's own computation, `forerun.head`; 3: only at
+the sizes where that product measured faster on this device)."""
 CONTEXT = 256
 """Cached tokens before each measured forward: a realistic mid-answer length."""
 BATCH_ROWS = (2, 4, 8)
 """Rows per forward measured for batched decoding (between them the cost is interpolated, beyond extrapolated)."""
 BATCH_SIZES = (1, 2, 3, 4, 6, 8, 12, 16)
 """Tokens per row measured with several rows: a batch's per-row trees stay small."""
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for queued GPU work, so a timer stops when the tokens exist (no-op on a CPU)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def curve_settings(model: torch.nn.Module) -> dict[str, object]:
@@ -158,17 +141,15 @@ def curve_path(model: torch.nn.Module, cache_dir: Path | str = DEFAULT_CACHE_DIR
 
 def save_curve(curve: LatencyCurve, path: Path, settings: dict[str, object]) -> None:
     """Write the curve as JSON (a temporary file renamed over the target: never a half-written file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_suffix(".tmp")
-    temporary.write_text(json.dumps({"settings": settings, **curve.as_dict()}, indent=1))
-    temporary.replace(path)
+    write_json(path, {"settings": settings, **curve.as_dict()})
 
 
 def load_curve(path: Path) -> LatencyCurve | None:
     """The curve stored at `path`, or None if it is missing or unreadable (then it is measured again)."""
+    data = read_json(path)
     try:
-        return LatencyCurve.from_dict(json.loads(path.read_text()))
-    except (OSError, ValueError, KeyError, TypeError):
+        return None if data is None else LatencyCurve.from_dict(data)
+    except (ValueError, KeyError, TypeError):
         return None
 
 

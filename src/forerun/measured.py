@@ -1,0 +1,57 @@
+"""Where forerun keeps what it measured once on this device: the forward-latency curve (`forerun.latency`) and the
+faster layout of the output matrix (`forerun.head`), each a small JSON file under `~/.cache/forerun/<kind>/`.
+
+What a measurement depends on (the device's name, the dtype, the thread count, torch's version) is part of its file
+name, so another machine, dtype or thread count measures afresh instead of reading a stale file.
+
+Example:
+    >>> device_name(torch.device("cpu")) != ""
+    True
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+DEFAULT_CACHE_DIR = Path("~/.cache/forerun")
+
+
+def device_name(device: torch.device) -> str:
+    """The GPU's name, or the CPU's model name (`/proc/cpuinfo`; the platform's name where there is none)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued GPU work, so a timer stops when the tokens exist (no-op on a CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def write_json(path: Path, data: dict) -> None:
+    """Write `data` as JSON through a temporary file renamed over `path`: readers never see half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    temporary.write_text(json.dumps(data, indent=1))
+    temporary.replace(path)
+
+
+def read_json(path: Path) -> dict | None:
+    """The JSON object stored at `path`, or None if it is missing or unreadable (then it is measured again)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
