@@ -18,33 +18,31 @@ timed at 2 to `TALL_MAX_POSITIONS` rows (a second or two, `time_layouts`) and th
 `TALL_MARGIN` of F.linear's time at n; every other forward is the model's own call.
 
 The split is used only where it is the same computation: the first forward (the prefill) runs the whole model with
-hooks on its body and its output matrix, and the split is taken from then on only if the model's logits were
-exactly the output matrix applied to exactly the body's last hidden states (a bias-free `nn.Linear`): Gemma 2's
-logit softcapping, Granite's logit scaling or MiniCPM's scaled hidden states keep the whole-model call. Only on a
-CPU in fp32: in bf16 the matrix costs the same for 1 to 4 rows (3.4 / 3.5 / 3.5 / 3.6 ms on the Xeon), and GPU
-matrix kernels have no such small-row path. The two layouts round differently (sums in another order: up to 1 unit
-in the last place); fp32 outputs stay identical to plain generate, as the equality tests across the model families
-check.
+hooks on its body and its output matrix, and the split is taken from then on only if the model's logits were exactly
+the output matrix applied to exactly the body's last hidden states (a bias-free `nn.Linear`): Gemma 2's logit
+softcapping, Granite's logit scaling or MiniCPM's scaled hidden states keep the whole-model call. Only on a CPU in
+fp32: in bf16 the matrix costs the same for 1 to 4 rows (3.4 / 3.5 / 3.5 / 3.6 ms on issue 16's AVX-512 EPYC), and
+GPU matrix kernels have no such small-row path. The two layouts round differently (sums in another order: up to 1
+unit in the last place); fp32 outputs stay identical to plain generate, as the equality tests across the model
+families check.
 
 Example:
     >>> head = LogitsHead(model)                                          # doctest: +SKIP
     >>> head(input_ids=prompt, past_key_values=cache).shape               # the prefill decides  # doctest: +SKIP
     torch.Size([1, 12, 49152])
-    >>> sorted(head.tall_sizes)                                           # on the AVX2 EPYC  # doctest: +SKIP
-    [2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]
+    >>> sorted(head.tall_sizes)                                           # on the AVX-512 Xeon  # doctest: +SKIP
+    [7, 9, 10, 11, 12, 13, 14, 15, 16]
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import time
 from collections.abc import Collection, Sequence
 from pathlib import Path
 
 import torch
 
-from forerun.measured import DEFAULT_CACHE_DIR, device_name, read_json, write_json
+from forerun.measured import DEFAULT_CACHE_DIR, device_name, read_json, settings_digest, write_json
 from forerun.models import last_logits
 
 TALL_MAX_POSITIONS = 16
@@ -163,7 +161,7 @@ def tall_sizes_for(weight: torch.Tensor, cache_dir: Path | str | None = DEFAULT_
         "torch": torch.__version__,
         "version": LAYOUTS_VERSION,
     }
-    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+    digest = settings_digest(settings)
     name = f"{weight.shape[0]}x{weight.shape[1]}-{settings['dtype']}-t{settings['threads']}-{digest}.json"
     path = None if cache_dir is None else Path(cache_dir).expanduser() / "head" / name
     stored = read_json(path) if path is not None else None

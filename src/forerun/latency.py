@@ -16,8 +16,6 @@ Example:
 
 from __future__ import annotations
 
-import hashlib
-import json
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,7 +25,7 @@ from transformers import DynamicCache
 
 from forerun.costmodel import LatencyCurve
 from forerun.head import LogitsHead
-from forerun.measured import DEFAULT_CACHE_DIR, device_name, read_json, synchronize, write_json
+from forerun.measured import DEFAULT_CACHE_DIR, device_name, read_json, settings_digest, synchronize, write_json
 from forerun.tree import as_attention_mask
 
 __all__ = ["DEFAULT_CACHE_DIR", "curve_for", "device_name", "measure_batched", "measure_curve", "synchronize"]
@@ -66,7 +64,7 @@ def curve_settings(model: torch.nn.Module) -> dict[str, object]:
 
 def curve_key(settings: dict[str, object]) -> str:
     """A file name for `settings`: the model class, dtype, threads and a hash of the rest."""
-    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+    digest = settings_digest(settings)
     threads = f"-t{settings['threads']}" if settings.get("threads") else ""
     return f"{settings['model']}-{settings['dtype']}{threads}-{digest}"
 

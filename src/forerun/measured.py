@@ -11,6 +11,7 @@ Example:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -38,6 +39,11 @@ def synchronize(device: torch.device) -> None:
     """Wait for queued GPU work, so a timer stops when the tokens exist (no-op on a CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def settings_digest(settings: dict) -> str:
+    """16 hex digits naming `settings` (a JSON-able dict) in a file name: equal settings, equal names."""
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def write_json(path: Path, data: dict) -> None:
