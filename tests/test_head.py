@@ -120,6 +120,8 @@ def test_sizes_measured_faster_are_chosen_stored_and_read_back(tmp_path, monkeyp
     (stored,) = (tmp_path / "head").glob("64x16-float32-t*.json")
     assert stored.read_text().count("linear_ms") == len(EVERY_SIZE)
     assert tall_sizes_for(torch.zeros(64, 32), tmp_path) == {2, 3} and measured == [1, 1]  # another matrix: measured
+    stored.write_text('{"tall": ["7", null]}')  # a damaged file is measured again, not trusted or fatal
+    assert tall_sizes_for(weight, tmp_path) == {2, 3} and measured == [1, 1, 1]
 
 
 @torch.inference_mode()

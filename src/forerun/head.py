@@ -165,8 +165,9 @@ def tall_sizes_for(weight: torch.Tensor, cache_dir: Path | str | None = DEFAULT_
     name = f"{weight.shape[0]}x{weight.shape[1]}-{settings['dtype']}-t{settings['threads']}-{digest}.json"
     path = None if cache_dir is None else Path(cache_dir).expanduser() / "head" / name
     stored = read_json(path) if path is not None else None
-    if stored is not None and isinstance(stored.get("tall"), list):
-        return frozenset(int(n) for n in stored["tall"])
+    tall_stored = stored.get("tall") if stored is not None else None
+    if isinstance(tall_stored, list) and all(type(n) is int for n in tall_stored):  # else: measured again
+        return frozenset(tall_stored)
     timings = time_layouts(weight, range(2, TALL_MAX_POSITIONS + 1))
     tall = sorted(n for n, (linear, product) in timings.items() if product <= TALL_MARGIN * linear)
     if path is not None:
