@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from forerun.fetch import DEFAULT_MODELS_DIR, FETCHABLE
 
@@ -115,10 +115,14 @@ def load_model(
     dtype = as_dtype(dtype)
     location, gguf_file = resolve(name)
     extra = {"gguf_file": gguf_file} if gguf_file else {}
+    # Dense weights, said outright: with the `kernels` package installed transformers would otherwise keep GGUF
+    # blocks packed and compute every matmul in fp32 with casts (warning, wrongly, that it does so whenever the
+    # dtype is not fp32, even when it then dequantizes), which is neither the bf16 model asked for nor a plain one.
+    dense = {"quantization_config": GgufConfig(dequantize=True)} if gguf_file else {}
     try:
         tokenizer = AutoTokenizer.from_pretrained(location, local_files_only=True, **extra)
         model = AutoModelForCausalLM.from_pretrained(
-            location, local_files_only=True, dtype=dtype, attn_implementation=attn_implementation, **extra
+            location, local_files_only=True, dtype=dtype, attn_implementation=attn_implementation, **extra, **dense
         )
     except OSError as error:
         raise FileNotFoundError(f"cannot load {name!r} offline: {error}") from error
