@@ -1,7 +1,8 @@
 """Server load: C concurrent clients x R requests each, against `forerun serve` one at a time and batched.
 
 Each setting starts the app in this process on 127.0.0.1 (uvicorn in a thread), sends the same requests (chat,
-greedy, prompts from GSM8K/HumanEval/MBPP/typehints) from C threads with the official openai client, and reports
+greedy, prompts from GSM8K/HumanEval/MBPP/typehints) from C threads of another process with the official openai
+client (`--clients-in-process`: threads of this one, as before 2026-11-25, session 18), and reports
 aggregate completion tokens per second over the wall time and p50/p95 request latency. Traffic stays on loopback.
 
 Usage:
@@ -15,10 +16,11 @@ existed): `prompt_lookup:1:0` is the one-at-a-time server as it was first shippe
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import statistics
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -43,6 +45,11 @@ def main() -> None:
     parser.add_argument(
         "--settings", default="plain:1,auto:1,auto:8", help="method:max_batch[:prefix_cache_tokens], comma-separated."
     )
+    parser.add_argument(
+        "--clients-in-process",
+        action="store_true",
+        help="Run the client threads in the server's process, as the tables before 2026-11-25 (session 18) did.",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
@@ -61,18 +68,11 @@ def main() -> None:
             "smollm2-135m", method, max_batch=int(batch), max_queue=total + 1, prefix_cache_tokens=int(prefix)
         )
         server = LiveServer(create_app(model, tokenizer, config))
-        client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=3600)
-        client.chat.completions.create(model="smollm2-135m", messages=prompts[0], max_tokens=4)  # warm-up
-
-        def one(messages: list[dict], client: OpenAI = client) -> tuple[float, int]:
-            began = time.perf_counter()
-            reply = client.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=args.max_tokens)
-            return time.perf_counter() - began, reply.usage.completion_tokens
-
-        began = time.perf_counter()
-        with ThreadPoolExecutor(args.clients) as pool:
-            results = list(pool.map(one, prompts))
-        wall = time.perf_counter() - began
+        if args.clients_in_process:
+            results, wall = load(server.url, prompts, args.clients, args.max_tokens)
+        else:  # the clients' Python (HTTP, JSON) must not take the server's GIL: they run in a process of their own
+            with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as clients:
+                results, wall = clients.submit(load, server.url, prompts, args.clients, args.max_tokens).result()
         server.stop()
         latencies = sorted(seconds for seconds, _ in results)
         tokens = sum(n for _, n in results)
@@ -80,6 +80,23 @@ def main() -> None:
         label = f"{method}, max_batch {batch}" + (", no prefix cache" if int(prefix) == 0 else "")
         print(f"| {label} | {tokens / wall:.1f} | {statistics.median(latencies):.1f} | {p95:.1f} | {len(results)} |",
               flush=True)  # fmt: skip
+
+
+def load(url: str, prompts: list[list[dict]], clients: int, max_tokens: int) -> tuple[list[tuple[float, int]], float]:
+    """Send every prompt from `clients` threads (after one warm-up request); return (latency s, completion tokens)
+    per request and the wall time of the whole load."""
+    client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=3600)
+    client.chat.completions.create(model="smollm2-135m", messages=prompts[0], max_tokens=4)  # warm-up
+
+    def one(messages: list[dict]) -> tuple[float, int]:
+        began = time.perf_counter()
+        reply = client.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=max_tokens)
+        return time.perf_counter() - began, reply.usage.completion_tokens
+
+    began = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        results = list(pool.map(one, prompts))
+    return results, time.perf_counter() - began
 
 
 if __name__ == "__main__":
