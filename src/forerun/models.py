@@ -115,9 +115,8 @@ def load_model(
     dtype = as_dtype(dtype)
     location, gguf_file = resolve(name)
     extra = {"gguf_file": gguf_file} if gguf_file else {}
-    # Dense weights, said outright: with the `kernels` package installed transformers would otherwise keep GGUF
-    # blocks packed and compute every matmul in fp32 with casts (warning, wrongly, that it does so whenever the
-    # dtype is not fp32, even when it then dequantizes), which is neither the bf16 model asked for nor a plain one.
+    # Dense weights, asked for outright: with the `kernels` package installed transformers would keep GGUF blocks
+    # packed and compute in fp32 (and without it, it warns that it does so for any other dtype, then dequantizes).
     dense = {"quantization_config": GgufConfig(dequantize=True)} if gguf_file else {}
     try:
         tokenizer = AutoTokenizer.from_pretrained(location, local_files_only=True, **extra)
