@@ -158,6 +158,41 @@ def test_compacting_happens_only_when_it_frees_slots():
     assert keys[0].tolist() == [18, 19] and keys[1, 1] == 29  # each row's own slots, right-aligned
 
 
+def one_row_cache(config, numbers: list[float]) -> forerun.batch.DynamicCache:
+    """A one-row cache whose keys (and values) in every layer are `numbers`, one per slot."""
+    row = forerun.batch.DynamicCache(config=config)
+    for index in range(len(row.layers)):
+        keys = torch.tensor(numbers).reshape(1, 1, len(numbers), 1)
+        row.update(keys, keys.clone(), index)
+    return row
+
+
+def test_a_joining_row_takes_a_leaving_rows_place_in_place():
+    """A row that leaves keeps its place until the next step: a row joining before then is written into it (no copy
+    of the other rows), right-aligned, growing the cache on the left only when it is the longer; places still
+    vacant at the next step go. Keys hold readable numbers."""
+    config = tiny_model("llama").config
+    cache = RowCache(config)
+    for numbers in ([1.0, 2, 3, 4], [5.0, 6, 7], [8.0, 9, 10, 11]):
+        assert cache.add(one_row_cache(config, numbers), len(numbers)) == cache.visible.shape[0] - 1
+    before = cache.cache.layers[0].keys
+    cache.vacate([1])
+    assert cache.places() == [0, 2] and not cache.visible[1].any()
+    assert cache.add(one_row_cache(config, [20.0, 21]), 2) == 1  # the second row of the batch again
+    layer = cache.cache.layers[0]
+    assert layer.keys is before and layer.keys[1, 0, 2:, 0].tolist() == [20, 21]
+    assert cache.visible.tolist() == [[True] * 4, [False, False, True, True], [True] * 4]
+    cache.vacate([0])
+    assert cache.add(one_row_cache(config, [30.0, 31, 32, 33, 34, 35]), 6) == 0  # longer: every row is left-padded
+    assert cache.slots == 6 and layer.keys[0, 0, :, 0].tolist() == [30, 31, 32, 33, 34, 35]
+    assert layer.keys[2, 0, 2:, 0].tolist() == [8, 9, 10, 11] and layer.keys[1, 0, 4:, 0].tolist() == [20, 21]
+    assert cache.visible.tolist() == [[True] * 6, [False] * 4 + [True] * 2, [False] * 2 + [True] * 4]
+    cache.vacate([2])
+    cache.settle()  # nobody took the place: it goes
+    assert cache.places() == [0, 1] and cache.visible.shape == (2, 6) and not cache.vacant
+    assert layer.keys.shape[0] == 2 and cache.cache.layers[0].keys[1, 0, 4:, 0].tolist() == [20, 21]
+
+
 def test_a_batch_measures_again_when_its_cache_changes_length_manyfold():
     """What drafting cost beside a long row (paused proposals, slow drafted forwards) is forgotten once the cache is
     more than twice or less than half as long; within that it stands."""
