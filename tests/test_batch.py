@@ -518,3 +518,24 @@ def test_a_batch_stops_proposing_while_drafting_measures_slower_and_keeps_it_whi
         row_steps = sum(s.forwards for s in stats)
         calls = sum(d.calls for d in drafters)
         assert (calls < row_steps / 2) if paused else (calls > row_steps / 2), (drafter_class, calls, row_steps)
+
+
+@pytest.mark.parametrize("method", ["prompt_lookup", "auto"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma"])
+def test_rows_stay_exact_when_transformers_keeps_key_value_heads_grouped(family, method, monkeypatch):
+    """TRANSFORMERS_SDPA_FORCE_GQA=1, transformers' own switch (BENCHMARKS.md: on CPU it spares masked multi-token
+    forwards the copy of every cached key and value per query head, -21 ms of a 181 ms 8-row x 4-node fp32 step):
+    each batched row still equals plain `model.generate` of its prompt alone, run without the switch."""
+    from transformers.integrations.sdpa_attention import use_gqa_in_sdpa
+
+    truths = [single(family, "sdpa", index, None) for index in range(4)]  # plain generate, the switch off
+    keys, mask = torch.zeros(1, 2, 3, 16), torch.ones(1, 1, 1, 3, dtype=torch.bool)
+    assert not use_gqa_in_sdpa(mask, keys, keys)  # without the switch a mask means the copy
+    monkeypatch.setenv("TRANSFORMERS_SDPA_FORCE_GQA", "1")
+    assert use_gqa_in_sdpa(mask, keys, keys)  # the other kernel path really is taken
+    model = model_of(family, "sdpa")
+    assert model.config.num_key_value_heads < model.config.num_attention_heads  # grouped heads: the path matters
+    decoder = forerun.Decoder(model, None, method, latency=CURVE, **METHODS[method])
+    results = decoder.generate([p[0].tolist() for p in ragged_prompts()], NEW_TOKENS, eos_token_id=[])
+    for index, result in enumerate(results):
+        assert torch.equal(result.sequences, truths[index]), (family, method, index)
