@@ -409,6 +409,22 @@ def test_curve_is_measured_once_then_read_from_the_cache(model, tmp_path, monkey
     assert latency.curve_for(model, tmp_path).sizes == first.sizes
 
 
+def test_a_curve_measured_with_grouped_masked_attention_is_another_curve(monkeypatch):
+    """Under transformers' TRANSFORMERS_SDPA_FORCE_GQA=1 a tree forward skips a copy of the cache per query head: its
+    curve is another file; without the switch the settings (and the names of curves already measured) are as before.
+    Eager attention has no such path."""
+    from forerun import latency
+
+    sdpa, eager = tiny_model("llama", "sdpa"), tiny_model("llama", "eager")
+    before, eager_before = latency.curve_settings(sdpa), latency.curve_settings(eager)
+    assert "sdpa_masked_gqa" not in before
+    monkeypatch.setenv("TRANSFORMERS_SDPA_FORCE_GQA", "1")
+    grouped = latency.curve_settings(sdpa)
+    assert grouped == before | {"sdpa_masked_gqa": True}
+    assert latency.curve_key(grouped) != latency.curve_key(before)
+    assert latency.curve_settings(eager) == eager_before
+
+
 def test_batched_rows_are_priced_from_their_own_curves():
     rows2 = LatencyCurve((1, 4), (12.0, 30.0))
     rows4 = LatencyCurve((1, 4), (14.0, 50.0))

@@ -59,7 +59,22 @@ def curve_settings(model: torch.nn.Module) -> dict[str, object]:
         "torch": torch.__version__,
         "sizes": list(SIZES),  # a curve measured at other sizes is measured again
         "forwards": FORWARDS,
-    }
+    } | ({"sdpa_masked_gqa": True} if masked_gqa(model) else {})  # only then: existing curves keep their names
+
+
+def masked_gqa(model: torch.nn.Module) -> bool:
+    """Whether transformers' sdpa attends grouped key/value heads as they are under a mask (its own switch,
+    `TRANSFORMERS_SDPA_FORCE_GQA=1`), instead of copying them once per query head: a tree forward of 8 rows x 4
+    nodes then costs ~20 ms less in fp32 on this CPU (BENCHMARKS.md), so a curve measured one way misprices trees
+    the other. Asked of transformers itself, not read from the environment."""
+    if getattr(model.config, "_attn_implementation", None) != "sdpa":
+        return False
+    try:
+        from transformers.integrations.sdpa_attention import use_gqa_in_sdpa
+    except ImportError:  # another transformers: its sdpa path is its own business
+        return False
+    keys, mask = torch.zeros(1, 1, 1, 8), torch.ones(1, 1, 1, 1, dtype=torch.bool)
+    return bool(use_gqa_in_sdpa(mask, keys, keys))
 
 
 def curve_key(settings: dict[str, object]) -> str:
