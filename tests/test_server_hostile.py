@@ -7,6 +7,7 @@ import threading
 import time
 
 import httpx
+import openai
 import pytest
 import torch
 from openai import OpenAI
@@ -306,23 +307,36 @@ def test_schemathesis_finds_no_server_error(guarded):
 
 
 def test_a_flood_beyond_max_queue_gets_429_and_nothing_else_breaks(smollm2):
-    """8 clients at once against a queue of 2: the overflow is refused at once (429, Retry-After, OpenAI's error
-    shape), every admitted request completes, and the server answers normally afterwards."""
+    """8 clients at once against a queue of 2, half of them streaming: the overflow is refused at once (429,
+    Retry-After, OpenAI's error shape; a stream too, before any event), every admitted request completes, and the
+    server answers normally afterwards."""
     model, tokenizer = smollm2
     server = LiveServer(create_app(model, tokenizer, ServerConfig(MODEL, "prompt_lookup", max_queue=2)))
     try:
         body = {"messages": [{"role": "user", "content": "Count from one to twenty in words."}], "max_tokens": 48}
         responses: list[httpx.Response] = []
+        streams: list[tuple[int, str]] = []  # (status, body) of the streaming clients
 
         def call() -> None:
             responses.append(httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120))
 
-        threads = [threading.Thread(target=call) for _ in range(8)]
+        def stream() -> None:
+            url = server.url + "/v1/chat/completions"
+            with httpx.stream("POST", url, json={**body, "stream": True}, timeout=120) as response:
+                text = response.read().decode()
+                streams.append((response.status_code, text))
+                if response.status_code == 429:
+                    responses.append(response)
+
+        threads = [threading.Thread(target=call if i % 2 else stream) for i in range(8)]
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join()
-        statuses = sorted(r.status_code for r in responses)
+        refused_streams = [text for status, text in streams if status == 429]
+        assert refused_streams and all(json.loads(t)["error"]["type"] == "rate_limit_exceeded" for t in refused_streams)
+        assert all(text.endswith("data: [DONE]\n\n") and '"error"' not in text for st, text in streams if st == 200)
+        statuses = sorted(r.status_code for r in responses) + [200] * sum(st == 200 for st, _ in streams)
         assert set(statuses) == {200, 429} and statuses.count(200) >= 2, statuses
         refused = next(r for r in responses if r.status_code == 429)
         assert refused.headers["retry-after"] == "2" and refused.json()["error"]["type"] == "rate_limit_exceeded"
@@ -333,3 +347,29 @@ def test_a_flood_beyond_max_queue_gets_429_and_nothing_else_breaks(smollm2):
         assert again.status_code == 200 and again.json()["choices"][0]["message"]["content"]
     finally:
         server.stop()
+
+
+def test_a_stream_that_cannot_start_gets_its_status_not_an_event(smollm2):
+    """Errors found before a stream's first step are HTTP statuses, as for a plain request: the openai client
+    raises its typed errors (BadRequestError for a prompt over the context, RateLimitError for a full queue)."""
+    model, tokenizer = smollm2
+    server = LiveServer(create_app(model, tokenizer, ServerConfig(MODEL, "prompt_lookup", max_queue=1,
+                                                                  max_tokens_limit=600)))  # fmt: skip
+    client = OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    body = {**LONG, "max_tokens": 600}
+    busy = threading.Thread(target=post, args=(server, "/v1/chat/completions", body), kwargs={"timeout": 120})
+    try:
+        over = [{"role": "user", "content": "word " * 9000}]  # ~9000 tokens, the model's context is 8192
+        with pytest.raises(openai.BadRequestError, match="exceeds the model context"):
+            client.chat.completions.create(model=MODEL, messages=over, max_tokens=8, stream=True)
+        busy.start()
+        deadline = time.monotonic() + 30
+        while queue_of(server) == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with pytest.raises(openai.RateLimitError):
+            client.chat.completions.create(model=MODEL, messages=LONG["messages"], max_tokens=8, stream=True)
+        assert httpx.get(server.url + "/health").json()["rejected"] == 1
+    finally:
+        server.stop()
+        if busy.is_alive():
+            busy.join()

@@ -476,8 +476,25 @@ def create_app(model, tokenizer, config: ServerConfig, draft_model=None) -> Fast
             }
         stream = TokenStream(tokenizer, asyncio.get_running_loop(), args.stop)
         task = asyncio.create_task(generate(args, request, stream, cancel))
+        await started(stream, task, cancel)
         metrics.count(endpoint, 200)
         return StreamingResponse(sse(stream, task, cancel, args, chat, ident, created), media_type="text/event-stream")
+
+    async def started(stream: TokenStream, task: asyncio.Task, cancel: threading.Event) -> None:
+        """Wait until a streamed generation has begun (its prompt checked, its place in the batch taken) or failed
+        before: a full queue, a bad knob, a prompt over the context, a timeout while queued then answer with their
+        HTTP status (429 with Retry-After, 400, 504), not as an error event inside a 200 stream, so clients'
+        status handling and retries work for streams too."""
+        waiter = asyncio.ensure_future(stream.started.wait())
+        try:
+            await asyncio.wait({waiter, task}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            cancel.set()
+            raise
+        finally:
+            waiter.cancel()
+        if not stream.started.is_set() and task.done():
+            await task  # it failed before its first step: APIError -> its status
 
     async def sse(
         stream: TokenStream, task: asyncio.Task, cancel: threading.Event, args, chat, ident, created

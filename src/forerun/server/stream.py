@@ -18,12 +18,14 @@ from forerun.text import IncrementalText
 
 
 class TokenStream:
-    """Streams text deltas of a generation to `queue`; None marks the end."""
+    """Streams text deltas of a generation to `queue`; None marks the end. `started` is set once the generation
+    has seen its prompt (checked, and given its place: the server sends the response's headers then)."""
 
     def __init__(self, tokenizer, loop: asyncio.AbstractEventLoop, stops: list[str]) -> None:
         self.loop, self.stops = loop, stops
         self.text = IncrementalText(tokenizer)
         self.queue: asyncio.Queue = asyncio.Queue()
+        self.started = asyncio.Event()
         self.sent = 0
         self.prompt_seen = False
         self.stopped = False
@@ -32,6 +34,7 @@ class TokenStream:
     def put(self, value) -> None:
         if not self.prompt_seen:  # transformers' convention: the prompt comes first
             self.prompt_seen = True
+            self.loop.call_soon_threadsafe(self.started.set)
             return
         self.text.push(value.flatten().tolist())
         self.emit(final=False)
