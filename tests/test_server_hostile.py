@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 
@@ -373,3 +374,45 @@ def test_a_stream_that_cannot_start_gets_its_status_not_an_event(smollm2):
         server.stop()
         if busy.is_alive():
             busy.join()
+
+
+@pytest.mark.parametrize("max_batch", [1, 2])
+def test_clients_gone_while_queued_leave_the_queue_at_once(smollm2, max_batch):
+    """Clients that vanish while their requests wait (streaming or not) free their places of --max-queue within
+    a step, not when the running requests finish: a flood of dead connections must not lock out live clients."""
+    model, tokenizer = smollm2
+    config = ServerConfig(MODEL, "prompt_lookup", max_tokens_limit=600, max_batch=max_batch)
+    server = LiveServer(create_app(model, tokenizer, config))
+    body = {**LONG, "max_tokens": 600}
+    busy = [
+        threading.Thread(target=post, args=(server, "/v1/chat/completions", body), kwargs={"timeout": 120})
+        for _ in range(max_batch)
+    ]
+    try:
+        for thread in busy:
+            thread.start()
+        deadline = time.monotonic() + 30
+        while queue_of(server) < max_batch and time.monotonic() < deadline:
+            time.sleep(0.05)
+        sockets = []
+        for i in range(6):
+            raw = json.dumps({**body, "max_tokens": 50, "stream": i % 2 == 0}).encode()
+            connection = socket.create_connection(("127.0.0.1", server.port))
+            head = "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            connection.sendall(f"{head}Content-Length: {len(raw)}\r\n\r\n".encode() + raw)
+            sockets.append(connection)
+        while queue_of(server) < max_batch + 6 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert queue_of(server) == max_batch + 6
+        for connection in sockets:
+            connection.close()
+        gone = time.monotonic() + 10  # 600 tokens take ~30 s: the running requests are still running
+        while queue_of(server) > max_batch and time.monotonic() < gone:
+            time.sleep(0.05)
+        health = httpx.get(server.url + "/health").json()
+        assert health["queue"] == max_batch and health["running"] == max_batch and health["queued"] == 0, health
+    finally:
+        server.stop()
+        for thread in busy:
+            if thread.is_alive():
+                thread.join()

@@ -92,11 +92,27 @@ class Worker:
         return running, pending - running
 
     async def run(self, job: Callable[[], Any], cancel: threading.Event) -> Any:
+        """Run `job` on the worker thread after the jobs before it. A request cancelled while it waits (its
+        client gone, its deadline passed) leaves the queue at once (within WITHDRAW_POLL_S), not when its turn
+        comes: dead requests must not hold places of `--max-queue` (the job, when its turn comes, sees the cancel
+        and does nothing)."""
         if self.closing:
             raise RuntimeError("the server is shutting down")
         self.cancels.add(cancel)
+        started = threading.Event()
+
+        def guarded() -> Any:
+            started.set()
+            return job()
+
         try:
-            return await asyncio.get_running_loop().run_in_executor(self.executor, job)
+            future = asyncio.get_running_loop().run_in_executor(self.executor, guarded)
+            while True:
+                done, _ = await asyncio.wait({future}, timeout=WITHDRAW_POLL_S)
+                if done:
+                    return future.result()
+                if cancel.is_set() and not started.is_set():
+                    raise Abandoned
         finally:
             self.cancels.discard(cancel)
 
@@ -122,6 +138,9 @@ class Admission:
     request: Request | None = None
     decoder: Decoder | None = None
 
+
+WITHDRAW_POLL_S = 0.1
+"""How often a request waiting for the one-at-a-time worker checks whether it was cancelled."""
 
 DEFAULT_PREFILL_CHUNK = 256
 """Prompt tokens a joining request feeds between two steps of the running rows (about a second of a 1-thread
@@ -179,7 +198,14 @@ class BatchWorker:
 
     def admit(self) -> None:
         """Move waiting requests into the batch while there is room: each begins its prefill here (`prefill`
-        feeds it)."""
+        feeds it). Requests cancelled while they wait (client gone, deadline passed) leave the queue first, at every
+        step, whether or not there is room: dead requests must not hold places of `--max-queue`."""
+        with self.wake:
+            gone = [admission for admission in self.waiting if admission.cancel.is_set()]
+            if gone:
+                self.waiting = deque(admission for admission in self.waiting if not admission.cancel.is_set())
+        for admission in gone:
+            self.settle(admission, error=Abandoned())
         while True:
             with self.wake:
                 if not self.waiting or len(self.batch.rows) + len(self.joining) >= self.max_batch:
