@@ -14,17 +14,25 @@ import uvicorn
 from openai import OpenAI
 
 from forerun.server import ServerConfig, create_app
+from forerun.server.protocol import guarded_h11
 
 pytestmark = pytest.mark.real_model
 MODEL = "smollm2-135m"
 
 
 class LiveServer:
-    def __init__(self, app):
+    def __init__(self, app, http=None):
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             self.port = probe.getsockname()[1]
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", timeout_graceful_shutdown=5)
+        config = uvicorn.Config(
+            app,
+            host="127.0.0.1",
+            port=self.port,
+            log_level="warning",
+            timeout_graceful_shutdown=5,
+            http=http or guarded_h11(),
+        )  # as `forerun serve` runs it
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()

@@ -16,6 +16,7 @@ from test_server import MODEL, LiveServer, plain_text
 
 from forerun.server import ServerConfig, create_app
 from forerun.server.app import CacheError
+from forerun.server.protocol import ConnectionGuard, guarded_h11
 
 pytestmark = pytest.mark.real_model
 KEY = "k3y"
@@ -416,3 +417,52 @@ def test_clients_gone_while_queued_leave_the_queue_at_once(smollm2, max_batch):
         for thread in busy:
             if thread.is_alive():
                 thread.join()
+
+
+def test_slow_heads_slow_bodies_and_connection_floods_do_not_lock_out_clients(smollm2):
+    """Slowloris: a head sent a byte at a time is cut at its deadline; a body that does not arrive in time gets
+    408 and its connection closed; connections beyond the cap are closed as they come. A live client is answered
+    after each, and the server's own limits hold (nothing is left open)."""
+    model, tokenizer = smollm2
+    server = LiveServer(create_app(model, tokenizer, ServerConfig(MODEL, "prompt_lookup", body_timeout_s=1.0)),
+                        http=guarded_h11(ConnectionGuard(head_timeout_s=1.0, cap=20)))  # fmt: skip
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+    def connect() -> socket.socket:
+        return socket.create_connection(("127.0.0.1", server.port), timeout=10)
+
+    def closed(connection: socket.socket) -> bytes:
+        """What the server sent before closing (b"" if nothing); fails if it keeps the connection open."""
+        received = b""
+        while chunk := connection.recv(65536):  # the 10 s socket timeout fails the test if it never closes
+            received += chunk
+        return received
+
+    try:
+        head = connect()
+        head.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        began = time.monotonic()
+        for _ in range(3):
+            time.sleep(0.4)
+            try:
+                head.sendall(b"X-Slow: 1\r\n")
+            except OSError:
+                break
+        assert closed(head) == b"" and time.monotonic() - began < 5
+        raw = json.dumps(body).encode()
+        slow = connect()
+        slow.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(raw)}\r\n\r\n".encode() + raw[:5])  # fmt: skip
+        answer = closed(slow)
+        assert answer.startswith(b"HTTP/1.1 408") and b"request body not received within 1 s" in answer, answer
+        began = time.monotonic()
+        flood = [connect() for _ in range(40)]  # that send nothing at all
+        assert all(closed(c) == b"" for c in flood[20:])  # beyond the cap: closed as they come
+        assert time.monotonic() - began < 0.9
+        assert all(closed(c) == b"" for c in flood[:20])  # the rest when their heads are overdue
+        for connection in flood:
+            connection.close()
+        response = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+        assert response.status_code == 200 and response.json()["choices"][0]["message"]["content"]
+    finally:
+        server.stop()

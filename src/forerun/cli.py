@@ -504,6 +504,7 @@ def serve(
     import uvicorn
 
     from forerun.server import ServerConfig, create_app
+    from forerun.server.protocol import guarded_h11
 
     if (
         not 1 <= port <= 65535
@@ -535,7 +536,8 @@ def serve(
     with console.status("preparing the server (the latency curves are measured once per model, dtype and device)"):
         app = create_app(lm, tokenizer, config, draft)  # a bad cache file or knob stops here, in one line
     # On SIGTERM/SIGINT: stop accepting, give open requests 5 s, then cancel them; the trie is saved after.
-    uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
+    # guarded_h11: uvicorn's h11 with a deadline for request heads and a cap on connections (slowloris)
+    uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5, http=guarded_h11())
 
 
 @app.command("run")

@@ -66,6 +66,9 @@ class ServerConfig:
     max_tokens_limit: int = 1024
     default_max_tokens: int = 128
     max_body_bytes: int = 1_000_000
+    body_timeout_s: float = 30.0
+    """From a request's head to the end of its body; a slower body gets 408 and its connection closed (a client
+    that sends a body a byte a minute must not hold a connection for ever; heads: `forerun.server.protocol`)."""
     request_timeout_s: float = 300.0
     """From the request's arrival to its last token (queueing included)."""
     allowed_hosts: tuple[str, ...] | None = None
@@ -180,8 +183,15 @@ class Guard:
             await self.reject(scope, send, 413, f"request body over {limit} bytes")
             return
         chunks, size, more = [], 0, True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.body_timeout_s
         while more:  # read the whole body, counting as it comes (a chunked body declares no length)
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+            except asyncio.TimeoutError:
+                seconds = self.config.body_timeout_s
+                await self.reject(scope, send, 408, f"request body not received within {seconds:g} s", "timeout")
+                return
             if message["type"] == "http.disconnect":
                 return
             chunk = message.get("body", b"")
