@@ -70,9 +70,20 @@ def test_records_parse_with_line_numbers_and_group_by_settings(tmp_path):
         ('{"id": 1, "prompt": "  "}', "non-empty"),
         ('{"id": 1, "messages": [{"role": "user"}]}', "messages"),
         ("[1, 2]", "JSON object"),
+        # ignored without do_sample, but a typo must not pass unnoticed; JSON's 1e309 is Python's inf
+        (
+            '{"id": 1, "prompt": "x", "temperature": "hot"}',
+            "line 9: 'temperature' must be a finite number, got \"hot\"",
+        ),
+        ('{"id": 1, "prompt": "x", "top_p": NaN}', "'top_p' must be a finite number, got NaN"),
+        ('{"id": 1, "prompt": "x", "max_new_tokens": 1e309}', "'max_new_tokens' must be an integer, got Infinity"),
+        ('{"id": 1, "prompt": "x", "top_k": 2.5}', "'top_k' must be an integer"),
+        ('{"id": 1, "prompt": "x", "seed": true}', "'seed' must be an integer"),
+        ('{"id": 1, "prompt": "x", "stop": 5}', "'stop' must be a string or a list of strings"),
     ]:
         with pytest.raises(ValueError, match=message):
             parse_record(bad, 9, {})
+    assert parse_record('{"id": 1, "prompt": "x", "temperature": null, "top_k": 5}', 9, {}).settings["top_k"] == 5
 
 
 def test_hostile_lines_are_reported_by_number_and_a_byte_order_mark_is_read(tmp_path):
@@ -224,7 +235,7 @@ def test_a_refused_prompt_costs_only_its_own_record_and_bad_bytes_only_their_lin
 @pytest.mark.real_model
 def test_sampled_records_draw_from_their_own_seeds_and_a_bad_seed_refuses_only_its_group(smollm2, tmp_path):
     """A sampled record's seed is the run's seed + its position in the file (not its place among the records
-    left to do); a record whose seed is not an integer gets an error row, the others are decoded."""
+    left to do); a record whose seed the decoder refuses (negative) gets an error row, the others are decoded."""
     model, tokenizer = smollm2
     defaults = {"max_new_tokens": NEW_TOKENS, "chat": True, "do_sample": True, "temperature": 1.0, "seed": 11}
     rows = [row for row in PROMPTS if "max_new_tokens" not in row]
@@ -240,7 +251,7 @@ def test_sampled_records_draw_from_their_own_seeds_and_a_bad_seed_refuses_only_i
     run_records(Spy(model, tokenizer, "prompt_lookup"), records[2:], out, 4)  # as a rerun after two were done
     assert seeds == [[13, 14]]
     assert len({tuple(row["tokens"]) for row in finished_rows(out).values()}) == 2  # sampled, each its own
-    bad, _ = read_records(write_prompts(tmp_path / "bad.jsonl", [{**rows[0], "seed": "x"}, rows[1]]), defaults)
+    bad, _ = read_records(write_prompts(tmp_path / "bad.jsonl", [{**rows[0], "seed": -1}, rows[1]]), defaults)
     out = tmp_path / "bad-out.jsonl"
     assert run_records(forerun.Decoder(model, tokenizer, "prompt_lookup"), bad, out, 4) == 2
     assert "seed" in finished_rows(out)[str(rows[0]["id"])]["error"]

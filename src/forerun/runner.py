@@ -34,6 +34,7 @@ import json
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from math import isfinite
 from pathlib import Path
 
 from forerun.checks import offset_seed
@@ -92,10 +93,36 @@ def parse_record(line: str, number: int, defaults: dict, position: int = 0) -> R
     for flag in ("chat", "do_sample"):
         if flag in row and not isinstance(row[flag], bool):
             raise ValueError(f"line {number}: '{flag}' must be true or false, got {json.dumps(row[flag])[:40]}")
+    check_types(row, number)
     settings = {**defaults, **{k: row[k] for k in SETTINGS if k in row}}
     if "messages" in row:
         settings["chat"] = True
     return Record(str(ident), position, prompt, settings)
+
+
+def check_types(row: dict, number: int) -> None:
+    """Each setting of the record has its JSON type (null: the command's). Ranges are the decoder's to check; types
+    are checked here, for every record, since sampling settings are ignored without do_sample and a typo there
+    would otherwise pass unnoticed."""
+
+    def bad(name: str, what: str) -> ValueError:
+        return ValueError(f"line {number}: '{name}' must be {what}, got {json.dumps(row[name])[:40]}")
+
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+        value = row.get(name)
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, (int, float)) or not isfinite(value)
+        ):
+            raise bad(name, "a finite number")
+    for name in ("max_new_tokens", "top_k", "seed"):
+        value = row.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise bad(name, "an integer")
+    stop = row.get("stop")
+    if stop is not None and not (
+        isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))
+    ):
+        raise bad("stop", "a string or a list of strings")
 
 
 def read_records(path: str | Path, defaults: dict) -> tuple[list[Record], list[str]]:
