@@ -34,10 +34,9 @@ import json
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from math import isfinite
 from pathlib import Path
 
-from forerun.checks import offset_seed
+from forerun.checks import check_number, offset_seed
 from forerun.stopping import first_stop
 
 SETTINGS = ("max_new_tokens", "chat", "stop", "do_sample", "temperature", "top_p", "top_k", "min_p",
@@ -109,11 +108,11 @@ def check_types(row: dict, number: int) -> None:
         return ValueError(f"line {number}: '{name}' must be {what}, got {json.dumps(row[name])[:40]}")
 
     for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
-        value = row.get(name)
-        if value is not None and (
-            isinstance(value, bool) or not isinstance(value, (int, float)) or not isfinite(value)
-        ):
-            raise bad(name, "a finite number")
+        if row.get(name) is not None:
+            try:
+                check_number(name, row[name])
+            except ValueError:
+                raise bad(name, "a finite number") from None
     for name in ("max_new_tokens", "top_k", "seed"):
         value = row.get(name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):

@@ -200,10 +200,10 @@ class BatchWorker:
         """Move waiting requests into the batch while there is room: each begins its prefill here (`prefill`
         feeds it). Requests cancelled while they wait (client gone, deadline passed) leave the queue first, at every
         step, whether or not there is room: dead requests must not hold places of `--max-queue`."""
-        with self.wake:
+        with self.wake:  # one pass: a request cancelled in between must be either settled here or still waiting
             gone = [admission for admission in self.waiting if admission.cancel.is_set()]
-            if gone:
-                self.waiting = deque(admission for admission in self.waiting if not admission.cancel.is_set())
+            for admission in gone:
+                self.waiting.remove(admission)
         for admission in gone:
             self.settle(admission, error=Abandoned())
         while True:
