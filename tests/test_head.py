@@ -12,7 +12,7 @@ from forerun.head import TALL_MAX_POSITIONS, LogitsHead, tall_sizes_for
 
 from tiny_models import COMMON, FAMILIES, tiny_model
 
-EVERY_SIZE = range(2, TALL_MAX_POSITIONS + 1)
+EVERY_SIZE = range(1, TALL_MAX_POSITIONS + 1)
 """Asked of the heads below, so the tall path runs whatever this machine measures."""
 OWN_HEADS = {"gemma2", "gptj", "opt"}
 """Families whose logits are not exactly their output matrix applied to their body's last hidden states: Gemma 2
@@ -82,18 +82,20 @@ def test_models_that_change_their_logits_keep_their_own_call(family: str, settin
 @torch.inference_mode()
 def test_tall_product_only_at_the_sizes_chosen_and_keep() -> None:
     model = tiny_model("llama", "eager")
-    head = LogitsHead(model, {1, 2, 3, 8, TALL_MAX_POSITIONS + 1})  # 1 and 17 are never tall
+    head = LogitsHead(model, {0, 1, 2, 3, 8, TALL_MAX_POSITIONS + 1})  # 0 and 17 are never tall
     calls = []
     hook = model.get_output_embeddings().register_forward_hook(lambda module, args, out: calls.append(out.shape[1]))
     try:
         head(input_ids=ids(12), use_cache=False)
-        assert head.tall and head.tall_sizes == {2, 3, 8} and calls == [12]
+        assert head.tall and head.tall_sizes == {1, 2, 3, 8} and calls == [12]
         for n in (1, 2, 4, 8, 9, TALL_MAX_POSITIONS + 1):
             head(input_ids=ids(n), use_cache=False)
-        # the model's own matrix ran for 1, 4, 9 and 17 positions; 2 and 8 were the tall product
-        assert calls == [12, 1, 4, 9, 17]
+        # the model's own matrix ran for 4, 9 and 17 positions; 1 (its row written twice), 2 and 8 were tall
+        assert calls == [12, 4, 9, 17]
+        one = head(input_ids=ids(1), use_cache=False)
+        torch.testing.assert_close(one, model(input_ids=ids(1)).logits, rtol=0, atol=1e-6)
         out = head(3, input_ids=ids(20), use_cache=False)  # keep: only the last 3 positions' logits
-        assert out.shape == (1, 3, model.config.vocab_size) and calls == [12, 1, 4, 9, 17]
+        assert out.shape == (1, 3, model.config.vocab_size) and calls == [12, 4, 9, 17, 1]
         torch.testing.assert_close(out, model(input_ids=ids(20)).logits[:, -3:], rtol=0, atol=1e-6)
     finally:
         hook.remove()

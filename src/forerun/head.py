@@ -10,12 +10,20 @@ be written two ways, and which is faster for a few rows depends on the CPU and i
                   (W @ h^T)^T          8.2    9.4   12.3   10.1   17.4      -   30.5
     AVX-512 Xeon  F.linear(h, W)       5.0    5.7    6.6   11.2   18.8   25.6   16.3
                   (W @ h^T)^T          5.0   15.4   15.2   15.8   18.4   19.8   20.0
+    AVX-512 EPYC  F.linear(h, W)      11.0   24.1   36.2   16.9   19.2   22.4   25.4
+                  (W @ h^T)^T          5.9*   5.8    8.4    7.8   14.7   34.8   28.3      (* the row twice)
 
 On the EPYC the tall product saves a sixth of a 2-token forward; on the Xeon it would cost a fifth. So the choice
 is measured, not assumed: once per matrix shape, dtype, device, thread count and torch version, both layouts are
-timed at 2 to `TALL_MAX_POSITIONS` rows (a second or two, `time_layouts`) and the result is kept under
+timed at 1 to `TALL_MAX_POSITIONS` rows (a second or two, `time_layouts`) and the result is kept under
 `~/.cache/forerun/head/`. A forward of n positions computes its logits as (W @ h^T)^T where that measured at most
 `TALL_MARGIN` of F.linear's time at n; every other forward is the model's own call.
+
+One position is the commonest forward of all (every undrafted step), and there MKL's matrix-vector path is the
+slow one: on the AVX-512 EPYC of session 21, F.linear(h, W) took 11.0 ms for one row at 1 or 2 threads, while the
+tall product of the row written twice, [h; h], took 5.9 ms at 1 thread and 3.3-4.6 ms at 2 (a matrix kernel, on
+every thread), a 1-token forward 66 -> 58 ms at 1 thread and 61 -> 53 ms at 2. So one position is computed as the
+first column of W @ [h; h]^T where that measured faster (`tall_product`).
 
 The split is used only where it is the same computation: the first forward (the prefill) runs the whole model with
 hooks on its body and its output matrix, and the split is taken from then on only if the model's logits were exactly
@@ -51,8 +59,8 @@ both CPUs above."""
 TALL_MARGIN = 0.9
 """The tall product is used at n rows only where it measured at most this share of F.linear's time: a layout that
 merely ties keeps the model's own call."""
-LAYOUTS_VERSION = 1
-"""Part of a stored measurement's key: a measurement made by an older way is made again."""
+LAYOUTS_VERSION = 2
+"""Part of a stored measurement's key: a measurement made by an older way is made again (2: one position too)."""
 
 
 class LogitsHead:
@@ -78,7 +86,7 @@ class LogitsHead:
         self.requested = None if tall_sizes is None else frozenset(int(n) for n in tall_sizes)
         self.cache_dir = cache_dir
         self.tall_sizes: frozenset[int] = frozenset()
-        """Position counts (2 to TALL_MAX_POSITIONS) whose logits this head computes as (W @ h^T)^T."""
+        """Position counts (1 to TALL_MAX_POSITIONS) whose logits this head computes as (W @ h^T)^T."""
 
     @property
     def tall(self) -> bool:
@@ -97,9 +105,7 @@ class LogitsHead:
         if self.body is None or rows * positions not in self.tall_sizes:
             return self.model(**inputs, **kept).logits
         hidden = self.body(**inputs).last_hidden_state[:, n - positions :]  # [rows, positions, hidden]
-        flat = hidden.reshape(rows * positions, -1)
-        # [vocab, hidden] @ [hidden, rows * positions], transposed back
-        return torch.matmul(self.weight, flat.T).T.contiguous().view(rows, positions, -1)
+        return tall_product(self.weight, hidden.reshape(rows * positions, -1)).view(rows, positions, -1)
 
     def decide(self, inputs: dict[str, object], kept: dict[str, int]) -> torch.Tensor:
         """Run the whole model once; keep its body for later calls if its logits were exactly the output matrix
@@ -146,8 +152,22 @@ class LogitsHead:
         ):
             self.body, self.weight = body, matrix.weight
             sizes = self.requested if self.requested is not None else tall_sizes_for(matrix.weight, self.cache_dir)
-            self.tall_sizes = frozenset(n for n in sizes if 2 <= n <= TALL_MAX_POSITIONS)
+            self.tall_sizes = frozenset(n for n in sizes if 1 <= n <= TALL_MAX_POSITIONS)
         return logits
+
+
+def tall_product(weight: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+    """(W @ h^T)^T, contiguous: `weight` W [vocab, hidden], `flat` h [n, hidden] -> [n, vocab]. One row is written
+    twice and the first column kept: a matrix kernel instead of MKL's slower matrix-vector one (module docstring).
+
+    Example:
+        >>> weight, flat = torch.randn(10, 4), torch.randn(1, 4)
+        >>> tall_product(weight, flat).shape, torch.allclose(tall_product(weight, flat), flat @ weight.T)
+        (torch.Size([1, 10]), True)
+    """
+    if flat.shape[0] == 1:
+        return torch.matmul(weight, torch.cat([flat, flat]).T)[:, :1].T.contiguous()
+    return torch.matmul(weight, flat.T).T.contiguous()
 
 
 def tall_sizes_for(weight: torch.Tensor, cache_dir: Path | str | None = DEFAULT_CACHE_DIR) -> frozenset[int]:
@@ -168,7 +188,7 @@ def tall_sizes_for(weight: torch.Tensor, cache_dir: Path | str | None = DEFAULT_
     tall_stored = stored.get("tall") if stored is not None else None
     if isinstance(tall_stored, list) and all(type(n) is int for n in tall_stored):  # else: measured again
         return frozenset(tall_stored)
-    timings = time_layouts(weight, range(2, TALL_MAX_POSITIONS + 1))
+    timings = time_layouts(weight, range(1, TALL_MAX_POSITIONS + 1))
     tall = sorted(n for n, (linear, product) in timings.items() if product <= TALL_MARGIN * linear)
     if path is not None:
         record = {n: {"linear_ms": linear * 1e3, "tall_ms": product * 1e3} for n, (linear, product) in timings.items()}
@@ -181,7 +201,7 @@ def tall_sizes_for(weight: torch.Tensor, cache_dir: Path | str | None = DEFAULT_
 
 @torch.inference_mode()
 def time_layouts(weight: torch.Tensor, sizes: Sequence[int], repeats: int = 3) -> dict[int, tuple[float, float]]:
-    """Seconds of F.linear(h, W) and of (W @ h^T)^T (made contiguous) for h of n rows, per n in `sizes`: the
+    """Seconds of F.linear(h, W) and of `tall_product(W, h)` for h of n rows, per n in `sizes`: the
     fastest of `repeats` interleaved rounds after a warm-up round (load only ever slows a call down)."""
     generator = torch.Generator().manual_seed(0)
     inputs = {n: torch.randn(1, n, weight.shape[1], generator=generator).to(weight) for n in sizes}
@@ -191,6 +211,6 @@ def time_layouts(weight: torch.Tensor, sizes: Sequence[int], repeats: int = 3) -
             started = time.perf_counter()
             torch.nn.functional.linear(hidden, weight)
             middle = time.perf_counter()
-            torch.matmul(weight, hidden[0].T).T.contiguous()
+            tall_product(weight, hidden[0])
             samples[n].append((middle - started, time.perf_counter() - middle))
     return {n: (min(s[0] for s in runs[1:]), min(s[1] for s in runs[1:])) for n, runs in samples.items()}

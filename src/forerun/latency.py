@@ -32,10 +32,10 @@ __all__ = ["DEFAULT_CACHE_DIR", "curve_for", "device_name", "measure_batched", "
 SIZES = (*range(1, 17), 20, 24, 32, 48, 64)
 """Every size up to 16: matrix kernels favour some row counts (on an AVX-512 CPU, fp32, 7 tokens cost 1.9x one
 token and 8 tokens 1.77x), so the cost model must see each size a step may feed, not interpolate over them."""
-FORWARDS = 3
+FORWARDS = 4
 """How forerun runs a forward, part of a curve's key: a curve stored by an older way is measured again (2: the
 logits of 2-8 positions as a tall product where that is the model's own computation, `forerun.head`; 3: only at
-the sizes where that product measured faster on this device)."""
+the sizes where that product measured faster on this device; 4: one position too, its row written twice)."""
 CONTEXT = 256
 """Cached tokens before each measured forward: a realistic mid-answer length."""
 BATCH_ROWS = (2, 4, 8)
