@@ -10,7 +10,14 @@ Usage:
         --settings "plain:1,auto:1,auto:8"        # method:max_batch[:prefix_cache_tokens]
 
 A third field sets the server's prefix cache (`--prefix-cache`; default 4096 tokens, 0 = off, as before it
-existed): `prompt_lookup:1:0` is the one-at-a-time server as it was first shipped.
+existed): `prompt_lookup:1:0` is the one-at-a-time server as it was first shipped, with today's engine.
+
+A setting `LABEL=URL` measures a server already running at URL instead, such as the server as it was before
+batching (an older checkout, its own process; start it with the same model, dtype and threads):
+    git worktree add /tmp/forerun-5cc1a23 5cc1a23
+    PYTHONPATH=/tmp/forerun-5cc1a23/src .venv/bin/forerun serve --port 8124 &
+    .venv/bin/python benchmarks/server_load.py --threads 2 \\
+        --settings "5cc1a23=http://127.0.0.1:8124,prompt_lookup:8,5cc1a23=http://127.0.0.1:8124,prompt_lookup:8"
 """
 
 from __future__ import annotations
@@ -43,7 +50,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     parser.add_argument("--attention", default="sdpa", choices=["sdpa", "eager"])
     parser.add_argument(
-        "--settings", default="plain:1,auto:1,auto:8", help="method:max_batch[:prefix_cache_tokens], comma-separated."
+        "--settings",
+        default="plain:1,auto:1,auto:8",
+        help="method:max_batch[:prefix_cache_tokens] or LABEL=URL (a running server), comma-separated.",
     )
     parser.add_argument(
         "--clients-in-process",
@@ -62,22 +71,28 @@ def main() -> None:
     print("| server | completion tokens/s | p50 latency (s) | p95 latency (s) | requests |")
     print("|---|---:|---:|---:|---:|")
     for setting in args.settings.split(","):
-        parts = setting.split(":")
-        method, batch, prefix = parts[0], (parts[1:2] or ["1"])[0], (parts[2:3] or ["4096"])[0]
-        config = ServerConfig(
-            "smollm2-135m", method, max_batch=int(batch), max_queue=total + 1, prefix_cache_tokens=int(prefix)
-        )
-        server = LiveServer(create_app(model, tokenizer, config))
+        server = None
+        if "=" in setting:  # LABEL=URL: a server running elsewhere
+            label, url = setting.split("=", 1)
+        else:
+            parts = setting.split(":")
+            method, batch, prefix = parts[0], (parts[1:2] or ["1"])[0], (parts[2:3] or ["4096"])[0]
+            config = ServerConfig(
+                "smollm2-135m", method, max_batch=int(batch), max_queue=total + 1, prefix_cache_tokens=int(prefix)
+            )
+            server = LiveServer(create_app(model, tokenizer, config))
+            url = server.url
+            label = f"{method}, max_batch {batch}" + (", no prefix cache" if int(prefix) == 0 else "")
         if args.clients_in_process:
-            results, wall = load(server.url, prompts, args.clients, args.max_tokens)
+            results, wall = load(url, prompts, args.clients, args.max_tokens)
         else:  # the clients' Python (HTTP, JSON) must not take the server's GIL: they run in a process of their own
             with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as clients:
-                results, wall = clients.submit(load, server.url, prompts, args.clients, args.max_tokens).result()
-        server.stop()
+                results, wall = clients.submit(load, url, prompts, args.clients, args.max_tokens).result()
+        if server is not None:
+            server.stop()
         latencies = sorted(seconds for seconds, _ in results)
         tokens = sum(n for _, n in results)
         p95 = latencies[min(len(latencies) - 1, round(0.95 * (len(latencies) - 1)))]
-        label = f"{method}, max_batch {batch}" + (", no prefix cache" if int(prefix) == 0 else "")
         print(f"| {label} | {tokens / wall:.1f} | {statistics.median(latencies):.1f} | {p95:.1f} | {len(results)} |",
               flush=True)  # fmt: skip
 
