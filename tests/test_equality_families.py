@@ -9,6 +9,7 @@ import torch
 from transformers import MaxLengthCriteria, StoppingCriteriaList
 
 import forerun
+from forerun import head as head_module
 from forerun.batch import Batch, RowJob
 from forerun.costmodel import LatencyCurve
 from forerun.engine import Transcript
@@ -70,6 +71,34 @@ def test_greedy_equals_generate(family, impl, method):
         result = decoder.generate(prompt, NEW_TOKENS, eos_token_id=eos)
         assert torch.equal(result.sequences, expected), (family, impl, method, index, "eos")
         assert result.sequences.shape[1] < prompt.shape[1] + NEW_TOKENS
+
+
+TALL_CASES = [("llama", "sdpa"), ("gpt2", "eager"), ("qwen3", "sdpa"), ("phi3", "eager")]
+
+
+@pytest.mark.parametrize("method", ["plain", "prompt_lookup", "auto"])
+@pytest.mark.parametrize(("family", "impl"), TALL_CASES)
+def test_greedy_equals_generate_with_the_output_matrix_tall_at_every_size(family, impl, method, monkeypatch):
+    """As on a CPU where the tall product measured faster at every size (`forerun.head`: 1 to 16 positions, one
+    position as its row written twice): single runs and a batch of rows still equal plain generate. Tiny output
+    matrices measure F.linear faster, so the other tests here run the model's own call."""
+    every = frozenset(range(1, head_module.TALL_MAX_POSITIONS + 1))
+    monkeypatch.setattr(head_module, "tall_sizes_for", lambda weight, cache_dir=None: every)
+    sizes = []
+    product = head_module.tall_product
+    monkeypatch.setattr(head_module, "tall_product", lambda w, flat: sizes.append(flat.shape[0]) or product(w, flat))
+    model = model_of(family, impl)
+    decoder = forerun.Decoder(model, None, method, latency=CURVE, **METHOD_KNOBS[method])
+    expected = [reference(family, impl, index, None) for index in range(3)]
+    for index, prompt in enumerate(prompts(3)):
+        result = decoder.generate(prompt, NEW_TOKENS, eos_token_id=[])
+        assert torch.equal(result.sequences, expected[index]), (family, impl, method, index)
+    # the product ran; undrafted steps are one position (`auto` pads every step to a cheaper size on this curve)
+    assert sizes and (method == "auto" or 1 in sizes)
+    rows = decoder.generate([p[0].tolist() for p in prompts(3)], NEW_TOKENS, eos_token_id=[])
+    for index, row in enumerate(rows):
+        assert torch.equal(row.sequences, expected[index]), (family, impl, method, index, "batched")
+    assert method != "plain" or 3 in sizes  # undrafted: three rows of one position each, one product
 
 
 @pytest.mark.parametrize("method", ["prompt_lookup", "jacobi", "trie", "auto"])
