@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache, LogitsProcessorList
 
+from forerun.base.dynamic import forward_tree
 from forerun.checks import is_count
 from forerun.costmodel import Calibration, CostModel, LatencyCurve, Selection, best_shared_count
 from forerun.drafters.base import DraftContext, Drafter, StepOutcome
@@ -48,7 +49,6 @@ from forerun.engine import (
     Sampling,
     Transcript,
     decode,
-    forward_tree,
     tree_in_prefill,
     tree_support,
     verify,

@@ -42,7 +42,11 @@ METHOD = typer.Option(
 )
 KNOB = typer.Option([], "--knob", "-k", help="Method knob NAME=VALUE (repeatable; METHOD.NAME when combined).")
 DEVICE = typer.Option("cpu", "--device", help="cpu, cuda, cuda:1 ...")
-DTYPE = typer.Option("fp32", "--dtype", help="fp32 (identical to generate) | bf16 | fp16 (identical up to ties).")
+DTYPE = typer.Option(
+    "auto",
+    "--dtype",
+    help="auto (bf16 on a GPU, fp32 on a CPU) | fp32 (identical to generate) | bf16 | fp16 (identical up to ties).",
+)
 THREADS = typer.Option(0, "--threads", help="torch threads (0 = torch's default).")
 DRAFT = typer.Option("", "--draft-model", help="Method draft_model: the small model that drafts.")
 NODES = typer.Option(0, "--max-tree-nodes", help="Most tokens fed in one forward (0 = the method's or device's).")
@@ -69,7 +73,7 @@ def run_spec(
     method: str = "prompt_lookup",
     knob: list[str] | None = None,
     device: str = "cpu",
-    dtype: str = "fp32",
+    dtype: str = "auto",
     threads: int = 0,
     draft_model: str = "",
     max_tree_nodes: int = 0,
@@ -207,6 +211,7 @@ def bench(
     specs = parse_methods(methods)
     writable_folder(out)
     spec = RunSpec(model=model, method="plain", device=device, dtype=dtype, threads=threads)
+    dtype = spec.dtype  # "auto" resolved for this device
     prompts = [p for name in dataset.split(",") for p in load_dataset(name.strip(), n)]
     included = [record for path in include for record in load_records(Path(path))]
     lm, tokenizer, _ = spec.load()

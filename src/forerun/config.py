@@ -212,11 +212,15 @@ class EngineConfig:
     """Decide each step's tree with the cost model (expected tokens per second on the measured latency curve).
     None: on for every model-free method and for combinations; off for draft_model alone. False: the static
     budget (each method feeds what its knobs ask for, every step)."""
+    static_cache: bool | None = None
+    """Verify a single row's trees on a preallocated cache, padded to a few tree sizes, each size's forward
+    captured once as a CUDA graph on a GPU (`forerun.base.StaticBase`). None: on a CUDA device, off elsewhere (a
+    CPU gains nothing from fixed shapes, and keeps the prefix cache). Batches keep the growing cache."""
 
     def __post_init__(self) -> None:
         if self.max_tree_nodes is not None:
             check_int(self, "max_tree_nodes", 1, 4096)
-        for name in ("draft_in_prefill", "adaptive"):
+        for name in ("draft_in_prefill", "adaptive", "static_cache"):
             value = getattr(self, name)
-            if not isinstance(value, bool) and not (name == "adaptive" and value is None):
+            if not isinstance(value, bool) and not (name in ("adaptive", "static_cache") and value is None):
                 raise ValueError(f"EngineConfig.{name} must be true or false, got {value!r}")

@@ -11,6 +11,7 @@ Example:
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from transformers import (
     StoppingCriteriaList,
 )
 
+from forerun.base import StaticBase, static_support
 from forerun.batch import RowJob, batchable, decode_batch, decode_rows, fork
 from forerun.checks import (
     check_batch_size,
@@ -49,6 +51,8 @@ from forerun.prefixcache import PrefixCache, Prefixes
 from forerun.stats import GenerationStats
 from forerun.stopping import Cancelled, StopStrings
 from forerun.text import complete
+
+logger = logging.getLogger(__name__)
 
 Prompt = str | Sequence[dict] | Sequence[int] | torch.Tensor
 
@@ -128,6 +132,7 @@ class Decoder:
         max_tree_nodes: int | None = None,
         draft_in_prefill: bool = True,
         adaptive: bool | None = None,
+        static_cache: bool | None = None,
         latency: LatencyCurve | None = None,
         latency_cache: str | Path | None = DEFAULT_CACHE_DIR,
         drafters: Sequence[Drafter] | None = None,
@@ -141,7 +146,8 @@ class Decoder:
         device_type = next(model.parameters()).device.type
         self.plan = plan_method(method, knobs, device_type)
         self.method = self.plan.text
-        self.engine_config = EngineConfig(max_tree_nodes, draft_in_prefill, adaptive)
+        self.engine_config = EngineConfig(max_tree_nodes, draft_in_prefill, adaptive, static_cache)
+        self.base = self.make_base(device_type)
         check_vocabulary(model, tokenizer)
         uses_draft = "draft_model" in self.plan.names
         if draft_model is not None and not uses_draft:
@@ -173,11 +179,22 @@ class Decoder:
                 f"(the Jacobi window's W x (N-1) probes and the root), but max_tree_nodes={config.max_tree_nodes}"
             )
         if adaptive and drafting:
-            curve = latency if latency is not None else curve_for(self.model, latency_cache)
+            curve = latency if latency is not None else curve_for(self.model, latency_cache, base=self.base)
             cap = config.max_tree_nodes or max(curve.default_cap(), self.plan.min_budget())
             # a measured curve is corrected by what this run's forwards take; a given one is the price as it is
             return CostModel(curve, cap, times=ForwardTimes() if latency is None else None)
         return StaticBudget(config.max_tree_nodes or (self.plan.static_budget() if self.plan.specs else 16))
+
+    def make_base(self, device_type: str) -> StaticBase | None:
+        """The static base for single rows (`EngineConfig.static_cache`), or None for the engine's growing cache."""
+        wanted = self.engine_config.static_cache
+        if wanted is False or (wanted is None and device_type != "cuda"):
+            return None
+        reason = static_support(self.model)
+        if reason is not None:
+            logger.warning("forerun: no static cache for this model (%s); using the growing cache", reason)
+            return None
+        return StaticBase(self.model)
 
     def batch_budget(self) -> Budget:
         """The budget batches decide on: the cost model's curve with its batched row curves
@@ -353,9 +370,9 @@ class Decoder:
         criteria.extend(stopping)
         if streamer is not None:
             streamer.put(input_ids.cpu())  # transformers' convention: a streamer sees the prompt first
-        transcript, stats = self.decode(
-            input_ids.to(self.model.device), criteria, eos, max_new_tokens, streamer, request
-        )
+        # The transcript stays on the host: its tokens come from the host, and checking the criteria against a
+        # sequence on an accelerator would cost a copy and a sync per token.
+        transcript, stats = self.decode(input_ids.cpu(), criteria, eos, max_new_tokens, streamer, request)
         return self.result(transcript, prompt_len, stats, request)
 
     def generate_batch(
@@ -599,6 +616,7 @@ class Decoder:
             processor,
             sampling,
             request.prefixes if request.prefixes is not None else self.prefixes,
+            self.base,
         )
         if streamer is not None:
             streamer.end()

@@ -14,17 +14,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache, LogitsProcessorList, StoppingCriteriaList
+from transformers import LogitsProcessorList, StoppingCriteriaList
 
+from forerun.base import DynamicBase, TreeBase
 from forerun.costmodel import CostModel, StaticBudget
 from forerun.drafters.base import DraftContext, Drafter, StepOutcome
-from forerun.head import LogitsHead
-from forerun.kvcache import UnsupportedCacheError, check_tree_cache, keep_accepted
 from forerun.logprobs import TokenLogprob, token_logprobs
 from forerun.noise import GumbelNoise
 from forerun.prefixcache import Prefixes
 from forerun.stats import GenerationStats
-from forerun.tree import TokenTree, pack
+from forerun.tree import TokenTree
 from forerun.verify import Verdict, verify_greedy, verify_sampled
 
 logger = logging.getLogger(__name__)
@@ -109,6 +108,9 @@ class NodeScores:
     processor: LogitsProcessorList | None
     sequence: torch.Tensor  # [1, committed]; its last token is the root
     tree: TokenTree
+    choices: list[int] | None = None
+    """Each node's raw argmax, where the base copied them to the host at once (used when nothing processes the
+    logits: one transfer per step instead of one sync per walked node on an accelerator)."""
 
     def scores(self, node: int) -> torch.Tensor:
         row = self.logits[node : node + 1].float()  # [1, vocab]
@@ -116,9 +118,11 @@ class NodeScores:
             return row[0]
         path = [self.tree.tokens[i] for i in self.tree.path_to(node)[1:]]
         prefix = torch.cat([self.sequence, self.sequence.new_tensor([path])], dim=1) if path else self.sequence
-        return self.processor(prefix, row)[0]
+        return self.processor(prefix.to(row.device), row)[0]
 
     def argmax(self, node: int) -> int:
+        if self.choices is not None and not self.processor:
+            return self.choices[node]
         return int(self.scores(node).argmax())
 
 
@@ -149,6 +153,7 @@ def decode(
     processor: LogitsProcessorList | None = None,
     sampling: Sampling | None = None,
     prefixes: Prefixes | None = None,
+    base: TreeBase | None = None,
 ) -> GenerationStats:
     """Tree decoding of `input_ids` [1, prompt_len]; tokens land in `transcript`, stats are returned.
 
@@ -157,12 +162,13 @@ def decode(
     generation does. With the root alone (no drafters, `draft_in_prefill=False`, or a lead longer than
     PREFILL_TREE_MAX_LEAD) that forward is exactly generate's prefill. `prefixes`: the KV of a head this prompt
     shares with earlier text is taken from there and not fed again; the text read here (prompt and answer) is left
-    there for later prompts.
+    there for later prompts. `base`: the cache and forward trees are verified on (`forerun.base`; None: a
+    `DynamicBase`, the CPU's).
     """
     stats, started = GenerationStats(), time.perf_counter()
-    cache = DynamicCache(config=model.config)
+    base = base if base is not None else DynamicBase(model)
     prompt_len = input_ids.shape[1]
-    drafters = fallback_if_unsupported(model, cache, drafters, prompt_len + max_new_tokens + budget.max_nodes, stats)
+    drafters = fallback_if_unsupported(model, base, drafters, prompt_len + max_new_tokens + budget.max_nodes, stats)
     ctx = DraftContext(
         transcript.sequence[0].tolist(),
         prompt_len,
@@ -175,10 +181,8 @@ def decode(
     for drafter in drafters:
         drafter.start(ctx)
     budget.new_request()
-    stats.cached_prompt_tokens = prefixes.seed(cache, ctx.tokens) if prefixes is not None else 0
+    stats.cached_prompt_tokens = base.seed(prefixes, ctx.tokens)
     lead, prefix_len = ctx.tokens[stats.cached_prompt_tokens : -1], prompt_len - 1  # prefix_len: tokens before the root
-    attention = model.config._attn_implementation or "eager"
-    head = LogitsHead(model)
     while not transcript.done:
         # 1. propose: every drafter's tree; the budget merges them and keeps what pays on this device
         t0 = time.perf_counter()
@@ -189,13 +193,14 @@ def decode(
         tree = selection.tree
         # 2. pack and 3. forward: one call of the unmodified model
         t1 = time.perf_counter()
-        logits = forward_tree(head, cache, tree, prefix_len, lead, attention)  # [n, vocab]
+        fed = base.forward(tree, prefix_len, lead)
+        logits = fed.logits  # [n, vocab]
         # 4. verify: the longest path the target agrees with, plus its own bonus token
-        verdict = verify(tree, NodeScores(logits, processor, transcript.sequence, tree), sampling)
+        verdict = verify(tree, NodeScores(logits, processor, transcript.sequence, tree, fed.choices), sampling)
         if not lead:  # what this forward cost against the curve (a prefill is not on it)
             budget.timed(len(tree), time.perf_counter() - t1)
         # 5. commit: keep the accepted path in the cache, append tokens, let drafters and the budget learn
-        keep_accepted(cache, prefix_len, [0, *verdict.accepted_nodes])
+        base.commit(prefix_len, [0, *verdict.accepted_nodes])
         prefix_len, lead = prefix_len + 1 + verdict.accepted_len, []
         path = [0, *verdict.accepted_nodes]  # the node each new token was chosen at
         sources = [tree.sources[i] for i in verdict.accepted_nodes] + ["model"]
@@ -214,52 +219,25 @@ def decode(
             stats.prefill_seconds = t3 - started
     for drafter in drafters:
         drafter.finish(ctx)
-    if prefixes is not None:  # the cache holds prompt + accepted tokens, of which ctx.tokens has the committed ones
-        prefixes.store(ctx.tokens, cache, prefix_len)
+    base.store(prefixes, ctx.tokens, prefix_len)  # the cache holds prompt + accepted; ctx.tokens the committed
     stats.new_tokens = len(transcript.sources)
     stats.total_seconds = time.perf_counter() - started
     return stats
 
 
-def forward_tree(
-    head: LogitsHead,
-    cache: DynamicCache,
-    tree: TokenTree,
-    prefix_len: int,
-    lead: Sequence[int],
-    attention: str,
-) -> torch.Tensor:
-    """One call of the unmodified model on `tree` (after the `lead` tokens, at the prefill) with `prefix_len`
-    tokens cached in `cache`; returns the tree's logits [len(tree), vocab] (the lead's are not computed where the
-    model takes `logits_to_keep`)."""
-    model = head.model
-    packed = pack(tree, prefix_len, attention, model.dtype, model.device, lead)
-    return head(
-        len(tree),
-        input_ids=packed.input_ids,
-        attention_mask=packed.attention_mask,
-        position_ids=packed.position_ids,
-        past_key_values=cache,
-        use_cache=True,
-    )[0, -len(tree) :]
-
-
 def fallback_if_unsupported(
     model: torch.nn.Module,
-    cache: DynamicCache,
+    base: TreeBase,
     drafters: Sequence[Drafter],
     max_len: int,
     stats: GenerationStats,
 ) -> Sequence[Drafter]:
-    """Drop the drafters (plain decoding: still exact) when this model or cache cannot verify trees."""
+    """Ready `base` for `max_len` tokens; drop the drafters (plain decoding: still exact) when this model or its
+    cache cannot verify trees."""
+    reason = base.begin(max_len)
     if not drafters:
         return drafters
-    reason = tree_support(model)
-    if reason is None:
-        try:
-            check_tree_cache(cache, max_len, type(model).__name__)
-        except UnsupportedCacheError as error:
-            reason = str(error)
+    reason = tree_support(model) or reason
     if reason is None:
         return drafters
     logger.warning("forerun: falling back to plain decoding: %s", reason)

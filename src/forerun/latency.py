@@ -148,8 +148,13 @@ def time_forwards(
     return LatencyCurve(tuple(sizes), tuple(min(samples[n][1:]) for n in sizes))
 
 
-def curve_path(model: torch.nn.Module, cache_dir: Path | str = DEFAULT_CACHE_DIR) -> Path:
-    return Path(cache_dir).expanduser() / "latency" / f"{curve_key(curve_settings(model))}.json"
+def curve_path(model: torch.nn.Module, cache_dir: Path | str = DEFAULT_CACHE_DIR, base: object | None = None) -> Path:
+    return Path(cache_dir).expanduser() / "latency" / f"{curve_key(base_settings(model, base))}.json"
+
+
+def base_settings(model: torch.nn.Module, base: object | None) -> dict[str, object]:
+    """The curve's settings, with those of the base it is measured on (`forerun.base.StaticBase.settings`)."""
+    return curve_settings(model) | (base.settings() if base is not None else {})
 
 
 def save_curve(curve: LatencyCurve, path: Path, settings: dict[str, object]) -> None:
@@ -167,26 +172,32 @@ def load_curve(path: Path) -> LatencyCurve | None:
 
 
 def curve_for(
-    model: torch.nn.Module, cache_dir: Path | str | None = DEFAULT_CACHE_DIR, batched: bool = False
+    model: torch.nn.Module,
+    cache_dir: Path | str | None = DEFAULT_CACHE_DIR,
+    batched: bool = False,
+    base: object | None = None,
 ) -> LatencyCurve:
     """The model's curve on this device: read from `cache_dir`, else measured now and stored there.
 
     `batched=True`: with its batched row curves (`measure_batched`, ten seconds or so, measured the first time a
     batch needs them and added to the same file). `cache_dir=None` measures without reading or writing any file.
+    `base`: a `forerun.base.StaticBase` whose bucketed steps are what the single-row curve times (its own
+    `measure_curve`, stored under its own key).
     """
+    measure = base.measure_curve if base is not None else lambda: measure_curve(model)
     if cache_dir is None:
-        curve = measure_curve(model)
+        curve = measure()
         return curve.with_batches(measure_batched(model)) if batched else curve
-    path = curve_path(model, cache_dir)
+    path = curve_path(model, cache_dir, base)
     curve = load_curve(path)
     missing = curve is None or (batched and not curve.batched)
     if curve is None:
-        curve = measure_curve(model)
+        curve = measure()
     if batched and not curve.batched:
         curve = curve.with_batches(measure_batched(model))
     if missing:
         try:
-            save_curve(curve, path, curve_settings(model))
+            save_curve(curve, path, base_settings(model, base))
         except OSError:
             pass  # a read-only home: the curve still serves this process
     return curve

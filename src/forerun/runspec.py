@@ -57,8 +57,10 @@ class RunSpec:
     knobs: Mapping[str, object] = field(default_factory=dict)
     """Method knobs; dotted ('trie.decoding_length') when several methods are combined."""
     device: str = "cpu"
-    dtype: str = "fp32"
-    """fp32 (token for token identical to generate), bf16 or fp16 (identical up to numerical ties)."""
+    dtype: str = "auto"
+    """fp32 (token for token identical to generate), bf16 or fp16 (identical up to numerical ties); auto: bf16 on
+    a CUDA device (a GPU's own precision; GGUF weights are dequantized to it), fp32 elsewhere. Resolved on
+    construction, so `spec.dtype` always names the dtype that runs."""
     draft_model: str | None = None
     """The small model of method draft_model (a name for load_model)."""
     max_tree_nodes: int | None = None
@@ -66,6 +68,8 @@ class RunSpec:
     """torch threads (0 = torch's default), pinned before the model loads."""
 
     def __post_init__(self) -> None:
+        if self.dtype == "auto":
+            object.__setattr__(self, "dtype", "bf16" if parse_device(self.device).type == "cuda" else "fp32")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         parse_device(self.device)

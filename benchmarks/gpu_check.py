@@ -1,0 +1,258 @@
+"""The GPU check: forerun's static base (slots, buckets, captured graphs) against transformers on one CUDA card.
+
+Sections (each writes its records to `--out` as JSON lines as it goes, so a run cut short keeps what it measured):
+
+- `smoke`: tiny random models of 4 families, fp32, eager and sdpa: greedy output of `plain`, `prompt_lookup` and
+  `auto` on the static base with graphs equals plain `model.generate`, token for token.
+- `curve`: seconds per step by bucket: the captured step, the same step eager, and the growing-cache forward.
+- `bench`: single-row greedy over prompts given as token ids (`--prompts`, from `benchmarks/gpu_prompts.py`):
+  `model.generate` eager, `model.generate` with transformers' static cache (auto-compiled; warmed before timing),
+  transformers' prompt lookup, and forerun methods, interleaved per prompt; every output checked against eager
+  generate (bf16: a first difference must be a numerical tie on generate's own logits).
+- `batch`: `generate([...])` of 1 / 4 / 16 rows against transformers' batched generate.
+
+Usage (on the GPU machine; `benchmarks/gpu_check.sh` prepares the model file and calls this):
+    python benchmarks/gpu_check.py smoke,curve --model random-1b --out $OUT/gpu.jsonl
+    python benchmarks/gpu_check.py curve,bench,batch --model .gpu/smollm2.gguf --prompts .gpu/prompts.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from forerun import Decoder  # noqa: E402
+from forerun.base import BUCKETS, StaticBase  # noqa: E402
+from forerun.exactness import first_divergence  # noqa: E402
+from forerun.latency import measure_curve, synchronize  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+"""A CPU run (no card) checks the script itself: the static base then runs eagerly."""
+
+
+class Log:
+    """Appends records to a JSON-lines file and echoes them."""
+
+    def __init__(self, path: Path, deadline: float) -> None:
+        self.path, self.deadline = path, deadline
+
+    def __call__(self, section: str, **record: object) -> None:
+        line = json.dumps({"section": section, **record}, default=str)
+        print(line, flush=True)
+        with self.path.open("a") as handle:
+            handle.write(line + "\n")
+
+    def late(self, margin: float = 0.0) -> bool:
+        return time.monotonic() + margin > self.deadline
+
+
+def sync_time(function) -> tuple[object, float]:
+    synchronize(DEVICE)
+    started = time.perf_counter()
+    result = function()
+    synchronize(DEVICE)
+    return result, time.perf_counter() - started
+
+
+def smoke(log: Log) -> None:
+    from tiny_models import prompts, tiny_model
+
+    for family in ("llama", "qwen3", "gemma", "gpt2"):
+        for attention in ("sdpa", "eager"):
+            model = tiny_model(family, attention).to(DEVICE)
+            for method in ("plain", "prompt_lookup", "auto"):
+                decoder = Decoder(model, None, method, latency_cache=None, static_cache=True)
+                same = 0
+                for prompt in prompts(3, 24, seed=1):
+                    prompt = prompt.to(DEVICE)
+                    expected = model.generate(prompt, max_new_tokens=48, do_sample=False, pad_token_id=0)
+                    same += torch.equal(decoder.generate(prompt, 48).sequences, expected.cpu())
+                base = decoder.base
+                captured = base is not None and any(step.graph is not None for step in base.steps.values())
+                error = base.capture_error if base is not None else "no static base"
+                log("smoke", family=family, attention=attention, method=method, identical=f"{same}/3",
+                    captured=captured, capture_error=error)  # fmt: skip
+
+
+def random_1b() -> tuple[torch.nn.Module, None]:
+    """A randomly initialised bf16 model of Llama-3.2-1B's shape (its acceptance means nothing; its speed does)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
+        tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    with torch.device(DEVICE):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.config._attn_implementation = "sdpa"
+    return model.eval(), None
+
+
+def curve(log: Log, model: torch.nn.Module, label: str) -> None:
+    captured = StaticBase(model)  # graphs on a card
+    started = time.perf_counter()
+    graphs = captured.measure_curve()
+    eager = StaticBase(model, graphs=False).measure_curve()
+    growing = measure_curve(model, sizes=BUCKETS)
+    log("curve", model=label, capture_and_measure_s=round(time.perf_counter() - started, 2))
+    for size in BUCKETS:
+        log(
+            "curve",
+            model=label,
+            bucket=size,
+            captured_ms=round(graphs.cost(size) * 1e3, 3),
+            static_eager_ms=round(eager.cost(size) * 1e3, 3),
+            growing_eager_ms=round(growing.cost(size) * 1e3, 3),
+            captured_relative=round(graphs.cost(size) / graphs.cost(1), 3),
+        )
+    log("curve", model=label, graph_capture_s=round(captured.capture_seconds, 3), capture_error=captured.capture_error)
+
+
+def hf_generate(model, ids, new_tokens: int, **kwargs):
+    return model.generate(ids, max_new_tokens=new_tokens, do_sample=False, min_new_tokens=0, **kwargs)
+
+
+def bench(log: Log, model, tokenizer, prompts: list[dict], new_tokens: int, methods: list[str]) -> None:
+    """Interleaved single-row runs; speed ratios against eager generate and compiled static-cache generate."""
+    decoders = {m: Decoder(model, tokenizer, m, static_cache=True) for m in methods}
+    longest = max(prompts, key=lambda p: len(p["ids"]))
+    warm_ids = torch.tensor([longest["ids"]], device=DEVICE)
+    _, compile_s = sync_time(lambda: hf_generate(model, warm_ids, new_tokens, cache_implementation="static"))
+    hf_generate(model, warm_ids, new_tokens, cache_implementation="static")
+    log("bench", note="static-cache generate warmed (compile)", seconds=round(compile_s, 1))
+    for decoder in decoders.values():  # warm: curve measured, graphs captured
+        decoder.generate(warm_ids, 16)
+    for prompt in prompts:
+        if log.late(60):
+            log("bench", note="deadline: stopped early")
+            return
+        ids = torch.tensor([prompt["ids"]], device=DEVICE)
+        out, seconds = sync_time(
+            lambda ids=ids: hf_generate(model, ids, new_tokens, output_logits=True, return_dict_in_generate=True)
+        )
+        reference = out.sequences[0, ids.shape[1] :].tolist()
+        logits = [row[0] for row in out.logits]
+        rows = {"generate": (reference, seconds, None)}
+        runs = {
+            "generate_static_compiled": lambda ids=ids: hf_generate(
+                model, ids, new_tokens, cache_implementation="static"
+            ),
+            "hf_prompt_lookup": lambda ids=ids: hf_generate(model, ids, new_tokens, prompt_lookup_num_tokens=10),
+        }
+        for label, run in runs.items():
+            result, took = sync_time(run)
+            rows[label] = (result[0, ids.shape[1] :].tolist(), took, None)
+        for method, decoder in decoders.items():
+            result, took = sync_time(lambda d=decoder, ids=ids: d.generate(ids, new_tokens))
+            rows[method] = (result.new_tokens, took, result.stats)
+        for label, (tokens, took, stats) in rows.items():
+            divergence = first_divergence(reference, tokens, logits, model.dtype)
+            extra = {}
+            if stats is not None:
+                extra = {
+                    "tokens_per_forward": round(stats.tokens_per_forward, 3),
+                    "forwards": stats.forwards,
+                    "host_ms_per_step": round(1e3 * stats.draft_seconds / max(stats.forwards, 1), 3),
+                }
+            log(
+                "bench",
+                prompt=prompt["id"],
+                dataset=prompt["dataset"],
+                method=label,
+                new_tokens=len(tokens),
+                seconds=round(took, 4),
+                tokens_per_s=round(len(tokens) / took, 1),
+                identical=divergence is None,
+                tie=None if divergence is None else divergence.is_tie,
+                **extra,
+            )
+
+
+def batch(log: Log, model, tokenizer, prompts: list[dict], new_tokens: int) -> None:
+    """`generate([...])` of r rows against transformers' batched generate of the same left-padded rows."""
+    for rows in (1, 4, 16):
+        if log.late(60):
+            return
+        chosen = (prompts * 4)[:rows]
+        texts = [torch.tensor(p["ids"]) for p in chosen]
+        width = max(len(t) for t in texts)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        ids = torch.stack([torch.cat([torch.full((width - len(t),), pad), t]) for t in texts]).to(DEVICE)
+        mask = (torch.arange(width)[None] >= torch.tensor([width - len(t) for t in texts])[:, None]).long()
+        mask = mask.to(DEVICE)
+        hf_generate(model, ids[:2], 8, attention_mask=mask[:2], pad_token_id=pad)
+        _, hf_s = sync_time(
+            lambda a=(ids, mask, pad): hf_generate(model, a[0], new_tokens, attention_mask=a[1], pad_token_id=a[2])
+        )
+        lists = [t.tolist() for t in texts]
+        for method in ("plain", "auto"):
+            decoder = Decoder(model, tokenizer, method)
+            decoder.generate((lists * 2)[:2], 8)  # warm: the batched curve is measured once
+            results, took = sync_time(lambda d=decoder, lists=lists: d.generate(lists, new_tokens))
+            produced = sum(len(r.new_tokens) for r in results)
+            log("batch", rows=rows, method=method, seconds=round(took, 3), hf_seconds=round(hf_s, 3),
+                tokens=produced, vs_hf=round(hf_s / took, 3))  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("sections", help="comma-separated: smoke, curve, bench, batch")
+    parser.add_argument("--model", default="random-1b", help="random-1b, or a .gguf file")
+    parser.add_argument("--prompts", type=Path, help="JSON list of {id, dataset, ids}")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--methods", default="plain,prompt_lookup,trie,auto")
+    parser.add_argument("--dtype", default="bf16")
+    parser.add_argument("--budget-s", type=float, default=420.0, help="stop starting new work after this long")
+    parser.add_argument("--out", type=Path, default=Path("gpu_check.jsonl"))
+    args = parser.parse_args()
+    log = Log(args.out, time.monotonic() + args.budget_s)
+    import transformers
+
+    from forerun.measured import device_name
+
+    log("env", torch=torch.__version__, transformers=transformers.__version__, device=device_name(DEVICE))
+    sections = args.sections.split(",")
+    if "smoke" in sections:
+        guarded(log, "smoke", lambda: smoke(log))
+    if not {"curve", "bench", "batch"} & set(sections):
+        return
+    if args.model == "random-1b":
+        model, tokenizer, label = *random_1b(), "random Llama-3.2-1B shape, bf16"
+    else:
+        from forerun.models import load_model
+
+        model, tokenizer = load_model(args.model, dtype=args.dtype, device=str(DEVICE), attn_implementation="sdpa")
+        label = f"{Path(args.model).name}, {args.dtype}"
+    if "curve" in sections:
+        guarded(log, "curve", lambda: curve(log, model, label))
+    prompts = json.loads(args.prompts.read_text()) if args.prompts else []
+    if "bench" in sections and prompts:
+        guarded(log, "bench", lambda: bench(log, model, tokenizer, prompts, args.new_tokens, args.methods.split(",")))
+    if "batch" in sections and prompts:
+        guarded(log, "batch", lambda: batch(log, model, tokenizer, prompts, min(args.new_tokens, 64)))
+
+
+def guarded(log: Log, section: str, run) -> None:
+    """Run one section; a failure is recorded and the next section still runs."""
+    if log.late():
+        log(section, note="skipped: deadline")
+        return
+    try:
+        run()
+    except Exception as error:  # noqa: BLE001 - a device check reports every failure and goes on
+        import traceback
+
+        log(section, error=f"{type(error).__name__}: {error}", trace=traceback.format_exc()[-3000:])
+
+
+if __name__ == "__main__":
+    main()

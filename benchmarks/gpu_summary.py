@@ -1,0 +1,99 @@
+"""Tables of a GPU check's records (`benchmarks/gpu_check.py`) as Markdown.
+
+Usage:
+    .venv/bin/python benchmarks/gpu_summary.py benchmarks/results/gpu-h200-phase2.jsonl
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+
+def geometric_mean(values: list[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
+
+
+def bench_table(records: list[dict]) -> str:
+    """Per method: tokens/s (all prompts), geometric-mean speed ratios against eager and compiled generate,
+    tokens per forward, host ms per step, outputs identical / ties / other."""
+    runs = [r for r in records if r["section"] == "bench" and "method" in r]
+    by_prompt: dict[str, dict[str, dict]] = defaultdict(dict)
+    for r in runs:
+        by_prompt[f"{r['dataset']}/{r['prompt']}"][r["method"]] = r
+    methods = list(dict.fromkeys(r["method"] for r in runs))
+    lines = [
+        "| method | tok/s | vs generate (eager) | vs generate (static cache, compiled) | tokens/forward | host ms/step "
+        "| identical / tie / other |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for method in methods:
+        rows = [p[method] for p in by_prompt.values() if method in p]
+        rate = lambda r: r["new_tokens"] / r["seconds"]  # noqa: E731
+        eager = [rate(p[method]) / rate(p["generate"]) for p in by_prompt.values() if method in p]
+        compiled = [rate(p[method]) / rate(p["generate_static_compiled"]) for p in by_prompt.values() if method in p]
+        tokens = sum(r["new_tokens"] for r in rows) / sum(r["seconds"] for r in rows)
+        tpf = [r["tokens_per_forward"] for r in rows if "tokens_per_forward" in r]
+        host = [r["host_ms_per_step"] for r in rows if "host_ms_per_step" in r]
+        same = sum(r["identical"] for r in rows)
+        ties = sum(bool(r["tie"]) for r in rows)
+        other = len(rows) - same - ties
+        lines.append(
+            f"| {method} | {tokens:.0f} | {geometric_mean(eager):.2f}x | {geometric_mean(compiled):.2f}x | "
+            f"{sum(tpf) / len(tpf):.2f} | {sum(host) / len(host):.2f} | {same} / {ties} / {other} |"
+            if tpf
+            else f"| {method} | {tokens:.0f} | {geometric_mean(eager):.2f}x | {geometric_mean(compiled):.2f}x | "
+            f"- | - | {same} / {ties} / {other} |"
+        )
+    return "\n".join(lines)
+
+
+def dataset_table(records: list[dict], reference: str = "generate_static_compiled") -> str:
+    runs = [r for r in records if r["section"] == "bench" and "method" in r]
+    by_prompt: dict[tuple[str, str], dict[str, dict]] = defaultdict(dict)
+    for r in runs:
+        by_prompt[(r["dataset"], r["prompt"])][r["method"]] = r
+    methods = [m for m in dict.fromkeys(r["method"] for r in runs) if m != reference]
+    datasets = list(dict.fromkeys(d for d, _ in by_prompt))
+    lines = [f"| dataset | {' | '.join(methods)} |", "|---|" + "---:|" * len(methods)]
+    for dataset in datasets:
+        cells = []
+        for method in methods:
+            ratios = [
+                (p[method]["new_tokens"] / p[method]["seconds"])
+                / (p[reference]["new_tokens"] / p[reference]["seconds"])
+                for (d, _), p in by_prompt.items()
+                if d == dataset and method in p
+            ]
+            cells.append(f"{geometric_mean(ratios):.2f}x")
+        lines.append(f"| {dataset} | {' | '.join(cells)} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    for name in sys.argv[1:]:
+        records = [json.loads(line) for line in Path(name).read_text().splitlines() if line.strip()]
+        print(f"## {name}\n")
+        curve = [r for r in records if r["section"] == "curve" and "bucket" in r]
+        if curve:
+            print("| bucket | captured ms | same step eager ms | growing cache eager ms | captured vs 1 node |")
+            print("|---:|---:|---:|---:|---:|")
+            for r in curve:
+                print(f"| {r['bucket']} | {r['captured_ms']:.2f} | {r['static_eager_ms']:.2f} | "
+                      f"{r['growing_eager_ms']:.2f} | {r['captured_relative']:.2f}x |")  # fmt: skip
+            print()
+        if any(r["section"] == "bench" and "method" in r for r in records):
+            print(bench_table(records), "\n")
+            print("Against compiled static-cache generate, geometric mean per dataset:\n")
+            print(dataset_table(records), "\n")
+        for r in records:
+            if r["section"] == "batch" and "rows" in r:
+                print(f"- batch {r['rows']} rows, {r['method']}: {r['tokens'] / r['seconds']:.0f} tok/s, "
+                      f"{r['vs_hf']:.2f}x transformers' batched generate")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""The static base (slots, buckets; graphs on a GPU) gives the tokens the growing cache gives: plain generate's.
+
+On a CPU the bucketed forward runs eagerly; what a captured graph replays is that same function, checked on a GPU
+by benchmarks/gpu_check.py.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import forerun
+from forerun.base import DynamicBase, StaticBase
+from forerun.costmodel import LatencyCurve
+from forerun.tree import TokenTree
+
+from helpers import OracleDrafter, RandomDrafter
+from tiny_models import FAMILIES, VOCAB, prompts, tiny_model
+
+NO_SDPA = {"gemma2", "gptj"}
+CASES = [(f, impl) for f in FAMILIES for impl in ("eager", "sdpa") if not (impl == "sdpa" and f in NO_SDPA)]
+SLIDING = {"mistral", "gemma2"}
+"""Families whose layers keep a sliding window: no static base (the growing cache serves them)."""
+NEW_TOKENS = 40
+METHODS = {
+    "plain": {},
+    "prompt_lookup": {"max_ngram": 2, "draft_len": 5, "max_branches": 2},
+    "jacobi": {"window": 3, "ngram": 3, "max_candidates": 3},
+    "auto": {},
+}
+CURVE = LatencyCurve((1, 2, 4, 8, 16, 32, 64), (1.0, 1.0, 1.0, 1.05, 1.1, 1.2, 1.3))
+"""A GPU's shape: wide trees are nearly free, so the cost model feeds many nodes and buckets get padded."""
+
+
+@functools.lru_cache(maxsize=4)
+def model_of(family: str, impl: str) -> torch.nn.Module:
+    return tiny_model(family, impl)
+
+
+@functools.lru_cache(maxsize=64)
+def reference(family: str, impl: str, index: int) -> torch.Tensor:
+    prompt = prompts(3)[index]
+    return model_of(family, impl).generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
+                                           pad_token_id=0)  # fmt: skip
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+@pytest.mark.parametrize(("family", "impl"), CASES)
+def test_static_base_equals_generate(family, impl, method):
+    model = model_of(family, impl)
+    decoder = forerun.Decoder(model, None, method, latency=CURVE, static_cache=True, **METHODS[method])
+    assert (decoder.base is None) == (family in SLIDING)
+    for index, prompt in enumerate(prompts(3)):  # one decoder, three requests: the slots are reused
+        result = decoder.generate(prompt, NEW_TOKENS, eos_token_id=[])
+        expected = reference(family, impl, index)
+        assert torch.equal(result.sequences, expected[:, : result.sequences.shape[1]]), (family, impl, method, index)
+        assert result.sequences.shape[1] == expected.shape[1] or result.stats.fallback_reason
+    if decoder.base is not None and method != "plain":
+        assert len(decoder.base.steps) > 1  # several buckets were fed: padding was exercised
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gpt2", "opt"])
+def test_oracle_and_random_drafts_on_slots(family):
+    """An oracle after a decoy branch is accepted off node 1 (the commit gathers a non-contiguous path); a random
+    drafter is never accepted; both leave generate's output."""
+    model = model_of(family, "sdpa")
+    for index, prompt in enumerate(prompts(3)):
+        expected = reference(family, "sdpa", index)
+        truth = expected[0].tolist()
+        for drafter in (OracleDrafter(truth, 6, VOCAB), RandomDrafter(truth, VOCAB, width=3, depth=4, seed=index)):
+            decoder = forerun.Decoder(model, None, "plain", drafters=[drafter], max_tree_nodes=16, static_cache=True)
+            result = decoder.generate(prompt, NEW_TOKENS, eos_token_id=[])
+            assert torch.equal(result.sequences, expected), (family, drafter.name, index)
+            if drafter.name == "oracle":
+                assert result.stats.tokens_per_forward > 4
+            else:
+                assert result.stats.accepted == 0
+
+
+class ForgetfulBase(StaticBase):
+    """A broken base that never gathers the accepted path: the negative control."""
+
+    def commit(self, prefix_len: int, kept_nodes: list[int]) -> None:
+        pass
+
+
+def test_negative_control_a_base_that_skips_the_gather_is_caught():
+    model = model_of("llama", "sdpa")
+    prompt = prompts(3)[0]
+    truth = reference("llama", "sdpa", 0)[0].tolist()
+    decoder = forerun.Decoder(model, None, "plain", drafters=[OracleDrafter(truth, 6, VOCAB)], max_tree_nodes=16)
+    decoder.base = ForgetfulBase(model)
+    result = decoder.generate(prompt, NEW_TOKENS, eos_token_id=[])
+    assert not torch.equal(result.sequences, reference("llama", "sdpa", 0))
+
+
+@torch.inference_mode()
+def test_a_padded_bucket_gives_the_tree_its_own_logits():
+    """A 3-node tree fed as bucket 4, then a commit of the root and node 2 (a second branch), then a 2-node tree:
+    the logits at real nodes match the growing cache's, and `choices` are their argmaxes."""
+    model = model_of("llama", "eager")
+    prompt = prompts(1)[0][0].tolist()
+    static, dynamic = StaticBase(model, graphs=False), DynamicBase(model)
+    outputs = {}
+    for base in (static, dynamic):
+        assert base.begin(len(prompt) + 16) is None
+        base.forward(TokenTree.rooted_at(prompt[-1]), len(prompt) - 1, prompt[:-1])
+        base.commit(len(prompt) - 1, [0])
+        tree = TokenTree.rooted_at(7)
+        tree.add(0, 11), tree.add(0, 12)  # two branches: nodes 1 and 2
+        first = base.forward(tree, len(prompt), ())
+        base.commit(len(prompt), [0, 2])
+        follow = TokenTree.rooted_at(13)
+        follow.add(0, 14)
+        outputs[type(base).__name__] = (first, base.forward(follow, len(prompt) + 2, ()))
+    assert 4 in static.steps and 2 in static.steps and len(static.steps) == 2
+    for got, want in zip(outputs["StaticBase"], outputs["DynamicBase"], strict=True):
+        assert got.logits.shape == want.logits.shape
+        assert torch.allclose(got.logits, want.logits, atol=1e-5)
+        assert got.choices == got.logits.argmax(-1).tolist()
+
+
+def test_sampling_with_a_seed_repeats_and_matches_the_growing_cache():
+    model = model_of("qwen2", "sdpa")
+    prompt = prompts(1)[0]
+    texts = []
+    for static in (True, True, False):
+        decoder = forerun.Decoder(model, None, "prompt_lookup", latency=CURVE, static_cache=static)
+        out = decoder.generate(prompt, 24, do_sample=True, seed=3, temperature=1.2, eos_token_id=[])
+        texts.append(out.sequences)
+    assert torch.equal(texts[0], texts[1]) and torch.equal(texts[0], texts[2])
+
+
+def test_static_base_refuses_what_it_cannot_serve():
+    model = model_of("llama", "sdpa")
+    with pytest.raises(ValueError, match="graphs=True needs a CUDA device"):
+        StaticBase(model, graphs=True)
+    with pytest.raises(ValueError, match="buckets must include 1"):
+        StaticBase(model, buckets=(4, 8))
+    with pytest.raises(ValueError, match="exceeds the largest bucket"):
+        StaticBase(model, buckets=(1, 2)).bucket(3)
+    with pytest.raises(ValueError, match="static_cache must be true or false"):
+        forerun.Decoder(model, None, "plain", static_cache="yes")
+    assert forerun.Decoder(model, None, "plain").base is None  # a CPU keeps the growing cache by default
