@@ -1,7 +1,8 @@
 """Tables of a GPU check's records (`benchmarks/gpu_check.py`) as Markdown.
 
 Usage:
-    .venv/bin/python benchmarks/gpu_summary.py benchmarks/results/gpu-h200-phase2.jsonl
+    .venv/bin/python benchmarks/gpu_summary.py benchmarks/results/gpu-h200-run2.jsonl
+    .venv/bin/python benchmarks/gpu_summary.py benchmarks/results/gpu-h200-run2.jsonl --plot docs/gpu-h200.png
 """
 
 from __future__ import annotations
@@ -73,7 +74,53 @@ def dataset_table(records: list[dict], reference: str = "generate_static_compile
     return "\n".join(lines)
 
 
+def plot(records: list[dict], path: Path, card: str) -> None:
+    """Two panels: seconds per step by bucket (captured, eager on slots, eager growing cache), and tokens per
+    second by method over every prompt."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curve = [r for r in records if r["section"] == "curve" and "bucket" in r]
+    runs = [r for r in records if r["section"] == "bench" and "method" in r]
+    methods = list(dict.fromkeys(r["method"] for r in runs))
+    rates = [
+        sum(r["new_tokens"] for r in runs if r["method"] == m) / sum(r["seconds"] for r in runs if r["method"] == m)
+        for m in methods
+    ]
+    figure, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8))
+    buckets = [r["bucket"] for r in curve]
+    for key, label in (
+        ("captured_ms", "captured graph (forerun on a GPU)"),
+        ("static_eager_ms", "same step, eager"),
+        ("growing_eager_ms", "growing cache, eager (the CPU's base)"),
+    ):
+        left.plot(buckets, [r[key] for r in curve], marker="o", label=label)
+    left.set(xscale="log", xlabel="tree nodes fed (bucket)", ylabel="ms per step", ylim=(0, None))
+    left.set_xticks(buckets, [str(b) for b in buckets])
+    left.set_title("SmolLM2-135M bf16: one verification step")
+    left.legend()
+    colours = ["#999999" if m in ("generate", "hf_prompt_lookup") else "#4c72b0" if "generate" in m else "#dd8452"
+               for m in methods]  # fmt: skip
+    right.barh(methods[::-1], rates[::-1], color=colours[::-1])
+    for y, rate in enumerate(rates[::-1]):
+        right.text(rate, y, f" {rate:.0f}", va="center")
+    right.set(xlabel="tokens per second (12 prompts, 128 new tokens, greedy)")
+    right.set_title("grey: transformers eager; blue: compiled; orange: forerun")
+    figure.suptitle(f"{card}, bf16, one row")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
 def main() -> None:
+    if "--plot" in sys.argv:
+        at = sys.argv.index("--plot")
+        name, target = sys.argv[1], Path(sys.argv[at + 1])
+        records = [json.loads(line) for line in Path(name).read_text().splitlines() if line.strip()]
+        card = next((r.get("device") or r.get("card") for r in records if r["section"] == "env"), "GPU")
+        plot(records, target, card)
+        return
     for name in sys.argv[1:]:
         records = [json.loads(line) for line in Path(name).read_text().splitlines() if line.strip()]
         print(f"## {name}\n")
