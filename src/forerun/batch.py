@@ -215,10 +215,12 @@ class Row:
     """Committed tokens in the cache before the root: the root's position."""
     stats: GenerationStats = field(default_factory=GenerationStats)
     started: float = field(default_factory=time.perf_counter)
+    error: Exception | None = None
+    """What ended this row early: its drafters, budget or verification failed (the other rows go on)."""
 
     @property
     def done(self) -> bool:
-        return self.job.transcript.done
+        return self.job.transcript.done or self.error is not None
 
 
 @dataclass
@@ -599,8 +601,8 @@ class Batch:
                 if shape not in caps:
                     caps[shape] = proposal_budget(row.budget, len(rows))
                 row.ctx.budget = caps[shape]
-            proposals = [[drafter.propose(row.ctx) for drafter in row.job.drafters] for row in rows]
-            selections = self.choose(proposals)
+            proposals = [self.propose(row) for row in rows]
+            selections = self.choose_apart(proposals)
         else:  # paused: no proposals, one token per row
             selections = [
                 Selection(*merge(row.ctx.tokens[-1], [TokenTree.rooted_at(row.ctx.tokens[-1])] * len(row.job.drafters)))
@@ -620,7 +622,7 @@ class Batch:
         forward_s = time.perf_counter() - t1
         # 4. verify and 5. commit, per row; then keep each row's accepted path in the shared cache
         kept = [
-            self.commit(row, selection, logits[b, : len(selection.tree)], (t1 - t0) / len(rows), forward_s)
+            self.commit_apart(row, selection, logits[b, : len(selection.tree)], (t1 - t0) / len(rows), forward_s)
             for b, (row, selection) in enumerate(zip(rows, selections, strict=True))
         ]
         self.cache.keep(kept, nodes)
@@ -635,6 +637,46 @@ class Batch:
         else:
             self.cache.compact()
         return finished_early + finished
+
+    def propose(self, row: Row) -> list[TokenTree]:
+        """The row's drafters' trees; a drafter that fails ends its own row (`Row.error`), which then feeds its
+        root alone this step and leaves after it."""
+        try:
+            return [drafter.propose(row.ctx) for drafter in row.job.drafters]
+        except Exception as error:  # noqa: BLE001 - one request's failure must not end its neighbours
+            return self.fail(row, error)
+
+    def fail(self, row: Row, error: Exception) -> list[TokenTree]:
+        row.error = error
+        return [TokenTree.rooted_at(row.ctx.tokens[-1]) for _ in row.job.drafters]
+
+    def choose_apart(self, proposals: list[list[TokenTree]]) -> list[Selection]:
+        """`choose`, and where it fails, the rows whose own budget fails on their own proposals end (each is
+        tried alone), and the rest are chosen again."""
+        try:
+            return self.choose(proposals)
+        except Exception as error:  # noqa: BLE001
+            blamed = False
+            for b, row in enumerate(self.rows):
+                try:
+                    row.budget.choose(row.ctx.tokens[-1], proposals[b])
+                except Exception as own:  # noqa: BLE001
+                    proposals[b], blamed = self.fail(row, own), True
+            if not blamed:
+                raise error
+            return self.choose(proposals)
+
+    def commit_apart(
+        self, row: Row, selection: Selection, logits: torch.Tensor, propose_s: float, forward_s: float
+    ) -> list[int]:
+        """`commit`, where a failure ends only this row (its root stays in the cache until it leaves)."""
+        if row.error is not None:
+            return [0]
+        try:
+            return self.commit(row, selection, logits, propose_s, forward_s)
+        except Exception as error:  # noqa: BLE001
+            row.error = error
+            return [0]
 
     def commit(
         self, row: Row, selection: Selection, logits: torch.Tensor, propose_s: float, forward_s: float
@@ -792,4 +834,6 @@ def decode_rows(
             index_of[id(batch.add(job, draft=alone))] = index
         batch.closed = not waiting
         for row in batch.step():
+            if row.error is not None:
+                raise row.error
             yield index_of.pop(id(row)), row.stats

@@ -15,7 +15,6 @@ Example:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -31,11 +30,14 @@ def check_int(owner: object, name: str, minimum: int, maximum: int) -> None:
                          f"{value!r:.40}")  # fmt: skip
 
 
-def check_number(owner: object, name: str) -> None:
-    """Raise a ValueError naming `owner.name` unless it is a finite number >= 0 (bools are refused)."""
+def check_number(owner: object, name: str, maximum: float = 1e6) -> None:
+    """Raise a ValueError naming `owner.name` unless it is a number in [0, maximum] (bools are refused).
+
+    A ceiling as for integers: a trie weight of 1e308 passed as finite, then its counts summed to infinity and the
+    cost model's score bins overflowed in the middle of a shared batch."""
     value = getattr(owner, name)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 <= value < math.inf):
-        raise ValueError(f"{type(owner).__name__}.{name} must be a finite number >= 0, got {value!r:.40}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 <= value <= maximum):
+        raise ValueError(f"{type(owner).__name__}.{name} must be a number >= 0 and <= {maximum:g}, got {value!r:.40}")
 
 
 MAX_PROBES = 1024

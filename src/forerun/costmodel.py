@@ -207,12 +207,13 @@ class Calibration:
 
     @staticmethod
     def cell(source: str, depth: int, score: float) -> tuple[str, int, int]:
+        score = score if math.isfinite(score) else 0.0  # a drafter's bad score is no guess, never a crash
         return source, min(depth, DEPTH_BUCKETS), min(SCORE_BINS - 1, max(0, int(score * SCORE_BINS)))
 
     def estimate(self, source: str, depth: int, score: float) -> float:
         """The long-run rate of the cell (the drafter's score as a prior)."""
         key = self.cell(source, depth, score)
-        prior = min(max(score, 0.0), 1.0)
+        prior = min(max(score, 0.0), 1.0) if math.isfinite(score) else 0.0
         return (self.hits.get(key, 0.0) + PRIOR_WEIGHT * prior) / (self.trials.get(key, 0.0) + PRIOR_WEIGHT)
 
     def correction(self, source: str, depth: int) -> float:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import os
 import threading
 import time
@@ -39,7 +40,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from forerun.batch import batchable
 from forerun.decoder import DEFAULT_PREFIX_TOKENS, Decoder, GenerationResult
 from forerun.prefixcache import PrefixCache
-from forerun.server.pool import DEFAULT_PREFILL_CHUNK, Abandoned, BatchWorker, DecoderPool, Worker
+from forerun.server.pool import DEFAULT_PREFILL_CHUNK, Abandoned, BatchWorker, DecoderPool, ShuttingDown, Worker
 from forerun.server.schemas import ChatRequest, CompletionRequest, ErrorResponse
 from forerun.server.stream import TokenStream
 from forerun.server.translate import APIError, GenerationArgs, Limits, translate
@@ -121,6 +122,17 @@ class Metrics:
 
     def count(self, path: str, status: int) -> None:
         self.requests.labels(path if path in ROUTES else "other", str(status)).inc()
+
+
+logger = logging.getLogger(__name__)
+
+
+def failed(error: Exception) -> APIError:
+    """A request's own failure while it was generated (its drafters, its budget), as a 500 that names it; the
+    requests beside it in the batch go on."""
+    logger.error("forerun: a request failed: %r", error)
+    message = f"the request failed while generating: {type(error).__name__}: {error}"[:500]
+    return APIError(500, message, kind="server_error")
 
 
 def error_body(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> dict:
@@ -291,6 +303,13 @@ def create_app(model, tokenizer, config: ServerConfig, draft_model=None) -> Fast
             response.headers["Retry-After"] = str(RETRY_AFTER_S)
         return response
 
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, error: Exception):
+        """Anything else still answers in OpenAI's shape, and is counted."""
+        logger.error("forerun: %s %s failed: %r", request.method, request.url.path, error)
+        metrics.count(request.url.path, 500)
+        return error_response(500, f"internal error: {type(error).__name__}", kind="server_error")
+
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, error: RequestValidationError):
         metrics.count(request.url.path, 400)
@@ -374,11 +393,13 @@ def create_app(model, tokenizer, config: ServerConfig, draft_model=None) -> Fast
             result = await worker.run(row if isinstance(worker, BatchWorker) else job, cancel)
         except ValueError as error:
             raise APIError(400, str(error)) from None
-        except (Abandoned, RuntimeError):
+        except (Abandoned, ShuttingDown):
             if why.get("reason") == "timeout":
                 raise APIError(504, request_timed_out(config), kind="timeout") from None
             message = "the request was cancelled (client gone or server shutting down)"
             raise APIError(503, message, kind="server_error") from None
+        except Exception as error:  # noqa: BLE001 - this request's own failure, answered in OpenAI's shape
+            raise failed(error) from None
         finally:
             watcher.cancel()
             metrics.queue.dec()
@@ -555,6 +576,9 @@ def create_app(model, tokenizer, config: ServerConfig, draft_model=None) -> Fast
             decoder, result = await task
         except APIError as error:
             yield f"data: {json.dumps(error_body(error.status, error.message, error.param, error.kind))}\n\n"
+        except Exception as error:  # noqa: BLE001 - a stream ends with an error event and [DONE], never cut
+            failure = failed(error)
+            yield f"data: {json.dumps(error_body(failure.status, failure.message, kind=failure.kind))}\n\n"
         else:
             _, reason, _ = finish(result, args, decoder)
             extra = usage(result, decoder)

@@ -33,6 +33,10 @@ logger = logging.getLogger(__name__)
 PRIVATE_DECODERS = 8
 
 
+class ShuttingDown(RuntimeError):
+    """The server stops taking requests."""
+
+
 class Abandoned(Exception):
     """The job's request was cancelled (timeout, disconnect, shutdown) before the worker reached it."""
 
@@ -97,7 +101,7 @@ class Worker:
         comes: dead requests must not hold places of `--max-queue` (the job, when its turn comes, sees the cancel
         and does nothing)."""
         if self.closing:
-            raise RuntimeError("the server is shutting down")
+            raise ShuttingDown("the server is shutting down")
         self.cancels.add(cancel)
         started = threading.Event()
 
@@ -176,7 +180,7 @@ class BatchWorker:
 
     async def run(self, prepare: Prepare, cancel: threading.Event) -> GenerationResult:
         if self.closing:
-            raise RuntimeError("the server is shutting down")
+            raise ShuttingDown("the server is shutting down")
         loop = asyncio.get_running_loop()
         admission = Admission(prepare, cancel, loop.create_future(), loop)
         with self.wake:
@@ -269,6 +273,10 @@ class BatchWorker:
                 continue
             for row in finished:
                 admission = self.members.pop(id(row))
+                if row.error is not None:  # its own drafters, budget or verification failed: only it ends
+                    logger.error("forerun: a request failed in its batch: %r", row.error)
+                    self.settle(admission, error=row.error)
+                    continue
                 decoder, job = admission.decoder, admission.job
                 result = decoder.result(job.transcript, job.input_ids.shape[1], row.stats, admission.request)
                 self.settle(admission, result)

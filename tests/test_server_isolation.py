@@ -1,0 +1,114 @@
+"""A request that fails inside the shared batch ends alone: its neighbours' answers are plain generate's, it gets an
+OpenAI-shaped error (a JSON 500, or an error event then [DONE] on a stream), and the failure is counted."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+import pytest
+from test_server import MODEL, LiveServer, plain_text
+
+from forerun.batch import Batch
+from forerun.server import ServerConfig, create_app
+
+pytestmark = pytest.mark.real_model
+HOSTILE = "Zqxjvk wobble frobnicate: say hi."
+HONEST = [
+    [{"role": "user", "content": "Name three colours."}],
+    [{"role": "user", "content": "Count from one to ten."}],
+]
+TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def server(smollm2):
+    model, tokenizer = smollm2
+    app = create_app(model, tokenizer, ServerConfig(MODEL, "auto", max_tokens_limit=64, request_timeout_s=120))
+    live = LiveServer(app)
+    yield live
+    live.stop()
+
+
+def contains(tokens: list[int], part: list[int]) -> bool:
+    return any(tokens[i : i + len(part)] == part for i in range(len(tokens) - len(part) + 1))
+
+
+def streamed(url: str, body: dict) -> tuple[int, str, list[dict], bool]:
+    """(status, text, error events, [DONE] seen) of a streamed request."""
+    text, errors, done = "", [], False
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=120) as response:
+        if response.status_code != 200:
+            response.read()
+            return response.status_code, "", [response.json()], False
+        for line in response.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line.removeprefix("data: ")
+            if data == "[DONE]":
+                done = True
+                continue
+            event = json.loads(data)
+            if "error" in event:
+                errors.append(event)
+            elif event.get("choices"):
+                text += event["choices"][0]["delta"].get("content") or ""
+    return 200, text, errors, done
+
+
+def test_a_request_failing_mid_batch_ends_alone(server, smollm2, monkeypatch):
+    model, tokenizer = smollm2
+    marker = tokenizer.encode("Zqxjvk wobble", add_special_tokens=False)
+    original = Batch.commit
+
+    def commit(self, row, *args, **kwargs):  # a failure only the hostile rows meet, inside the shared step
+        if contains(row.ctx.tokens, marker) and row.stats.forwards >= 1:
+            raise OverflowError("cannot convert float infinity to integer")
+        return original(self, row, *args, **kwargs)
+
+    monkeypatch.setattr(Batch, "commit", commit)
+    url = server.url + "/v1/chat/completions"
+    hostile = {"messages": [{"role": "user", "content": HOSTILE}], "max_tokens": TOKENS}
+    results: dict[str, object] = {}
+
+    def run(name, call):
+        results[name] = call()
+
+    calls = {
+        "honest-json": lambda: httpx.post(url, json={"messages": HONEST[0], "max_tokens": TOKENS}, timeout=120),
+        "honest-stream": lambda: streamed(url, {"messages": HONEST[1], "max_tokens": TOKENS}),
+        "hostile-json": lambda: httpx.post(url, json=hostile, timeout=120),
+        "hostile-stream": lambda: streamed(url, hostile),
+    }
+    threads = [threading.Thread(target=run, args=item) for item in calls.items()]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=180)
+    answer = results["honest-json"]
+    assert answer.status_code == 200
+    assert answer.json()["choices"][0]["message"]["content"] == plain_text(
+        smollm2, messages=HONEST[0], max_new_tokens=TOKENS
+    )
+    status, text, errors, done = results["honest-stream"]
+    assert (status, errors, done) == (200, [], True)
+    assert text == plain_text(smollm2, messages=HONEST[1], max_new_tokens=TOKENS)
+    failure = results["hostile-json"]
+    assert failure.status_code == 500
+    error = failure.json()["error"]
+    assert error["type"] == "server_error" and "OverflowError" in error["message"]
+    status, _, errors, done = results["hostile-stream"]
+    assert errors and errors[0]["error"]["type"] == "server_error"
+    assert status == 500 or done  # refused before its stream began, or ended with an error event and [DONE]
+    metrics = httpx.get(server.url + "/metrics").text
+    assert 'forerun_requests_total{endpoint="/v1/chat/completions",status="500"}' in metrics
+    assert httpx.get(server.url + "/health").json()["status"] == "ok"
+
+
+def test_the_issue_s_hostile_knob_is_a_400_naming_it(server):
+    body = {"prompt": "a b a b a b a b a b a b a b a b", "max_tokens": 16,
+            "forerun": {"method": "trie", "prompt_weight": 1e308}}  # fmt: skip
+    response = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert response.status_code == 400
+    assert "prompt_weight" in response.json()["error"]["message"]
