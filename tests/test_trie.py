@@ -204,3 +204,62 @@ def test_concurrent_writers_and_readers_do_not_tear():
     for t in threads:
         t.join()
     assert not errors and len(trie) <= 500
+
+
+def write_trie(path, parents, tokens, counts, max_nodes="200000", dtypes=(torch.int64, torch.int64, torch.float64)):
+    """A file in the trie's own layout, with whatever values a test wants (valid metadata)."""
+    from safetensors.torch import save_file
+
+    from forerun.drafters.trie import FORMAT, VERSION
+
+    arrays = {
+        "parents": torch.tensor(parents, dtype=dtypes[0]),
+        "tokens": torch.tensor(tokens, dtype=dtypes[1]),
+        "counts": torch.tensor(counts, dtype=dtypes[2]),
+    }
+    save_file(arrays, str(path), metadata={"format": FORMAT, "version": VERSION, "max_nodes": max_nodes})
+
+
+@pytest.mark.parametrize(
+    ("parents", "tokens", "counts", "extra", "message"),
+    [
+        ([-1, 0], [5, 6], [1.0, float("inf")], {}, "counts must be finite and >= 0"),
+        ([-1, 0], [5, 6], [float("nan"), 1.0], {}, "counts must be finite and >= 0"),
+        ([-1, 0], [5, 6], [1.0, -2.0], {}, "counts must be finite and >= 0"),
+        ([-1, 0], [5, 10**9], [1.0, 1.0], {}, "token id 1000000000 outside the model's vocabulary \\(\\[0, 96\\)\\)"),
+        ([-1, 0], [5, -3], [1.0, 1.0], {}, "token id -3 outside"),
+        ([-1, 5], [5, 6], [1.0, 1.0], {}, "node 1's parent 5 is not before it"),
+        ([-1, -1], [5, 5], [1.0, 1.0], {}, "token 5 twice under node -1"),
+        ([-1, 0], [5, 6], [1.0], {}, "inconsistent trie arrays"),
+        ([-1, 0], [5, 6], [1.0, 1.0], {"max_nodes": "1e309"}, "max_nodes '1e309' is not an integer"),
+        ([-1, 0], [5, 6], [1.0, 1.0], {"max_nodes": "0"}, "max_nodes '0' is not an integer"),
+        (
+            [-1, 0],
+            [5.0, 6.0],
+            [1.0, 1.0],
+            {"dtypes": (torch.int64, torch.float32, torch.float64)},
+            "parents and tokens must be integers",
+        ),
+    ],
+)
+def test_a_trie_file_is_checked_before_it_is_trusted(tmp_path, parents, tokens, counts, extra, message):
+    """A file with valid metadata but impossible values is refused at load, naming the file and the value, and
+    the running trie is untouched (an infinite count used to load, then break every request)."""
+    from tiny_models import tiny_model
+
+    path = tmp_path / "hostile.safetensors"
+    write_trie(path, parents, tokens, counts, **extra)
+    decoder = forerun.Decoder(tiny_model("llama"), None, "trie")
+    decoder.trie_drafter().trie.insert([1, 2, 3], 1.0)
+    with pytest.raises(ValueError, match=message) as caught:
+        decoder.load_cache(str(path))
+    assert str(path) in str(caught.value)
+    assert len(decoder.trie_drafter().trie) == 3
+
+
+def test_a_valid_hand_written_trie_file_loads(tmp_path):
+    """The control: the same layout with sane values loads and drafts."""
+    path = tmp_path / "fine.safetensors"
+    write_trie(path, [-1, 0, 1], [5, 6, 7], [2.0, 2.0, 1.0])
+    trie = TokenTrie.load(path, vocab=96)
+    assert len(trie) == 3 and trie.match([5], 1).children[6].count == 2.0

@@ -217,8 +217,11 @@ class TokenTrie:
         os.replace(temporary, path)
 
     @classmethod
-    def load(cls, path: str | Path, max_nodes: int | None = None) -> TokenTrie:
-        """Read a file written by `save`; anything else raises ValueError (the caller's trie is untouched)."""
+    def load(cls, path: str | Path, max_nodes: int | None = None, vocab: int | None = None) -> TokenTrie:
+        """Read a file written by `save`; anything else raises ValueError naming the file and what is wrong (the
+        caller's trie is untouched). Every value is checked before it is used: a count that is not finite and
+        non-negative (an infinite count broke every later request), a token id outside [0, `vocab`), more nodes
+        than the budget, a node before its parent or a token twice under one parent."""
         from safetensors import safe_open
 
         try:
@@ -228,27 +231,61 @@ class TokenTrie:
                     raise ValueError(f"{path} is not a forerun trie file (format {metadata.get('format')!r})")
                 if metadata.get("version") != VERSION:
                     raise ValueError(f"{path} has trie format version {metadata.get('version')!r}; expected {VERSION}")
-                parents = handle.get_tensor("parents").tolist()
-                tokens = handle.get_tensor("tokens").tolist()
-                counts = handle.get_tensor("counts").tolist()
-                stored_max = int(metadata.get("max_nodes", "200000"))
+                arrays = {name: handle.get_tensor(name) for name in ("parents", "tokens", "counts")}
+                stored_max = metadata.get("max_nodes", "200000")
         except (FileNotFoundError, ValueError):
             raise
         except Exception as error:  # safetensors raises its own error types for truncated/corrupt files
             raise ValueError(f"cannot read trie file {path}: {error}") from error
-        if not len(parents) == len(tokens) == len(counts):
-            raise ValueError(f"{path}: inconsistent trie arrays")
-        trie = cls(max_nodes or stored_max)
+        stored_budget = check_stored_budget(path, stored_max)  # checked even where the caller names its own
+        budget = max_nodes or stored_budget
+        parents, tokens, counts = check_arrays(path, arrays, vocab)
+        trie = cls(budget)
         nodes: list[Node] = []
-        for parent, token, count in zip(parents, tokens, counts, strict=True):
+        for index, (parent, token, count) in enumerate(zip(parents, tokens, counts, strict=True)):
             if not -1 <= parent < len(nodes):
-                raise ValueError(f"{path}: corrupt trie (parent {parent} before its node)")
+                raise ValueError(f"{path}: corrupt trie (node {index}'s parent {parent} is not before it)")
+            children = trie.top.children if parent < 0 else nodes[parent].children
+            if token in children:
+                raise ValueError(f"{path}: corrupt trie (token {token} twice under node {parent})")
             node = Node()
             node.count = count
-            (trie.top if parent < 0 else nodes[parent]).children[token] = node
+            children[token] = node
             nodes.append(node)
         trie.nodes = len(nodes)
         return trie
+
+
+MAX_FILE_NODES = 10_000_000
+"""The most nodes a trie file may hold: the `max_nodes` knob's ceiling."""
+
+
+def check_stored_budget(path: str | Path, stored: str) -> int:
+    """The node budget a trie file names in its metadata, checked like the `max_nodes` knob."""
+    if not stored.isdigit() or not 16 <= int(stored) <= 10_000_000:
+        raise ValueError(f"{path}: corrupt trie (max_nodes {stored[:20]!r} is not an integer in [16, 10000000])")
+    return int(stored)
+
+
+def check_arrays(
+    path: str | Path, arrays: dict[str, torch.Tensor], vocab: int | None
+) -> tuple[list[int], list[int], list[float]]:
+    """The file's parents, tokens and counts as lists, each checked (`TokenTrie.load`)."""
+    parents, tokens, counts = arrays["parents"], arrays["tokens"], arrays["counts"]
+    if any(a.dim() != 1 for a in arrays.values()) or not len(parents) == len(tokens) == len(counts):
+        raise ValueError(f"{path}: inconsistent trie arrays (shapes {[list(a.shape) for a in arrays.values()]})")
+    if parents.is_floating_point() or tokens.is_floating_point() or parents.dtype == torch.bool:
+        raise ValueError(f"{path}: corrupt trie (parents and tokens must be integers)")
+    if len(tokens) > MAX_FILE_NODES:  # over the budget but under this, the trie prunes itself as it learns
+        raise ValueError(f"{path}: {len(tokens)} nodes, more than any trie holds ({MAX_FILE_NODES})")
+    counts = counts.double()
+    if len(counts) and not (bool(torch.isfinite(counts).all()) and float(counts.min()) >= 0):
+        raise ValueError(f"{path}: corrupt trie (counts must be finite and >= 0)")
+    if len(tokens) and (int(tokens.min()) < 0 or (vocab is not None and int(tokens.max()) >= vocab)):
+        limit = f"[0, {vocab})" if vocab is not None else ">= 0"
+        raise ValueError(f"{path}: token id {int(tokens.max()) if int(tokens.min()) >= 0 else int(tokens.min())} "
+                         f"outside the model's vocabulary ({limit})")  # fmt: skip
+    return parents.tolist(), tokens.tolist(), counts.tolist()
 
 
 def decay(node: Node) -> None:
