@@ -117,3 +117,39 @@ def test_messages_the_chat_template_cannot_render_are_a_value_error(smollm2):
     strict.chat_template = "{{ raise_exception('Conversation roles must alternate user/assistant') }}"
     with pytest.raises(ValueError, match="the chat template refused these messages: Conversation roles must"):
         forerun.Decoder(model, strict, "plain").generate([{"role": "user", "content": "hi"}], 2)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"prompt": b"\x05\x06"}, "prompt is bytes"),
+        ({"prompt": None}, "prompt must be text, a list of chat messages or token ids .* got NoneType"),
+        ({"prompt": 5}, "prompt must be text.* got int"),
+        ({"prompt": {"role": "user"}}, "prompt must be text.* got dict"),
+        ({"prediction": 5}, "prediction must be text or a list of token ids"),
+        ({"cancel": "yes"}, "cancel must be a threading.Event"),
+        ({"streamer": 5}, "streamer must have put\\(\\) and end\\(\\)"),
+        ({"eos_token_id": -5}, "eos_token_id must hold token ids in \\[0, 96\\)"),
+        ({"eos_token_id": 10**12}, "eos_token_id must hold token ids in \\[0, 96\\)"),
+        ({"eos_token_id": "x"}, "eos_token_id must be a token id or a list of token ids"),
+        ({"eos_token_id": [3, 1.5]}, "eos_token_id must hold token ids"),
+    ],
+)
+def test_bad_arguments_are_value_errors_naming_them(model, kwargs, message):
+    decoder = forerun.Decoder(model, None, "prompt_lookup")
+    arguments = {"prompt": [5, 6, 7], **kwargs}
+    with pytest.raises(ValueError, match=message):
+        decoder.generate(arguments.pop("prompt"), 4, **arguments)
+
+
+def test_a_latency_that_is_not_a_curve_is_refused(model):
+    with pytest.raises(ValueError, match="latency must be a forerun.LatencyCurve"):
+        forerun.Decoder(model, None, "auto", latency="x")
+
+
+def test_good_hooks_still_pass(model):
+    import threading
+
+    decoder = forerun.Decoder(model, None, "prompt_lookup")
+    result = decoder.generate([5, 6, 7], 4, cancel=threading.Event(), prediction=[5, 6], eos_token_id=[3])
+    assert len(result.new_tokens) <= 4

@@ -256,3 +256,42 @@ def test_sampled_records_draw_from_their_own_seeds_and_a_bad_seed_refuses_only_i
     assert run_records(forerun.Decoder(model, tokenizer, "prompt_lookup"), bad, out, 4) == 2
     assert "seed" in finished_rows(out)[str(rows[0]["id"])]["error"]
     assert "tokens" in finished_rows(out)[str(rows[1]["id"])]
+
+
+def test_lone_surrogates_in_a_record_are_its_own_problem(tmp_path):
+    """JSON can spell a lone surrogate; no UTF-8 output file can hold one, and a rerun died at the same record."""
+    path = tmp_path / "in.jsonl"
+    lines = ['{"id": "\\ud800", "prompt": "x"}', '{"id": "a", "prompt": "caf\\udce9"}', '{"id": "ok", "prompt": "x"}']
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    records, problems = read_records(path, {"max_new_tokens": 4})
+    assert [r.ident for r in records] == ["ok"]
+    assert [p.split(":")[0] for p in problems] == ["line 1", "line 2"]
+    assert all("lone surrogate" in p for p in problems)
+
+
+def test_an_output_file_with_a_bad_byte_is_named_with_its_line(tmp_path):
+    out = tmp_path / "out.jsonl"
+    out.write_bytes(b'{"id": "a", "text": "x"}\n{"id": "b", "text": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=r"out.jsonl: line 2 is not UTF-8 \(byte 24 of the line\)"):
+        finished_rows(out)
+
+
+def test_a_prompt_too_long_by_its_characters_is_refused_before_tokenizing(tmp_path):
+    from tiny_models import tiny_model
+
+    class Tokenizer:  # counts what it is asked to tokenize: nothing, here
+        calls = 0
+
+        def __len__(self):
+            return 96
+
+        def __call__(self, *args, **kwargs):
+            Tokenizer.calls += 1
+            raise AssertionError("tokenized")
+
+    decoder = forerun.Decoder(tiny_model("llama"), Tokenizer(), "plain")  # context: 512 positions
+    with pytest.raises(ValueError, match="prompt is 40,000 characters, more than the model's context \\(512 tokens\\)"):
+        decoder.check_prompt("x" * 40_000, 4)
+    with pytest.raises(ValueError, match="the messages' content is 40,000 characters"):
+        decoder.check_prompt([{"role": "user", "content": "x" * 40_000}], 4)
+    assert Tokenizer.calls == 0

@@ -36,6 +36,7 @@ from forerun.checks import (
     check_seed,
     check_stops,
     check_text,
+    check_text_length,
     row_seeds,
 )
 from forerun.config import EngineConfig
@@ -90,11 +91,23 @@ class GenerationResult:
 
 
 def eos_ids_of(model: torch.nn.Module, eos_token_id: int | Sequence[int] | None) -> frozenset[int]:
+    """The token ids that end an answer: `eos_token_id` (one id or a list; [] for none), else the model's own.
+    An id that is not an integer in the model's vocabulary is a ValueError naming the argument."""
+    given = eos_token_id is not None
     if eos_token_id is None:
         eos_token_id = model.generation_config.eos_token_id
     if eos_token_id is None:
         return frozenset()
-    return frozenset([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
+    ids = [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id
+    if not given:
+        return frozenset(ids)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple, set, frozenset)):
+        raise ValueError(f"eos_token_id must be a token id or a list of token ids, got {eos_token_id!r:.40}")
+    for token in ids:
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
+            raise ValueError(f"eos_token_id must hold token ids in [0, {vocab}), got {token!r:.40}")
+    return frozenset(ids)
 
 
 DEFAULT_PREFIX_TOKENS = 4096
@@ -141,6 +154,8 @@ class Decoder:
         prefix_cache: PrefixCache | int | None = DEFAULT_PREFIX_TOKENS,
         **knobs: object,
     ) -> None:
+        if latency is not None and not isinstance(latency, LatencyCurve):
+            raise ValueError(f"latency must be a forerun.LatencyCurve or None, got {latency!r:.40}")
         self.model, self.tokenizer = model, tokenizer
         self.prefixes = prefix_cache if isinstance(prefix_cache, PrefixCache) else PrefixCache(prefix_cache or 0)
         device_type = next(model.parameters()).device.type
@@ -238,7 +253,8 @@ class Decoder:
         from forerun.drafters.trie import TokenTrie
 
         drafter = self.trie_drafter()
-        drafter.trie = TokenTrie.load(path, drafter.config.max_nodes)
+        vocab = self.model.get_output_embeddings().weight.shape[0]
+        drafter.trie = TokenTrie.load(path, drafter.config.max_nodes, vocab)
 
     def trie_drafter(self):
         from forerun.drafters.trie import TrieDrafter
@@ -250,6 +266,13 @@ class Decoder:
 
     def encode(self, prompt: Prompt, chat: bool = False) -> torch.Tensor:
         """Prompt -> input_ids [1, L]: a string (chat=True wraps it as one user message), messages, or ids."""
+        if isinstance(prompt, (bytes, bytearray)):  # iterating bytes gives ints: it would pass as token ids
+            raise ValueError("prompt is bytes: decode it to text first, or pass token ids as a list")
+        if not isinstance(prompt, (torch.Tensor, str, list, tuple)):
+            raise ValueError(
+                "prompt must be text, a list of chat messages or token ids (a list or a tensor), got "
+                f"{type(prompt).__name__}"
+            )
         if isinstance(prompt, torch.Tensor):
             if prompt.is_floating_point() or prompt.is_complex() or prompt.dtype == torch.bool:
                 raise ValueError(f"input_ids must hold integer token ids, got a {prompt.dtype} tensor")
@@ -263,7 +286,9 @@ class Decoder:
                 raise ValueError("a text prompt needs a tokenizer; pass token ids or give Decoder a tokenizer")
             if isinstance(prompt, str) and not prompt.strip():
                 raise ValueError("prompt is empty")
+            context = getattr(self.model.config, "max_position_embeddings", None)
             if isinstance(prompt, str):
+                check_text_length("prompt", len(prompt), context)
                 check_text("prompt", prompt)
             else:
                 for i, message in enumerate(prompt):
@@ -272,6 +297,8 @@ class Decoder:
                     if not isinstance(message.get("role", "user"), str):
                         raise ValueError(f"messages[{i}].role must be a string, got {message['role']!r:.40}")
                     check_text(f"messages[{i}].content", message["content"])
+                total = sum(len(message["content"]) for message in prompt)
+                check_text_length("the messages' content", total, context)
             if isinstance(prompt, str) and not chat:
                 ids = self.tokenizer(prompt, return_tensors="pt").input_ids
             else:
@@ -282,7 +309,7 @@ class Decoder:
                     )["input_ids"]
                 except Exception as error:  # the template runs on the caller's messages: its refusals are theirs
                     raise ValueError(f"the chat template refused these messages: {error}") from error
-        else:
+        elif isinstance(prompt, (list, tuple)):
             values = list(prompt)
             if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
                 raise ValueError("a prompt given as a list must hold integer token ids")
@@ -346,6 +373,8 @@ class Decoder:
                 **generation_kwargs,
             )
         check_request(max_new_tokens, stop, seed, logprobs, do_sample, generation_kwargs)
+        check_hooks(prediction, cancel, streamer)
+        eos_ids_of(self.model, eos_token_id)  # checked before either path below takes it
         stops = check_stops(stop)
         input_ids = self.encode(prompt, chat)
         prompt_len = input_ids.shape[1]
@@ -433,6 +462,7 @@ class Decoder:
         check_batch_size(batch_size)
         seeds = row_seeds(seed, len(prompts))
         check_request(max_new_tokens, stop, None, logprobs, do_sample, generation_kwargs)
+        check_hooks(None, cancel, None)
         prefixes = self.scoped_prefixes(cache_salt)
         rows = self.encode_batch(prompts, chat)
         jobs, requests = [], []
@@ -494,6 +524,7 @@ class Decoder:
         batching); the arguments are `generate`'s. Once the row is done, `result(job.transcript, prompt_len, stats,
         request)` makes its GenerationResult."""
         check_request(max_new_tokens, stop, seed, logprobs, do_sample, generation_kwargs)
+        check_hooks(prediction, cancel, streamer)
         ids = self.encode(prompt, chat)
         self.check_context(ids, max_new_tokens)
         tokens = self.encode_prediction(prediction) if prediction is not None else None
@@ -853,6 +884,20 @@ def is_batch(prompt: object) -> bool:
     if isinstance(prompt, (list, tuple)) and prompt:
         return isinstance(prompt[0], (str, list, tuple, torch.Tensor))
     return False
+
+
+def check_hooks(prediction: object, cancel: object, streamer: object) -> None:
+    """The per-request objects a caller hands over, checked by what they must be able to do (ValueError naming
+    the argument, before anything runs)."""
+    if prediction is not None and not isinstance(prediction, str):
+        if not isinstance(prediction, (list, tuple)) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prediction
+        ):
+            raise ValueError(f"prediction must be text or a list of token ids, got {prediction!r:.40}")
+    if cancel is not None and not callable(getattr(cancel, "is_set", None)):
+        raise ValueError(f"cancel must be a threading.Event (or have is_set()), got {cancel!r:.40}")
+    if streamer is not None and not all(callable(getattr(streamer, name, None)) for name in ("put", "end")):
+        raise ValueError(f"streamer must have put() and end() (a transformers streamer), got {streamer!r:.40}")
 
 
 def check_request(max_new_tokens, stop, seed, logprobs, do_sample, generation_kwargs) -> None:

@@ -72,6 +72,10 @@ def parse_record(line: str, number: int, defaults: dict, position: int = 0) -> R
         raise ValueError(f"line {number}: invalid JSON ({error})") from None
     if not isinstance(row, dict):
         raise ValueError(f"line {number}: a record must be a JSON object")
+    try:  # JSON may spell lone surrogates ("\ud800"): no output file could hold them, so no record may
+        json.dumps(row, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(f"line {number}: holds a lone surrogate ({error.object[error.start]!r}), not text") from None
     unknown = sorted(set(row) - {"id", "prompt", "messages", *SETTINGS})
     if unknown:
         raise ValueError(f"line {number}: unknown field(s) {unknown}")
@@ -161,9 +165,14 @@ def finished_rows(path: Path, repair: bool = False) -> dict[str, dict]:
         with open(path, "r+b") as handle:  # drop the torn tail so appends start on a fresh line
             handle.truncate(len(complete))
     rows = {}
-    for line in complete.decode("utf-8").splitlines():
+    for number, raw in enumerate(complete.splitlines(), start=1):
         try:
-            row = json.loads(line)
+            row = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as error:
+            raise ValueError(
+                f"{path}: line {number} is not UTF-8 (byte {error.start} of the line); fix or remove that line to "
+                "resume, or write the results elsewhere"
+            ) from None
         except json.JSONDecodeError:
             continue
         if isinstance(row, dict) and "id" in row:
