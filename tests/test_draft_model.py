@@ -263,7 +263,7 @@ def test_mismatched_vocabularies_are_refused_naming_both_models():
         ({"tree_width": 0}, "tree_width must be an integer >= 1"),
         ({"self_draft_layers": -1}, "self_draft_layers must be an integer >= 0"),
         ({"lookup": 2.5}, "lookup must be an integer >= 0"),
-        ({"lookup_min_hits": -1}, "lookup_min_hits must be a finite number >= 0"),
+        ({"lookup_min_hits": -1}, "lookup_min_hits must be a number >= 0 and <= 1e\\+06"),
         ({"gamma": 10**6, "max_gamma": 10**6}, "gamma must be an integer >= 1 and <= 256"),
     ],
 )

@@ -119,3 +119,38 @@ def test_a_non_finite_score_is_no_guess_for_the_cost_model():
     calibration = Calibration()
     for score in (float("inf"), float("-inf"), float("nan")):
         assert calibration.estimate("trie", 1, score) == 0.0
+
+
+@pytest.mark.parametrize(("method", "source"), [("trie", "trie"), ("jacobi", "jacobi")])
+def test_tenants_never_draft_from_each_others_answers(method, source):
+    """Tenant A's answer teaches A's state only: tenant B (another salt) sending A's prompt is drafted exactly as
+    a fresh server would draft it, while A itself (and unsalted requests among themselves) profit."""
+    model = model_of("llama")
+    prompt = prompts(1, length=24, seed=5)[0]
+    knobs = {"prompt_weight": 0.0} if method == "trie" else {}
+
+    def accepted(decoder, salt):
+        result = decoder.generate(prompt, 32, eos_token_id=[], cache_salt=salt)
+        return result.stats.accepted_by.get(source, 0), result.sequences
+
+    fresh = accepted(forerun.Decoder(model, None, method, latency=CURVE, **knobs), "b")
+    shared = forerun.Decoder(model, None, method, latency=CURVE, **knobs)
+    first_a = accepted(shared, "a")
+    again_a = accepted(shared, "a")
+    other_b = accepted(shared, "b")
+    assert torch.equal(other_b[1], fresh[1]) and torch.equal(first_a[1], fresh[1])  # same text throughout
+    assert other_b[0] == fresh[0]  # nothing of A's answer reached B
+    assert again_a[0] > first_a[0]  # A learned from its own answer
+    unsalted = [accepted(shared, None)[0] for _ in range(2)]
+    assert unsalted[1] > unsalted[0] == fresh[0]  # the unsalted share among themselves, apart from A and B
+
+
+def test_salted_state_is_bounded_and_the_oldest_salt_goes_first():
+    from forerun.drafters.tenants import TenantState
+
+    state = TenantState([], list, limit=3)
+    for salt in ("a", "b", "c"):
+        state.get(salt).append(salt)
+    state.get("a")  # used again: "b" is now the least recently used
+    state.get("d")
+    assert list(state.salted) == ["c", "a", "d"] and state.get("b") == []

@@ -46,8 +46,9 @@ def test_combinations_keep_the_written_order_and_route_dotted_knobs():
         # every knob has a ceiling: a request's knobs build a server-side Decoder
         ("jacobi", {"window": 100_000}, "window must be an integer >= 1 and <= 64, got 100000"),
         ("jacobi", {"window": 64, "ngram": 32}, r"window x \(ngram - 1\) must be <= 1024 probe tokens, got 64 x 31"),
-        ("trie", {"output_weight": float("inf")}, "output_weight must be a finite number >= 0, got inf"),
-        ("trie", {"prompt_weight": float("nan")}, "prompt_weight must be a finite number >= 0, got nan"),
+        ("trie", {"output_weight": float("inf")}, "output_weight must be a number >= 0 and <= 1e\\+06, got inf"),
+        ("trie", {"prompt_weight": float("nan")}, "prompt_weight must be a number >= 0 and <= 1e\\+06, got nan"),
+        ("trie", {"prompt_weight": 1e308}, "prompt_weight must be a number >= 0 and <= 1e\\+06, got 1e\\+308"),
         ("prompt_lookup", {"draft_len": 10**30}, "draft_len must be an integer >= 1 and <= 256"),
         ("plain", {"draft_len": 3}, "method 'plain' takes no knobs"),
     ],

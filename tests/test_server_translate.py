@@ -138,3 +138,27 @@ def test_sampling_follows_the_request_then_the_models_generation_config():
     assert translate(body, sampling_model).sampling == {"temperature": 0.6, "top_p": 0.95, "do_sample": True}
     body = ChatRequest(messages=HI, temperature=0)
     assert translate(body, sampling_model).sampling == {}
+
+
+def test_an_operator_limits_which_methods_requests_may_pick():
+    import dataclasses
+
+    closed = dataclasses.replace(LIMITS, method="prompt_lookup", request_methods=())
+    ask = lambda method: translate(ChatRequest(messages=HI, forerun={"method": method}), closed)  # noqa: E731
+    assert ask("prompt_lookup").method == "prompt_lookup" and ask("plain").method == "plain"
+    for method in ("trie", "auto", "jacobi"):
+        with pytest.raises(APIError, match=f"method '{method}' is not enabled on this server") as caught:
+            ask(method)
+        assert caught.value.param == "forerun" and caught.value.status == 400
+    some = dataclasses.replace(closed, request_methods=("trie",))
+    assert translate(ChatRequest(messages=HI, forerun={"method": "trie"}), some).method == "trie"
+    assert translate(ChatRequest(messages=HI, forerun={"method": "auto"}), LIMITS).method == "auto"  # None: any
+
+
+def test_request_methods_on_the_command_line():
+    from forerun.cli import parse_request_methods
+
+    assert parse_request_methods("any") is None and parse_request_methods("none") == ()
+    assert parse_request_methods("trie, prompt_lookup") == ("trie", "prompt_lookup")
+    with pytest.raises(ValueError, match="unknown method"):
+        parse_request_methods("trie,magic")

@@ -480,6 +480,7 @@ class Batch:
             processor=job.processor,
             noise=job.sampling.noise if job.sampling is not None else None,
             selective=budget.selective,
+            salt=job.prefixes.salt if job.prefixes is not None else "",
         )
         for drafter in job.drafters:
             drafter.start(ctx)

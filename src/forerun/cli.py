@@ -499,6 +499,12 @@ def serve(
         help="Prompt tokens a joining request feeds between two steps of the running ones (a long prompt does not "
         "freeze the other streams); 0: whole prompts at once",
     ),
+    request_methods: str = typer.Option(
+        "any",
+        "--request-methods",
+        help="Methods a request may pick in its forerun.method besides --method: 'any', 'none', or a comma list "
+        "(learned state stays per cache_salt either way).",
+    ),
     threads: int = THREADS,
     draft_model: str = DRAFT,
     max_tree_nodes: int = NODES,
@@ -536,6 +542,7 @@ def serve(
         max_batch=max_batch,
         prefix_cache_tokens=prefix_cache,
         prefill_chunk=prefill_chunk,
+        request_methods=parse_request_methods(request_methods),
     )
     lm, tokenizer, draft = spec.load()
     with console.status("preparing the server (the latency curves are measured once per model, dtype and device)"):
@@ -543,6 +550,19 @@ def serve(
     # On SIGTERM/SIGINT: stop accepting, give open requests 5 s, then cancel them; the trie is saved after.
     # guarded_h11: uvicorn's h11 with a deadline for request heads and a cap on connections (slowloris)
     uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5, http=guarded_h11())
+
+
+def parse_request_methods(text: str) -> tuple[str, ...] | None:
+    """'any' -> None (every method), 'none' -> (), 'trie,prompt_lookup' -> those (each checked by name)."""
+    from forerun.methods import METHODS
+
+    if text.strip() == "any":
+        return None
+    names = tuple(name.strip() for name in text.split(",") if name.strip() and name.strip() != "none")
+    unknown = [name for name in names if name not in METHODS]
+    if unknown:
+        raise ValueError(f"--request-methods: unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
+    return names
 
 
 @app.command("run")

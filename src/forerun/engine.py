@@ -177,6 +177,7 @@ def decode(
         processor=processor,
         noise=sampling.noise if sampling is not None else None,
         selective=budget.selective,
+        salt=prefixes.salt if prefixes is not None else "",
     )
     for drafter in drafters:
         drafter.start(ctx)

@@ -81,6 +81,9 @@ class PrefixCache:
     def held_tokens(self) -> int:
         return sum(len(entry.tokens) for entry in self.entries)
 
+    salt = ""
+    """The unsalted requests' view is the cache itself (`scoped` gives a salt's)."""
+
     def scoped(self, salt: str | None) -> PrefixScope:
         """This cache as seen by requests with `salt` (None or "": the shared, unsalted entries)."""
         return PrefixScope(self, salt or "")

@@ -35,6 +35,9 @@ class DraftContext:
     selective: bool = False
     """A cost model picks which proposed nodes are fed: propose whatever might pay, with honest scores (the
     Jacobi window even on a step without candidates); with a static budget, propose only what should be fed."""
+    salt: str = ""
+    """The request's tenant (`cache_salt`): state learned from requests (the trie, the n-gram pool) is read and
+    written only under it (`forerun.drafters.tenants`); "" is the shared, unsalted state."""
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ from collections import OrderedDict
 
 from forerun.config import JacobiConfig
 from forerun.drafters.base import DraftContext, MethodSpec, StepOutcome
+from forerun.drafters.tenants import TenantState
 from forerun.tree import TokenTree
 
 
@@ -101,7 +102,9 @@ class JacobiDrafter:
 
     def __init__(self, config: JacobiConfig | None = None) -> None:
         self.config = config or JacobiConfig()
-        self.pool = NGramPool(self.config.max_candidates, self.config.pool_policy)
+        self.pools = TenantState(self.new_pool(), self.new_pool)
+        self.pool = self.pools.shared
+        """The n-gram pool of the request this drafter serves (its salt's; `start` picks it)."""
         self.levels: list[list[int]] = []
         """The window's tokens, [level][column]; level 0 follows the root."""
         self.probe_nodes: list[list[int]] = []
@@ -118,7 +121,11 @@ class JacobiDrafter:
         """Expected accepted tokens one feed of the window earns (through the n-grams it adds to the pool)."""
         return self.window_credit / self.window_feeds
 
+    def new_pool(self) -> NGramPool:
+        return NGramPool(self.config.max_candidates, self.config.pool_policy)
+
     def start(self, ctx: DraftContext) -> None:
+        self.pool = self.pools.get(ctx.salt)
         prompt = ctx.tokens[: ctx.prompt_len]
         self.text_ngrams_done = max(0, ctx.prompt_len - self.config.ngram + 1)
         rng = random.Random(self.config.seed)

@@ -31,6 +31,7 @@ import torch
 
 from forerun.config import TrieConfig
 from forerun.drafters.base import DraftContext, MethodSpec, StepOutcome
+from forerun.drafters.tenants import TenantState
 from forerun.tree import TokenTree
 
 FORMAT, VERSION = "forerun-trie", "1"
@@ -325,6 +326,11 @@ def subtree_size(node: Node) -> int:
     return size
 
 
+SALTED_SHARE = 16
+"""A salted tenant's trie holds this share of `max_nodes` (1/16: with up to 64 tenants, the salted tries together
+hold at most 4 times the shared one)."""
+
+
 class TrieDrafter:
     """Drafts from a `TokenTrie` that outlives requests (owned by the Decoder, shareable across threads)."""
 
@@ -332,13 +338,27 @@ class TrieDrafter:
 
     def __init__(self, config: TrieConfig | None = None, trie: TokenTrie | None = None) -> None:
         self.config = config or TrieConfig()
-        self.trie = trie if trie is not None else TokenTrie(self.config.max_nodes)  # an empty trie is falsy
+        shared = trie if trie is not None else TokenTrie(self.config.max_nodes)  # an empty trie is falsy
+        salted_nodes = max(16, self.config.max_nodes // SALTED_SHARE)
+        self.tenants = TenantState(shared, lambda: TokenTrie(salted_nodes))
         self.window = self.config.max_query_length + self.config.branch_length
         self.next_output_start = 0
+        self.current = shared
+        """The trie of the request this drafter serves (its salt's; `start` picks it)."""
+
+    @property
+    def trie(self) -> TokenTrie:
+        """The shared trie of unsalted requests: the one saved, loaded and taught by `learn`."""
+        return self.tenants.shared
+
+    @trie.setter
+    def trie(self, trie: TokenTrie) -> None:
+        self.tenants.shared = self.current = trie
 
     def start(self, ctx: DraftContext) -> None:
+        self.current = self.tenants.get(ctx.salt)
         if self.config.prompt_weight > 0:
-            self.trie.insert_text(
+            self.current.insert_text(
                 ctx.tokens[: ctx.prompt_len],
                 self.window,
                 self.config.prompt_weight,
@@ -349,10 +369,10 @@ class TrieDrafter:
         self.next_output_start = max(0, ctx.prompt_len - self.config.max_query_length)
 
     def propose(self, ctx: DraftContext) -> TokenTree:
-        return self.trie.draft(ctx.tokens, self.config, ctx.eos_token_ids, self.name, ctx.budget)
+        return self.current.draft(ctx.tokens, self.config, ctx.eos_token_ids, self.name, ctx.budget)
 
     def observe(self, ctx: DraftContext, outcome: StepOutcome) -> None:
-        self.next_output_start = self.trie.insert_text(
+        self.next_output_start = self.current.insert_text(
             ctx.tokens,
             self.window,
             self.config.output_weight,
@@ -362,7 +382,7 @@ class TrieDrafter:
         )
 
     def finish(self, ctx: DraftContext) -> None:
-        self.trie.insert_text(
+        self.current.insert_text(
             ctx.tokens,
             self.window,
             self.config.output_weight,
@@ -370,7 +390,7 @@ class TrieDrafter:
             skip_anchors=self.config.skip_anchors,
         )
         if self.config.prompt_weight > 0:  # this request's prompt only: other requests may be running beside it
-            self.trie.withdraw_text(
+            self.current.withdraw_text(
                 ctx.tokens[: ctx.prompt_len], self.window, self.config.prompt_weight, self.config.skip_anchors
             )
 

@@ -83,6 +83,10 @@ class ServerConfig:
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     """Prompt tokens a request joining the running batch feeds between two of its steps; 0: whole prompts at once
     (a long prompt then stops every other stream for its whole prefill)."""
+    request_methods: tuple[str, ...] | None = None
+    """Methods a request may name in `forerun.method` besides the server's own (None: any). State learned from
+    requests (the trie, the n-gram pool) is kept per `cache_salt` whatever is allowed; `()` keeps every request on
+    the operator's method and knobs' method."""
 
 
 class CacheError(ValueError):
@@ -265,6 +269,7 @@ def create_app(model, tokenizer, config: ServerConfig, draft_model=None) -> Fast
         default_max_tokens=config.default_max_tokens,
         sampling_defaults=sampling_defaults(model),
         device_type=next(model.parameters()).device.type,
+        request_methods=config.request_methods,
     )
     pool = DecoderPool(
         model, tokenizer, config.method, config.knobs, draft_model, PrefixCache(config.prefix_cache_tokens)

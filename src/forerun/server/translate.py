@@ -53,6 +53,8 @@ class Limits:
     """The model's own generation_config sampling settings (do_sample, temperature, top_p, top_k, min_p,
     repetition_penalty) for the fields a request leaves out; empty: greedy."""
     device_type: str = "cpu"
+    request_methods: tuple[str, ...] | None = None
+    """Methods a request may name besides the server's (None: any; `ServerConfig.request_methods`)."""
 
 
 @dataclass(frozen=True)
@@ -286,9 +288,13 @@ def translate(body: ChatRequest | CompletionRequest, limits: Limits) -> Generati
     method = options.pop("method", limits.method)
     knobs = options if options or method != limits.method else dict(limits.knobs)
     try:
-        plan_method(method, knobs, limits.device_type)
+        plan = plan_method(method, knobs, limits.device_type)
     except (ValueError, TypeError) as error:
         raise refuse("forerun", str(error)) from None
+    allowed = limits.request_methods
+    if allowed is not None and method != limits.method and not set(plan.names) <= set(allowed):
+        offered = ", ".join([limits.method, *allowed])
+        raise refuse("forerun", f"method {method!r} is not enabled on this server (it offers: {offered})")
     return GenerationArgs(
         prompt=prompt,
         chat=chat,
