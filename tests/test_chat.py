@@ -53,3 +53,20 @@ def test_two_turns_method_switch_reset_and_ctrl_c():
     finally:
         child.close(force=True)
     assert child.exitstatus == 0, child.before
+
+
+def test_a_line_of_invalid_utf8_is_refused_and_the_chat_goes_on():
+    """printf 'Say hi\\n\\xff\\xfe bad\\nSay hi\\n' | forerun chat: the bad line kept every later turn failing."""
+    import subprocess
+
+    done = subprocess.run(
+        [forerun_command(), "chat", "--max-new-tokens", "8", "--threads", "2"],
+        input=b"Say hi\n\xff\xfe bad\nSay hi\n",
+        capture_output=True,
+        timeout=300,
+    )
+    output = done.stdout.decode("utf-8", "replace")
+    assert done.returncode == 0, output + done.stderr.decode("utf-8", "replace")
+    assert "lone surrogate" in output and "not sent" in output
+    assert output.count("bot> ") == 2 and "error:" not in output  # both good turns answered
+    assert "error:" not in output

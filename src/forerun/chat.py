@@ -11,6 +11,7 @@ import threading
 
 from rich.console import Console
 
+from forerun.checks import check_text
 from forerun.decoder import Decoder
 from forerun.methods import source_style
 from forerun.runspec import RunSpec
@@ -77,12 +78,21 @@ def chat_loop(spec: RunSpec, model, tokenizer, draft, max_new_tokens: int, conso
             method = name
             console.print(f"method: {method}")
             continue
+        try:  # a line that is not text (invalid UTF-8 on stdin reads as lone surrogates) never enters the history
+            check_text("your message", line)
+        except ValueError as error:
+            console.print(f"{error}; not sent", style="red", markup=False, highlight=False)
+            continue
         history.append({"role": "user", "content": line})
         answer = answer_once(decoders[method], history, max_new_tokens, console)
+        if answer is None:  # the turn failed: the history stays as it was, so the next turn is not broken by it
+            history.pop()
+            continue
         history.append({"role": "assistant", "content": answer})
 
 
-def answer_once(decoder: Decoder, history: list[dict], max_new_tokens: int, console: Console) -> str:
+def answer_once(decoder: Decoder, history: list[dict], max_new_tokens: int, console: Console) -> str | None:
+    """Stream one answer to `history`; its text, or None when it failed (the error is shown)."""
     stream = ConsoleStream(console, decoder.tokenizer)
     cancel = threading.Event()
     box: dict = {}
@@ -107,7 +117,7 @@ def answer_once(decoder: Decoder, history: list[dict], max_new_tokens: int, cons
         console.print("(stopped)", style="dim", highlight=False)
     if "error" in box:
         console.print(f"error: {box['error']}", style="red", markup=False, highlight=False)
-        return ""
+        return None
     result = box["result"]
     console.print(f"[dim]{result.stats.summary()}[/]", highlight=False)
     return result.text or ""
