@@ -466,3 +466,41 @@ def test_slow_heads_slow_bodies_and_connection_floods_do_not_lock_out_clients(sm
         assert response.status_code == 200 and response.json()["choices"][0]["message"]["content"]
     finally:
         server.stop()
+
+
+def test_after_the_guard_has_answered_the_connection_is_closed(smollm2):
+    """A head declaring 2 MB gets 413; one more byte then silence kept the connection open for minutes, and a
+    slow body went on trickling after its 408. Both are closed once answered, whatever the client still sends."""
+    model, tokenizer = smollm2
+    server = LiveServer(create_app(model, tokenizer, ServerConfig(MODEL, "prompt_lookup", body_timeout_s=1.0)),
+                        http=guarded_h11(ConnectionGuard(head_timeout_s=1.0, cap=20)))  # fmt: skip
+
+    def answered_then_closed(connection: socket.socket, trickle: bool) -> bytes:
+        """Everything the server sends until it closes; the client keeps sending a byte now and then."""
+        received, began = b"", time.monotonic()
+        connection.settimeout(0.5)
+        while time.monotonic() - began < 8:
+            try:
+                chunk = connection.recv(65536)
+            except TimeoutError:
+                chunk = None
+            if chunk == b"":
+                return received
+            if chunk:
+                received += chunk
+                if trickle or received.count(b"\r\n\r\n") == 1:
+                    try:
+                        connection.sendall(b"x")  # a byte after the answer
+                    except OSError:
+                        return received
+        raise AssertionError(f"still open after 8 s; received {received[:80]!r}")
+
+    try:
+        big = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+        big.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 2000000\r\n\r\n")
+        assert answered_then_closed(big, trickle=False).startswith(b"HTTP/1.1 413")
+        slow = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+        slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100\r\n\r\n{")
+        assert answered_then_closed(slow, trickle=True).startswith(b"HTTP/1.1 408")
+    finally:
+        server.stop()

@@ -162,8 +162,12 @@ class Guard:
         self.hosts = {h.lower().strip("[]") for h in hosts}
 
     async def reject(self, scope, send, status: int, message: str, kind: str = "invalid_request_error") -> None:
+        """Answer before the body was read, and close the connection after the answer: a client that keeps
+        sending (or trickling) a body it was refused must not hold the connection, nor reset its deadlines."""
         self.metrics.count(scope["path"], status)
-        await error_response(status, message, kind=kind)(scope, self.idle_receive, send)
+        response = error_response(status, message, kind=kind)
+        response.headers["connection"] = "close"
+        await response(scope, self.idle_receive, send)
 
     @staticmethod
     async def idle_receive():
