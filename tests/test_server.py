@@ -14,6 +14,7 @@ import uvicorn
 from openai import OpenAI
 
 from forerun.server import ServerConfig, create_app
+from forerun.server.lifecycle import GracefulServer
 from forerun.server.protocol import guarded_h11
 
 pytestmark = pytest.mark.real_model
@@ -33,7 +34,7 @@ class LiveServer:
             timeout_graceful_shutdown=5,
             http=http or guarded_h11(),
         )  # as `forerun serve` runs it
-        self.server = uvicorn.Server(config)
+        self.server = GracefulServer(config, drain=app.state.worker.shutdown)  # as `forerun serve` runs it
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30

@@ -4,7 +4,9 @@ OpenAI-shaped error (a JSON 500, or an error event then [DONE] on a stream), and
 from __future__ import annotations
 
 import json
+import signal
 import threading
+import time
 
 import httpx
 import pytest
@@ -112,3 +114,40 @@ def test_the_issue_s_hostile_knob_is_a_400_naming_it(server):
     response = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
     assert response.status_code == 400
     assert "prompt_weight" in response.json()["error"]["message"]
+
+
+def test_a_shutdown_answers_every_request_in_flight(smollm2):
+    """SIGTERM with requests generating: uvicorn cancelled them at its deadline (a plain-text 500, a stream cut
+    without an error event). Now each gets OpenAI's 503, a stream its error event and [DONE], before the deadline;
+    new connections are refused."""
+    model, tokenizer = smollm2
+    app = create_app(model, tokenizer, ServerConfig(MODEL, "prompt_lookup", max_tokens_limit=2000))
+    live = LiveServer(app)
+    live.server.config.timeout_graceful_shutdown = 3
+    url = live.url + "/v1/chat/completions"
+    long = {"messages": [{"role": "user", "content": "Write a very long story about the sea."}], "max_tokens": 1500}
+    results: dict[str, object] = {}
+    threads = [
+        threading.Thread(target=lambda: results.update(json=httpx.post(url, json=long, timeout=60))),
+        threading.Thread(target=lambda: results.update(stream=streamed(url, long))),
+    ]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 60
+    while httpx.get(live.url + "/health").json()["running"] < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    time.sleep(1.0)  # both are generating
+    stopping = time.monotonic()
+    live.server.handle_exit(signal.SIGTERM, None)
+    for thread in threads:
+        thread.join(timeout=30)
+    assert time.monotonic() - stopping < 4
+    answer = results["json"]
+    assert answer.status_code == 503 and answer.json()["error"]["type"] == "server_error", answer.text
+    status, text, errors, done = results["stream"]
+    assert status == 200 and text and done, (status, text[:40], errors)
+    assert errors and "shutting down" in errors[0]["error"]["message"]
+    live.thread.join(timeout=30)
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(live.url + "/health", timeout=2)

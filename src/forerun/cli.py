@@ -515,6 +515,7 @@ def serve(
     import uvicorn
 
     from forerun.server import ServerConfig, create_app
+    from forerun.server.lifecycle import GracefulServer
     from forerun.server.protocol import guarded_h11
 
     if (
@@ -547,9 +548,13 @@ def serve(
     lm, tokenizer, draft = spec.load()
     with console.status("preparing the server (the latency curves are measured once per model, dtype and device)"):
         app = create_app(lm, tokenizer, config, draft)  # a bad cache file or knob stops here, in one line
-    # On SIGTERM/SIGINT: stop accepting, give open requests 5 s, then cancel them; the trie is saved after.
-    # guarded_h11: uvicorn's h11 with a deadline for request heads and a cap on connections (slowloris)
-    uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5, http=guarded_h11())
+    # On SIGTERM/SIGINT: stop accepting, give open requests 5 s, answer those left with 503 (streams: an error
+    # event and [DONE]); the trie is saved after. guarded_h11: uvicorn's h11 with a deadline for request heads and
+    # a cap on connections (slowloris).
+    settings = uvicorn.Config(
+        app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5, http=guarded_h11()
+    )
+    GracefulServer(settings, drain=app.state.worker.shutdown).run()
 
 
 def parse_request_methods(text: str) -> tuple[str, ...] | None:

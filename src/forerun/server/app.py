@@ -415,6 +415,8 @@ def create_app(model, tokenizer, config: ServerConfig, draft_model=None) -> Fast
             pending[0] -= 1
         if why.get("reason") == "timeout":
             raise APIError(504, request_timed_out(config), kind="timeout")
+        if worker.closing and cancel.is_set() and "reason" not in why:  # stopped by the shutdown's drain
+            raise APIError(503, "the server is shutting down; this request was stopped", kind="server_error")
         metrics.latency.labels(request.url.path).observe(time.perf_counter() - started)
         metrics.tokens.labels(decoder.method).inc(result.stats.new_tokens)
         metrics.tokens_per_forward.labels(decoder.method).observe(result.stats.tokens_per_forward)
