@@ -504,3 +504,57 @@ def test_after_the_guard_has_answered_the_connection_is_closed(smollm2):
         assert answered_then_closed(slow, trickle=True).startswith(b"HTTP/1.1 408")
     finally:
         server.stop()
+
+
+def test_host_values_are_parsed_not_prefixed(smollm2):
+    """Host values that only begin like a local name are refused, and so is a request without a Host header."""
+    model, tokenizer = smollm2
+    server = LiveServer(create_app(model, tokenizer, ServerConfig(MODEL, "plain")))
+    try:
+        for host in ("[::1].evil.example", "[::1]evil", "127.0.0.1:80@evil.example", "localhost:80x", "localhost."):
+            response = httpx.get(server.url + "/v1/models", headers={"host": host})
+            assert response.status_code == 403, host
+        for host in ("[::1]", "[::1]:8000", "LOCALHOST", "127.0.0.1:1"):
+            assert httpx.get(server.url + "/v1/models", headers={"host": host}).status_code == 200, host
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as raw:
+            raw.sendall(b"GET /v1/models HTTP/1.0\r\n\r\n")
+            answer = raw.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 403"), answer[:60]
+    finally:
+        server.stop()
+
+
+def test_contract_details(guarded):
+    server, app, _ = guarded
+    two_keys = httpx.get(server.url + "/v1/models", headers=[("authorization", f"Bearer {KEY}"),
+                                                             ("authorization", "Bearer other")])  # fmt: skip
+    assert two_keys.status_code == 400 and "more than one authorization header" in two_keys.json()["error"]["message"]
+    assert httpx.get(server.url + "/v1/models", headers={"authorization": f"bearer {KEY}"}).status_code == 200
+    wrong = httpx.get(server.url + "/v1/chat/completions", headers={"authorization": f"Bearer {KEY}"})
+    assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"
+    schema = app.openapi()["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+    assert list(schema) == ["text/plain"]
+    hi = [{"role": "user", "content": "hi"}]
+    refused = {
+        "store": {"messages": hi, "store": True},
+        "metadata": {"messages": hi, "metadata": {"a": "b"}},
+        "service_tier": {"messages": hi, "service_tier": "flex"},
+        "parallel_tool_calls": {"messages": hi, "parallel_tool_calls": True},
+        "prediction": {"messages": hi, "prediction": {"type": "content", "content": "x", "extra": 1}},
+        "messages[0].content[0]": {
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {}}]}]
+        },
+    }
+    for param, body in refused.items():
+        response = post(server, "/v1/chat/completions", {**body, "max_tokens": 2})
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, (param, response.text)
+    over = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 9000}],
+                                                 "max_tokens": 4})  # fmt: skip
+    assert over.status_code == 400 and over.json()["error"]["param"] == "messages"
+    assert "context" in over.json()["error"]["message"]
+
+
+def test_a_cache_path_that_cannot_be_written_stops_the_start(smollm2):
+    model, tokenizer = smollm2
+    with pytest.raises(CacheError, match="cannot write in /proc"):
+        create_app(model, tokenizer, ServerConfig(MODEL, "trie", cache_path="/proc/x.safetensors"))

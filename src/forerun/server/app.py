@@ -33,7 +33,7 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -147,6 +147,31 @@ def error_response(status: int, message: str, param: str | None = None, kind: st
     return JSONResponse(status_code=status, content=error_body(status, message, param, kind))
 
 
+def host_name(host: str) -> str | None:
+    """The host of a Host header value, lower-cased, or None if the value is not `name[:port]` or `[v6][:port]`.
+
+    Example:
+        >>> host_name("LocalHost:8000"), host_name("[::1]:80"), host_name("[::1].evil.example")
+        ('localhost', '::1', None)
+        >>> host_name("127.0.0.1:80@evil.example"), host_name("[::1]evil"), host_name("")
+        (None, None, None)
+    """
+    host = host.strip().lower()
+    if host.startswith("["):
+        end = host.find("]")
+        name, rest = (host[1:end], host[end + 1 :]) if end > 0 else ("", "")
+        if not name or any(c not in "0123456789abcdef:." for c in name):
+            return None
+    else:
+        name, _, port = host.partition(":")
+        rest = f":{port}" if _ else ""
+        if not name or any(not (c.isalnum() or c in "-.") for c in name):
+            return None
+    if rest and not (rest.startswith(":") and rest[1:].isdigit()):
+        return None
+    return name
+
+
 class Guard:
     """Pure ASGI middleware: Host check, API key, body size limit while reading; then the app, body replayed.
 
@@ -174,12 +199,13 @@ class Guard:
         return {"type": "http.disconnect"}
 
     def host_allowed(self, headers: dict[bytes, bytes]) -> bool:
-        host = headers.get(b"host")
-        if self.any_host or host is None:
+        """The Host header names an allowed host: `name[:port]` or `[v6][:port]`, nothing else around it (HTTP/1.1
+        requires the header; without one, only a server open to any host answers)."""
+        if self.any_host:
             return True
-        name = host.decode("latin-1").lower()
-        name = name[1 : name.index("]")] if name.startswith("[") and "]" in name else name.rsplit(":", 1)[0]
-        return name in self.hosts
+        host = headers.get(b"host")
+        name = host_name(host.decode("latin-1")) if host is not None else None
+        return name is not None and name in self.hosts
 
     def authorised(self, headers: dict[bytes, bytes]) -> bool:
         scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
@@ -190,7 +216,12 @@ class Guard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        headers = dict(scope.get("headers", []))
+        listed = scope.get("headers", [])
+        headers = dict(listed)
+        for name in (b"host", b"authorization"):
+            if sum(1 for key, _ in listed if key == name) > 1:  # which one counts is ambiguous: neither does
+                await self.reject(scope, send, 400, f"more than one {name.decode()} header")
+                return
         if not self.host_allowed(headers):
             await self.reject(scope, send, 403, "Host not allowed (start the server with --allow-host NAME)")
             return
@@ -233,6 +264,12 @@ class Guard:
         await self.app(scope, replay, send)
 
 
+def allowed_methods(app: FastAPI, path: str) -> list[str]:
+    """The HTTP methods the app's routes take at `path`."""
+    methods = {m for route in app.routes if getattr(route, "path", None) == path for m in getattr(route, "methods", ())}
+    return sorted(methods)
+
+
 def load_trie_cache(pool: DecoderPool, path: str | None) -> Decoder | None:
     """The Decoder whose trie the cache holds, with the file loaded if present; checked before serving."""
     if not path:
@@ -243,6 +280,12 @@ def load_trie_cache(pool: DecoderPool, path: str | None) -> Decoder | None:
     folder = Path(path).expanduser().resolve().parent
     if not folder.is_dir() or not os.access(folder, os.W_OK):
         raise CacheError(f"--cache {path}: folder {folder} does not exist or is not writable")
+    probe = folder / f".{Path(path).name}.probe-{os.getpid()}"
+    try:  # a write, not a permission bit, tells whether the trie can be saved there at shutdown (/proc lies)
+        probe.write_bytes(b"forerun")
+        probe.unlink()
+    except OSError as error:
+        raise CacheError(f"--cache {path}: cannot write in {folder} ({error.strerror or error})") from None
     if Path(path).exists():
         try:
             decoder.load_cache(path)
@@ -335,7 +378,10 @@ def create_app(model, tokenizer, config: ServerConfig, draft_model=None) -> Fast
     async def http_error(request: Request, error: StarletteHTTPException):
         metrics.count(request.url.path, error.status_code)
         kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
-        return error_response(error.status_code, str(error.detail), kind=kind)
+        response = error_response(error.status_code, str(error.detail), kind=kind)
+        if error.status_code == 405:  # RFC 9110: a 405 says which methods the resource takes
+            response.headers["allow"] = ", ".join(allowed_methods(app, request.url.path))
+        return response
 
     @app.get("/health")
     async def health():
@@ -350,7 +396,7 @@ def create_app(model, tokenizer, config: ServerConfig, draft_model=None) -> Fast
             "max_queue": config.max_queue,
         }
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics_endpoint():
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -400,8 +446,8 @@ def create_app(model, tokenizer, config: ServerConfig, draft_model=None) -> Fast
         watcher = asyncio.create_task(watch(request, cancel, request.state.deadline, why))
         try:
             result = await worker.run(row if isinstance(worker, BatchWorker) else job, cancel)
-        except ValueError as error:
-            raise APIError(400, str(error)) from None
+        except ValueError as error:  # the decoder refused the prompt (over the context, empty, ...)
+            raise APIError(400, str(error), "messages" if args.chat else "prompt") from None
         except (Abandoned, ShuttingDown):
             if why.get("reason") == "timeout":
                 raise APIError(504, request_timed_out(config), kind="timeout") from None

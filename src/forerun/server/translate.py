@@ -109,6 +109,14 @@ def unsupported(body: CommonRequest) -> None:
             checks.append(("response_format", body.response_format, "response_format other than text is not supported"))
         if body.modalities not in (None, ["text"]):
             checks.append(("modalities", body.modalities, "only the text modality is supported"))
+        # Accepted and ignored, these would promise what the server does not do: refused, each by name.
+        checks += [
+            ("store", body.store, "store is not supported: this server keeps no completions (store: false)"),
+            ("metadata", body.metadata, "metadata is not supported: it goes with stored completions"),
+            ("parallel_tool_calls", body.parallel_tool_calls, f"parallel_tool_calls is not supported: {plain}"),
+        ]
+        if body.service_tier not in (None, "auto", "default"):
+            checks.append(("service_tier", body.service_tier, "service_tier takes 'auto' or 'default' (one tier)"))
     else:
         if body.best_of not in (None, 1):
             checks.append(("best_of", body.best_of, f"best_of={body.best_of} is not supported: one choice (best_of=1)"))
@@ -133,6 +141,9 @@ def chat_messages(body: ChatRequest) -> list[dict]:
             pieces = []
             for j, part in enumerate(content):
                 kind = part.get("type")
+                unknown = sorted(set(part) - {"type", "text"})
+                if kind == "text" and unknown:  # e.g. cache_control: honoured nowhere, so refused, not dropped
+                    raise refuse(f"{where}.content[{j}]", f"{where}.content[{j}]: unrecognized field(s) {unknown}")
                 if kind != "text":
                     raise refuse(
                         f"{where}.content[{j}]",
@@ -235,6 +246,9 @@ def prediction_of(body: ChatRequest) -> str | None:
         return None
     if prediction.get("type") != "content":
         raise refuse("prediction", "prediction.type must be 'content'")
+    unknown = sorted(set(prediction) - {"type", "content"})
+    if unknown:
+        raise refuse("prediction", f"prediction: unrecognized field(s) {unknown}")
     content = prediction.get("content")
     if isinstance(content, list):
         if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
