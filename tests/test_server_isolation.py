@@ -151,3 +151,69 @@ def test_a_shutdown_answers_every_request_in_flight(smollm2):
     live.thread.join(timeout=30)
     with pytest.raises(httpx.ConnectError):
         httpx.get(live.url + "/health", timeout=2)
+
+
+def test_fuzzed_knobs_never_reach_a_5xx_nor_an_honest_neighbour(server, smollm2):
+    """Hypothesis over the `forerun` extension: real method names and knob names (plain and dotted) with values of
+    every kind (huge, non-finite, negative, strings, lists, bools), while an honest request runs beside them. Every
+    answer is OpenAI-shaped JSON below 500; the honest answer is plain generate's."""
+    import dataclasses
+
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from forerun.methods import METHODS, REGISTRY
+
+    knob_names = [f.name for spec in REGISTRY.values() for f in dataclasses.fields(spec.config)]
+    dotted = [f"{name}.{f.name}" for name, spec in REGISTRY.items() for f in dataclasses.fields(spec.config)]
+    extremes = [1e308, 1e307, -1e308, 5e-324, -1, 0, 1, 2, 16, 4096, 2**63, 10**30, "4", True, None, [1, 2]]
+    values = st.one_of(
+        st.sampled_from(extremes),  # first: where a bound is missing, these are what cross it
+        st.integers(min_value=-(2**70), max_value=2**70),
+        st.floats(allow_nan=False, allow_infinity=False),
+        st.text(max_size=8),
+        st.lists(st.integers(min_value=-3, max_value=10**9), max_size=3),
+    )
+    own = {name: [f.name for f in dataclasses.fields(spec.config)] for name, spec in REGISTRY.items()}
+    own |= {"auto": [k for k in dotted if not k.startswith("draft_model.")], "plain": [], "magic": knob_names}
+    assert set(own) >= set(METHODS)
+
+    def knobs_for(method: str):  # mostly the method's own knobs (where a bad value gets furthest), sometimes any
+        names = own[method] or ["bogus"]
+        chosen = st.one_of(st.sampled_from(names), st.sampled_from(knob_names + dotted + ["bogus"]))
+        return st.dictionaries(chosen, values, min_size=1, max_size=2).map(lambda k: {"method": method, **k})
+
+    extension = st.sampled_from(sorted(own)).flatmap(knobs_for)
+    url = server.url + "/v1/completions"
+    honest = {"messages": HONEST[0], "max_tokens": TOKENS}
+    expected = plain_text(smollm2, messages=HONEST[0], max_new_tokens=TOKENS)
+    seen: list[int] = []
+
+    @settings(max_examples=60, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @given(forerun=extension)
+    def fuzzed(forerun):
+        body = {"prompt": "a b a b a b a b a b a b a b a b", "max_tokens": 6, "forerun": forerun}
+        response = httpx.post(url, content=json.dumps(body, allow_nan=True), timeout=120,
+                              headers={"content-type": "application/json"})  # fmt: skip
+        seen.append(response.status_code)
+        assert response.status_code < 500, (forerun, response.text[:300])
+        if response.status_code != 200:
+            error = response.json()["error"]
+            assert error["type"] and error["message"], response.text
+
+    def sweep():  # every method's own knobs at every extreme, one at a time: what random draws rarely hit
+        for method in sorted(own):
+            for name in own[method]:
+                for value in extremes:
+                    fuzzed.hypothesis.inner_test(forerun={"method": method, name: value})
+
+    beside: dict[str, httpx.Response] = {}
+    neighbour = threading.Thread(
+        target=lambda: beside.update(answer=httpx.post(server.url + "/v1/chat/completions", json=honest, timeout=300))
+    )
+    neighbour.start()
+    sweep()
+    fuzzed()
+    neighbour.join(timeout=300)
+    assert beside["answer"].json()["choices"][0]["message"]["content"] == expected
+    assert 200 in seen and 400 in seen  # the fuzz reached both sides of the checks
