@@ -541,7 +541,6 @@ def test_contract_details(guarded):
     hi = [{"role": "user", "content": "hi"}]
     refused = {
         "store": {"messages": hi, "store": True},
-        "metadata": {"messages": hi, "metadata": {"a": "b"}},
         "service_tier": {"messages": hi, "service_tier": "flex"},
         "parallel_tool_calls": {"messages": hi, "parallel_tool_calls": True},
         "prediction": {"messages": hi, "prediction": {"type": "content", "content": "x", "extra": 1}},
@@ -552,6 +551,11 @@ def test_contract_details(guarded):
     for param, body in refused.items():
         response = post(server, "/v1/chat/completions", {**body, "max_tokens": 2})
         assert response.status_code == 400 and response.json()["error"]["param"] == param, (param, response.text)
+    typed = post(server, "/v1/chat/completions", {"messages": hi, "temperature": "0.5", "max_tokens": 2})
+    assert typed.status_code == 400 and typed.json()["error"]["param"] == "temperature"
+    assert "must be a number" in typed.json()["error"]["message"]
+    empty = post(server, "/v1/completions", {"prompt": "", "max_tokens": 2})
+    assert empty.status_code == 400 and "prompt is empty" in empty.json()["error"]["message"]
     over = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 9000}],
                                                  "max_tokens": 4})  # fmt: skip
     assert over.status_code == 400 and over.json()["error"]["param"] == "messages"

@@ -162,3 +162,13 @@ def test_request_methods_on_the_command_line():
     assert parse_request_methods("trie, prompt_lookup") == ("trie", "prompt_lookup")
     with pytest.raises(ValueError, match="unknown method"):
         parse_request_methods("trie,magic")
+
+
+def test_the_schema_refuses_what_the_server_refuses():
+    """The published schema admits no body that translation then refuses for its shape."""
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="prompt is empty"):
+        CompletionRequest(prompt="")
+    with pytest.raises(ValidationError):
+        CompletionRequest(prompt=[])

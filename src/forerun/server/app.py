@@ -365,8 +365,13 @@ def create_app(model, tokenizer, config: ServerConfig, draft_model=None) -> Fast
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, error: RequestValidationError):
         metrics.count(request.url.path, 400)
-        first = error.errors()[0] if error.errors() else {}
+        errors = error.errors()
+        first = errors[0] if errors else {}
         location = [str(x) for x in first.get("loc", ()) if x != "body"]
+        kinds = {e.get("type") for e in errors if tuple(e.get("loc", ()))[:2] == tuple(first.get("loc", ()))[:2]}
+        if {"int_type", "float_type"} <= kinds:  # a number field's union: "a valid integer" misleads for "0.5"
+            field = location[0] if location else "body"
+            return error_response(400, f"invalid request: {field}: must be a number, not a string or a boolean", field)
         where = ".".join(location[:1] + [x for x in location[1:] if x.isdigit()]) or "body"
         if first.get("type") == "extra_forbidden":
             return error_response(400, f"unrecognized request field {where!r}", where)

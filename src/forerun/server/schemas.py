@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator
 
 Number = StrictInt | StrictFloat
 MAX_MESSAGES = 2048
@@ -19,7 +19,9 @@ class Message(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: StrictStr | list[dict[str, Any]] | None = None
-    """A string, or a list of parts: text parts are joined; image, audio and file parts are refused."""
+    """A string, or a list of parts: text parts are joined; image, audio and file parts are refused. Optional in
+    the schema as in OpenAI's (an assistant's tool calls come without content), so a tool call is refused by name;
+    a message left without content is a 400 naming it."""
     name: StrictStr | None = None
     tool_calls: list[Any] | None = None
     tool_call_id: StrictStr | None = None
@@ -51,8 +53,21 @@ class CommonRequest(BaseModel):
     """forerun's own: {"method": "auto", knob: value, ...}."""
 
 
+NON_EMPTY_PROMPT = {"anyOf": [{"type": "string", "minLength": 1}, {"type": "array", "minItems": 1, "items": {}}]}
+"""The prompt's published schema: what `CompletionRequest.non_empty` enforces (a length constraint in the type
+itself would make pydantic refuse lone surrogates with its own message, before `translate` names them)."""
+
+
 class CompletionRequest(CommonRequest):
-    prompt: StrictStr | list[Any]
+    prompt: StrictStr | list[Any] = Field(json_schema_extra=NON_EMPTY_PROMPT)
+
+    @field_validator("prompt")
+    @classmethod
+    def non_empty(cls, prompt: str | list) -> str | list:
+        if len(prompt) == 0:
+            raise ValueError("prompt is empty")
+        return prompt
+
     logprobs: StrictInt | None = None
     best_of: StrictInt | None = None
     echo: StrictBool | None = None

@@ -109,10 +109,10 @@ def unsupported(body: CommonRequest) -> None:
             checks.append(("response_format", body.response_format, "response_format other than text is not supported"))
         if body.modalities not in (None, ["text"]):
             checks.append(("modalities", body.modalities, "only the text modality is supported"))
-        # Accepted and ignored, these would promise what the server does not do: refused, each by name.
+        # Accepted and ignored, these would promise what the server does not do: refused, each by name. (metadata
+        # is accepted: labels for a stored completion, and nothing is stored, as `store` says.)
         checks += [
             ("store", body.store, "store is not supported: this server keeps no completions (store: false)"),
-            ("metadata", body.metadata, "metadata is not supported: it goes with stored completions"),
             ("parallel_tool_calls", body.parallel_tool_calls, f"parallel_tool_calls is not supported: {plain}"),
         ]
         if body.service_tier not in (None, "auto", "default"):
