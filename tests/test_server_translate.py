@@ -172,3 +172,23 @@ def test_the_schema_refuses_what_the_server_refuses():
         CompletionRequest(prompt="")
     with pytest.raises(ValidationError):
         CompletionRequest(prompt=[])
+
+
+def test_serve_max_tree_nodes_caps_what_every_decoder_feeds():
+    """`forerun serve --max-tree-nodes N` reaches the server's Decoders (it was accepted, then dropped)."""
+    from forerun.server.pool import DecoderPool
+
+    from tiny_models import prompts, tiny_model
+
+    model = tiny_model("llama")
+    capped, free = (
+        DecoderPool(model, None, "prompt_lookup", {}, max_tree_nodes=2),
+        DecoderPool(model, None, "prompt_lookup", {}),
+    )
+    prompt = prompts(1)[0]
+    fed = {}
+    for name, pool in (("capped", capped), ("free", free)):
+        decoder = pool.get("prompt_lookup", {"draft_len": 6})
+        result = decoder.generate(prompt, 24, eos_token_id=[])
+        fed[name] = max(result.stats.fed_hist)
+    assert fed["capped"] <= 2 < fed["free"]

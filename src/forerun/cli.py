@@ -544,6 +544,7 @@ def serve(
         prefix_cache_tokens=prefix_cache,
         prefill_chunk=prefill_chunk,
         request_methods=parse_request_methods(request_methods),
+        max_tree_nodes=spec.max_tree_nodes,
     )
     lm, tokenizer, draft = spec.load()
     with console.status("preparing the server (the latency curves are measured once per model, dtype and device)"):

@@ -83,6 +83,8 @@ class ServerConfig:
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     """Prompt tokens a request joining the running batch feeds between two of its steps; 0: whole prompts at once
     (a long prompt then stops every other stream for its whole prefill)."""
+    max_tree_nodes: int | None = None
+    """Most tokens any request's forward may carry (`serve --max-tree-nodes`); None: what the curve affords."""
     request_methods: tuple[str, ...] | None = None
     """Methods a request may name in `forerun.method` besides the server's own (None: any). State learned from
     requests (the trie, the n-gram pool) is kept per `cache_salt` whatever is allowed; `()` keeps every request on
@@ -319,8 +321,9 @@ def create_app(model, tokenizer, config: ServerConfig, draft_model=None) -> Fast
         request_methods=config.request_methods,
     )
     pool = DecoderPool(
-        model, tokenizer, config.method, config.knobs, draft_model, PrefixCache(config.prefix_cache_tokens)
-    )
+        model, tokenizer, config.method, config.knobs, draft_model, PrefixCache(config.prefix_cache_tokens),
+        config.max_tree_nodes,
+    )  # fmt: skip
     pool.get(config.method, {})  # a bad method or knob fails now
     cache_decoder = load_trie_cache(pool, config.cache_path)
     metrics = Metrics()

@@ -42,8 +42,12 @@ class Abandoned(Exception):
 
 
 class DecoderPool:
-    def __init__(self, model, tokenizer, method: str, knobs: dict, draft_model=None, prefixes=None) -> None:
+    def __init__(
+        self, model, tokenizer, method: str, knobs: dict, draft_model=None, prefixes=None, max_tree_nodes=None
+    ) -> None:
         self.model, self.tokenizer, self.draft_model = model, tokenizer, draft_model
+        self.max_tree_nodes = max_tree_nodes
+        """The operator's cap on tokens per forward, for every Decoder of the server (None: the curve's)."""
         self.prefixes = prefixes if prefixes is not None else PrefixCache(0)
         """One prefix cache for every Decoder: the KV of a text is the model's, whichever method drafts."""
         self.method, self.knobs = method, dict(knobs)
@@ -58,7 +62,10 @@ class DecoderPool:
             if self.draft_model is None:
                 raise ValueError("method draft_model needs a draft model: start the server with --draft-model NAME")
             draft = {"draft_model": self.draft_model}
-        return Decoder(self.model, self.tokenizer, method, prefix_cache=self.prefixes, **draft, **knobs)
+        return Decoder(
+            self.model, self.tokenizer, method, prefix_cache=self.prefixes, max_tree_nodes=self.max_tree_nodes,
+            **draft, **knobs
+        )  # fmt: skip
 
     def get(self, method: str, knobs: dict) -> Decoder:
         """The shared Decoder of `method` (with the server's knobs for its own method), or a private one."""
