@@ -81,8 +81,9 @@ def smoke(log: Log) -> None:
                     captured=captured, capture_error=error)  # fmt: skip
 
 
-def random_1b() -> tuple[torch.nn.Module, None]:
-    """A randomly initialised bf16 model of Llama-3.2-1B's shape (its acceptance means nothing; its speed does)."""
+def random_1b(tiny: bool = False) -> tuple[torch.nn.Module, None]:
+    """A randomly initialised bf16 model of Llama-3.2-1B's shape (its acceptance means nothing; its speed does);
+    `tiny`: the same family a thousand times smaller, to check the script without a card."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -90,6 +91,9 @@ def random_1b() -> tuple[torch.nn.Module, None]:
         num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
         tie_word_embeddings=True,
     )  # fmt: skip
+    if tiny:
+        config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=1000, max_position_embeddings=1024)  # fmt: skip
     torch.manual_seed(0)
     with torch.device(DEVICE):
         model = LlamaForCausalLM(config).to(torch.bfloat16)
@@ -117,8 +121,33 @@ def curve(log: Log, model: torch.nn.Module, label: str) -> None:
     log("curve", model=label, graph_capture_s=round(captured.capture_seconds, 3), capture_error=captured.capture_error)
 
 
+def steps(log: Log, model, label: str, new_tokens: int = 64) -> None:
+    """Undrafted decoding of one random prompt: transformers eager, transformers' compiled static cache (warmed),
+    forerun `plain` on captured graphs; tokens per second, interleaved twice (acceptance plays no part)."""
+    vocab = model.get_input_embeddings().weight.shape[0]
+    ids = torch.randint(0, vocab, (1, 128), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    decoder = Decoder(model, None, "plain", static_cache=True)
+    hf_generate(model, ids, 8)
+    _, compile_s = sync_time(lambda: hf_generate(model, ids, new_tokens, cache_implementation="static"))
+    decoder.generate(ids, 8)
+    log("steps", model=label, note="warmed", static_compile_s=round(compile_s, 1))
+    runs = {
+        "generate": lambda: hf_generate(model, ids, new_tokens, min_new_tokens=new_tokens),
+        "generate_static_compiled": lambda: hf_generate(
+            model, ids, new_tokens, cache_implementation="static", min_new_tokens=new_tokens
+        ),
+        "forerun_plain": lambda: decoder.generate(ids, new_tokens, eos_token_id=[]),
+    }
+    for round_ in range(2):
+        for name, run in runs.items():
+            _, took = sync_time(run)
+            log("steps", model=label, round=round_, method=name, tokens_per_s=round(new_tokens / took, 1),
+                ms_per_token=round(1e3 * took / new_tokens, 3))  # fmt: skip
+
+
 def hf_generate(model, ids, new_tokens: int, **kwargs):
-    return model.generate(ids, max_new_tokens=new_tokens, do_sample=False, min_new_tokens=0, **kwargs)
+    kwargs.setdefault("min_new_tokens", 0)
+    return model.generate(ids, max_new_tokens=new_tokens, do_sample=False, **kwargs)
 
 
 def bench(log: Log, model, tokenizer, prompts: list[dict], new_tokens: int, methods: list[str]) -> None:
@@ -205,8 +234,8 @@ def batch(log: Log, model, tokenizer, prompts: list[dict], new_tokens: int) -> N
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("sections", help="comma-separated: smoke, curve, bench, batch")
-    parser.add_argument("--model", default="random-1b", help="random-1b, or a .gguf file")
+    parser.add_argument("sections", help="comma-separated: smoke, curve, steps, bench, batch")
+    parser.add_argument("--model", default="random-1b", help="random-1b, random-tiny (a check), or a .gguf file")
     parser.add_argument("--prompts", type=Path, help="JSON list of {id, dataset, ids}")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--methods", default="plain,prompt_lookup,trie,auto")
@@ -223,10 +252,11 @@ def main() -> None:
     sections = args.sections.split(",")
     if "smoke" in sections:
         guarded(log, "smoke", lambda: smoke(log))
-    if not {"curve", "bench", "batch"} & set(sections):
+    if not {"curve", "bench", "batch", "steps"} & set(sections):
         return
-    if args.model == "random-1b":
-        model, tokenizer, label = *random_1b(), "random Llama-3.2-1B shape, bf16"
+    if args.model in ("random-1b", "random-tiny"):
+        model, tokenizer = random_1b(tiny=args.model == "random-tiny")
+        label = "random Llama-3.2-1B shape, bf16" if args.model == "random-1b" else "random tiny llama, bf16"
     else:
         from forerun.models import load_model
 
@@ -234,6 +264,8 @@ def main() -> None:
         label = f"{Path(args.model).name}, {args.dtype}"
     if "curve" in sections:
         guarded(log, "curve", lambda: curve(log, model, label))
+    if "steps" in sections:
+        guarded(log, "steps", lambda: steps(log, model, label))
     prompts = json.loads(args.prompts.read_text()) if args.prompts else []
     if "bench" in sections and prompts:
         guarded(log, "bench", lambda: bench(log, model, tokenizer, prompts, args.new_tokens, args.methods.split(",")))

@@ -10,6 +10,7 @@
 #        bash benchmarks/gpu_check.sh 1   (tiny models' exactness; a random 1B-class model's curve)
 #        bash benchmarks/gpu_check.sh 2   (SmolLM2-135M: tiny models again, curve, single-row bench, batches)
 #        SECTIONS=curve,bench bash benchmarks/gpu_check.sh 2   (only those)
+#        bash benchmarks/gpu_check.sh 3   (undrafted steps of the random 1B-class model: eager, compiled, forerun)
 set -uo pipefail
 OUT=${OUT:-bench-results/gpu}
 mkdir -p "$OUT"
@@ -21,6 +22,7 @@ export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 case "${1:-1}" in
   1) python3 benchmarks/gpu_check.py smoke,curve --model random-1b --budget-s 200 --out "$OUT/gpu_phase1.jsonl" ;;
+  3) python3 benchmarks/gpu_check.py steps --model random-1b --budget-s 150 --out "$OUT/gpu_phase3.jsonl" ;;
   2) cat /tmp/smollm2.part00 /tmp/smollm2.part01 > /tmp/smollm2.gguf
      echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  /tmp/smollm2.gguf" | sha256sum -c || exit 1
      python3 benchmarks/gpu_check.py "${SECTIONS:-smoke,curve,bench,batch}" --model /tmp/smollm2.gguf \

@@ -103,15 +103,17 @@ def resolve(name: str, models_dir: Path = DEFAULT_MODELS_DIR) -> tuple[str, str 
 def load_model(
     name: str = DEFAULT_MODEL,
     attn_implementation: str = "sdpa",
-    dtype: torch.dtype | str = torch.float32,
+    dtype: torch.dtype | str = "auto",
     device: str = "cpu",
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load (model, tokenizer) offline; GGUF weights are dequantized to `dtype` (a torch dtype or "fp32",
-    "bf16", "fp16").
+    """Load (model, tokenizer) offline; GGUF weights are dequantized to `dtype` (a torch dtype, "fp32", "bf16",
+    "fp16", or "auto": bf16 on a CUDA device, fp32 elsewhere).
 
     Raises FileNotFoundError with the install command when an embedded model's package is missing, ValueError
     for a dtype forerun does not run in.
     """
+    if dtype == "auto":  # a GPU's own precision; a CPU's exact one
+        dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     dtype = as_dtype(dtype)
     location, gguf_file = resolve(name)
     extra = {"gguf_file": gguf_file} if gguf_file else {}
