@@ -150,9 +150,14 @@ def hf_generate(model, ids, new_tokens: int, **kwargs):
     return model.generate(ids, max_new_tokens=new_tokens, do_sample=False, **kwargs)
 
 
-def bench(log: Log, model, tokenizer, prompts: list[dict], new_tokens: int, methods: list[str]) -> None:
-    """Interleaved single-row runs; speed ratios against eager generate and compiled static-cache generate."""
+def bench(
+    log: Log, model, tokenizer, prompts: list[dict], new_tokens: int, methods: list[str], compiled: bool = False
+) -> None:
+    """Interleaved single-row runs; speed ratios against eager generate and compiled static-cache generate.
+    `compiled`: each method also with its buckets compiled before capture (label `METHOD (compiled)`)."""
     decoders = {m: Decoder(model, tokenizer, m, static_cache=True) for m in methods}
+    if compiled:
+        decoders |= {f"{m} (compiled)": Decoder(model, tokenizer, m, compile_buckets=True) for m in methods}
     longest = max(prompts, key=lambda p: len(p["ids"]))
     warm_ids = torch.tensor([longest["ids"]], device=DEVICE)
     _, compile_s = sync_time(lambda: hf_generate(model, warm_ids, new_tokens, cache_implementation="static"))
@@ -240,6 +245,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--methods", default="plain,prompt_lookup,trie,auto")
     parser.add_argument("--dtype", default="bf16")
+    parser.add_argument("--compiled", action="store_true", help="bench: each method with compiled buckets too")
     parser.add_argument("--budget-s", type=float, default=420.0, help="stop starting new work after this long")
     parser.add_argument("--out", type=Path, default=Path("gpu_check.jsonl"))
     args = parser.parse_args()
@@ -268,7 +274,8 @@ def main() -> None:
         guarded(log, "steps", lambda: steps(log, model, label))
     prompts = json.loads(args.prompts.read_text()) if args.prompts else []
     if "bench" in sections and prompts:
-        guarded(log, "bench", lambda: bench(log, model, tokenizer, prompts, args.new_tokens, args.methods.split(",")))
+        methods = args.methods.split(",")
+        guarded(log, "bench", lambda: bench(log, model, tokenizer, prompts, args.new_tokens, methods, args.compiled))
     if "batch" in sections and prompts:
         guarded(log, "batch", lambda: batch(log, model, tokenizer, prompts, min(args.new_tokens, 64)))
 

@@ -144,3 +144,17 @@ def test_static_base_refuses_what_it_cannot_serve():
     with pytest.raises(ValueError, match="static_cache must be true or false"):
         forerun.Decoder(model, None, "plain", static_cache="yes")
     assert forerun.Decoder(model, None, "plain").base is None  # a CPU keeps the growing cache by default
+
+
+def test_compiled_buckets_give_the_eager_buckets_tokens():
+    """A bucket's forward through torch.compile (inductor on this CPU) writes what the eager one writes: plain
+    generate's tokens, single and drafted steps (two buckets, so two compilations: about half a minute)."""
+    model = model_of("llama", "sdpa")
+    expected = reference("llama", "sdpa", 0)
+    decoder = forerun.Decoder(model, None, "prompt_lookup", max_tree_nodes=4, adaptive=False, draft_len=3,
+                              max_branches=1)  # fmt: skip
+    decoder.base = StaticBase(model, buckets=(1, 4), compiled=True)
+    result = decoder.generate(prompts(3)[0], NEW_TOKENS, eos_token_id=[])
+    assert torch.equal(result.sequences, expected)
+    assert decoder.base.steps.keys() == {1, 4} and decoder.base.settings()["compiled"] is True
+    assert result.stats.tokens_per_forward > 1

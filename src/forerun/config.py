@@ -218,11 +218,14 @@ class EngineConfig:
     """Verify a single row's trees on a preallocated cache, padded to a few tree sizes, each size's forward
     captured once as a CUDA graph on a GPU (`forerun.base.StaticBase`). None: on a CUDA device, off elsewhere (a
     CPU gains nothing from fixed shapes, and keeps the prefix cache). Batches keep the growing cache."""
+    compile_buckets: bool = False
+    """With the static cache: compile each bucket's forward (`torch.compile`, inductor) before capturing it: tens of
+    seconds per bucket once, for steps with fused kernels."""
 
     def __post_init__(self) -> None:
         if self.max_tree_nodes is not None:
             check_int(self, "max_tree_nodes", 1, 4096)
-        for name in ("draft_in_prefill", "adaptive", "static_cache"):
+        for name in ("draft_in_prefill", "adaptive", "static_cache", "compile_buckets"):
             value = getattr(self, name)
             if not isinstance(value, bool) and not (name in ("adaptive", "static_cache") and value is None):
                 raise ValueError(f"EngineConfig.{name} must be true or false, got {value!r}")

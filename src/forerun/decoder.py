@@ -146,6 +146,7 @@ class Decoder:
         draft_in_prefill: bool = True,
         adaptive: bool | None = None,
         static_cache: bool | None = None,
+        compile_buckets: bool = False,
         latency: LatencyCurve | None = None,
         latency_cache: str | Path | None = DEFAULT_CACHE_DIR,
         drafters: Sequence[Drafter] | None = None,
@@ -161,7 +162,7 @@ class Decoder:
         device_type = next(model.parameters()).device.type
         self.plan = plan_method(method, knobs, device_type)
         self.method = self.plan.text
-        self.engine_config = EngineConfig(max_tree_nodes, draft_in_prefill, adaptive, static_cache)
+        self.engine_config = EngineConfig(max_tree_nodes, draft_in_prefill, adaptive, static_cache, compile_buckets)
         self.base = self.make_base(device_type)
         check_vocabulary(model, tokenizer)
         uses_draft = "draft_model" in self.plan.names
@@ -209,7 +210,7 @@ class Decoder:
         if reason is not None:
             logger.warning("forerun: no static cache for this model (%s); using the growing cache", reason)
             return None
-        return StaticBase(self.model)
+        return StaticBase(self.model, compiled=self.engine_config.compile_buckets)
 
     def batch_budget(self) -> Budget:
         """The budget batches decide on: the cost model's curve with its batched row curves

@@ -130,8 +130,19 @@ class StaticBase:
     """Verifies trees on slots in buckets (module docstring); `graphs` (None: on a CUDA device) captures each
     bucket's forward once and replays it."""
 
-    def __init__(self, model: torch.nn.Module, buckets: Sequence[int] = BUCKETS, graphs: bool | None = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        buckets: Sequence[int] = BUCKETS,
+        graphs: bool | None = None,
+        compiled: bool = False,
+    ) -> None:
+        """`compiled`: each bucket's forward goes through `torch.compile` (inductor fuses transformers' small
+        kernels) before it is captured: tens of seconds per bucket once, then shorter steps where launches, not
+        arithmetic, bound them. Off by default until a card's measurements say it pays."""
         self.model = model
+        self.step_forward = torch.compile(self.bucket_forward, dynamic=False) if compiled else self.bucket_forward
+        self.compiled = compiled
         self.buckets = tuple(sorted({int(b) for b in buckets}))
         if not self.buckets or self.buckets[0] != 1:
             raise ValueError(f"buckets must include 1, got {list(buckets)}")
@@ -195,7 +206,7 @@ class StaticBase:
             step.graph.replay()
             logits, choices = step.logits, step.choices
         else:
-            logits, choices = self.bucket_forward(step.size, step.inputs)
+            logits, choices = self.step_forward(step.size, step.inputs)
         return TreeLogits(logits[:n].clone(), choices[:n].tolist())  # the one device-to-host copy of the step
 
     def prefill(self, tree: TokenTree, prefix_len: int, lead: Sequence[int]) -> TreeLogits:
@@ -251,12 +262,12 @@ class StaticBase:
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
                 for _ in range(2):
-                    self.bucket_forward(size, step.inputs)
+                    self.step_forward(size, step.inputs)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             try:
                 with torch.cuda.graph(graph):
-                    step.logits, step.choices = self.bucket_forward(size, step.inputs)
+                    step.logits, step.choices = self.step_forward(size, step.inputs)
                 step.graph = graph
             except RuntimeError as error:  # a model whose forward waits for the host: eager steps, still exact
                 self.capture_error = f"{type(self.model).__name__}: {error}"
@@ -268,7 +279,9 @@ class StaticBase:
 
     def settings(self) -> dict[str, object]:
         """What a latency curve measured on this base depends on beyond the model (part of its stored key)."""
-        return {"base": "static", "graphs": self.graphs, "buckets": list(self.buckets)}
+        return {"base": "static", "graphs": self.graphs, "buckets": list(self.buckets)} | (
+            {"compiled": True} if self.compiled else {}
+        )
 
     @torch.inference_mode()
     def measure_curve(self, context: int = 256, repeats: int = 3) -> LatencyCurve:
