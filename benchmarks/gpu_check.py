@@ -127,16 +127,19 @@ def steps(log: Log, model, label: str, new_tokens: int = 64) -> None:
     vocab = model.get_input_embeddings().weight.shape[0]
     ids = torch.randint(0, vocab, (1, 128), generator=torch.Generator().manual_seed(0)).to(DEVICE)
     decoder = Decoder(model, None, "plain", static_cache=True)
+    fused = Decoder(model, None, "plain", static_cache=True, compile_buckets=True)
     hf_generate(model, ids, 8)
     _, compile_s = sync_time(lambda: hf_generate(model, ids, new_tokens, cache_implementation="static"))
     decoder.generate(ids, 8)
-    log("steps", model=label, note="warmed", static_compile_s=round(compile_s, 1))
+    _, fused_s = sync_time(lambda: fused.generate(ids, 8))
+    log("steps", model=label, note="warmed", static_compile_s=round(compile_s, 1), buckets_compile_s=round(fused_s, 1))
     runs = {
         "generate": lambda: hf_generate(model, ids, new_tokens, min_new_tokens=new_tokens),
         "generate_static_compiled": lambda: hf_generate(
             model, ids, new_tokens, cache_implementation="static", min_new_tokens=new_tokens
         ),
         "forerun_plain": lambda: decoder.generate(ids, new_tokens, eos_token_id=[]),
+        "forerun_plain_compiled": lambda: fused.generate(ids, new_tokens, eos_token_id=[]),
     }
     for round_ in range(2):
         for name, run in runs.items():
