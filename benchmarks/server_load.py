@@ -2,7 +2,7 @@
 
 Each setting starts the app in this process on 127.0.0.1 (uvicorn in a thread), sends the same requests (chat,
 greedy, prompts from GSM8K/HumanEval/MBPP/typehints) from C threads of another process with the official openai
-client (`--clients-in-process`: threads of this one, as before 2026-11-25, session 18), and reports
+client (`--clients-in-process`: threads of this one, as before 2026-11-25), and reports
 aggregate completion tokens per second over the wall time and p50/p95 request latency. Traffic stays on loopback.
 
 Usage:
@@ -57,7 +57,7 @@ def main() -> None:
     parser.add_argument(
         "--clients-in-process",
         action="store_true",
-        help="Run the client threads in the server's process, as the tables before 2026-11-25 (session 18) did.",
+        help="Run the client threads in the server's process, as the tables before 2026-11-25 did.",
     )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

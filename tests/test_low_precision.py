@@ -143,7 +143,7 @@ def test_real_model_in_bf16_differs_only_at_ties():
     model, tokenizer = forerun.load_model("smollm2-135m", dtype=torch.bfloat16)
     identical = 0
     for method in ("prompt_lookup", "auto"):
-        # The curve is pinned (this CPU's bf16 curve, as issue 16 measured it), not measured by the test: which
+        # The curve is pinned (a CPU's bf16 curve, measured on an AVX-512 EPYC), not measured by the test: which
         # trees are fed decides which roundings happen, and a test must not depend on the machine's timings.
         decoder = forerun.Decoder(model, tokenizer, method, latency=BF16_CPU_CURVE)
         for text in PROMPTS:

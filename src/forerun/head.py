@@ -2,43 +2,31 @@
 
 A causal LM is a body (embeddings and layers, `model.model`) and an output matrix W [vocab, hidden] applied to the
 body's last hidden states h [n, hidden]. Verifying a tree needs logits at each of its n nodes. The same product can
-be written two ways, and which is faster for a few rows depends on the CPU and its BLAS. SmolLM2-135M's
-49152 x 576 matrix, fp32, 1 thread, ms for n = 1 / 2 / 3 / 4 / 8 / 12 / 16 rows:
+be written two ways, F.linear(h, W) and (W @ h^T)^T, and which is faster for a few rows depends on the CPU and its
+BLAS: on one AVX-512 EPYC the tall product saved a sixth of a 2-token forward, on an AVX-512 Xeon it cost a fifth
+(the timings per CPU are in BENCHMARKS.md). So the choice is measured, not assumed: once per matrix shape, dtype,
+device, thread count and torch version, both layouts are timed at 1 to `TALL_MAX_POSITIONS` rows (a second or two,
+`time_layouts`) and the result is kept under `~/.cache/forerun/head/`. A forward of n positions computes its
+logits as (W @ h^T)^T where that measured at most `TALL_MARGIN` of F.linear's time at n; every other forward is the
+model's own call.
 
-                                        1      2      3      4      8     12     16
-    AVX2 EPYC     F.linear(h, W)       8.2   18.9   27.8   18.7   21.6      -   27.2
-                  (W @ h^T)^T          8.2    9.4   12.3   10.1   17.4      -   30.5
-    AVX-512 Xeon  F.linear(h, W)       5.0    5.7    6.6   11.2   18.8   25.6   16.3
-                  (W @ h^T)^T          5.0   15.4   15.2   15.8   18.4   19.8   20.0
-    AVX-512 EPYC  F.linear(h, W)      11.0   24.1   36.2   16.9   19.2   22.4   25.4
-                  (W @ h^T)^T          5.9*   5.8    8.4    7.8   14.7   34.8   28.3      (* the row twice)
-
-On the EPYC the tall product saves a sixth of a 2-token forward; on the Xeon it would cost a fifth. So the choice
-is measured, not assumed: once per matrix shape, dtype, device, thread count and torch version, both layouts are
-timed at 1 to `TALL_MAX_POSITIONS` rows (a second or two, `time_layouts`) and the result is kept under
-`~/.cache/forerun/head/`. A forward of n positions computes its logits as (W @ h^T)^T where that measured at most
-`TALL_MARGIN` of F.linear's time at n; every other forward is the model's own call.
-
-One position is the commonest forward of all (every undrafted step), and there MKL's matrix-vector path is the
-slow one: on the AVX-512 EPYC of session 21, F.linear(h, W) took 11.0 ms for one row at 1 or 2 threads, while the
-tall product of the row written twice, [h; h], took 5.9 ms at 1 thread and 3.3-4.6 ms at 2 (a matrix kernel, on
-every thread), a 1-token forward 66 -> 58 ms at 1 thread and 61 -> 53 ms at 2. So one position is computed as the
-first column of W @ [h; h]^T where that measured faster (`tall_product`).
+One position is the commonest forward of all (every undrafted step), and there MKL's matrix-vector path can be the
+slow one: the row is then written twice, [h; h], so the product runs as a matrix kernel on every thread, and the
+first column is kept (`tall_product`).
 
 The split is used only where it is the same computation: the first forward (the prefill) runs the whole model with
 hooks on its body and its output matrix, and the split is taken from then on only if the model's logits were exactly
 the output matrix applied to exactly the body's last hidden states (a bias-free `nn.Linear`): Gemma 2's logit
 softcapping, Granite's logit scaling or MiniCPM's scaled hidden states keep the whole-model call. Only on a CPU in
-fp32: in bf16 the matrix costs the same for 1 to 4 rows (3.4 / 3.5 / 3.5 / 3.6 ms on issue 16's AVX-512 EPYC), and
-GPU matrix kernels have no such small-row path. The two layouts round differently (sums in another order: up to 1
-unit in the last place); fp32 outputs stay identical to plain generate, as the equality tests across the model
-families check.
+fp32: in bf16 the matrix costs about the same for 1 to 4 rows, and GPU matrix kernels have no such small-row path.
+The two layouts round differently (sums in another order: up to 1 unit in the last place); fp32 outputs stay
+identical to plain generate, as the equality tests across the model families check.
 
 Example:
     >>> head = LogitsHead(model)                                          # doctest: +SKIP
     >>> head(input_ids=prompt, past_key_values=cache).shape               # the prefill decides  # doctest: +SKIP
     torch.Size([1, 12, 49152])
-    >>> sorted(head.tall_sizes)                                           # on the AVX-512 Xeon  # doctest: +SKIP
+    >>> sorted(head.tall_sizes)                                           # measured on this CPU  # doctest: +SKIP
     [7, 9, 10, 11, 12, 13, 14, 15, 16]
 """
 
