@@ -26,7 +26,7 @@ from rich.text import Text
 
 from forerun.checks import writable_folder
 from forerun.fetch import DEFAULT_MODELS_DIR
-from forerun.methods import parse_knob_pairs, source_style
+from forerun.methods import DEFAULT_METHOD, parse_knob_pairs, source_style
 from forerun.models import DEFAULT_MODEL
 from forerun.runspec import RunSpec
 
@@ -38,7 +38,7 @@ errors = Console(stderr=True)
 # The run options, shared by every command (one definition each, so they cannot drift apart).
 MODEL = typer.Option(DEFAULT_MODEL, "--model", "-m", help="Alias, local folder, .gguf file or cached hub id.")
 METHOD = typer.Option(
-    "prompt_lookup", "--method", help="plain | prompt_lookup | jacobi | trie | draft_model | auto, or joined: a+b."
+    DEFAULT_METHOD, "--method", help="plain | prompt_lookup | jacobi | trie | draft_model | auto, or joined: a+b."
 )
 KNOB = typer.Option([], "--knob", "-k", help="Method knob NAME=VALUE (repeatable; METHOD.NAME when combined).")
 DEVICE = typer.Option("cpu", "--device", help="cpu, cuda, cuda:1 ...")
@@ -70,7 +70,7 @@ def user_errors(command: Callable) -> Callable:
 
 def run_spec(
     model: str = DEFAULT_MODEL,
-    method: str = "prompt_lookup",
+    method: str = DEFAULT_METHOD,
     knob: list[str] | None = None,
     device: str = "cpu",
     dtype: str = "auto",

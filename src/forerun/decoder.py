@@ -46,7 +46,7 @@ from forerun.drafters.prediction import PredictionDrafter
 from forerun.engine import Budget, Sampling, Transcript, decode
 from forerun.latency import DEFAULT_CACHE_DIR, curve_for, measure_batched
 from forerun.logprobs import TokenLogprob
-from forerun.methods import plan_method
+from forerun.methods import DEFAULT_METHOD, plan_method
 from forerun.noise import GumbelNoise
 from forerun.prefixcache import PrefixCache, Prefixes
 from forerun.stats import GenerationStats
@@ -140,7 +140,7 @@ class Decoder:
         self,
         model: torch.nn.Module,
         tokenizer: PreTrainedTokenizerBase | None = None,
-        method: str = "prompt_lookup",
+        method: str = DEFAULT_METHOD,
         *,
         max_tree_nodes: int | None = None,
         draft_in_prefill: bool = True,
@@ -165,7 +165,7 @@ class Decoder:
         self.engine_config = EngineConfig(max_tree_nodes, draft_in_prefill, adaptive, static_cache, compile_buckets)
         self.base = self.make_base(device_type)
         check_vocabulary(model, tokenizer)
-        uses_draft = "draft_model" in self.plan.names
+        uses_draft = self.plan.uses_model()
         if draft_model is not None and not uses_draft:
             raise ValueError(f"draft_model is a knob of method 'draft_model', which is not part of {self.method!r}")
         self.draft_model = self.prepare_draft(draft_model, draft_tokenizer) if uses_draft else None
@@ -229,7 +229,7 @@ class Decoder:
         """The draft model of method 'draft_model': given, loaded by name, or the target's own first layers."""
         from forerun.drafters.draft_model import check_same_vocabulary, load_draft, self_draft
 
-        layers = self.plan.config("draft_model").self_draft_layers
+        layers = self.plan.model_config().self_draft_layers
         if layers:
             if draft is not None:
                 raise ValueError("give either draft_model or self_draft_layers, not both")
@@ -852,7 +852,7 @@ def check_vocabulary(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase 
 def generate(
     model: torch.nn.Module,
     input_ids: Prompt,
-    method: str = "prompt_lookup",
+    method: str = DEFAULT_METHOD,
     max_new_tokens: int = 256,
     *,
     tokenizer: PreTrainedTokenizerBase | None = None,

@@ -15,6 +15,7 @@ from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from forerun.decoder import Decoder, custom_generate
+from forerun.methods import DEFAULT_METHOD
 
 
 def hf_generate(
@@ -25,7 +26,7 @@ def hf_generate(
     generation_config: GenerationConfig,
     synced_gpus: bool = False,
     streamer: object | None = None,
-    forerun_method: str = "prompt_lookup",
+    forerun_method: str = DEFAULT_METHOD,
     forerun_knobs: dict | None = None,
     forerun_decoder: Decoder | None = None,
     forerun_streamer: object | None = None,

@@ -35,6 +35,9 @@ REGISTRY: dict[str, MethodSpec] = {
 PLAIN, AUTO = "plain", "auto"
 METHODS: tuple[str, ...] = (PLAIN, *REGISTRY, AUTO)
 """The names a method expression is made of."""
+DEFAULT_METHOD = "prompt_lookup"
+"""What every command, the Decoder and the server draft with unless told otherwise: no state learned across
+requests, and on a GPU ahead of `auto`, whose host time per step is larger (BENCHMARKS.md, "GPU")."""
 
 
 def source_style(source: str) -> str:
@@ -74,6 +77,21 @@ class MethodPlan:
         """Whether the cost model chooses each step's tree by default: for combinations, and for a single method
         that asks for it (every model-free one)."""
         return bool(self.specs) and (self.combined or all(spec.adaptive for spec in self.specs))
+
+    def uses_model(self) -> bool:
+        """Whether some method of the plan drafts with a second model (given, loaded, or the target's own layers)."""
+        return any(not spec.model_free for spec in self.specs)
+
+    def saves_state(self) -> bool:
+        """Whether some method of the plan keeps state a Decoder can save and load."""
+        return any(spec.saves_state for spec in self.specs)
+
+    def model_config(self) -> object | None:
+        """The config of the plan's method that drafts with a second model, if any."""
+        for spec, config in zip(self.specs, self.configs, strict=True):
+            if not spec.model_free:
+                return config
+        return None
 
     def needs_draft(self) -> bool:
         """Whether some method of the plan drafts with a second model the caller must supply."""

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from forerun.config import EngineConfig
-from forerun.methods import MethodPlan, plan_method
+from forerun.methods import DEFAULT_METHOD, MethodPlan, plan_method
 from forerun.models import DEFAULT_MODEL, DTYPES
 
 MAX_THREADS = 1024
@@ -52,7 +52,7 @@ class RunSpec:
 
     model: str = DEFAULT_MODEL
     """Alias, local folder, .gguf file or cached hub id (forerun.load_model)."""
-    method: str = "prompt_lookup"
+    method: str = DEFAULT_METHOD
     """A method expression: 'trie', 'prompt_lookup+trie', 'auto', 'plain' (forerun.methods)."""
     knobs: Mapping[str, object] = field(default_factory=dict)
     """Method knobs; dotted ('trie.decoding_length') when several methods are combined."""
@@ -81,7 +81,7 @@ class RunSpec:
         if self.max_tree_nodes is not None:
             EngineConfig(max_tree_nodes=self.max_tree_nodes)  # one check, one message: the engine's
         plan = self.plan()
-        if self.draft_model and "draft_model" not in plan.names:
+        if self.draft_model and not plan.uses_model():
             raise ValueError(f"a draft model is for method draft_model, which is not part of {self.method!r}")
         if plan.needs_draft() and not self.draft_model:
             raise ValueError(
@@ -126,6 +126,6 @@ class RunSpec:
             tokenizer,
             plan.text,
             max_tree_nodes=self.max_tree_nodes,
-            draft_model=draft if "draft_model" in plan.names and plan.needs_draft() else None,
+            draft_model=draft if plan.needs_draft() else None,
             **dict(self.knobs if knobs is None else knobs),
         )

@@ -122,5 +122,7 @@ class MethodSpec:
     """Drafts without a second model: part of method 'auto'."""
     needs_draft: Callable[[Any], bool] = lambda config: False
     """Whether this config drafts with a second model that the caller must supply."""
+    saves_state: bool = False
+    """Keeps what it learns across requests in state a Decoder can save and load (`Decoder.save_cache`)."""
     adaptive: bool = True
     """Alone, let the cost model choose each step's tree by default (else its static budget)."""

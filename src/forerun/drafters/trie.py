@@ -411,4 +411,5 @@ METHOD = MethodSpec(
         "flat": {"decoding_length": 64, "branch_length": 16},
     },
     style="bold magenta",
+    saves_state=True,
 )

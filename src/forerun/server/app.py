@@ -39,6 +39,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from forerun.batch import batchable
 from forerun.decoder import DEFAULT_PREFIX_TOKENS, Decoder, GenerationResult
+from forerun.methods import DEFAULT_METHOD
 from forerun.prefixcache import PrefixCache
 from forerun.server.pool import DEFAULT_PREFILL_CHUNK, Abandoned, BatchWorker, DecoderPool, ShuttingDown, Worker
 from forerun.server.schemas import ChatRequest, CompletionRequest, ErrorResponse
@@ -58,7 +59,7 @@ class ServerConfig:
     """Limits and defaults of one server."""
 
     model_name: str
-    method: str = "prompt_lookup"
+    method: str = DEFAULT_METHOD
     knobs: dict = field(default_factory=dict)
     api_key: str | None = None
     """Bearer token required on every endpoint but /health (None = open)."""

@@ -84,7 +84,7 @@ class DecoderPool:
 
     def trie_decoder(self) -> Decoder | None:
         """The shared Decoder whose trie the cache file holds (the server's own method, if it has a trie)."""
-        if "trie" not in plan_method(self.method, self.knobs).names:
+        if not plan_method(self.method, self.knobs).saves_state():
             return None
         return self.get(self.method, {})
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from forerun.checks import check_sampling, check_text
-from forerun.methods import plan_method
+from forerun.methods import DEFAULT_METHOD, plan_method
 from forerun.server.schemas import ChatRequest, CommonRequest, CompletionRequest
 
 MAX_STOPS = 4
@@ -45,7 +45,7 @@ class Limits:
     """What this server serves and allows."""
 
     model_name: str
-    method: str = "prompt_lookup"
+    method: str = DEFAULT_METHOD
     knobs: dict = field(default_factory=dict)
     max_tokens_limit: int = 1024
     default_max_tokens: int = 128
