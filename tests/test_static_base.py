@@ -158,3 +158,17 @@ def test_compiled_buckets_give_the_eager_buckets_tokens():
     assert torch.equal(result.sequences, expected)
     assert decoder.base.steps.keys() == {1, 4} and decoder.base.settings()["compiled"] is True
     assert result.stats.tokens_per_forward > 1
+
+
+def test_one_row_of_a_list_takes_the_static_base():
+    """generate([prompt]) and batch_size=1 decode on the static base (the batch path is the growing cache's):
+    the same tokens as generate(prompt)."""
+    model = model_of("qwen2", "sdpa")
+    decoder = forerun.Decoder(model, None, "prompt_lookup", latency=CURVE, static_cache=True)
+    single = decoder.generate(prompts(3)[1], NEW_TOKENS, eos_token_id=[])
+    decoder.base.steps.clear()
+    (listed,) = decoder.generate([prompts(3)[1]], NEW_TOKENS, eos_token_id=[])
+    assert torch.equal(listed.sequences, single.sequences) and decoder.base.steps  # its buckets were used again
+    one_by_one = decoder.generate(prompts(3)[:2], NEW_TOKENS, eos_token_id=[], batch_size=1)
+    assert torch.equal(one_by_one[1].sequences, single.sequences)
+    assert torch.equal(one_by_one[0].sequences, reference("qwen2", "sdpa", 0))

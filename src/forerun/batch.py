@@ -786,7 +786,7 @@ def decode_batch(
 
 
 def decode_rows(
-    model: torch.nn.Module, jobs: Sequence[RowJob], budget: Budget, width: int | None = None
+    model: torch.nn.Module, jobs: Sequence[RowJob], budget: Budget, width: int | None = None, base=None
 ) -> Iterator[tuple[int, GenerationStats]]:
     """Decode the jobs, at most `width` rows at once, yielding (job index, stats) as each row finishes.
 
@@ -797,7 +797,8 @@ def decode_rows(
 
     Models whose cache cannot hold ragged rows (sliding windows, linear attention) or that cannot take a tree
     mask decode the rows one after another with the single-row engine (which falls back to plain decoding where
-    it must): still exact, just not batched.
+    it must): still exact, just not batched. So do rows decoded one at a time (one job, or `width` 1) where a
+    `base` is given (`forerun.base.StaticBase`, a GPU's captured steps, which batches do not use yet).
 
     Example (a list of 8 prompts through 4 rows; `forerun run --batch-size 4` does this):
         >>> for index, stats in decode_rows(model, jobs, budget, width=4):   # doctest: +SKIP
@@ -805,7 +806,8 @@ def decode_rows(
     """
     if width is not None and width < 1:
         raise ValueError(f"width must be >= 1, got {width}")
-    if not batchable(model):
+    alone = len(jobs) == 1 or width == 1
+    if not batchable(model) or (alone and base is not None):  # one row at a time: the single-row engine's base
         for index, job in enumerate(jobs):
             yield (
                 index,
@@ -821,6 +823,7 @@ def decode_rows(
                     job.processor,
                     job.sampling,
                     job.prefixes,
+                    base,
                 ),
             )
         return

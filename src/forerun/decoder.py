@@ -483,7 +483,7 @@ class Decoder:
 
         def finished() -> Iterator[tuple[int, GenerationResult]]:
             with torch.inference_mode():
-                for index, stats in decode_rows(self.model, jobs, budget, batch_size):
+                for index, stats in decode_rows(self.model, jobs, budget, batch_size, self.base):
                     job = jobs[index]
                     yield index, self.result(job.transcript, job.input_ids.shape[1], stats, requests[index])
 
