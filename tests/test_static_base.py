@@ -22,7 +22,7 @@ from tiny_models import FAMILIES, VOCAB, prompts, tiny_model
 NO_SDPA = {"gemma2", "gptj"}
 CASES = [(f, impl) for f in FAMILIES for impl in ("eager", "sdpa") if not (impl == "sdpa" and f in NO_SDPA)]
 SLIDING = {"mistral", "gemma2"}
-"""Families whose layers keep a sliding window: no static base (the growing cache serves them)."""
+"""Families whose layers keep a sliding window (larger than these texts: the slots serve them as full attention)."""
 NEW_TOKENS = 40
 METHODS = {
     "plain": {},
@@ -51,13 +51,13 @@ def reference(family: str, impl: str, index: int) -> torch.Tensor:
 def test_static_base_equals_generate(family, impl, method):
     model = model_of(family, impl)
     decoder = forerun.Decoder(model, None, method, latency=CURVE, static_cache=True, **METHODS[method])
-    assert (decoder.base is None) == (family in SLIDING)
+    assert decoder.base is not None
     for index, prompt in enumerate(prompts(3)):  # one decoder, three requests: the slots are reused
         result = decoder.generate(prompt, NEW_TOKENS, eos_token_id=[])
         expected = reference(family, impl, index)
         assert torch.equal(result.sequences, expected[:, : result.sequences.shape[1]]), (family, impl, method, index)
         assert result.sequences.shape[1] == expected.shape[1] or result.stats.fallback_reason
-    if decoder.base is not None and method != "plain":
+    if method != "plain":
         assert len(decoder.base.steps) > 1  # several buckets were fed: padding was exercised
 
 
@@ -172,3 +172,24 @@ def test_one_row_of_a_list_takes_the_static_base():
     one_by_one = decoder.generate(prompts(3)[:2], NEW_TOKENS, eos_token_id=[], batch_size=1)
     assert torch.equal(one_by_one[1].sequences, single.sequences)
     assert torch.equal(one_by_one[0].sequences, reference("qwen2", "sdpa", 0))
+
+
+def test_a_text_longer_than_a_sliding_window_takes_the_growing_cache():
+    """Within its window a sliding layer holds every token (slots serve it); where prompt + answer + a tree (24 +
+    40 + the cost model's 64 nodes) reach the window of 128, the request decodes on the growing cache, which
+    decodes it plainly: still generate's tokens."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tiny_models import COMMON, LLAMA_LIKE
+
+    config = AutoConfig.for_model("mistral", **COMMON, **{**LLAMA_LIKE, "sliding_window": 128})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32).eval()
+    decoder = forerun.Decoder(model, None, "prompt_lookup", latency=CURVE, static_cache=True)
+    prompt = prompts(1)[0]
+    for new, on_slots in ((8, True), (40, False)):
+        decoder.base.steps.clear()
+        expected = model.generate(prompt, max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
+        result = decoder.generate(prompt, new, eos_token_id=[])
+        assert torch.equal(result.sequences, expected), new
+        assert bool(decoder.base.steps) == on_slots, new

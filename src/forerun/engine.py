@@ -166,9 +166,9 @@ def decode(
     `DynamicBase`, the CPU's).
     """
     stats, started = GenerationStats(), time.perf_counter()
-    base = base if base is not None else DynamicBase(model)
     prompt_len = input_ids.shape[1]
-    drafters = fallback_if_unsupported(model, base, drafters, prompt_len + max_new_tokens + budget.max_nodes, stats)
+    max_len = prompt_len + max_new_tokens + budget.max_nodes
+    base, drafters = fallback_if_unsupported(model, base, drafters, max_len, stats)
     ctx = DraftContext(
         transcript.sequence[0].tolist(),
         prompt_len,
@@ -228,19 +228,25 @@ def decode(
 
 def fallback_if_unsupported(
     model: torch.nn.Module,
-    base: TreeBase,
+    base: TreeBase | None,
     drafters: Sequence[Drafter],
     max_len: int,
     stats: GenerationStats,
-) -> Sequence[Drafter]:
-    """Ready `base` for `max_len` tokens; drop the drafters (plain decoding: still exact) when this model or its
-    cache cannot verify trees."""
-    reason = base.begin(max_len)
+) -> tuple[TreeBase, Sequence[Drafter]]:
+    """A base ready for `max_len` tokens (the growing cache where the given one cannot hold this request, e.g. a
+    text longer than a sliding window), and the drafters, dropped (plain decoding: still exact) when this model
+    or its cache cannot verify trees."""
+    reason = base.begin(max_len) if base is not None else None
+    if base is None or reason is not None:
+        if base is not None:
+            logger.info("forerun: the growing cache for this request: %s", reason)
+        base = DynamicBase(model)
+        reason = base.begin(max_len)
     if not drafters:
-        return drafters
+        return base, drafters
     reason = tree_support(model) or reason
     if reason is None:
-        return drafters
+        return base, drafters
     logger.warning("forerun: falling back to plain decoding: %s", reason)
     stats.fallback_reason = reason
-    return []
+    return base, []

@@ -38,11 +38,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import Cache, StaticLayer
+from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer, StaticLayer
 
 from forerun.base.dynamic import TreeLogits
 from forerun.costmodel import LatencyCurve
-from forerun.kvcache import plain_layers
 from forerun.measured import synchronize
 from forerun.prefixcache import Prefixes
 from forerun.tree import TokenTree, attention_mask_4d
@@ -56,14 +55,24 @@ LENGTH_STEP = 512
 TREE_ATTENTION = ("eager", "sdpa")
 
 
-def static_support(model: torch.nn.Module) -> str | None:
-    """None if `model` can verify trees on slots, else why not (sliding windows, recurrent state, a mask-less
-    attention kernel)."""
+def static_support(model: torch.nn.Module, max_len: int | None = None) -> str | None:
+    """None if `model` can verify trees on slots for texts of `max_len` tokens (None: of some length), else why
+    not (recurrent state, a mask-less attention kernel, a sliding window shorter than the text).
+
+    A sliding-window layer holds every token while the text is shorter than its window, and the tree's mask is
+    the one every layer gets: there it is a full-attention layer, as in the growing cache (`kvcache`)."""
     impl = getattr(model.config, "_attn_implementation", None) or "eager"
     if impl not in TREE_ATTENTION:
         return f"{type(model).__name__} uses attn_implementation={impl!r}, which cannot take a tree attention mask"
-    if not plain_layers(DynamicCache(config=model.config)):
-        return f"{type(model).__name__} has layers other than full attention (a sliding window, recurrent state)"
+    for index, layer in enumerate(DynamicCache(config=model.config).layers):
+        if isinstance(layer, DynamicSlidingWindowLayer):
+            if max_len is not None and max_len >= layer.sliding_window - 1:
+                return (
+                    f"{type(model).__name__}: layer {index} has a sliding window of {layer.sliding_window} tokens, "
+                    f"shorter than the text and its tree ({max_len})"
+                )
+        elif type(layer) is not DynamicLayer:
+            return f"{type(model).__name__}: cache layer {index} is {type(layer).__name__} (not attention over tokens)"
     return None
 
 
@@ -173,7 +182,7 @@ class StaticBase:
         raise ValueError(f"a tree of {n} nodes exceeds the largest bucket ({self.largest})")
 
     def begin(self, max_len: int) -> str | None:
-        reason = static_support(self.model)
+        reason = static_support(self.model, max_len)
         if reason is not None:
             return reason
         needed = max_len + self.largest  # the last `largest` slots are the warm-ups' scratch region
