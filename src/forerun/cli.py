@@ -42,6 +42,9 @@ METHOD = typer.Option(
 )
 KNOB = typer.Option([], "--knob", "-k", help="Method knob NAME=VALUE (repeatable; METHOD.NAME when combined).")
 DEVICE = typer.Option("cpu", "--device", help="cpu, cuda, cuda:1 ...")
+QUANTIZE = typer.Option(
+    "", "--quantize", help="int4: every linear layer's weights in 4 bits (CPU, bf16 activations); empty: as loaded."
+)
 DTYPE = typer.Option(
     "auto",
     "--dtype",
@@ -77,6 +80,7 @@ def run_spec(
     threads: int = 0,
     draft_model: str = "",
     max_tree_nodes: int = 0,
+    quantize: str = "",
 ) -> RunSpec:
     """The command line's run options as a checked RunSpec (raises ValueError before anything loads)."""
     return RunSpec(
@@ -88,6 +92,7 @@ def run_spec(
         draft_model=draft_model or None,
         max_tree_nodes=max_tree_nodes or None,
         threads=threads,
+        quantize=quantize or None,
     )
 
 
@@ -133,13 +138,14 @@ def generate(
     draft_model: str = DRAFT,
     device: str = DEVICE,
     dtype: str = DTYPE,
+    quantize: str = QUANTIZE,
 ) -> None:
     """Generate text greedily; identical to model.generate(do_sample=False), only sooner."""
     if max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     if not prompt.strip():
         raise ValueError("prompt is empty")
-    spec = run_spec(model, method, knob, device, dtype, threads, draft_model, max_tree_nodes)
+    spec = run_spec(model, method, knob, device, dtype, threads, draft_model, max_tree_nodes, quantize)
     lm, tokenizer, draft = spec.load()
     decoder = spec.decoder(lm, tokenizer, draft)
     result = decoder.generate(prompt, max_new_tokens, chat=chat)
@@ -193,6 +199,7 @@ def bench(
     rounds: int = typer.Option(1, "--rounds", help="With --batch-size: each cell the fastest of this many rounds."),
     device: str = DEVICE,
     dtype: str = DTYPE,
+    quantize: str = QUANTIZE,
 ) -> None:
     """Benchmark methods against plain model.generate on real prompts, interleaved, outputs checked."""
     from pathlib import Path
@@ -210,7 +217,7 @@ def bench(
         raise ValueError(f"--n, --max-new-tokens and --threads must be >= 1 (got {n}, {max_new_tokens}, {threads})")
     specs = parse_methods(methods)
     writable_folder(out)
-    spec = RunSpec(model=model, method="plain", device=device, dtype=dtype, threads=threads)
+    spec = RunSpec(model=model, method="plain", device=device, dtype=dtype, threads=threads, quantize=quantize or None)
     dtype = spec.dtype  # "auto" resolved for this device
     prompts = [p for name in dataset.split(",") for p in load_dataset(name.strip(), n)]
     included = [record for path in include for record in load_records(Path(path))]
@@ -459,13 +466,14 @@ def chat(
     max_tree_nodes: int = NODES,
     device: str = DEVICE,
     dtype: str = DTYPE,
+    quantize: str = QUANTIZE,
 ) -> None:
     """Chat in the terminal: streaming answers, draft-accepted tokens coloured, a stats line per answer."""
     from forerun.chat import chat_loop
 
     if max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
-    spec = run_spec(model, method, knob, device, dtype, threads, draft_model, max_tree_nodes)
+    spec = run_spec(model, method, knob, device, dtype, threads, draft_model, max_tree_nodes, quantize)
     lm, tokenizer, draft = spec.load()
     chat_loop(spec, lm, tokenizer, draft, max_new_tokens, console)
 
@@ -510,6 +518,7 @@ def serve(
     max_tree_nodes: int = NODES,
     device: str = DEVICE,
     dtype: str = DTYPE,
+    quantize: str = QUANTIZE,
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (completions, chat, streaming, /metrics)."""
     import uvicorn
@@ -529,7 +538,7 @@ def serve(
             "--port must be in [1, 65535], --max-tokens-limit, --max-queue and --max-batch >= 1, --prefix-cache and "
             "--prefill-chunk >= 0 and --timeout a positive number"
         )
-    spec = run_spec(model, method, knob, device, dtype, threads, draft_model, max_tree_nodes)
+    spec = run_spec(model, method, knob, device, dtype, threads, draft_model, max_tree_nodes, quantize)
     config = ServerConfig(
         model_name=model,
         method=spec.method,
@@ -594,6 +603,7 @@ def run_file(
     draft_model: str = DRAFT,
     device: str = DEVICE,
     dtype: str = DTYPE,
+    quantize: str = QUANTIZE,
 ) -> None:
     """Decode a JSONL file of prompts, --batch-size rows at once; rerun to resume. Under torchrun each rank takes a
     shard."""
@@ -615,7 +625,7 @@ def run_file(
         defaults.update(do_sample=True, **{k: v for k, v in sampling.items() if v is not None})
     if seed is not None:
         defaults["seed"] = seed
-    spec = run_spec(model, method, knob, device, dtype, threads, draft_model, max_tree_nodes)
+    spec = run_spec(model, method, knob, device, dtype, threads, draft_model, max_tree_nodes, quantize)
     records, problems = read_records(source, defaults)
     shard = Shard()
     if dist.is_torchelastic_launched():  # torchrun set the rendezvous: one shard per rank
@@ -682,13 +692,14 @@ def trie_build(
     threads: int = THREADS,
     device: str = DEVICE,
     dtype: str = DTYPE,
+    quantize: str = QUANTIZE,
 ) -> None:
     """Pre-build a trie cache from a corpus; load it with `forerun serve --cache` or Decoder.load_cache."""
     from pathlib import Path
 
     from forerun.corpus import build_trie, read_corpus
 
-    spec = run_spec(model, "trie", knob, device, dtype, threads)
+    spec = run_spec(model, "trie", knob, device, dtype, threads, quantize=quantize)
     rows = read_corpus(Path(corpus))
     if not Path(output).resolve().parent.is_dir():
         raise FileNotFoundError(f"output folder does not exist: {Path(output).parent}")

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
+from forerun.base.weights import weights_kind
 from forerun.costmodel import LatencyCurve
 from forerun.head import LogitsHead
 from forerun.measured import DEFAULT_CACHE_DIR, device_name, read_json, settings_digest, synchronize, write_json
@@ -49,17 +50,27 @@ def curve_settings(model: torch.nn.Module) -> dict[str, object]:
     config = model.config.to_dict()
     shape = {k: v for k, v in sorted(config.items()) if isinstance(v, (int, float, str, bool)) and "name" not in k}
     device = next(model.parameters()).device
-    return {
-        "model": type(model).__name__,
-        "architecture": shape,
-        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-        "attention": getattr(model.config, "_attn_implementation", None) or "eager",
-        "device": device_name(device),
-        "threads": torch.get_num_threads() if device.type == "cpu" else None,
-        "torch": torch.__version__,
-        "sizes": list(SIZES),  # a curve measured at other sizes is measured again
-        "forwards": FORWARDS,
-    } | ({"sdpa_masked_gqa": True} if masked_gqa(model) else {})  # only then: existing curves keep their names
+    return (
+        {
+            "model": type(model).__name__,
+            "architecture": shape,
+            "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+            "attention": getattr(model.config, "_attn_implementation", None) or "eager",
+            "device": device_name(device),
+            "threads": torch.get_num_threads() if device.type == "cpu" else None,
+            "torch": torch.__version__,
+            "sizes": list(SIZES),  # a curve measured at other sizes is measured again
+            "forwards": FORWARDS,
+        }
+        | ({"sdpa_masked_gqa": True} if masked_gqa(model) else {})
+        | weights_settings(model)
+    )  # only then: names kept
+
+
+def weights_settings(model: torch.nn.Module) -> dict[str, str]:
+    """{'weights': 'int4'} for quantized weights (their curve is their own), else {} (existing names kept)."""
+    kind = weights_kind(model)
+    return {"weights": kind} if kind else {}
 
 
 def masked_gqa(model: torch.nn.Module) -> bool:

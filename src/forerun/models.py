@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTrainedModel, PreTrainedTokenizerBase
 
+from forerun.base.weights import check_quantize, quantize_weights
 from forerun.fetch import DEFAULT_MODELS_DIR, FETCHABLE
 
 
@@ -105,16 +106,19 @@ def load_model(
     attn_implementation: str = "sdpa",
     dtype: torch.dtype | str = "auto",
     device: str = "cpu",
+    quantize: str | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load (model, tokenizer) offline; GGUF weights are dequantized to `dtype` (a torch dtype, "fp32", "bf16",
-    "fp16", or "auto": bf16 on a CUDA device, fp32 elsewhere).
+    "fp16", or "auto": bf16 on a CUDA device or with `quantize`, fp32 elsewhere). `quantize="int4"`: every linear
+    layer's weights kept in 4 bits, groups of 32, on the CPU (`forerun.base.weights`).
 
     Raises FileNotFoundError with the install command when an embedded model's package is missing, ValueError
     for a dtype forerun does not run in.
     """
-    if dtype == "auto":  # a GPU's own precision; a CPU's exact one
-        dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    if dtype == "auto":  # a GPU's own precision; a CPU's exact one (int4 weights compute in bf16)
+        dtype = torch.bfloat16 if torch.device(device).type == "cuda" or quantize else torch.float32
     dtype = as_dtype(dtype)
+    check_quantize(quantize, device, dtype)
     location, gguf_file = resolve(name)
     extra = {"gguf_file": gguf_file} if gguf_file else {}
     # Dense weights, asked for outright: with the `kernels` package installed transformers would keep GGUF blocks
@@ -136,6 +140,8 @@ def load_model(
             f"({type(error).__name__}: {error}); fetch or copy it again"
         ) from error
     model.to(device).eval()
+    if quantize is not None:
+        quantize_weights(model, quantize)
     return model, tokenizer
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from forerun.base.weights import check_quantize
 from forerun.config import EngineConfig
 from forerun.methods import DEFAULT_METHOD, MethodPlan, plan_method
 from forerun.models import DEFAULT_MODEL, DTYPES
@@ -66,10 +67,14 @@ class RunSpec:
     max_tree_nodes: int | None = None
     threads: int = 0
     """torch threads (0 = torch's default), pinned before the model loads."""
+    quantize: str | None = None
+    """'int4': every linear layer's weights in 4 bits (CPU, bf16 activations; `forerun.base.weights`)."""
 
     def __post_init__(self) -> None:
         if self.dtype == "auto":
-            object.__setattr__(self, "dtype", "bf16" if parse_device(self.device).type == "cuda" else "fp32")
+            bf16 = parse_device(self.device).type == "cuda" or self.quantize is not None
+            object.__setattr__(self, "dtype", "bf16" if bf16 else "fp32")
+        check_quantize(self.quantize, self.device, DTYPES.get(self.dtype, torch.float32))
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         parse_device(self.device)
@@ -108,7 +113,7 @@ class RunSpec:
         from forerun.models import load_model
 
         self.pin_threads()
-        model, tokenizer = load_model(self.model, dtype=self.torch_dtype, device=self.device)
+        model, tokenizer = load_model(self.model, dtype=self.torch_dtype, device=self.device, quantize=self.quantize)
         draft = load_draft(self.draft_model, model, tokenizer) if self.draft_model else None
         return model, tokenizer, draft
 

@@ -1,0 +1,53 @@
+"""Weights kept in 4 bits on the CPU: every linear layer's matrix quantized in groups of 32 (torchao).
+
+A CPU forward of a small model is bound by reading its weights: bf16 reads 16 bits per weight, int4 four (and a
+scale and zero per group of 32). torchao's CPU int4 layout (`PrototypeInt4WeightOnlyConfig`, tinygemm's
+`_weight_int4pack_mm_for_cpu` behind a tensor subclass) keeps activations in bf16. forerun on a quantized model is
+compared with plain generate of the same quantized model: first differences sit on numerical ties, as for bf16
+(`forerun.exactness`).
+
+Example:
+    >>> model, tokenizer = load_model("smollm2-135m", quantize="int4")      # doctest: +SKIP
+    >>> weights_kind(model)                                                                             # doctest: +SKIP
+    'int4'
+"""
+
+from __future__ import annotations
+
+import torch
+
+QUANTIZATIONS = ("int4",)
+"""What `load_model(..., quantize=)` takes (None: the weights as loaded)."""
+GROUP_SIZE = 32
+"""Weights per scale and zero point: the group of a GGUF Q4 block."""
+
+
+def check_quantize(quantize: str | None, device: str, dtype: torch.dtype) -> None:
+    """A ValueError naming the value unless `quantize` can run on `device` in `dtype`."""
+    if quantize is None:
+        return
+    if quantize not in QUANTIZATIONS:
+        raise ValueError(f"quantize must be one of {', '.join(QUANTIZATIONS)} or None, got {quantize!r}")
+    if torch.device(device).type != "cpu":
+        raise ValueError(f"quantize={quantize!r} uses torchao's CPU layout; the model is on {device}")
+    if dtype != torch.bfloat16:
+        raise ValueError(f"quantize={quantize!r} computes in bf16 (give dtype='bf16' or 'auto'), got {dtype}")
+
+
+def quantize_weights(model: torch.nn.Module, quantize: str) -> torch.nn.Module:
+    """Quantize `model`'s linear layers in place (those whose input width is a multiple of GROUP_SIZE)."""
+    from torchao.prototype.quantization.int4.inference_workflow import PrototypeInt4WeightOnlyConfig
+    from torchao.quantization import quantize_
+
+    quantize_(model, PrototypeInt4WeightOnlyConfig(group_size=GROUP_SIZE, set_inductor_config=False))
+    return model
+
+
+def weights_kind(model: torch.nn.Module) -> str | None:
+    """'int4' where the model's linear layers hold quantized weights, else None (part of a latency curve's key)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            weight = module.weight
+            plain = type(weight) in (torch.Tensor, torch.nn.Parameter)
+            return None if plain else "int4"
+    return None

@@ -1,0 +1,77 @@
+"""4-bit weights (torchao's CPU int4 layout, bf16 activations): forerun on a quantized model against plain generate
+of the same quantized model. Every first difference must sit on a numerical tie, as for bf16."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from test_low_precision import BF16_CPU_CURVE, CURVE, plain_batch_flips, reference
+
+import forerun
+from forerun.base.weights import check_quantize, quantize_weights, weights_kind
+from forerun.exactness import first_divergence
+from forerun.latency import curve_settings
+
+from tiny_models import prompts, tiny_model
+
+
+@functools.lru_cache(maxsize=4)
+def int4_model(family: str) -> torch.nn.Module:
+    return quantize_weights(tiny_model(family, "sdpa").to(torch.bfloat16), "int4")
+
+
+@pytest.mark.parametrize("method", ["prompt_lookup", "auto"])
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_int4_first_differences_are_ties(family, method):
+    model = int4_model(family)
+    assert weights_kind(model) == "int4"
+    decoder = forerun.Decoder(model, None, method, latency=CURVE)
+    drafted = 0
+    for prompt in prompts(3):
+        expected, logits = reference(model, prompt)
+        result = decoder.generate(prompt, 40, eos_token_id=[])
+        divergence = first_divergence(expected, result.new_tokens, logits, model.dtype)
+        assert divergence is None or divergence.is_tie, (family, method, divergence)
+        drafted += result.stats.accepted
+    assert drafted > 0  # trees were verified on the 4-bit weights
+
+
+def test_int4_weights_are_their_own_curve_and_bad_settings_are_refused():
+    dense = tiny_model("llama", "sdpa").to(torch.bfloat16)
+    assert weights_kind(dense) is None and "weights" not in curve_settings(dense)
+    assert curve_settings(int4_model("llama"))["weights"] == "int4"
+    with pytest.raises(ValueError, match="quantize must be one of int4"):
+        check_quantize("int3", "cpu", torch.bfloat16)
+    with pytest.raises(ValueError, match="computes in bf16"):
+        check_quantize("int4", "cpu", torch.float32)
+    with pytest.raises(ValueError, match="CPU layout"):
+        check_quantize("int4", "cuda", torch.bfloat16)
+    with pytest.raises(ValueError, match="quantize must be one of"):
+        forerun.load_model("smollm2-135m", quantize="int2")
+
+
+@pytest.mark.real_model
+def test_real_model_with_int4_weights_differs_only_at_ties():
+    from test_real_model import PROMPTS
+
+    model, tokenizer = forerun.load_model("smollm2-135m", quantize="int4")
+    assert model.dtype == torch.bfloat16 and weights_kind(model) == "int4"
+    identical = 0
+    for method in ("prompt_lookup", "auto"):
+        decoder = forerun.Decoder(model, tokenizer, method, latency=BF16_CPU_CURVE)
+        for text in PROMPTS:
+            ids = tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+            )["input_ids"]
+            expected, logits = reference(model, ids, 64, stop_at_eos=True)
+            got = decoder.generate(ids, 64).new_tokens
+            divergence = first_divergence(expected, got, logits, model.dtype)
+            assert divergence is None or divergence.is_tie or plain_batch_flips(model, tokenizer, ids, divergence), (
+                method,
+                text,
+                divergence,
+            )
+            identical += divergence is None and len(got) == len(expected)
+    assert identical >= 1
