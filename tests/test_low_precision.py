@@ -138,9 +138,15 @@ def test_real_model_loads_dense_in_bf16_without_a_false_gguf_warning(caplog):
 
 @pytest.mark.real_model
 def test_real_model_in_bf16_differs_only_at_ties():
+    model, tokenizer = forerun.load_model("smollm2-135m", dtype=torch.bfloat16)
+    assert real_model_ties(model, tokenizer, 96) >= 1  # most runs are identical; all diverged would hide a bug
+
+
+def real_model_ties(model, tokenizer, new_tokens: int) -> int:
+    """Asserts, for `prompt_lookup` and `auto` on the real model's test prompts, that every first difference from
+    plain generate is a tie; returns how many runs were identical."""
     from test_real_model import PROMPTS
 
-    model, tokenizer = forerun.load_model("smollm2-135m", dtype=torch.bfloat16)
     identical = 0
     for method in ("prompt_lookup", "auto"):
         # The curve is pinned (a CPU's bf16 curve, measured on an AVX-512 EPYC), not measured by the test: which
@@ -150,8 +156,8 @@ def test_real_model_in_bf16_differs_only_at_ties():
             ids = tokenizer.apply_chat_template(
                 [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt", return_dict=True
             )["input_ids"]
-            expected, logits = reference(model, ids, 96, stop_at_eos=True)
-            got = decoder.generate(ids, 96).new_tokens
+            expected, logits = reference(model, ids, new_tokens, stop_at_eos=True)
+            got = decoder.generate(ids, new_tokens).new_tokens
             divergence = first_divergence(expected, got, logits, model.dtype)
             # The contract's second half: beyond TIE_ULPS a first difference must still be one that plain
             # generate makes itself in a batch of two (its own noise floor; measured here: "List the planets..."
@@ -162,7 +168,7 @@ def test_real_model_in_bf16_differs_only_at_ties():
                 divergence,
             )
             identical += divergence is None and len(got) == len(expected)
-    assert identical >= 1  # most runs are identical; a test where every run diverged would hide a bug
+    return identical
 
 
 def plain_batch_flips(model, tokenizer, ids: torch.Tensor, divergence) -> bool:

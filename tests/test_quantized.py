@@ -7,7 +7,7 @@ import functools
 
 import pytest
 import torch
-from test_low_precision import BF16_CPU_CURVE, CURVE, plain_batch_flips, reference
+from test_low_precision import CURVE, real_model_ties, reference
 
 import forerun
 from forerun.base.weights import check_quantize, quantize_weights, weights_kind
@@ -54,24 +54,6 @@ def test_int4_weights_are_their_own_curve_and_bad_settings_are_refused():
 
 @pytest.mark.real_model
 def test_real_model_with_int4_weights_differs_only_at_ties():
-    from test_real_model import PROMPTS
-
     model, tokenizer = forerun.load_model("smollm2-135m", quantize="int4")
     assert model.dtype == torch.bfloat16 and weights_kind(model) == "int4"
-    identical = 0
-    for method in ("prompt_lookup", "auto"):
-        decoder = forerun.Decoder(model, tokenizer, method, latency=BF16_CPU_CURVE)
-        for text in PROMPTS:
-            ids = tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt", return_dict=True
-            )["input_ids"]
-            expected, logits = reference(model, ids, 64, stop_at_eos=True)
-            got = decoder.generate(ids, 64).new_tokens
-            divergence = first_divergence(expected, got, logits, model.dtype)
-            assert divergence is None or divergence.is_tie or plain_batch_flips(model, tokenizer, ids, divergence), (
-                method,
-                text,
-                divergence,
-            )
-            identical += divergence is None and len(got) == len(expected)
-    assert identical >= 1
+    assert real_model_ties(model, tokenizer, 64) >= 1

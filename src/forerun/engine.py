@@ -23,16 +23,13 @@ from forerun.logprobs import TokenLogprob, token_logprobs
 from forerun.noise import GumbelNoise
 from forerun.prefixcache import Prefixes
 from forerun.stats import GenerationStats
-from forerun.tree import TokenTree
+from forerun.tree import TREE_ATTENTION, TokenTree, tree_support  # noqa: F401 - re-exported
 from forerun.verify import Verdict, verify_greedy, verify_sampled
 
 logger = logging.getLogger(__name__)
 
 Budget = StaticBudget | CostModel
 """Decides, each step, which of the proposed nodes are fed (see forerun.costmodel)."""
-
-TREE_ATTENTION = ("eager", "sdpa")
-"""Attention implementations that take an arbitrary 4-D mask (flash-attention only knows causal/padding)."""
 
 PREFILL_TREE_MAX_LEAD = 256
 """Longest lead (prompt tokens fed at the prefill) that a first tree rides with. A tree needs a 4-D mask, and with
@@ -83,17 +80,6 @@ class Transcript:
                 note_sources(self.sources[len(self.sources) - len(taken) :])
             self.streamer.put(self.sequence.new_tensor(taken))
         return taken
-
-
-def tree_support(model: torch.nn.Module) -> str | None:
-    """None if `model` can verify trees, else the reason it cannot (the caller falls back to plain)."""
-    impl = getattr(model.config, "_attn_implementation", None) or "eager"
-    if impl not in TREE_ATTENTION:
-        return (
-            f"{type(model).__name__} uses attn_implementation={impl!r}, which cannot take a tree attention mask; "
-            f"load it with one of {TREE_ATTENTION}"
-        )
-    return None
 
 
 @dataclass

@@ -38,13 +38,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer, StaticLayer
+from transformers.cache_utils import Cache, StaticLayer
 
 from forerun.base.dynamic import TreeLogits
 from forerun.costmodel import LatencyCurve
+from forerun.kvcache import UnsupportedCacheError, check_tree_cache
 from forerun.measured import synchronize
 from forerun.prefixcache import Prefixes
-from forerun.tree import TokenTree, attention_mask_4d
+from forerun.tree import TokenTree, attention_mask_4d, tree_support
 
 logger = logging.getLogger(__name__)
 
@@ -52,27 +53,20 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 """Node counts a forward is padded to: each has its own captured graph and its own point on the latency curve."""
 LENGTH_STEP = 512
 """The cache's slot count is rounded up to a multiple of this: requests of similar lengths reuse its graphs."""
-TREE_ATTENTION = ("eager", "sdpa")
 
 
 def static_support(model: torch.nn.Module, max_len: int | None = None) -> str | None:
     """None if `model` can verify trees on slots for texts of `max_len` tokens (None: of some length), else why
-    not (recurrent state, a mask-less attention kernel, a sliding window shorter than the text).
-
-    A sliding-window layer holds every token while the text is shorter than its window, and the tree's mask is
-    the one every layer gets: there it is a full-attention layer, as in the growing cache (`kvcache`)."""
-    impl = getattr(model.config, "_attn_implementation", None) or "eager"
-    if impl not in TREE_ATTENTION:
-        return f"{type(model).__name__} uses attn_implementation={impl!r}, which cannot take a tree attention mask"
-    for index, layer in enumerate(DynamicCache(config=model.config).layers):
-        if isinstance(layer, DynamicSlidingWindowLayer):
-            if max_len is not None and max_len >= layer.sliding_window - 1:
-                return (
-                    f"{type(model).__name__}: layer {index} has a sliding window of {layer.sliding_window} tokens, "
-                    f"shorter than the text and its tree ({max_len})"
-                )
-        elif type(layer) is not DynamicLayer:
-            return f"{type(model).__name__}: cache layer {index} is {type(layer).__name__} (not attention over tokens)"
+    not: the growing cache's own conditions (`kvcache.check_tree_cache`). A sliding-window layer holds every token
+    while the text is shorter than its window, and the tree's mask is the one every layer gets: there it is a
+    full-attention layer."""
+    reason = tree_support(model)
+    if reason is not None:
+        return reason
+    try:
+        check_tree_cache(DynamicCache(config=model.config), max_len or 0, type(model).__name__)
+    except UnsupportedCacheError as error:
+        return str(error)
     return None
 
 
@@ -228,8 +222,8 @@ class StaticBase:
         visible = torch.zeros((*bools.shape[:3], self.length), dtype=torch.bool)
         visible[..., : bools.shape[-1]] = bools
         self.slots.current = torch.arange(start, start + ids.shape[1], device=self.device)
-        logits = self.call(ids, positions, visible.to(self.device))[-n:]
-        return TreeLogits(logits.clone(), logits.argmax(-1).tolist())
+        logits = self.call(ids, positions, visible.to(self.device))[-n:]  # its own tensor: no graph rewrites it
+        return TreeLogits(logits, logits.argmax(-1).tolist())
 
     def bucket_forward(self, size: int, inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The forward of one bucket from its input buffer (module docstring): logits [B, vocab], argmax [B].
@@ -344,7 +338,5 @@ def fill_host(host: np.ndarray, tree: TokenTree, prefix_len: int, size: int) -> 
     host[1 + size : 1 + size + n] = tree.depths
     host[1 + size + n : 1 + 2 * size] = 0
     ancestry = np.eye(size, dtype=np.int64)
-    for i in range(1, n):  # a row is its parent's row plus the diagonal
-        parent = tree.parents[i]
-        ancestry[i, : parent + 1] |= ancestry[parent, : parent + 1]
+    ancestry[:n, :n] = tree.ancestors().numpy()
     host[1 + 2 * size :] = ancestry.reshape(-1)

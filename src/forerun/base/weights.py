@@ -14,6 +14,8 @@ Example:
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 
 QUANTIZATIONS = ("int4",)
@@ -32,6 +34,8 @@ def check_quantize(quantize: str | None, device: str, dtype: torch.dtype) -> Non
         raise ValueError(f"quantize={quantize!r} uses torchao's CPU layout; the model is on {device}")
     if dtype != torch.bfloat16:
         raise ValueError(f"quantize={quantize!r} computes in bf16 (give dtype='bf16' or 'auto'), got {dtype}")
+    if importlib.util.find_spec("torchao") is None:
+        raise ValueError(f"quantize={quantize!r} needs torchao: pip install 'forerun[int4]' (torchao==0.18.0)")
 
 
 def quantize_weights(model: torch.nn.Module, quantize: str) -> torch.nn.Module:

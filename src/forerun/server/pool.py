@@ -281,8 +281,7 @@ class BatchWorker:
             for row in finished:
                 admission = self.members.pop(id(row))
                 if row.error is not None:  # its own drafters, budget or verification failed: only it ends
-                    logger.error("forerun: a request failed in its batch: %r", row.error)
-                    self.settle(admission, error=row.error)
+                    self.settle(admission, error=row.error)  # logged where it is answered (server.app.failed)
                     continue
                 decoder, job = admission.decoder, admission.job
                 result = decoder.result(job.transcript, job.input_ids.shape[1], row.stats, admission.request)
