@@ -14,8 +14,9 @@ from transformers import MaxLengthCriteria, StoppingCriteriaList
 import forerun
 from forerun.batch import Batch, RowCache, RowJob, decode_batch
 from forerun.costmodel import CostModel, LatencyCurve, StaticBudget, best_shared_count
-from forerun.engine import Sampling, Transcript
 from forerun.noise import GumbelNoise
+from forerun.transcript import Transcript
+from forerun.verify import Sampling
 
 from helpers import OracleDrafter, RandomDrafter
 from tiny_models import FAMILIES, VOCAB, prompts, tiny_model
@@ -199,14 +200,15 @@ def test_a_batch_measures_again_when_its_cache_changes_length_manyfold():
     model = model_of("llama", "sdpa")
     batch = Batch(model, forerun.Decoder(model, None, "auto", latency=CURVE).budget)
     batch.cache.visible = torch.ones(2, 2000, dtype=torch.bool)
-    batch.rebase()  # a long row joined: from 1 slot to 2000
-    batch.switch.paused, batch.measured[True] = 64, 5.0
+    batch.policy.rebase(batch.cache.slots)  # a long row joined: from 1 slot to 2000
+    batch.policy.switch.paused, batch.policy.measured[True] = 64, 5.0
     batch.cache.visible = torch.ones(2, 1100, dtype=torch.bool)
-    batch.rebase()
-    assert batch.switch.paused == 64 and batch.measured[True] == 5.0
+    batch.policy.rebase(batch.cache.slots)
+    assert batch.policy.switch.paused == 64 and batch.policy.measured[True] == 5.0
     batch.cache.visible = torch.ones(2, 900, dtype=torch.bool)  # the long row left: under half
-    batch.rebase()
-    assert batch.switch.drafting() and batch.measured == {False: 1.0, True: 1.0} and batch.measured_at == 900
+    batch.policy.rebase(batch.cache.slots)
+    policy = batch.policy
+    assert policy.switch.drafting() and policy.measured == {False: 1.0, True: 1.0} and policy.measured_at == 900
 
 
 def test_rows_join_a_running_batch_and_leave_on_their_own():
@@ -422,11 +424,11 @@ def test_closed_batch_weights_follow_each_rows_steps_left():
     for batch in (closed, open_batch):
         for job in jobs_for(model, ragged_prompts()[:2], [forerun.batch.fork(decoder.drafters) for _ in range(2)]):
             batch.add(job)
-    assert open_batch.weights() is None
+    assert open_batch.policy.weights([row.steps_left() for row in open_batch.rows]) is None
     ahead = closed.rows[0]
     ahead.job.transcript.sources.extend(["model"] * 8)  # as if row 0 had made 8 more tokens in one more step
     ahead.stats.forwards += 1
-    weights = closed.weights()
+    weights = closed.policy.weights([row.steps_left() for row in closed.rows])
     assert weights[1] == 1.0 and 0.0 < weights[0] < 0.5, weights
 
 

@@ -12,7 +12,7 @@ import forerun
 from forerun import head as head_module
 from forerun.batch import Batch, RowJob
 from forerun.costmodel import LatencyCurve
-from forerun.engine import Transcript
+from forerun.transcript import Transcript
 
 from helpers import OracleDrafter, RandomDrafter
 from tiny_models import FAMILIES, VOCAB, prompts, tiny_model

@@ -10,6 +10,7 @@ import torch
 import forerun
 from forerun.batch import Batch, fork
 from forerun.costmodel import LatencyCurve
+from forerun.request import GenerationRequest
 from forerun.tree import TokenTree
 
 from tiny_models import prompts, tiny_model
@@ -65,7 +66,7 @@ def test_a_failing_row_ends_alone_and_its_neighbours_stay_exact(where):
     batch = Batch(model, decoder.budget)
     jobs = []
     for index, prompt in enumerate([*honest, prompts(1, seed=9)[0]]):
-        job, _ = decoder.prepare(prompt, NEW_TOKENS, eos_token_id=[])
+        job = decoder.prepare(GenerationRequest(prompt, NEW_TOKENS, eos_token_id=())).job
         if index == 3:  # the hostile row
             job.drafters = [Faulty(where)]
         else:
@@ -88,7 +89,7 @@ def test_without_isolation_the_whole_batch_would_fail():
     decoder = forerun.Decoder(model, None, "prompt_lookup", latency=CURVE)
     batch = Batch(model, decoder.budget)
     for prompt in prompts(2):
-        job, _ = decoder.prepare(prompt, NEW_TOKENS, eos_token_id=[])
+        job = decoder.prepare(GenerationRequest(prompt, NEW_TOKENS, eos_token_id=())).job
         batch.add(job)
     hostile = [TokenTree.rooted_at(batch.rows[0].ctx.tokens[-1] + 1)]
     honest = [TokenTree.rooted_at(batch.rows[1].ctx.tokens[-1])]

@@ -17,11 +17,13 @@ from transformers import MaxLengthCriteria, StoppingCriteriaList
 
 import forerun
 from forerun.costmodel import LatencyCurve
-from forerun.engine import Sampling, Transcript, decode
+from forerun.engine import decode
 from forerun.exactness import TIE_ULPS, first_divergence, ulp
 from forerun.noise import GumbelNoise
+from forerun.row import RowJob
+from forerun.transcript import Transcript
 from forerun.tree import TokenTree
-from forerun.verify import Verdict
+from forerun.verify import Sampling, Verdict
 
 from tiny_models import VOCAB, prompts, tiny_model
 
@@ -106,7 +108,7 @@ def test_negative_control_a_verifier_that_takes_the_second_choice_fails_the_chec
     # Sampling with no processor: the scores are the logits, so rankings are the target's own.
     sampling = Sampling(GumbelNoise(0), lenient_verifier)
     with torch.inference_mode():
-        decode(model, prompt, [EveryToken()], transcript, frozenset(), 8, budget, True, None, sampling)
+        decode(model, RowJob(prompt, transcript, [EveryToken()], frozenset(), 8, None, sampling), budget)
     got = transcript.sequence[0, prompt.shape[1] :].tolist()
     divergence = first_divergence(expected, got, logits, model.dtype)
     assert divergence is not None and divergence.ulps > TIE_ULPS, divergence

@@ -12,6 +12,7 @@ from transformers.cache_utils import DynamicSlidingWindowLayer
 import forerun
 from forerun.costmodel import LatencyCurve
 from forerun.prefixcache import MIN_REUSE, PrefixCache
+from forerun.request import GenerationRequest
 
 from tiny_models import VOCAB, tiny_model
 
@@ -195,7 +196,9 @@ def test_salted_requests_share_entries_only_with_the_same_salt():
     assert cached("tenant-a") == prompt.shape[1] - 1  # its own: the whole prompt but the root
     assert cached("tenant-b", batch=True) == prompt.shape[1] - 1  # batch rows keep to their salt too
     assert cached("tenant-c", batch=True) == 0
-    job, _ = decoder.prepare(prompt[0].tolist(), NEW, eos_token_id=[], cache_salt="tenant-d")  # the server's rows
+    job = decoder.prepare(
+        GenerationRequest(prompt[0].tolist(), NEW, eos_token_id=(), cache_salt="tenant-d")
+    ).job  # the server's rows
     assert job.prefixes.salt == "tenant-d"
     with pytest.raises(ValueError, match="cache_salt must be a string"):
         decoder.generate(prompt, NEW, cache_salt=7)

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 import forerun
@@ -22,8 +23,8 @@ from forerun.runner import (
     pending_records,
     read_records,
     run_records,
-    settings_groups,
 )
+from forerun.stopping import first_stop
 
 PROMPTS = [
     {"id": "pal", "prompt": "Write a Python function that checks whether a string is a palindrome."},
@@ -56,14 +57,15 @@ def expected_tokens(smollm2) -> dict[str, list[int]]:
     return out
 
 
-def test_records_parse_with_line_numbers_and_group_by_settings(tmp_path):
+def test_records_parse_with_line_numbers_and_each_has_its_own_request(tmp_path):
     path = write_prompts(tmp_path / "in.jsonl", PROMPTS, ("{not json", '{"id": "pal", "prompt": "again"}'))
     records, problems = read_records(path, {"max_new_tokens": NEW_TOKENS, "chat": True})
     assert [r.ident for r in records] == ["pal", "2", "hash", "add", "sea"]
     assert problems == ["line 2: invalid JSON (Expecting property name enclosed in double quotes)",
                         "line 4: id 'pal' appears again (ignored)"]  # fmt: skip
-    groups = settings_groups(records)  # one rolling batch per set of settings, in order of first appearance
-    assert [[r.ident for r in g] for g in groups] == [["pal", "2", "add", "sea"], ["hash"]]
+    requests = [record.request() for record in records]  # each record its own request: one rolling batch for all
+    assert [r.max_new_tokens for r in requests] == [NEW_TOKENS, NEW_TOKENS, 6, NEW_TOKENS, NEW_TOKENS]
+    assert all(r.chat for r in requests)
     for bad, message in [
         ('{"prompt": "x"}', "'id'"),
         ('{"id": 1, "prompt": "x", "messages": []}', "exactly one"),
@@ -105,14 +107,17 @@ def test_hostile_lines_are_reported_by_number_and_a_byte_order_mark_is_read(tmp_
 
 
 def test_text_ends_before_the_stop_string_and_tokens_keep_all(tmp_path):
-    class Result:
-        text, new_tokens, prompt_len = "one. two. three", [1, 2, 3], 4
-        stats = forerun.GenerationStats()
+    def result(stops):
+        text = "one. two. three"
+        sequences = torch.tensor([[9, 9, 9, 9, 1, 2, 3]])
+        return forerun.GenerationResult(
+            sequences, 4, text, forerun.GenerationStats(), [], stop_at=first_stop(text, stops)
+        )
 
     record = Record("a", 0, "x", {})
-    assert output_row(record, Result(), [". t", "three"])["text"] == "one"
-    assert output_row(record, Result(), "zz")["text"] == "one. two. three"
-    assert output_row(record, Result())["tokens"] == [1, 2, 3]
+    assert output_row(record, result([". t", "three"]))["text"] == "one"
+    assert output_row(record, result(["zz"]))["text"] == "one. two. three"
+    assert output_row(record, result([]))["tokens"] == [1, 2, 3]
 
 
 def test_a_torn_last_line_is_dropped_and_merge_keeps_input_order(tmp_path):
@@ -233,7 +238,7 @@ def test_a_refused_prompt_costs_only_its_own_record_and_bad_bytes_only_their_lin
 
 
 @pytest.mark.real_model
-def test_sampled_records_draw_from_their_own_seeds_and_a_bad_seed_refuses_only_its_group(smollm2, tmp_path):
+def test_sampled_records_draw_from_their_own_seeds_and_a_bad_seed_refuses_only_its_record(smollm2, tmp_path):
     """A sampled record's seed is the run's seed + its position in the file (not its place among the records
     left to do); a record whose seed the decoder refuses (negative) gets an error row, the others are decoded."""
     model, tokenizer = smollm2
@@ -244,7 +249,7 @@ def test_sampled_records_draw_from_their_own_seeds_and_a_bad_seed_refuses_only_i
 
     class Spy(forerun.Decoder):
         def generate_each(self, prompts, max_new_tokens=256, **options):
-            seeds.append(options["seed"])
+            seeds.append([request.seed for request in prompts])
             return super().generate_each(prompts, max_new_tokens, **options)
 
     out = tmp_path / "out.jsonl"

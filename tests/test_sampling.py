@@ -22,10 +22,12 @@ from transformers import AutoConfig, AutoModelForCausalLM, MaxLengthCriteria, St
 
 import forerun
 from forerun.costmodel import LatencyCurve
-from forerun.engine import Sampling, Transcript, decode
+from forerun.engine import decode
 from forerun.noise import GumbelNoise
+from forerun.row import RowJob
+from forerun.transcript import Transcript
 from forerun.tree import TokenTree
-from forerun.verify import Verdict, verify_greedy, verify_sampled
+from forerun.verify import Sampling, Verdict, verify_greedy, verify_sampled
 
 SAMPLES = 10_000
 NEW = 4
@@ -160,18 +162,8 @@ def forerun_counts(method: str, setting: str, verifier=None) -> tuple[Counter, f
         for _ in range(SAMPLES):
             sampling = Sampling(GumbelNoise.drawn(generator), *([verifier] if verifier else []))
             transcript = Transcript(PROMPT.clone(), StoppingCriteriaList([MaxLengthCriteria(PROMPT.shape[1] + NEW)]))
-            stats = decode(
-                model,
-                PROMPT,
-                decoder.drafters,
-                transcript,
-                frozenset(),
-                NEW,
-                decoder.budget,
-                decoder.engine_config.draft_in_prefill,
-                processors,
-                sampling,
-            )
+            job = RowJob(PROMPT, transcript, decoder.drafters, frozenset(), NEW, processors, sampling)
+            stats = decode(model, job, decoder.budget, decoder.engine_config.draft_in_prefill)
             counts[tuple(transcript.sequence[0, PROMPT.shape[1] :].tolist())] += 1
             accepted, steps = accepted + stats.accepted, steps + stats.forwards
     return counts, accepted / max(1, steps)

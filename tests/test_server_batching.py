@@ -15,6 +15,7 @@ from test_server import MODEL, LiveServer, plain_text
 
 import forerun
 from forerun.costmodel import LatencyCurve
+from forerun.request import GenerationRequest
 from forerun.server import ServerConfig, create_app
 from forerun.server.pool import Abandoned, BatchWorker
 
@@ -199,7 +200,9 @@ def test_a_long_prompt_joins_a_chunk_at_a_time_between_the_running_rows_steps(ch
     def prepare(prompt, name: str):
         def build():
             events.append("begin " + name)
-            return (*decoder.prepare(prompt[0].tolist(), 16, eos_token_id=[], streamer=Recorder(name)), decoder)
+            return decoder.prepare(
+                GenerationRequest(prompt[0].tolist(), 16, eos_token_id=(), streamer=Recorder(name))
+            ), decoder
 
         return build
 
@@ -255,7 +258,9 @@ def test_a_joining_prompt_whose_client_went_away_is_dropped_between_chunks():
         def build():
             if mark is not None:
                 mark.set()
-            return (*decoder.prepare(prompt[0].tolist(), 16, eos_token_id=[], streamer=streamer), decoder)
+            return decoder.prepare(
+                GenerationRequest(prompt[0].tolist(), 16, eos_token_id=(), streamer=streamer)
+            ), decoder
 
         return build
 

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from test_server import MODEL, LiveServer, plain_text
 
-from forerun.batch import Batch
+from forerun.row import RowRun
 from forerun.server import ServerConfig, create_app
 
 pytestmark = pytest.mark.real_model
@@ -62,14 +62,14 @@ def streamed(url: str, body: dict) -> tuple[int, str, list[dict], bool]:
 def test_a_request_failing_mid_batch_ends_alone(server, smollm2, monkeypatch):
     model, tokenizer = smollm2
     marker = tokenizer.encode("Zqxjvk wobble", add_special_tokens=False)
-    original = Batch.commit
+    original = RowRun.commit
 
-    def commit(self, row, *args, **kwargs):  # a failure only the hostile rows meet, inside the shared step
+    def commit(row, *args, **kwargs):  # a failure only the hostile rows meet, inside the shared step
         if contains(row.ctx.tokens, marker) and row.stats.forwards >= 1:
             raise OverflowError("cannot convert float infinity to integer")
-        return original(self, row, *args, **kwargs)
+        return original(row, *args, **kwargs)
 
-    monkeypatch.setattr(Batch, "commit", commit)
+    monkeypatch.setattr(RowRun, "commit", commit)
     url = server.url + "/v1/chat/completions"
     hostile = {"messages": [{"role": "user", "content": HOSTILE}], "max_tokens": TOKENS}
     results: dict[str, object] = {}

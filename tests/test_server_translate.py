@@ -46,7 +46,6 @@ def completion(**fields):
         (chat, {"modalities": ["text", "audio"]}, "modalities", "only the text modality"),
         (chat, {"top_logprobs": 3}, "top_logprobs", "needs logprobs: true"),
         (chat, {"logprobs": True, "top_logprobs": 21}, "top_logprobs", "between 0 and 20"),
-        (chat, {"logprobs": True, "stream": True}, "top_logprobs", "not supported"),
         (completion, {"logprobs": 6}, "logprobs", "between 0 and 5"),
         (completion, {"echo": True}, "echo", "echo is not supported"),
         (completion, {"suffix": "x"}, "suffix", "suffix"),

@@ -11,6 +11,7 @@ from forerun.decoder import Decoder, GenerationResult, generate
 from forerun.hf import hf_generate
 from forerun.methods import METHODS, REGISTRY
 from forerun.models import load_model
+from forerun.request import GenerationRequest
 from forerun.stats import GenerationStats
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "Decoder",
     "DraftModelConfig",
     "EngineConfig",
+    "GenerationRequest",
     "GenerationResult",
     "GenerationStats",
     "JacobiConfig",

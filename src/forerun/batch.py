@@ -32,41 +32,24 @@ from __future__ import annotations
 
 import copy
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache, LogitsProcessorList
+from transformers import DynamicCache
 
 from forerun.base.dynamic import forward_tree
 from forerun.checks import is_count
-from forerun.costmodel import Calibration, CostModel, LatencyCurve, Selection, best_shared_count
-from forerun.drafters.base import DraftContext, Drafter, StepOutcome
-from forerun.engine import (
-    Budget,
-    NodeScores,
-    Sampling,
-    Transcript,
-    decode,
-    tree_in_prefill,
-    tree_support,
-    verify,
-)
+from forerun.costmodel import BatchPolicy, Budget, Selection
+from forerun.drafters.base import Drafter
+from forerun.engine import decode, tree_in_prefill, tree_support
 from forerun.head import LogitsHead
 from forerun.kvcache import keep_accepted, plain_layers, roomy_cache
-from forerun.prefixcache import Prefixes
+from forerun.row import RowJob, RowRun
 from forerun.stats import GenerationStats
 from forerun.tree import TokenTree, as_attention_mask, merge
 
-BATCH_PRIOR = 4.0
-"""Pseudo-tokens (expected = accepted) behind the batch's correction of the chances."""
-BATCH_DECAY = 0.9
-"""Per step: the batch's correction remembers about its last ten steps."""
-CLOSED_FOCUS = 4.0
-"""How sharply a closed batch weighs the rows with the most steps left (a row 10% ahead counts 0.66)."""
-REBASE_FACTOR = 2.0
-"""A batch re-measures whether drafting pays once its cache is this many times longer or shorter (`Batch.rebase`)."""
 COMPACT_SHARE = 0.5
 """Squeeze the holes out of the cache once they are more than this share of its slots (attention reads them all)."""
 
@@ -78,156 +61,11 @@ def fork(drafters: Sequence[Drafter]) -> list[Drafter]:
     return [copy.copy(drafter) for drafter in drafters]
 
 
-PROPOSAL_COST = 2.0
-"""A row in a batch proposes at most as many nodes as the batch could feed per row for this many times the cost of
-a step of one token per row: per-row drafting work (proposing, ranking, merging; ~1 ms per row per step with a
-flat curve's wide proposals) is paid whether fed or not, and bigger trees are never fed in a batch (bf16, 8 rows:
-4 tokens per row already cost 1.7x one)."""
-
-
-PAUSE_STEPS = 32
-"""Steps a batch decodes without proposing once drafting has measured slower than not drafting; each probe that
-finds drafting still slower doubles the next pause, up to `MAX_PAUSE_STEPS` (a probe costs what drafting loses)."""
-MAX_PAUSE_STEPS = 256
-DRAFT_MARGIN = 1.03
-"""Drafting is kept only while it measures at least this many times plain decoding's rate. At parity it wins
-nothing and costs what step timings do not see: each request's drafter start and end (the trie reading the prompt
-and learning the answer; ~3.5% of the wall time at 8 bf16 rows on the AVX-512 Xeon, where drafted and plain steps
-measured within 1% of each other per token)."""
-PROBE_STEPS = 6
-"""Steps of drafting after a pause before the comparison is made again (fresh evidence, not the old average)."""
-
-
-@dataclass
-class DraftSwitch:
-    """Whether a batch's rows propose at all this step, from measured wall-clock rates of both modes.
-
-    The cost model weighs forwards; proposing, ranking and learning cost time too (at 8 rows in bf16 on this CPU,
-    ~16% of the wall time), spent before the model may still feed nothing. Each step's rate is measured as
-    tokens per row per predicted undrafted step (`curve.batch_cost(rows, 1)`, so batches of different sizes
-    compare), recency-weighted per mode. While drafting measures slower than plain decoding, or faster by less
-    than `DRAFT_MARGIN`, the batch decodes `PAUSE_STEPS` steps without proposals (twice as many after each probe
-    that confirms it), then drafts `PROBE_STEPS` steps before comparing again. Outputs do not depend on it: what is
-    fed never changes what is written.
-
-    Example: drafting makes 1.2 tokens per row per step-equivalent, plain decoding 1.3 (d: drafting steps, p: plain):
-        >>> import itertools
-        >>> def modes(drafted_rate, plain_rate, steps=200):
-        ...     switch, modes = DraftSwitch(), ""
-        ...     for _ in range(steps):
-        ...         drafting = switch.drafting()
-        ...         switch.record(drafting, drafted_rate if drafting else plain_rate)
-        ...         modes += "d" if drafting else "p"
-        ...     return [f"{len(list(run))}{mode}" for mode, run in itertools.groupby(modes)]
-        >>> modes(1.2, 1.3)  # plain measured once, then pauses
-        ['6d', '6p', '6d', '32p', '6d', '64p', '6d', '74p']
-        >>> modes(1.31, 1.3)  # a 1% lead is parity: paused alike
-        ['6d', '6p', '6d', '32p', '6d', '64p', '6d', '74p']
-        >>> modes(1.4, 1.3)  # 8% ahead: drafting stays on after the one plain measurement
-        ['6d', '6p', '188d']
-    """
-
-    rates: dict[bool, float] = field(default_factory=lambda: {True: 1.0, False: 1.0})
-    """Recency-weighted tokens per row per predicted undrafted step, for drafting steps and plain ones."""
-    seen: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})
-    paused: int = 0
-    """Plain steps left in the current pause."""
-    probing: int = PROBE_STEPS
-    """Drafting steps left before the next comparison."""
-    pause: int = PAUSE_STEPS
-    """The next pause's length."""
-
-    def drafting(self) -> bool:
-        return self.paused == 0
-
-    def record(self, drafted: bool, rate: float) -> None:
-        """One step's measured rate; decides the next steps' mode."""
-        weight = 1 - BATCH_DECAY if self.seen[drafted] else 1.0  # the first measurement replaces the prior
-        self.rates[drafted] = (1 - weight) * self.rates[drafted] + weight * rate
-        self.seen[drafted] += 1
-        if not drafted:
-            self.paused = max(0, self.paused - 1)
-            if self.paused == 0:
-                self.probing = PROBE_STEPS
-            return
-        self.probing = max(0, self.probing - 1)
-        if self.probing == 0:
-            if not self.seen[False]:
-                self.paused = PROBE_STEPS  # plain decoding not measured yet: measure it briefly
-            elif self.rates[True] < DRAFT_MARGIN * self.rates[False]:
-                self.paused, self.pause = self.pause, min(2 * self.pause, MAX_PAUSE_STEPS)
-            else:
-                self.pause = PAUSE_STEPS
-
-
-def proposal_budget(budget: Budget, rows: int) -> int:
-    """Most nodes, root included, a row's drafters may propose in a batch of `rows` rows (`PROPOSAL_COST`).
-
-    Example (2 rows: 1 token each 12 ms, 2: 18 ms, 4: 24 ms, 8: 40 ms):
-        >>> from forerun.costmodel import LatencyCurve
-        >>> two = LatencyCurve((1, 2, 4, 8), (0.012, 0.018, 0.024, 0.040))
-        >>> budget = CostModel(LatencyCurve((1, 8), (0.010, 0.012), ((2, two),)), 16)
-        >>> proposal_budget(budget, 1), proposal_budget(budget, 2)
-        (16, 4)
-    """
-    if rows <= 1 or not isinstance(budget, CostModel):
-        return budget.max_nodes
-    curve, most = budget.curve, budget.max_nodes
-    bound = PROPOSAL_COST * curve.batch_cost(rows, 1)
-    return max((n for n in range(1, most + 1) if curve.batch_cost(rows, n) <= bound), default=1)
-
-
-def row_budget(budget: Budget) -> Budget:
-    """A row's own budget: the same curve, long-run calibration and check of fed guesses, its own per-request
-    correction (no forward timings: a batch times its forwards itself, `Batch.measured`)."""
-    if isinstance(budget, CostModel):
-        shared = budget.calibration
-        calibration = Calibration(hits=shared.hits, trials=shared.trials)
-        return CostModel(budget.curve, budget.max_nodes, calibration, budget.fed_check, times=None)
-    return budget
-
-
-@dataclass
-class RowJob:
-    """What one row needs: its prompt and how it ends."""
-
-    input_ids: torch.Tensor
-    """[1, prompt_len], on the model's device."""
-    transcript: Transcript
-    """Holds the row's stopping criteria (max length, EOS, stop strings, cancel) and its streamer."""
-    drafters: list[Drafter]
-    eos: frozenset[int]
-    max_new_tokens: int
-    processor: LogitsProcessorList | None = None
-    sampling: Sampling | None = None
-    prefixes: Prefixes | None = None
-    """Where the prompt's head may already be cached, and where the row leaves what it read."""
-
-
-@dataclass
-class Row:
-    """A row of a running batch."""
-
-    job: RowJob
-    ctx: DraftContext
-    budget: Budget
-    prefix_len: int
-    """Committed tokens in the cache before the root: the root's position."""
-    stats: GenerationStats = field(default_factory=GenerationStats)
-    started: float = field(default_factory=time.perf_counter)
-    error: Exception | None = None
-    """What ended this row early: its drafters, budget or verification failed (the other rows go on)."""
-
-    @property
-    def done(self) -> bool:
-        return self.job.transcript.done or self.error is not None
-
-
 @dataclass
 class Joining:
     """A row whose prompt is being prefilled (`Batch.begin`, then `Batch.feed` until it returns the row)."""
 
-    row: Row
+    row: RowRun
     cache: DynamicCache
     """The row's own cache: what has been fed so far (its prefix-cache head included)."""
     fed: int
@@ -428,30 +266,27 @@ class Batch:
     """
 
     def __init__(self, model: torch.nn.Module, budget: Budget, closed: bool = False) -> None:
-        self.model, self.budget, self.closed = model, budget, closed
-        """closed: no row will join any more (`decode_rows` once nothing waits): the batch ends with its slowest row,
-        so drafts are weighed by how much each row has left to do (`weights`); open batches (the server) weigh
-        every row's progress alike."""
-        self.rows: list[Row] = []
+        self.model, self.budget = model, budget
+        self.rows: list[RowRun] = []
         self.cache = RowCache(model.config)
         self.attention = model.config._attn_implementation or "eager"
         self.head = LogitsHead(model)
         """The batch's forwards (its first prefill decides how the logits of a few positions are computed)."""
-        self.measured = {False: 1.0, True: 1.0}
-        """Measured / predicted forward time (`LatencyCurve.batch_cost`), recency-weighted, for
-        root-only steps (False) and steps with drafts (True): batched shapes may not cost what the curve says, and
-        only their ratio matters to the decision (`best_shared_count`'s draft_penalty)."""
-        self.switch = DraftSwitch()
-        """Whether rows propose at all (measured wall-clock rates of drafting and plain steps)."""
-        self.measured_at = 1
-        """Cache slots when the switch and the forward-time corrections began measuring (`rebase`)."""
-        self.expected, self.accepted = 0.0, 0.0
-        """Recency-weighted sums over the batch's steps of the cost model's expected and the actually accepted
-        drafts: their ratio corrects the chances the next batch decision is made on (the rows' calibrations are
-        each young, and a batch multiplies any optimism by its rows)."""
+        self.policy = BatchPolicy(closed)
+        """How the rows draft together (`forerun.costmodel.batch`)."""
+
+    @property
+    def closed(self) -> bool:
+        """No row will join any more (`decode_rows` once nothing waits): drafts are weighed by each row's steps
+        left (`BatchPolicy.weights`)."""
+        return self.policy.closed
+
+    @closed.setter
+    def closed(self, value: bool) -> None:
+        self.policy.closed = value
 
     @torch.inference_mode()
-    def add(self, job: RowJob, budget: Budget | None = None, draft: bool | None = None) -> Row:
+    def add(self, job: RowJob, budget: Budget | None = None, draft: bool | None = None) -> RowRun:
         """Prefill the row's prompt alone in one forward, its first token verified in it (the prompt rides as the
         lead, so the first token costs no forward of its own), then splice it in: `begin`, then `feed` once.
 
@@ -469,30 +304,14 @@ class Batch:
     def begin(self, job: RowJob, budget: Budget | None = None) -> Joining:
         """Start a row's prefill: its drafters see the prompt, its cache is seeded from the prefix cache; nothing
         is fed yet (`feed` does, in one forward or in chunks)."""
-        started = time.perf_counter()
-        prompt_len = job.input_ids.shape[1]
-        budget = row_budget(budget or self.budget)
-        ctx = DraftContext(
-            job.transcript.sequence[0].tolist(),
-            prompt_len,
-            budget.max_nodes,
-            job.eos,
-            processor=job.processor,
-            noise=job.sampling.noise if job.sampling is not None else None,
-            selective=budget.selective,
-            salt=job.prefixes.salt if job.prefixes is not None else "",
-        )
-        for drafter in job.drafters:
-            drafter.start(ctx)
-        budget.new_request()
-        row = Row(job, ctx, budget, prompt_len - 1, started=started)
+        row = RowRun.begin(job, (budget or self.budget).for_row())
         own = DynamicCache(config=self.model.config)
         if job.prefixes is not None:
-            row.stats.cached_prompt_tokens = job.prefixes.seed(own, ctx.tokens)
-        return Joining(row, own, row.stats.cached_prompt_tokens, begun_s=time.perf_counter() - started)
+            row.stats.cached_prompt_tokens = job.prefixes.seed(own, row.ctx.tokens)
+        return Joining(row, own, row.stats.cached_prompt_tokens, begun_s=time.perf_counter() - row.started)
 
     @torch.inference_mode()
-    def feed(self, joining: Joining, chunk: int | None = None, draft: bool | None = None) -> Row | None:
+    def feed(self, joining: Joining, chunk: int | None = None, draft: bool | None = None) -> RowRun | None:
         """Feed the next part of a joining row's prompt: at most `chunk` tokens in a causal forward of the row's
         own cache while more than that remain (returns None), else the rest with the first token (and its tree,
         when `draft`) and splice the row in (returns it). `chunk=None`: the rest at once.
@@ -515,14 +334,12 @@ class Batch:
             return None
         t0 = time.perf_counter()
         drafting = tree_in_prefill(not self.rows if draft is None else draft, len(lead))
-        root = ctx.tokens[-1]
         # A prefill that verifies no tree needs no proposals (a row joining others: proposing there was wasted work)
-        proposals = [drafter.propose(ctx) if drafting else TokenTree.rooted_at(root) for drafter in job.drafters]
-        selection = budget.choose(root, proposals, len(lead), drafting)
+        selection = budget.choose(row.root, row.propose(drafting), len(lead), drafting)
         tree = selection.tree
         t1 = time.perf_counter()
         logits = forward_tree(self.head, own, tree, prompt_len - 1, lead, self.attention)
-        path = self.commit(row, selection, logits, joining.begun_s + t1 - t0, time.perf_counter() - t1)
+        path = row.commit(selection, logits, joining.begun_s + t1 - t0, time.perf_counter() - t1)
         keep_accepted(own, prompt_len - 1, path)
         if job.prefixes is not None:
             job.prefixes.store(ctx.tokens, own, prompt_len - 1 + len(path))
@@ -537,50 +354,13 @@ class Batch:
             drafter.finish(joining.row.ctx)
 
     def choose(self, proposals: list[list[TokenTree]]) -> list[Selection]:
-        """Each row's tree for this step (see the module docstring for the shared budget)."""
+        """Each row's tree for this step (`forerun.costmodel.BatchPolicy.choose`)."""
         rows = self.rows
-        if len(rows) == 1:
-            return [rows[0].budget.choose(rows[0].ctx.tokens[-1], proposals[0])]
-        budgets = [row.budget for row in rows]
-        if all(isinstance(budget, CostModel) for budget in budgets):
-            rankings = [row.budget.rank(row.ctx.tokens[-1], p) for row, p in zip(rows, proposals, strict=True)]
-            correction = min(1.0, (self.accepted + BATCH_PRIOR) / (self.expected + BATCH_PRIOR))
-            chances = [[c * correction for c in r.chances] for r in rankings]
-            cap = min(budget.max_nodes for budget in budgets)
-            # What is fed never changes what is written (greedy or sampled: `forerun.noise`), so timings may steer.
-            penalty = max(1.0, self.measured[True] / self.measured[False])
-            count = best_shared_count(chances, budgets[0].curve, cap, penalty, self.weights())
-            return [ranking.select(count) for ranking in rankings]
-        # Static budgets (draft_model alone): each row's share of its own node budget.
-        return [
-            Selection(*merge(row.ctx.tokens[-1], p, max(1, row.budget.max_nodes // len(rows))))
-            for row, p in zip(rows, proposals, strict=True)
-        ]
-
-    def shared_curve(self) -> LatencyCurve | None:
-        """The latency curve the draft switch prices steps on: only for batches of two rows or more whose rows
-        all use a cost model (a row alone drafts as a single run does; static budgets always propose)."""
-        if len(self.rows) < 2 or not all(isinstance(row.budget, CostModel) for row in self.rows):
-            return None
-        return self.rows[0].budget.curve
-
-    def weights(self) -> list[float] | None:
-        """What each row's progress is worth to a closed batch: (steps it has left / the most any row has left)
-        to the power CLOSED_FOCUS, a row's steps left being its tokens left over its tokens per step so far. A
-        closed batch lasts as long as its slowest row, and a forward of fewer rows costs nearly as much, so tokens
-        won by rows that will finish first anyway buy little wall time."""
-        if not self.closed:
-            return None
-        steps_left = []
-        for row in self.rows:
-            made = len(row.job.transcript.sources)
-            per_step = max(1.0, made / max(1, row.stats.forwards))
-            steps_left.append(max(0, row.job.max_new_tokens - made) / per_step)
-        most = max(steps_left, default=0.0)
-        return [(n / most) ** CLOSED_FOCUS if most else 1.0 for n in steps_left]
+        roots, budgets = [row.root for row in rows], [row.budget for row in rows]
+        return self.policy.choose(roots, proposals, budgets, [row.steps_left() for row in rows])
 
     @torch.inference_mode()
-    def step(self) -> list[Row]:
+    def step(self) -> list[RowRun]:
         """One forward for every row: propose, pack, forward, verify, commit; returns the rows that finished
         (rows that finished when they joined leave first, without a forward)."""
         finished_early = [row for row in self.rows if row.done]
@@ -588,27 +368,18 @@ class Batch:
             self.remove(finished_early)
             if not self.rows:
                 return finished_early
-        rows = self.rows
-        # 1. propose: every row's drafters; the budget keeps what pays for the batch
+        rows, budgets = self.rows, [row.budget for row in self.rows]
+        # 1. propose: every row's drafters; the policy keeps what pays for the batch
         t0 = time.perf_counter()
         self.cache.settle()
-        self.rebase()
-        curve = self.shared_curve()
-        drafting = curve is None or self.switch.drafting()
+        self.policy.rebase(self.cache.slots)
+        drafting = self.policy.drafting(budgets)
         if drafting:
-            caps: dict[tuple[int, int], int] = {}  # rows of one Decoder share a curve and a cap: price it once
-            for row in rows:
-                shape = (id(getattr(row.budget, "curve", None)), row.budget.max_nodes)
-                if shape not in caps:
-                    caps[shape] = proposal_budget(row.budget, len(rows))
-                row.ctx.budget = caps[shape]
-            proposals = [self.propose(row) for row in rows]
-            selections = self.choose_apart(proposals)
+            for row, cap in zip(rows, self.policy.proposal_caps(budgets), strict=True):
+                row.ctx.budget = cap
+            selections = self.choose_apart([self.propose(row) for row in rows])
         else:  # paused: no proposals, one token per row
-            selections = [
-                Selection(*merge(row.ctx.tokens[-1], [TokenTree.rooted_at(row.ctx.tokens[-1])] * len(row.job.drafters)))
-                for row in rows
-            ]
+            selections = [Selection(*merge(row.root, row.propose(False))) for row in rows]
         t1 = time.perf_counter()
         # 2. pack and 3. forward: one call for every row, trees padded to one size
         nodes = max(len(selection.tree) for selection in selections)
@@ -627,11 +398,8 @@ class Batch:
             for b, (row, selection) in enumerate(zip(rows, selections, strict=True))
         ]
         self.cache.keep(kept, nodes)
-        self.learn(selections, kept, nodes, forward_s)
-        if curve is not None:  # tokens per row per predicted plain step, everything of this step counted
-            seconds = time.perf_counter() - t0
-            tokens = sum(len(path) for path in kept) / len(rows)
-            self.switch.record(drafting, tokens * curve.batch_cost(len(rows), 1) / max(seconds, 1e-9))
+        self.policy.learn(budgets, selections, kept, nodes, forward_s)
+        self.policy.record(budgets, drafting, kept, time.perf_counter() - t0)
         finished = [row for row in rows if row.done]
         if finished:
             self.remove(finished)  # their places wait for joining rows; the next step drops the rest and compacts
@@ -639,17 +407,17 @@ class Batch:
             self.cache.compact()
         return finished_early + finished
 
-    def propose(self, row: Row) -> list[TokenTree]:
-        """The row's drafters' trees; a drafter that fails ends its own row (`Row.error`), which then feeds its
+    def propose(self, row: RowRun) -> list[TokenTree]:
+        """The row's drafters' trees; a drafter that fails ends its own row (`RowRun.error`), which then feeds its
         root alone this step and leaves after it."""
         try:
-            return [drafter.propose(row.ctx) for drafter in row.job.drafters]
+            return row.propose()
         except Exception as error:  # noqa: BLE001 - one request's failure must not end its neighbours
             return self.fail(row, error)
 
-    def fail(self, row: Row, error: Exception) -> list[TokenTree]:
+    def fail(self, row: RowRun, error: Exception) -> list[TokenTree]:
         row.error = error
-        return [TokenTree.rooted_at(row.ctx.tokens[-1]) for _ in row.job.drafters]
+        return row.propose(False)
 
     def choose_apart(self, proposals: list[list[TokenTree]]) -> list[Selection]:
         """`choose`, and where it fails, the rows whose own budget fails on their own proposals end (each is
@@ -660,7 +428,7 @@ class Batch:
             blamed = False
             for b, row in enumerate(self.rows):
                 try:
-                    row.budget.choose(row.ctx.tokens[-1], proposals[b])
+                    row.budget.choose(row.root, proposals[b])
                 except Exception as own:  # noqa: BLE001
                     proposals[b], blamed = self.fail(row, own), True
             if not blamed:
@@ -668,79 +436,27 @@ class Batch:
             return self.choose(proposals)
 
     def commit_apart(
-        self, row: Row, selection: Selection, logits: torch.Tensor, propose_s: float, forward_s: float
+        self, row: RowRun, selection: Selection, logits: torch.Tensor, propose_s: float, forward_s: float
     ) -> list[int]:
-        """`commit`, where a failure ends only this row (its root stays in the cache until it leaves)."""
+        """`RowRun.commit`, where a failure ends only this row (its root stays in the cache until it leaves)."""
         if row.error is not None:
             return [0]
         try:
-            return self.commit(row, selection, logits, propose_s, forward_s)
+            return row.commit(selection, logits, propose_s, forward_s)
         except Exception as error:  # noqa: BLE001
             row.error = error
             return [0]
 
-    def commit(
-        self, row: Row, selection: Selection, logits: torch.Tensor, propose_s: float, forward_s: float
-    ) -> list[int]:
-        """Verify one row's tree on its `logits` [nodes, vocab], append its tokens, let its drafters and budget
-        learn; returns the kept path (root first) for the cache."""
-        tree, transcript = selection.tree, row.job.transcript
-        verdict = verify(tree, NodeScores(logits, row.job.processor, transcript.sequence, tree), row.job.sampling)
-        path = [0, *verdict.accepted_nodes]
-        row.prefix_len += len(path)
-        sources = [tree.sources[i] for i in verdict.accepted_nodes] + ["model"]
-        tokens = [tree.tokens[i] for i in verdict.accepted_nodes] + [verdict.bonus_token]
-        new_tokens = transcript.extend(tokens, sources, logits[path] if transcript.logprobs_top is not None else None)
-        row.ctx.tokens.extend(new_tokens)
-        started = time.perf_counter()
-        for drafter, node_map in zip(row.job.drafters, selection.node_maps, strict=True):
-            drafter.observe(row.ctx, StepOutcome(tree, verdict, logits, new_tokens, node_map))
-        row.budget.learn(selection, new_tokens)
-        drafting = time.perf_counter() - started + propose_s
-        row.stats.record_step(
-            tree, verdict.accepted_len, Counter(sources[:-1]), drafting, forward_s, selection.expected_accepted
-        )
-        return path
-
-    def rebase(self) -> None:
-        """Forget the measured rates and forward-time corrections when the cache has grown or shrunk more than
-        REBASE_FACTOR-fold since they were measured: a tree costs a batch more beside a long row (every row reads the
-        padded cache, and with a mask transformers copies it per head group), so what was measured while a long
-        prompt's row decoded must not pause drafting once it has left (measured: drafting paused for 150 steps after
-        a 2150-token row left 3 short ones, 40.0 s against 32.7 s for the same work)."""
-        slots = max(1, self.cache.slots)
-        if not self.measured_at / REBASE_FACTOR <= slots <= self.measured_at * REBASE_FACTOR:
-            self.switch, self.measured, self.measured_at = DraftSwitch(), {False: 1.0, True: 1.0}, slots
-
-    def learn(self, selections: Sequence[Selection], kept: Sequence[Sequence[int]], nodes: int, forward_s: float):
-        """Update the batch's corrections: measured vs predicted forward time, accepted vs expected drafts."""
-        rows = len(selections)
-        if rows < 2:
-            return
-        curve = getattr(self.rows[0].budget, "curve", None)
-        if curve is not None:
-            drafted = nodes > 1
-            ratio = forward_s / curve.batch_cost(rows, nodes)
-            self.measured[drafted] = BATCH_DECAY * self.measured[drafted] + (1 - BATCH_DECAY) * ratio
-        expected = sum(selection.expected_accepted or 0.0 for selection in selections)
-        if expected > 0:  # only drafted steps are evidence: root-only ones must not fade a lesson back to optimism
-            self.expected = BATCH_DECAY * self.expected + expected
-            self.accepted = BATCH_DECAY * self.accepted + sum(len(path) - 1 for path in kept)
-
-    def remove(self, leaving: Sequence[Row]) -> None:
-        """Take rows out (finished or cancelled): their drafters finish, their stats are closed, slots freed."""
+    def remove(self, leaving: Sequence[RowRun]) -> None:
+        """Take rows out (finished or cancelled): what each read is left in the prefix cache, each row finishes
+        (`RowRun.finish`), their slots are freed."""
         gone = {id(row) for row in leaving}
         places = self.cache.places()
         for place, row in zip(places, self.rows, strict=True):
             if id(row) in gone and row.job.prefixes is not None:  # what it read (prompt, answer) for its next turn
                 row.job.prefixes.store(row.ctx.tokens, self.cache.row(place), row.prefix_len)
         for row in leaving:
-            for drafter in row.job.drafters:
-                drafter.finish(row.ctx)
-            row.stats.new_tokens = len(row.job.transcript.sources)
-            row.stats.total_seconds = time.perf_counter() - row.started
-            if row.job.transcript.streamer is not None:
-                row.job.transcript.streamer.end()
+            row.finish()
         vacated = [place for place, row in zip(places, self.rows, strict=True) if id(row) in gone]
         self.rows = [row for row in self.rows if id(row) not in gone]
         if self.rows:  # their places are kept for rows that join before the next step (`RowCache.refill`)
@@ -809,23 +525,7 @@ def decode_rows(
     alone = len(jobs) == 1 or width == 1
     if not batchable(model) or (alone and base is not None):  # one row at a time: the single-row engine's base
         for index, job in enumerate(jobs):
-            yield (
-                index,
-                decode(
-                    model,
-                    job.input_ids,
-                    job.drafters,
-                    job.transcript,
-                    job.eos,
-                    job.max_new_tokens,
-                    budget,
-                    True,
-                    job.processor,
-                    job.sampling,
-                    job.prefixes,
-                    base,
-                ),
-            )
+            yield index, decode(model, job, budget, True, base)
         return
     width = len(jobs) if width is None else width
     waiting = deque(enumerate(jobs))

@@ -270,6 +270,8 @@ def bench(
             seed,
             draft,
             curve,
+            gguf_of(model),
+            threads,
         )
     for line in mismatch_lines(included):
         errors.print(f"[yellow]note[/]: included run: {escape(line)}", highlight=False)
@@ -307,7 +309,7 @@ def bench_batched(
     import json
 
     from forerun.bench.batched import markdown_table, run_batched
-    from forerun.bench.runner import HF_METHODS
+    from forerun.bench.runner import OTHER_METHODS
     from forerun.decoder import Decoder
 
     try:
@@ -318,7 +320,7 @@ def bench_batched(
         raise ValueError(f"--batch-size values must be >= 1, got {sizes_text!r}")
     if rounds < 1:
         raise ValueError(f"--rounds must be >= 1, got {rounds}")
-    skipped = [s.label for s in specs if s.method in HF_METHODS or s.needs_draft()]
+    skipped = [s.label for s in specs if s.method in OTHER_METHODS or s.needs_draft()]
     if skipped:
         raise ValueError(f"--batch-size runs forerun methods without a draft model; drop {', '.join(skipped)}")
 
@@ -772,3 +774,13 @@ def main() -> None:  # pragma: no cover - console entry point
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(app())
+
+
+def gguf_of(model: str):
+    """The model's GGUF file, where it was loaded from one (for llama.cpp in `forerun bench`), else None."""
+    from pathlib import Path
+
+    from forerun.models import resolve
+
+    location, gguf_file = resolve(model)
+    return Path(location) / gguf_file if gguf_file else None

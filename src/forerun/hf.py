@@ -11,11 +11,16 @@ Example:
 from __future__ import annotations
 
 import torch
-from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+from transformers import GenerationConfig, LogitsProcessorList, MaxLengthCriteria, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from forerun.decoder import Decoder, custom_generate
+from forerun.batch import decode_batch, fork
+from forerun.decoder import Decoder, eos_ids_of
 from forerun.methods import DEFAULT_METHOD
+from forerun.noise import GumbelNoise
+from forerun.row import RowJob
+from forerun.transcript import Transcript
+from forerun.verify import Sampling
 
 
 def hf_generate(
@@ -59,3 +64,106 @@ def hf_generate(
         forerun_generator=forerun_generator,
         **model_kwargs,
     )
+
+
+def custom_generate(
+    model: torch.nn.Module,
+    input_ids: torch.LongTensor,
+    logits_processor: LogitsProcessorList,
+    stopping_criteria: StoppingCriteriaList,
+    generation_config,
+    synced_gpus: bool = False,
+    streamer: object | None = None,
+    forerun_decoder: Decoder | None = None,
+    forerun_streamer: object | None = None,
+    forerun_generator: torch.Generator | None = None,
+    **model_kwargs: object,
+):
+    """forerun as transformers' `custom_generate`: decode with the processors and criteria transformers built.
+
+    Streaming: transformers 5.23 forwards only the callable's own new keyword arguments, so `streamer=` never
+    reaches a custom_generate callable (it only receives the prompt). Pass `forerun_streamer=` instead: it gets the
+    prompt, then the new tokens as they are committed, then `end()`. Each sequence's noise seed (`forerun.noise`)
+    is drawn from `forerun_generator`, else torch's global generator (so `torch.manual_seed` makes runs repeat, as
+    with plain generate).
+    """
+    if forerun_streamer is not None:
+        streamer = forerun_streamer
+        streamer.put(input_ids.cpu())
+    if generation_config.num_beams not in (None, 1):
+        raise ValueError(f"forerun does not do beam search (num_beams={generation_config.num_beams})")
+    decoder = forerun_decoder
+
+    def sampling() -> Sampling | None:
+        """A sampled sequence's own noise (each row of a batch gets its own seed, drawn in row order)."""
+        return Sampling(GumbelNoise.drawn(forerun_generator)) if generation_config.do_sample else None
+
+    mask = model_kwargs.get("attention_mask")
+    if input_ids.shape[0] != 1 or (isinstance(mask, torch.Tensor) and not bool(mask.all())):
+        if streamer is not None:
+            raise ValueError("forerun streams one sequence; a batch cannot take a streamer")
+        return batch_custom_generate(
+            model, input_ids, mask, logits_processor, stopping_criteria, generation_config, decoder, sampling
+        )
+    transcript, stats = decoder.decode(
+        input_ids,
+        stopping_criteria,
+        eos_ids_of(model, generation_config.eos_token_id),
+        generation_config.max_length - input_ids.shape[1],
+        streamer,
+        logits_processor,
+        sampling(),
+    )
+    if generation_config.return_dict_in_generate:
+        output = GenerateDecoderOnlyOutput(sequences=transcript.sequence)
+        output.forerun_stats = stats
+        output.forerun_sources = transcript.sources
+        output.forerun_transcript = transcript
+        return output
+    return transcript.sequence
+
+
+def batch_custom_generate(
+    model, input_ids, mask, logits_processor, stopping_criteria, generation_config, decoder: Decoder, sampling
+):
+    """A left-padded batch through `custom_generate`: each row decoded without its padding (`forerun.batch`), the
+    output laid out as plain batched generate lays it out: [rows, padded prompt + longest answer], rows that
+    finished earlier filled with the pad token.
+
+    Per row, the stopping criteria are transformers' own except the length, which counts from the row's own
+    prompt; the logits processors see the row's own tokens (its padding is not text).
+    """
+    rows, padded_len = input_ids.shape
+    if mask is None:
+        mask = torch.ones_like(input_ids)
+    max_new_tokens = generation_config.max_length - padded_len
+    eos = eos_ids_of(model, generation_config.eos_token_id)
+    kept = StoppingCriteriaList(c for c in stopping_criteria if not isinstance(c, MaxLengthCriteria))
+    jobs, pads = [], []
+    for row in range(rows):
+        real = mask[row].bool()
+        pad = int((~real).sum())
+        if bool((~real[pad:]).any()) or not bool(real[pad:].all()):
+            raise ValueError(f"row {row} of the batch is not left-padded (pad with padding_side='left')")
+        if pad == padded_len:
+            raise ValueError(f"row {row} of the batch is all padding")
+        ids = input_ids[row : row + 1, pad:]
+        criteria = StoppingCriteriaList([MaxLengthCriteria(max_length=ids.shape[1] + max_new_tokens), *kept])
+        transcript = Transcript(ids, criteria)
+        jobs.append(RowJob(ids, transcript, fork(decoder.drafters), eos, max_new_tokens, logits_processor, sampling()))
+        pads.append(pad)
+    stats = decode_batch(model, jobs, decoder.batch_budget() if len(jobs) > 1 else decoder.budget)
+    longest = max(job.transcript.sequence.shape[1] + pad for job, pad in zip(jobs, pads, strict=True))
+    pad_id = generation_config.pad_token_id
+    if pad_id is None:
+        pad_id = min(eos) if eos else 0
+    sequences = input_ids.new_full((rows, longest), int(pad_id))
+    for row, (job, pad) in enumerate(zip(jobs, pads, strict=True)):
+        sequences[row, :pad] = input_ids[row, :pad]
+        sequences[row, pad : pad + job.transcript.sequence.shape[1]] = job.transcript.sequence[0]
+    if generation_config.return_dict_in_generate:
+        output = GenerateDecoderOnlyOutput(sequences=sequences)
+        output.forerun_stats = stats
+        output.forerun_sources = [job.transcript.sources for job in jobs]
+        return output
+    return sequences

@@ -5,8 +5,9 @@ override the command's (`max_new_tokens`, `chat`, `stop`, `do_sample`, `temperat
 `repetition_penalty`, `seed`). Output rows: `{"id", "text", "tokens", "prompt_tokens", "stats"}`, one per record;
 `text` ends before the first stop string, as the server's answers do.
 
-Batching: records with the same settings decode together, at most `--batch-size` rows at once; a finished row's
-place goes to the next record at once (continuous batching), so no row waits for the slowest of its batch.
+Batching: every record is its own `GenerationRequest`, so records with different settings (greedy beside sampled,
+short beside long) decode together, at most `--batch-size` rows at once; a finished row's place goes to the next
+record at once (continuous batching), so no row waits for the slowest of its batch.
 
 Crash safety: every finished record is appended and flushed at once, so a crash loses only the records in flight;
 a rerun reads what is there (a torn last line is dropped) and skips those ids. A record the decoder refuses (a
@@ -32,12 +33,12 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from forerun.checks import check_number, offset_seed
-from forerun.stopping import first_stop
+from forerun.request import GenerationRequest
 
 SETTINGS = ("max_new_tokens", "chat", "stop", "do_sample", "temperature", "top_p", "top_k", "min_p",
             "repetition_penalty", "seed")  # fmt: skip
@@ -55,9 +56,24 @@ class Record:
     prompt: str | list[dict]
     settings: dict
 
-    def settings_key(self) -> str:
-        """Rows with equal keys can share a batch (one set of generation settings per batch)."""
-        return json.dumps(self.settings, sort_keys=True)
+    def request(self, prompt: object = None) -> GenerationRequest:
+        """The record's `GenerationRequest` (`prompt`: its encoded ids, if already encoded). A sampled record draws
+        from seed + its position among the input's records, whichever records are left to do; sampling settings
+        without do_sample are ignored (as transformers ignores them)."""
+        settings = dict(self.settings)
+        max_new_tokens, chat = settings.pop("max_new_tokens"), settings.pop("chat", False)
+        stop, seed = settings.pop("stop", None), settings.pop("seed", None)
+        generation = {k: v for k, v in settings.items() if v is not None}
+        do_sample = bool(generation.pop("do_sample", False))
+        return GenerationRequest(
+            self.prompt if prompt is None else prompt,
+            max_new_tokens,
+            chat=chat,
+            stop=stop or (),
+            do_sample=do_sample,
+            seed=None if seed is None else offset_seed(seed, self.position),
+            generation=generation if do_sample else {},
+        )
 
 
 def parse_record(line: str, number: int, defaults: dict, position: int = 0) -> Record:
@@ -213,69 +229,36 @@ def merge_results(out: Path, records: list[Record]) -> int:
     return len(ordered)
 
 
-def settings_groups(records: Iterable[Record]) -> list[list[Record]]:
-    """Pending records grouped by their settings (one set of generation settings per batch), each group in input
-    order, the groups in the order of their first record."""
-    groups: dict[str, list[Record]] = {}
-    for record in records:
-        groups.setdefault(record.settings_key(), []).append(record)
-    return list(groups.values())
+def decode_records(decoder, records: list[Record], batch_size: int) -> Iterator[dict]:
+    """Output rows for the records, each yielded as soon as its record is done (finishing order): at most
+    `batch_size` rows decode at once, a finished row's place going to the next record (`Decoder.generate_each`),
+    each row with its own settings.
 
-
-def decode_group(decoder, group: list[Record], batch_size: int) -> Iterator[dict]:
-    """Output rows for one settings group, each yielded as soon as its record is done (finishing order): at most
-    `batch_size` rows decode at once, a finished row's place going to the next record (`Decoder.generate_each`).
-
-    A sampled record draws from seed + its position among the input's records, whichever records are left to do
-    (its samples still depend on the drafts fed: what the trie has learned, its batchmates). A record the decoder
-    refuses (a prompt longer than the model's context, ids outside the vocabulary) gets `{"id", "error"}` without
-    costing the others anything; settings the decoder refuses refuse the whole group.
+    A record the decoder refuses (a prompt longer than the model's context, ids outside the vocabulary, a bad
+    setting) gets `{"id", "error"}` without costing the others anything.
     """
-    settings = dict(group[0].settings)
-    max_new_tokens = settings.pop("max_new_tokens")
-    chat = settings.pop("chat", False)
-    stop = settings.pop("stop", None)
-    seed = settings.pop("seed", None)
-    sampling = {k: v for k, v in settings.items() if v is not None}
-    if not sampling.get("do_sample", False):
-        sampling = {}
-    admitted, prompt_ids = [], []
-    for record in group:
+    admitted, requests = [], []
+    for record in records:
         try:
-            prompt_ids.append(decoder.check_prompt(record.prompt, max_new_tokens, chat))  # encoded once, here
+            request = record.request()
+            ids = decoder.check_prompt(record.prompt, request.max_new_tokens, request.chat)  # encoded once, here
+            requests.append(record.request(ids))
             admitted.append(record)
         except ValueError as error:
             yield {"id": record.ident, "error": str(error)}
     if not admitted:
         return
-    try:
-        finished = decoder.generate_each(
-            prompt_ids,
-            max_new_tokens,
-            batch_size=batch_size,
-            chat=chat,
-            stop=stop,
-            seed=None if seed is None else [offset_seed(seed, record.position) for record in admitted],
-            **sampling,
-        )
-    except ValueError as error:
-        for record in admitted:
-            yield {"id": record.ident, "error": str(error)}
-        return
-    for index, result in finished:
-        yield output_row(admitted[index], result, stop)
+    for index, result in decoder.generate_each(requests, batch_size=batch_size):
+        yield output_row(admitted[index], result)
 
 
-def output_row(record: Record, result, stop: str | Sequence[str] | None = None) -> dict:
+def output_row(record: Record, result) -> dict:
     """{"id", "text", "tokens", "prompt_tokens", "stats"} of one decoded record. `text` ends where the first stop
     string begins (as the server's answers do); `tokens` are every token generated, the one that completed the stop
     string included."""
-    text = result.text
-    stops = [stop] if isinstance(stop, str) else list(stop or [])
-    cut = first_stop(text, stops) if text is not None and stops else None
     return {
         "id": record.ident,
-        "text": text if cut is None else text[:cut],
+        "text": result.shown_text if result.text is not None else None,
         "tokens": result.new_tokens,
         "prompt_tokens": result.prompt_len,
         "stats": {
@@ -328,12 +311,11 @@ def run_records(
     finished_rows(target, repair=True)
     decoded = 0
     with open(target, "a", encoding="utf-8") as handle:
-        for group in settings_groups(shard.take(pending)):
-            for row in decode_group(decoder, group, batch_size):
-                handle.write(json.dumps(row, ensure_ascii=False) + "\n")
-                handle.flush()
-                os.fsync(handle.fileno())
-                decoded += 1
-                if on_row is not None:
-                    on_row(row)
+        for row in decode_records(decoder, shard.take(pending), batch_size):
+            handle.write(json.dumps(row, ensure_ascii=False) + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+            decoded += 1
+            if on_row is not None:
+                on_row(row)
     return decoded

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from transformers import LogitsProcessorList
 
 from forerun.noise import GumbelNoise
 from forerun.tree import TokenTree
@@ -73,3 +74,48 @@ def verify_sampled(
     the time, and the bonus is 0 / 1 / 2 with probability 0.5 / 0.3 / 0.2 as under p.
     """
     return verify_greedy(tree, lambda node: noise.draw(scores_at(node), position + tree.depths[node]))
+
+
+@dataclass
+class NodeScores:
+    """Processed scores at tree nodes, computed lazily with each node's own prefix (committed text + path).
+
+    Logits processors (repetition penalty, temperature, top-p...) read the token ids before the position they
+    score, so a node deep in a branch is scored with the branch's tokens, exactly as plain decoding would see them.
+    """
+
+    logits: torch.Tensor  # [n, vocab]
+    processor: LogitsProcessorList | None
+    sequence: torch.Tensor  # [1, committed]; its last token is the root
+    tree: TokenTree
+    choices: list[int] | None = None
+    """Each node's raw argmax, where the base copied them to the host at once (used when nothing processes the
+    logits: one transfer per step instead of one sync per walked node on an accelerator)."""
+
+    def scores(self, node: int) -> torch.Tensor:
+        row = self.logits[node : node + 1].float()  # [1, vocab]
+        if not self.processor:
+            return row[0]
+        path = [self.tree.tokens[i] for i in self.tree.path_to(node)[1:]]
+        prefix = torch.cat([self.sequence, self.sequence.new_tensor([path])], dim=1) if path else self.sequence
+        return self.processor(prefix.to(row.device), row)[0]
+
+    def argmax(self, node: int) -> int:
+        if self.choices is not None and not self.processor:
+            return self.choices[node]
+        return int(self.scores(node).argmax())
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sample instead of argmax: each token is the target's Gumbel-max draw under `noise` at its position."""
+
+    noise: GumbelNoise
+    verifier: Callable = verify_sampled
+    """The lossless verifier; a parameter so tests can show that a biased one is caught."""
+
+
+def verify(tree: TokenTree, scores: NodeScores, sampling: Sampling | None) -> Verdict:
+    if sampling is None:
+        return verify_greedy(tree, scores.argmax)
+    return sampling.verifier(tree, scores.scores, sampling.noise, scores.sequence.shape[1])

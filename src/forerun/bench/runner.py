@@ -4,8 +4,9 @@ The reference is plain `model.generate` (label `generate`); each method's output
 token, and speed is the ratio of the two wall times on the same prompt in the same process.
 
 Methods: any forerun method expression (`plain`, `prompt_lookup`, `jacobi`, `trie`, `draft_model`, `auto`,
-`prompt_lookup+trie`), `hf_prompt_lookup` (transformers' `prompt_lookup_num_tokens=10`) and `hf_assisted`
-(transformers' `assistant_model=`), with knobs in brackets: `jacobi[window=7,ngram=5,max_candidates=7]`,
+`prompt_lookup+trie`), `hf_prompt_lookup` (transformers' `prompt_lookup_num_tokens=10`), `hf_assisted`
+(transformers' `assistant_model=`), `llama_cpp` and `llama_cpp_lookup` (llama.cpp on the same GGUF file, plain and
+with its prompt lookup: `forerun.bench.peers`), with knobs in brackets: `jacobi[window=7,ngram=5,max_candidates=7]`,
 `prompt_lookup[max_tree_nodes=8,draft_len=7]`, `auto[trie.decoding_length=24]`, `auto[prefix_cache=0]` (no
 prefix cache: every prompt prefilled in full, as generate does), `auto[predict=true]` (each
 prompt's prediction, the `edit` dataset's original code, passed as OpenAI's predicted output), `trie[warm=10]`
@@ -38,6 +39,7 @@ from pathlib import Path
 import torch
 
 from forerun.bench.datasets import BenchPrompt
+from forerun.bench.peers import PEER_METHODS, LlamaCppPeer
 from forerun.costmodel import LatencyCurve
 from forerun.decoder import DEFAULT_PREFIX_TOKENS, Decoder
 from forerun.exactness import TIE_ULPS, first_divergence
@@ -47,6 +49,8 @@ from forerun.methods import METHODS, parse_knob_pairs, plan_method
 REFERENCE = "generate"
 NOISE_FLOOR = "generate[batch=2]"
 HF_METHODS = ("hf_prompt_lookup", "hf_assisted")
+OTHER_METHODS = HF_METHODS + PEER_METHODS
+"""Methods that are not forerun's: their knobs are not forerun knobs, no Decoder is built for them."""
 
 
 @dataclass(frozen=True)
@@ -65,7 +69,7 @@ class BenchMethod:
 
     def needs_draft(self) -> bool:
         return self.method == "hf_assisted" or (
-            self.method not in HF_METHODS and plan_method(self.method, self.knobs).needs_draft()
+            self.method not in OTHER_METHODS and plan_method(self.method, self.knobs).needs_draft()
         )
 
 
@@ -83,14 +87,14 @@ def parse_methods(text: str) -> list[BenchMethod]:
         prefix_cache = knobs.pop("prefix_cache", DEFAULT_PREFIX_TOKENS)
         if isinstance(prefix_cache, bool) or not isinstance(prefix_cache, int) or prefix_cache < 0:
             raise ValueError(f"{label}: prefix_cache takes a number of tokens >= 0, got {prefix_cache!r}")
-        if predict and name in HF_METHODS:
+        if predict and name in OTHER_METHODS:
             raise ValueError(f"{label}: predict=true is for forerun methods")
-        if name not in HF_METHODS:
+        if name not in OTHER_METHODS:
             try:
                 plan_method(name, knobs)
             except ValueError as error:
                 raise ValueError(
-                    f"unknown benchmark method {name!r} ({error}); choose from {', '.join(METHODS + HF_METHODS)}"
+                    f"unknown benchmark method {name!r} ({error}); choose from {', '.join(METHODS + OTHER_METHODS)}"
                 ) from None
         specs.append(BenchMethod(label, name, knobs, nodes, warm, adaptive, predict, prefix_cache))
     if not specs:
@@ -137,17 +141,21 @@ def run_interleaved(
     seed: int = 0,
     draft_model: torch.nn.Module | None = None,
     latency: LatencyCurve | None = None,
+    gguf: str | Path | None = None,
+    threads: int = 1,
 ) -> list[Record]:
     """Run reference + every spec on each prompt in turn; returns one Record per (prompt, method).
 
     `sampling`: generation settings for sampled runs (e.g. {"temperature": 0.7, "top_p": 0.9}); None = greedy.
     `draft_model`: the small model of methods draft_model and hf_assisted (transformers' assistant_model).
     `latency`: the device's latency curve for the cost model (None: forerun.latency.curve_for).
+    `gguf`, `threads`: the model's GGUF file and the thread count, for the llama.cpp methods.
     """
     needing = [s.label for s in specs if s.needs_draft()]
     if needing and draft_model is None:
         raise ValueError(f"{', '.join(needing)} need a draft model (forerun bench --draft-model NAME)")
-    run = Run(model, max_new_tokens, dict(sampling) if sampling is not None else None, seed, draft_model)
+    peers = make_peers(specs, gguf, threads, sampling)
+    run = Run(model, max_new_tokens, dict(sampling) if sampling is not None else None, seed, draft_model, peers)
     decoders = {
         s.label: Decoder(
             model,
@@ -161,12 +169,12 @@ def run_interleaved(
             **s.knobs,
         )
         for s in specs
-        if s.method not in HF_METHODS
+        if s.method not in OTHER_METHODS
     }
     for spec in specs:
         if prepare is not None and spec.label in decoders:
             prepare(spec, decoders[spec.label])
-    warm_up(model, tokenizer, decoders, prompts[0], draft_model)
+    warm_up(model, tokenizer, decoders, prompts[0], draft_model, peers)
     histories: dict[str, list[dict]] = {}  # conversation -> its turns so far, with plain generate's answers
     records = []
     for index, prompt in enumerate(prompts):
@@ -209,6 +217,10 @@ class Run:
     sampling: dict | None
     seed: int
     draft_model: torch.nn.Module | None = None
+    peers: dict = field(default_factory=dict)
+    """label -> LlamaCppPeer, for the llama.cpp methods."""
+    plain_peer_tokens: dict = field(default_factory=dict)
+    """input ids (as a tuple) -> llama.cpp's plain output, which its prompt lookup is checked against."""
     reference_logits: dict = field(default_factory=dict)
     """input ids (as a tuple) -> plain generate's logits per new token, computed once when a run differs."""
 
@@ -281,9 +293,25 @@ class Run:
         synchronize(ids.device)
         return out.cpu(), time.perf_counter() - started
 
+    def peer(self, ids: torch.Tensor, spec: BenchMethod, prompt: BenchPrompt, ref_rate: float) -> Record:
+        """A llama.cpp run: speed against the reference; its prompt lookup checked against its own plain output."""
+        eos = self.model.generation_config.eos_token_id
+        eos_ids = {eos} if isinstance(eos, int) else set(eos or [])
+        key = tuple(ids[0].tolist())
+        tokens, seconds = self.peers[spec.label].generate(key, self.max_new_tokens, eos_ids)
+        identical = None
+        if spec.method == "llama_cpp":
+            self.plain_peer_tokens[key] = tokens
+        elif key in self.plain_peer_tokens:
+            identical = tokens == self.plain_peer_tokens[key]
+        speedup = len(tokens) / seconds / ref_rate
+        return Record(prompt.id, prompt.dataset, spec.label, len(tokens), seconds, identical, speedup=speedup)
+
     def one(self, ids, spec: BenchMethod, decoder: Decoder | None, prompt: BenchPrompt, reference, ref_seconds):
         identical, ties = None, None
         ref_rate = (reference.shape[1] - ids.shape[1]) / ref_seconds
+        if spec.method in PEER_METHODS:
+            return self.peer(ids, spec, prompt, ref_rate)
         if spec.method in HF_METHODS:
             extra = {"prompt_lookup_num_tokens": 10}
             if spec.method == "hf_assisted":
@@ -340,13 +368,31 @@ def mismatch_lines(records: Sequence[Record]) -> list[str]:
     precision only); sampled runs are not compared."""
     lines = []
     for r in records:
+        if r.method.split("[")[0] in PEER_METHODS:  # another runtime's consistency is reported, not ours to fail on
+            continue
         if r.identical is False and (r.tie_ulps is None or r.tie_ulps > TIE_ULPS):
             where = "" if r.tie_ulps is None else f" at a margin of {r.tie_ulps:.1f} ulp (more than a tie)"
             lines.append(f"{r.method} on {r.prompt_id} differs from model.generate{where}")
     return lines
 
 
-def warm_up(model, tokenizer, decoders: dict[str, Decoder], prompt: BenchPrompt, draft_model=None) -> None:
+def make_peers(
+    specs: Sequence[BenchMethod], gguf: str | Path | None, threads: int, sampling: dict | None
+) -> dict[str, LlamaCppPeer]:
+    """The llama.cpp models the specs ask for (each label its own, loaded from `gguf`)."""
+    wanted = [s for s in specs if s.method in PEER_METHODS]
+    if not wanted:
+        return {}
+    if gguf is None:
+        raise ValueError(
+            f"{wanted[0].label} runs llama.cpp on the model's GGUF file; this model was not loaded from one"
+        )
+    if sampling is not None:
+        raise ValueError(f"{wanted[0].label}: llama.cpp runs are greedy; drop --sample")
+    return {s.label: LlamaCppPeer(gguf, threads, lookup=s.method == "llama_cpp_lookup") for s in wanted}
+
+
+def warm_up(model, tokenizer, decoders: dict[str, Decoder], prompt: BenchPrompt, draft_model=None, peers=None) -> None:
     """One short run of each path, so first-call allocations do not land in the first prompt's timings."""
     ids = encode(tokenizer, prompt, model.device)
     model.generate(ids, max_new_tokens=8, do_sample=False)
@@ -355,3 +401,5 @@ def warm_up(model, tokenizer, decoders: dict[str, Decoder], prompt: BenchPrompt,
         model.generate(ids, max_new_tokens=8, do_sample=False, assistant_model=draft_model)
     for decoder in decoders.values():
         decoder.generate(ids, 8)
+    for peer in (peers or {}).values():
+        peer.generate(ids[0].tolist(), 8, ())

@@ -22,9 +22,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from forerun.batch import Batch, Joining, RowJob
+from forerun.batch import Batch, Joining
 from forerun.checks import is_count
-from forerun.decoder import Decoder, GenerationResult, Request
+from forerun.decoder import Decoder, GenerationResult, Prepared
 from forerun.methods import plan_method
 from forerun.prefixcache import PrefixCache
 
@@ -135,7 +135,7 @@ class Worker:
         self.executor.shutdown(wait=True, cancel_futures=True)
 
 
-Prepare = Callable[[], tuple[RowJob, Request, Decoder]]
+Prepare = Callable[[], tuple[Prepared, Decoder]]
 """Builds a request's row (encode, checks, processors) on the worker thread; a ValueError is the client's fault."""
 
 
@@ -145,8 +145,7 @@ class Admission:
     cancel: threading.Event
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
-    job: RowJob | None = None
-    request: Request | None = None
+    prepared: Prepared | None = None
     decoder: Decoder | None = None
 
 
@@ -226,8 +225,8 @@ class BatchWorker:
                 self.settle(admission, error=Abandoned())
                 continue
             try:
-                admission.job, admission.request, admission.decoder = admission.prepare()
-                joining = self.batch.begin(admission.job, admission.decoder.batch_budget())
+                admission.prepared, admission.decoder = admission.prepare()
+                joining = self.batch.begin(admission.prepared.job, admission.decoder.batch_budget())
             except Exception as error:  # a ValueError is the client's (400); anything else fails this request only
                 self.settle(admission, error=error)
                 continue
@@ -281,11 +280,9 @@ class BatchWorker:
             for row in finished:
                 admission = self.members.pop(id(row))
                 if row.error is not None:  # its own drafters, budget or verification failed: only it ends
-                    self.settle(admission, error=row.error)  # logged where it is answered (server.app.failed)
+                    self.settle(admission, error=row.error)  # logged where it is answered (server.errors.failed)
                     continue
-                decoder, job = admission.decoder, admission.job
-                result = decoder.result(job.transcript, job.input_ids.shape[1], row.stats, admission.request)
-                self.settle(admission, result)
+                self.settle(admission, admission.decoder.result(admission.prepared, row.stats))
 
     def shutdown(self) -> None:
         """Cancel every request (running or waiting) and wait for the worker to finish its current step."""

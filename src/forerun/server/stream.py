@@ -18,11 +18,15 @@ from forerun.text import IncrementalText
 
 
 class TokenStream:
-    """Streams text deltas of a generation to `queue`; None marks the end. `started` is set once the generation
-    has seen its prompt (checked, and given its place: the server sends the response's headers then)."""
+    """Streams (text delta, log-probability entries of its tokens) of a generation to `queue`; None marks the end.
+    `started` is set once the generation has seen its prompt (checked, and given its place: the server sends the
+    response's headers then). The entries ride with the delta their tokens' text is released in (none after a stop
+    string); without logprobs asked, they are None."""
 
-    def __init__(self, tokenizer, loop: asyncio.AbstractEventLoop, stops: list[str]) -> None:
-        self.loop, self.stops = loop, stops
+    def __init__(self, tokenizer, loop: asyncio.AbstractEventLoop, stops: list[str], logprobs: bool = False) -> None:
+        self.loop, self.stops, self.tokenizer = loop, stops, tokenizer
+        self.entries: list | None = [] if logprobs else None
+        """Entries of tokens whose text is not sent yet (`note_logprobs`)."""
         self.text = IncrementalText(tokenizer)
         self.queue: asyncio.Queue = asyncio.Queue()
         self.started = asyncio.Event()
@@ -38,6 +42,11 @@ class TokenStream:
             return
         self.text.push(value.flatten().tolist())
         self.emit(final=False)
+
+    def note_logprobs(self, entries) -> None:
+        """The log-probabilities of the tokens the next `put` brings (`forerun.transcript.Transcript.extend`)."""
+        if self.entries is not None:
+            self.entries.extend(entries)
 
     def end(self) -> None:
         self.text.finish()
@@ -55,4 +64,20 @@ class TokenStream:
             text = text[: max(self.sent, len(text) - self.holdback)]
         if len(text) > self.sent:
             delta, self.sent = text[self.sent :], len(text)
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, delta)
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (delta, self.released(delta, cut is not None)))
+
+    def released(self, delta: str, stopped: bool) -> list | None:
+        """The entries to send with `delta`: all noted so far, or at a stop string those whose text the delta
+        shows."""
+        if self.entries is None:
+            return None
+        entries, self.entries = self.entries, []
+        if not stopped:
+            return entries
+        kept, shown = [], 0
+        for entry in entries:
+            if shown >= len(delta):
+                break
+            kept.append(entry)
+            shown += len(self.tokenizer.decode([entry.token]))
+        return kept

@@ -15,11 +15,13 @@ Example:
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
 from forerun.checks import check_sampling, check_text
 from forerun.methods import DEFAULT_METHOD, plan_method
+from forerun.request import GenerationRequest
 from forerun.server.schemas import ChatRequest, CommonRequest, CompletionRequest
 
 MAX_STOPS = 4
@@ -77,6 +79,25 @@ class GenerationArgs:
     include_usage: bool
     cache_salt: str | None = None
     """Prefix-cache entries are shared only among requests with the same salt (None: the unsalted ones)."""
+
+    def request(self, streamer: object | None = None, cancel: threading.Event | None = None) -> GenerationRequest:
+        """The `GenerationRequest` this asks for, with the server's own streamer and cancel event."""
+        generation = dict(self.sampling)
+        do_sample = bool(generation.pop("do_sample", False))
+        return GenerationRequest(
+            self.prompt,
+            self.max_new_tokens,
+            chat=self.chat,
+            stop=tuple(self.stop),
+            do_sample=do_sample,
+            seed=self.seed,
+            generation=generation,
+            prediction=self.prediction,
+            logprobs=self.logprobs,
+            cache_salt=self.cache_salt,
+            streamer=streamer,
+            cancel=cancel,
+        )
 
 
 def refuse(field_name: str, message: str) -> APIError:
@@ -235,8 +256,6 @@ def logprobs_of(body: CommonRequest, chat: bool) -> int | None:
             return None
     if not 0 <= top <= most:
         raise refuse(name, f"{name} must be between 0 and {most}, got {top}")
-    if body.stream:
-        raise refuse(name, "logprobs with stream: true are not supported; ask without streaming")
     return top
 
 

@@ -1,0 +1,267 @@
+"""How the rows of a batch draft: one candidate count for every row, priced on the batched curve
+(`best_shared_count`), whether rows propose at all (`DraftSwitch`, on measured wall-clock rates), and the batch's
+own corrections (forward times against the curve, accepted against expected drafts). Pure: no model.
+
+Rows that share one forward pad their trees to one node count, so the cost model picks one count for all rows,
+maximising committed tokens per second over the batch; rows x nodes tokens in one forward cost more than one row of
+as many tokens (every row reads its own cache: `LatencyCurve.batch_cost`), so the per-row budget shrinks as the
+batch grows, down to one token per row per step when drafting does not pay.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from forerun.costmodel.budgets import Budget, CostModel
+from forerun.costmodel.choice import Selection
+from forerun.costmodel.curve import LatencyCurve
+from forerun.tree import TokenTree, merge
+
+BATCH_PRIOR = 4.0
+"""Pseudo-tokens (expected = accepted) behind the batch's correction of the chances."""
+BATCH_DECAY = 0.9
+"""Per step: the batch's correction remembers about its last ten steps."""
+CLOSED_FOCUS = 4.0
+"""How sharply a closed batch weighs the rows with the most steps left (a row 10% ahead counts 0.66)."""
+REBASE_FACTOR = 2.0
+"""A batch re-measures whether drafting pays once its cache is this many times longer or shorter (`Batch.rebase`)."""
+
+
+PAUSE_STEPS = 32
+"""Steps a batch decodes without proposing once drafting has measured slower than not drafting; each probe that
+finds drafting still slower doubles the next pause, up to `MAX_PAUSE_STEPS` (a probe costs what drafting loses)."""
+MAX_PAUSE_STEPS = 256
+DRAFT_MARGIN = 1.03
+"""Drafting is kept only while it measures at least this many times plain decoding's rate. At parity it wins
+nothing and costs what step timings do not see: each request's drafter start and end (the trie reading the prompt
+and learning the answer; ~3.5% of the wall time at 8 bf16 rows on the AVX-512 Xeon, where drafted and plain steps
+measured within 1% of each other per token)."""
+PROBE_STEPS = 6
+"""Steps of drafting after a pause before the comparison is made again (fresh evidence, not the old average)."""
+
+
+@dataclass
+class DraftSwitch:
+    """Whether a batch's rows propose at all this step, from measured wall-clock rates of both modes.
+
+    The cost model weighs forwards; proposing, ranking and learning cost time too (at 8 rows in bf16 on this CPU,
+    ~16% of the wall time), spent before the model may still feed nothing. Each step's rate is measured as
+    tokens per row per predicted undrafted step (`curve.batch_cost(rows, 1)`, so batches of different sizes
+    compare), recency-weighted per mode. While drafting measures slower than plain decoding, or faster by less
+    than `DRAFT_MARGIN`, the batch decodes `PAUSE_STEPS` steps without proposals (twice as many after each probe
+    that confirms it), then drafts `PROBE_STEPS` steps before comparing again. Outputs do not depend on it: what is
+    fed never changes what is written.
+
+    Example: drafting makes 1.2 tokens per row per step-equivalent, plain decoding 1.3 (d: drafting steps, p: plain):
+        >>> import itertools
+        >>> def modes(drafted_rate, plain_rate, steps=200):
+        ...     switch, modes = DraftSwitch(), ""
+        ...     for _ in range(steps):
+        ...         drafting = switch.drafting()
+        ...         switch.record(drafting, drafted_rate if drafting else plain_rate)
+        ...         modes += "d" if drafting else "p"
+        ...     return [f"{len(list(run))}{mode}" for mode, run in itertools.groupby(modes)]
+        >>> modes(1.2, 1.3)  # plain measured once, then pauses
+        ['6d', '6p', '6d', '32p', '6d', '64p', '6d', '74p']
+        >>> modes(1.31, 1.3)  # a 1% lead is parity: paused alike
+        ['6d', '6p', '6d', '32p', '6d', '64p', '6d', '74p']
+        >>> modes(1.4, 1.3)  # 8% ahead: drafting stays on after the one plain measurement
+        ['6d', '6p', '188d']
+    """
+
+    rates: dict[bool, float] = field(default_factory=lambda: {True: 1.0, False: 1.0})
+    """Recency-weighted tokens per row per predicted undrafted step, for drafting steps and plain ones."""
+    seen: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})
+    paused: int = 0
+    """Plain steps left in the current pause."""
+    probing: int = PROBE_STEPS
+    """Drafting steps left before the next comparison."""
+    pause: int = PAUSE_STEPS
+    """The next pause's length."""
+
+    def drafting(self) -> bool:
+        return self.paused == 0
+
+    def record(self, drafted: bool, rate: float) -> None:
+        """One step's measured rate; decides the next steps' mode."""
+        weight = 1 - BATCH_DECAY if self.seen[drafted] else 1.0  # the first measurement replaces the prior
+        self.rates[drafted] = (1 - weight) * self.rates[drafted] + weight * rate
+        self.seen[drafted] += 1
+        if not drafted:
+            self.paused = max(0, self.paused - 1)
+            if self.paused == 0:
+                self.probing = PROBE_STEPS
+            return
+        self.probing = max(0, self.probing - 1)
+        if self.probing == 0:
+            if not self.seen[False]:
+                self.paused = PROBE_STEPS  # plain decoding not measured yet: measure it briefly
+            elif self.rates[True] < DRAFT_MARGIN * self.rates[False]:
+                self.paused, self.pause = self.pause, min(2 * self.pause, MAX_PAUSE_STEPS)
+            else:
+                self.pause = PAUSE_STEPS
+
+
+@dataclass
+class BatchPolicy:
+    """A batch's drafting decisions and what it has measured (one per `forerun.batch.Batch`).
+
+    `closed`: no row will join any more (`decode_rows` once nothing waits): the batch ends with its slowest row, so
+    drafts are weighed by how much each row has left to do (`weights`); open batches (the server) weigh every
+    row's progress alike.
+    """
+
+    closed: bool = False
+    measured: dict[bool, float] = field(default_factory=lambda: {False: 1.0, True: 1.0})
+    """Measured / predicted forward time (`LatencyCurve.batch_cost`), recency-weighted, for root-only steps (False)
+    and steps with drafts (True): batched shapes may not cost what the curve says, and only their ratio matters to
+    the decision (`best_shared_count`'s draft_penalty)."""
+    switch: DraftSwitch = field(default_factory=lambda: DraftSwitch())
+    """Whether rows propose at all (measured wall-clock rates of drafting and plain steps)."""
+    measured_at: int = 1
+    """Cache slots when the switch and the forward-time corrections began measuring (`rebase`)."""
+    expected: float = 0.0
+    accepted: float = 0.0
+    """Recency-weighted sums over the batch's steps of the cost model's expected and the actually accepted drafts:
+    their ratio corrects the chances the next decision is made on (the rows' calibrations are each young, and a
+    batch multiplies any optimism by its rows)."""
+
+    @staticmethod
+    def shared_curve(budgets: Sequence[Budget]) -> LatencyCurve | None:
+        """The curve the draft switch prices steps on: only for two rows or more that all price on a curve (a row
+        alone drafts as a single run does; static budgets always propose)."""
+        if len(budgets) < 2 or any(budget.curve is None for budget in budgets):
+            return None
+        return budgets[0].curve
+
+    def drafting(self, budgets: Sequence[Budget]) -> bool:
+        """Whether the rows propose this step."""
+        return self.shared_curve(budgets) is None or self.switch.drafting()
+
+    @staticmethod
+    def proposal_caps(budgets: Sequence[Budget]) -> list[int]:
+        """Each row's most nodes to propose (rows of one Decoder share a curve and a cap: priced once)."""
+        caps: dict[tuple[int, int], int] = {}
+        out = []
+        for budget in budgets:
+            shape = (id(budget.curve), budget.max_nodes)
+            if shape not in caps:
+                caps[shape] = budget.proposal_nodes(len(budgets))
+            out.append(caps[shape])
+        return out
+
+    def choose(
+        self,
+        roots: Sequence[int],
+        proposals: Sequence[Sequence[TokenTree]],
+        budgets: Sequence[Budget],
+        steps_left: Sequence[float],
+    ) -> list[Selection]:
+        """Each row's tree for this step: with cost models, one shared count of candidates (what is fed never
+        changes what is written, greedy or sampled: `forerun.noise`, so timings may steer); with static budgets,
+        each row's share of its own node budget. `steps_left`: per row, what it has left to do (`weights`)."""
+        if len(budgets) == 1:
+            return [budgets[0].choose(roots[0], proposals[0])]
+        if all(isinstance(budget, CostModel) for budget in budgets):
+            rankings = [budget.rank(root, p) for budget, root, p in zip(budgets, roots, proposals, strict=True)]
+            correction = min(1.0, (self.accepted + BATCH_PRIOR) / (self.expected + BATCH_PRIOR))
+            chances = [[c * correction for c in r.chances] for r in rankings]
+            cap = min(budget.max_nodes for budget in budgets)
+            penalty = max(1.0, self.measured[True] / self.measured[False])
+            count = best_shared_count(chances, budgets[0].curve, cap, penalty, self.weights(steps_left))
+            return [ranking.select(count) for ranking in rankings]
+        return [
+            Selection(*merge(root, p, max(1, budget.max_nodes // len(budgets))))
+            for budget, root, p in zip(budgets, roots, proposals, strict=True)
+        ]
+
+    def weights(self, steps_left: Sequence[float]) -> list[float] | None:
+        """What each row's progress is worth to a closed batch: (steps it has left / the most any row has left) to
+        the power CLOSED_FOCUS. A closed batch lasts as long as its slowest row, and a forward of fewer rows costs
+        nearly as much, so tokens won by rows that will finish first anyway buy little wall time.
+
+        Example:
+            >>> BatchPolicy(closed=True).weights([10.0, 9.0, 0.0])
+            [1.0, 0.6561, 0.0]
+        """
+        if not self.closed:
+            return None
+        most = max(steps_left, default=0.0)
+        return [(n / most) ** CLOSED_FOCUS if most else 1.0 for n in steps_left]
+
+    def rebase(self, slots: int) -> None:
+        """Forget the measured rates and forward-time corrections when the cache has grown or shrunk more than
+        REBASE_FACTOR-fold since they were measured: a tree costs a batch more beside a long row (every row reads
+        the padded cache), so what was measured while a long prompt's row decoded must not pause drafting once it
+        has left (measured: drafting paused for 150 steps after a 2150-token row left 3 short ones, 40.0 s against
+        32.7 s for the same work)."""
+        slots = max(1, slots)
+        if not self.measured_at / REBASE_FACTOR <= slots <= self.measured_at * REBASE_FACTOR:
+            self.switch, self.measured, self.measured_at = DraftSwitch(), {False: 1.0, True: 1.0}, slots
+
+    def learn(
+        self,
+        budgets: Sequence[Budget],
+        selections: Sequence[Selection],
+        kept: Sequence[Sequence[int]],
+        nodes: int,
+        forward_s: float,
+    ) -> None:
+        """Update the corrections: measured vs predicted forward time, accepted vs expected drafts."""
+        rows = len(selections)
+        if rows < 2:
+            return
+        curve = budgets[0].curve
+        if curve is not None:
+            drafted = nodes > 1
+            ratio = forward_s / curve.batch_cost(rows, nodes)
+            self.measured[drafted] = BATCH_DECAY * self.measured[drafted] + (1 - BATCH_DECAY) * ratio
+        expected = sum(selection.expected_accepted or 0.0 for selection in selections)
+        if expected > 0:  # only drafted steps are evidence: root-only ones must not fade a lesson back to optimism
+            self.expected = BATCH_DECAY * self.expected + expected
+            self.accepted = BATCH_DECAY * self.accepted + sum(len(path) - 1 for path in kept)
+
+    def record(self, budgets: Sequence[Budget], drafting: bool, kept: Sequence[Sequence[int]], seconds: float):
+        """One whole step's rate for the draft switch: tokens per row per predicted plain step."""
+        curve = self.shared_curve(budgets)
+        if curve is not None:
+            tokens = sum(len(path) for path in kept) / len(kept)
+            self.switch.record(drafting, tokens * curve.batch_cost(len(kept), 1) / max(seconds, 1e-9))
+
+
+def best_shared_count(
+    chances: Sequence[Sequence[float]],
+    curve: LatencyCurve,
+    cap: int | None = None,
+    draft_penalty: float = 1.0,
+    weights: Sequence[float] | None = None,
+) -> int:
+    """Candidates per row, the same for every row of a batch (their trees are padded to one size), maximising
+
+        sum over rows of weight[row] * (1 + chances[row][0] + ... + chances[row][k-1]) / batch_cost(rows, 1 + k)
+
+    on the device's curve: a batch of 8 rows x 16 nodes is a 128-token forward (dearer still than one row of 128
+    tokens where the curve has measured batches), so the per-row budget shrinks as the batch grows, down to k = 0
+    (one token per row per step) where drafting does not pay. `draft_penalty` scales the cost of forwards that
+    carry drafts (k > 0): how much slower such forwards measured than the curve predicts, relative to root-only
+    ones (`forerun.batch.Batch` learns it online). `weights` (default 1 each): what a row's progress is worth, e.g.
+    in a batch that no row will join only the rows with the most left to do decide when it ends.
+
+    Example (2 tokens cost 1.5x one token, 4 tokens 1.6x, 8 tokens 3x):
+        >>> curve = LatencyCurve((1, 2, 4, 8), (0.010, 0.015, 0.016, 0.030))
+        >>> best_shared_count([[0.6, 0.5]], curve), best_shared_count([[0.6, 0.5]] * 4, curve)
+        (2, 0)
+    """
+    rows = len(chances)
+    weights = [1.0] * rows if weights is None else list(weights)
+    best, best_rate = 0, sum(weights) / curve.batch_cost(rows, 1)
+    longest = max((len(c) for c, w in zip(chances, weights, strict=True) if w > 0), default=0)
+    for k in range(1, longest + 1):
+        if cap is not None and 1 + k > cap:
+            break
+        gain = sum(w * (1.0 + sum(c[:k])) for c, w in zip(chances, weights, strict=True))
+        rate = gain / (curve.batch_cost(rows, 1 + k) * draft_penalty)
+        if rate > best_rate:
+            best, best_rate = k, rate
+    return best

@@ -1,0 +1,142 @@
+"""One generation request: every per-request setting in one frozen object, checked where it is made.
+
+`Decoder.generate`, `Decoder.generate_each` and `Decoder.prepare` take it; the server's translation and `forerun run`
+build one per request or record, so rows with different settings share a batch. A new request field is a field
+here, its check in `__post_init__`, and where the Decoder reads it.
+
+Example:
+    >>> request = GenerationRequest("def fib(n):", 64, stop=("\\n\\n",), do_sample=True, seed=3,
+    ...                             generation={"temperature": 0.7})
+    >>> request.stop, request.processed
+    (('\\n\\n',), True)
+    >>> GenerationRequest.of("Hi", 16, temperature=0.5, do_sample=True).generation
+    {'temperature': 0.5}
+    >>> GenerationRequest("Hi", 0)
+    Traceback (most recent call last):
+    ...
+    ValueError: max_new_tokens must be a positive integer, got 0
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from transformers import GenerationConfig
+
+from forerun.checks import check_logprobs, check_sampling, check_seed, check_stops
+
+Prompt = str | Sequence[dict] | Sequence[int] | torch.Tensor
+"""Text, chat messages ([{"role": ..., "content": ...}]), token ids, or input_ids [1, L]."""
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """What one answer is asked with. Greedy unless `do_sample` or `generation` says otherwise; the answer is the
+    model's own either way (drafts never change it)."""
+
+    prompt: Prompt
+    max_new_tokens: int = 256
+    chat: bool = False
+    """Wrap a text prompt as one user message in the chat template."""
+    stop: tuple[str, ...] = ()
+    """Strings that end the answer (the token that completes one is the last)."""
+    eos_token_id: int | tuple[int, ...] | None = None
+    """The ids that end an answer (None: the model's own; () for none)."""
+    do_sample: bool = False
+    seed: int | None = None
+    """Fixes a sampled answer, whichever method drafts it (`forerun.noise`)."""
+    generation: Mapping[str, object] = field(default_factory=dict)
+    """transformers generation settings: temperature, top_k, top_p, min_p, repetition_penalty, ..."""
+    prediction: str | tuple[int, ...] | None = None
+    """Text or ids the answer is expected to resemble, drafted from (OpenAI's predicted outputs)."""
+    logprobs: int | None = None
+    """k: each new token's log-probability under the raw model and its k likeliest alternatives."""
+    cache_salt: str | None = None
+    """Prefix-cache entries are reused (and left) only among requests with the same salt."""
+    streamer: object | None = None
+    """A transformers streamer: put(prompt ids), put(new ids)..., end()."""
+    cancel: threading.Event | None = None
+    """Set from another thread: the answer ends after the current step, with the tokens made so far."""
+
+    def __post_init__(self) -> None:
+        if (
+            isinstance(self.max_new_tokens, bool)
+            or not isinstance(self.max_new_tokens, int)
+            or self.max_new_tokens <= 0
+        ):
+            raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        set_field = object.__setattr__.__get__(self)  # frozen: normalised values are set once, here
+        set_field("stop", tuple(check_stops(self.stop)))
+        check_seed(self.seed)
+        check_logprobs(self.logprobs)
+        if not isinstance(self.generation, Mapping):
+            raise ValueError(f"generation must be a mapping of transformers settings, got {self.generation!r:.40}")
+        set_field("generation", dict(self.generation))
+        check_generation_kwargs(self.generation)
+        if self.processed:
+            try:
+                GenerationConfig(do_sample=self.do_sample, **self.generation).validate(strict=True)
+            except (TypeError, ValueError) as error:
+                raise ValueError(f"invalid generation settings {self.generation}: {error}") from error
+        check_hooks(self.prediction, self.cancel, self.streamer)
+        if isinstance(self.prediction, list):
+            set_field("prediction", tuple(self.prediction))
+        if isinstance(self.eos_token_id, list):
+            set_field("eos_token_id", tuple(self.eos_token_id))
+        if self.cache_salt is not None and not isinstance(self.cache_salt, str):
+            raise ValueError(f"cache_salt must be a string, got {type(self.cache_salt).__name__}")
+
+    @classmethod
+    def of(cls, prompt: Prompt, max_new_tokens: int = 256, **options: object) -> GenerationRequest:
+        """A request from `generate`-style keywords: this class's fields by name, every other keyword a
+        transformers generation setting (`temperature=0.7`); `stop=None` and `prediction=None` mean none."""
+        names = {f.name for f in dataclasses.fields(cls)} - {"prompt", "max_new_tokens", "generation"}
+        given = {name: options.pop(name) for name in list(options) if name in names}
+        if given.get("stop") is None:
+            given.pop("stop", None)
+        return cls(prompt, max_new_tokens, generation=options, **given)  # type: ignore[arg-type]
+
+    @property
+    def processed(self) -> bool:
+        """Whether logits processors run (sampling, or any generation setting): transformers builds them."""
+        return self.do_sample or bool(self.generation)
+
+
+def check_generation_kwargs(generation_kwargs: Mapping[str, object]) -> None:
+    """Unknown names are refused (a method knob passed here by mistake is named as such); values range-checked."""
+    defaults = GenerationConfig()
+    unknown = sorted(name for name in generation_kwargs if not hasattr(defaults, name))
+    if unknown:
+        raise ValueError(
+            f"unknown generation argument(s) {unknown}; method knobs belong to Decoder(...) "
+            "(or knobs={...} in forerun.generate)"
+        )
+    check_sampling(dict(generation_kwargs))
+
+
+def check_hooks(prediction: object, cancel: object, streamer: object) -> None:
+    """The per-request objects a caller hands over, checked by what they must be able to do (ValueError naming
+    the argument, before anything runs)."""
+    if prediction is not None and not isinstance(prediction, str):
+        if not isinstance(prediction, (list, tuple)) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prediction
+        ):
+            raise ValueError(f"prediction must be text or a list of token ids, got {prediction!r:.40}")
+    if cancel is not None and not callable(getattr(cancel, "is_set", None)):
+        raise ValueError(f"cancel must be a threading.Event (or have is_set()), got {cancel!r:.40}")
+    if streamer is not None and not all(callable(getattr(streamer, name, None)) for name in ("put", "end")):
+        raise ValueError(f"streamer must have put() and end() (a transformers streamer), got {streamer!r:.40}")
+
+
+def is_batch(prompt: object) -> bool:
+    """A list of prompts (strings, message lists, id lists, tensors or requests) or a [rows > 1, L] tensor, not
+    one prompt."""
+    if isinstance(prompt, torch.Tensor):
+        return prompt.dim() == 2 and prompt.shape[0] > 1
+    if isinstance(prompt, (list, tuple)) and prompt:
+        return isinstance(prompt[0], (str, list, tuple, torch.Tensor, GenerationRequest))
+    return False

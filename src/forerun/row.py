@@ -1,0 +1,158 @@
+"""One request as the step loop sees it: `RowJob` (what it asks) and `RowRun` (its decoding under way).
+
+The life of a row is the same whether it decodes alone (`forerun.engine.decode`) or beside others in one forward
+(`forerun.batch.Batch`):
+
+    RowRun.begin(job, budget)          drafters read the prompt, the budget starts a request
+    loop:  row.propose(drafting)       each drafter's tree (the budget then chooses what is fed)
+           ... one forward on a base ...
+           row.commit(selection, logits)   verify, append the tokens, drafters and budget learn, stats
+    row.finish()                       drafters finish, stats closed, the streamer ends
+
+Only the forward differs (the single row's base, the batch's shared ragged cache), and so does who chooses (the
+row's budget, or the batch's policy for all rows at once).
+
+Example:
+    >>> row = RowRun.begin(job, budget)                                       # doctest: +SKIP
+    >>> while not row.done:                                                   # doctest: +SKIP
+    ...     selection = budget.choose(row.root, row.propose(True))
+    ...     logits = forward(selection.tree, row.prefix_len)                  # [nodes, vocab]
+    ...     row.commit(selection, logits)
+    >>> stats = row.finish()                                                  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+from transformers import LogitsProcessorList
+
+from forerun.costmodel import Budget, Selection
+from forerun.drafters.base import DraftContext, Drafter, StepOutcome
+from forerun.prefixcache import Prefixes
+from forerun.stats import GenerationStats
+from forerun.transcript import Transcript
+from forerun.tree import TokenTree
+from forerun.verify import NodeScores, Sampling, Verdict, verify
+
+
+@dataclass
+class RowJob:
+    """What one row needs: its prompt and how it ends."""
+
+    input_ids: torch.Tensor
+    """[1, prompt_len], on the model's device."""
+    transcript: Transcript
+    """Holds the row's stopping criteria (max length, EOS, stop strings, cancel) and its streamer."""
+    drafters: list[Drafter]
+    eos: frozenset[int]
+    max_new_tokens: int
+    processor: LogitsProcessorList | None = None
+    sampling: Sampling | None = None
+    prefixes: Prefixes | None = None
+    """Where the prompt's head may already be cached, and where the row leaves what it read."""
+
+
+@dataclass
+class RowRun:
+    """A row being decoded: its drafters' context, its budget, its place in the cache, its stats."""
+
+    job: RowJob
+    ctx: DraftContext
+    budget: Budget
+    prefix_len: int
+    """Committed tokens in the cache before the root: the root's position."""
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    started: float = field(default_factory=time.perf_counter)
+    error: Exception | None = None
+    """What ended this row early: its drafters, budget or verification failed (in a batch, the other rows go on)."""
+
+    @classmethod
+    def begin(cls, job: RowJob, budget: Budget) -> RowRun:
+        """Start a row: its drafters see the prompt, its budget starts a request; nothing is fed yet."""
+        started = time.perf_counter()
+        prompt_len = job.input_ids.shape[1]
+        ctx = DraftContext(
+            job.transcript.sequence[0].tolist(),
+            prompt_len,
+            budget.max_nodes,
+            job.eos,
+            processor=job.processor,
+            noise=job.sampling.noise if job.sampling is not None else None,
+            selective=budget.selective,
+            salt=job.prefixes.salt if job.prefixes is not None else "",
+        )
+        for drafter in job.drafters:
+            drafter.start(ctx)
+        budget.new_request()
+        return cls(job, ctx, budget, prompt_len - 1, started=started)
+
+    @property
+    def done(self) -> bool:
+        return self.job.transcript.done or self.error is not None
+
+    @property
+    def root(self) -> int:
+        """The last committed token: the root of this step's tree."""
+        return self.ctx.tokens[-1]
+
+    def propose(self, drafting: bool = True) -> list[TokenTree]:
+        """Each drafter's tree; `drafting=False`: the root alone from each (a step that verifies no tree needs no
+        proposals)."""
+        if not drafting:
+            return [TokenTree.rooted_at(self.root) for _ in self.job.drafters]
+        return [drafter.propose(self.ctx) for drafter in self.job.drafters]
+
+    def verify(self, tree: TokenTree, logits: torch.Tensor, choices: list[int] | None = None) -> Verdict:
+        """The longest path of `tree` the target agrees with, on the tree's `logits` [nodes, vocab] (`choices`:
+        every node's argmax, where the base copied them to the host at once)."""
+        job = self.job
+        return verify(tree, NodeScores(logits, job.processor, job.transcript.sequence, tree, choices), job.sampling)
+
+    def accept(
+        self, selection: Selection, verdict: Verdict, logits: torch.Tensor, propose_s: float, forward_s: float
+    ) -> list[int]:
+        """Append the verdict's tokens, let the drafters and the budget learn, record the step; returns the kept
+        path (root first) for the cache, and moves the root past it."""
+        tree, transcript = selection.tree, self.job.transcript
+        path = [0, *verdict.accepted_nodes]  # the node each new token was chosen at
+        self.prefix_len += len(path)
+        sources = [tree.sources[i] for i in verdict.accepted_nodes] + ["model"]
+        tokens = [tree.tokens[i] for i in verdict.accepted_nodes] + [verdict.bonus_token]
+        new_tokens = transcript.extend(tokens, sources, logits[path] if transcript.logprobs_top is not None else None)
+        self.ctx.tokens.extend(new_tokens)
+        started = time.perf_counter()
+        for drafter, node_map in zip(self.job.drafters, selection.node_maps, strict=True):
+            drafter.observe(self.ctx, StepOutcome(tree, verdict, logits, new_tokens, node_map))
+        self.budget.learn(selection, new_tokens)
+        drafting_s = time.perf_counter() - started + propose_s
+        expected = selection.expected_accepted
+        self.stats.record_step(tree, verdict.accepted_len, Counter(sources[:-1]), drafting_s, forward_s, expected)
+        if self.stats.forwards == 1:
+            self.stats.prefill_seconds = time.perf_counter() - self.started
+        return path
+
+    def commit(self, selection: Selection, logits: torch.Tensor, propose_s: float, forward_s: float) -> list[int]:
+        """`verify` then `accept`: the kept path (root first)."""
+        verdict = self.verify(selection.tree, logits)
+        return self.accept(selection, verdict, logits, propose_s, forward_s)
+
+    def steps_left(self) -> float:
+        """Steps this row still needs at its rate so far (its tokens left over its tokens per step)."""
+        made = len(self.job.transcript.sources)
+        per_step = max(1.0, made / max(1, self.stats.forwards))
+        return max(0, self.job.max_new_tokens - made) / per_step
+
+    def finish(self) -> GenerationStats:
+        """The row is over (finished, cancelled or failed): its drafters finish, its stats are closed and its
+        streamer ends."""
+        for drafter in self.job.drafters:
+            drafter.finish(self.ctx)
+        self.stats.new_tokens = len(self.job.transcript.sources)
+        self.stats.total_seconds = time.perf_counter() - self.started
+        if self.job.transcript.streamer is not None:
+            self.job.transcript.streamer.end()
+        return self.stats

@@ -1,0 +1,259 @@
+"""The request path of the server, one method per stage: `answer` (a completion or chat request, JSON or a stream)
+-> `translate` (every 400 decided there) -> `generate` (admission and backpressure, the worker, the deadline)
+-> `forerun.server.shaping` (OpenAI's JSON and chunks).
+
+Example (what the routes of `forerun.server.app` do):
+    >>> service = Service(model, tokenizer, config)                       # doctest: +SKIP
+    >>> await service.answer(ChatRequest(messages=[...]), request, chat=True)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from forerun.batch import batchable
+from forerun.decoder import Decoder, GenerationResult
+from forerun.prefixcache import PrefixCache
+from forerun.server import shaping
+from forerun.server.config import ServerConfig, load_trie_cache, sampling_defaults
+from forerun.server.errors import error_body, failed
+from forerun.server.metrics import Metrics
+from forerun.server.pool import Abandoned, BatchWorker, DecoderPool, ShuttingDown, Worker
+from forerun.server.schemas import ChatRequest, CompletionRequest
+from forerun.server.stream import TokenStream
+from forerun.server.translate import APIError, GenerationArgs, Limits, translate
+
+
+class Service:
+    """One model served: its decoders, its worker (continuous batching or one at a time), its metrics and queue.
+
+    A bad method, knob or cache file raises here (ValueError), before anything is served."""
+
+    def __init__(self, model, tokenizer, config: ServerConfig, draft_model=None) -> None:
+        self.config, self.tokenizer = config, tokenizer
+        self.limits = Limits(
+            model_name=config.model_name,
+            method=config.method,
+            knobs=dict(config.knobs),
+            max_tokens_limit=config.max_tokens_limit,
+            default_max_tokens=config.default_max_tokens,
+            sampling_defaults=sampling_defaults(model),
+            device_type=next(model.parameters()).device.type,
+            request_methods=config.request_methods,
+        )
+        self.pool = DecoderPool(
+            model, tokenizer, config.method, config.knobs, draft_model, PrefixCache(config.prefix_cache_tokens),
+            config.max_tree_nodes,
+        )  # fmt: skip
+        self.pool.get(config.method, {})  # a bad method or knob fails now
+        self.cache_decoder = load_trie_cache(self.pool, config.cache_path)
+        self.metrics = Metrics()
+        self.worker = self.make_worker(model)
+        self.pending = 0
+        """Requests waiting for or in generation."""
+        self.rejected = 0
+        """Requests refused because the queue was full."""
+
+    def make_worker(self, model) -> Worker | BatchWorker:
+        if self.config.max_batch > 1 and batchable(model):
+            # batch_budget: the curve's batched rows are measured now (once per model and device, then read from
+            # disk), not while the first clients wait
+            budget = self.pool.get(self.config.method, {}).batch_budget()
+            return BatchWorker(model, budget, self.config.max_batch, self.config.prefill_chunk)
+        return Worker()  # one at a time (also for models whose cache cannot hold ragged rows)
+
+    def shutdown(self) -> None:
+        """Stop the worker (every request answered), then save the trie."""
+        self.worker.shutdown()
+        if self.cache_decoder is not None:
+            self.cache_decoder.save_cache(self.config.cache_path)
+
+    def health(self) -> dict:
+        running, queued = self.worker.counts(self.pending)
+        return {
+            "status": "ok",
+            "model": self.config.model_name,
+            "queue": self.pending,
+            "running": running,
+            "queued": queued,
+            "rejected": self.rejected,
+            "max_queue": self.config.max_queue,
+        }
+
+    async def answer(self, body: ChatRequest | CompletionRequest, request: Request, chat: bool):
+        """One completion or chat request: its JSON response, or a stream of server-sent events."""
+        request.state.deadline = time.monotonic() + self.config.request_timeout_s
+        args = translate(body, self.limits)
+        answer = shaping.Answer(
+            f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", int(time.time()), self.config.model_name, chat
+        )
+        cancel = threading.Event()
+        if not args.stream:
+            decoder, result = await self.generate(args, request, None, cancel)
+            self.metrics.count(request.url.path, 200)
+            return shaping.completion(answer, result, decoder.method, self.tokenizer)
+        stream = TokenStream(self.tokenizer, asyncio.get_running_loop(), args.stop, args.logprobs is not None)
+        task = asyncio.create_task(self.generate(args, request, stream, cancel))
+        await started(stream, task, cancel)
+        self.metrics.count(request.url.path, 200)
+        return StreamingResponse(self.sse(stream, task, cancel, args, answer), media_type="text/event-stream")
+
+    async def generate(
+        self, args: GenerationArgs, request: Request, stream: TokenStream | None, cancel: threading.Event
+    ) -> tuple[Decoder, GenerationResult]:
+        """Run one generation on the worker; its deadline started when the request arrived."""
+        try:
+            decoder = self.pool.get(args.method, args.knobs)
+            wanted = args.request(stream, cancel)
+        except ValueError as error:
+            raise APIError(400, str(error), "forerun") from None
+        self.admit()
+        why: dict = {}
+        started_s = time.perf_counter()
+        watcher = asyncio.create_task(watch(request, cancel, request.state.deadline, why))
+        try:
+            batched = isinstance(self.worker, BatchWorker)
+            result = await self.worker.run(
+                row_of(decoder, wanted) if batched else job_of(decoder, wanted, cancel), cancel
+            )
+        except ValueError as error:  # the decoder refused the prompt (over the context, empty, ...)
+            raise APIError(400, str(error), "messages" if args.chat else "prompt") from None
+        except (Abandoned, ShuttingDown):
+            raise self.cancelled(why) from None
+        except Exception as error:  # noqa: BLE001 - this request's own failure, answered in OpenAI's shape
+            raise failed(error) from None
+        finally:
+            watcher.cancel()
+            self.metrics.queue.dec()
+            self.pending -= 1
+        if why.get("reason") == "timeout":
+            raise APIError(504, self.timed_out(), kind="timeout")
+        if self.worker.closing and cancel.is_set() and "reason" not in why:  # stopped by the shutdown's drain
+            raise APIError(503, "the server is shutting down; this request was stopped", kind="server_error")
+        self.metrics.observe(request.url.path, decoder.method, result.stats, time.perf_counter() - started_s)
+        return decoder, result
+
+    def admit(self) -> None:
+        """Take a place in the queue, or refuse with 429 (backpressure: a clear "come back later", not minutes of
+        waiting)."""
+        if self.pending >= self.config.max_queue:
+            self.rejected += 1
+            self.metrics.rejected.inc()
+            busy = f"the server is busy ({self.pending} requests queued); retry later"
+            raise APIError(429, busy, kind="rate_limit_exceeded")
+        self.metrics.queue.inc()
+        self.pending += 1
+
+    def cancelled(self, why: dict) -> APIError:
+        if why.get("reason") == "timeout":
+            return APIError(504, self.timed_out(), kind="timeout")
+        return APIError(503, "the request was cancelled (client gone or server shutting down)", kind="server_error")
+
+    def timed_out(self) -> str:
+        return f"the request took longer than the server's timeout of {self.config.request_timeout_s:g} s"
+
+    async def sse(
+        self, stream: TokenStream, task: asyncio.Task, cancel: threading.Event, args: GenerationArgs, answer
+    ) -> AsyncIterator[str]:
+        """Server-sent events; if the client goes away mid-stream, the generation is cancelled."""
+        try:
+            async for item in self.events(stream, task, args, answer):
+                yield item
+        finally:
+            if not task.done():
+                cancel.set()
+
+    async def events(
+        self, stream: TokenStream, task: asyncio.Task, args: GenerationArgs, answer: shaping.Answer
+    ) -> AsyncIterator[str]:
+        if answer.chat:
+            yield shaping.opening(answer)
+        offset = 0
+        async for delta, entries in deltas(stream, task):
+            yield shaping.chunk(
+                answer, delta, logprobs=shaping.logprobs_payload(self.tokenizer, entries, answer.chat, offset)
+            )
+            offset += len(delta)
+        try:
+            decoder, result = await task
+        except APIError as error:
+            yield shaping.event(error_body(error.status, error.message, error.param, error.kind))
+        except Exception as error:  # noqa: BLE001 - a stream ends with an error event and [DONE], never cut
+            failure = failed(error)
+            yield shaping.event(error_body(failure.status, failure.message, kind=failure.kind))
+        else:
+            extra = shaping.usage(result, decoder.method)
+            yield shaping.chunk(answer, None, result.finish_reason, {"forerun": extra["forerun"]})
+            if args.include_usage:  # as OpenAI: a last chunk with no choices carries the usage
+                yield shaping.chunk(answer, None, None, {"usage": extra["usage"]}, choices=False)
+        yield shaping.DONE
+
+
+def job_of(decoder: Decoder, wanted, cancel: threading.Event):
+    """The one-at-a-time worker's job: the whole generation."""
+
+    def job() -> GenerationResult:
+        if cancel.is_set():  # timed out or gone while queued
+            raise Abandoned
+        return decoder.generate(wanted)
+
+    return job
+
+
+def row_of(decoder: Decoder, wanted):
+    """Continuous batching: the row this request adds to the running batch (built on the worker's thread)."""
+    return lambda: (decoder.prepare(wanted), decoder)
+
+
+async def deltas(stream: TokenStream, task: asyncio.Task) -> AsyncIterator[tuple[str, list | None]]:
+    """The stream's (text delta, logprob entries) until it ends, or until its generation fails."""
+    while True:
+        getter = asyncio.ensure_future(stream.queue.get())
+        done, _ = await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
+        if getter in done:
+            item = getter.result()
+            if item is None:
+                return
+            yield item
+            continue
+        getter.cancel()
+        if task.cancelled() or task.exception() is not None:
+            return
+
+
+async def started(stream: TokenStream, task: asyncio.Task, cancel: threading.Event) -> None:
+    """Wait until a streamed generation has begun (its prompt checked, its place in the batch taken) or failed
+    before: a full queue, a bad knob, a prompt over the context, a timeout while queued then answer with their
+    HTTP status (429 with Retry-After, 400, 504), not as an error event inside a 200 stream, so clients' status
+    handling and retries work for streams too."""
+    waiter = asyncio.ensure_future(stream.started.wait())
+    try:
+        await asyncio.wait({waiter, task}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        cancel.set()
+        raise
+    finally:
+        waiter.cancel()
+    if not stream.started.is_set() and task.done():
+        await task  # it failed before its first step: APIError -> its status
+
+
+async def watch(request: Request, cancel: threading.Event, deadline: float, why: dict) -> None:
+    """Set `cancel` when the client disconnects or the request's deadline passes (and say which)."""
+    while not cancel.is_set():
+        if time.monotonic() > deadline:
+            why["reason"] = "timeout"
+            cancel.set()
+            return
+        if await request.is_disconnected():
+            why["reason"] = "disconnect"
+            cancel.set()
+            return
+        await asyncio.sleep(0.1)

@@ -1,0 +1,159 @@
+"""GenerationResult -> OpenAI's JSON: completions, chat completions, their streamed chunks, usage and logprobs.
+Pure functions of a result (no server, no model), so every response shape is tested without uvicorn.
+
+Example:
+    >>> answer = Answer("chatcmpl-1", 1700000000, "smollm2-135m", chat=True)
+    >>> json.loads(chunk(answer, "Hi")[6:])["choices"]
+    [{'index': 0, 'delta': {'content': 'Hi'}, 'finish_reason': None, 'logprobs': None}]
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from forerun.decoder import GenerationResult
+from forerun.logprobs import TokenLogprob
+
+
+@dataclass(frozen=True)
+class Answer:
+    """What every part of one response repeats: its id, creation time, model name and kind."""
+
+    ident: str
+    created: int
+    model: str
+    chat: bool
+
+    @property
+    def kind(self) -> str:
+        return "chat.completion" if self.chat else "text_completion"
+
+    @property
+    def chunk_kind(self) -> str:
+        return "chat.completion.chunk" if self.chat else "text_completion"
+
+
+def usage(result: GenerationResult, method: str) -> dict:
+    """OpenAI's `usage` (with cached prompt tokens and predicted-output counts) and forerun's own statistics."""
+    s = result.stats
+    return {
+        "usage": {
+            "prompt_tokens": result.prompt_len,
+            "completion_tokens": s.new_tokens,
+            "total_tokens": result.prompt_len + s.new_tokens,
+            "prompt_tokens_details": {"cached_tokens": s.cached_prompt_tokens},
+            "completion_tokens_details": {
+                "accepted_prediction_tokens": result.accepted_prediction_tokens,
+                "rejected_prediction_tokens": result.rejected_prediction_tokens,
+            },
+        },
+        "forerun": {
+            "method": method,
+            "forwards": s.forwards,
+            "tokens_per_forward": s.tokens_per_forward,
+            "acceptance": s.acceptance_rate,
+            "seconds": s.total_seconds,
+            "prefill_seconds": s.prefill_seconds,
+            "prefill_chunks": s.prefill_chunks,
+        },
+    }
+
+
+def shown_entries(tokenizer, entries: Sequence[TokenLogprob], cut: int | None, offset: int = 0) -> list[TokenLogprob]:
+    """The entries of the tokens whose text is shown: those that begin before `cut` (a stop string's offset in the
+    text), counting from `offset` characters in."""
+    shown, kept = offset, []
+    for entry in entries:
+        if cut is not None and shown >= cut:
+            break
+        kept.append(entry)
+        shown += len(tokenizer.decode([entry.token]))
+    return kept
+
+
+def logprobs_payload(tokenizer, entries: Sequence[TokenLogprob] | None, chat: bool, offset: int = 0) -> dict | None:
+    """OpenAI's logprobs object for `entries` (None: none were asked); `offset`: characters shown before them (a
+    completion's `text_offset` counts from the answer's start)."""
+    if entries is None:
+        return None
+
+    def described(token: int, value: float) -> dict:
+        piece = tokenizer.decode([token])
+        return {"token": piece, "logprob": value, "bytes": list(piece.encode("utf-8"))}
+
+    if chat:
+        content = [
+            {**described(e.token, e.logprob), "top_logprobs": [described(t, v) for t, v in e.top]} for e in entries
+        ]
+        return {"content": content, "refusal": None}
+    pieces = [tokenizer.decode([e.token]) for e in entries]
+    offsets = [offset + sum(len(p) for p in pieces[:i]) for i in range(len(pieces))]
+    return {
+        "tokens": pieces,
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{tokenizer.decode([t]): v for t, v in e.top} for e in entries],
+        "text_offset": offsets,
+    }
+
+
+def completion(answer: Answer, result: GenerationResult, method: str, tokenizer) -> dict:
+    """The whole (not streamed) response: the text up to the first stop string, its finish reason, logprobs."""
+    text = result.shown_text
+    entries = None if result.logprobs is None else shown_entries(tokenizer, result.logprobs, result.stop_at)
+    logprobs = logprobs_payload(tokenizer, entries, answer.chat)
+    reason = result.finish_reason
+    if answer.chat:
+        message = {"role": "assistant", "content": text, "refusal": None}
+        choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": reason}
+    else:
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
+    return {
+        "id": answer.ident,
+        "object": answer.kind,
+        "created": answer.created,
+        "model": answer.model,
+        "choices": [choice],
+        **usage(result, method),
+    }
+
+
+def chunk(
+    answer: Answer,
+    delta: str | None,
+    reason: str | None = None,
+    extra: dict | None = None,
+    choices: bool = True,
+    logprobs: dict | None = None,
+) -> str:
+    """One server-sent event of a stream: a text delta (None: no content, e.g. the last chunk with its reason)."""
+    if answer.chat:
+        choice = {"index": 0, "delta": {} if delta is None else {"content": delta}, "finish_reason": reason}
+    else:
+        choice = {"index": 0, "text": delta or "", "finish_reason": reason}
+    choice["logprobs"] = logprobs
+    payload = {
+        "id": answer.ident,
+        "object": answer.chunk_kind,
+        "created": answer.created,
+        "model": answer.model,
+        "choices": [choice] if choices else [],
+        **(extra or {}),
+    }
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+def opening(answer: Answer) -> str:
+    """A chat stream's first chunk: the assistant's role, no content yet."""
+    first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+    payload = {"id": answer.ident, "object": answer.chunk_kind, "created": answer.created, "model": answer.model}
+    return f"data: {json.dumps({**payload, 'choices': [first]})}\n\n"
+
+
+def event(body: dict) -> str:
+    """Any JSON body as one server-sent event (an error inside a stream)."""
+    return f"data: {json.dumps(body)}\n\n"
+
+
+DONE = "data: [DONE]\n\n"
