@@ -284,3 +284,29 @@ def test_cli_bench_batch_sizes_table_checks_every_row(model, tokenizer, tmp_path
     assert bad.exit_code == 2 and "without a draft model" in bad.output
     bad = CliRunner().invoke(app, [*args, "--methods", "auto", "--batch-size", "0,x"])
     assert bad.exit_code == 2 and "--batch-size" in bad.output
+
+
+def test_llama_cpp_methods_refuse_what_they_cannot_do(model, tokenizer):
+    prompts = load_dataset("humaneval", 1)
+    specs = parse_methods("llama_cpp,llama_cpp_lookup")
+    with pytest.raises(ValueError, match="GGUF file"):
+        run_interleaved(model, tokenizer, prompts, specs, 4)
+    with pytest.raises(ValueError, match="greedy"):
+        run_interleaved(model, tokenizer, prompts, specs, 4, sampling={"temperature": 0.7}, gguf="x.gguf")
+    with pytest.raises(ValueError, match="predict=true is for forerun methods"):
+        parse_methods("llama_cpp[predict=true]")
+
+
+def test_llama_cpp_runs_beside_forerun_on_the_same_gguf(model, tokenizer):
+    """The peer reads the model's own GGUF file; it is timed on the same prompt ids, its prompt lookup checked
+    against its own plain output, and its texts never count as forerun's mismatches."""
+    pytest.importorskip("llama_cpp", reason="the peers extra (llama-cpp-python) is not installed")
+    prompts = load_dataset("humaneval", 1)
+    specs = parse_methods("llama_cpp,llama_cpp_lookup")
+    location, gguf_file = resolve("smollm2-135m")
+    records = run_interleaved(model, tokenizer, prompts, specs, 16, gguf=f"{location}/{gguf_file}")
+    peer = {r.method: r for r in records}
+    assert peer["llama_cpp"].new_tokens > 0 and peer["llama_cpp"].identical is None
+    assert peer["llama_cpp_lookup"].identical is True  # its prompt lookup writes its own plain text
+    forged = [dataclasses.replace(peer["llama_cpp_lookup"], identical=False)]
+    assert mismatch_lines(forged) == []

@@ -12,6 +12,7 @@ from pathlib import Path
 from rich.markup import escape
 from rich.table import Table
 
+from forerun.bench.peers import PEER_METHODS
 from forerun.bench.runner import Record
 
 IDENTICAL = {True: "yes", False: "NO", None: "n/a (sampled)"}
@@ -38,6 +39,7 @@ def summarize(records: list[Record]) -> dict[str, dict[str, dict]]:
         tokens, seconds = sum(r.new_tokens for r in rows), sum(r.seconds for r in rows)
         compared = [r for r in rows if r.identical is not None]
         summary[dataset][method] = {
+            "method": method,
             "prompts": len(rows),
             "tokens_per_second": tokens / seconds if seconds else None,
             "speedup_geomean": geomean(speedups) if speedups else None,
@@ -57,7 +59,12 @@ def summarize(records: list[Record]) -> dict[str, dict[str, dict]]:
 
 
 def identical_cell(row: dict) -> str:
-    """'yes', 'NO', 'n/a (sampled)', or in low precision '3/5, ties <= 1.0 ulp'."""
+    """'yes', 'NO', 'n/a (sampled)', or in low precision '3/5, ties <= 1.0 ulp'; for llama.cpp, how its prompt
+    lookup compares with its own plain output."""
+    if row["method"].split("[")[0] in PEER_METHODS:  # another runtime: its lookup against its own plain output
+        if row["identical"] is None and not row["identical_count"]:
+            return "n/a (other runtime)"
+        return f"{row['identical_count']}/{row['prompts']} = its plain"
     if row["identical"] is None or (row["identical"] and row["max_tie_ulps"] is None):
         return IDENTICAL[row["identical"]]
     if row["max_tie_ulps"] is None:

@@ -1,0 +1,327 @@
+"""`forerun bench` (interleaved against plain generate, or batched) and `forerun curve`."""
+
+from __future__ import annotations
+
+import typer
+from rich.markup import escape
+
+from forerun.checks import writable_folder
+from forerun.cli.common import (
+    DEVICE,
+    DTYPE,
+    MODEL,
+    QUANTIZE,
+    app,
+    console,
+    errors,
+    progress_bar,
+    user_errors,
+)
+from forerun.runspec import RunSpec
+
+QUICK_METHODS = "plain,hf_prompt_lookup,prompt_lookup,auto"
+
+
+@app.command()
+@user_errors
+def bench(
+    model: str = MODEL,
+    dataset: str = typer.Option(
+        "gsm8k,humaneval",
+        "--dataset",
+        "-d",
+        help="Comma-separated: gsm8k, humaneval, mbpp, typehints, restate, or a .jsonl file.",
+    ),
+    n: int = typer.Option(5, "--n", help="Prompts per dataset."),
+    methods: str = typer.Option(QUICK_METHODS, "--methods", help="e.g. plain,hf_prompt_lookup,auto,jacobi[window=4]"),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens"),
+    threads: int = typer.Option(1, "--threads", help="torch threads, pinned for the whole run."),
+    out: str = typer.Option("bench-results", "--out", help="Folder for results.json/.md and PNG plots."),
+    quick: bool = typer.Option(False, "--quick", help="10 prompts (5 GSM8K + 5 HumanEval), the quick method set."),
+    sample: bool = typer.Option(False, "--sample", help="Sampled runs (temperature/top-p) instead of greedy."),
+    temperature: float = typer.Option(0.7, "--temperature", help="With --sample."),
+    top_p: float = typer.Option(0.9, "--top-p", help="With --sample."),
+    seed: int = typer.Option(0, "--seed", help="With --sample: every run of a prompt starts from this seed."),
+    include: list[str] = typer.Option(
+        [], "--include", help="Add the records of another run (e.g. benchmarks/compare_lade.sh's lade.json)."
+    ),
+    draft_model: str = typer.Option(
+        "", "--draft-model", help="Small model sharing the tokenizer, for methods draft_model and hf_assisted."
+    ),
+    batch_size: str = typer.Option(
+        "", "--batch-size", help="e.g. 1,2,4,8: aggregate tokens/s of batched decoding vs plain batched generate."
+    ),
+    refill: bool = typer.Option(
+        True,
+        "--refill/--no-refill",
+        help="With --batch-size: forerun gives a finished row's place to the next prompt (as `forerun run`), or "
+        "decodes generate's very batches.",
+    ),
+    rounds: int = typer.Option(1, "--rounds", help="With --batch-size: each cell the fastest of this many rounds."),
+    device: str = DEVICE,
+    dtype: str = DTYPE,
+    quantize: str = QUANTIZE,
+) -> None:
+    """Benchmark methods against plain model.generate on real prompts, interleaved, outputs checked."""
+    from pathlib import Path
+
+    import torch
+
+    from forerun.bench.datasets import load_dataset
+    from forerun.bench.report import summarize, tables, write_outputs
+    from forerun.bench.runner import load_records, mismatch_lines, parse_methods, run_interleaved
+    from forerun.latency import curve_for
+
+    if quick:
+        dataset, n, methods = "gsm8k,humaneval", 5, QUICK_METHODS
+    if n < 1 or max_new_tokens < 1 or threads < 1:
+        raise ValueError(f"--n, --max-new-tokens and --threads must be >= 1 (got {n}, {max_new_tokens}, {threads})")
+    specs = parse_methods(methods)
+    writable_folder(out)
+    spec = RunSpec(model=model, method="plain", device=device, dtype=dtype, threads=threads, quantize=quantize or None)
+    dtype = spec.dtype  # "auto" resolved for this device
+    prompts = [p for name in dataset.split(",") for p in load_dataset(name.strip(), n)]
+    included = [record for path in include for record in load_records(Path(path))]
+    lm, tokenizer, _ = spec.load()
+    draft = None
+    if draft_model:
+        from forerun.drafters.draft_model import load_draft
+
+        draft = load_draft(draft_model, lm, tokenizer)
+    sampling = {"temperature": temperature, "top_p": top_p} if sample else None
+    with console.status("latency curve (measured once per model, dtype, device and thread count)"):
+        curve = curve_for(lm, batched=bool(batch_size))
+    if batch_size:
+        bench_batched(
+            lm, tokenizer, prompts, specs, batch_size, max_new_tokens, curve, Path(out), dtype, threads, refill, rounds
+        )
+        return
+    console.print(
+        f"[bold]forerun bench[/]: {escape(model)} {dtype}, {len(prompts)} prompts, {max_new_tokens} new tokens, "
+        f"{'sampled ' + str(sampling) if sampling else 'greedy'}, torch threads {threads}, device {device}, "
+        f"{'draft ' + escape(draft_model) + ', ' if draft_model else ''}"
+        f"methods generate (reference), {escape(', '.join(s.label for s in specs))}",
+        highlight=False,
+    )
+    with progress_bar() as progress:
+        task = progress.add_task("runs", total=len(prompts) * (len(specs) + 1))
+
+        def step(prompt_id: str, label: str) -> None:
+            progress.update(task, advance=1, description=f"{prompt_id} {label}")
+
+        def warm_up_on_other_prompts(bench_method, decoder) -> None:
+            if not bench_method.warm:
+                return
+            names = [name.strip() for name in dataset.split(",")]
+            others = [p for name in names for p in load_dataset(name, n + bench_method.warm)[n:]]
+            warm_task = progress.add_task(f"warming {bench_method.label}", total=len(others))
+            for prompt in others:
+                decoder.generate(list(prompt.messages), max_new_tokens)
+                progress.advance(warm_task)
+
+        records = run_interleaved(
+            lm,
+            tokenizer,
+            prompts,
+            specs,
+            max_new_tokens,
+            step,
+            warm_up_on_other_prompts,
+            sampling,
+            seed,
+            draft,
+            curve,
+            gguf_of(model),
+            threads,
+        )
+    for line in mismatch_lines(included):
+        errors.print(f"[yellow]note[/]: included run: {escape(line)}", highlight=False)
+    summary = summarize(records + included)
+    for table in tables(summary):
+        console.print(table)
+    settings = {
+        "model": model,
+        "datasets": dataset,
+        "n": n,
+        "methods": methods,
+        "max_new_tokens": max_new_tokens,
+        "threads": threads,
+        "dtype": dtype,
+        "sampling": sampling,
+        "seed": seed if sampling else None,
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(lm.device) if lm.device.type == "cuda" else "cpu",
+        "draft_model": draft_model or None,
+        "latency_curve": curve.as_dict(),
+    }
+    for path in write_outputs(records + included, summary, settings, Path(out)):
+        console.print(f"wrote {path}")
+    mismatches = mismatch_lines(records)
+    for line in mismatches:
+        errors.print(f"[bold red]MISMATCH[/]: {escape(line)}", highlight=False)
+    if mismatches:
+        raise typer.Exit(1)
+
+
+def bench_batched(
+    lm, tokenizer, prompts, specs, sizes_text, max_new_tokens, curve, out, dtype, threads, refill=True, rounds=1
+) -> None:
+    """`forerun bench --batch-size ...`: the batched table (forerun.bench.batched), written as JSON and Markdown."""
+    import json
+
+    from forerun.bench.batched import markdown_table, run_batched
+    from forerun.bench.runner import OTHER_METHODS
+    from forerun.decoder import Decoder
+
+    try:
+        sizes = [int(part) for part in sizes_text.split(",")]
+    except ValueError:
+        raise ValueError(f"--batch-size takes integers like 1,2,4,8, got {sizes_text!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"--batch-size values must be >= 1, got {sizes_text!r}")
+    if rounds < 1:
+        raise ValueError(f"--rounds must be >= 1, got {rounds}")
+    skipped = [s.label for s in specs if s.method in OTHER_METHODS or s.needs_draft()]
+    if skipped:
+        raise ValueError(f"--batch-size runs forerun methods without a draft model; drop {', '.join(skipped)}")
+
+    def make_decoders() -> dict:
+        return {
+            s.label: Decoder(
+                lm, tokenizer, s.method, max_tree_nodes=s.max_tree_nodes, adaptive=s.adaptive, latency=curve, **s.knobs
+            )
+            for s in specs
+        }
+
+    decoders = make_decoders()
+    console.print(
+        f"[bold]forerun bench --batch-size[/] {sizes}: {len(prompts)} prompts, {max_new_tokens} new tokens, greedy, "
+        f"{dtype}, torch threads {threads}; plain batched generate (left-padded) vs {', '.join(decoders)}"
+        f"{' (finished rows refilled)' if refill else ' (the same batches)'}",
+        highlight=False,
+    )
+    decoders[next(iter(decoders))].generate([list(prompts[0].messages)] * 2, 8)  # warm-up (allocations)
+    with progress_bar() as progress:
+        chunks = sum(-(-len(prompts) // size) for size in sizes)
+        total = (chunks + (len(sizes) if refill else chunks) * len(decoders)) * rounds
+        task = progress.add_task("batches", total=total)
+
+        def step(label: str) -> None:
+            progress.update(task, advance=1, description=label)
+
+        rows = run_batched(lm, tokenizer, prompts, make_decoders, sizes, max_new_tokens, step, refill, rounds)
+    table = markdown_table(rows)
+    console.print(table, highlight=False, markup=False)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "batched.md").write_text(table + "\n", encoding="utf-8")
+    settings = {"batch_sizes": sizes, "prompts": len(prompts), "max_new_tokens": max_new_tokens, "dtype": dtype,
+                "threads": threads, "refill": refill, "rounds": rounds, "latency_curve": curve.as_dict()}  # fmt: skip
+    (out / "batched.json").write_text(json.dumps({"settings": settings, "rows": [r.as_dict() for r in rows]}, indent=1))
+    console.print(f"wrote {out / 'batched.md'} and {out / 'batched.json'}")
+    mismatched = [r for r in rows if r.identical_rows != r.rows]
+    if mismatched and dtype == "fp32":
+        for row in mismatched:
+            errors.print(
+                f"[bold red]MISMATCH[/]: b={row.batch_size} {row.method}: {row.identical_rows}/{row.rows} rows"
+            )
+        raise typer.Exit(1)
+
+
+CURVE_SIZES = ",".join(str(n) for n in (*range(1, 17), 20, 24, 32, 48, 64))
+"""forerun.latency.SIZES, spelled out here so that `--help` does not import torch."""
+
+
+@app.command()
+@user_errors
+def curve(
+    model: str = MODEL,
+    sizes: str = typer.Option(
+        CURVE_SIZES, "--sizes", help="Tokens per forward to measure (default: what the cost model measures)."
+    ),
+    context: int = typer.Option(256, "--context", help="Cached tokens before each forward."),
+    repeats: int = typer.Option(5, "--repeats"),
+    threads: int = typer.Option(1, "--threads"),
+    out: str = typer.Option("bench-results/latency", "--out"),
+    device: str = DEVICE,
+    dtype: str = typer.Option("fp32", "--dtype", help="One dtype or several: fp32,bf16 (one plot)."),
+    rows: str = typer.Option(
+        "2,4,8", "--rows", help="Rows per forward for the batched curves (what batches decide on); '' for none."
+    ),
+) -> None:
+    """Measure the forward-latency curve(s) (latency vs tokens per forward, and with several rows per forward):
+    latency.json and latency.png, and the file the cost model reads for this model, dtype, device and threads."""
+    from pathlib import Path
+
+    from rich.table import Table
+
+    from forerun.bench.latency import write_curves
+    from forerun.latency import (
+        DEFAULT_CACHE_DIR,
+        curve_path,
+        curve_settings,
+        measure_batched,
+        measure_curve,
+        save_curve,
+    )
+
+    try:
+        size_list = [int(x) for x in sizes.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--sizes must be comma-separated integers, got {sizes!r}") from None
+    try:
+        row_list = [int(x) for x in rows.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--rows must be comma-separated integers, got {rows!r}") from None
+    if any(r < 2 or r > 256 for r in row_list):
+        raise ValueError(f"--rows must be between 2 and 256, got {rows!r}")
+    if threads < 1:
+        raise ValueError("--threads must be >= 1")
+    writable_folder(out)
+    specs = [
+        RunSpec(model=model, method="plain", device=device, dtype=d.strip(), threads=threads) for d in dtype.split(",")
+    ]
+    curves = {}
+    for spec in specs:
+        lm, _, _ = spec.load()
+        with console.status(f"{spec.dtype}: measuring {len(size_list)} sizes x {repeats} repeats"):
+            measured = measure_curve(lm, size_list, context, repeats)
+        if row_list:
+            with console.status(f"{spec.dtype}: measuring batches of {rows} rows"):
+                measured = measured.with_batches(measure_batched(lm, row_list, context=context, repeats=repeats))
+        save_curve(measured, curve_path(lm, DEFAULT_CACHE_DIR), curve_settings(lm))
+        curves[spec.dtype] = measured
+        del lm
+    table = Table(title=f"forward latency, {context} cached tokens, {threads} thread(s), {device}")
+    table.add_column("tokens", justify="right")
+    for label in curves:
+        table.add_column(f"{label} ms", justify="right")
+        table.add_column(f"{label} relative", justify="right")
+    for n in curves[specs[0].dtype].sizes:
+        cells = [str(n)]
+        for measured in curves.values():
+            cells += [f"{measured.cost(n) * 1000:.1f}", f"{measured.relative(n):.2f}"]
+        table.add_row(*cells)
+    console.print(table)
+    for label, measured in curves.items():
+        if measured.batched:
+            batch_sizes = measured.batched[0][1].sizes
+            grid = Table(title=f"{label}: rows x tokens per row, relative to 1 row x 1 token")
+            grid.add_column("rows", justify="right")
+            for n in batch_sizes:
+                grid.add_column(str(n), justify="right")
+            for count, row_curve in ((1, measured), *measured.batched):
+                grid.add_row(str(count), *[f"{row_curve.cost(n) / measured.seconds[0]:.2f}" for n in batch_sizes])
+            console.print(grid)
+    settings = {"model": model, "threads": threads, "device": device, "context": context, "repeats": repeats}
+    for path in write_curves(curves, settings, Path(out)):
+        console.print(f"wrote {path}")
+
+
+def gguf_of(model: str):
+    """The model's GGUF file, where it was loaded from one (for llama.cpp in `forerun bench`), else None."""
+    from pathlib import Path
+
+    from forerun.models import resolve
+
+    location, gguf_file = resolve(model)
+    return Path(location) / gguf_file if gguf_file else None

@@ -1,0 +1,109 @@
+"""What every command shares: the app, its consoles, the run options, the error wrapper and the run specification."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from functools import wraps
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import Progress
+from rich.text import Text
+
+from forerun.methods import DEFAULT_METHOD, parse_knob_pairs, source_style
+from forerun.models import DEFAULT_MODEL
+from forerun.runspec import RunSpec
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Faster, identical text from Hugging Face LMs.")
+# Tables are wide: give them room when the output is a file or a pipe (rich would assume 80 columns).
+console = Console(width=None if sys.stdout.isatty() else 150)
+errors = Console(stderr=True)
+
+# The run options, shared by every command (one definition each, so they cannot drift apart).
+MODEL = typer.Option(DEFAULT_MODEL, "--model", "-m", help="Alias, local folder, .gguf file or cached hub id.")
+METHOD = typer.Option(
+    DEFAULT_METHOD, "--method", help="plain | prompt_lookup | jacobi | trie | draft_model | auto, or joined: a+b."
+)
+KNOB = typer.Option([], "--knob", "-k", help="Method knob NAME=VALUE (repeatable; METHOD.NAME when combined).")
+DEVICE = typer.Option("cpu", "--device", help="cpu, cuda, cuda:1 ...")
+QUANTIZE = typer.Option(
+    "", "--quantize", help="int4: every linear layer's weights in 4 bits (CPU, bf16 activations); empty: as loaded."
+)
+DTYPE = typer.Option(
+    "auto",
+    "--dtype",
+    help="auto (bf16 on a GPU, fp32 on a CPU) | fp32 (identical to generate) | bf16 | fp16 (identical up to ties).",
+)
+THREADS = typer.Option(0, "--threads", help="torch threads (0 = torch's default).")
+DRAFT = typer.Option("", "--draft-model", help="Method draft_model: the small model that drafts.")
+NODES = typer.Option(0, "--max-tree-nodes", help="Most tokens fed in one forward (0 = the method's or device's).")
+
+
+def user_errors(command: Callable) -> Callable:
+    """Turn the errors a user can cause into one line on stderr and exit status 2 (no traceback)."""
+
+    @wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except (typer.Exit, typer.Abort):
+            raise
+        except (ValueError, FileNotFoundError, RuntimeError) as error:
+            errors.print(f"[bold red]error:[/] {escape(str(error))}", highlight=False, soft_wrap=True)
+            raise typer.Exit(2) from None
+
+    return wrapper
+
+
+def run_spec(
+    model: str = DEFAULT_MODEL,
+    method: str = DEFAULT_METHOD,
+    knob: list[str] | None = None,
+    device: str = "cpu",
+    dtype: str = "auto",
+    threads: int = 0,
+    draft_model: str = "",
+    max_tree_nodes: int = 0,
+    quantize: str = "",
+) -> RunSpec:
+    """The command line's run options as a checked RunSpec (raises ValueError before anything loads)."""
+    return RunSpec(
+        model=model,
+        method=method,
+        knobs=parse_knob_pairs(knob or []),
+        device=device,
+        dtype=dtype,
+        draft_model=draft_model or None,
+        max_tree_nodes=max_tree_nodes or None,
+        threads=threads,
+        quantize=quantize or None,
+    )
+
+
+def progress_bar() -> Progress:
+    """The live progress bar of long commands (bench, trie build)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    return Progress(*columns, console=console)
+
+
+def coloured(tokenizer, new_ids: list[int], sources: list[str]) -> Text:
+    """The new text with every token styled by where it came from (a drafter's accepted guess, or the model)."""
+    from forerun.text import IncrementalText
+
+    text, pieces = Text(), IncrementalText(tokenizer)
+    for token, source in zip(new_ids, sources, strict=False):
+        text.append(pieces.push([token]), style=source_style(source))
+    text.append(pieces.finish())
+    return text
+
+
+def legend(names: tuple[str, ...]) -> Text:
+    line = Text("legend: ")
+    line.append("own step ", style="default")
+    for name in names:
+        line.append(f"{name} ", style=source_style(name))
+    return line

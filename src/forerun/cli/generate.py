@@ -1,0 +1,82 @@
+"""`forerun generate` and `forerun chat`."""
+
+from __future__ import annotations
+
+import typer
+
+from forerun.cli.common import (
+    DEVICE,
+    DRAFT,
+    DTYPE,
+    KNOB,
+    METHOD,
+    MODEL,
+    NODES,
+    QUANTIZE,
+    THREADS,
+    app,
+    coloured,
+    console,
+    legend,
+    run_spec,
+    user_errors,
+)
+
+
+@app.command()
+@user_errors
+def generate(
+    prompt: str = typer.Argument(..., help="The prompt text."),
+    model: str = MODEL,
+    method: str = METHOD,
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n"),
+    chat: bool = typer.Option(False, "--chat", help="Wrap the prompt as a user message with the chat template."),
+    knob: list[str] = KNOB,
+    max_tree_nodes: int = NODES,
+    threads: int = THREADS,
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Colour tokens by origin and print stats."),
+    draft_model: str = DRAFT,
+    device: str = DEVICE,
+    dtype: str = DTYPE,
+    quantize: str = QUANTIZE,
+) -> None:
+    """Generate text greedily; identical to model.generate(do_sample=False), only sooner."""
+    if max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    if not prompt.strip():
+        raise ValueError("prompt is empty")
+    spec = run_spec(model, method, knob, device, dtype, threads, draft_model, max_tree_nodes, quantize)
+    lm, tokenizer, draft = spec.load()
+    decoder = spec.decoder(lm, tokenizer, draft)
+    result = decoder.generate(prompt, max_new_tokens, chat=chat)
+    if not verbose:
+        console.print(result.text, highlight=False, markup=False)
+        return
+    console.print(coloured(tokenizer, result.new_tokens, result.token_sources))
+    console.print(legend(decoder.plan.names))
+    console.print(result.stats.summary(), highlight=False)
+    console.print(f"accepted length per step: {dict(sorted(result.stats.accepted_hist.items()))}", highlight=False)
+
+
+@app.command()
+@user_errors
+def chat(
+    model: str = MODEL,
+    method: str = METHOD,
+    knob: list[str] = KNOB,
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n"),
+    threads: int = THREADS,
+    draft_model: str = DRAFT,
+    max_tree_nodes: int = NODES,
+    device: str = DEVICE,
+    dtype: str = DTYPE,
+    quantize: str = QUANTIZE,
+) -> None:
+    """Chat in the terminal: streaming answers, draft-accepted tokens coloured, a stats line per answer."""
+    from forerun.chat import chat_loop
+
+    if max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    spec = run_spec(model, method, knob, device, dtype, threads, draft_model, max_tree_nodes, quantize)
+    lm, tokenizer, draft = spec.load()
+    chat_loop(spec, lm, tokenizer, draft, max_new_tokens, console)

@@ -1,0 +1,123 @@
+"""`forerun run`: a JSONL file through batched decoding, resumable, sharded under torchrun."""
+
+from __future__ import annotations
+
+import time
+
+import typer
+from rich.markup import escape
+
+from forerun.cli.common import (
+    DEVICE,
+    DRAFT,
+    DTYPE,
+    KNOB,
+    METHOD,
+    MODEL,
+    NODES,
+    QUANTIZE,
+    THREADS,
+    app,
+    console,
+    errors,
+    progress_bar,
+    run_spec,
+    user_errors,
+)
+
+
+@app.command("run")
+@user_errors
+def run_file(
+    prompts_file: str = typer.Argument(..., help='JSONL: {"id", "prompt" | "messages", optional settings} per line.'),
+    out: str = typer.Option(..., "--out", "-o", help="Results JSONL (appended as records finish; resumable)."),
+    model: str = MODEL,
+    method: str = METHOD,
+    knob: list[str] = KNOB,
+    batch_size: int = typer.Option(
+        8, "--batch-size", "-b", help="Rows decoded at once; a finished row's place goes to the next record."
+    ),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n"),
+    chat: bool = typer.Option(False, "--chat", help="Apply the chat template to text prompts."),
+    do_sample: bool = typer.Option(False, "--sample", help="Sample instead of greedy decoding."),
+    temperature: float = typer.Option(None, "--temperature", help="With --sample."),
+    top_p: float = typer.Option(None, "--top-p", help="With --sample."),
+    top_k: int = typer.Option(None, "--top-k", help="With --sample."),
+    seed: int = typer.Option(None, "--seed", help="With --sample: the file's i-th record draws from seed + i."),
+    max_tree_nodes: int = NODES,
+    threads: int = THREADS,
+    draft_model: str = DRAFT,
+    device: str = DEVICE,
+    dtype: str = DTYPE,
+    quantize: str = QUANTIZE,
+) -> None:
+    """Decode a JSONL file of prompts, --batch-size rows at once; rerun to resume. Under torchrun each rank takes a
+    shard."""
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from forerun.runner import Shard, check_writable, merge_results, pending_records, read_records, run_records
+
+    if batch_size < 1 or max_new_tokens < 1:
+        raise ValueError(f"--batch-size and --max-new-tokens must be >= 1 (got {batch_size}, {max_new_tokens})")
+    source, target = Path(prompts_file), Path(out)
+    if not source.is_file():
+        raise ValueError(f"prompts file {source} " + ("is not a regular file" if source.exists() else "does not exist"))
+    check_writable(target)
+    defaults = {"max_new_tokens": max_new_tokens, "chat": chat}
+    if do_sample:
+        sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k}
+        defaults.update(do_sample=True, **{k: v for k, v in sampling.items() if v is not None})
+    if seed is not None:
+        defaults["seed"] = seed
+    spec = run_spec(model, method, knob, device, dtype, threads, draft_model, max_tree_nodes, quantize)
+    records, problems = read_records(source, defaults)
+    shard = Shard()
+    if dist.is_torchelastic_launched():  # torchrun set the rendezvous: one shard per rank
+        dist.init_process_group("nccl" if spec.device.startswith("cuda") else "gloo")
+        shard = Shard(dist.get_rank(), dist.get_world_size())
+    if shard.rank == 0:  # every rank reads the same file: one report
+        for problem in problems:
+            errors.print(f"[bold yellow]skipped:[/] {escape(problem)}", highlight=False)
+    pending = pending_records(records, target)
+    if shard.world > 1:
+        dist.barrier()  # every rank has read what is done before any rank appends
+    lm, tokenizer, draft = spec.load()
+    decoder = spec.decoder(lm, tokenizer, draft)
+    label = f"rank {shard.rank}/{shard.world} " if shard.world > 1 else ""
+    totals = {"tokens": 0, "forwards": 0, "refused": 0}
+    with progress_bar() as bar:
+        task = bar.add_task(f"{label}records", total=len(shard.take(pending)))
+        started = time.perf_counter()
+
+        def advance(row: dict) -> None:
+            if "error" in row:
+                totals["refused"] += 1
+                errors.print(f"[bold yellow]refused:[/] record {escape(row['id'])}: {escape(row['error'])}")
+            totals["tokens"] += len(row.get("tokens", ()))
+            totals["forwards"] += row.get("stats", {}).get("forwards", 0)
+            rate = totals["tokens"] / max(1e-9, time.perf_counter() - started)
+            per_forward = totals["tokens"] / max(1, totals["forwards"])
+            description = f"{label}{rate:.1f} tok/s, {per_forward:.2f} tok/forward"
+            bar.update(task, advance=1, description=description)
+
+        decoded = run_records(decoder, pending, target, batch_size, shard, advance)
+    if shard.world > 1:
+        dist.barrier()  # every rank's part file is complete
+    if shard.rank == 0:
+        written = merge_results(target, records) if decoded or shard.world > 1 or target.exists() else 0
+        console.print(f"{written} records in {target} ({decoded} decoded now)", highlight=False)
+    if shard.world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+    if totals["refused"]:
+        errors.print(
+            f"[bold red]error:[/] {label}{totals['refused']} record(s) refused; their rows in {target} hold the "
+            "reason under 'error' (a rerun tries them again)",
+            highlight=False,
+        )
+    if problems and shard.rank == 0:
+        errors.print(f"[bold red]error:[/] {len(problems)} bad line(s) in {source} were skipped", highlight=False)
+    if totals["refused"] or (problems and shard.rank == 0):
+        raise typer.Exit(2)

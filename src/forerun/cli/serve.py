@@ -1,0 +1,123 @@
+"""`forerun serve`: the OpenAI-compatible server."""
+
+from __future__ import annotations
+
+import typer
+
+from forerun.cli.common import (
+    DEVICE,
+    DRAFT,
+    DTYPE,
+    KNOB,
+    METHOD,
+    MODEL,
+    NODES,
+    QUANTIZE,
+    THREADS,
+    app,
+    console,
+    run_spec,
+    user_errors,
+)
+
+
+@app.command()
+@user_errors
+def serve(
+    model: str = MODEL,
+    method: str = METHOD,
+    knob: list[str] = KNOB,
+    host: str = typer.Option("127.0.0.1", "--host"),
+    port: int = typer.Option(8000, "--port"),
+    api_key: str = typer.Option("", "--api-key", help="Require 'Authorization: Bearer KEY' (all but /health)."),
+    allow_host: list[str] = typer.Option(
+        [],
+        "--allow-host",
+        help="Host header accepted (repeatable; '*' = any). Default: any with --api-key, "
+        "else local names only (no DNS rebinding against a local server).",
+    ),
+    cache: str = typer.Option("", "--cache", help="Trie file: loaded at start if present, saved at shutdown."),
+    max_tokens_limit: int = typer.Option(1024, "--max-tokens-limit"),
+    timeout: float = typer.Option(300.0, "--timeout", help="Per-request timeout in seconds, arrival to last token."),
+    max_queue: int = typer.Option(64, "--max-queue", help="Most requests queued or running; beyond it: 429."),
+    max_batch: int = typer.Option(8, "--max-batch", help="Requests decoded together (1 = one at a time)."),
+    prefix_cache: int = typer.Option(
+        4096, "--prefix-cache", help="Tokens of KV kept for prompts that begin alike (system prompt, next turn); 0: off"
+    ),
+    prefill_chunk: int = typer.Option(
+        256,
+        "--prefill-chunk",
+        help="Prompt tokens a joining request feeds between two steps of the running ones (a long prompt does not "
+        "freeze the other streams); 0: whole prompts at once",
+    ),
+    request_methods: str = typer.Option(
+        "any",
+        "--request-methods",
+        help="Methods a request may pick in its forerun.method besides --method: 'any', 'none', or a comma list "
+        "(learned state stays per cache_salt either way).",
+    ),
+    threads: int = THREADS,
+    draft_model: str = DRAFT,
+    max_tree_nodes: int = NODES,
+    device: str = DEVICE,
+    dtype: str = DTYPE,
+    quantize: str = QUANTIZE,
+) -> None:
+    """Serve the model over an OpenAI-compatible HTTP API (completions, chat, streaming, /metrics)."""
+    import uvicorn
+
+    from forerun.server import ServerConfig, create_app
+    from forerun.server.lifecycle import GracefulServer
+    from forerun.server.protocol import guarded_h11
+
+    if (
+        not 1 <= port <= 65535
+        or max_tokens_limit < 1
+        or not 0 < timeout < float("inf")
+        or min(max_queue, max_batch) < 1
+        or min(prefix_cache, prefill_chunk) < 0
+    ):
+        raise ValueError(
+            "--port must be in [1, 65535], --max-tokens-limit, --max-queue and --max-batch >= 1, --prefix-cache and "
+            "--prefill-chunk >= 0 and --timeout a positive number"
+        )
+    spec = run_spec(model, method, knob, device, dtype, threads, draft_model, max_tree_nodes, quantize)
+    config = ServerConfig(
+        model_name=model,
+        method=spec.method,
+        knobs=dict(spec.knobs),
+        api_key=api_key or None,
+        cache_path=cache or None,
+        max_tokens_limit=max_tokens_limit,
+        request_timeout_s=timeout,
+        allowed_hosts=tuple(allow_host) or None,
+        max_queue=max_queue,
+        max_batch=max_batch,
+        prefix_cache_tokens=prefix_cache,
+        prefill_chunk=prefill_chunk,
+        request_methods=parse_request_methods(request_methods),
+        max_tree_nodes=spec.max_tree_nodes,
+    )
+    lm, tokenizer, draft = spec.load()
+    with console.status("preparing the server (the latency curves are measured once per model, dtype and device)"):
+        app = create_app(lm, tokenizer, config, draft)  # a bad cache file or knob stops here, in one line
+    # On SIGTERM/SIGINT: stop accepting, give open requests 5 s, answer those left with 503 (streams: an error
+    # event and [DONE]); the trie is saved after. guarded_h11: uvicorn's h11 with a deadline for request heads and
+    # a cap on connections (slowloris).
+    settings = uvicorn.Config(
+        app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5, http=guarded_h11()
+    )
+    GracefulServer(settings, drain=app.state.worker.shutdown).run()
+
+
+def parse_request_methods(text: str) -> tuple[str, ...] | None:
+    """'any' -> None (every method), 'none' -> (), 'trie,prompt_lookup' -> those (each checked by name)."""
+    from forerun.methods import METHODS
+
+    if text.strip() == "any":
+        return None
+    names = tuple(name.strip() for name in text.split(",") if name.strip() and name.strip() != "none")
+    unknown = [name for name in names if name not in METHODS]
+    if unknown:
+        raise ValueError(f"--request-methods: unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
+    return names

