@@ -233,3 +233,86 @@ def test_real_model_batched_rows_in_bf16_differ_only_at_ties():
         divergence = first_divergence(expected, result.new_tokens, logits, model.dtype)
         assert divergence is None or divergence.is_tie, (conversation, divergence)
     assert sum(result.stats.tokens_per_forward > 1 for result in results) >= 1  # the rows did draft
+
+
+class DraftsLookSlow(forerun.costmodel.ForwardTimes):
+    """This run's timings, as a loaded machine might measure them: forwards with drafts 3x dearer than the curve."""
+
+    @property
+    def penalty(self) -> float:
+        return 3.0
+
+
+def fed_and_text(model, budget) -> tuple[float, list[list[int]]]:
+    decoder = forerun.Decoder(model, None, "prompt_lookup", latency=CURVE)
+    decoder.budget = budget
+    results = [decoder.generate(prompt, NEW_TOKENS, eos_token_id=[]) for prompt in prompts(3)]
+    fed = sum(r.stats.mean_fed * r.stats.forwards for r in results) / sum(r.stats.forwards for r in results)
+    return fed, [r.new_tokens for r in results]
+
+
+def test_reproducible_choices_ignore_this_runs_timings_and_the_check_can_fail():
+    """In bf16 the same prompt must give the same text every run: the cost model then decides from the stored curve
+    only, so timings that claim drafted forwards are slow change nothing; steered by them (the negative control),
+    it feeds less."""
+    model = low_model("llama", "bf16")
+    curve_only = fed_and_text(model, forerun.costmodel.CostModel(CURVE, 16, times=None))
+    ignored = fed_and_text(model, forerun.costmodel.CostModel(CURVE, 16, times=DraftsLookSlow(), reproducible=True))
+    steered = fed_and_text(model, forerun.costmodel.CostModel(CURVE, 16, times=DraftsLookSlow()))
+    assert ignored == curve_only
+    assert steered[0] < curve_only[0]
+
+
+def test_reproducible_is_on_in_low_precision_and_off_in_fp32():
+    for dtype, expected in (("bf16", True), ("fp16", True)):
+        decoder = forerun.Decoder(low_model("llama", dtype), None, "auto", latency=CURVE)
+        assert decoder.budget.reproducible is expected
+    fp32 = tiny_model("llama", "sdpa")
+    assert forerun.Decoder(fp32, None, "auto", latency=CURVE).budget.reproducible is False
+    assert forerun.Decoder(fp32, None, "auto", latency=CURVE, reproducible=True).budget.reproducible is True
+    bf16 = forerun.Decoder(low_model("llama", "bf16"), None, "auto", latency=CURVE, reproducible=False)
+    assert bf16.budget.reproducible is False
+    with pytest.raises(ValueError, match="reproducible must be true or false"):
+        forerun.Decoder(fp32, None, "auto", latency=CURVE, reproducible="yes")
+
+
+def test_a_batch_of_reproducible_rows_neither_pauses_drafting_nor_prices_by_timings():
+    def modes(budgets) -> str:
+        """40 steps where drafting measures 100x slower than plain decoding: which mode each step ran."""
+        policy, seen = forerun.costmodel.BatchPolicy(), ""
+        for _ in range(40):
+            drafting = policy.drafting(budgets)
+            policy.record(budgets, drafting, [[0], [0]], 10.0 if drafting else 0.1)
+            selection = forerun.costmodel.Selection(TokenTree.rooted_at(1), [])
+            policy.learn(budgets, [selection, selection], [[0], [0]], 8 if drafting else 1, 10.0 if drafting else 0.1)
+            seen += "d" if drafting else "p"
+        assert policy.measured == {False: 1.0, True: 1.0} or not budgets[0].reproducible
+        return seen
+
+    reproducible = [forerun.costmodel.CostModel(CURVE, 16, times=None, reproducible=True) for _ in range(2)]
+    assert modes(reproducible) == "d" * 40
+    steered = [forerun.costmodel.CostModel(CURVE, 16, times=None) for _ in range(2)]
+    assert "p" in modes(steered)  # the negative control: timings pause drafting
+
+
+def repeated_texts(model, tokenizer, cache_dir, runs: int = 3) -> list[list[str]]:
+    """The texts of fresh `auto` Decoders on the real model's test prompts, run after run, with the latency curve
+    read from disk as users have it (the first Decoder measures and stores it)."""
+    from test_real_model import PROMPTS
+
+    texts = []
+    for _ in range(runs):
+        decoder = forerun.Decoder(model, tokenizer, "auto", latency_cache=cache_dir)
+        assert decoder.budget.reproducible and decoder.budget.times is None
+        texts.append([decoder.generate(text, 48, chat=True).text for text in PROMPTS[:3]])
+    return texts
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("quantize", [None, "int4"])
+def test_real_model_in_low_precision_writes_the_same_text_every_run(tmp_path, quantize):
+    if quantize:
+        pytest.importorskip("torchao")
+    model, tokenizer = forerun.load_model("smollm2-135m", dtype=torch.bfloat16, quantize=quantize)
+    first, *others = repeated_texts(model, tokenizer, tmp_path)
+    assert all(texts == first for texts in others)

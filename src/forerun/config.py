@@ -221,11 +221,18 @@ class EngineConfig:
     compile_buckets: bool = False
     """With the static cache: compile each bucket's forward (`torch.compile`, inductor) before capturing it: tens of
     seconds per bucket once, for steps with fused kernels."""
+    reproducible: bool | None = None
+    """Decide what is fed from stored measurements only (the latency curve on disk, the learned acceptance), never
+    from this run's timings, so that the same prompt with the same settings and a fresh Decoder writes the same text
+    every run. None: on in low precision (bf16, fp16, quantized weights: each tree shape rounds differently, and a
+    choice steered by timings could move a tie), off in fp32 (the text is the model's whatever is fed)."""
 
     def __post_init__(self) -> None:
         if self.max_tree_nodes is not None:
             check_int(self, "max_tree_nodes", 1, 4096)
-        for name in ("draft_in_prefill", "adaptive", "static_cache", "compile_buckets"):
+        for name in ("draft_in_prefill", "adaptive", "static_cache", "compile_buckets", "reproducible"):
             value = getattr(self, name)
-            if not isinstance(value, bool) and not (name in ("adaptive", "static_cache") and value is None):
+            if not isinstance(value, bool) and not (
+                name in ("adaptive", "static_cache", "reproducible") and value is None
+            ):
                 raise ValueError(f"EngineConfig.{name} must be true or false, got {value!r}")

@@ -26,6 +26,7 @@ from transformers import (
 )
 
 from forerun.base import StaticBase, static_support
+from forerun.base.weights import weights_kind
 from forerun.batch import batchable, decode_rows, fork
 from forerun.checks import check_batch_size, row_seeds
 from forerun.config import EngineConfig
@@ -149,6 +150,7 @@ class Decoder:
         adaptive: bool | None = None,
         static_cache: bool | None = None,
         compile_buckets: bool = False,
+        reproducible: bool | None = None,
         latency: LatencyCurve | None = None,
         latency_cache: str | Path | None = DEFAULT_CACHE_DIR,
         drafters: Sequence[Drafter] | None = None,
@@ -164,7 +166,9 @@ class Decoder:
         device_type = next(model.parameters()).device.type
         self.plan = plan_method(method, knobs, device_type)
         self.method = self.plan.text
-        self.engine_config = EngineConfig(max_tree_nodes, draft_in_prefill, adaptive, static_cache, compile_buckets)
+        self.engine_config = EngineConfig(
+            max_tree_nodes, draft_in_prefill, adaptive, static_cache, compile_buckets, reproducible
+        )
         self.base = self.make_base(device_type)
         check_vocabulary(model, tokenizer)
         uses_draft = self.plan.uses_model()
@@ -199,8 +203,13 @@ class Decoder:
         if adaptive and drafting:
             curve = latency if latency is not None else curve_for(self.model, latency_cache, base=self.base)
             cap = config.max_tree_nodes or max(curve.default_cap(), self.plan.min_budget())
-            # a measured curve is corrected by what this run's forwards take; a given one is the price as it is
-            return CostModel(curve, cap, times=ForwardTimes() if latency is None else None)
+            # a measured curve is corrected by what this run's forwards take (unless choices must be reproducible);
+            # a given one is the price as it is
+            reproducible = config.reproducible
+            if reproducible is None:
+                reproducible = self.model.dtype != torch.float32 or weights_kind(self.model) is not None
+            times = ForwardTimes() if latency is None and not reproducible else None
+            return CostModel(curve, cap, times=times, reproducible=reproducible)
         return StaticBudget(config.max_tree_nodes or (self.plan.static_budget() if self.plan.specs else 16))
 
     def make_base(self, device_type: str) -> StaticBase | None:

@@ -136,8 +136,8 @@ class BatchPolicy:
         return budgets[0].curve
 
     def drafting(self, budgets: Sequence[Budget]) -> bool:
-        """Whether the rows propose this step."""
-        return self.shared_curve(budgets) is None or self.switch.drafting()
+        """Whether the rows propose this step (always, where the budgets must not steer by timings)."""
+        return self.shared_curve(budgets) is None or not steered(budgets) or self.switch.drafting()
 
     @staticmethod
     def proposal_caps(budgets: Sequence[Budget]) -> list[int]:
@@ -168,7 +168,7 @@ class BatchPolicy:
             correction = min(1.0, (self.accepted + BATCH_PRIOR) / (self.expected + BATCH_PRIOR))
             chances = [[c * correction for c in r.chances] for r in rankings]
             cap = min(budget.max_nodes for budget in budgets)
-            penalty = max(1.0, self.measured[True] / self.measured[False])
+            penalty = max(1.0, self.measured[True] / self.measured[False]) if steered(budgets) else 1.0
             count = best_shared_count(chances, budgets[0].curve, cap, penalty, self.weights(steps_left))
             return [ranking.select(count) for ranking in rankings]
         return [
@@ -213,7 +213,7 @@ class BatchPolicy:
         if rows < 2:
             return
         curve = budgets[0].curve
-        if curve is not None:
+        if curve is not None and steered(budgets):
             drafted = nodes > 1
             ratio = forward_s / curve.batch_cost(rows, nodes)
             self.measured[drafted] = BATCH_DECAY * self.measured[drafted] + (1 - BATCH_DECAY) * ratio
@@ -225,7 +225,7 @@ class BatchPolicy:
     def record(self, budgets: Sequence[Budget], drafting: bool, kept: Sequence[Sequence[int]], seconds: float):
         """One whole step's rate for the draft switch: tokens per row per predicted plain step."""
         curve = self.shared_curve(budgets)
-        if curve is not None:
+        if curve is not None and steered(budgets):
             tokens = sum(len(path) for path in kept) / len(kept)
             self.switch.record(drafting, tokens * curve.batch_cost(len(kept), 1) / max(seconds, 1e-9))
 
@@ -265,3 +265,8 @@ def best_shared_count(
         if rate > best_rate:
             best, best_rate = k, rate
     return best
+
+
+def steered(budgets: Sequence[Budget]) -> bool:
+    """Whether the batch may steer by its wall-clock timings (no row asks for reproducible choices)."""
+    return not any(budget.reproducible for budget in budgets)

@@ -28,6 +28,9 @@ class Budget(Protocol):
     max_nodes: int
     selective: bool
     """Whether drafters may propose whatever might pay (the budget picks), or only what they want fed."""
+    reproducible: bool
+    """Whether it decides from stored measurements and learned acceptance only, never from this run's wall-clock
+    timings (then a batch of its rows does not steer by timings either: `forerun.costmodel.batch`)."""
 
     @property
     def curve(self) -> LatencyCurve | None: ...
@@ -122,6 +125,8 @@ class StaticBudget:
     max_nodes: int
     selective = False
     """Drafters propose only what they want fed."""
+    reproducible = True
+    """What it feeds follows the knobs alone."""
 
     def choose(self, root: int, proposals: Sequence[TokenTree], lead: int = 0, drafts: bool = True) -> Selection:
         """`drafts=False`: feed the root alone this step."""
@@ -160,6 +165,10 @@ class CostModel:
     times: ForwardTimes | None = field(default_factory=ForwardTimes)
     """How this device's forwards measure against `curve` (`timed`): drafted forwards are priced with its penalty.
     None: `curve` is the price, as it is (a hand-made curve, in tests)."""
+    reproducible: bool = False
+    """Decide from `curve` and the learned acceptance only: `times` is neither kept nor used. In low precision each
+    tree shape rounds differently, so a choice steered by this run's timings could move a numerical tie from run to
+    run; from stored measurements, the same prompt gives the same text every run (`EngineConfig.reproducible`)."""
     selective = True
     """Drafters propose whatever might pay; this model picks."""
 
@@ -229,7 +238,7 @@ class CostModel:
         ]
         offered = [i for i, probes in enumerate(probes_of) if probes][:MAX_GROUPS]
         groups = [(sum(merged.scores[m] for m in probes_of[i]), len(probes_of[i])) for i in offered]
-        penalty = self.times.penalty if self.times is not None else 1.0
+        penalty = self.times.penalty if self.times is not None and not self.reproducible else 1.0
         choice = best_prefix(ranking.chances, self.curve, lead, self.max_nodes, groups, penalty)
         probes = [m for g in choice.groups for m in probes_of[offered[g]]]
         return ranking.select(choice.nodes, probes, choice.expected_accepted, choice.padding)
@@ -244,7 +253,7 @@ class CostModel:
 
     def timed(self, fed: int, seconds: float) -> None:
         """A decoding forward (no prompt lead) of `fed` tokens took `seconds`, verification included."""
-        if self.times is not None:
+        if self.times is not None and not self.reproducible:
             self.times.record(fed, self.curve.cost(fed), seconds)
 
     def new_request(self) -> None:
@@ -254,7 +263,7 @@ class CostModel:
         """A row's own budget: the same curve, long-run calibration and check of fed guesses, its own per-request
         correction (no forward timings: a batch times its forwards itself, `forerun.costmodel.batch`)."""
         calibration = Calibration(hits=self.calibration.hits, trials=self.calibration.trials)
-        return CostModel(self.curve, self.max_nodes, calibration, self.fed_check, times=None)
+        return CostModel(self.curve, self.max_nodes, calibration, self.fed_check, None, self.reproducible)
 
     def proposal_nodes(self, rows: int) -> int:
         """Most nodes, root included, a row's drafters may propose in a batch of `rows` rows (`PROPOSAL_COST`).
