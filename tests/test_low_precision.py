@@ -122,7 +122,7 @@ BF16_CPU_CURVE = LatencyCurve((1, 2, 4, 8, 16, 32), (0.027, 0.029, 0.030, 0.034,
 def test_real_model_loads_dense_in_bf16_without_a_false_gguf_warning(caplog):
     # transformers warned that a GGUF asked for in bf16 "computes in float32 with its weights packed" even when it
     # then dequantized; forerun asks for dense weights outright, so the warning (false) is gone and the model is
-    # the plain bf16 one every speedup in BENCHMARKS.md was measured on. (transformers' loggers do not propagate
+    # the plain bf16 one every speedup in docs/benchmarks.md was measured on. (transformers' loggers do not propagate
     # to the root logger: caplog's handler is hung on theirs.)
     transformers_logger = logging.getLogger("transformers")
     transformers_logger.addHandler(caplog.handler)

@@ -74,7 +74,7 @@ class JacobiConfig:
     defaults are small because a CPU pays for every token of a forward: a window of W=1, N=4 is a chain of 3
     probes, fed only on steps that also verify candidates (`lazy_window`, with a static budget; the cost model
     decides by the window's measured worth instead), the output's n-grams pooled too. How they were chosen, with
-    figures: BENCHMARKS.md.
+    figures: docs/benchmarks.md.
     """
 
     window: int = 1
@@ -171,7 +171,7 @@ class DraftModelConfig:
     """Also propose the draft's 2nd..k-th choices at the first position (leaves of a small tree; sampled runs:
     the runners-up of its noisy scores).
     gamma, max_gamma and this default follow a target whose latency is nearly flat over a few dozen tokens, where
-    long drafts cost little when the confidence stop cuts the poor ones (BENCHMARKS.md)."""
+    long drafts cost little when the confidence stop cuts the poor ones (docs/benchmarks.md)."""
     self_draft_layers: int = 0
     """> 0: no second model; the target's first K decoder layers plus its LM head draft (layer skipping)."""
     lookup: int = 8
@@ -182,7 +182,7 @@ class DraftModelConfig:
     lookup_min_hits: float = 1.5
     """Feed the guesses only while the draft has recently confirmed at least this many guessed tokens per guess
     (a running mean, also over guesses it only watched): a guess pays when the tokens it saves outweigh the cost
-    of the wider draft forward (BENCHMARKS.md has the draft's latency curve). 0: always feed."""
+    of the wider draft forward (docs/benchmarks.md has the draft's latency curve). 0: always feed."""
 
     def __post_init__(self) -> None:
         check_int(self, "gamma", 1, 256)

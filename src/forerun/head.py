@@ -4,7 +4,7 @@ A causal LM is a body (embeddings and layers, `model.model`) and an output matri
 body's last hidden states h [n, hidden]. Verifying a tree needs logits at each of its n nodes. The same product can
 be written two ways, F.linear(h, W) and (W @ h^T)^T, and which is faster for a few rows depends on the CPU and its
 BLAS: on one AVX-512 EPYC the tall product saved a sixth of a 2-token forward, on an AVX-512 Xeon it cost a fifth
-(the timings per CPU are in BENCHMARKS.md). So the choice is measured, not assumed: once per matrix shape, dtype,
+(the timings per CPU are in docs/benchmarks.md). So the choice is measured, not assumed: once per matrix shape, dtype,
 device, thread count and torch version, both layouts are timed at 1 to `TALL_MAX_POSITIONS` rows (a second or two,
 `time_layouts`) and the result is kept under `~/.cache/forerun/head/`. A forward of n positions computes its
 logits as (W @ h^T)^T where that measured at most `TALL_MARGIN` of F.linear's time at n; every other forward is the

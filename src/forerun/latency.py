@@ -76,7 +76,7 @@ def weights_settings(model: torch.nn.Module) -> dict[str, str]:
 def masked_gqa(model: torch.nn.Module) -> bool:
     """Whether transformers' sdpa attends grouped key/value heads as they are under a mask (its own switch,
     `TRANSFORMERS_SDPA_FORCE_GQA=1`), instead of copying them once per query head: a tree forward of 8 rows x 4
-    nodes then costs ~20 ms less in fp32 on this CPU (BENCHMARKS.md), so a curve measured one way misprices trees
+    nodes then costs ~20 ms less in fp32 on this CPU (docs/benchmarks.md), so a curve measured one way misprices trees
     the other. Asked of transformers itself, not read from the environment."""
     if getattr(model.config, "_attn_implementation", None) != "sdpa":
         return False

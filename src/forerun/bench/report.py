@@ -123,7 +123,7 @@ def tables(summary: dict[str, dict[str, dict]]) -> list[Table]:
 
 
 def markdown(summary: dict[str, dict[str, dict]]) -> str:
-    """The same tables as GitHub markdown, for README.md and BENCHMARKS.md."""
+    """The same tables as GitHub markdown, for README.md and docs/benchmarks.md."""
     lines = []
     for dataset, methods in summary.items():
         lines += [

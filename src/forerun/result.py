@@ -1,0 +1,52 @@
+"""What one generation returns: its tokens and text, where each token came from, its statistics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from forerun.logprobs import TokenLogprob
+from forerun.stats import GenerationStats
+
+
+@dataclass
+class GenerationResult:
+    """What one generation returns."""
+
+    sequences: torch.Tensor
+    """LongTensor [1, prompt_len + new_tokens], the same as model.generate(..., do_sample=False)."""
+    prompt_len: int
+    text: str | None
+    """The decoded new tokens (None without a tokenizer)."""
+    stats: GenerationStats
+    token_sources: list[str]
+    """Per new token: 'model' or the drafter whose guess was accepted ('prediction' for a predicted output)."""
+    logprobs: list[TokenLogprob] | None = None
+    """Per new token, with `generate(..., logprobs=k)`: its log-probability under the raw model, k alternatives."""
+    prediction_tokens: int = 0
+    """Tokens of the request's prediction (0 without one)."""
+    finish_reason: str = "stop"
+    """'stop' (EOS or a stop string) or 'length' (max_new_tokens reached), as OpenAI says it."""
+    stop_at: int | None = None
+    """Where in `text` the first stop string begins (the text shown ends there), or None."""
+
+    @property
+    def shown_text(self) -> str:
+        """`text` up to the first stop string, as OpenAI's answers show it."""
+        text = self.text or ""
+        return text if self.stop_at is None else text[: self.stop_at]
+
+    @property
+    def new_tokens(self) -> list[int]:
+        return self.sequences[0, self.prompt_len :].tolist()
+
+    @property
+    def accepted_prediction_tokens(self) -> int:
+        """New tokens that came from the prediction (OpenAI's usage.completion_tokens_details field)."""
+        return self.stats.accepted_by.get("prediction", 0)
+
+    @property
+    def rejected_prediction_tokens(self) -> int:
+        """Prediction tokens that did not make it into the answer through the prediction."""
+        return max(0, self.prediction_tokens - self.accepted_prediction_tokens)

@@ -1,0 +1,32 @@
+"""The Python examples of the README and the usage page run as written, on the embedded model."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def python_blocks(path: str) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", (ROOT / path).read_text(encoding="utf-8"), re.S)
+
+
+@pytest.mark.real_model
+def test_the_readme_example_runs():
+    (block,) = python_blocks("README.md")
+    scope: dict = {}
+    exec(compile(block, "README.md", "exec"), scope)  # noqa: S102 - the README's own code
+    assert scope["result"].text and len(scope["results"]) == 2
+
+
+@pytest.mark.real_model
+def test_the_usage_examples_run_in_order():
+    blocks = python_blocks("docs/usage.md")
+    scope: dict = {"prompts": ["Name a colour.", "Count to three.", "Say hi."]}
+    for index in (0, 1):  # the single prompt, then many prompts at once (later blocks need other models)
+        exec(compile(blocks[index], f"docs/usage.md block {index}", "exec"), scope)  # noqa: S102
+    assert scope["result"].text and all(r.text for r in scope["results"])
+    assert len(scope["results"]) == 3
