@@ -39,15 +39,13 @@ docs: setup
 test: setup lint docs
 	$(BIN)/python -m pytest -q -p no:cacheprovider --doctest-modules src/forerun tests
 
-# A few minutes' check while working: the unit tests, the static base, isolation and server translation, and an
-# equality slice (three families, every method; batches and sampling's negative controls). CI runs `make test`.
-FAST_UNITS := tests/test_tree.py tests/test_verify.py tests/test_costmodel.py tests/test_methods.py tests/test_trie.py \
-	tests/test_prompt_lookup.py tests/test_jacobi.py tests/test_isolation.py tests/test_server_translate.py \
-	tests/test_static_base.py tests/test_errors.py tests/test_fallback.py tests/test_prefix_cache.py
-FAST_SLICE := tests/test_equality_families.py tests/test_batch.py tests/test_sampling.py
+# A few minutes' check while working: the unit tests (tests/unit: no real model) and an equality slice of
+# tests/equality (three families, every method; batches and sampling's negative controls). tests/e2e (the real
+# model, the server, the CLI) runs in `make test`, which CI runs.
+FAST_SLICE := tests/equality/test_equality_families.py tests/equality/test_batch.py tests/equality/test_sampling.py
 
 test-fast: setup lint
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not real_model" $(FAST_UNITS)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not real_model" tests/unit
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not real_model" $(FAST_SLICE) \
 		-k "llama or gpt2 or qwen3 or hand or negative or control"
 

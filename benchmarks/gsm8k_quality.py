@@ -4,8 +4,8 @@ forerun writes the answers of the model it is given (token for token in fp32, up
 any loss here is the precision's, not forerun's. Each configuration answers the first N GSM8K test problems
 greedily with `auto`; an answer is right when the last number it writes equals the reference.
 
-    python benchmarks/gsm8k_quality.py --n 50 --threads 1 --configs fp32,bf16,int4 \
-        --out benchmarks/results/gsm8k-quality-epyc.json
+    python benchmarks/gsm8k_quality.py --model qwen2.5-coder-0.5b --n 50 --threads 1 --configs bf16,int4 \
+        --out benchmarks/results/gsm8k-quality-qwen-epyc.json
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ def last_number(text: str) -> str | None:
     return value[: -len(value.split(".")[1]) - 1] if "." in value and set(value.split(".")[1]) == {"0"} else value
 
 
-def run(config: str, problems: list[dict], max_new_tokens: int) -> dict:
+def run(name: str, config: str, problems: list[dict], max_new_tokens: int) -> dict:
     dtype = torch.float32 if config == "fp32" else torch.bfloat16
-    model, tokenizer = forerun.load_model("smollm2-135m", dtype=dtype, quantize="int4" if config == "int4" else None)
+    model, tokenizer = forerun.load_model(name, dtype=dtype, quantize="int4" if config == "int4" else None)
     decoder = forerun.Decoder(model, tokenizer, "auto")
     right, tokens, started, answers = 0, 0, time.perf_counter(), []
     for problem in problems:
@@ -47,6 +47,7 @@ def run(config: str, problems: list[dict], max_new_tokens: int) -> dict:
         answers.append({"id": problem["task_id"], "answer": problem["answer"], "got": got})
     seconds = time.perf_counter() - started
     return {
+        "model": name,
         "config": config,
         "problems": len(problems),
         "right": right,
@@ -59,6 +60,7 @@ def run(config: str, problems: list[dict], max_new_tokens: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--n", type=int, default=50)
     parser.add_argument("--max-new-tokens", type=int, default=320)
     parser.add_argument("--threads", type=int, default=1)
@@ -69,7 +71,7 @@ def main() -> None:
     problems = read_jsonl(package_file("benchkit", "datasets/gsm8k.jsonl"))[: args.n]
     results = []
     for config in args.configs.split(","):
-        results.append(run(config, problems, args.max_new_tokens))
+        results.append(run(args.model, config, problems, args.max_new_tokens))
         row = results[-1]
         print(f"{config}: {row['right']}/{row['problems']} right, {row['tokens_per_second']:.1f} tokens/s", flush=True)
     Path(args.out).write_text(json.dumps({"threads": args.threads, "results": results}, indent=1) + "\n")

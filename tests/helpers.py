@@ -60,3 +60,14 @@ class RandomDrafter:
 
     def finish(self, ctx: DraftContext) -> None:
         pass
+
+
+# The real model's test prompts (one of each kind: code, arithmetic, an edit, prose, a list).
+PROMPTS = [
+    "Write a Python function that checks whether a string is a palindrome.",
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+    "How many clips did Natalia sell altogether in April and May?",
+    "Add type hints to this function:\n\ndef add(a, b):\n    total = a + b\n    return total\n",
+    "Explain what a hash table is, in three sentences.",
+    "List the planets of the solar system in order from the sun.",
+]

@@ -12,7 +12,7 @@ Every node carries a `score`: its drafter's estimate, in [0, 1], that the target
 accepted (trie path frequency, match length, the draft model's own probability). The cost model
 (`forerun.costmodel`) calibrates these scores and decides which nodes are worth feeding; the root's score is 1.
 
-Example (the tree drawn in tests/test_tree.py)::
+Example (the tree drawn in tests/unit/test_tree.py)::
 
     root(5) ─ 7 ─ 9          tokens   [5, 7, 9, 8]
          └─── 8              parents  [-1, 0, 1, 0]

@@ -22,7 +22,7 @@ place). Only a difference that is not a tie is a mismatch. The row `generate[bat
 generate of the prompt in a left-padded batch of two, against itself in a batch of one (not timed).
 
 Sampled runs (`sampling={"temperature": 0.7, "top_p": 0.9}`) cannot be compared token for token with plain
-generate, which draws its randomness differently (the distribution is proven equal by tests/test_sampling.py):
+generate, which draws its randomness differently (the distribution is proven equal by tests/equality/test_sampling.py):
 `identical` is None. Every forerun method runs with the same seed, so in fp32 they all write the same text
 (`forerun.noise`) and their speeds compare on one answer; in bf16 up to ties.
 """

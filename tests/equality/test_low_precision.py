@@ -147,7 +147,7 @@ def test_real_model_in_bf16_differs_only_at_ties():
 def real_model_ties(model, tokenizer, new_tokens: int) -> int:
     """Asserts, for `prompt_lookup` and `auto` on the real model's test prompts, that every first difference from
     plain generate is a tie; returns how many runs were identical."""
-    from test_real_model import PROMPTS
+    from helpers import PROMPTS
 
     identical = 0
     for method in ("prompt_lookup", "auto"):
@@ -176,7 +176,7 @@ def real_model_ties(model, tokenizer, new_tokens: int) -> int:
 def plain_batch_flips(model, tokenizer, ids: torch.Tensor, divergence) -> bool:
     """Whether plain greedy generate of `ids` in a left-padded batch of two, beside one of the real-model test
     prompts, first leaves its batch-one output exactly as `divergence` does (same position, same token)."""
-    from test_real_model import PROMPTS
+    from helpers import PROMPTS
 
     expected, logits = reference(model, ids, divergence.position + 1, stop_at_eos=True)
     for text in PROMPTS:
@@ -218,7 +218,7 @@ def test_plain_batch_flips_only_reproduces_what_plain_generate_does():
 @pytest.mark.real_model
 def test_real_model_batched_rows_in_bf16_differ_only_at_ties():
     """Rows of one batch (padded trees, shared ragged cache) keep the bf16 contract against each prompt alone."""
-    from test_real_model import PROMPTS
+    from helpers import PROMPTS
 
     model, tokenizer = forerun.load_model("smollm2-135m", dtype=torch.bfloat16)
     rows2 = LatencyCurve((1, 2, 4, 8), (0.040, 0.042, 0.044, 0.050))
@@ -298,7 +298,7 @@ def test_a_batch_of_reproducible_rows_neither_pauses_drafting_nor_prices_by_timi
 def repeated_texts(model, tokenizer, cache_dir, runs: int = 3) -> list[list[str]]:
     """The texts of fresh `auto` Decoders on the real model's test prompts, run after run, with the latency curve
     read from disk as users have it (the first Decoder measures and stores it)."""
-    from test_real_model import PROMPTS
+    from helpers import PROMPTS
 
     texts = []
     for _ in range(runs):

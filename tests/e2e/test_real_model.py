@@ -9,16 +9,10 @@ from typer.testing import CliRunner
 import forerun
 from forerun.cli import app
 
+from helpers import PROMPTS
+
 pytestmark = pytest.mark.real_model
 
-PROMPTS = [
-    "Write a Python function that checks whether a string is a palindrome.",
-    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
-    "How many clips did Natalia sell altogether in April and May?",
-    "Add type hints to this function:\n\ndef add(a, b):\n    total = a + b\n    return total\n",
-    "Explain what a hash table is, in three sentences.",
-    "List the planets of the solar system in order from the sun.",
-]
 NEW_TOKENS = 128
 
 
