@@ -35,7 +35,7 @@ from forerun.drafters.base import Drafter
 from forerun.drafters.prediction import PredictionDrafter
 from forerun.engine import decode
 from forerun.latency import DEFAULT_CACHE_DIR, curve_for, measure_batched
-from forerun.methods import DEFAULT_METHOD, plan_method
+from forerun.methods import DEFAULT_METHOD, MethodPlan, plan_method
 from forerun.noise import GumbelNoise
 from forerun.prefixcache import PrefixCache, Prefixes
 from forerun.prompts import check_context, check_kinds, encode_prediction, encode_prompt
@@ -101,7 +101,7 @@ class Decoder:
         self,
         model: torch.nn.Module,
         tokenizer: PreTrainedTokenizerBase | None = None,
-        method: str = DEFAULT_METHOD,
+        method: str | MethodPlan = DEFAULT_METHOD,
         *,
         max_tree_nodes: int | None = None,
         draft_in_prefill: bool = True,
@@ -122,7 +122,12 @@ class Decoder:
         self.model, self.tokenizer = model, tokenizer
         self.prefixes = prefix_cache if isinstance(prefix_cache, PrefixCache) else PrefixCache(prefix_cache or 0)
         device_type = next(model.parameters()).device.type
-        self.plan = plan_method(method, knobs, device_type)
+        if isinstance(method, MethodPlan):  # parsed once, by the run specification: not re-rendered as text
+            if knobs:
+                raise ValueError(f"a MethodPlan carries its knobs; got {sorted(knobs)} besides")
+            self.plan = method
+        else:
+            self.plan = plan_method(method, knobs, device_type)
         self.method = self.plan.text
         self.engine_config = EngineConfig(
             max_tree_nodes, draft_in_prefill, adaptive, static_cache, compile_buckets, reproducible
@@ -139,7 +144,7 @@ class Decoder:
         if drafters is None and self.budget.curve is not None and self.budget.curve.flat:
             # Extra tokens cost little here: the drafters propose wide trees, the cost model cuts each step's
             # (bf16 on a CPU with bf16 units, SmolLM2 greedy: 1.91x -> 2.03x plain generate in forwards' cost)
-            self.plan = plan_method(method, knobs, device_type, flat=True)
+            self.plan = self.plan.for_flat_curve()
         vocab = model.get_output_embeddings().weight.shape[0]
         self.drafters = list(self.plan.build(self.draft_model, vocab) if drafters is None else drafters)
 

@@ -22,7 +22,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from forerun.drafters import draft_model, jacobi, prompt_lookup, trie
 from forerun.drafters.base import Drafter, MethodSpec
@@ -55,6 +55,13 @@ class MethodPlan:
     text: str
     specs: tuple[MethodSpec, ...]
     configs: tuple[object, ...]
+    knobs: Mapping[str, object] = field(default_factory=dict)
+    """The knobs it was built with (a plan for a flat curve is built again from them: `for_flat_curve`)."""
+    device_type: str = "cpu"
+
+    def for_flat_curve(self) -> MethodPlan:
+        """The same methods and knobs over the defaults for a cost model on a flat latency curve."""
+        return plan_method(self.text, self.knobs, self.device_type, flat=True)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -173,7 +180,7 @@ def plan_method(
             raise ValueError(f"unknown knob(s) {unknown} for method {spec.name!r}; known: {sorted(known)}")
         defaults = device_defaults(spec.name, device_type, flat)
         configs.append(spec.config(**{**defaults, **routed[spec.name]}))
-    return MethodPlan(text.strip(), specs, tuple(configs))
+    return MethodPlan(text.strip(), specs, tuple(configs), dict(knobs or {}), device_type)
 
 
 def device_defaults(method: str, device_type: str, flat: bool = False) -> dict[str, object]:

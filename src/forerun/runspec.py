@@ -126,11 +126,5 @@ class RunSpec:
         plan = self.plan(method, knobs)
         if plan.needs_draft() and draft is None:
             raise ValueError("method draft_model needs a draft model: start with --draft-model NAME")
-        return Decoder(
-            model,
-            tokenizer,
-            plan.text,
-            max_tree_nodes=self.max_tree_nodes,
-            draft_model=draft if plan.needs_draft() else None,
-            **dict(self.knobs if knobs is None else knobs),
-        )
+        draft = draft if plan.needs_draft() else None
+        return Decoder(model, tokenizer, plan, max_tree_nodes=self.max_tree_nodes, draft_model=draft)

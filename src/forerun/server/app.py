@@ -26,8 +26,8 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from forerun.server import errors
 from forerun.server.config import CacheError, ServerConfig  # noqa: F401 - re-exported
+from forerun.server.errors import install as install_error_handlers
 from forerun.server.guard import Guard
 from forerun.server.schemas import ChatRequest, CompletionRequest, ErrorResponse
 from forerun.server.service import Service
@@ -53,7 +53,7 @@ def create_app(model, tokenizer, config: ServerConfig, draft_model=None) -> Fast
     app.state.decoders = service.pool.shared
     app.state.metrics = service.metrics
     app.state.worker = service.worker
-    errors.install(app)
+    install_error_handlers(app)
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"], response_class=PlainTextResponse)
     app.add_api_route("/v1/models", models, methods=["GET"])

@@ -21,12 +21,12 @@ from fastapi.responses import StreamingResponse
 from forerun.batch import batchable
 from forerun.decoder import Decoder, GenerationResult
 from forerun.prefixcache import PrefixCache
-from forerun.server import shaping
 from forerun.server.config import ServerConfig, load_trie_cache, sampling_defaults
 from forerun.server.errors import error_body, failed
 from forerun.server.metrics import Metrics
 from forerun.server.pool import Abandoned, BatchWorker, DecoderPool, ShuttingDown, Worker
 from forerun.server.schemas import ChatRequest, CompletionRequest
+from forerun.server.shaping import DONE, Answer, chunk, completion, event, logprobs_payload, opening, usage
 from forerun.server.stream import TokenStream
 from forerun.server.translate import APIError, GenerationArgs, Limits, translate
 
@@ -91,14 +91,14 @@ class Service:
         """One completion or chat request: its JSON response, or a stream of server-sent events."""
         request.state.deadline = time.monotonic() + self.config.request_timeout_s
         args = translate(body, self.limits)
-        answer = shaping.Answer(
+        answer = Answer(
             f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", int(time.time()), self.config.model_name, chat
         )
         cancel = threading.Event()
         if not args.stream:
             decoder, result = await self.generate(args, request, None, cancel)
             self.metrics.count(request.url.path, 200)
-            return shaping.completion(answer, result, decoder.method, self.tokenizer)
+            return completion(answer, result, decoder.method, self.tokenizer)
         stream = TokenStream(self.tokenizer, asyncio.get_running_loop(), args.stop, args.logprobs is not None)
         task = asyncio.create_task(self.generate(args, request, stream, cancel))
         await started(stream, task, cancel)
@@ -171,29 +171,27 @@ class Service:
                 cancel.set()
 
     async def events(
-        self, stream: TokenStream, task: asyncio.Task, args: GenerationArgs, answer: shaping.Answer
+        self, stream: TokenStream, task: asyncio.Task, args: GenerationArgs, answer: Answer
     ) -> AsyncIterator[str]:
         if answer.chat:
-            yield shaping.opening(answer)
+            yield opening(answer)
         offset = 0
         async for delta, entries in deltas(stream, task):
-            yield shaping.chunk(
-                answer, delta, logprobs=shaping.logprobs_payload(self.tokenizer, entries, answer.chat, offset)
-            )
+            yield chunk(answer, delta, logprobs=logprobs_payload(self.tokenizer, entries, answer.chat, offset))
             offset += len(delta)
         try:
             decoder, result = await task
         except APIError as error:
-            yield shaping.event(error_body(error.status, error.message, error.param, error.kind))
+            yield event(error_body(error.status, error.message, error.param, error.kind))
         except Exception as error:  # noqa: BLE001 - a stream ends with an error event and [DONE], never cut
             failure = failed(error)
-            yield shaping.event(error_body(failure.status, failure.message, kind=failure.kind))
+            yield event(error_body(failure.status, failure.message, kind=failure.kind))
         else:
-            extra = shaping.usage(result, decoder.method)
-            yield shaping.chunk(answer, None, result.finish_reason, {"forerun": extra["forerun"]})
+            extra = usage(result, decoder.method)
+            yield chunk(answer, None, result.finish_reason, {"forerun": extra["forerun"]})
             if args.include_usage:  # as OpenAI: a last chunk with no choices carries the usage
-                yield shaping.chunk(answer, None, None, {"usage": extra["usage"]}, choices=False)
-        yield shaping.DONE
+                yield chunk(answer, None, None, {"usage": extra["usage"]}, choices=False)
+        yield DONE
 
 
 def job_of(decoder: Decoder, wanted, cancel: threading.Event):
