@@ -27,8 +27,8 @@ demo: setup
 		--methods plain,hf_prompt_lookup,prompt_lookup,auto --out bench-results/demo
 
 lint: setup
-	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks docs
+	$(BIN)/ruff format --check src tests benchmarks docs
 
 # The documentation site (MkDocs): a strict build, so a broken link, a missing page or a bad API reference fails.
 # NO_MKDOCS_2_WARNING: mkdocs-material prints a banner about its successor on every build otherwise.
