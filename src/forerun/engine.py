@@ -26,10 +26,9 @@ logger = logging.getLogger(__name__)
 
 PREFILL_TREE_MAX_LEAD = 256
 """Longest lead (prompt tokens fed at the prefill) that a first tree rides with. A tree needs a 4-D mask, and with
-one the whole prompt loses the causal kernel, which skips the upper triangle of its attention: measured on
-SmolLM2-135M (fp32, 1 CPU thread) the prefill with an 8-node tree cost +58 ms for 128 prompt tokens, +94 ms for
-512, +488 ms for 1024 and +3.2 s for 2048, while the tree can win at most one step (~70 ms there). Longer leads are
-read causally, exactly as generate's prefill, and drafting starts at the next step; a lead that is short because
+one the whole prompt loses the causal kernel, which skips the upper triangle of its attention: the prefill's extra
+cost grows with the square of the prompt, while the tree can win at most one step (the measurements: the
+benchmarks page, "Long prompts"). Longer leads are read causally, exactly as generate's prefill, and drafting starts at the next step; a lead that is short because
 the prefix cache holds the rest rides with its tree (it has no long triangle of its own to lose)."""
 
 
