@@ -28,8 +28,9 @@ PREFILL_TREE_MAX_LEAD = 256
 """Longest lead (prompt tokens fed at the prefill) that a first tree rides with. A tree needs a 4-D mask, and with
 one the whole prompt loses the causal kernel, which skips the upper triangle of its attention: the prefill's extra
 cost grows with the square of the prompt, while the tree can win at most one step (the measurements: the
-benchmarks page, "Long prompts"). Longer leads are read causally, exactly as generate's prefill, and drafting starts at the next step; a lead that is short because
-the prefix cache holds the rest rides with its tree (it has no long triangle of its own to lose)."""
+benchmarks page, "Long prompts"). Longer leads are read causally, exactly as generate's prefill, and drafting
+starts at the next step; a lead that is short because the prefix cache holds the rest rides with its tree (it has
+no long triangle of its own to lose)."""
 
 
 def tree_in_prefill(wanted: bool, lead: int) -> bool:
