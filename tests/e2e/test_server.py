@@ -121,6 +121,27 @@ def test_chat_streaming_and_not_equal_plain_generate(smollm2, client):
     assert chunks[-1].choices[0].finish_reason in ("length", "stop")
 
 
+def test_streamed_chunks_carry_the_logprobs_of_their_tokens(smollm2, client):
+    """Each chunk's logprobs are those of the tokens whose text it brings: joined, they are the whole answer's, as
+    the same request answers them without streaming."""
+    messages = [{"role": "user", "content": "Name three colours."}]
+    whole = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=12, temperature=0, logprobs=True, top_logprobs=2
+    )
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=12, temperature=0, logprobs=True, top_logprobs=2, stream=True
+        )
+    )
+    streamed = [entry for c in chunks if c.choices and c.choices[0].logprobs for entry in c.choices[0].logprobs.content]
+    expected = whole.choices[0].logprobs.content
+    assert [e.token for e in streamed] == [e.token for e in expected] and len(expected) > 0
+    assert [round(e.logprob, 4) for e in streamed] == [round(e.logprob, 4) for e in expected]
+    assert all(len(e.top_logprobs) == 2 for e in streamed)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+
+
 def test_stop_strings_are_cut_like_openai(client):
     response = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=16, temperature=0, stop=[","])
     assert "," not in response.choices[0].text
