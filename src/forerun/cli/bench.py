@@ -243,7 +243,11 @@ def curve(
     threads: int = typer.Option(1, "--threads"),
     out: str = typer.Option("bench-results/latency", "--out"),
     device: str = DEVICE,
-    dtype: str = typer.Option("fp32", "--dtype", help="One dtype or several: fp32,bf16 (one plot)."),
+    dtype: str = typer.Option(
+        "fp32",
+        "--dtype",
+        help="fp32, bf16, int4 (4-bit weights, bf16 activations) or several: fp32,bf16,int4 (one plot).",
+    ),
     rows: str = typer.Option(
         "2,4,8", "--rows", help="Rows per forward for the batched curves (what batches decide on); '' for none."
     ),
@@ -277,26 +281,30 @@ def curve(
     if threads < 1:
         raise ValueError("--threads must be >= 1")
     writable_folder(out)
+    labels = [d.strip() for d in dtype.split(",")]
     specs = [
-        RunSpec(model=model, method="plain", device=device, dtype=d.strip(), threads=threads) for d in dtype.split(",")
+        RunSpec(model=model, method="plain", device=device, dtype="bf16", threads=threads, quantize="int4")
+        if label == "int4"
+        else RunSpec(model=model, method="plain", device=device, dtype=label, threads=threads)
+        for label in labels
     ]
     curves = {}
-    for spec in specs:
+    for label, spec in zip(labels, specs, strict=True):
         lm, _, _ = spec.load()
-        with console.status(f"{spec.dtype}: measuring {len(size_list)} sizes x {repeats} repeats"):
+        with console.status(f"{label}: measuring {len(size_list)} sizes x {repeats} repeats"):
             measured = measure_curve(lm, size_list, context, repeats)
         if row_list:
-            with console.status(f"{spec.dtype}: measuring batches of {rows} rows"):
+            with console.status(f"{label}: measuring batches of {rows} rows"):
                 measured = measured.with_batches(measure_batched(lm, row_list, context=context, repeats=repeats))
         save_curve(measured, curve_path(lm, DEFAULT_CACHE_DIR), curve_settings(lm))
-        curves[spec.dtype] = measured
+        curves[label] = measured
         del lm
     table = Table(title=f"forward latency, {context} cached tokens, {threads} thread(s), {device}")
     table.add_column("tokens", justify="right")
     for label in curves:
         table.add_column(f"{label} ms", justify="right")
         table.add_column(f"{label} relative", justify="right")
-    for n in curves[specs[0].dtype].sizes:
+    for n in curves[labels[0]].sizes:
         cells = [str(n)]
         for measured in curves.values():
             cells += [f"{measured.cost(n) * 1000:.1f}", f"{measured.relative(n):.2f}"]
