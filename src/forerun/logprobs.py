@@ -40,3 +40,22 @@ def token_logprobs(rows: torch.Tensor, tokens: Sequence[int], top: int = 0) -> l
             alternatives = tuple(zip(best.indices[i].tolist(), best.values[i].tolist(), strict=True))
         out.append(TokenLogprob(int(token), float(value), alternatives))
     return out
+
+
+def entries_before(tokenizer, entries: Sequence[TokenLogprob], cut: int | None) -> list[TokenLogprob]:
+    """The entries of the tokens whose text begins before character `cut` of their text (a stop string's offset;
+    None: all), each token's text its own decoded piece.
+
+    Example (pieces "one", ".", " two": a cut at 4 keeps the first two):
+        >>> class Pieces:
+        ...     def decode(self, ids): return ["one", ".", " two"][ids[0]]
+        >>> [e.token for e in entries_before(Pieces(), [TokenLogprob(i, 0.0) for i in range(3)], 4)]
+        [0, 1]
+    """
+    shown, kept = 0, []
+    for entry in entries:
+        if cut is not None and shown >= cut:
+            break
+        kept.append(entry)
+        shown += len(tokenizer.decode([entry.token]))
+    return kept

@@ -34,7 +34,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from forerun.checks import check_number, offset_seed
@@ -56,17 +56,17 @@ class Record:
     prompt: str | list[dict]
     settings: dict
 
-    def request(self, prompt: object = None) -> GenerationRequest:
-        """The record's `GenerationRequest` (`prompt`: its encoded ids, if already encoded). A sampled record draws
-        from seed + its position among the input's records, whichever records are left to do; sampling settings
-        without do_sample are ignored (as transformers ignores them)."""
+    def request(self) -> GenerationRequest:
+        """The record's `GenerationRequest`. A sampled record draws from seed + its position among the input's
+        records, whichever records are left to do; sampling settings without do_sample are ignored (as transformers
+        ignores them)."""
         settings = dict(self.settings)
         max_new_tokens, chat = settings.pop("max_new_tokens"), settings.pop("chat", False)
         stop, seed = settings.pop("stop", None), settings.pop("seed", None)
         generation = {k: v for k, v in settings.items() if v is not None}
         do_sample = bool(generation.pop("do_sample", False))
         return GenerationRequest(
-            self.prompt if prompt is None else prompt,
+            self.prompt,
             max_new_tokens,
             chat=chat,
             stop=stop or (),
@@ -242,7 +242,7 @@ def decode_records(decoder, records: list[Record], batch_size: int) -> Iterator[
         try:
             request = record.request()
             ids = decoder.check_prompt(record.prompt, request.max_new_tokens, request.chat)  # encoded once, here
-            requests.append(record.request(ids))
+            requests.append(replace(request, prompt=ids))
             admitted.append(record)
         except ValueError as error:
             yield {"id": record.ident, "error": str(error)}

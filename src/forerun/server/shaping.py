@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from forerun.decoder import GenerationResult
-from forerun.logprobs import TokenLogprob
+from forerun.logprobs import TokenLogprob, entries_before
 
 
 @dataclass(frozen=True)
@@ -61,18 +61,6 @@ def usage(result: GenerationResult, method: str) -> dict:
     }
 
 
-def shown_entries(tokenizer, entries: Sequence[TokenLogprob], cut: int | None, offset: int = 0) -> list[TokenLogprob]:
-    """The entries of the tokens whose text is shown: those that begin before `cut` (a stop string's offset in the
-    text), counting from `offset` characters in."""
-    shown, kept = offset, []
-    for entry in entries:
-        if cut is not None and shown >= cut:
-            break
-        kept.append(entry)
-        shown += len(tokenizer.decode([entry.token]))
-    return kept
-
-
 def logprobs_payload(tokenizer, entries: Sequence[TokenLogprob] | None, chat: bool, offset: int = 0) -> dict | None:
     """OpenAI's logprobs object for `entries` (None: none were asked); `offset`: characters shown before them (a
     completion's `text_offset` counts from the answer's start)."""
@@ -101,7 +89,7 @@ def logprobs_payload(tokenizer, entries: Sequence[TokenLogprob] | None, chat: bo
 def completion(answer: Answer, result: GenerationResult, method: str, tokenizer) -> dict:
     """The whole (not streamed) response: the text up to the first stop string, its finish reason, logprobs."""
     text = result.shown_text
-    entries = None if result.logprobs is None else shown_entries(tokenizer, result.logprobs, result.stop_at)
+    entries = None if result.logprobs is None else entries_before(tokenizer, result.logprobs, result.stop_at)
     logprobs = logprobs_payload(tokenizer, entries, answer.chat)
     reason = result.finish_reason
     if answer.chat:

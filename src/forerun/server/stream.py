@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 
+from forerun.logprobs import entries_before
 from forerun.stopping import first_stop
 from forerun.text import IncrementalText
 
@@ -72,12 +73,4 @@ class TokenStream:
         if self.entries is None:
             return None
         entries, self.entries = self.entries, []
-        if not stopped:
-            return entries
-        kept, shown = [], 0
-        for entry in entries:
-            if shown >= len(delta):
-                break
-            kept.append(entry)
-            shown += len(self.tokenizer.decode([entry.token]))
-        return kept
+        return entries_before(self.tokenizer, entries, len(delta) if stopped else None)

@@ -82,21 +82,18 @@ class GenerationArgs:
 
     def request(self, streamer: object | None = None, cancel: threading.Event | None = None) -> GenerationRequest:
         """The `GenerationRequest` this asks for, with the server's own streamer and cancel event."""
-        generation = dict(self.sampling)
-        do_sample = bool(generation.pop("do_sample", False))
-        return GenerationRequest(
+        return GenerationRequest.of(
             self.prompt,
             self.max_new_tokens,
             chat=self.chat,
             stop=tuple(self.stop),
-            do_sample=do_sample,
             seed=self.seed,
-            generation=generation,
             prediction=self.prediction,
             logprobs=self.logprobs,
             cache_salt=self.cache_salt,
             streamer=streamer,
             cancel=cancel,
+            **self.sampling,  # do_sample and the processors' settings
         )
 
 
