@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
+from forerun.attention import sdpa_like
 from forerun.base.weights import weights_kind
 from forerun.costmodel import LatencyCurve
 from forerun.head import LogitsHead
@@ -78,7 +79,7 @@ def masked_gqa(model: torch.nn.Module) -> bool:
     `TRANSFORMERS_SDPA_FORCE_GQA=1`), instead of copying them once per query head: a tree forward of 8 rows x 4
     nodes then costs ~20 ms less in fp32 on this CPU (docs/benchmarks.md), so a curve measured one way misprices trees
     the other. Asked of transformers itself, not read from the environment."""
-    if getattr(model.config, "_attn_implementation", None) != "sdpa":
+    if not sdpa_like(getattr(model.config, "_attn_implementation", None)):
         return False
     try:
         from transformers.integrations.sdpa_attention import use_gqa_in_sdpa

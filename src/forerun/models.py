@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTrainedModel, PreTrainedTokenizerBase
 
+from forerun.attention import pick_attention
+from forerun.base.gguf_codes import keep_codes
 from forerun.base.weights import check_quantize, quantize_weights
 from forerun.fetch import DEFAULT_MODELS_DIR, FETCHABLE
 
@@ -103,14 +105,16 @@ def resolve(name: str, models_dir: Path = DEFAULT_MODELS_DIR) -> tuple[str, str 
 
 def load_model(
     name: str = DEFAULT_MODEL,
-    attn_implementation: str = "sdpa",
+    attn_implementation: str = "auto",
     dtype: torch.dtype | str = "auto",
     device: str = "cpu",
     quantize: str | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load (model, tokenizer) offline; GGUF weights are dequantized to `dtype` (a torch dtype, "fp32", "bf16",
     "fp16", or "auto": bf16 on a CUDA device or with `quantize`, fp32 elsewhere). `quantize="int4"`: every linear
-    layer's weights kept in 4 bits, groups of 32, on the CPU (`forerun.base.weights`).
+    layer's weights kept in 4 bits, groups of 32, on the CPU (`forerun.base.weights`); a GGUF file's Q4_0/Q4_1
+    codes are kept as they are (`forerun.base.gguf_codes`). `attn_implementation="auto"`:
+    sdpa, computed in fp32 for bf16/fp16 weights on the CPU (`forerun.attention`); any name transformers takes.
 
     Raises FileNotFoundError with the install command when an embedded model's package is missing, ValueError
     for a dtype forerun does not run in.
@@ -119,6 +123,7 @@ def load_model(
         dtype = torch.bfloat16 if torch.device(device).type == "cuda" or quantize else torch.float32
     dtype = as_dtype(dtype)
     check_quantize(quantize, device, dtype)
+    attn_implementation = pick_attention(attn_implementation, device, dtype)
     location, gguf_file = resolve(name)
     extra = {"gguf_file": gguf_file} if gguf_file else {}
     # Dense weights, asked for outright: with the `kernels` package installed transformers would keep GGUF blocks
@@ -141,6 +146,8 @@ def load_model(
         ) from error
     model.to(device).eval()
     if quantize is not None:
+        if gguf_file:  # the file's own Q4_0/Q4_1 codes where it has them, not quantized a second time
+            keep_codes(model, Path(location) / gguf_file)
         quantize_weights(model, quantize)
     return model, tokenizer
 

@@ -21,11 +21,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from forerun.attention import SDPA_FP32
 from forerun.base.weights import check_quantize
 from forerun.config import EngineConfig
 from forerun.methods import DEFAULT_METHOD, MethodPlan, plan_method
 from forerun.models import DEFAULT_MODEL, DTYPES
 
+ATTENTIONS = ("auto", "sdpa", "eager", SDPA_FP32)
+"""What `--attention` takes (transformers' names, and forerun's fp32 sdpa)."""
 MAX_THREADS = 1024
 
 
@@ -69,6 +72,8 @@ class RunSpec:
     """torch threads (0 = torch's default), pinned before the model loads."""
     quantize: str | None = None
     """'int4': every linear layer's weights in 4 bits (CPU, bf16 activations; `forerun.base.weights`)."""
+    attention: str = "auto"
+    """auto (sdpa; computed in fp32 for bf16/fp16 on the CPU: `forerun.attention`), sdpa, eager or SDPA_FP32."""
 
     def __post_init__(self) -> None:
         if self.dtype == "auto":
@@ -78,6 +83,8 @@ class RunSpec:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         parse_device(self.device)
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"attention must be one of {', '.join(ATTENTIONS)}, got {self.attention!r}")
         if isinstance(self.threads, bool) or not isinstance(self.threads, int) or not 0 <= self.threads <= MAX_THREADS:
             raise ValueError(
                 f"threads must be an integer in [0, {MAX_THREADS}] (this machine has {os.cpu_count()} "
@@ -113,7 +120,7 @@ class RunSpec:
         from forerun.models import load_model
 
         self.pin_threads()
-        model, tokenizer = load_model(self.model, dtype=self.torch_dtype, device=self.device, quantize=self.quantize)
+        model, tokenizer = load_model(self.model, self.attention, self.torch_dtype, self.device, quantize=self.quantize)
         draft = load_draft(self.draft_model, model, tokenizer) if self.draft_model else None
         return model, tokenizer, draft
 

@@ -34,6 +34,8 @@ from typing import Literal
 import numpy as np
 import torch
 
+from forerun.attention import SDPA_FP32
+
 Role = Literal["root", "candidate", "probe"]
 
 
@@ -233,7 +235,7 @@ def pack(
     return PackedTree(input_ids, position_ids, mask)
 
 
-TREE_ATTENTION = ("eager", "sdpa")
+TREE_ATTENTION = ("eager", "sdpa", SDPA_FP32)
 """Attention implementations that take an arbitrary 4-D mask (flash-attention only knows causal/padding)."""
 
 

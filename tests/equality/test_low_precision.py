@@ -16,6 +16,7 @@ import torch
 from transformers import MaxLengthCriteria, StoppingCriteriaList
 
 import forerun
+from forerun.attention import register
 from forerun.costmodel import LatencyCurve
 from forerun.engine import decode
 from forerun.exactness import TIE_ULPS, first_divergence, ulp
@@ -33,8 +34,8 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @functools.lru_cache(maxsize=8)
-def low_model(family: str, dtype: str) -> torch.nn.Module:
-    return tiny_model(family, "sdpa").to(DTYPES[dtype])
+def low_model(family: str, dtype: str, attention: str = "sdpa") -> torch.nn.Module:
+    return tiny_model(family, attention).to(DTYPES[dtype])
 
 
 def reference(model, prompt, new_tokens=NEW_TOKENS, stop_at_eos=False):
@@ -66,6 +67,21 @@ def test_first_differences_are_ties(family, dtype, method):
         assert divergence is None or divergence.is_tie, (family, dtype, method, divergence)
         drafted += result.stats.accepted
     assert drafted > 0  # trees were verified: the test exercised tree forwards, not only 1-token steps
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma"])
+def test_first_differences_are_ties_with_attention_in_fp32(family, dtype):
+    model = low_model(family, dtype, register())  # what load_model picks for half precision on the CPU
+    decoder = forerun.Decoder(model, None, "auto", latency=CURVE)
+    drafted = 0
+    for prompt in prompts(3):
+        expected, logits = reference(model, prompt)
+        result = decoder.generate(prompt, NEW_TOKENS, eos_token_id=[])
+        divergence = first_divergence(expected, result.new_tokens, logits, model.dtype)
+        assert divergence is None or divergence.is_tie, (family, dtype, divergence)
+        drafted += result.stats.accepted
+    assert drafted > 0
 
 
 def lenient_verifier(tree: TokenTree, scores_at, noise=None, position=0) -> Verdict:

@@ -39,19 +39,24 @@ def check_quantize(quantize: str | None, device: str, dtype: torch.dtype) -> Non
 
 
 def quantize_weights(model: torch.nn.Module, quantize: str) -> torch.nn.Module:
-    """Quantize `model`'s linear layers in place (those whose input width is a multiple of GROUP_SIZE)."""
+    """Quantize `model`'s dense linear layers in place (those whose input width is a multiple of GROUP_SIZE);
+    layers already holding quantized weights (a GGUF file's kept codes: `forerun.base.gguf_codes`) stay as they are."""
     from torchao.prototype.quantization.int4.inference_workflow import PrototypeInt4WeightOnlyConfig
     from torchao.quantization import quantize_
 
-    quantize_(model, PrototypeInt4WeightOnlyConfig(group_size=GROUP_SIZE, set_inductor_config=False))
+    config = PrototypeInt4WeightOnlyConfig(group_size=GROUP_SIZE, set_inductor_config=False)
+    quantize_(model, config, filter_fn=lambda module, _: isinstance(module, torch.nn.Linear) and dense(module.weight))
     return model
+
+
+def dense(weight: torch.Tensor) -> bool:
+    """Whether `weight` is a plain tensor (not one of torchao's quantized tensor subclasses)."""
+    return type(weight) in (torch.Tensor, torch.nn.Parameter)
 
 
 def weights_kind(model: torch.nn.Module) -> str | None:
     """'int4' where the model's linear layers hold quantized weights, else None (part of a latency curve's key)."""
     for module in model.modules():
         if isinstance(module, torch.nn.Linear):
-            weight = module.weight
-            plain = type(weight) in (torch.Tensor, torch.nn.Parameter)
-            return None if plain else "int4"
+            return None if dense(module.weight) else "int4"
     return None

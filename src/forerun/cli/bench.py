@@ -7,6 +7,7 @@ from rich.markup import escape
 
 from forerun.checks import writable_folder
 from forerun.cli.common import (
+    ATTENTION,
     DEVICE,
     DTYPE,
     MODEL,
@@ -61,6 +62,7 @@ def bench(
     device: str = DEVICE,
     dtype: str = DTYPE,
     quantize: str = QUANTIZE,
+    attention: str = ATTENTION,
 ) -> None:
     """Benchmark methods against plain model.generate on real prompts, interleaved, outputs checked."""
     from pathlib import Path
@@ -78,7 +80,10 @@ def bench(
         raise ValueError(f"--n, --max-new-tokens and --threads must be >= 1 (got {n}, {max_new_tokens}, {threads})")
     specs = parse_methods(methods)
     writable_folder(out)
-    spec = RunSpec(model=model, method="plain", device=device, dtype=dtype, threads=threads, quantize=quantize or None)
+    spec = RunSpec(
+        model=model, method="plain", device=device, dtype=dtype, threads=threads, quantize=quantize or None,
+        attention=attention,
+    )  # fmt: skip
     dtype = spec.dtype  # "auto" resolved for this device
     prompts = [p for name in dataset.split(",") for p in load_dataset(name.strip(), n)]
     included = [record for path in include for record in load_records(Path(path))]
@@ -251,6 +256,7 @@ def curve(
     rows: str = typer.Option(
         "2,4,8", "--rows", help="Rows per forward for the batched curves (what batches decide on); '' for none."
     ),
+    attention: str = ATTENTION,
 ) -> None:
     """Measure the forward-latency curve(s) (latency vs tokens per forward, and with several rows per forward):
     latency.json and latency.png, and the file the cost model reads for this model, dtype, device and threads."""
@@ -283,9 +289,17 @@ def curve(
     writable_folder(out)
     labels = [d.strip() for d in dtype.split(",")]
     specs = [
-        RunSpec(model=model, method="plain", device=device, dtype="bf16", threads=threads, quantize="int4")
+        RunSpec(
+            model=model,
+            method="plain",
+            device=device,
+            dtype="bf16",
+            threads=threads,
+            quantize="int4",
+            attention=attention,
+        )  # fmt: skip
         if label == "int4"
-        else RunSpec(model=model, method="plain", device=device, dtype=label, threads=threads)
+        else RunSpec(model=model, method="plain", device=device, dtype=label, threads=threads, attention=attention)
         for label in labels
     ]
     curves = {}

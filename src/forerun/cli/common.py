@@ -31,6 +31,11 @@ DEVICE = typer.Option("cpu", "--device", help="cpu, cuda, cuda:1 ...")
 QUANTIZE = typer.Option(
     "", "--quantize", help="int4: every linear layer's weights in 4 bits (CPU, bf16 activations); empty: as loaded."
 )
+ATTENTION = typer.Option(
+    "auto",
+    "--attention",
+    help="auto (sdpa, computed in fp32 for bf16/fp16 on a CPU) | sdpa (transformers' own) | eager | forerun_sdpa_fp32.",
+)
 DTYPE = typer.Option(
     "auto",
     "--dtype",

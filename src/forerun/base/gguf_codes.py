@@ -1,0 +1,166 @@
+"""A GGUF file's own 4-bit codes kept: Q4_0 and Q4_1 blocks become torchao's CPU int4 weights as they are.
+
+A Q4 block holds 32 weights of one row as 4-bit codes q in [0, 15] and one or two fp16 numbers: Q4_0 means
+w = d * (q - 8), Q4_1 means w = d * q + m. tinygemm's int4 layout (`_weight_int4pack_mm_for_cpu`, behind
+torchao's `Int4OpaqueTensor`) holds the same groups of 32 as w = scale * (q - 8) + zero. So the file's codes are
+kept unchanged, with scale = d and zero = 0 (Q4_0) or m + 8d (Q4_1), both rounded to bf16 (the kernel's scale and
+zero dtype; fp16's 10 fraction bits become 7). Quantizing the dequantized weights again would choose its own
+codes: on SmolLM2-135M's Q4_1 file they differ in ~1 weight of 8 (`forerun.base.gguf_codes.compare`).
+
+What is not a Q4 block (llama.cpp's Q8_0 embedding, the output matrix tied to it, K-quants) is quantized by torchao
+from the dequantized weights, as `quantize="int4"` does for any other model.
+
+Example:
+    >>> model, tokenizer = load_model("smollm2-135m", quantize="int4")       # doctest: +SKIP
+    >>> # 210 of its 211 linear layers hold the file's Q4_1 codes; the output matrix was quantized by torchao
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+GROUP = 32
+"""Weights per Q4 block, and per tinygemm group."""
+BLOCK_BYTES = {"Q4_0": 2 + GROUP // 2, "Q4_1": 4 + GROUP // 2}
+"""Bytes per block: d (fp16), m (fp16, Q4_1 only), then 16 bytes of 32 codes."""
+TOLERANCE = 2**-6
+"""Largest difference, relative to the block's largest weight, between a kept block and the dense weight
+transformers dequantized from the same file (bf16 rounding of scale and zero: at most ~2^-8 of it)."""
+
+
+@dataclass(frozen=True)
+class Codes:
+    """One matrix's codes [rows, columns] (int32, 0..15) and per-group scale and zero [rows, columns / 32] (fp32)."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+
+    def dequantized(self) -> torch.Tensor:
+        """The weights these codes stand for, [rows, columns] fp32 (scale and zero as the kernel holds them)."""
+        rows, columns = self.codes.shape
+        scale, zero = (x.to(torch.bfloat16).float().repeat_interleave(GROUP, dim=1) for x in (self.scale, self.zero))
+        return (self.codes.float() - 8) * scale + zero
+
+
+def block_codes(raw: np.ndarray, kind: str, rows: int, columns: int) -> Codes:
+    """Unpack a Q4_0/Q4_1 tensor's raw bytes (rows x columns weights, row-major blocks of 32) into Codes.
+
+    Example: one Q4_1 block with d = 0.5, m = -1 whose codes are 0, 1, ..., 15, 0, 1, ..., 15:
+        >>> head = np.array([0.5, -1.0], dtype=np.float16).view(np.uint8)
+        >>> packed = (np.arange(16) | (np.arange(16) << 4)).astype(np.uint8)  # low nibbles first, then high
+        >>> got = block_codes(np.concatenate([head, packed]), "Q4_1", 1, 32)
+        >>> got.codes[0, :3].tolist(), got.scale.item(), got.zero.item(), got.dequantized()[0, :3].tolist()
+        ([0, 1, 2], 0.5, 3.0, [-1.0, -0.5, 0.0])
+    """
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows * columns // GROUP, BLOCK_BYTES[kind])
+    d = blocks[:, :2].copy().view(np.float16).astype(np.float32)[:, 0]
+    packed = blocks[:, BLOCK_BYTES[kind] - GROUP // 2 :]
+    codes = np.concatenate([packed & 0x0F, packed >> 4], axis=1).astype(np.int32)  # elements 0-15, then 16-31
+    m = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)[:, 0] if kind == "Q4_1" else -8 * d
+    groups = columns // GROUP
+    return Codes(
+        torch.from_numpy(codes.reshape(rows, columns)),
+        torch.from_numpy(d.reshape(rows, groups)),
+        torch.from_numpy((m + 8 * d).reshape(rows, groups)),
+    )
+
+
+def int4_weight(codes: Codes) -> torch.nn.Parameter:
+    """`codes` packed for tinygemm's CPU kernel, as torchao's Int4OpaqueTensor holds them (bf16 scale and zero)."""
+    from torchao.prototype.quantization.int4.int4_opaque_tensor import Int4OpaqueTensor
+    from torchao.quantization.utils import pack_tinygemm_scales_and_zeros
+
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.codes, 1)
+    scale_and_zero = pack_tinygemm_scales_and_zeros(
+        codes.scale.to(torch.bfloat16), codes.zero.to(torch.bfloat16), torch.bfloat16
+    )
+    tensor = Int4OpaqueTensor(packed, scale_and_zero, [1, GROUP], codes.codes.shape)
+    return torch.nn.Parameter(tensor, requires_grad=False)
+
+
+def row_order(model: torch.nn.Module, architecture: str, name: str, rows: int) -> np.ndarray | None:
+    """The file's row for each of the model's rows (llama's q/k rows are stored permuted for llama.cpp's rotary),
+    asked of transformers' own GGUF processor; None where that processor does more than reorder rows."""
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, LlamaTensorProcessor, TensorProcessor
+
+    processor_class = TENSOR_PROCESSORS.get(architecture, TensorProcessor)
+    if processor_class not in (TensorProcessor, LlamaTensorProcessor):
+        return None
+    config = model.config
+    heads = {"num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads}
+    index = np.arange(rows, dtype=np.int64)[:, None]
+    return processor_class(config=heads).process(weights=index, name=name).weights[:, 0]
+
+
+@dataclass(frozen=True)
+class Kept:
+    """What `keep_codes` did: modules holding the file's codes, and those left for torchao (with why)."""
+
+    kept: tuple[str, ...]
+    left: tuple[tuple[str, str], ...]
+
+
+def keep_codes(model: torch.nn.Module, path: Path | str) -> Kept:
+    """Give every linear layer of `model` (loaded dense from the GGUF file `path`) whose tensor is Q4_0/Q4_1 the
+    file's codes; the others are left as they are (listed with the reason). A block that does not match the dense
+    weight transformers loaded (an unexpected layout) is left too, never kept wrong."""
+    from gguf import MODEL_ARCH_NAMES, GGUFReader, get_tensor_name_map
+
+    reader = GGUFReader(str(path))
+    architecture = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
+    arch = next((key for key, value in MODEL_ARCH_NAMES.items() if value == architecture), None)
+    if arch is None:
+        return Kept((), (("*", f"gguf does not know architecture {architecture!r}"),))
+    names = get_tensor_name_map(arch, model.config.num_hidden_layers)
+    tensors = {t.name: t for t in reader.tensors}
+    kept, left = [], []
+    for module_name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        tensor = tensors.get(f"{names.get_name(module_name)}.weight")
+        reason = why_not(module, tensor)
+        if reason is None:
+            rows, columns = module.weight.shape
+            codes = block_codes(tensor.data, tensor.tensor_type.name, rows, columns)
+            order = row_order(model, architecture, tensor.name, rows)
+            if order is None:
+                reason = f"transformers' {architecture} processor does more than reorder rows"
+            else:
+                codes = Codes(codes.codes[order], codes.scale[order], codes.zero[order])
+                reason = mismatch(codes, module.weight)
+        if reason is None:
+            module.weight = int4_weight(codes)
+            kept.append(module_name)
+        else:
+            left.append((module_name, reason))
+    logger.info("kept the GGUF file's 4-bit codes in %d linear layers; %d left to torchao", len(kept), len(left))
+    return Kept(tuple(kept), tuple(left))
+
+
+def why_not(module: torch.nn.Linear, tensor) -> str | None:
+    """None if `tensor` (a GGUF tensor or None) holds `module`'s weight as Q4 blocks that can be kept."""
+    if tensor is None:
+        return "not in the file (tied to another tensor)"
+    kind = tensor.tensor_type.name
+    if kind not in BLOCK_BYTES:
+        return f"stored as {kind}"
+    if module.weight.shape[1] % GROUP or type(module.weight) is not torch.nn.Parameter:
+        return "not a dense matrix with rows in groups of 32"
+    return None
+
+
+def mismatch(codes: Codes, weight: torch.Tensor) -> str | None:
+    """None if `codes` stand for `weight` (the dense copy of the same tensor) up to TOLERANCE, else why not."""
+    dense = weight.detach().float()
+    error = (codes.dequantized() - dense).abs().view(dense.shape[0], -1, GROUP).amax(-1)
+    largest = dense.abs().view(dense.shape[0], -1, GROUP).amax(-1).clamp_min(1e-12)
+    worst = float((error / largest).max())
+    return None if worst <= TOLERANCE else f"its blocks differ from the loaded weight ({worst:.3g} of a block)"
