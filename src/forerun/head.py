@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from forerun.base.weights import dense
 from forerun.measured import DEFAULT_CACHE_DIR, device_name, read_json, settings_digest, write_json
 from forerun.models import last_logits
 
@@ -137,6 +138,7 @@ class LogitsHead:
             and torch.equal(hidden[:, hidden.shape[1] - matrix_in.shape[1] :], matrix_in)
             and isinstance(matrix_out, torch.Tensor)
             and torch.equal(matrix_out, logits)
+            and dense(matrix.weight)  # a quantized matrix (torchao's) multiplies only as F.linear
         ):
             self.body, self.weight = body, matrix.weight
             sizes = self.requested if self.requested is not None else tall_sizes_for(matrix.weight, self.cache_dir)

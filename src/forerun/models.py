@@ -113,8 +113,9 @@ def load_model(
     """Load (model, tokenizer) offline; GGUF weights are dequantized to `dtype` (a torch dtype, "fp32", "bf16",
     "fp16", or "auto": bf16 on a CUDA device or with `quantize`, fp32 elsewhere). `quantize="int4"`: every linear
     layer's weights kept in 4 bits, groups of 32, on the CPU (`forerun.base.weights`); a GGUF file's Q4_0/Q4_1
-    codes are kept as they are (`forerun.base.gguf_codes`). `attn_implementation="auto"`:
-    sdpa, computed in fp32 for bf16/fp16 weights on the CPU (`forerun.attention`); any name transformers takes.
+    codes are kept as they are (`forerun.base.gguf_codes`). `quantize="int8"`: 8 bits, one scale per row.
+    `attn_implementation="auto"`: sdpa, computed in fp32 for bf16/fp16 weights on the CPU (`forerun.attention`);
+    any name transformers takes.
 
     Raises FileNotFoundError with the install command when an embedded model's package is missing, ValueError
     for a dtype forerun does not run in.
@@ -146,7 +147,7 @@ def load_model(
         ) from error
     model.to(device).eval()
     if quantize is not None:
-        if gguf_file:  # the file's own Q4_0/Q4_1 codes where it has them, not quantized a second time
+        if gguf_file and quantize == "int4":  # the file's own Q4_0/Q4_1 codes, not quantized a second time
             keep_codes(model, Path(location) / gguf_file)
         quantize_weights(model, quantize)
     return model, tokenizer

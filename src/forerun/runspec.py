@@ -71,7 +71,7 @@ class RunSpec:
     threads: int = 0
     """torch threads (0 = torch's default), pinned before the model loads."""
     quantize: str | None = None
-    """'int4': every linear layer's weights in 4 bits (CPU, bf16 activations; `forerun.base.weights`)."""
+    """'int4' or 'int8': every linear layer's weights in 4 or 8 bits (CPU, bf16 activations; `forerun.base.weights`)."""
     attention: str = "auto"
     """auto (sdpa; computed in fp32 for bf16/fp16 on the CPU: `forerun.attention`), sdpa, eager or SDPA_FP32."""
 

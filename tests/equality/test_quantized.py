@@ -1,5 +1,6 @@
-"""4-bit weights (torchao's CPU int4 layout, bf16 activations): forerun on a quantized model against plain generate
-of the same quantized model. Every first difference must sit on a numerical tie, as for bf16."""
+"""4- and 8-bit weights (torchao's CPU int4 layout; int8 codes with a scale per row; bf16 activations): forerun on a
+quantized model against plain generate of the same quantized model. Every first difference must sit on a numerical
+tie, as for bf16."""
 
 from __future__ import annotations
 
@@ -18,15 +19,16 @@ from tiny_models import prompts, tiny_model
 
 
 @functools.lru_cache(maxsize=4)
-def int4_model(family: str) -> torch.nn.Module:
-    return quantize_weights(tiny_model(family, "sdpa").to(torch.bfloat16), "int4")
+def int4_model(family: str, bits: str = "int4") -> torch.nn.Module:
+    return quantize_weights(tiny_model(family, "sdpa").to(torch.bfloat16), bits)
 
 
+@pytest.mark.parametrize("bits", ["int4", "int8"])
 @pytest.mark.parametrize("method", ["prompt_lookup", "auto"])
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_int4_first_differences_are_ties(family, method):
-    model = int4_model(family)
-    assert weights_kind(model) == "int4"
+def test_quantized_first_differences_are_ties(family, method, bits):
+    model = int4_model(family, bits)
+    assert weights_kind(model) == bits
     decoder = forerun.Decoder(model, None, method, latency=CURVE)
     drafted = 0
     for prompt in prompts(3):
@@ -42,6 +44,7 @@ def test_int4_weights_are_their_own_curve_and_bad_settings_are_refused():
     dense = tiny_model("llama", "sdpa").to(torch.bfloat16)
     assert weights_kind(dense) is None and "weights" not in curve_settings(dense)
     assert curve_settings(int4_model("llama"))["weights"] == "int4"
+    assert curve_settings(int4_model("llama", "int8"))["weights"] == "int8"
     with pytest.raises(ValueError, match="quantize must be one of int4"):
         check_quantize("int3", "cpu", torch.bfloat16)
     with pytest.raises(ValueError, match="computes in bf16"):
@@ -56,4 +59,26 @@ def test_int4_weights_are_their_own_curve_and_bad_settings_are_refused():
 def test_real_model_with_int4_weights_differs_only_at_ties():
     model, tokenizer = forerun.load_model("smollm2-135m", quantize="int4")
     assert model.dtype == torch.bfloat16 and weights_kind(model) == "int4"
+    assert real_model_ties(model, tokenizer, 64) >= 1
+
+
+def test_int8_weights_are_within_a_step_of_the_dense_ones():
+    from forerun.base.int8 import Int8RowTensor
+
+    weight = torch.randn(16, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    quantized = Int8RowTensor.from_hp(weight)
+    step = weight.float().abs().amax(1, keepdim=True) / 127
+    # half a step from rounding to a code; the bf16 scale and product round too (2^-9 of 127 steps: a quarter each)
+    error = (quantized.dequantize().float() - weight.float()).abs()
+    assert bool((error <= step).all()) and float((error / step).mean()) < 0.4
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    product = torch.nn.functional.linear(x, quantized)  # PyTorch's int8 kernel, through the subclass
+    expected = x.float() @ quantized.dequantize().float().T
+    assert float((product.float() - expected).abs().max()) <= 2**-7 * float(expected.abs().max())  # a bf16 step
+
+
+@pytest.mark.real_model
+def test_real_model_with_int8_weights_differs_only_at_ties():
+    model, tokenizer = forerun.load_model("smollm2-135m", quantize="int8")
+    assert model.dtype == torch.bfloat16 and weights_kind(model) == "int8"
     assert real_model_ties(model, tokenizer, 64) >= 1

@@ -1,10 +1,11 @@
-"""Weights kept in 4 bits on the CPU: every linear layer's matrix quantized in groups of 32 (torchao).
+"""Weights kept in 4 or 8 bits on the CPU: every linear layer's matrix quantized (torchao's tensor subclasses).
 
 A CPU forward of a small model is bound by reading its weights: bf16 reads 16 bits per weight, int4 four (and a
 scale and zero per group of 32). torchao's CPU int4 layout (`PrototypeInt4WeightOnlyConfig`, tinygemm's
-`_weight_int4pack_mm_for_cpu` behind a tensor subclass) keeps activations in bf16. forerun on a quantized model is
-compared with plain generate of the same quantized model: first differences sit on numerical ties, as for bf16
-(`forerun.exactness`).
+`_weight_int4pack_mm_for_cpu` behind a tensor subclass) keeps activations in bf16; "int8" holds one code per
+weight and one scale per row (`forerun.base.int8`, PyTorch's `_weight_int8pack_mm`), closer to the bf16 model.
+forerun on a quantized model is compared with plain generate of the same quantized model: first differences sit
+on numerical ties, as for bf16 (`forerun.exactness`).
 
 Example:
     >>> model, tokenizer = load_model("smollm2-135m", quantize="int4")      # doctest: +SKIP
@@ -18,7 +19,7 @@ import importlib.util
 
 import torch
 
-QUANTIZATIONS = ("int4",)
+QUANTIZATIONS = ("int4", "int8")
 """What `load_model(..., quantize=)` takes (None: the weights as loaded)."""
 GROUP_SIZE = 32
 """Weights per scale and zero point: the group of a GGUF Q4 block."""
@@ -35,12 +36,16 @@ def check_quantize(quantize: str | None, device: str, dtype: torch.dtype) -> Non
     if dtype != torch.bfloat16:
         raise ValueError(f"quantize={quantize!r} computes in bf16 (give dtype='bf16' or 'auto'), got {dtype}")
     if importlib.util.find_spec("torchao") is None:
-        raise ValueError(f"quantize={quantize!r} needs torchao: pip install 'forerun[int4]' (torchao==0.18.0)")
+        raise ValueError(f"quantize={quantize!r} needs torchao: pip install 'forerun[quantize]' (torchao==0.18.0)")
 
 
 def quantize_weights(model: torch.nn.Module, quantize: str) -> torch.nn.Module:
     """Quantize `model`'s dense linear layers in place (those whose input width is a multiple of GROUP_SIZE);
     layers already holding quantized weights (a GGUF file's kept codes: `forerun.base.gguf_codes`) stay as they are."""
+    if quantize == "int8":
+        from forerun.base.int8 import quantize_int8
+
+        return quantize_int8(model)
     from torchao.prototype.quantization.int4.inference_workflow import PrototypeInt4WeightOnlyConfig
     from torchao.quantization import quantize_
 
@@ -55,8 +60,11 @@ def dense(weight: torch.Tensor) -> bool:
 
 
 def weights_kind(model: torch.nn.Module) -> str | None:
-    """'int4' where the model's linear layers hold quantized weights, else None (part of a latency curve's key)."""
+    """'int4' or 'int8' where the model's linear layers hold quantized weights, else None (part of a latency
+    curve's key)."""
     for module in model.modules():
         if isinstance(module, torch.nn.Linear):
-            return None if dense(module.weight) else "int4"
+            if dense(module.weight):
+                return None
+            return "int8" if type(module.weight).__name__ == "Int8RowTensor" else "int4"
     return None

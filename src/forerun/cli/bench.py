@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 from rich.markup import escape
 
+from forerun.base.weights import QUANTIZATIONS
 from forerun.checks import writable_folder
 from forerun.cli.common import (
     ATTENTION,
@@ -251,7 +252,8 @@ def curve(
     dtype: str = typer.Option(
         "fp32",
         "--dtype",
-        help="fp32, bf16, int4 (4-bit weights, bf16 activations) or several: fp32,bf16,int4 (one plot).",
+        help="fp32, bf16, int8 or int4 (8- or 4-bit weights, bf16 activations), or several: fp32,bf16,int8,int4 "
+        "(one plot).",
     ),
     rows: str = typer.Option(
         "2,4,8", "--rows", help="Rows per forward for the batched curves (what batches decide on); '' for none."
@@ -288,18 +290,16 @@ def curve(
         raise ValueError("--threads must be >= 1")
     writable_folder(out)
     labels = [d.strip() for d in dtype.split(",")]
+    quantized = {label: {"dtype": "bf16", "quantize": label} for label in QUANTIZATIONS}  # int4: bf16 activations
     specs = [
         RunSpec(
             model=model,
             method="plain",
             device=device,
-            dtype="bf16",
             threads=threads,
-            quantize="int4",
             attention=attention,
+            **quantized.get(label, {"dtype": label}),
         )  # fmt: skip
-        if label == "int4"
-        else RunSpec(model=model, method="plain", device=device, dtype=label, threads=threads, attention=attention)
         for label in labels
     ]
     curves = {}

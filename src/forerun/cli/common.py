@@ -29,7 +29,9 @@ METHOD = typer.Option(
 KNOB = typer.Option([], "--knob", "-k", help="Method knob NAME=VALUE (repeatable; METHOD.NAME when combined).")
 DEVICE = typer.Option("cpu", "--device", help="cpu, cuda, cuda:1 ...")
 QUANTIZE = typer.Option(
-    "", "--quantize", help="int4: every linear layer's weights in 4 bits (CPU, bf16 activations); empty: as loaded."
+    "",
+    "--quantize",
+    help="int4 | int8: every linear layer's weights in 4 or 8 bits (CPU, bf16 activations); empty: as loaded.",
 )
 ATTENTION = typer.Option(
     "auto",
