@@ -1,10 +1,10 @@
-"""What lower-precision weights cost in answers: GSM8K accuracy of the same model in fp32, bf16 and with int4 weights.
+"""What lower-precision weights cost in answers: GSM8K accuracy of the same model in fp32, bf16, int8 and int4 weights.
 
 forerun writes the answers of the model it is given (token for token in fp32, up to numerical ties otherwise), so
 any loss here is the precision's, not forerun's. Each configuration answers the first N GSM8K test problems
 greedily with `auto`; an answer is right when the last number it writes equals the reference.
 
-    python benchmarks/gsm8k_quality.py --model qwen2.5-coder-0.5b --n 50 --threads 1 --configs bf16,int4 \
+    python benchmarks/gsm8k_quality.py --model qwen2.5-coder-0.5b --n 50 --threads 1 --configs bf16,int8,int4 \
         --out benchmarks/results/gsm8k-quality-qwen-epyc.json
 """
 
@@ -36,7 +36,7 @@ def last_number(text: str) -> str | None:
 
 def run(name: str, config: str, problems: list[dict], max_new_tokens: int) -> dict:
     dtype = torch.float32 if config == "fp32" else torch.bfloat16
-    model, tokenizer = forerun.load_model(name, dtype=dtype, quantize="int4" if config == "int4" else None)
+    model, tokenizer = forerun.load_model(name, dtype=dtype, quantize=config if config in ("int4", "int8") else None)
     decoder = forerun.Decoder(model, tokenizer, "auto")
     right, tokens, started, answers = 0, 0, time.perf_counter(), []
     for problem in problems:

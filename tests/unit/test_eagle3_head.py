@@ -1,0 +1,146 @@
+"""EAGLE-3 heads in SpecForge's layout: written by hand here, loaded and checked against the target."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from forerun.drafters.eagle3 import Eagle3Head, HeadCache, head_config, load_head
+
+from tiny_models import VOCAB, tiny_model
+
+DRAFT_VOCAB = 40
+
+
+def write_head(
+    folder,
+    target,
+    *,
+    hidden=64,
+    fc_norm=False,
+    norm_output=True,
+    own_embedding=False,
+    aux=None,
+    edit_config=None,
+    edit_state=None,
+):
+    """A random head for `target` in SpecForge's export layout: config.json and model.safetensors."""
+    config = head_config(
+        hidden, heads=4, kv_heads=2, vocab=VOCAB, draft_vocab=DRAFT_VOCAB, target_hidden=target.config.hidden_size
+    )
+    config.fc_norm, config.norm_output = fc_norm, norm_output
+    torch.manual_seed(0)
+    head = Eagle3Head(config, torch.nn.Embedding(VOCAB, hidden))
+    used = torch.arange(0, 2 * DRAFT_VOCAB, 2)  # every other target token is in the draft vocabulary
+    state = {k: v.contiguous() for k, v in head.state_dict().items()}
+    state["d2t"], state["t2d"] = used - torch.arange(DRAFT_VOCAB), torch.zeros(VOCAB, dtype=torch.bool)
+    state["t2d"][used] = True
+    if not own_embedding:
+        del state["embed_tokens.weight"]
+    raw = config.to_dict()
+    if aux is not None:
+        raw["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": aux}
+    (edit_config or (lambda r: None))(raw)
+    (edit_state or (lambda s: None))(state)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(raw))
+    save_file(state, str(folder / "model.safetensors"))
+    return state
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_model("llama")
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"fc_norm": True},
+        {"norm_output": False},
+        {"own_embedding": True},
+        {"own_embedding": True, "hidden": 32},
+        {"aux": [0, 1, 1]},
+    ],
+)
+def test_a_head_in_specforge_layout_loads_and_drafts(tmp_path, target, options):
+    state = write_head(tmp_path, target, **options)
+    head = load_head(tmp_path, target)
+    assert torch.equal(head.fc.weight, state["fc.weight"]) and torch.equal(head.d2t, state["d2t"])
+    assert (head.fc_norm is not None) == options.get("fc_norm", False)
+    assert head.norm_output == options.get("norm_output", True)
+    assert (head.embed_tokens is target.get_input_embeddings()) != options.get("own_embedding", False)
+    assert head.aux_layers == tuple(options.get("aux", [1, 0, 0]))  # a 2-layer target: the defaults clamped
+    features = torch.randn(4, 3 * target.config.hidden_size)
+    cache = HeadCache()
+    with torch.inference_mode():
+        out = head(torch.tensor([3, 4, 5, 6]), head.project(features), torch.arange(4), cache)
+        logits = head.draft_logits(out)
+    assert out.shape == (4, options.get("hidden", 64)) and logits.shape == (4, DRAFT_VOCAB) and cache.length == 4
+    assert head.target_ids(torch.tensor([0, 1, DRAFT_VOCAB - 1])).tolist() == [0, 2, 2 * DRAFT_VOCAB - 2]
+
+
+def test_the_cache_makes_one_position_at_a_time_equal_all_at_once(tmp_path, target):
+    write_head(tmp_path, target)
+    head = load_head(tmp_path, target)
+    tokens, hidden = torch.tensor([3, 4, 5]), torch.randn(3, 64)
+    with torch.inference_mode():
+        together = head(tokens, hidden, torch.arange(3), HeadCache())
+        cache = HeadCache()
+        apart = torch.cat([head(tokens[i : i + 1], hidden[i : i + 1], torch.arange(i, i + 1), cache) for i in range(3)])
+        # the negative control: without its cache the last position sees only itself
+        alone = head(tokens[2:], hidden[2:], torch.arange(2, 3), HeadCache())
+    torch.testing.assert_close(apart, together, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(alone, together[2:], atol=1e-3)
+
+
+def drop(key):
+    return lambda state: state.pop(key)
+
+
+@pytest.mark.parametrize(
+    ("edit_config", "edit_state", "file", "key"),
+    [
+        (lambda r: r.update(architectures=["LlamaForCausalLM"]), None, "config.json", "architectures"),
+        (lambda r: r.update(target_hidden_size=32), None, "config.json", "target_hidden_size"),
+        (lambda r: r.update(vocab_size=1000), None, "config.json", "vocab_size"),
+        (lambda r: r.pop("draft_vocab_size"), None, "config.json", "draft_vocab_size"),
+        (
+            lambda r: r.update(eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 7]}),
+            None,
+            "config.json",
+            "eagle_aux_hidden_state_layer_ids",
+        ),
+        (None, drop("norm.weight"), "model.safetensors", "norm.weight"),
+        (None, drop("midlayer.self_attn.q_proj.weight"), "model.safetensors", "midlayer.self_attn.q_proj.weight"),
+        (None, lambda s: s.update({"fc.weight": torch.zeros(64, 100)}), "model.safetensors", "fc.weight"),
+        (None, lambda s: s.update({"extra.weight": torch.zeros(2)}), "model.safetensors", "extra.weight"),
+        (None, lambda s: s["d2t"].__setitem__(0, 10_000), "model.safetensors", "d2t"),
+        (None, lambda s: s["t2d"].__setitem__(1, True), "model.safetensors", "t2d"),
+    ],
+)
+def test_a_malformed_head_is_refused_naming_the_file_and_key(tmp_path, target, edit_config, edit_state, file, key):
+    write_head(tmp_path, target, edit_config=edit_config, edit_state=edit_state)
+    with pytest.raises(ValueError, match=rf"{file}: .*{key}"):
+        load_head(tmp_path, target)
+
+
+def test_a_narrow_head_without_its_own_embedding_is_refused(tmp_path, target):
+    write_head(tmp_path, target, hidden=32)
+    with pytest.raises(ValueError, match=r"model.safetensors: embed_tokens.weight: missing"):
+        load_head(tmp_path, target)
+
+
+def test_a_folder_without_a_head_is_refused(tmp_path, target):
+    with pytest.raises(FileNotFoundError):
+        load_head(tmp_path / "nowhere", target)
+    with pytest.raises(ValueError, match="config.json: missing"):
+        load_head(tmp_path, target)
+    write_head(tmp_path, target)
+    (tmp_path / "model.safetensors").write_bytes(b"not a tensor file")
+    with pytest.raises(ValueError, match="cannot read it as safetensors"):
+        load_head(tmp_path, target)
