@@ -201,6 +201,25 @@ class DraftModelConfig:
 
 
 @dataclass(frozen=True)
+class Eagle3Config:
+    """A trained EAGLE-3 head drafts a dynamic tree (EAGLE-2's expansion): level by level the `width` most
+    probable nodes so far (the product of the head's probabilities along their path) get their `topk` most
+    probable children, down to `depth` levels. The head itself is not a knob: `Decoder(..., draft_head=PATH)`."""
+
+    depth: int = 5
+    """Levels of the draft tree below the root (one forward of the head each, beyond the first)."""
+    topk: int = 4
+    """Children tried under each expanded node."""
+    width: int = 4
+    """Nodes expanded per level: the most probable ones."""
+
+    def __post_init__(self) -> None:
+        check_int(self, "depth", 1, 32)
+        check_int(self, "topk", 1, 32)
+        check_int(self, "width", 1, 32)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """What every method shares: how many nodes a forward may carry and who decides it."""
 

@@ -114,6 +114,7 @@ class Decoder:
         drafters: Sequence[Drafter] | None = None,
         draft_model: torch.nn.Module | str | None = None,
         draft_tokenizer: PreTrainedTokenizerBase | None = None,
+        draft_head: str | Path | torch.nn.Module | None = None,
         prefix_cache: PrefixCache | int | None = DEFAULT_PREFIX_TOKENS,
         **knobs: object,
     ) -> None:
@@ -128,6 +129,8 @@ class Decoder:
             self.plan = method
         else:
             self.plan = plan_method(method, knobs, device_type)
+        if draft_head is not None:
+            self.plan = self.plan.with_head()  # 'auto' drafts with the head too whenever one is given
         self.method = self.plan.text
         self.engine_config = EngineConfig(
             max_tree_nodes, draft_in_prefill, adaptive, static_cache, compile_buckets, reproducible
@@ -138,6 +141,7 @@ class Decoder:
         if draft_model is not None and not uses_draft:
             raise ValueError(f"draft_model is a knob of method 'draft_model', which is not part of {self.method!r}")
         self.draft_model = self.prepare_draft(draft_model, draft_tokenizer) if uses_draft else None
+        self.draft_head = self.prepare_head(draft_head)
         self.latency, self.latency_cache = latency, latency_cache
         drafting = bool(self.plan.specs) if drafters is None else bool(drafters)
         self.budget = self.make_budget(latency, latency_cache, drafting)
@@ -146,7 +150,9 @@ class Decoder:
             # (bf16 on a CPU with bf16 units, SmolLM2 greedy: 1.91x -> 2.03x plain generate in forwards' cost)
             self.plan = self.plan.for_flat_curve()
         vocab = model.get_output_embeddings().weight.shape[0]
-        self.drafters = list(self.plan.build(self.draft_model, vocab) if drafters is None else drafters)
+        self.drafters = list(
+            self.plan.build(self.draft_model, vocab, self.draft_head) if drafters is None else drafters
+        )
 
     @property
     def config(self) -> object | None:
@@ -217,6 +223,20 @@ class Decoder:
             return load_draft(draft, self.model, self.tokenizer)
         check_same_vocabulary(self.model, draft, self.tokenizer, draft_tokenizer)
         return draft
+
+    def prepare_head(self, head: str | Path | torch.nn.Module | None) -> torch.nn.Module | None:
+        """The EAGLE-3 head of method eagle3: given as a module, or read from a folder (`load_head`)."""
+        from forerun.drafters.eagle3 import load_head
+
+        if not self.plan.uses_head():
+            if head is not None:
+                raise ValueError(f"draft_head is for method 'eagle3' (or 'auto'), which is not part of {self.method!r}")
+            return None
+        if head is None:
+            raise ValueError(
+                "method 'eagle3' needs draft_head=PATH (a folder with an EAGLE-3 head in SpecForge's layout)"
+            )
+        return head if isinstance(head, torch.nn.Module) else load_head(head, self.model)
 
     def save_cache(self, path: str) -> None:
         """Save the cross-request state (the trie of method 'trie') with safetensors."""

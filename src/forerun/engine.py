@@ -8,6 +8,7 @@ tokens. Greedy output equals
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Sequence
@@ -20,6 +21,7 @@ from forerun.costmodel import Budget
 from forerun.drafters.base import Drafter
 from forerun.row import RowJob, RowRun
 from forerun.stats import GenerationStats
+from forerun.taps import LayerTaps, feature_layers
 from forerun.tree import TREE_ATTENTION, tree_support  # noqa: F401 - re-exported
 
 logger = logging.getLogger(__name__)
@@ -60,20 +62,33 @@ def decode(
     row.stats.fallback_reason = reason
     row.stats.cached_prompt_tokens = base.seed(job.prefixes, row.ctx.tokens)
     lead = row.ctx.tokens[row.stats.cached_prompt_tokens : -1]
-    while not row.done:
-        t0 = time.perf_counter()
-        drafts = row.stats.forwards > 0 or tree_in_prefill(draft_in_prefill, len(lead))
-        selection = budget.choose(row.root, row.propose(drafts), len(lead), drafts)
-        t1 = time.perf_counter()
-        fed = base.forward(selection.tree, row.prefix_len, lead)  # one call of the unmodified model
-        verdict = row.verify(selection.tree, fed.logits, fed.choices)
-        if not lead:  # what this forward cost against the curve (a prefill is not on it)
-            budget.timed(len(selection.tree), time.perf_counter() - t1)
-        base.commit(row.prefix_len, [0, *verdict.accepted_nodes])
-        row.accept(selection, verdict, fed.logits, t1 - t0, time.perf_counter() - t1)
-        lead = []
+    layers = feature_layers(drafters)
+    with LayerTaps(model, layers) if layers else contextlib.nullcontext() as taps:
+        while not row.done:
+            t0 = time.perf_counter()
+            drafts = row.stats.forwards > 0 or tree_in_prefill(draft_in_prefill, len(lead))
+            selection = budget.choose(row.root, row.propose(drafts), len(lead), drafts)
+            t1 = time.perf_counter()
+            fed = base.forward(selection.tree, row.prefix_len, lead)  # one call of the unmodified model
+            verdict = row.verify(selection.tree, fed.logits, fed.choices)
+            if not lead:  # what this forward cost against the curve (a prefill is not on it)
+                budget.timed(len(selection.tree), time.perf_counter() - t1)
+            kept = [0, *verdict.accepted_nodes]
+            base.commit(row.prefix_len, kept)
+            features = committed_features(taps.take() if taps else None, len(lead), kept)
+            row.accept(selection, verdict, fed.logits, t1 - t0, time.perf_counter() - t1, features)
+            lead = []
     base.store(job.prefixes, row.ctx.tokens, row.prefix_len)  # the cache holds prompt + accepted
     return row.finish()
+
+
+def committed_features(features: torch.Tensor | None, lead: int, kept: list[int]) -> torch.Tensor | None:
+    """Of one row's tapped features [1, lead + nodes, F]: the lead's and the kept nodes' rows, [lead + kept, F]
+    (None where nothing was tapped: a base whose forward is a replayed graph, or no drafter asked)."""
+    if features is None or features.shape[0] != 1:
+        return None
+    rows = torch.tensor(list(range(lead)) + [lead + node for node in kept], device=features.device)
+    return features[0].index_select(0, rows)
 
 
 def fallback_if_unsupported(

@@ -26,9 +26,10 @@ from dataclasses import dataclass, field, fields
 
 from forerun.drafters import draft_model, jacobi, prompt_lookup, trie
 from forerun.drafters.base import Drafter, MethodSpec
+from forerun.drafters.eagle3 import drafter as eagle3
 
 REGISTRY: dict[str, MethodSpec] = {
-    spec.name: spec for spec in (prompt_lookup.METHOD, trie.METHOD, jacobi.METHOD, draft_model.METHOD)
+    spec.name: spec for spec in (prompt_lookup.METHOD, trie.METHOD, jacobi.METHOD, draft_model.METHOD, eagle3.METHOD)
 }
 """Every drafting method, in the order their trees are merged under one root."""
 
@@ -87,7 +88,17 @@ class MethodPlan:
 
     def uses_model(self) -> bool:
         """Whether some method of the plan drafts with a second model (given, loaded, or the target's own layers)."""
-        return any(not spec.model_free for spec in self.specs)
+        return any(not spec.model_free and not spec.reads_head for spec in self.specs)
+
+    def uses_head(self) -> bool:
+        """Whether some method of the plan drafts with a trained head (method eagle3)."""
+        return any(spec.reads_head for spec in self.specs)
+
+    def with_head(self) -> MethodPlan:
+        """'auto' (or a combination with it) given a head: the same plan with eagle3 added; otherwise itself."""
+        if self.uses_head() or AUTO not in [part.strip() for part in self.text.split("+")]:
+            return self
+        return plan_method(f"{self.text}+eagle3", self.knobs, self.device_type)
 
     def saves_state(self) -> bool:
         """Whether some method of the plan keeps state a Decoder can save and load."""
@@ -96,7 +107,7 @@ class MethodPlan:
     def model_config(self) -> object | None:
         """The config of the plan's method that drafts with a second model, if any."""
         for spec, config in zip(self.specs, self.configs, strict=True):
-            if not spec.model_free:
+            if not spec.model_free and not spec.reads_head:
                 return config
         return None
 
@@ -104,9 +115,12 @@ class MethodPlan:
         """Whether some method of the plan drafts with a second model the caller must supply."""
         return any(spec.needs_draft(config) for spec, config in zip(self.specs, self.configs, strict=True))
 
-    def build(self, draft: object | None = None, vocab: int = 0) -> list[Drafter]:
-        """Fresh drafters, one per method."""
-        return [spec.build(config, draft, vocab) for spec, config in zip(self.specs, self.configs, strict=True)]
+    def build(self, draft: object | None = None, vocab: int = 0, head: object | None = None) -> list[Drafter]:
+        """Fresh drafters, one per method (a head-reading method gets `head` where others get the draft model)."""
+        return [
+            spec.build(config, head if spec.reads_head else draft, vocab)
+            for spec, config in zip(self.specs, self.configs, strict=True)
+        ]
 
     def static_budget(self) -> int:
         """Nodes per forward (root included) that the methods ask for together: the root plus each one's drafts."""

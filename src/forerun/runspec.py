@@ -67,6 +67,8 @@ class RunSpec:
     construction, so `spec.dtype` always names the dtype that runs."""
     draft_model: str | None = None
     """The small model of method draft_model (a name for load_model)."""
+    draft_head: str | None = None
+    """The EAGLE-3 head of method eagle3 (a folder in SpecForge's layout); 'auto' drafts with it too."""
     max_tree_nodes: int | None = None
     threads: int = 0
     """torch threads (0 = torch's default), pinned before the model loads."""
@@ -95,6 +97,10 @@ class RunSpec:
         plan = self.plan()
         if self.draft_model and not plan.uses_model():
             raise ValueError(f"a draft model is for method draft_model, which is not part of {self.method!r}")
+        if plan.uses_head() and not self.draft_head:
+            raise ValueError("method eagle3 needs an EAGLE-3 head (--draft-head FOLDER, SpecForge's export layout)")
+        if self.draft_head and not plan.uses_head():
+            raise ValueError(f"a draft head is for method eagle3 or auto, which are not part of {self.method!r}")
         if plan.needs_draft() and not self.draft_model:
             raise ValueError(
                 "method draft_model needs a draft model (--draft-model NAME, a model sharing the tokenizer) "
@@ -108,7 +114,8 @@ class RunSpec:
     def plan(self, method: str | None = None, knobs: Mapping[str, object] | None = None) -> MethodPlan:
         """The parsed method (this spec's, or another one on the same device: chat's /method, a server request)."""
         device_type = torch.device(self.device).type
-        return plan_method(method or self.method, self.knobs if knobs is None else knobs, device_type)
+        plan = plan_method(method or self.method, self.knobs if knobs is None else knobs, device_type)
+        return plan.with_head() if self.draft_head else plan
 
     def pin_threads(self) -> None:
         if self.threads:
@@ -134,4 +141,5 @@ class RunSpec:
         if plan.needs_draft() and draft is None:
             raise ValueError("method draft_model needs a draft model: start with --draft-model NAME")
         draft = draft if plan.needs_draft() else None
-        return Decoder(model, tokenizer, plan, max_tree_nodes=self.max_tree_nodes, draft_model=draft)
+        head = self.draft_head if plan.uses_head() else None
+        return Decoder(model, tokenizer, plan, max_tree_nodes=self.max_tree_nodes, draft_model=draft, draft_head=head)

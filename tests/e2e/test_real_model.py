@@ -77,6 +77,31 @@ def test_cli_generate_verbose_colours_and_stats():
     assert "tokens/forward" in result.output and "legend:" in result.output
 
 
+def test_eagle3_with_a_random_head_equals_generate_on_the_real_model_and_in_the_cli(smollm2, references, tmp_path):
+    from heads import write_head
+
+    model, tokenizer = smollm2
+    vocab = model.get_output_embeddings().weight.shape[0]
+    write_head(tmp_path, model, hidden=576, heads=(9, 3), vocab=vocab, draft_vocab=2048)
+    decoder = forerun.Decoder(model, tokenizer, "eagle3", draft_head=tmp_path, adaptive=False, depth=2, topk=2, width=1)
+    for ids, reference in references[:2]:
+        result = decoder.generate(ids, NEW_TOKENS)
+        assert torch.equal(result.sequences, reference)
+        assert result.stats.candidates > 0  # the head drafted (a random head: its guesses are rejected)
+    args = ["generate", "Write hello world in Python.", "--chat", "-n", "16", "--threads", "2"]
+    plain = CliRunner().invoke(app, [*args, "--method", "plain"])
+    headed = CliRunner().invoke(app, [*args, "--method", "eagle3", "--draft-head", str(tmp_path)])
+    assert headed.exit_code == 0 and plain.exit_code == 0, headed.output
+    assert answer(headed.output) == answer(plain.output) != []
+    refused = CliRunner().invoke(app, [*args, "--method", "eagle3"])
+    assert refused.exit_code == 2 and "--draft-head" in refused.output
+
+
+def answer(output: str) -> list[str]:
+    """The generated text of a CLI run's output, without the loading progress bars (stderr, mixed in)."""
+    return [line for line in output.replace("\r", "\n").splitlines() if line.strip() and "it/s]" not in line]
+
+
 def test_missing_embedded_model_names_the_install_command(monkeypatch):
     from forerun import models
 

@@ -2,53 +2,13 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-from safetensors.torch import save_file
+from heads import DRAFT_VOCAB, write_head
 
-from forerun.drafters.eagle3 import Eagle3Head, HeadCache, head_config, load_head
+from forerun.drafters.eagle3 import HeadCache, load_head
 
-from tiny_models import VOCAB, tiny_model
-
-DRAFT_VOCAB = 40
-
-
-def write_head(
-    folder,
-    target,
-    *,
-    hidden=64,
-    fc_norm=False,
-    norm_output=True,
-    own_embedding=False,
-    aux=None,
-    edit_config=None,
-    edit_state=None,
-):
-    """A random head for `target` in SpecForge's export layout: config.json and model.safetensors."""
-    config = head_config(
-        hidden, heads=4, kv_heads=2, vocab=VOCAB, draft_vocab=DRAFT_VOCAB, target_hidden=target.config.hidden_size
-    )
-    config.fc_norm, config.norm_output = fc_norm, norm_output
-    torch.manual_seed(0)
-    head = Eagle3Head(config, torch.nn.Embedding(VOCAB, hidden))
-    used = torch.arange(0, 2 * DRAFT_VOCAB, 2)  # every other target token is in the draft vocabulary
-    state = {k: v.contiguous() for k, v in head.state_dict().items()}
-    state["d2t"], state["t2d"] = used - torch.arange(DRAFT_VOCAB), torch.zeros(VOCAB, dtype=torch.bool)
-    state["t2d"][used] = True
-    if not own_embedding:
-        del state["embed_tokens.weight"]
-    raw = config.to_dict()
-    if aux is not None:
-        raw["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": aux}
-    (edit_config or (lambda r: None))(raw)
-    (edit_state or (lambda s: None))(state)
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(raw))
-    save_file(state, str(folder / "model.safetensors"))
-    return state
+from tiny_models import tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -72,6 +72,13 @@ class BenchMethod:
             self.method not in OTHER_METHODS and plan_method(self.method, self.knobs).needs_draft()
         )
 
+    def reads_head(self, given: bool) -> bool:
+        """Whether this method drafts with an EAGLE-3 head (eagle3; also auto when one is `given`)."""
+        if self.method in OTHER_METHODS:
+            return False
+        plan = plan_method(self.method, self.knobs)
+        return plan.uses_head() or (given and plan.with_head().uses_head())
+
 
 def parse_methods(text: str) -> list[BenchMethod]:
     """'plain,jacobi[window=7,ngram=5],auto' -> methods; raises ValueError naming an unknown method or knob."""
@@ -143,6 +150,7 @@ def run_interleaved(
     latency: LatencyCurve | None = None,
     gguf: str | Path | None = None,
     threads: int = 1,
+    draft_head: torch.nn.Module | None = None,
 ) -> list[Record]:
     """Run reference + every spec on each prompt in turn; returns one Record per (prompt, method).
 
@@ -150,6 +158,7 @@ def run_interleaved(
     `draft_model`: the small model of methods draft_model and hf_assisted (transformers' assistant_model).
     `latency`: the device's latency curve for the cost model (None: forerun.latency.curve_for).
     `gguf`, `threads`: the model's GGUF file and the thread count, for the llama.cpp methods.
+    `draft_head`: the EAGLE-3 head of method eagle3, which `auto` then drafts with too.
     """
     needing = [s.label for s in specs if s.needs_draft()]
     if needing and draft_model is None:
@@ -165,6 +174,7 @@ def run_interleaved(
             adaptive=s.adaptive,
             latency=latency,
             draft_model=draft_model if s.needs_draft() else None,
+            draft_head=draft_head if s.reads_head(draft_head is not None) else None,
             prefix_cache=s.prefix_cache,
             **s.knobs,
         )

@@ -11,6 +11,7 @@ from forerun.cli.common import (
     ATTENTION,
     DEVICE,
     DTYPE,
+    HEAD,
     MODEL,
     QUANTIZE,
     app,
@@ -50,6 +51,7 @@ def bench(
     draft_model: str = typer.Option(
         "", "--draft-model", help="Small model sharing the tokenizer, for methods draft_model and hf_assisted."
     ),
+    draft_head: str = HEAD,
     batch_size: str = typer.Option(
         "", "--batch-size", help="e.g. 1,2,4,8: aggregate tokens/s of batched decoding vs plain batched generate."
     ),
@@ -94,6 +96,13 @@ def bench(
         from forerun.drafters.draft_model import load_draft
 
         draft = load_draft(draft_model, lm, tokenizer)
+    head = None
+    if draft_head:
+        from forerun.drafters.eagle3 import load_head
+
+        head = load_head(draft_head, lm)
+    elif any(s.reads_head(False) for s in specs):
+        raise ValueError("method eagle3 needs an EAGLE-3 head (forerun bench --draft-head FOLDER)")
     sampling = {"temperature": temperature, "top_p": top_p} if sample else None
     with console.status("latency curve (measured once per model, dtype, device and thread count)"):
         curve = curve_for(lm, batched=bool(batch_size))
@@ -139,6 +148,7 @@ def bench(
             curve,
             gguf_of(model),
             threads,
+            head,
         )
     for line in mismatch_lines(included):
         errors.print(f"[yellow]note[/]: included run: {escape(line)}", highlight=False)
@@ -158,6 +168,7 @@ def bench(
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name(lm.device) if lm.device.type == "cuda" else "cpu",
         "draft_model": draft_model or None,
+        "draft_head": draft_head or None,
         "latency_curve": curve.as_dict(),
     }
     for path in write_outputs(records + included, summary, settings, Path(out)):

@@ -45,6 +45,7 @@ DTYPE = typer.Option(
 )
 THREADS = typer.Option(0, "--threads", help="torch threads (0 = torch's default).")
 DRAFT = typer.Option("", "--draft-model", help="Method draft_model: the small model that drafts.")
+HEAD = typer.Option("", "--draft-head", help="Method eagle3 (and auto): a folder holding an EAGLE-3 head.")
 NODES = typer.Option(0, "--max-tree-nodes", help="Most tokens fed in one forward (0 = the method's or device's).")
 
 
@@ -74,6 +75,7 @@ def run_spec(
     draft_model: str = "",
     max_tree_nodes: int = 0,
     quantize: str = "",
+    draft_head: str = "",
 ) -> RunSpec:
     """The command line's run options as a checked RunSpec (raises ValueError before anything loads)."""
     return RunSpec(
@@ -86,6 +88,7 @@ def run_spec(
         max_tree_nodes=max_tree_nodes or None,
         threads=threads,
         quantize=quantize or None,
+        draft_head=draft_head or None,
     )
 
 

@@ -8,6 +8,7 @@ from forerun.cli.common import (
     DEVICE,
     DRAFT,
     DTYPE,
+    HEAD,
     KNOB,
     METHOD,
     MODEL,
@@ -36,6 +37,7 @@ def generate(
     threads: int = THREADS,
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Colour tokens by origin and print stats."),
     draft_model: str = DRAFT,
+    draft_head: str = HEAD,
     device: str = DEVICE,
     dtype: str = DTYPE,
     quantize: str = QUANTIZE,
@@ -45,7 +47,7 @@ def generate(
         raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     if not prompt.strip():
         raise ValueError("prompt is empty")
-    spec = run_spec(model, method, knob, device, dtype, threads, draft_model, max_tree_nodes, quantize)
+    spec = run_spec(model, method, knob, device, dtype, threads, draft_model, max_tree_nodes, quantize, draft_head)
     lm, tokenizer, draft = spec.load()
     decoder = spec.decoder(lm, tokenizer, draft)
     result = decoder.generate(prompt, max_new_tokens, chat=chat)
@@ -67,6 +69,7 @@ def chat(
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n"),
     threads: int = THREADS,
     draft_model: str = DRAFT,
+    draft_head: str = HEAD,
     max_tree_nodes: int = NODES,
     device: str = DEVICE,
     dtype: str = DTYPE,
@@ -77,6 +80,6 @@ def chat(
 
     if max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
-    spec = run_spec(model, method, knob, device, dtype, threads, draft_model, max_tree_nodes, quantize)
+    spec = run_spec(model, method, knob, device, dtype, threads, draft_model, max_tree_nodes, quantize, draft_head)
     lm, tokenizer, draft = spec.load()
     chat_loop(spec, lm, tokenizer, draft, max_new_tokens, console)

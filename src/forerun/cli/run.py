@@ -11,6 +11,7 @@ from forerun.cli.common import (
     DEVICE,
     DRAFT,
     DTYPE,
+    HEAD,
     KNOB,
     METHOD,
     MODEL,
@@ -47,6 +48,7 @@ def run_file(
     max_tree_nodes: int = NODES,
     threads: int = THREADS,
     draft_model: str = DRAFT,
+    draft_head: str = HEAD,
     device: str = DEVICE,
     dtype: str = DTYPE,
     quantize: str = QUANTIZE,
@@ -71,7 +73,7 @@ def run_file(
         defaults.update(do_sample=True, **{k: v for k, v in sampling.items() if v is not None})
     if seed is not None:
         defaults["seed"] = seed
-    spec = run_spec(model, method, knob, device, dtype, threads, draft_model, max_tree_nodes, quantize)
+    spec = run_spec(model, method, knob, device, dtype, threads, draft_model, max_tree_nodes, quantize, draft_head)
     records, problems = read_records(source, defaults)
     shard = Shard()
     if dist.is_torchelastic_launched():  # torchrun set the rendezvous: one shard per rank

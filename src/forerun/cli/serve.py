@@ -8,6 +8,7 @@ from forerun.cli.common import (
     DEVICE,
     DRAFT,
     DTYPE,
+    HEAD,
     KNOB,
     METHOD,
     MODEL,
@@ -58,6 +59,7 @@ def serve(
     ),
     threads: int = THREADS,
     draft_model: str = DRAFT,
+    draft_head: str = HEAD,
     max_tree_nodes: int = NODES,
     device: str = DEVICE,
     dtype: str = DTYPE,
@@ -81,11 +83,12 @@ def serve(
             "--port must be in [1, 65535], --max-tokens-limit, --max-queue and --max-batch >= 1, --prefix-cache and "
             "--prefill-chunk >= 0 and --timeout a positive number"
         )
-    spec = run_spec(model, method, knob, device, dtype, threads, draft_model, max_tree_nodes, quantize)
+    spec = run_spec(model, method, knob, device, dtype, threads, draft_model, max_tree_nodes, quantize, draft_head)
     config = ServerConfig(
         model_name=model,
         method=spec.method,
         knobs=dict(spec.knobs),
+        draft_head=spec.draft_head,
         api_key=api_key or None,
         cache_path=cache or None,
         max_tokens_limit=max_tokens_limit,

@@ -52,6 +52,10 @@ class StepOutcome:
     """Tokens committed by this step (accepted + bonus), already appended to the context."""
     node_map: dict[int, int]
     """This drafter's proposed node -> node of `tree` (nodes the budget did not feed are absent)."""
+    features: torch.Tensor | None = None
+    """[m, features]: the target's hidden states at the layers drafters asked for (`feature_layers`), at the last
+    m committed positions before the new last token (every position this step's forward read and kept: the lead
+    at a prefill, then the root and the accepted nodes); None when no drafter asked or the base cannot tap them."""
 
     def choice(self, node: int) -> int:
         """The target's greedy (raw argmax) choice at node `node` of `tree`; computed only when asked."""
@@ -120,6 +124,8 @@ class MethodSpec:
     """How the CLI and chat colour the tokens this method's drafts got accepted for (rich style)."""
     model_free: bool = True
     """Drafts without a second model: part of method 'auto'."""
+    reads_head: bool = False
+    """Drafts with a trained head (`Decoder(..., draft_head=...)`), built with the head in place of a draft model."""
     needs_draft: Callable[[Any], bool] = lambda config: False
     """Whether this config drafts with a second model that the caller must supply."""
     saves_state: bool = False

@@ -19,6 +19,8 @@ class ServerConfig:
     model_name: str
     method: str = DEFAULT_METHOD
     knobs: dict = field(default_factory=dict)
+    draft_head: str | None = None
+    """The EAGLE-3 head folder for method eagle3 (and auto); None: requests cannot ask for eagle3."""
     api_key: str | None = None
     """Bearer token required on every endpoint but /health (None = open)."""
     cache_path: str | None = None

@@ -25,6 +25,7 @@ from typing import Any
 from forerun.batch import Batch, Joining
 from forerun.checks import is_count
 from forerun.decoder import Decoder, GenerationResult, Prepared
+from forerun.drafters.eagle3 import load_head
 from forerun.methods import plan_method
 from forerun.prefixcache import PrefixCache
 
@@ -43,9 +44,19 @@ class Abandoned(Exception):
 
 class DecoderPool:
     def __init__(
-        self, model, tokenizer, method: str, knobs: dict, draft_model=None, prefixes=None, max_tree_nodes=None
+        self,
+        model,
+        tokenizer,
+        method: str,
+        knobs: dict,
+        draft_model=None,
+        prefixes=None,
+        max_tree_nodes=None,
+        draft_head: str | None = None,
     ) -> None:
         self.model, self.tokenizer, self.draft_model = model, tokenizer, draft_model
+        self.head = None if draft_head is None else load_head(draft_head, model)
+        """The EAGLE-3 head, read once and shared by every Decoder that drafts with it."""
         self.max_tree_nodes = max_tree_nodes
         """The operator's cap on tokens per forward, for every Decoder of the server (None: the curve's)."""
         self.prefixes = prefixes if prefixes is not None else PrefixCache(0)
@@ -62,6 +73,10 @@ class DecoderPool:
             if self.draft_model is None:
                 raise ValueError("method draft_model needs a draft model: start the server with --draft-model NAME")
             draft = {"draft_model": self.draft_model}
+        if self.head is not None and plan.with_head().uses_head():
+            draft["draft_head"] = self.head
+        elif plan.uses_head():
+            raise ValueError("method eagle3 needs an EAGLE-3 head: start the server with --draft-head FOLDER")
         return Decoder(
             self.model, self.tokenizer, method, prefix_cache=self.prefixes, max_tree_nodes=self.max_tree_nodes,
             **draft, **knobs

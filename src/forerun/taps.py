@@ -1,0 +1,65 @@
+"""The target's hidden states at a few decoder layers, read off the verification forward itself.
+
+A drafter that drafts from the target's features (an EAGLE-3 head reads three layers' outputs) declares
+`feature_layers`; the step loop then hangs forward hooks (PyTorch's own, removed when the request ends) on those
+layers and hands each step's drafters the features of the positions it committed. No extra forward of the target,
+nothing in the model changed.
+
+Example:
+    >>> with LayerTaps(model, (1, 14, 26)) as taps:                     # doctest: +SKIP
+    ...     logits = model(input_ids).logits
+    ...     features = taps.take()                                      # [rows, n, 3 * hidden]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+
+def feature_layers(drafters: Iterable[object]) -> tuple[int, ...]:
+    """The layers some drafter reads (each drafter's `feature_layers`, in its order; the first that asks wins)."""
+    for drafter in drafters:
+        layers = tuple(getattr(drafter, "feature_layers", ()) or ())
+        if layers:
+            return layers
+    return ()
+
+
+class LayerTaps:
+    """Forward hooks on decoder layers `layers` of `model`: `take()` gives the last forward's outputs of those
+    layers, concatenated in that order, [rows, n, len(layers) * hidden] (None when no forward ran since)."""
+
+    def __init__(self, model: torch.nn.Module, layers: Sequence[int]) -> None:
+        decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+        blocks = getattr(decoder, "layers", None)
+        if blocks is None or not all(0 <= i < len(blocks) for i in layers):
+            raise ValueError(f"{type(model).__name__} has no decoder layers {list(layers)} to read hidden states from")
+        self.blocks = [blocks[i] for i in layers]
+        self.outputs: list[torch.Tensor | None] = [None] * len(layers)
+        self.handles: list[torch.utils.hooks.RemovableHandle] = []
+
+    def __enter__(self) -> LayerTaps:
+        for index, block in enumerate(self.blocks):
+            self.handles.append(block.register_forward_hook(self.keeper(index)))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+    def keeper(self, index: int):
+        def keep(module, args, output) -> None:
+            self.outputs[index] = output[0] if isinstance(output, tuple) else output
+
+        return keep
+
+    def take(self) -> torch.Tensor | None:
+        """The last forward's features [rows, n, len(layers) * hidden], or None; forgets them."""
+        if any(output is None for output in self.outputs):
+            return None
+        features = torch.cat(self.outputs, dim=-1)  # type: ignore[arg-type]
+        self.outputs = [None] * len(self.outputs)
+        return features

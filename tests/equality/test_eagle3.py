@@ -1,0 +1,151 @@
+"""EAGLE-3 heads: exact greedy output with random heads across families, alone and combined, single and batched;
+an oracle head reaches full depth (the head reads the target's features at the right positions); sampling seeds
+repeat."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from heads import random_head
+from test_equality_families import CURVE, NEW_TOKENS, model_of, reference
+
+import forerun
+from forerun.drafters.eagle3 import Eagle3Head
+
+from tiny_models import VOCAB, prompts
+
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "olmo2", "granite"]
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_with_a_random_head_equals_generate(family, impl):
+    model = model_of(family, impl)
+    decoder = forerun.Decoder(model, None, "eagle3", draft_head=random_head(model), latency=CURVE)
+    drafted = 0
+    for index, prompt in enumerate(prompts(3)):
+        result = decoder.generate(prompt, NEW_TOKENS, eos_token_id=[])
+        assert torch.equal(result.sequences, reference(family, impl, index, None)), (family, impl, index)
+        drafted += result.stats.candidates
+    assert drafted > 0  # the head drafted: trees were verified
+
+
+@pytest.mark.parametrize("method", ["eagle3+prompt_lookup+trie", "auto"])
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_combined_and_auto_with_a_head_equal_generate(family, method):
+    model = model_of(family, "sdpa")
+    decoder = forerun.Decoder(model, None, method, draft_head=random_head(model), latency=CURVE)
+    assert "eagle3" in decoder.plan.names  # 'auto' drafts with the head whenever one is given
+    for index, prompt in enumerate(prompts(3)):
+        result = decoder.generate(prompt, NEW_TOKENS, eos_token_id=[])
+        assert torch.equal(result.sequences, reference(family, "sdpa", index, None)), (family, method, index)
+
+
+def test_a_batch_with_a_head_equals_generate():
+    model = model_of("llama", "sdpa")
+    decoder = forerun.Decoder(model, None, "eagle3", draft_head=random_head(model), latency=CURVE)
+    results = decoder.generate_batch(prompts(3), NEW_TOKENS, eos_token_id=[])
+    for index, result in enumerate(results):
+        assert torch.equal(result.sequences, reference("llama", "sdpa", index, None)), index
+
+
+class OracleHead(Eagle3Head):
+    """A head whose output at head position i names the target's token at i + 2 (what a perfect head predicts
+    there): its forward runs as a head's (cache and all) and then writes the position into its output, which its
+    logits read back as a one-hot of the true token."""
+
+    def __init__(self, base: Eagle3Head, truth: list[int]) -> None:
+        super().__init__(base.config, base.embed_tokens, base.aux_layers)
+        self.load_state_dict(base.state_dict())
+        self.truth = truth
+
+    def forward(self, tokens, hidden, positions, cache, visible=None):
+        out = super().forward(tokens, hidden, positions, cache, visible).clone()
+        out[:, 0] = positions.to(out.dtype)
+        return out
+
+    def draft_logits(self, out):
+        logits = torch.full((out.shape[0], self.config.draft_vocab_size), -10.0)
+        for row, position in enumerate(out[:, 0].round().long().tolist()):
+            token = self.truth[position + 2] if position + 2 < len(self.truth) else 0
+            logits[row, token] = 10.0
+        return logits
+
+
+def test_an_oracle_head_is_accepted_at_full_depth():
+    model = model_of("llama", "sdpa")
+    truth = reference("llama", "sdpa", 0, None)[0].tolist()
+    head = random_head(model, draft_vocab=VOCAB)
+    head.d2t.zero_()  # draft ids are target ids
+    oracle = OracleHead(head, truth)
+    depth = 4
+    decoder = forerun.Decoder(model, None, "eagle3", draft_head=oracle, adaptive=False, depth=depth, topk=1, width=1)
+    result = decoder.generate(prompts(1)[0], NEW_TOKENS, eos_token_id=[])
+    assert result.sequences[0].tolist() == truth
+    # the prefill verifies no head draft (nothing read yet); every later step but the last takes the whole chain
+    assert result.stats.accepted_hist[depth] >= result.stats.forwards - 3
+    assert result.stats.accepted_by["eagle3"] == result.stats.accepted
+
+
+def test_sampled_runs_with_a_head_repeat_with_their_seed():
+    model = model_of("llama", "sdpa")
+    decoder = forerun.Decoder(model, None, "eagle3", draft_head=random_head(model), latency=CURVE)
+    prompt = prompts(1)[0]
+    runs = [decoder.generate(prompt, 24, do_sample=True, temperature=0.9, seed=seed).new_tokens for seed in (3, 3, 4)]
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+
+
+def test_a_head_needs_its_method_and_the_method_its_head():
+    model = model_of("llama", "sdpa")
+    with pytest.raises(ValueError, match="needs draft_head"):
+        forerun.Decoder(model, None, "eagle3")
+    with pytest.raises(ValueError, match="draft_head is for method 'eagle3'"):
+        forerun.Decoder(model, None, "trie", draft_head=random_head(model))
+
+
+class FeatureRecorder:
+    """A drafter that drafts nothing and keeps the features the engine hands it, with their positions."""
+
+    name = "recorder"
+    feature_layers = (1, 0, 1)
+
+    def __init__(self) -> None:
+        self.seen: dict[int, torch.Tensor] = {}
+
+    def start(self, ctx):
+        pass
+
+    def propose(self, ctx):
+        from forerun.tree import TokenTree
+
+        tree = TokenTree.rooted_at(ctx.tokens[-1])
+        tree.add(0, (ctx.tokens[-1] + 1) % VOCAB, source=self.name)  # a tree, so the mask path runs too
+        return tree
+
+    def observe(self, ctx, outcome):
+        end = len(ctx.tokens) - 1
+        for offset, row in enumerate(outcome.features):
+            self.seen[end - len(outcome.features) + offset] = row
+
+    def finish(self, ctx):
+        pass
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma"])
+def test_the_features_handed_to_drafters_are_the_targets_hidden_states_at_their_positions(family):
+    model = model_of(family, "sdpa")
+    recorder = FeatureRecorder()
+    prompt = prompts(1)[0]
+    decoder = forerun.Decoder(model, None, "plain", drafters=[recorder], latency=CURVE)
+    result = decoder.generate(prompt, 20, eos_token_id=[])
+    with torch.inference_mode():
+        states = model(result.sequences, output_hidden_states=True).hidden_states  # [layers + 1] x [1, T, H]
+    total = result.sequences.shape[1]
+    assert sorted(recorder.seen) == list(range(total - 1))  # every position but the last token's, once
+    seen = torch.stack([recorder.seen[p] for p in range(total - 1)]).chunk(3, dim=-1)
+    # transformers' last hidden state is the final norm of the last layer's output (the layer's own output is what
+    # SGLang and SpecForge capture); layer 0's output is its hidden_states[1]
+    with torch.inference_mode():
+        torch.testing.assert_close(model.model.norm(seen[0]), states[2][0, :-1], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(seen[1], states[1][0, :-1], rtol=1e-4, atol=1e-4)
+    assert torch.equal(seen[0], seen[2])
