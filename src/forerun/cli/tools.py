@@ -1,4 +1,4 @@
-"""`forerun trie build` and `forerun models list / fetch`."""
+"""`forerun trie build`, `forerun train-head` and `forerun models list / fetch`."""
 
 from __future__ import annotations
 
@@ -55,6 +55,41 @@ def trie_build(
         f"{counts['nodes']} trie nodes -> {output}",
         highlight=False,
     )
+
+
+@app.command("train-head")
+@user_errors
+def train_head_command(
+    out: str = typer.Option(..., "--out", "-o", help="Folder to write the head to (config.json, model.safetensors)."),
+    model: str = MODEL,
+    corpus: str = typer.Option(
+        "", "--corpus", help="JSONL rows {'text': ...} to train on; empty: the Python standard library's sources."
+    ),
+    minutes: float = typer.Option(30.0, "--minutes", help="Training time (the vocabulary pass not counted)."),
+    draft_vocab: int = typer.Option(8192, "--draft-vocab", help="Tokens the head can propose."),
+    threads: int = THREADS,
+) -> None:
+    """Train an EAGLE-3 head for MODEL on this machine (fp32, teacher-forced on the model's own hidden states and
+    predictions) and write it in SpecForge's layout; use it with --method eagle3 --draft-head OUT."""
+    from pathlib import Path
+
+    from forerun.corpus import read_corpus
+    from forerun.drafters.eagle3.train import TrainConfig, stdlib_texts, train_head
+
+    if minutes <= 0 or draft_vocab < 2:
+        raise ValueError(f"--minutes must be > 0 and --draft-vocab >= 2 (got {minutes}, {draft_vocab})")
+    texts = [row["text"] for row in read_corpus(Path(corpus)) if "text" in row] if corpus else stdlib_texts()
+    spec = run_spec(model, "plain", None, "cpu", "fp32", threads)
+    lm, tokenizer, _ = spec.load()
+    config = TrainConfig(draft_vocab=draft_vocab, seconds=minutes * 60)
+    with progress_bar() as progress:
+        task = progress.add_task("training", total=round(config.seconds))
+
+        def report(step: int, loss: float, seconds: float) -> None:
+            progress.update(task, completed=min(seconds, config.seconds), description=f"step {step}, loss {loss:.3f}")
+
+        folder = train_head(lm, tokenizer, texts, out, config, report)
+    console.print(f"EAGLE-3 head -> {folder} (use: --method eagle3 --draft-head {folder})", highlight=False)
 
 
 models_app = typer.Typer(no_args_is_help=True, help="Optional models: list them, fetch them (checked by SHA-256).")

@@ -1,0 +1,173 @@
+"""Train an EAGLE-3 head for a target on this machine: teacher-forced on the target's own hidden states and
+next-token distributions, written in SpecForge's export layout (so SGLang and SpecForge can load it too).
+
+Each chunk of text is read once by the target (no gradient), which gives its three auxiliary layers' outputs and its
+next-token distribution at every position. The head reads position i's features with the token after it and is
+trained to put the target's own distribution at position i + 1 (over the draft vocabulary, renormalised) on what
+comes after that: the cross-entropy between the two. The draft vocabulary is the `draft_vocab` tokens the target
+itself predicts most often on the training text; the head's output matrix starts as the target's own rows for
+them, its embedding is the target's (not written), the rest starts at random.
+
+This is EAGLE's first training step only (no training-time test unrolling): on a CPU it teaches the first level of
+the tree well and the deeper levels less so.
+
+Example:
+    >>> folder = train_head(model, tokenizer, texts, "heads/smollm2", TrainConfig(seconds=1800))   # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from forerun.drafters.eagle3.head import Eagle3Head, HeadCache, head_config
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    draft_vocab: int = 8192
+    """Tokens the head can propose (the target's most frequent predictions on the training text)."""
+    chunk: int = 256
+    """Tokens per training chunk (one target forward, one head step)."""
+    seconds: float = 1800.0
+    """Wall-clock budget for training (the vocabulary pass not counted)."""
+    lr: float = 1e-3
+    seed: int = 0
+    vocab_chunks: int = 64
+    """Chunks the draft vocabulary is counted on."""
+
+
+def stdlib_texts() -> list[str]:
+    """The Python standard library's top-level source files, in name order: text on this machine that none of
+    the benchmark's datasets or prompts contain (code and its docstrings)."""
+    import sysconfig
+
+    folder = Path(sysconfig.get_paths()["stdlib"])
+    return [path.read_text(encoding="utf-8", errors="replace") for path in sorted(folder.glob("*.py"))]
+
+
+def chunks_of(tokenizer, texts: Iterable[str], size: int) -> Iterator[torch.Tensor]:
+    """The texts' tokens, concatenated (an end-of-text token between texts), in [1, size] chunks."""
+    buffer: list[int] = []
+    end = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    for text in texts:
+        buffer.extend(tokenizer(text, add_special_tokens=False)["input_ids"] + end)
+        while len(buffer) >= size:
+            yield torch.tensor([buffer[:size]])
+            buffer = buffer[size:]
+
+
+@torch.no_grad()  # not inference mode: the head's gradients go through these tensors
+def target_reading(model, ids: torch.Tensor, layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target on `ids` [1, T]: features [T, 3H] (its layers' outputs) and logits [T, vocab]."""
+    from forerun.taps import LayerTaps
+
+    with LayerTaps(model, layers) as taps:
+        logits = model(ids).logits[0]
+        features = taps.take()[0]
+    return features, logits
+
+
+def draft_vocabulary(model, chunks: list[torch.Tensor], size: int) -> torch.Tensor:
+    """The `size` tokens the target predicts most often on `chunks` (its argmax at every position), sorted."""
+    counts: Counter[int] = Counter()
+    with torch.no_grad():
+        for ids in chunks:
+            counts.update(model(ids).logits[0].argmax(-1).tolist())
+            counts.update(ids[0].tolist())
+    vocab = model.get_output_embeddings().weight.shape[0]
+    chosen = [token for token, _ in counts.most_common(size)]
+    chosen += [t for t in range(vocab) if t not in set(chosen)][: size - len(chosen)]
+    return torch.tensor(sorted(chosen))
+
+
+def new_head(model, used: torch.Tensor, layers: tuple[int, ...]) -> Eagle3Head:
+    """A head shaped like one of the target's layers, over draft vocabulary `used` (target ids, sorted)."""
+    config = model.config
+    vocab = model.get_output_embeddings().weight.shape[0]
+    head_conf = head_config(config.hidden_size, config.num_attention_heads, config.num_key_value_heads, vocab,
+                            len(used), config.hidden_size)  # fmt: skip
+    head_conf.intermediate_size = config.intermediate_size
+    head_conf.rope_theta = getattr(config, "rope_theta", 10000.0)
+    head_conf.rms_norm_eps = config.rms_norm_eps
+    head_conf.max_position_embeddings = config.max_position_embeddings
+    head_conf.eagle_config = {"eagle_aux_hidden_state_layer_ids": list(layers)}
+    head = Eagle3Head(head_conf, model.get_input_embeddings(), layers).float()
+    with torch.no_grad():
+        head.lm_head.weight.copy_(model.get_output_embeddings().weight[used].float())
+        head.d2t.copy_(used - torch.arange(len(used)))
+        head.t2d.zero_()
+        head.t2d[used] = True
+    return head
+
+
+def train_step(head: Eagle3Head, optimizer, ids: torch.Tensor, features, logits, used) -> float:
+    """One step on one chunk: the head at positions 0..T-2 against the target's distributions at 1..T-1."""
+    target = torch.softmax(logits[1:, used].float(), dim=-1)  # the target's next-token odds, draft vocabulary
+    positions = torch.arange(ids.shape[1] - 1)
+    out = head(ids[0, 1:], head.project(features[:-1].float()), positions, HeadCache())
+    loss = -(target * torch.log_softmax(head.draft_logits(out), dim=-1)).sum(-1).mean()
+    optimizer.zero_grad()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+    optimizer.step()
+    return float(loss.detach())
+
+
+def train_head(model, tokenizer, texts: Iterable[str], out: Path | str, config: TrainConfig = TrainConfig(),
+               report: Callable[[int, float, float], None] | None = None) -> Path:  # fmt: skip
+    """Train a head for `model` on `texts` for `config.seconds` and write it to folder `out`; returns the folder.
+    `report(step, loss, seconds)` after every step (a progress bar)."""
+    torch.manual_seed(config.seed)
+    frozen = {name: p.requires_grad for name, p in model.named_parameters()}
+    model.requires_grad_(False)  # the target (its embedding, which the head shares) is not trained
+    try:
+        return train_loop(model, tokenizer, texts, Path(out), config, report)
+    finally:
+        for name, parameter in model.named_parameters():
+            parameter.requires_grad_(frozen[name])
+
+
+def train_loop(model, tokenizer, texts, out: Path, config: TrainConfig, report) -> Path:
+    """`train_head` with the target frozen."""
+    layers_count = model.config.num_hidden_layers
+    layers = tuple(min(max(i, 0), layers_count - 1) for i in (1, layers_count // 2 - 1, layers_count - 4))
+    stream = chunks_of(tokenizer, texts, config.chunk)
+    first = [ids for ids, _ in zip(stream, range(config.vocab_chunks), strict=False)]
+    used = draft_vocabulary(model, first, config.draft_vocab)
+    head = new_head(model, used, layers)
+    trained = [p for name, p in head.named_parameters() if not name.startswith("embed_tokens.")]
+    optimizer = torch.optim.AdamW(trained, lr=config.lr, weight_decay=0.0)
+    started, step = time.perf_counter(), 0
+    for ids in [*first, *stream]:
+        features, logits = target_reading(model, ids, layers)
+        loss = train_step(head, optimizer, ids, features, logits, used)
+        step += 1
+        elapsed = time.perf_counter() - started
+        if report is not None:
+            report(step, loss, elapsed)
+        if elapsed > config.seconds:
+            break
+    return save_head(head, out, {"steps": step, "seconds": round(time.perf_counter() - started)})
+
+
+def save_head(head: Eagle3Head, folder: Path, training: dict) -> Path:
+    """config.json and model.safetensors (bf16 weights; the embedding is the target's, not written)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    raw = head.config.to_dict()
+    raw["forerun_training"] = training
+    (folder / "config.json").write_text(json.dumps(raw, indent=1) + "\n")
+    state = {
+        name: (tensor.to(torch.bfloat16) if tensor.is_floating_point() else tensor).contiguous()
+        for name, tensor in head.state_dict().items()
+        if not name.startswith("embed_tokens.")
+    }
+    save_file(state, str(folder / "model.safetensors"))
+    return folder
