@@ -5,7 +5,7 @@
 >>> result = forerun.Decoder(model, tokenizer, method="auto").generate("def add(a, b):")  # doctest: +SKIP
 """
 
-from forerun.config import DraftModelConfig, EngineConfig, JacobiConfig, PromptLookupConfig, TrieConfig
+from forerun.config import DraftModelConfig, Eagle3Config, EngineConfig, JacobiConfig, PromptLookupConfig, TrieConfig
 from forerun.costmodel import LatencyCurve
 from forerun.decoder import Decoder, GenerationResult, generate
 from forerun.hf import hf_generate
@@ -19,6 +19,7 @@ __all__ = [
     "REGISTRY",
     "Decoder",
     "DraftModelConfig",
+    "Eagle3Config",
     "EngineConfig",
     "GenerationRequest",
     "GenerationResult",
