@@ -104,3 +104,19 @@ def test_a_folder_without_a_head_is_refused(tmp_path, target):
     (tmp_path / "model.safetensors").write_bytes(b"not a tensor file")
     with pytest.raises(ValueError, match="cannot read it as safetensors"):
         load_head(tmp_path, target)
+
+
+def test_the_servers_pool_and_the_run_specification_take_a_head(tmp_path, target):
+    from forerun.runspec import RunSpec
+    from forerun.server.pool import DecoderPool
+
+    write_head(tmp_path, target)
+    pool = DecoderPool(target, None, "auto", {}, draft_head=str(tmp_path))
+    assert "eagle3" in pool.get("auto", {}).plan.names and "eagle3" in pool.get("eagle3", {}).plan.names
+    with pytest.raises(ValueError, match="--draft-head"):
+        DecoderPool(target, None, "auto", {}).get("eagle3", {})
+    assert RunSpec(method="auto", draft_head=str(tmp_path)).plan().names[-1] == "eagle3"
+    with pytest.raises(ValueError, match="--draft-head"):
+        RunSpec(method="eagle3")
+    with pytest.raises(ValueError, match="not part of 'trie'"):
+        RunSpec(method="trie", draft_head=str(tmp_path))
