@@ -1,8 +1,8 @@
 """bf16 on a CPU: transformers' sdpa against forerun's fp32 sdpa (`forerun.attention`), interleaved in one process.
 
 Both models are the same weights; for every prompt each runs plain `generate` and forerun `auto`, in turn, so a
-busy machine slows all four alike. Prints tokens per second over all prompts (the prefill included) and how many
-of forerun's outputs equal its own model's generate (the rest differ first at a tie: `forerun.exactness`).
+busy machine slows all four alike. Prints tokens per second over all prompts (the prefill included), how many of
+forerun's outputs equal its own model's generate, and how many others first differ at a tie (`forerun.exactness`).
 
     python benchmarks/attention_ab.py --n 3 --threads 1 --out benchmarks/results/attention-ab-epyc.json
 """
@@ -19,6 +19,7 @@ import torch
 import forerun
 from forerun.attention import SDPA_FP32
 from forerun.bench.datasets import load_dataset
+from forerun.exactness import first_divergence
 
 DATASETS = ("gsm8k", "humaneval", "mbpp", "typehints")
 
@@ -38,7 +39,7 @@ def main() -> None:
     decoders = {name: forerun.Decoder(model, tokenizer, "auto") for name, (model, _) in models.items()}
     prompts = [p for name in DATASETS for p in load_dataset(name, args.n)]
     totals = {f"{kind} {name}": [0, 0.0] for name in models for kind in ("generate", "auto")}
-    identical = dict.fromkeys(models, 0)
+    identical, ties = dict.fromkeys(models, 0), dict.fromkeys(models, 0)
     for decoder in decoders.values():  # warm-up: curves, output-matrix layout, first calls
         decoder.generate(list(prompts[0].messages), 16)
     for prompt in prompts:
@@ -47,8 +48,10 @@ def main() -> None:
         )["input_ids"]
         for name, (model, _) in models.items():
             started = time.perf_counter()
-            reference = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)
+            out = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False, output_logits=True,
+                                 return_dict_in_generate=True)  # fmt: skip
             seconds = time.perf_counter() - started
+            reference = out.sequences
             new = reference.shape[1] - ids.shape[1]
             totals[f"generate {name}"][0] += new
             totals[f"generate {name}"][1] += seconds
@@ -57,12 +60,15 @@ def main() -> None:
             totals[f"auto {name}"][0] += len(result.new_tokens)
             totals[f"auto {name}"][1] += time.perf_counter() - started
             identical[name] += torch.equal(result.sequences, reference)
+            expected = reference[0, ids.shape[1] :].tolist()
+            divergence = first_divergence(expected, result.new_tokens, [row[0] for row in out.logits], model.dtype)
+            ties[name] += divergence is not None and divergence.is_tie
     rows = {label: tokens / seconds for label, (tokens, seconds) in totals.items()}
     for label, rate in rows.items():
         print(f"{label:32s} {rate:6.1f} tokens/s")
-    print(f"forerun identical to its model's generate: {identical} of {len(prompts)} prompts")
+    print(f"forerun identical to its model's generate: {identical}, first difference a tie: {ties}, of {len(prompts)}")
     record = {"threads": args.threads, "quantize": quantize, "prompts": len(prompts), "tokens_per_second": rows,
-              "identical": identical}  # fmt: skip
+              "identical": identical, "ties": ties}  # fmt: skip
     Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
 
 
