@@ -212,8 +212,13 @@ class Eagle3Config:
     """Children tried under each expanded node."""
     width: int = 4
     """Nodes expanded per level: the most probable ones."""
+    min_prob: float = 0.1
+    """Only paths at least this probable (the product of the head's probabilities) are expanded further: where the
+    head is unsure, deeper guesses rarely hold, and each level costs a forward of the head."""
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.min_prob <= 1.0:
+            raise ValueError(f"Eagle3Config.min_prob must be in [0, 1], got {self.min_prob}")
         check_int(self, "depth", 1, 32)
         check_int(self, "topk", 1, 32)
         check_int(self, "width", 1, 32)

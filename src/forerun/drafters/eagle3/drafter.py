@@ -74,7 +74,12 @@ class Eagle3Drafter:
             added = self.children(tree, frontier, ctx)
             if not added or level == self.config.depth - 1:
                 break
-            expand = sorted(added, key=lambda item: -item[2])[: self.config.width]
+            floor = math.log(self.config.min_prob) if self.config.min_prob > 0 else -math.inf
+            expand = [
+                item for item in sorted(added, key=lambda item: -item[2])[: self.config.width] if item[2] >= floor
+            ]
+            if not expand:  # the head is unsure past this level: no forward of it for guesses that would not hold
+                break
             outs = self.read_level(tree, [node for node, _, _ in expand], entries, position)
             entries.extend(node for node, _, _ in expand)
             frontier = [(node, out, logp) for (node, _, logp), out in zip(expand, outs, strict=True)]
