@@ -12,7 +12,7 @@ from tiny_models import tiny_model
 
 
 def test_registry_declares_every_method_once():
-    assert list(REGISTRY) == ["prompt_lookup", "trie", "jacobi", "draft_model"]
+    assert list(REGISTRY) == ["prompt_lookup", "trie", "jacobi", "draft_model", "eagle3"]
     for name, spec in REGISTRY.items():
         assert spec.name == name and spec.about and spec.style and spec.budget(spec.config()) >= 1
     assert [s.name for s in parse_method("auto")] == ["prompt_lookup", "trie", "jacobi"]  # model-free only
@@ -98,7 +98,7 @@ def test_decoder_reports_and_rejects_like_the_plan():
         (["generate", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
         (["generate", "hi", "--method", "draft_model"], "method draft_model needs a draft model"),
         (["bench", "--methods", "auto[draft_len=3]"], "needs a method prefix"),
-        (["curve", "--dtype", "fp32,int8"], "dtype must be one of"),
+        (["curve", "--dtype", "fp32,int3"], "dtype must be one of"),
         (["curve", "--rows", "1,4"], "--rows must be between 2 and 256"),
         (["curve", "--rows", "two"], "--rows must be comma-separated integers"),
         (["generate", "hi", "--device", "cuda"], "this machine has no CUDA device"),
