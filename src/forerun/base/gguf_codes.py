@@ -45,7 +45,6 @@ class Codes:
 
     def dequantized(self) -> torch.Tensor:
         """The weights these codes stand for, [rows, columns] fp32 (scale and zero as the kernel holds them)."""
-        rows, columns = self.codes.shape
         scale, zero = (x.to(torch.bfloat16).float().repeat_interleave(GROUP, dim=1) for x in (self.scale, self.zero))
         return (self.codes.float() - 8) * scale + zero
 

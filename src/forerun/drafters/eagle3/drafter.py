@@ -70,11 +70,11 @@ class Eagle3Drafter:
         position = len(ctx.tokens) - 1  # the head position of the root's children: the root's own
         frontier = [(0, self.last, 0.0)]  # (tree node, head output predicting its children, path log-probability)
         entries: list[int] = []  # the tree node of each drafted cache entry, in order
+        floor = math.log(self.config.min_prob) if self.config.min_prob > 0 else -math.inf
         for level in range(self.config.depth):
             added = self.children(tree, frontier, ctx)
             if not added or level == self.config.depth - 1:
                 break
-            floor = math.log(self.config.min_prob) if self.config.min_prob > 0 else -math.inf
             expand = [
                 item for item in sorted(added, key=lambda item: -item[2])[: self.config.width] if item[2] >= floor
             ]
@@ -116,7 +116,7 @@ class Eagle3Drafter:
         visible = torch.zeros(len(nodes), self.cache.length + len(nodes), dtype=torch.bool, device=device)
         visible[:, : self.committed] = True
         for row, node in enumerate(nodes):
-            lineage = ancestors(tree, node)
+            lineage = set(tree.path_to(node))  # the root's position is committed: it has no drafted entry
             for column, entry in enumerate(entries):
                 visible[row, self.committed + column] = entry in lineage
             visible[row, self.cache.length + row] = True
@@ -128,15 +128,6 @@ class Eagle3Drafter:
 
     def finish(self, ctx: DraftContext) -> None:
         self.start(ctx)
-
-
-def ancestors(tree: TokenTree, node: int) -> set[int]:
-    """`node` and the nodes above it, the root excluded (its position is committed, not drafted)."""
-    found = set()
-    while node > 0:
-        found.add(node)
-        node = tree.parents[node]
-    return found
 
 
 METHOD = MethodSpec(

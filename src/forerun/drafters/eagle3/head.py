@@ -60,6 +60,17 @@ def head_config(
     )
 
 
+def default_aux_layers(layers: int) -> tuple[int, int, int]:
+    """SpecForge's choice of the target layers a head reads when its config names none: low, middle and high
+    (1, L/2 - 1, L - 4), kept within a shallow target's `layers`.
+
+    Example:
+        >>> default_aux_layers(30), default_aux_layers(2)
+        ((1, 14, 26), (1, 0, 0))
+    """
+    return tuple(min(max(i, 0), layers - 1) for i in (1, layers // 2 - 1, layers - 4))
+
+
 @dataclass
 class HeadCache:
     """The head's keys and values [kv_heads, positions, head_dim] of every position it has read, in order."""

@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import LlamaConfig
 
-from forerun.drafters.eagle3.head import Eagle3Head
+from forerun.drafters.eagle3.head import Eagle3Head, default_aux_layers
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 REQUIRED = ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size", "draft_vocab_size")
@@ -101,8 +101,7 @@ def aux_layers(raw: dict, config_file: Path, layers: int) -> tuple[int, int, int
     """The target layers the head reads: as the config names them, else SpecForge's default choice (low, middle,
     high: 1, L/2 - 1, L - 4, kept within a shallow target's layers)."""
     named = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    default = [min(max(i, 0), layers - 1) for i in (1, layers // 2 - 1, layers - 4)]
-    ids = named if named is not None else default
+    ids = named if named is not None else list(default_aux_layers(layers))
     valid = isinstance(ids, list) and len(ids) == 3 and all(type(i) is int and 0 <= i < layers for i in ids)
     check(
         valid,

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from forerun.drafters.eagle3.head import Eagle3Head, HeadCache, head_config
+from forerun.drafters.eagle3.head import Eagle3Head, HeadCache, default_aux_layers, head_config
 
 
 @dataclass(frozen=True)
@@ -138,7 +138,7 @@ def train_head(model, tokenizer, texts: Iterable[str], out: Path | str, config: 
 def train_loop(model, tokenizer, texts, out: Path, config: TrainConfig, report) -> Path:
     """`train_head` with the target frozen."""
     layers_count = model.config.num_hidden_layers
-    layers = tuple(min(max(i, 0), layers_count - 1) for i in (1, layers_count // 2 - 1, layers_count - 4))
+    layers = default_aux_layers(layers_count)
     stream = chunks_of(tokenizer, texts, config.chunk)
     first = [ids for ids, _ in zip(stream, range(config.vocab_chunks), strict=False)]
     used = draft_vocabulary(model, first, config.draft_vocab)
