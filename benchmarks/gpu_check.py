@@ -148,25 +148,41 @@ def steps(log: Log, model, label: str, new_tokens: int = 64) -> None:
                 ms_per_token=round(1e3 * took / new_tokens, 3))  # fmt: skip
 
 
+def curve_ms(decoder: Decoder) -> dict[int, float] | None:
+    """The decoder's priced step cost per bucket (ms), where its budget is the cost model."""
+    curve = getattr(decoder.budget, "curve", None)
+    return None if curve is None else {size: round(curve.cost(size) * 1e3, 3) for size in BUCKETS}
+
+
 def hf_generate(model, ids, new_tokens: int, **kwargs):
     kwargs.setdefault("min_new_tokens", 0)
     return model.generate(ids, max_new_tokens=new_tokens, do_sample=False, **kwargs)
 
 
 def bench(
-    log: Log, model, tokenizer, prompts: list[dict], new_tokens: int, methods: list[str], compiled: bool = False
+    log: Log, model, tokenizer, prompts: list[dict], new_tokens: int, methods: list[str], compiled: list[str],
+    baselines: list[str],
 ) -> None:
     """Interleaved single-row runs; speed ratios against eager generate and compiled static-cache generate.
-    `compiled`: each method also with its buckets compiled before capture (label `METHOD (compiled)`)."""
-    decoders = {m: Decoder(model, tokenizer, m, static_cache=True) for m in methods}
-    if compiled:
-        decoders |= {f"{m} (compiled)": Decoder(model, tokenizer, m, compile_buckets=True) for m in methods}
+    `compiled`: these methods also with their buckets compiled before capture (label `METHOD (compiled)`);
+    `baselines`: transformers' runs beside eager generate (`generate_static_compiled`, `hf_prompt_lookup`)."""
     longest = max(prompts, key=lambda p: len(p["ids"]))
     warm_ids = torch.tensor([longest["ids"]], device=DEVICE)
-    _, compile_s = sync_time(lambda: hf_generate(model, warm_ids, new_tokens, cache_implementation="static"))
-    hf_generate(model, warm_ids, new_tokens, cache_implementation="static")
-    log("bench", note="static-cache generate warmed (compile)", seconds=round(compile_s, 1))
-    for decoder in decoders.values():  # warm: curve measured, graphs captured
+    decoders = {}
+    for label, method, fused in [(m, m, False) for m in methods] + [(f"{m} (compiled)", m, True) for m in compiled]:
+        decoder, made_s = sync_time(
+            lambda m=method, f=fused: Decoder(model, tokenizer, m, static_cache=True, compile_buckets=f)
+        )
+        warm_s = decoder.warm_up(len(longest["ids"]) + new_tokens)  # every bucket captured before timing
+        decoders[label] = decoder
+        log("bench", note=f"{label}: made (curve measured or loaded) and warmed", made_s=round(made_s, 1),
+            warm_s=round(warm_s, 1), capture_s=round(decoder.base.capture_seconds, 1),
+            capture_error=decoder.base.capture_error, curve_ms=curve_ms(decoder))  # fmt: skip
+    if "generate_static_compiled" in baselines:
+        _, compile_s = sync_time(lambda: hf_generate(model, warm_ids, new_tokens, cache_implementation="static"))
+        hf_generate(model, warm_ids, new_tokens, cache_implementation="static")
+        log("bench", note="static-cache generate warmed (compile)", seconds=round(compile_s, 1))
+    for decoder in decoders.values():
         decoder.generate(warm_ids, 16)
     for prompt in prompts:
         if log.late(60):
@@ -185,7 +201,7 @@ def bench(
             ),
             "hf_prompt_lookup": lambda ids=ids: hf_generate(model, ids, new_tokens, prompt_lookup_num_tokens=10),
         }
-        for label, run in runs.items():
+        for label, run in [(label, run) for label, run in runs.items() if label in baselines]:
             result, took = sync_time(run)
             rows[label] = (result[0, ids.shape[1] :].tolist(), took, None)
         for method, decoder in decoders.items():
@@ -248,7 +264,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--methods", default="plain,prompt_lookup,trie,auto")
     parser.add_argument("--dtype", default="bf16")
-    parser.add_argument("--compiled", action="store_true", help="bench: each method with compiled buckets too")
+    parser.add_argument("--compiled", default="", help="bench: these methods with compiled buckets too (a list)")
+    parser.add_argument("--baselines", default="generate_static_compiled,hf_prompt_lookup",
+                        help="bench: transformers' runs beside eager generate")  # fmt: skip
     parser.add_argument("--budget-s", type=float, default=420.0, help="stop starting new work after this long")
     parser.add_argument("--out", type=Path, default=Path("gpu_check.jsonl"))
     args = parser.parse_args()
@@ -278,7 +296,9 @@ def main() -> None:
     prompts = json.loads(args.prompts.read_text()) if args.prompts else []
     if "bench" in sections and prompts:
         methods = args.methods.split(",")
-        guarded(log, "bench", lambda: bench(log, model, tokenizer, prompts, args.new_tokens, methods, args.compiled))
+        compiled, baselines = [m for m in args.compiled.split(",") if m], args.baselines.split(",")
+        guarded(log, "bench", lambda: bench(log, model, tokenizer, prompts, args.new_tokens, methods, compiled,
+                                            baselines))  # fmt: skip
     if "batch" in sections and prompts:
         guarded(log, "batch", lambda: batch(log, model, tokenizer, prompts, min(args.new_tokens, 64)))
 

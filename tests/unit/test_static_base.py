@@ -193,3 +193,18 @@ def test_a_text_longer_than_a_sliding_window_takes_the_growing_cache():
         result = decoder.generate(prompt, new, eos_token_id=[])
         assert torch.equal(result.sequences, expected), new
         assert bool(decoder.base.steps) == on_slots, new
+
+
+def test_warm_up_makes_every_bucket_before_the_first_request():
+    """warm_up prepares every bucket for texts up to its length (a request that fits uses them, same tokens as
+    plain generate); without a static cache it does nothing."""
+    model = model_of("llama", "sdpa")
+    decoder = forerun.Decoder(model, None, "prompt_lookup", latency=CURVE, static_cache=True)
+    assert decoder.base.steps == {}
+    decoder.warm_up(200)
+    assert set(decoder.base.steps) == set(decoder.base.buckets)
+    steps, length = dict(decoder.base.steps), decoder.base.length
+    result = decoder.generate(prompts(3)[0], NEW_TOKENS, eos_token_id=[])
+    assert torch.equal(result.sequences, reference("llama", "sdpa", 0))
+    assert decoder.base.length == length and all(decoder.base.steps[s] is steps[s] for s in steps)  # reused
+    assert forerun.Decoder(model, None, "plain").warm_up(200) == 0.0  # a CPU's default: the growing cache

@@ -144,7 +144,10 @@ class StaticBase:
         kernels) before it is captured: tens of seconds per bucket once, then shorter steps where launches, not
         arithmetic, bound them. Off by default until a card's measurements say it pays."""
         self.model = model
-        self.step_forward = torch.compile(self.bucket_forward, dynamic=False) if compiled else self.bucket_forward
+        # the node count may become a symbolic size (dynamo's automatic dynamic shapes): the buckets past the
+        # second share one compiled program (compiling each cost ~15 s on a card's host), and each is still
+        # captured as its own graph
+        self.step_forward = torch.compile(self.bucket_forward) if compiled else self.bucket_forward
         self.compiled = compiled
         self.buckets = tuple(sorted({int(b) for b in buckets}))
         if not self.buckets or self.buckets[0] != 1:
@@ -191,6 +194,18 @@ class StaticBase:
         self.cache = Cache(layers=[SlotLayer(length, self.slots, i) for i in range(self.layers)])
         self.columns = torch.arange(length, device=self.device)
         self.offsets = torch.arange(self.largest, device=self.device)
+
+    def warm(self, max_len: int) -> float:
+        """Make every bucket's graph (and compiled program) now, for texts of up to `max_len` tokens, instead of
+        at each bucket's first use; returns the seconds it took. A server calls it once before taking requests."""
+        started = time.perf_counter()
+        reason = self.begin(max_len)
+        if reason is not None:
+            raise ValueError(f"this model cannot verify trees on the static cache: {reason}")
+        for size in self.buckets:
+            if size not in self.steps:
+                self.prepare(size)
+        return time.perf_counter() - started
 
     def seed(self, prefixes: Prefixes | None, tokens: list[int]) -> int:
         return 0  # the prefix cache holds DynamicCache layers; this base prefills in full
@@ -251,34 +266,42 @@ class StaticBase:
         return out.logits[0]
 
     def prepare(self, size: int) -> BucketStep:
-        """The bucket's buffers, and on a GPU its graph: two warm-up forwards on a side stream, then the capture,
-        all writing into the scratch slots at the end of the cache."""
+        """The bucket's buffers, and on a GPU its graph: two warm-up forwards on a side stream (the compiled
+        program is made by the first), then the capture, all writing into the scratch slots at the end of the
+        cache. Compiled without graphs (a CPU), one warm-up forward compiles it."""
         started = time.perf_counter()
         count = 1 + 2 * size + size * size
         host = torch.zeros(count, dtype=torch.long, pin_memory=self.device.type == "cuda")
         step = BucketStep(size, torch.zeros(count, dtype=torch.long, device=self.device), host)
-        if self.graphs:
-            scratch = TokenTree.rooted_at(0)
-            fill_host(host.numpy(), scratch, self.length - self.largest, size)
+        if self.graphs or self.compiled:
+            fill_host(host.numpy(), TokenTree.rooted_at(0), self.length - self.largest, size)
             step.inputs.copy_(host)
+        if self.graphs:
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
                 for _ in range(2):
                     self.step_forward(size, step.inputs)
             torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            try:
-                with torch.cuda.graph(graph):
-                    step.logits, step.choices = self.step_forward(size, step.inputs)
-                step.graph = graph
-            except RuntimeError as error:  # a model whose forward waits for the host: eager steps, still exact
-                self.capture_error = f"{type(self.model).__name__}: {error}"
-                logger.warning("forerun: bucket %d runs eagerly, its capture failed: %s", size, self.capture_error)
+            self.capture(step)
             torch.cuda.synchronize(self.device)
+        elif self.compiled:
+            self.step_forward(size, step.inputs)
         self.steps[size] = step
         self.capture_seconds += time.perf_counter() - started
         return step
+
+    def capture(self, step: BucketStep) -> None:
+        """Capture `step`'s forward as a CUDA graph (its outputs stay in `step`); a model whose forward waits for
+        the host cannot be captured: that bucket then runs eagerly, still exact."""
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                step.logits, step.choices = self.step_forward(step.size, step.inputs)
+            step.graph = graph
+        except RuntimeError as error:
+            self.capture_error = f"{type(self.model).__name__}: {error}"
+            logger.warning("forerun: bucket %d runs eagerly, its capture failed: %s", step.size, self.capture_error)
 
     def settings(self) -> dict[str, object]:
         """What a latency curve measured on this base depends on beyond the model (part of its stored key)."""
