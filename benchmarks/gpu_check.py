@@ -160,7 +160,13 @@ def hf_generate(model, ids, new_tokens: int, **kwargs):
 
 
 def bench(
-    log: Log, model, tokenizer, prompts: list[dict], new_tokens: int, methods: list[str], compiled: list[str],
+    log: Log,
+    model,
+    tokenizer,
+    prompts: list[dict],
+    new_tokens: int,
+    methods: list[str],
+    compiled: list[str],
     baselines: list[str],
 ) -> None:
     """Interleaved single-row runs; speed ratios against eager generate and compiled static-cache generate.

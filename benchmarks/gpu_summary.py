@@ -3,6 +3,8 @@
 Usage:
     .venv/bin/python benchmarks/gpu_summary.py benchmarks/results/gpu-h200-run2.jsonl
     .venv/bin/python benchmarks/gpu_summary.py benchmarks/results/gpu-h200-run2.jsonl --plot docs/gpu-h200.png
+    .venv/bin/python benchmarks/gpu_summary.py benchmarks/results/gpu-h100-run1.jsonl \
+        benchmarks/results/gpu-h100-compiled.jsonl --plot docs/gpu-h100.png   (curve: every file; bench: the last)
 """
 
 from __future__ import annotations
@@ -84,12 +86,13 @@ def plot(records: list[dict], path: Path, card: str) -> None:
 
     curve = [r for r in records if r["section"] == "curve" and "bucket" in r]
     runs = [r for r in records if r["section"] == "bench" and "method" in r]
+    compiled = next((r["curve_ms"] for r in records if "(compiled)" in r.get("note", "") and r.get("curve_ms")), None)
     methods = list(dict.fromkeys(r["method"] for r in runs))
     rates = [
         sum(r["new_tokens"] for r in runs if r["method"] == m) / sum(r["seconds"] for r in runs if r["method"] == m)
         for m in methods
     ]
-    figure, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8))
+    figure, (left, right) = plt.subplots(1, 2, figsize=(14, 4.8))
     buckets = [r["bucket"] for r in curve]
     for key, label in (
         ("captured_ms", "captured graph (forerun on a GPU)"),
@@ -97,17 +100,20 @@ def plot(records: list[dict], path: Path, card: str) -> None:
         ("growing_eager_ms", "growing cache, eager (the CPU's base)"),
     ):
         left.plot(buckets, [r[key] for r in curve], marker="o", label=label)
+    if compiled:
+        left.plot(buckets, [compiled[str(b)] for b in buckets], marker="o", label="compiled, then captured")
     left.set(xscale="log", xlabel="tree nodes fed (bucket)", ylabel="ms per step", ylim=(0, None))
     left.set_xticks(buckets, [str(b) for b in buckets])
     left.set_title("SmolLM2-135M bf16: one verification step")
     left.legend()
-    colours = ["#999999" if m in ("generate", "hf_prompt_lookup") else "#4c72b0" if "generate" in m else "#dd8452"
-               for m in methods]  # fmt: skip
+    colours = ["#999999" if m in ("generate", "hf_prompt_lookup") else "#4c72b0" if "generate" in m
+               else "#c44e52" if "(compiled)" in m else "#dd8452" for m in methods]  # fmt: skip
     right.barh(methods[::-1], rates[::-1], color=colours[::-1])
     for y, rate in enumerate(rates[::-1]):
         right.text(rate, y, f" {rate:.0f}", va="center")
-    right.set(xlabel="tokens per second (12 prompts, 128 new tokens, greedy)")
-    right.set_title("grey: transformers eager; blue: compiled; orange: forerun")
+    prompts = len({(r["dataset"], r["prompt"]) for r in runs})
+    right.set(xlabel=f"tokens per second ({prompts} prompts, 128 new tokens, greedy)")
+    right.set_title("grey, blue: transformers; orange: forerun; red: compiled buckets")
     figure.suptitle(f"{card}, bf16, one row")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
@@ -116,8 +122,11 @@ def plot(records: list[dict], path: Path, card: str) -> None:
 def main() -> None:
     if "--plot" in sys.argv:
         at = sys.argv.index("--plot")
-        name, target = sys.argv[1], Path(sys.argv[at + 1])
-        records = [json.loads(line) for line in Path(name).read_text().splitlines() if line.strip()]
+        names, target = sys.argv[1:at], Path(sys.argv[at + 1])
+        loaded = [[json.loads(line) for line in Path(n).read_text().splitlines() if line.strip()] for n in names]
+        records = [r for file in loaded for r in file if r["section"] != "bench"] + [
+            r for r in loaded[-1] if r["section"] == "bench"
+        ]
         card = next((r.get("device") or r.get("card") for r in records if r["section"] == "env"), "GPU")
         plot(records, target, card)
         return

@@ -76,7 +76,7 @@ def decode(
             kept = [0, *verdict.accepted_nodes]
             base.commit(row.prefix_len, kept)
             features = committed_features(taps.take() if taps else None, len(lead), kept)
-            row.accept(selection, verdict, fed.logits, t1 - t0, time.perf_counter() - t1, features)
+            row.accept(selection, verdict, fed.logits, t1 - t0, time.perf_counter() - t1, features, fed.choices)
             lead = []
     base.store(job.prefixes, row.ctx.tokens, row.prefix_len)  # the cache holds prompt + accepted
     return row.finish()

@@ -120,9 +120,10 @@ class RowRun:
         propose_s: float,
         forward_s: float,
         features: torch.Tensor | None = None,
+        choices: list[int] | None = None,
     ) -> list[int]:
         """Append the verdict's tokens, let the drafters and the budget learn, record the step; returns the kept
-        path (root first) for the cache, and moves the root past it. `features`: `StepOutcome.features`."""
+        path (root first) for the cache, and moves the root past it. `features`, `choices`: `StepOutcome`'s."""
         tree, transcript = selection.tree, self.job.transcript
         path = [0, *verdict.accepted_nodes]  # the node each new token was chosen at
         self.prefix_len += len(path)
@@ -132,7 +133,7 @@ class RowRun:
         self.ctx.tokens.extend(new_tokens)
         started = time.perf_counter()
         for drafter, node_map in zip(self.job.drafters, selection.node_maps, strict=True):
-            drafter.observe(self.ctx, StepOutcome(tree, verdict, logits, new_tokens, node_map, features))
+            drafter.observe(self.ctx, StepOutcome(tree, verdict, logits, new_tokens, node_map, features, choices))
         self.budget.learn(selection, new_tokens)
         drafting_s = time.perf_counter() - started + propose_s
         expected = selection.expected_accepted

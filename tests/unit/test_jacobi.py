@@ -8,8 +8,11 @@ from forerun.drafters.jacobi import JacobiDrafter, NGramPool
 from forerun.verify import Verdict
 
 
-def outcome(tree, choices):
-    """A step in which the target's greedy choice at node i was choices[i] (as one-hot logits), all nodes fed."""
+def outcome(tree, choices, copied=False):
+    """A step in which the target's greedy choice at node i was choices[i], all nodes fed: as one-hot logits, or
+    (`copied`) as the list a card's base copies to the host with the step, beside logits that must not be read."""
+    if copied:
+        return StepOutcome(tree, Verdict([], 0), torch.empty(0), [0], {i: i for i in range(len(tree))}, None, choices)
     logits = torch.nn.functional.one_hot(torch.tensor(choices), 100).float()
     return StepOutcome(tree, Verdict([], 0), logits, [0], {i: i for i in range(len(tree))})
 
@@ -30,7 +33,10 @@ def test_window_probe_construction_w3_n3():
     assert tree.roles == ["root"] + ["probe"] * 6 + ["candidate"] * 2
 
 
-def test_warm_up_then_ngrams_enter_the_pool_and_the_window_moves():
+@pytest.mark.parametrize("copied", [False, True])
+def test_warm_up_then_ngrams_enter_the_pool_and_the_window_moves(copied):
+    """The window learns the target's choices at its probes; `copied`: read from the step's copied choices (no
+    device round trip per probe), the same as from the logits."""
     config = JacobiConfig(window=2, ngram=3, max_candidates=2, pool_from_prompt=False, lazy_window=False, seed=1)
     drafter = JacobiDrafter(config)
     c = ctx([10, 20, 30])
@@ -41,7 +47,7 @@ def test_warm_up_then_ngrams_enter_the_pool_and_the_window_moves():
     tree = drafter.propose(c)
     choices = [0] * len(tree)
     choices[1], choices[2] = 41, 42
-    drafter.observe(c, outcome(tree, choices))
+    drafter.observe(c, outcome(tree, choices, copied))
     assert drafter.levels == [level0, [41, 42]]
     assert len(drafter.pool) == 0
     # step 2: window full, choices at level-1 nodes (3, 4) complete the n-grams
@@ -49,7 +55,7 @@ def test_warm_up_then_ngrams_enter_the_pool_and_the_window_moves():
     assert tree.parents[3:5] == [1, 2]
     choices = [0] * len(tree)
     choices[3], choices[4] = 51, 52
-    drafter.observe(c, outcome(tree, choices))
+    drafter.observe(c, outcome(tree, choices, copied))
     assert drafter.pool.query(10, 5) == [(41, 51)]
     assert drafter.pool.query(20, 5) == [(42, 52)]
     assert drafter.levels == [[41, 42], [51, 52]]

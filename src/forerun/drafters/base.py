@@ -57,8 +57,14 @@ class StepOutcome:
     m committed positions before the new last token (every position this step's forward read and kept: the lead
     at a prefill, then the root and the accepted nodes); None when no drafter asked or the base cannot tap them."""
 
+    choices: list[int] | None = None
+    """Every node's raw argmax, where the base already copied them to the host with the step (a card's base):
+    reading one then costs no device round trip (a Jacobi window asks for one per probe)."""
+
     def choice(self, node: int) -> int:
         """The target's greedy (raw argmax) choice at node `node` of `tree`; computed only when asked."""
+        if self.choices is not None:
+            return self.choices[node]
         return int(self.logits[node].argmax())
 
 
