@@ -10,6 +10,8 @@ Sections (each writes its records to `--out` as JSON lines as it goes, so a run 
   transformers' prompt lookup, and forerun methods, interleaved per prompt; every output checked against eager
   generate (bf16: a first difference must be a numerical tie on generate's own logits).
 - `batch`: `generate([...])` of 1 / 4 / 16 rows against transformers' batched generate.
+- `profile`: where the host's time per forward goes (cProfile over 3 prompts per method; `--compiled` any: buckets
+  compiled).
 
 Usage (on the GPU machine; `benchmarks/gpu_check.sh` prepares the model file and calls this):
     python benchmarks/gpu_check.py smoke,curve --model random-1b --out $OUT/gpu.jsonl
@@ -236,6 +238,33 @@ def bench(
             )
 
 
+def profile(log: Log, model, tokenizer, prompts: list[dict], new_tokens: int, methods: list[str], compiled: bool) -> None:
+    """Where a step's host time goes: each method over the first 3 prompts under cProfile (after a warm run), the
+    forerun and transformers functions with the most cumulative time, milliseconds per forward."""
+    import cProfile
+    import pstats
+
+    for method in methods:
+        decoder = Decoder(model, tokenizer, method, static_cache=True, compile_buckets=compiled)
+        decoder.warm_up(max(len(p["ids"]) for p in prompts[:3]) + new_tokens)
+        decoder.generate(torch.tensor([prompts[0]["ids"]], device=DEVICE), 16)
+        profiler, forwards = cProfile.Profile(), 0
+        for prompt in prompts[:3]:
+            ids = torch.tensor([prompt["ids"]], device=DEVICE)
+            profiler.enable()
+            forwards += decoder.generate(ids, new_tokens).stats.forwards
+            profiler.disable()
+        stats = pstats.Stats(profiler).stats
+        rows = sorted(stats.items(), key=lambda item: -item[1][3])
+        top = [
+            {"function": f"{Path(file).name}:{line}({name})", "ms_per_forward": round(1e3 * cumulative / forwards, 3),
+             "own_ms_per_forward": round(1e3 * own / forwards, 3), "calls_per_forward": round(calls / forwards, 2)}
+            for (file, line, name), (_, calls, own, cumulative, _) in rows
+            if "forerun" in file or "transformers" in file or "{" in name
+        ][:40]  # fmt: skip
+        log("profile", method=method, compiled=compiled, forwards=forwards, top=top)
+
+
 def batch(log: Log, model, tokenizer, prompts: list[dict], new_tokens: int) -> None:
     """`generate([...])` of r rows against transformers' batched generate of the same left-padded rows."""
     for rows in (1, 4, 16):
@@ -264,7 +293,7 @@ def batch(log: Log, model, tokenizer, prompts: list[dict], new_tokens: int) -> N
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("sections", help="comma-separated: smoke, curve, steps, bench, batch")
+    parser.add_argument("sections", help="comma-separated: smoke, curve, steps, bench, batch, profile")
     parser.add_argument("--model", default="random-1b", help="random-1b, random-tiny (a check), or a .gguf file")
     parser.add_argument("--prompts", type=Path, help="JSON list of {id, dataset, ids}")
     parser.add_argument("--new-tokens", type=int, default=128)
@@ -285,7 +314,7 @@ def main() -> None:
     sections = args.sections.split(",")
     if "smoke" in sections:
         guarded(log, "smoke", lambda: smoke(log))
-    if not {"curve", "bench", "batch", "steps"} & set(sections):
+    if not {"curve", "bench", "batch", "steps", "profile"} & set(sections):
         return
     if args.model in ("random-1b", "random-tiny"):
         model, tokenizer = random_1b(tiny=args.model == "random-tiny")
@@ -305,6 +334,9 @@ def main() -> None:
         compiled, baselines = [m for m in args.compiled.split(",") if m], args.baselines.split(",")
         guarded(log, "bench", lambda: bench(log, model, tokenizer, prompts, args.new_tokens, methods, compiled,
                                             baselines))  # fmt: skip
+    if "profile" in sections and prompts:
+        methods, fused = args.methods.split(","), bool(args.compiled)
+        guarded(log, "profile", lambda: profile(log, model, tokenizer, prompts, args.new_tokens, methods, fused))
     if "batch" in sections and prompts:
         guarded(log, "batch", lambda: batch(log, model, tokenizer, prompts, min(args.new_tokens, 64)))
 
