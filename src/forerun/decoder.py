@@ -30,7 +30,7 @@ from forerun.base.weights import weights_kind
 from forerun.batch import batchable, decode_rows, fork
 from forerun.checks import check_batch_size, row_seeds
 from forerun.config import EngineConfig
-from forerun.costmodel import Budget, CostModel, ForwardTimes, LatencyCurve, StaticBudget
+from forerun.costmodel import Budget, CostModel, DraftSwitch, ForwardTimes, LatencyCurve, StaticBudget
 from forerun.drafters.base import Drafter
 from forerun.drafters.prediction import PredictionDrafter
 from forerun.engine import decode
@@ -178,7 +178,9 @@ class Decoder:
             if reproducible is None:
                 reproducible = self.model.dtype != torch.float32 or weights_kind(self.model) is not None
             times = ForwardTimes() if latency is None and not reproducible else None
-            return CostModel(curve, cap, times=times, reproducible=reproducible)
+            # costly drafters (a trained head's forwards) are weighed against measured rates without them
+            switch = None if reproducible else DraftSwitch()
+            return CostModel(curve, cap, times=times, reproducible=reproducible, switch=switch)
         return StaticBudget(config.max_tree_nodes or (self.plan.static_budget() if self.plan.specs else 16))
 
     def make_base(self, device_type: str) -> StaticBase | None:

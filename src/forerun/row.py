@@ -69,6 +69,8 @@ class RowRun:
     started: float = field(default_factory=time.perf_counter)
     error: Exception | None = None
     """What ended this row early: its drafters, budget or verification failed (in a batch, the other rows go on)."""
+    costly_drafting: bool = True
+    """Whether this step's costly drafters drafted (`propose`)."""
 
     @classmethod
     def begin(cls, job: RowJob, budget: Budget) -> RowRun:
@@ -101,10 +103,15 @@ class RowRun:
 
     def propose(self, drafting: bool = True) -> list[TokenTree]:
         """Each drafter's tree; `drafting=False`: the root alone from each (a step that verifies no tree needs no
-        proposals)."""
+        proposals). Costly drafters (a trained head) sit out while the budget's switch measures them not paying."""
+        switch = self.budget.switch
+        self.costly_drafting = drafting and (switch is None or switch.drafting())
         if not drafting:
             return [TokenTree.rooted_at(self.root) for _ in self.job.drafters]
-        return [drafter.propose(self.ctx) for drafter in self.job.drafters]
+        return [
+            drafter.propose(self.ctx) if self.costly_drafting or not costly(drafter) else TokenTree.rooted_at(self.root)
+            for drafter in self.job.drafters
+        ]
 
     def verify(self, tree: TokenTree, logits: torch.Tensor, choices: list[int] | None = None) -> Verdict:
         """The longest path of `tree` the target agrees with, on the tree's `logits` [nodes, vocab] (`choices`:
@@ -133,14 +140,25 @@ class RowRun:
         self.ctx.tokens.extend(new_tokens)
         started = time.perf_counter()
         for drafter, node_map in zip(self.job.drafters, selection.node_maps, strict=True):
-            drafter.observe(self.ctx, StepOutcome(tree, verdict, logits, new_tokens, node_map, features, choices))
+            if self.costly_drafting or not costly(drafter):
+                drafter.observe(self.ctx, StepOutcome(tree, verdict, logits, new_tokens, node_map, features, choices))
+            else:  # sitting out: it forgets, and reads again from the step it drafts in
+                drafter.start(self.ctx)
         self.budget.learn(selection, new_tokens)
         drafting_s = time.perf_counter() - started + propose_s
+        self.time_costly(len(new_tokens), drafting_s + forward_s)
         expected = selection.expected_accepted
         self.stats.record_step(tree, verdict.accepted_len, Counter(sources[:-1]), drafting_s, forward_s, expected)
         if self.stats.forwards == 1:
             self.stats.prefill_seconds = time.perf_counter() - self.started
         return path
+
+    def time_costly(self, tokens: int, seconds: float) -> None:
+        """Tell the budget's switch this step's rate, with or without the costly drafters (a prefill is no step:
+        it reads the prompt)."""
+        switch = self.budget.switch
+        if switch is not None and self.stats.forwards > 0 and seconds > 0 and any(map(costly, self.job.drafters)):
+            switch.record(self.costly_drafting, tokens / seconds)
 
     def commit(self, selection: Selection, logits: torch.Tensor, propose_s: float, forward_s: float) -> list[int]:
         """`verify` then `accept`: the kept path (root first)."""
@@ -163,3 +181,9 @@ class RowRun:
         if self.job.transcript.streamer is not None:
             self.job.transcript.streamer.end()
         return self.stats
+
+
+def costly(drafter: Drafter) -> bool:
+    """Whether `drafter` spends forwards of its own before the target's (a trained head): the budget's switch
+    may make it sit out (`CostModel.switch`)."""
+    return getattr(drafter, "costly", False)

@@ -149,3 +149,58 @@ def test_the_features_handed_to_drafters_are_the_targets_hidden_states_at_their_
         torch.testing.assert_close(model.model.norm(seen[0]), states[2][0, :-1], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(seen[1], states[1][0, :-1], rtol=1e-4, atol=1e-4)
     assert torch.equal(seen[0], seen[2])
+
+
+class SlowGuesser:
+    """A costly drafter (as a trained head is): each proposal takes 20 ms and guesses one token that never holds."""
+
+    name = "slow"
+    costly = True
+
+    def __init__(self) -> None:
+        self.proposed = self.started = 0
+
+    def start(self, ctx):
+        self.started += 1
+
+    def propose(self, ctx):
+        import time
+
+        from forerun.tree import TokenTree
+
+        self.proposed += 1
+        time.sleep(0.02)
+        tree = TokenTree.rooted_at(ctx.tokens[-1])
+        tree.add(0, (ctx.tokens[-1] + 7) % VOCAB, source=self.name, score=0.9)
+        return tree
+
+    def observe(self, ctx, outcome):
+        pass
+
+    def finish(self, ctx):
+        pass
+
+
+def test_a_costly_drafter_that_does_not_pay_sits_out_and_the_text_stays_exact():
+    """The budget's switch measures steps with and without the costly drafter: 20 ms of proposing for nothing is
+    paused after its first comparison (each later probe drafts a few steps); the output is generate's."""
+    model = model_of("llama", "sdpa")
+    slow = SlowGuesser()
+    decoder = forerun.Decoder(model, None, "plain", drafters=[slow], latency=CURVE, adaptive=True)
+    assert decoder.budget.switch is not None
+    result = decoder.generate(prompts(1)[0], 96, eos_token_id=[])
+    assert torch.equal(result.sequences, model.generate(prompts(1)[0], max_new_tokens=96, do_sample=False))
+    assert 6 <= slow.proposed <= result.stats.forwards // 2, (slow.proposed, result.stats.forwards)
+    assert slow.started > 1  # it forgot what it had read while it sat out
+
+
+def test_a_paused_head_sits_out_then_drafts_again_exactly():
+    model = model_of("llama", "sdpa")
+    decoder = forerun.Decoder(model, None, "eagle3", draft_head=random_head(model), latency=CURVE)
+    decoder.budget.switch.paused = 8  # measured not to pay: the next 8 steps go without it
+    result = decoder.generate(prompts(1)[0], NEW_TOKENS, eos_token_id=[])
+    assert torch.equal(result.sequences, reference("llama", "sdpa", 0, None))
+    assert result.stats.undrafted_steps >= 8 and result.stats.candidates > 0  # sat out, then drafted again
+    reproducible = forerun.Decoder(model, None, "eagle3", draft_head=random_head(model), latency=CURVE,
+                                   reproducible=True)  # fmt: skip
+    assert reproducible.budget.switch is None  # no timings steer what is fed

@@ -11,6 +11,7 @@ from typing import Protocol
 from forerun.costmodel.calibration import MAX_GROUPS, Calibration, FedCheck
 from forerun.costmodel.choice import Ranking, Selection, best_prefix, support_keys
 from forerun.costmodel.curve import LatencyCurve
+from forerun.costmodel.switch import DraftSwitch
 from forerun.tree import TokenTree, merge
 
 PROPOSAL_COST = 2.0
@@ -31,6 +32,8 @@ class Budget(Protocol):
     reproducible: bool
     """Whether it decides from stored measurements and learned acceptance only, never from this run's wall-clock
     timings (then a batch of its rows does not steer by timings either: `forerun.costmodel.batch`)."""
+    switch: DraftSwitch | None
+    """Whether a row's costly drafters draft this step (None: always)."""
 
     @property
     def curve(self) -> LatencyCurve | None: ...
@@ -127,6 +130,8 @@ class StaticBudget:
     """Drafters propose only what they want fed."""
     reproducible = True
     """What it feeds follows the knobs alone."""
+    switch = None
+    """Every drafter drafts every step, as its knobs ask."""
 
     def choose(self, root: int, proposals: Sequence[TokenTree], lead: int = 0, drafts: bool = True) -> Selection:
         """`drafts=False`: feed the root alone this step."""
@@ -169,6 +174,9 @@ class CostModel:
     """Decide from `curve` and the learned acceptance only: `times` is neither kept nor used. In low precision each
     tree shape rounds differently, so a choice steered by this run's timings could move a numerical tie from run to
     run; from stored measurements, the same prompt gives the same text every run (`EngineConfig.reproducible`)."""
+    switch: DraftSwitch | None = None
+    """Whether the costly drafters (a trained head: forwards of its own before the target's) draft this step,
+    from measured rates with and without them; None: they always draft (reproducible choices use no timings)."""
     selective = True
     """Drafters propose whatever might pay; this model picks."""
 

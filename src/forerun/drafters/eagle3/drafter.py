@@ -30,6 +30,8 @@ class Eagle3Drafter:
     """Drafts with `head` (`forerun.drafters.eagle3.load_head`); `feature_layers` tells the engine what to tap."""
 
     name = "eagle3"
+    costly = True
+    """Its head's forwards are time the cost model's curve does not see: it sits out while it does not pay."""
 
     def __init__(self, config: Eagle3Config, head: Eagle3Head) -> None:
         self.config, self.head = config, head
