@@ -238,7 +238,9 @@ def bench(
             )
 
 
-def profile(log: Log, model, tokenizer, prompts: list[dict], new_tokens: int, methods: list[str], compiled: bool) -> None:
+def profile(
+    log: Log, model, tokenizer, prompts: list[dict], new_tokens: int, methods: list[str], compiled: bool
+) -> None:
     """Where a step's host time goes: each method over the first 3 prompts under cProfile (after a warm run), the
     forerun and transformers functions with the most cumulative time, milliseconds per forward."""
     import cProfile

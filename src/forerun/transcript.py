@@ -3,10 +3,11 @@ log-probabilities."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
-from transformers import StoppingCriteriaList
+from transformers import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 
 from forerun.logprobs import TokenLogprob, token_logprobs
 
@@ -25,19 +26,18 @@ class Transcript:
     """None: no log-probabilities; k >= 0: each new token's log-probability and the k likeliest alternatives."""
     logprobs: list[TokenLogprob] = field(default_factory=list)
 
+    limits: tuple[float, frozenset[int]] | None = field(init=False, default=None)
+    """The stopping criteria as a length and EOS ids where that is all they are (`simple_limits`)."""
+
+    def __post_init__(self) -> None:
+        self.limits = simple_limits(self.stopping)
+
     def extend(self, tokens: list[int], sources: list[str], rows: torch.Tensor | None = None) -> list[int]:
         """Append tokens until a criterion fires (exactly where plain generate stops); return those appended.
 
         `rows` [len(tokens), vocab]: the raw logits each token was chosen from (for log-probabilities).
         """
-        taken = []
-        for token, source in zip(tokens, sources, strict=True):
-            self.sequence = torch.cat([self.sequence, self.sequence.new_tensor([[token]])], dim=1)
-            self.sources.append(source)
-            taken.append(token)
-            if bool(self.stopping(self.sequence, None).any()):
-                self.done = True
-                break
+        taken = self.take(tokens, sources) if self.limits is not None else self.take_checked(tokens, sources)
         entries = []
         if self.logprobs_top is not None and rows is not None and taken:
             entries = token_logprobs(rows, taken, self.logprobs_top)
@@ -51,3 +51,50 @@ class Transcript:
                 note_sources(self.sources[len(self.sources) - len(taken) :])
             self.streamer.put(self.sequence.new_tensor(taken))
         return taken
+
+    def take(self, tokens: list[int], sources: list[str]) -> list[int]:
+        """`extend`'s tokens under a length and EOS alone (`limits`): checked in Python, the sequence grown once
+        (a criterion call per token costs tensor ops on the host between a card's steps)."""
+        max_length, eos = self.limits
+        taken, length = [], self.sequence.shape[1]
+        for token, source in zip(tokens, sources, strict=True):
+            self.sources.append(source)
+            taken.append(token)
+            length += 1
+            if length >= max_length or token in eos:
+                self.done = True
+                break
+        if taken:
+            self.sequence = torch.cat([self.sequence, self.sequence.new_tensor([taken])], dim=1)
+        return taken
+
+    def take_checked(self, tokens: list[int], sources: list[str]) -> list[int]:
+        """`extend`'s tokens, each checked by calling the stopping criteria on the grown sequence."""
+        taken = []
+        for token, source in zip(tokens, sources, strict=True):
+            self.sequence = torch.cat([self.sequence, self.sequence.new_tensor([[token]])], dim=1)
+            self.sources.append(source)
+            taken.append(token)
+            if bool(self.stopping(self.sequence, None).any()):
+                self.done = True
+                break
+        return taken
+
+
+def simple_limits(stopping: StoppingCriteriaList) -> tuple[float, frozenset[int]] | None:
+    """(max length, EOS ids) when `stopping` is only transformers' length and EOS criteria (what they check, in
+    Python), else None (stop strings, cancellation, max_time...: the criteria themselves are called).
+
+    Example:
+        >>> simple_limits(StoppingCriteriaList([MaxLengthCriteria(12), EosTokenCriteria([2, 0])]))
+        (12, frozenset({0, 2}))
+    """
+    max_length, eos = math.inf, set()
+    for criterion in stopping:
+        if type(criterion) is MaxLengthCriteria:
+            max_length = min(max_length, criterion.max_length)
+        elif type(criterion) is EosTokenCriteria:
+            eos.update(criterion.eos_token_id.flatten().tolist())
+        else:
+            return None
+    return max_length, frozenset(eos)

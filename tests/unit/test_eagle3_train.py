@@ -25,7 +25,7 @@ def test_a_trained_head_learns_loads_and_drafts_exactly(tmp_path):
     model = tiny_model("llama")
     texts = [" ".join(str(3 + (i * 7 + j) % 40) for j in range(200)) for i in range(12)]  # repetitive text
     losses = []
-    config = TrainConfig(draft_vocab=48, chunk=64, seconds=60, vocab_chunks=4, lr=3e-3)
+    config = TrainConfig(draft_vocab=48, chunk=64, seconds=20, vocab_chunks=4, lr=3e-3, unroll=2)
     folder = train_head(model, DigitTokenizer(), texts * 3, tmp_path / "head", config,
                         report=lambda step, loss, seconds: losses.append(loss))  # fmt: skip
     assert len(losses) > 10 and sum(losses[-3:]) < sum(losses[:3])  # it learned something
@@ -37,3 +37,39 @@ def test_a_trained_head_learns_loads_and_drafts_exactly(tmp_path):
         prompt, 30, eos_token_id=[]
     )
     assert torch.equal(result.sequences, expected) and result.stats.candidates > 0
+
+
+def test_training_time_test_steps_are_what_the_drafter_computes_at_depth():
+    """Training's unrolled step s at chain j is exactly the drafter's head output for the node s-1 levels below a
+    root at position j + 1 (the target's features read up to position j): training aligns with drafting. The
+    same comparison one position off fails (a negative control)."""
+    from heads import random_head
+
+    from forerun.config import Eagle3Config
+    from forerun.drafters.base import DraftContext, StepOutcome
+    from forerun.drafters.eagle3.drafter import Eagle3Drafter
+    from forerun.drafters.eagle3.train import unrolled
+    from forerun.tree import TokenTree
+    from forerun.verify import Verdict
+
+    model = tiny_model("llama")
+    head = random_head(model).float()
+    ids = prompts(1, 12, seed=3)[0]
+    features = torch.randn(ids.shape[1], 3 * model.config.hidden_size)
+    with torch.no_grad():
+        steps = unrolled(head, ids, features, 3)
+    assert [out.shape[0] for out in steps] == [11, 10, 9]
+    tokens = ids[0].tolist()
+    for j in (0, 4, 8):
+        drafter = Eagle3Drafter(Eagle3Config(), head)
+        ctx = DraftContext(tokens[: j + 2], j + 2, 16, frozenset())
+        drafter.observe(ctx, StepOutcome(TokenTree.rooted_at(tokens[j + 1]), Verdict([], 0), torch.empty(0), [], {},
+                                         features[: j + 1]))  # fmt: skip
+        assert torch.allclose(drafter.last, steps[0][j], atol=1e-5)
+        tree = TokenTree.rooted_at(tokens[j + 1])
+        child = tree.add(0, tokens[j + 2])
+        (first,) = drafter.read_level(tree, [child], [], j + 1)
+        grandchild = tree.add(child, tokens[j + 3])
+        (second,) = drafter.read_level(tree, [grandchild], [child], j + 2)
+        assert torch.allclose(first, steps[1][j], atol=1e-5) and torch.allclose(second, steps[2][j], atol=1e-5)
+        assert not torch.allclose(first, steps[1][j + 1], atol=1e-3)  # the neighbouring chain differs

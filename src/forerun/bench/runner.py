@@ -184,6 +184,9 @@ def run_interleaved(
     for spec in specs:
         if prepare is not None and spec.label in decoders:
             prepare(spec, decoders[spec.label])
+    longest = max(encode(tokenizer, prompt, torch.device("cpu")).shape[1] for prompt in prompts)
+    for decoder in decoders.values():  # a card's graphs, every bucket captured before anything is timed
+        decoder.warm_up(longest + max_new_tokens)
     warm_up(model, tokenizer, decoders, prompts[0], draft_model, peers)
     histories: dict[str, list[dict]] = {}  # conversation -> its turns so far, with plain generate's answers
     records = []

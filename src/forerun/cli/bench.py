@@ -72,6 +72,7 @@ def bench(
 
     import torch
 
+    from forerun.base import StaticBase, static_support
     from forerun.bench.datasets import load_dataset
     from forerun.bench.report import summarize, tables, write_outputs
     from forerun.bench.runner import load_records, mismatch_lines, parse_methods, run_interleaved
@@ -104,8 +105,10 @@ def bench(
     elif any(s.reads_head(False) for s in specs):
         raise ValueError("method eagle3 needs an EAGLE-3 head (forerun bench --draft-head FOLDER)")
     sampling = {"temperature": temperature, "top_p": top_p} if sample else None
+    # a card's single rows verify on the static base, whose bucketed steps have their own curve
+    base = StaticBase(lm) if lm.device.type == "cuda" and not batch_size and static_support(lm) is None else None
     with console.status("latency curve (measured once per model, dtype, device and thread count)"):
-        curve = curve_for(lm, batched=bool(batch_size))
+        curve = curve_for(lm, batched=bool(batch_size), base=base)
     if batch_size:
         bench_batched(
             lm, tokenizer, prompts, specs, batch_size, max_new_tokens, curve, Path(out), dtype, threads, refill, rounds

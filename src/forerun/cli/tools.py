@@ -67,6 +67,9 @@ def train_head_command(
     ),
     minutes: float = typer.Option(30.0, "--minutes", help="Training time (the vocabulary pass not counted)."),
     draft_vocab: int = typer.Option(8192, "--draft-vocab", help="Tokens the head can propose."),
+    unroll: int = typer.Option(
+        1, "--unroll", help="Training-time test steps: also train the tree's deeper levels on the head's own outputs."
+    ),
     threads: int = THREADS,
 ) -> None:
     """Train an EAGLE-3 head for MODEL on this machine (fp32, teacher-forced on the model's own hidden states and
@@ -76,12 +79,14 @@ def train_head_command(
     from forerun.corpus import read_corpus
     from forerun.drafters.eagle3.train import TrainConfig, stdlib_texts, train_head
 
-    if minutes <= 0 or draft_vocab < 2:
-        raise ValueError(f"--minutes must be > 0 and --draft-vocab >= 2 (got {minutes}, {draft_vocab})")
+    if minutes <= 0 or draft_vocab < 2 or not 1 <= unroll <= 8:
+        raise ValueError(
+            f"--minutes must be > 0, --draft-vocab >= 2 and --unroll in 1..8 (got {minutes}, {draft_vocab}, {unroll})"
+        )
     texts = [row["text"] for row in read_corpus(Path(corpus)) if "text" in row] if corpus else stdlib_texts()
     spec = run_spec(model, "plain", None, "cpu", "fp32", threads)
     lm, tokenizer, _ = spec.load()
-    config = TrainConfig(draft_vocab=draft_vocab, seconds=minutes * 60)
+    config = TrainConfig(draft_vocab=draft_vocab, seconds=minutes * 60, unroll=unroll)
     with progress_bar() as progress:
         task = progress.add_task("training", total=round(config.seconds))
 

@@ -8,8 +8,14 @@ comes after that: the cross-entropy between the two. The draft vocabulary is the
 itself predicts most often on the training text; the head's output matrix starts as the target's own rows for
 them, its embedding is the target's (not written), the rest starts at random.
 
-This is EAGLE's first training step only (no training-time test unrolling): on a CPU it teaches the first level of
-the tree well and the deeper levels less so.
+Deeper levels of the draft tree feed the head its own output in place of the target's features (it has none for
+unverified tokens), so the head is also trained that way (EAGLE-3's training-time test, `TrainConfig.unroll`): step
+s reads, at each position, the token s places ahead with the head's step s-1 output there, sees the target's
+positions up to its chain's start and its own chain's entries, and is trained on the target's distribution s
+places ahead. The steps' losses are summed with weights 0.8^(s-1), as SpecForge weighs them.
+
+The text is read again from its start while the time lasts (a small corpus of the model's own answers, several
+times).
 
 Example:
     >>> folder = train_head(model, tokenizer, texts, "heads/smollm2", TrainConfig(seconds=1800))   # doctest: +SKIP
@@ -17,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from collections import Counter
@@ -42,6 +49,9 @@ class TrainConfig:
     seed: int = 0
     vocab_chunks: int = 64
     """Chunks the draft vocabulary is counted on."""
+    unroll: int = 1
+    """Training-time test steps (module docstring): 1 trains the first level only; each more step costs about as
+    much again and trains one more level on the head's own outputs."""
 
 
 def stdlib_texts() -> list[str]:
@@ -108,17 +118,53 @@ def new_head(model, used: torch.Tensor, layers: tuple[int, ...]) -> Eagle3Head:
     return head
 
 
-def train_step(head: Eagle3Head, optimizer, ids: torch.Tensor, features, logits, used) -> float:
-    """One step on one chunk: the head at positions 0..T-2 against the target's distributions at 1..T-1."""
-    target = torch.softmax(logits[1:, used].float(), dim=-1)  # the target's next-token odds, draft vocabulary
-    positions = torch.arange(ids.shape[1] - 1)
-    out = head(ids[0, 1:], head.project(features[:-1].float()), positions, HeadCache())
-    loss = -(target * torch.log_softmax(head.draft_logits(out), dim=-1)).sum(-1).mean()
+def unrolled(head: Eagle3Head, ids: torch.Tensor, features: torch.Tensor, unroll: int) -> list[torch.Tensor]:
+    """The head's outputs at each training-time test step on one chunk `ids` [1, T] with the target's `features`
+    [T, 3H]: step s gives [T - s, H], row j the chain that starts at position j (module docstring)."""
+    length, cache = ids.shape[1], HeadCache()
+    hidden, outputs, starts = head.project(features[:-1].float()), [], []
+    for step in range(1, min(unroll, length - 1) + 1):
+        rows = length - step  # chains that reach this far
+        positions = torch.arange(rows) + step - 1
+        visible = None if step == 1 else chain_mask(rows, starts, length - 1)
+        starts.append(cache.length)
+        hidden = head(ids[0, step:], hidden[:rows], positions, cache, visible)
+        outputs.append(hidden)
+    return outputs
+
+
+def train_step(head: Eagle3Head, optimizer, ids: torch.Tensor, features, logits, used, unroll: int = 1) -> float:
+    """One step on one chunk [1, T]: step 1, the head at positions 0..T-2 (features g_i, token x_{i+1}) against
+    the target's distributions at 1..T-1; step s, its step s-1 outputs with the tokens s places ahead, against
+    the distributions s places ahead (module docstring)."""
+    loss = 0.0
+    for step, out in enumerate(unrolled(head, ids, features, unroll), start=1):
+        target = torch.softmax(logits[step:, used].float(), dim=-1)  # the target's odds there, draft vocabulary
+        loss = loss + 0.8 ** (step - 1) * -(target * torch.log_softmax(head.draft_logits(out), dim=-1)).sum(-1).mean()
     optimizer.zero_grad()
     loss.backward()
     torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
     optimizer.step()
     return float(loss.detach())
+
+
+def chain_mask(rows: int, starts: list[int], first: int) -> torch.Tensor:
+    """What each of `rows` chains sees at a training-time test step: the target's positions 0..j (the first
+    step's entries, `first` of them) and its own entries of the steps since (`starts`: where each step's entries
+    begin in the cache, the first step's at 0), itself included. [rows, cache + rows] bool.
+
+    Example (a chunk of 4 tokens: 3 first-step entries, 2 chains at step 2):
+        >>> chain_mask(2, [0], 3).int().tolist()
+        [[1, 0, 0, 1, 0], [1, 1, 0, 0, 1]]
+    """
+    columns = starts[-1] + rows + 1  # the cache so far: the last step's entries were one chain more than now
+    visible = torch.zeros(rows, columns + rows, dtype=torch.bool)
+    chain = torch.arange(rows)
+    visible[:, :first] = torch.arange(first)[None] <= chain[:, None]
+    for start in starts[1:]:
+        visible[chain, start + chain] = True
+    visible[chain, columns + chain] = True
+    return visible
 
 
 def train_head(model, tokenizer, texts: Iterable[str], out: Path | str, config: TrainConfig = TrainConfig(),
@@ -146,9 +192,9 @@ def train_loop(model, tokenizer, texts, out: Path, config: TrainConfig, report) 
     trained = [p for name, p in head.named_parameters() if not name.startswith("embed_tokens.")]
     optimizer = torch.optim.AdamW(trained, lr=config.lr, weight_decay=0.0)
     started, step = time.perf_counter(), 0
-    for ids in [*first, *stream]:
+    for ids in itertools.chain(first, stream, itertools.cycle(chunks_of(tokenizer, texts, config.chunk))):
         features, logits = target_reading(model, ids, layers)
-        loss = train_step(head, optimizer, ids, features, logits, used)
+        loss = train_step(head, optimizer, ids, features, logits, used, config.unroll)
         step += 1
         elapsed = time.perf_counter() - started
         if report is not None:
