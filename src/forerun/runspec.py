@@ -76,6 +76,8 @@ class RunSpec:
     """'int4' or 'int8': every linear layer's weights in 4 or 8 bits (CPU, bf16 activations; `forerun.base.weights`)."""
     attention: str = "auto"
     """auto (sdpa; computed in fp32 for bf16/fp16 on the CPU: `forerun.attention`), sdpa, eager or SDPA_FP32."""
+    compile_buckets: bool = False
+    """A CUDA device's single rows: each bucket's forward compiled before it is captured (`EngineConfig`)."""
 
     def __post_init__(self) -> None:
         if self.dtype == "auto":
@@ -85,6 +87,8 @@ class RunSpec:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         parse_device(self.device)
+        if self.compile_buckets and parse_device(self.device).type != "cuda":
+            raise ValueError(f"compile_buckets is for a CUDA device's captured graphs; the device is {self.device!r}")
         if self.attention not in ATTENTIONS:
             raise ValueError(f"attention must be one of {', '.join(ATTENTIONS)}, got {self.attention!r}")
         if isinstance(self.threads, bool) or not isinstance(self.threads, int) or not 0 <= self.threads <= MAX_THREADS:
@@ -142,4 +146,5 @@ class RunSpec:
             raise ValueError("method draft_model needs a draft model: start with --draft-model NAME")
         draft = draft if plan.needs_draft() else None
         head = self.draft_head if plan.uses_head() else None
-        return Decoder(model, tokenizer, plan, max_tree_nodes=self.max_tree_nodes, draft_model=draft, draft_head=head)
+        return Decoder(model, tokenizer, plan, max_tree_nodes=self.max_tree_nodes, draft_model=draft, draft_head=head,
+                       compile_buckets=self.compile_buckets)  # fmt: skip

@@ -77,6 +77,8 @@ def test_tokenizer_model_mismatch(model):
         (["curve", "--out", "/proc/forerun"], "--out /proc/forerun cannot be created"),
         (["bench", "--out", "pyproject.toml"], "--out pyproject.toml is a file; give a folder"),
         (["run", "/dev/null", "-o", "out.jsonl"], "prompts file /dev/null is not a regular file"),
+        (["generate", "hi", "--compile-buckets"], "compile_buckets is for a CUDA device's captured graphs"),
+        (["bench", "--compile-buckets", "--n", "1"], "compile_buckets is for a CUDA device's captured graphs"),
     ],
 )
 def test_cli_errors_exit_2_without_traceback(args, message):

@@ -151,6 +151,7 @@ def run_interleaved(
     gguf: str | Path | None = None,
     threads: int = 1,
     draft_head: torch.nn.Module | None = None,
+    compile_buckets: bool = False,
 ) -> list[Record]:
     """Run reference + every spec on each prompt in turn; returns one Record per (prompt, method).
 
@@ -158,7 +159,8 @@ def run_interleaved(
     `draft_model`: the small model of methods draft_model and hf_assisted (transformers' assistant_model).
     `latency`: the device's latency curve for the cost model (None: forerun.latency.curve_for).
     `gguf`, `threads`: the model's GGUF file and the thread count, for the llama.cpp methods.
-    `draft_head`: the EAGLE-3 head of method eagle3, which `auto` then drafts with too.
+    `draft_head`: the EAGLE-3 head of method eagle3, which `auto` then drafts with too. `compile_buckets`: a card's
+    decoders compile each bucket before capturing it (`EngineConfig.compile_buckets`).
     """
     needing = [s.label for s in specs if s.needs_draft()]
     if needing and draft_model is None:
@@ -176,6 +178,7 @@ def run_interleaved(
             draft_model=draft_model if s.needs_draft() else None,
             draft_head=draft_head if s.reads_head(draft_head is not None) else None,
             prefix_cache=s.prefix_cache,
+            compile_buckets=compile_buckets,
             **s.knobs,
         )
         for s in specs

@@ -9,6 +9,7 @@ from forerun.base.weights import QUANTIZATIONS
 from forerun.checks import writable_folder
 from forerun.cli.common import (
     ATTENTION,
+    COMPILE,
     DEVICE,
     DTYPE,
     HEAD,
@@ -52,6 +53,7 @@ def bench(
         "", "--draft-model", help="Small model sharing the tokenizer, for methods draft_model and hf_assisted."
     ),
     draft_head: str = HEAD,
+    compile_buckets: bool = COMPILE,
     batch_size: str = typer.Option(
         "", "--batch-size", help="e.g. 1,2,4,8: aggregate tokens/s of batched decoding vs plain batched generate."
     ),
@@ -86,7 +88,7 @@ def bench(
     writable_folder(out)
     spec = RunSpec(
         model=model, method="plain", device=device, dtype=dtype, threads=threads, quantize=quantize or None,
-        attention=attention,
+        attention=attention, compile_buckets=compile_buckets,
     )  # fmt: skip
     dtype = spec.dtype  # "auto" resolved for this device
     prompts = [p for name in dataset.split(",") for p in load_dataset(name.strip(), n)]
@@ -106,7 +108,8 @@ def bench(
         raise ValueError("method eagle3 needs an EAGLE-3 head (forerun bench --draft-head FOLDER)")
     sampling = {"temperature": temperature, "top_p": top_p} if sample else None
     # a card's single rows verify on the static base, whose bucketed steps have their own curve
-    base = StaticBase(lm) if lm.device.type == "cuda" and not batch_size and static_support(lm) is None else None
+    static = lm.device.type == "cuda" and not batch_size and static_support(lm) is None
+    base = StaticBase(lm, compiled=compile_buckets) if static else None
     with console.status("latency curve (measured once per model, dtype, device and thread count)"):
         curve = curve_for(lm, batched=bool(batch_size), base=base)
     if batch_size:
@@ -152,6 +155,7 @@ def bench(
             gguf_of(model),
             threads,
             head,
+            compile_buckets,
         )
     for line in mismatch_lines(included):
         errors.print(f"[yellow]note[/]: included run: {escape(line)}", highlight=False)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 
 from forerun.cli.common import (
+    COMPILE,
     DEVICE,
     DRAFT,
     DTYPE,
@@ -38,6 +39,7 @@ def generate(
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Colour tokens by origin and print stats."),
     draft_model: str = DRAFT,
     draft_head: str = HEAD,
+    compile_buckets: bool = COMPILE,
     device: str = DEVICE,
     dtype: str = DTYPE,
     quantize: str = QUANTIZE,
@@ -47,7 +49,9 @@ def generate(
         raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     if not prompt.strip():
         raise ValueError("prompt is empty")
-    spec = run_spec(model, method, knob, device, dtype, threads, draft_model, max_tree_nodes, quantize, draft_head)
+    spec = run_spec(
+        model, method, knob, device, dtype, threads, draft_model, max_tree_nodes, quantize, draft_head, compile_buckets
+    )
     lm, tokenizer, draft = spec.load()
     decoder = spec.decoder(lm, tokenizer, draft)
     result = decoder.generate(prompt, max_new_tokens, chat=chat)
@@ -71,6 +75,7 @@ def chat(
     draft_model: str = DRAFT,
     draft_head: str = HEAD,
     max_tree_nodes: int = NODES,
+    compile_buckets: bool = COMPILE,
     device: str = DEVICE,
     dtype: str = DTYPE,
     quantize: str = QUANTIZE,
@@ -80,6 +85,8 @@ def chat(
 
     if max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
-    spec = run_spec(model, method, knob, device, dtype, threads, draft_model, max_tree_nodes, quantize, draft_head)
+    spec = run_spec(
+        model, method, knob, device, dtype, threads, draft_model, max_tree_nodes, quantize, draft_head, compile_buckets
+    )
     lm, tokenizer, draft = spec.load()
     chat_loop(spec, lm, tokenizer, draft, max_new_tokens, console)
