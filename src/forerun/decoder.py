@@ -13,14 +13,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import (
-    EosTokenCriteria,
     LogitsProcessorList,
-    MaxLengthCriteria,
     PreTrainedTokenizerBase,
     StoppingCriteriaList,
 )
@@ -38,37 +35,16 @@ from forerun.latency import DEFAULT_CACHE_DIR, curve_for, measure_batched
 from forerun.methods import DEFAULT_METHOD, MethodPlan, plan_method
 from forerun.noise import GumbelNoise
 from forerun.prefixcache import PrefixCache, Prefixes
+from forerun.preparation import Prepared, as_request, eos_ids_of, finished_result, request_criteria, seeded
 from forerun.prompts import check_context, check_kinds, encode_prediction, encode_prompt
 from forerun.request import GenerationRequest, Prompt, is_batch
 from forerun.result import GenerationResult
 from forerun.row import RowJob
 from forerun.stats import GenerationStats
-from forerun.stopping import Cancelled, StopStrings, first_stop
-from forerun.text import complete
 from forerun.transcript import Transcript
 from forerun.verify import Sampling
 
 logger = logging.getLogger(__name__)
-
-
-def eos_ids_of(model: torch.nn.Module, eos_token_id: int | Sequence[int] | None) -> frozenset[int]:
-    """The token ids that end an answer: `eos_token_id` (one id or a list; [] for none), else the model's own.
-    An id that is not an integer in the model's vocabulary is a ValueError naming the argument."""
-    given = eos_token_id is not None
-    if eos_token_id is None:
-        eos_token_id = model.generation_config.eos_token_id
-    if eos_token_id is None:
-        return frozenset()
-    ids = [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id
-    if not given:
-        return frozenset(ids)
-    vocab = model.get_output_embeddings().weight.shape[0]
-    if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple, set, frozenset)):
-        raise ValueError(f"eos_token_id must be a token id or a list of token ids, got {eos_token_id!r:.40}")
-    for token in ids:
-        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
-            raise ValueError(f"eos_token_id must hold token ids in [0, {vocab}), got {token!r:.40}")
-    return frozenset(ids)
 
 
 DEFAULT_PREFIX_TOKENS = 4096
@@ -441,40 +417,8 @@ class Decoder:
     def criteria(
         self, ids: torch.Tensor, request: GenerationRequest, eos: frozenset[int]
     ) -> tuple[LogitsProcessorList | None, StoppingCriteriaList]:
-        """The request's logits processors (None when greedy) and stopping criteria: its length, EOS, stop strings,
-        cancel, and any criterion transformers builds from its generation settings (e.g. max_time)."""
-        prompt_len = ids.shape[1]
-        criteria = StoppingCriteriaList([MaxLengthCriteria(max_length=prompt_len + request.max_new_tokens)])
-        if eos:
-            criteria.append(EosTokenCriteria(eos_token_id=sorted(eos)))
-        if request.stop:
-            criteria.append(StopStrings(self.tokenizer, list(request.stop), prompt_len))
-        if request.cancel is not None:
-            criteria.append(Cancelled(request.cancel))
-        if not request.processed:
-            return None, criteria
-        processor, theirs = self.processors(ids, request)
-        criteria.extend(c for c in theirs if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria)))
-        return processor, criteria
-
-    def processors(
-        self, input_ids: torch.Tensor, request: GenerationRequest
-    ) -> tuple[LogitsProcessorList, StoppingCriteriaList]:
-        """The logits processors and stopping criteria `model.generate` builds for this prompt alone (temperature,
-        top-p, penalties...), taken from its `custom_generate` hook before any forward runs."""
-        extra = {}
-        if request.eos_token_id is not None:
-            eos = request.eos_token_id
-            extra["eos_token_id"] = list(eos) if not isinstance(eos, int) else eos
-        return self.model.generate(
-            input_ids.to(self.model.device),
-            max_new_tokens=request.max_new_tokens,
-            do_sample=request.do_sample,
-            custom_generate=processors_only,
-            pad_token_id=self.pad_token_id(),
-            **extra,
-            **request.generation,
-        )
+        """The request's logits processors (None when greedy) and stopping criteria (`preparation.request_criteria`)."""
+        return request_criteria(self.model, self.tokenizer, ids, request, eos)
 
     @torch.inference_mode()
     def decode(
@@ -496,59 +440,7 @@ class Decoder:
 
     def result(self, prepared: Prepared, stats: GenerationStats) -> GenerationResult:
         """A finished row's GenerationResult."""
-        transcript, prompt_len = prepared.job.transcript, prepared.job.input_ids.shape[1]
-        sequences = transcript.sequence.cpu()
-        text = None
-        if self.tokenizer is not None:  # an answer cut inside a multi-byte character ends before it, not in U+FFFD
-            text = complete(self.tokenizer.decode(sequences[0, prompt_len:], skip_special_tokens=True))
-        logprobs = list(transcript.logprobs) if prepared.request.logprobs is not None else None
-        stop_at = first_stop(text, prepared.request.stop) if text is not None else None
-        new = sequences[0, prompt_len:].tolist()
-        ended = bool(new) and new[-1] in prepared.job.eos
-        full = len(new) >= prepared.request.max_new_tokens
-        reason = "length" if stop_at is None and not ended and full else "stop"
-        return GenerationResult(
-            sequences,
-            prompt_len,
-            text,
-            stats,
-            transcript.sources,
-            logprobs,
-            prepared.prediction_tokens,
-            reason,
-            stop_at,
-        )
-
-    def pad_token_id(self) -> int | None:
-        config = self.model.generation_config
-        if config.pad_token_id is not None:
-            return config.pad_token_id
-        eos = config.eos_token_id
-        return eos if isinstance(eos, int) else (eos[0] if eos else 0)
-
-
-@dataclass(frozen=True)
-class Prepared:
-    """A request set up as a row: the row (`RowJob`), the request it came from, its prediction's length in tokens."""
-
-    job: RowJob
-    request: GenerationRequest
-    prediction_tokens: int = 0
-
-
-def as_request(prompt: Prompt | GenerationRequest, max_new_tokens: int, options: dict) -> GenerationRequest:
-    """The request a `generate` call stands for: the one given (with no other options), or one built from them."""
-    if isinstance(prompt, GenerationRequest):
-        if options:
-            raise ValueError(f"a GenerationRequest carries its own settings; got {sorted(options)} besides")
-        return prompt
-    return GenerationRequest.of(prompt, max_new_tokens, **options)
-
-
-def seeded(seed: int | None) -> torch.Generator | None:
-    """The generator a `seed` stands for (on the CPU: the same seed gives the same noise on every device); None:
-    torch's global one."""
-    return torch.Generator().manual_seed(seed) if seed is not None else None
+        return finished_result(self.tokenizer, prepared, stats)
 
 
 def check_vocabulary(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase | None) -> None:
@@ -585,8 +477,3 @@ def generate(
     """
     decoder = Decoder(model, tokenizer, method, max_tree_nodes=max_tree_nodes, draft_model=draft_model, **(knobs or {}))
     return decoder.generate(input_ids, max_new_tokens, **generation_kwargs)
-
-
-def processors_only(model, input_ids, logits_processor, stopping_criteria, generation_config, **kwargs):
-    """A `custom_generate` that decodes nothing: it returns the processors and criteria transformers prepared."""
-    return logits_processor, stopping_criteria

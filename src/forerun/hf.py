@@ -15,9 +15,10 @@ from transformers import GenerationConfig, LogitsProcessorList, MaxLengthCriteri
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from forerun.batch import decode_batch, fork
-from forerun.decoder import Decoder, eos_ids_of
+from forerun.decoder import Decoder
 from forerun.methods import DEFAULT_METHOD
 from forerun.noise import GumbelNoise
+from forerun.preparation import eos_ids_of
 from forerun.row import RowJob
 from forerun.transcript import Transcript
 from forerun.verify import Sampling

@@ -24,10 +24,11 @@ from typing import Any
 
 from forerun.batch import Batch, Joining
 from forerun.checks import is_count
-from forerun.decoder import Decoder, GenerationResult, Prepared
+from forerun.decoder import Decoder, GenerationResult
 from forerun.drafters.eagle3 import load_head
 from forerun.methods import plan_method
 from forerun.prefixcache import PrefixCache
+from forerun.preparation import Prepared
 
 logger = logging.getLogger(__name__)
 
