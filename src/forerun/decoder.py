@@ -404,7 +404,7 @@ class Decoder:
         if request.prediction is not None:
             prediction = encode_prediction(self.model, self.tokenizer, request.prediction)
             drafters = [PredictionDrafter(prediction), *drafters]
-        processor, criteria = self.criteria(ids, request, eos)
+        processor, criteria = request_criteria(self.model, self.tokenizer, ids, request, eos)
         sampling = Sampling(GumbelNoise.drawn(seeded(request.seed))) if request.do_sample else None
         if request.streamer is not None:
             request.streamer.put(ids.cpu())  # transformers' convention: a streamer sees the prompt first
@@ -413,12 +413,6 @@ class Decoder:
         transcript = Transcript(ids, criteria, request.streamer, logprobs_top=request.logprobs)
         job = RowJob(ids, transcript, drafters, eos, request.max_new_tokens, processor, sampling, scoped)
         return Prepared(job, request, len(prediction or ()))
-
-    def criteria(
-        self, ids: torch.Tensor, request: GenerationRequest, eos: frozenset[int]
-    ) -> tuple[LogitsProcessorList | None, StoppingCriteriaList]:
-        """The request's logits processors (None when greedy) and stopping criteria (`preparation.request_criteria`)."""
-        return request_criteria(self.model, self.tokenizer, ids, request, eos)
 
     @torch.inference_mode()
     def decode(

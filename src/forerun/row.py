@@ -26,6 +26,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 from transformers import LogitsProcessorList
@@ -105,7 +106,8 @@ class RowRun:
         """Each drafter's tree; `drafting=False`: the root alone from each (a step that verifies no tree needs no
         proposals). Costly drafters (a trained head) sit out while the budget's switch measures them not paying."""
         switch = self.budget.switch
-        self.costly_drafting = drafting and (switch is None or switch.drafting())
+        # about the switch alone: a step that verifies no tree (a long prompt's prefill) still lets them read
+        self.costly_drafting = switch is None or switch.drafting()
         if not drafting:
             return [TokenTree.rooted_at(self.root) for _ in self.job.drafters]
         return [
@@ -157,8 +159,13 @@ class RowRun:
         """Tell the budget's switch this step's rate, with or without the costly drafters (a prefill is no step:
         it reads the prompt)."""
         switch = self.budget.switch
-        if switch is not None and self.stats.forwards > 0 and seconds > 0 and any(map(costly, self.job.drafters)):
+        if switch is not None and self.stats.forwards > 0 and seconds > 0 and self.has_costly:
             switch.record(self.costly_drafting, tokens / seconds)
+
+    @cached_property
+    def has_costly(self) -> bool:
+        """Whether any of the row's drafters is costly (`costly`)."""
+        return any(map(costly, self.job.drafters))
 
     def commit(self, selection: Selection, logits: torch.Tensor, propose_s: float, forward_s: float) -> list[int]:
         """`verify` then `accept`: the kept path (root first)."""

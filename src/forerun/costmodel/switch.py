@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 SWITCH_DECAY = 0.9
 """Per step: each mode's measured rate remembers about its last ten steps."""
 PAUSE_STEPS = 32
-"""Steps a batch decodes without proposing once drafting has measured slower than not drafting; each probe that
-finds drafting still slower doubles the next pause, up to `MAX_PAUSE_STEPS` (a probe costs what drafting loses)."""
+"""Steps decoded without drafting once drafting has measured slower than not drafting; each probe that finds it
+still slower doubles the next pause, up to `MAX_PAUSE_STEPS` (a probe costs what drafting loses)."""
 MAX_PAUSE_STEPS = 256
 DRAFT_MARGIN = 1.03
 """Drafting is kept only while it measures at least this many times plain decoding's rate. At parity it wins
@@ -55,7 +55,8 @@ class DraftSwitch:
     """
 
     rates: dict[bool, float] = field(default_factory=lambda: {True: 1.0, False: 1.0})
-    """Recency-weighted tokens per row per predicted undrafted step, for drafting steps and plain ones."""
+    """Recency-weighted rates (a batch: tokens per row per predicted undrafted step; a row: tokens per second),
+    for drafting steps and the others."""
     seen: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})
     paused: int = 0
     """Plain steps left in the current pause."""
