@@ -246,6 +246,11 @@ class Decoder:
             >>> decoder = Decoder(model, tokenizer, "auto")                    # doctest: +SKIP
             >>> decoder.warm_up(1024)                                          # seconds, once  # doctest: +SKIP
         """
+        if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
+            raise ValueError(f"warm_up's max_len must be a positive number of tokens, got {max_len!r:.40}")
+        context = getattr(self.model.config, "max_position_embeddings", None)
+        if context is not None and max_len > context:
+            raise ValueError(f"warm_up's max_len={max_len} exceeds the model's context ({context} tokens)")
         if self.base is None:
             return 0.0
         with torch.inference_mode():

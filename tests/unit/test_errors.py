@@ -79,6 +79,8 @@ def test_tokenizer_model_mismatch(model):
         (["run", "/dev/null", "-o", "out.jsonl"], "prompts file /dev/null is not a regular file"),
         (["generate", "hi", "--compile-buckets"], "compile_buckets is for a CUDA device's captured graphs"),
         (["bench", "--compile-buckets", "--n", "1"], "compile_buckets is for a CUDA device's captured graphs"),
+        (["train-head", "--out", "head", "--unroll", "0"], "--unroll in 1..8"),
+        (["train-head", "--out", "head", "--unroll", "1000000000000"], "--unroll in 1..8"),
     ],
 )
 def test_cli_errors_exit_2_without_traceback(args, message):

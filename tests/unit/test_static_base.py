@@ -208,3 +208,6 @@ def test_warm_up_makes_every_bucket_before_the_first_request():
     assert torch.equal(result.sequences, reference("llama", "sdpa", 0))
     assert decoder.base.length == length and all(decoder.base.steps[s] is steps[s] for s in steps)  # reused
     assert forerun.Decoder(model, None, "plain").warm_up(200) == 0.0  # a CPU's default: the growing cache
+    for bad in (0, -5, 2.5, True, "200", 10**12):  # refused before anything is allocated
+        with pytest.raises(ValueError, match="warm_up's max_len"):
+            decoder.warm_up(bad)
