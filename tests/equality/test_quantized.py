@@ -82,3 +82,22 @@ def test_real_model_with_int8_weights_differs_only_at_ties():
     model, tokenizer = forerun.load_model("smollm2-135m", quantize="int8")
     assert model.dtype == torch.bfloat16 and weights_kind(model) == "int8"
     assert real_model_ties(model, tokenizer, 64) >= 1
+
+
+@pytest.mark.parametrize("bits", ["int4", "int8"])
+def test_layers_call_their_kernel_directly_with_the_subclass_numbers(bits):
+    from forerun.base.kernels import KernelLinear, direct_kernels
+
+    model = int4_model("llama", bits)
+    layers = [module for module in model.modules() if isinstance(module, torch.nn.Linear)]
+    assert layers and all(type(layer) is KernelLinear for layer in layers)
+    assert direct_kernels(model) == 0  # already direct: nothing left to replace
+    generator = torch.Generator().manual_seed(0)
+    for layer in layers:
+        x = torch.randn(2, 3, layer.in_features, generator=generator).to(torch.bfloat16)
+        expected = torch.nn.functional.linear(x, layer.weight)  # through torchao's / forerun's tensor subclass
+        assert torch.equal(layer(x), expected)
+    # a layer's own operands matter: another weight of its shape gives other numbers (the check can fail)
+    first, other = next((a, b) for a in layers for b in layers if a is not b and a.weight.shape == b.weight.shape)
+    x = torch.randn(4, first.in_features, generator=generator).to(torch.bfloat16)
+    assert not torch.equal(KernelLinear(first, first.product, other.operands)(x), first(x))

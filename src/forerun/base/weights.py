@@ -19,6 +19,8 @@ import importlib.util
 
 import torch
 
+from forerun.base.kernels import direct_kernels
+
 QUANTIZATIONS = ("int4", "int8")
 """What `load_model(..., quantize=)` takes (None: the weights as loaded)."""
 GROUP_SIZE = 32
@@ -41,16 +43,21 @@ def check_quantize(quantize: str | None, device: str, dtype: torch.dtype) -> Non
 
 def quantize_weights(model: torch.nn.Module, quantize: str) -> torch.nn.Module:
     """Quantize `model`'s dense linear layers in place (those whose input width is a multiple of GROUP_SIZE);
-    layers already holding quantized weights (a GGUF file's kept codes: `forerun.base.gguf_codes`) stay as they are."""
+    layers already holding quantized weights (a GGUF file's kept codes: `forerun.base.gguf_codes`) stay as they are.
+    Every quantized layer then calls its kernel directly (`forerun.base.kernels`: the same numbers, less Python)."""
     if quantize == "int8":
         from forerun.base.int8 import quantize_int8
 
-        return quantize_int8(model)
-    from torchao.prototype.quantization.int4.inference_workflow import PrototypeInt4WeightOnlyConfig
-    from torchao.quantization import quantize_
+        quantize_int8(model)
+    else:
+        from torchao.prototype.quantization.int4.inference_workflow import PrototypeInt4WeightOnlyConfig
+        from torchao.quantization import quantize_
 
-    config = PrototypeInt4WeightOnlyConfig(group_size=GROUP_SIZE, set_inductor_config=False)
-    quantize_(model, config, filter_fn=lambda module, _: isinstance(module, torch.nn.Linear) and dense(module.weight))
+        config = PrototypeInt4WeightOnlyConfig(group_size=GROUP_SIZE, set_inductor_config=False)
+        quantize_(
+            model, config, filter_fn=lambda module, _: isinstance(module, torch.nn.Linear) and dense(module.weight)
+        )
+    direct_kernels(model)
     return model
 
 

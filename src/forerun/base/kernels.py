@@ -1,0 +1,71 @@
+"""Quantized linear layers that call PyTorch's CPU weight-only kernels directly, without tensor-subclass dispatch.
+
+torchao holds quantized weights as tensor subclasses: every `F.linear` on one passes through Python
+(`__torch_function__`, then the subclass's own checks and reshapes) before it reaches the kernel. A small model's
+decode step calls ~200 linear layers, each of whose products takes a few microseconds on 4-bit weights, so that
+dispatch was a large share of the step (docs/benchmarks.md). `KernelLinear` keeps torchao's (or forerun's) packed
+weight as its `weight` (shape, dtype, state and `weights_kind` stay as they were) and hands the product straight
+to the same ATen kernel the subclass would have called, with the same operands: the numbers are identical.
+
+Example (a [64, 32] layer in 8 bits: 64 outputs, 32 inputs; `quantize_weights` calls `direct_kernels` itself):
+    >>> from forerun.base.int8 import quantize_int8
+    >>> model = quantize_int8(torch.nn.Sequential(torch.nn.Linear(32, 64, bias=False).to(torch.bfloat16)))
+    >>> direct_kernels(model), type(model[0]).__name__, tuple(model[0](torch.ones(3, 32).bfloat16()).shape)
+    (1, 'KernelLinear', (3, 64))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+aten = torch.ops.aten
+
+
+class KernelLinear(torch.nn.Linear):
+    """A linear layer whose product is one ATen weight-only kernel: x [..., in] (bf16) -> [..., out].
+
+    `weight` stays the packed tensor subclass it was built from (so the model still reads as quantized and saves
+    as before); `product` and `operands` are what its `F.linear` would have called, looked up once."""
+
+    def __init__(self, linear: torch.nn.Linear, product: Callable[..., torch.Tensor], operands: tuple) -> None:
+        super().__init__(linear.in_features, linear.out_features, bias=False, device="meta")
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.product = product
+        self.operands = operands
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.product(x.reshape(-1, self.in_features).contiguous(), *self.operands)
+        if out.shape[-1] != self.out_features:  # a kernel that padded its output columns
+            out = out[:, : self.out_features]
+        out = out.reshape(*x.shape[:-1], self.out_features)
+        return out + self.bias if self.bias is not None else out
+
+
+def kernel_of(weight: torch.Tensor) -> tuple[Callable[..., torch.Tensor], tuple] | None:
+    """The ATen kernel and its weight operands for a packed `weight`, or None where it is not one forerun knows
+    (dense, or a torchao layout with more than the plain bf16-activation path)."""
+    name = type(weight).__name__
+    if name == "Int4OpaqueTensor":
+        plain = weight.act_mapping_type is None and weight.act_pre_scale is None and weight.block_size[0] == 1
+        if plain:
+            return aten._weight_int4pack_mm_for_cpu, (weight.qdata, weight.block_size[1], weight.scale_and_zero)
+        return None
+    if name == "Int8RowTensor":
+        return aten._weight_int8pack_mm, (weight.qdata, weight.scale)
+    return None
+
+
+def direct_kernels(model: torch.nn.Module) -> int:
+    """Replace, in place, every linear layer of `model` whose weight is a packed weight `kernel_of` knows by a
+    KernelLinear over the same weight; returns how many were replaced."""
+    swaps = []
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            if type(child) is torch.nn.Linear and (found := kernel_of(child.weight)) is not None:
+                swaps.append((parent, name, KernelLinear(child, *found)))
+    for parent, name, layer in swaps:
+        setattr(parent, name, layer)
+    return len(swaps)
