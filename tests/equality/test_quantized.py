@@ -101,3 +101,23 @@ def test_layers_call_their_kernel_directly_with_the_subclass_numbers(bits):
     first, other = next((a, b) for a in layers for b in layers if a is not b and a.weight.shape == b.weight.shape)
     x = torch.randn(4, first.in_features, generator=generator).to(torch.bfloat16)
     assert not torch.equal(KernelLinear(first, first.product, other.operands)(x), first(x))
+
+
+def test_compiled_buckets_on_4_bit_weights_differ_only_at_ties():
+    """The CPU's compiled static base over a quantized model (inductor around the direct 4-bit kernels): drafted
+    steps, and every first difference from the same model's plain generate sits on a tie (two buckets, two
+    compilations)."""
+    from forerun.base import StaticBase
+
+    model = int4_model("llama")
+    decoder = forerun.Decoder(model, None, "prompt_lookup", max_tree_nodes=4, adaptive=False, draft_len=3,
+                              max_branches=1)  # fmt: skip
+    decoder.base = StaticBase(model, buckets=(1, 4), compiled=True)
+    drafted = 0
+    for prompt in prompts(2):
+        expected, logits = reference(model, prompt)
+        result = decoder.generate(prompt, 40, eos_token_id=[])
+        divergence = first_divergence(expected, result.new_tokens, logits, model.dtype)
+        assert divergence is None or divergence.is_tie, divergence
+        drafted += result.stats.accepted
+    assert decoder.base.steps.keys() == {1, 4} and drafted > 0

@@ -16,8 +16,9 @@ the forward once as a CUDA graph, and replay it.
   host-to-device copy into the graph's input buffer; the mask, positions and slots are computed inside the graph.
 - **One device-to-host copy per step**: the target's argmax at every node, computed inside the graph.
 
-On a CPU the same bucketed forward runs eagerly (`graphs=False`), which is what the CPU tests check token for
-token against plain generate.
+On a CPU the same bucketed forward runs without graphs, eagerly (what the CPU tests check token for token against
+plain generate) or compiled (`compiled=True`, with `static_cache=True`: inductor fuses the small operators between the products;
+docs/benchmarks.md says where that paid).
 
 Example (a GPU):
     >>> base = StaticBase(model)                                         # doctest: +SKIP
@@ -141,13 +142,17 @@ class StaticBase:
         compiled: bool = False,
     ) -> None:
         """`compiled`: each bucket's forward goes through `torch.compile` (inductor fuses transformers' small
-        kernels) before it is captured: tens of seconds per bucket once, then shorter steps where launches, not
-        arithmetic, bound them. Off by default until a card's measurements say it pays."""
+        kernels; on a GPU before it is captured): tens of seconds per program once, then shorter steps where
+        launches and Python, not arithmetic, bound them. Off by default (the compiling is the user's to choose)."""
         self.model = model
         # the node count may become a symbolic size (dynamo's automatic dynamic shapes): the buckets past the
         # second share one compiled program (compiling each cost ~15 s on a card's host), and each is still
-        # captured as its own graph
-        self.step_forward = torch.compile(self.bucket_forward) if compiled else self.bucket_forward
+        # captured as its own graph. Without graphs (a CPU) every step runs the program's guards: those on the
+        # model's modules (hundreds of weights that a decoder never changes) are left out
+        skip_module_guards = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+        self.step_forward = (
+            torch.compile(self.bucket_forward, options=skip_module_guards) if compiled else self.bucket_forward
+        )
         self.compiled = compiled
         self.buckets = tuple(sorted({int(b) for b in buckets}))
         if not self.buckets or self.buckets[0] != 1:
