@@ -24,6 +24,7 @@ import torch
 from transformers import DynamicCache
 
 from forerun.attention import sdpa_like
+from forerun.base.kernels import KernelLinear
 from forerun.base.weights import weights_kind
 from forerun.costmodel import LatencyCurve
 from forerun.head import LogitsHead
@@ -69,9 +70,14 @@ def curve_settings(model: torch.nn.Module) -> dict[str, object]:
 
 
 def weights_settings(model: torch.nn.Module) -> dict[str, str]:
-    """{'weights': 'int4'} for quantized weights (their curve is their own), else {} (existing names kept)."""
+    """{'weights': 'int4'} for quantized weights (their curve is their own), else {} (existing names kept); with
+    'kernels': 'direct' where their layers call the kernel themselves (`forerun.base.kernels`: a step without the
+    subclass's dispatch costs less, so a curve measured through it misprices one)."""
     kind = weights_kind(model)
-    return {"weights": kind} if kind else {}
+    if not kind:
+        return {}
+    direct = any(isinstance(module, KernelLinear) for module in model.modules())
+    return {"weights": kind} | ({"kernels": "direct"} if direct else {})
 
 
 def masked_gqa(model: torch.nn.Module) -> bool:

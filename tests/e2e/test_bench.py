@@ -10,10 +10,11 @@ from typer.testing import CliRunner
 
 from forerun.bench.datasets import load_dataset
 from forerun.bench.latency import write_curves
-from forerun.bench.runner import load_records, mismatch_lines, parse_methods, run_interleaved
+from forerun.bench.peers import DenseGeneratePeer
+from forerun.bench.runner import encode, load_records, mismatch_lines, parse_methods, run_interleaved
 from forerun.cli import app
 from forerun.latency import measure_curve
-from forerun.models import resolve
+from forerun.models import load_model, resolve
 
 EXPECTED_COUNTS = {
     "gsm8k": 1319,
@@ -295,6 +296,24 @@ def test_llama_cpp_methods_refuse_what_they_cannot_do(model, tokenizer):
         run_interleaved(model, tokenizer, prompts, specs, 4, sampling={"temperature": 0.7}, gguf="x.gguf")
     with pytest.raises(ValueError, match="predict=true is for forerun methods"):
         parse_methods("llama_cpp[predict=true]")
+
+
+def test_generate_bf16_times_the_dense_model_beside_a_quantized_run(model, tokenizer):
+    """The dense bf16 baseline of a --quantize run is transformers' generate of the same model loaded again: its
+    new tokens are that model's own greedy ones, timed, never judged against the run's reference."""
+    prompts = load_dataset("humaneval", 1)
+    specs = parse_methods("generate_bf16")
+    with pytest.raises(ValueError, match="loads the model again with dense bf16 weights"):
+        run_interleaved(model, tokenizer, prompts, specs, 4)
+    (record,) = [r for r in run_interleaved(model, tokenizer, prompts, specs, 8, source="smollm2-135m")
+                 if r.method == "generate_bf16"]  # fmt: skip
+    assert record.new_tokens == 8 and record.identical is None and record.seconds > 0
+    dense, _ = load_model("smollm2-135m", attn_implementation="sdpa", dtype="bf16")
+    ids = encode(tokenizer, prompts[0], torch.device("cpu"))
+    expected = dense.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1] :].tolist()
+    peer = DenseGeneratePeer("smollm2-135m")
+    assert peer.generate(ids[0].tolist(), 8, {tokenizer.eos_token_id})[0] == expected
+    assert mismatch_lines([dataclasses.replace(record, identical=False)]) == []  # speed only
 
 
 def test_llama_cpp_runs_beside_forerun_on_the_same_gguf(model, tokenizer):

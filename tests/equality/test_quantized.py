@@ -44,6 +44,7 @@ def test_int4_weights_are_their_own_curve_and_bad_settings_are_refused():
     dense = tiny_model("llama", "sdpa").to(torch.bfloat16)
     assert weights_kind(dense) is None and "weights" not in curve_settings(dense)
     assert curve_settings(int4_model("llama"))["weights"] == "int4"
+    assert curve_settings(int4_model("llama"))["kernels"] == "direct"  # not the curve measured through the subclass
     assert curve_settings(int4_model("llama", "int8"))["weights"] == "int8"
     with pytest.raises(ValueError, match="quantize must be one of int4"):
         check_quantize("int3", "cpu", torch.bfloat16)

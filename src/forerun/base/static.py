@@ -17,8 +17,8 @@ the forward once as a CUDA graph, and replay it.
 - **One device-to-host copy per step**: the target's argmax at every node, computed inside the graph.
 
 On a CPU the same bucketed forward runs without graphs, eagerly (what the CPU tests check token for token against
-plain generate) or compiled (`compiled=True`, with `static_cache=True`: inductor fuses the small operators between the products;
-docs/benchmarks.md says where that paid).
+plain generate) or compiled (`compiled=True`, with `static_cache=True`: inductor fuses the small operators between
+the products; docs/benchmarks.md says where that paid).
 
 Example (a GPU):
     >>> base = StaticBase(model)                                         # doctest: +SKIP

@@ -1,9 +1,12 @@
 """Other runtimes in the same benchmark: llama.cpp (through llama-cpp-python, the `peers` extra) reading the very
-GGUF file forerun loads, with the same prompt token ids, thread count and stopping tokens.
+GGUF file forerun loads, and transformers on the same model's dense weights, with the same prompt token ids, thread
+count and stopping tokens.
 
 `llama_cpp`: its plain greedy decoding; `llama_cpp_lookup`: with its prompt lookup (`LlamaPromptLookupDecoding`,
-10 tokens per guess). Texts differ across runtimes (its 4-bit kernels are not forerun's), so a peer's run is
-compared for speed only; its prompt lookup is checked against its own plain output of the same prompt.
+10 tokens per guess); `generate_bf16`: transformers' plain greedy `generate` of the same model in bf16 with dense
+weights and transformers' own sdpa, what a user runs without forerun (the baseline of a `--quantize` run, whose
+reference is generate of the quantized model). Texts differ across runtimes and weights, so a peer's run is
+compared for speed only; llama.cpp's prompt lookup is checked against its own plain output of the same prompt.
 
 Example:
     >>> peer = LlamaCppPeer("SmolLM2-135M-Instruct.Q4_1.gguf", threads=1, lookup=False)   # doctest: +SKIP
@@ -16,7 +19,9 @@ import time
 from collections.abc import Collection, Sequence
 from pathlib import Path
 
-PEER_METHODS = ("llama_cpp", "llama_cpp_lookup")
+import torch
+
+PEER_METHODS = ("llama_cpp", "llama_cpp_lookup", "generate_bf16")
 LOOKUP_TOKENS = 10
 """Tokens per guess of llama.cpp's prompt lookup, as transformers' `prompt_lookup_num_tokens=10` in this bench."""
 CONTEXT = 4096
@@ -48,3 +53,21 @@ class LlamaCppPeer:
             if token in eos or len(out) >= max_new_tokens:
                 break
         return out, time.perf_counter() - started
+
+
+class DenseGeneratePeer:
+    """transformers' greedy `generate` of the model at `source` (an alias, folder or GGUF file) in bf16, its weights
+    dense and its attention transformers' sdpa, timed with its prefill."""
+
+    def __init__(self, source: str | Path) -> None:
+        from forerun.models import load_model
+
+        self.model, _ = load_model(str(source), attn_implementation="sdpa", dtype="bf16")
+
+    def generate(self, ids: Sequence[int], max_new_tokens: int, eos: Collection[int]) -> tuple[list[int], float]:
+        """Greedy new tokens after the prompt `ids`, stopping at `eos` (the generation config's where empty)."""
+        prompt = torch.tensor([list(ids)])
+        stop = {"eos_token_id": sorted(eos), "pad_token_id": min(eos)} if eos else {}
+        started = time.perf_counter()
+        out = self.model.generate(prompt, max_new_tokens=max_new_tokens, do_sample=False, **stop)
+        return out[0, prompt.shape[1] :].tolist(), time.perf_counter() - started

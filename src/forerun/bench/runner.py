@@ -6,7 +6,8 @@ token, and speed is the ratio of the two wall times on the same prompt in the sa
 Methods: any forerun method expression (`plain`, `prompt_lookup`, `jacobi`, `trie`, `draft_model`, `auto`,
 `prompt_lookup+trie`), `hf_prompt_lookup` (transformers' `prompt_lookup_num_tokens=10`), `hf_assisted`
 (transformers' `assistant_model=`), `llama_cpp` and `llama_cpp_lookup` (llama.cpp on the same GGUF file, plain and
-with its prompt lookup: `forerun.bench.peers`), with knobs in brackets: `jacobi[window=7,ngram=5,max_candidates=7]`,
+with its prompt lookup), `generate_bf16` (transformers' generate of the model's dense bf16 weights; these three:
+`forerun.bench.peers`), with knobs in brackets: `jacobi[window=7,ngram=5,max_candidates=7]`,
 `prompt_lookup[max_tree_nodes=8,draft_len=7]`, `auto[trie.decoding_length=24]`, `auto[prefix_cache=0]` (no
 prefix cache: every prompt prefilled in full, as generate does), `auto[predict=true]` (each
 prompt's prediction, the `edit` dataset's original code, passed as OpenAI's predicted output), `trie[warm=10]`
@@ -39,7 +40,7 @@ from pathlib import Path
 import torch
 
 from forerun.bench.datasets import BenchPrompt
-from forerun.bench.peers import PEER_METHODS, LlamaCppPeer
+from forerun.bench.peers import PEER_METHODS, DenseGeneratePeer, LlamaCppPeer
 from forerun.costmodel import LatencyCurve
 from forerun.decoder import DEFAULT_PREFIX_TOKENS, Decoder
 from forerun.exactness import TIE_ULPS, first_divergence
@@ -152,20 +153,22 @@ def run_interleaved(
     threads: int = 1,
     draft_head: torch.nn.Module | None = None,
     compile_buckets: bool = False,
+    source: str | None = None,
 ) -> list[Record]:
     """Run reference + every spec on each prompt in turn; returns one Record per (prompt, method).
 
     `sampling`: generation settings for sampled runs (e.g. {"temperature": 0.7, "top_p": 0.9}); None = greedy.
     `draft_model`: the small model of methods draft_model and hf_assisted (transformers' assistant_model).
     `latency`: the device's latency curve for the cost model (None: forerun.latency.curve_for).
-    `gguf`, `threads`: the model's GGUF file and the thread count, for the llama.cpp methods.
+    `gguf`, `threads`: the model's GGUF file and the thread count, for the llama.cpp methods; `source`: the model's
+    name or path, which generate_bf16 loads again with dense weights.
     `draft_head`: the EAGLE-3 head of method eagle3, which `auto` then drafts with too. `compile_buckets`: a card's
     decoders compile each bucket before capturing it (`EngineConfig.compile_buckets`).
     """
     needing = [s.label for s in specs if s.needs_draft()]
     if needing and draft_model is None:
         raise ValueError(f"{', '.join(needing)} need a draft model (forerun bench --draft-model NAME)")
-    peers = make_peers(specs, gguf, threads, sampling)
+    peers = make_peers(specs, gguf, threads, sampling, source)
     run = Run(model, max_new_tokens, dict(sampling) if sampling is not None else None, seed, draft_model, peers)
     decoders = {
         s.label: Decoder(
@@ -393,19 +396,27 @@ def mismatch_lines(records: Sequence[Record]) -> list[str]:
 
 
 def make_peers(
-    specs: Sequence[BenchMethod], gguf: str | Path | None, threads: int, sampling: dict | None
-) -> dict[str, LlamaCppPeer]:
-    """The llama.cpp models the specs ask for (each label its own, loaded from `gguf`)."""
+    specs: Sequence[BenchMethod], gguf: str | Path | None, threads: int, sampling: dict | None, source: str | None
+) -> dict[str, LlamaCppPeer | DenseGeneratePeer]:
+    """The other runtimes the specs ask for, each label its own: llama.cpp models loaded from `gguf`, transformers'
+    dense bf16 model from `source` (the model's name or path)."""
     wanted = [s for s in specs if s.method in PEER_METHODS]
     if not wanted:
         return {}
+    dense = [s for s in wanted if s.method == "generate_bf16"]
+    if dense and source is None:
+        raise ValueError(f"{dense[0].label} loads the model again with dense bf16 weights; give its name or path")
+    if sampling is not None:
+        raise ValueError(f"{wanted[0].label}: the other runtimes are timed greedy; drop --sample")
+    peers = {s.label: DenseGeneratePeer(source) for s in dense}
+    wanted = [s for s in wanted if s not in dense]
+    if not wanted:
+        return peers
     if gguf is None:
         raise ValueError(
             f"{wanted[0].label} runs llama.cpp on the model's GGUF file; this model was not loaded from one"
         )
-    if sampling is not None:
-        raise ValueError(f"{wanted[0].label}: llama.cpp runs are greedy; drop --sample")
-    return {s.label: LlamaCppPeer(gguf, threads, lookup=s.method == "llama_cpp_lookup") for s in wanted}
+    return peers | {s.label: LlamaCppPeer(gguf, threads, lookup=s.method == "llama_cpp_lookup") for s in wanted}
 
 
 def warm_up(model, tokenizer, decoders: dict[str, Decoder], prompt: BenchPrompt, draft_model=None, peers=None) -> None:

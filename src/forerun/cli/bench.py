@@ -156,6 +156,7 @@ def bench(
             threads,
             head,
             compile_buckets,
+            source=model,
         )
     for line in mismatch_lines(included):
         errors.print(f"[yellow]note[/]: included run: {escape(line)}", highlight=False)
