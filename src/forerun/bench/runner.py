@@ -401,22 +401,20 @@ def make_peers(
     """The other runtimes the specs ask for, each label its own: llama.cpp models loaded from `gguf`, transformers'
     dense bf16 model from `source` (the model's name or path)."""
     wanted = [s for s in specs if s.method in PEER_METHODS]
-    if not wanted:
-        return {}
     dense = [s for s in wanted if s.method == "generate_bf16"]
+    llama = [s for s in wanted if s not in dense]
     if dense and source is None:
         raise ValueError(f"{dense[0].label} loads the model again with dense bf16 weights; give its name or path")
-    if sampling is not None:
-        raise ValueError(f"{wanted[0].label}: the other runtimes are timed greedy; drop --sample")
-    peers = {s.label: DenseGeneratePeer(source) for s in dense}
-    wanted = [s for s in wanted if s not in dense]
-    if not wanted:
-        return peers
-    if gguf is None:
+    if llama and gguf is None:
         raise ValueError(
-            f"{wanted[0].label} runs llama.cpp on the model's GGUF file; this model was not loaded from one"
+            f"{llama[0].label} runs llama.cpp on the model's GGUF file; this model was not loaded from one"
         )
-    return peers | {s.label: LlamaCppPeer(gguf, threads, lookup=s.method == "llama_cpp_lookup") for s in wanted}
+    if wanted and sampling is not None:
+        raise ValueError(f"{wanted[0].label}: the other runtimes are timed greedy; drop --sample")
+    # every check before any model loads
+    return {s.label: DenseGeneratePeer(source) for s in dense} | {
+        s.label: LlamaCppPeer(gguf, threads, lookup=s.method == "llama_cpp_lookup") for s in llama
+    }
 
 
 def warm_up(model, tokenizer, decoders: dict[str, Decoder], prompt: BenchPrompt, draft_model=None, peers=None) -> None:
