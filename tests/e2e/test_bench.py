@@ -296,6 +296,9 @@ def test_llama_cpp_methods_refuse_what_they_cannot_do(model, tokenizer):
         run_interleaved(model, tokenizer, prompts, specs, 4, sampling={"temperature": 0.7}, gguf="x.gguf")
     with pytest.raises(ValueError, match="predict=true is for forerun methods"):
         parse_methods("llama_cpp[predict=true]")
+    for label in ("llama_cpp[draft_len=3]", "generate_bf16[max_tree_nodes=8]", "hf_prompt_lookup[warm=2]"):
+        with pytest.raises(ValueError, match="takes no knobs"):
+            parse_methods(label)
 
 
 def test_generate_bf16_times_the_dense_model_beside_a_quantized_run(model, tokenizer):

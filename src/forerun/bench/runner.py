@@ -97,6 +97,8 @@ def parse_methods(text: str) -> list[BenchMethod]:
             raise ValueError(f"{label}: prefix_cache takes a number of tokens >= 0, got {prefix_cache!r}")
         if predict and name in OTHER_METHODS:
             raise ValueError(f"{label}: predict=true is for forerun methods")
+        if rest and name in OTHER_METHODS:  # another runtime's call is fixed: a knob would be ignored silently
+            raise ValueError(f"{label}: {name} takes no knobs; they are for forerun methods")
         if name not in OTHER_METHODS:
             try:
                 plan_method(name, knobs)
