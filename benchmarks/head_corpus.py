@@ -29,7 +29,18 @@ TOPICS = (
     "photography, job interviews, teamwork, friendship, travel, reading habits, remote work, mountains, oceans, "
     "deserts, rain forests, the Olympic Games, music theory, jazz, the human brain, memory, stress, cats, dogs, "
     "birds migrating, the solar system, Mars, electricity, magnets, bridges, airplanes, trains, bicycles, cities, "
-    "farming, bread, tea, chocolate, friendship, kindness, history"
+    "farming, bread, tea, chocolate, friendship, kindness, history, the ancient Egyptians, the Renaissance, "
+    "volunteering, saving money, writing a resume, a healthy breakfast, houseplants, the seasons, snow, wind power, "
+    "solar panels, batteries, smartphones, social media, video games, board games, football, basketball, running, "
+    "swimming, yoga, hiking, camping, fishing, baking cookies, pizza, rice, vegetables, fruit, vitamins, the heart, "
+    "the lungs, bones, teeth, the eyes, hearing, dreams, habits, motivation, procrastination, creativity, curiosity, "
+    "empathy, negotiation, leadership, customer service, marketing, starting a small business, taxes, insurance, "
+    "renting an apartment, moving to a new city, packing for a trip, museums, libraries, newspapers, podcasts, movies, "
+    "theater, poetry, novels, fairy tales, mythology, dinosaurs, fossils, evolution, cells, bacteria, viruses, "
+    "antibiotics, the periodic table, atoms, light, sound, temperature, weather forecasts, hurricanes, lightning, "
+    "glaciers, rivers, lakes, islands, maps, compasses, the calendar, clocks, money, banks, trade, ancient Greece, "
+    "castles, knights, pirates, explorers, the Silk Road, the Great Wall of China, pyramids, robots, 3D printing, "
+    "passwords, online safety, email etiquette, spreadsheets, programming, algorithms, databases, the cloud"
 ).split(", ")
 TEMPLATES = (
     "Explain {t} to a ten-year-old.",
@@ -42,6 +53,12 @@ TEMPLATES = (
     "Write a short poem about {t}.",
     "What are some tips related to {t}?",
     "Describe the history of {t} briefly.",
+    "What should a beginner know about {t}?",
+    "Write a short story that involves {t}.",
+    "List the pros and cons of {t}.",
+    "How does {t} affect everyday life?",
+    "Write a friendly note to a friend about {t}.",
+    "What questions do people often ask about {t}? Answer two of them.",
 )
 
 
@@ -84,8 +101,12 @@ def main() -> None:
     parser.add_argument("--answers", type=Path, help="corpus: `forerun run`'s output")
     parser.add_argument("--questions", type=Path, help="corpus: the questions file those answer")
     parser.add_argument("--stdlib-tokens", type=int, default=60000)
+    parser.add_argument("--count", type=int, default=320, help="questions: how many")
     args = parser.parse_args()
-    rows = questions() if args.what == "questions" else corpus(args.answers, args.questions, args.stdlib_tokens)
+    if args.what == "questions":
+        rows = questions(args.count)
+    else:
+        rows = corpus(args.answers, args.questions, args.stdlib_tokens)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
     print(f"{len(rows)} rows -> {args.out}")

@@ -78,7 +78,7 @@ def test_cli_generate_verbose_colours_and_stats():
 
 
 def test_eagle3_with_a_random_head_equals_generate_on_the_real_model_and_in_the_cli(smollm2, references, tmp_path):
-    from heads import write_head
+    from eagle3_heads import write_head
 
     model, tokenizer = smollm2
     vocab = model.get_output_embeddings().weight.shape[0]

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from heads import random_head
 from test_equality_families import CURVE, NEW_TOKENS, model_of, reference
 
 import forerun
 from forerun.drafters.eagle3 import Eagle3Head
 
+from eagle3_heads import random_head
 from tiny_models import VOCAB, prompts
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "olmo2", "granite"]

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from heads import DRAFT_VOCAB, write_head
 
 from forerun.drafters.eagle3 import HeadCache, load_head
 
+from eagle3_heads import DRAFT_VOCAB, write_head
 from tiny_models import tiny_model
 
 

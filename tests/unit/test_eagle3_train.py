@@ -25,7 +25,7 @@ def test_a_trained_head_learns_loads_and_drafts_exactly(tmp_path):
     model = tiny_model("llama")
     texts = [" ".join(str(3 + (i * 7 + j) % 40) for j in range(200)) for i in range(12)]  # repetitive text
     losses = []
-    config = TrainConfig(draft_vocab=48, chunk=64, seconds=20, vocab_chunks=4, lr=3e-3, unroll=2)
+    config = TrainConfig(draft_vocab=48, pack=256, seconds=20, lr=3e-3, unroll=2)
     folder = train_head(model, DigitTokenizer(), texts * 3, tmp_path / "head", config,
                         report=lambda step, loss, seconds: losses.append(loss))  # fmt: skip
     assert len(losses) > 10 and sum(losses[-3:]) < sum(losses[:3])  # it learned something
@@ -43,14 +43,14 @@ def test_training_time_test_steps_are_what_the_drafter_computes_at_depth():
     """Training's unrolled step s at chain j is exactly the drafter's head output for the node s-1 levels below a
     root at position j + 1 (the target's features read up to position j): training aligns with drafting. The
     same comparison one position off fails (a negative control)."""
-    from heads import random_head
-
     from forerun.config import Eagle3Config
     from forerun.drafters.base import DraftContext, StepOutcome
     from forerun.drafters.eagle3.drafter import Eagle3Drafter
     from forerun.drafters.eagle3.train import unrolled
     from forerun.tree import TokenTree
     from forerun.verify import Verdict
+
+    from eagle3_heads import random_head
 
     model = tiny_model("llama")
     head = random_head(model).float()
@@ -73,3 +73,32 @@ def test_training_time_test_steps_are_what_the_drafter_computes_at_depth():
         (second,) = drafter.read_level(tree, [grandchild], [child], j + 2)
         assert torch.allclose(first, steps[1][j], atol=1e-5) and torch.allclose(second, steps[2][j], atol=1e-5)
         assert not torch.allclose(first, steps[1][j + 1], atol=1e-3)  # the neighbouring chain differs
+
+
+def test_texts_packed_side_by_side_train_as_they_would_alone():
+    """Two texts in one pack: every chain's output at every training-time test step equals the one the text alone
+    gives (its own positions, nothing seen across the seam); without the segments the second text's chains see the
+    first (a negative control)."""
+    from forerun.drafters.eagle3.readings import Reading, packs
+    from forerun.drafters.eagle3.train import unrolled
+
+    from eagle3_heads import random_head
+
+    model = tiny_model("llama")
+    head = random_head(model).float()
+    width = 3 * model.config.hidden_size
+    texts = [
+        Reading(ids[0], torch.randn(ids.shape[1], width), torch.zeros(ids.shape[1], 1), torch.ones(ids.shape[1], 1))
+        for ids in (prompts(1, 10, seed=1)[0], prompts(1, 8, seed=2)[0])
+    ]
+    (pack,) = packs(texts, 64)
+    with torch.no_grad():
+        together = unrolled(head, pack.ids[None], pack.features, 3, pack.positions, pack.segments)
+        alone = [unrolled(head, text.ids[None], text.features, 3) for text in texts]
+        unsegmented = unrolled(head, pack.ids[None], pack.features, 3, pack.positions)
+    for step in range(3):
+        first = alone[0][step].shape[0]
+        assert torch.allclose(together[step][:first], alone[0][step], atol=1e-5)
+        second = together[step][len(texts[0]) : len(texts[0]) + alone[1][step].shape[0]]
+        assert torch.allclose(second, alone[1][step], atol=1e-5)
+    assert not torch.allclose(unsegmented[0][10:17], alone[1][0], atol=1e-3)

@@ -81,6 +81,7 @@ def test_tokenizer_model_mismatch(model):
         (["bench", "--compile-buckets", "--n", "1"], "compile_buckets is for a CUDA device's captured graphs"),
         (["train-head", "--out", "head", "--unroll", "0"], "--unroll in 1..8"),
         (["train-head", "--out", "head", "--unroll", "1000000000000"], "--unroll in 1..8"),
+        (["train-head", "--out", "head", "--dtype", "fp16"], "--dtype bf16 or fp32"),
     ],
 )
 def test_cli_errors_exit_2_without_traceback(args, message):

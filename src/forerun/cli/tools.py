@@ -70,31 +70,50 @@ def train_head_command(
     unroll: int = typer.Option(
         1, "--unroll", help="Training-time test steps: also train the tree's deeper levels on the head's own outputs."
     ),
+    dtype: str = typer.Option(
+        "bf16",
+        "--dtype",
+        help="bf16: the target reads in bf16 and the head's matmuls run in bf16 (its weights stay "
+        "fp32), about twice as fast on CPUs with bf16 instructions | fp32.",
+    ),  # fmt: skip
     threads: int = THREADS,
 ) -> None:
-    """Train an EAGLE-3 head for MODEL on this machine (fp32, teacher-forced on the model's own hidden states and
+    """Train an EAGLE-3 head for MODEL on this machine (teacher-forced on the model's own hidden states and
     predictions) and write it in SpecForge's layout; use it with --method eagle3 --draft-head OUT."""
+    import json
     from pathlib import Path
 
     from forerun.corpus import read_corpus
     from forerun.drafters.eagle3.train import TrainConfig, stdlib_texts, train_head
 
-    if minutes <= 0 or draft_vocab < 2 or not 1 <= unroll <= 8:
+    if minutes <= 0 or draft_vocab < 2 or not 1 <= unroll <= 8 or dtype not in ("bf16", "fp32"):
         raise ValueError(
-            f"--minutes must be > 0, --draft-vocab >= 2 and --unroll in 1..8 (got {minutes}, {draft_vocab}, {unroll})"
+            "--minutes must be > 0, --draft-vocab >= 2, --unroll in 1..8 and --dtype bf16 or fp32 "
+            f"(got {minutes}, {draft_vocab}, {unroll}, {dtype!r})"
         )
     texts = [row["text"] for row in read_corpus(Path(corpus)) if "text" in row] if corpus else stdlib_texts()
-    spec = run_spec(model, "plain", None, "cpu", "fp32", threads)
+    spec = run_spec(model, "plain", None, "cpu", dtype, threads)
     lm, tokenizer, _ = spec.load()
-    config = TrainConfig(draft_vocab=draft_vocab, seconds=minutes * 60, unroll=unroll)
+    config = TrainConfig(draft_vocab=draft_vocab, seconds=minutes * 60, unroll=unroll, bf16=dtype == "bf16")
     with progress_bar() as progress:
+        reading = progress.add_task("the target reads the corpus (tokens)", total=config.max_tokens)
         task = progress.add_task("training", total=round(config.seconds))
 
+        def read(tokens: int) -> None:
+            progress.update(reading, completed=tokens, total=max(tokens, config.max_tokens))
+
         def report(step: int, loss: float, seconds: float) -> None:
+            progress.update(reading, total=progress.tasks[reading].completed)
             progress.update(task, completed=min(seconds, config.seconds), description=f"step {step}, loss {loss:.3f}")
 
-        folder = train_head(lm, tokenizer, texts, out, config, report)
-    console.print(f"EAGLE-3 head -> {folder} (use: --method eagle3 --draft-head {folder})", highlight=False)
+        folder = train_head(lm, tokenizer, texts, out, config, report, read)
+    training = json.loads((folder / "config.json").read_text())["forerun_training"]
+    console.print(
+        f"EAGLE-3 head -> {folder} ({training['steps']} steps, {training['passes']} passes over "
+        f"{training['tokens']:,} tokens; held-out top-1 agreement per level: {training['held_out_accuracy']}); "
+        f"use: --method eagle3 --draft-head {folder}",
+        highlight=False,
+    )
 
 
 models_app = typer.Typer(no_args_is_help=True, help="Optional models: list them, fetch them (checked by SHA-256).")
