@@ -154,9 +154,12 @@ class Decoder:
             if reproducible is None:
                 reproducible = self.model.dtype != torch.float32 or weights_kind(self.model) is not None
             times = ForwardTimes() if latency is None and not reproducible else None
-            # costly drafters (a trained head's forwards) are weighed against measured rates without them
-            switch = None if reproducible else DraftSwitch()
-            return CostModel(curve, cap, times=times, reproducible=reproducible, switch=switch)
+            # costly drafters (a trained head's forwards) are weighed against rates without them: measured, or
+            # priced on the curve where choices must be reproducible
+            parameters = sum(p.numel() for p in self.model.parameters())
+            return CostModel(
+                curve, cap, times=times, reproducible=reproducible, switch=DraftSwitch(), target_parameters=parameters
+            )
         return StaticBudget(config.max_tree_nodes or (self.plan.static_budget() if self.plan.specs else 16))
 
     def make_base(self, device_type: str) -> StaticBase | None:

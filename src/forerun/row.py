@@ -148,18 +148,24 @@ class RowRun:
                 drafter.start(self.ctx)
         self.budget.learn(selection, new_tokens)
         drafting_s = time.perf_counter() - started + propose_s
-        self.time_costly(len(new_tokens), drafting_s + forward_s)
+        self.time_costly(len(new_tokens), drafting_s + forward_s, len(tree))
         expected = selection.expected_accepted
         self.stats.record_step(tree, verdict.accepted_len, Counter(sources[:-1]), drafting_s, forward_s, expected)
         if self.stats.forwards == 1:
             self.stats.prefill_seconds = time.perf_counter() - self.started
         return path
 
-    def time_costly(self, tokens: int, seconds: float) -> None:
+    def time_costly(self, tokens: int, seconds: float, fed: int) -> None:
         """Tell the budget's switch this step's rate, with or without the costly drafters (a prefill is no step:
-        it reads the prompt)."""
+        it reads the prompt): measured, or priced on the curve where choices must be reproducible (`fed` tokens
+        and the drafters' own forwards, `CostModel.priced_step`)."""
         switch = self.budget.switch
-        if switch is not None and self.stats.forwards > 0 and seconds > 0 and self.has_costly:
+        if switch is None or not self.has_costly:
+            return
+        spent = sum(drafter.spent() for drafter in self.job.drafters if costly(drafter) and hasattr(drafter, "spent"))
+        if self.budget.reproducible:
+            seconds = self.budget.priced_step(fed, spent)
+        if self.stats.forwards > 0 and seconds > 0:
             switch.record(self.costly_drafting, tokens / seconds)
 
     @cached_property
@@ -192,5 +198,6 @@ class RowRun:
 
 def costly(drafter: Drafter) -> bool:
     """Whether `drafter` spends forwards of its own before the target's (a trained head): the budget's switch
-    may make it sit out (`CostModel.switch`)."""
+    may make it sit out (`CostModel.switch`). Such a drafter tells what its forwards read since it was last asked
+    (`spent()`: parameters, each forward's counted once)."""
     return getattr(drafter, "costly", False)

@@ -201,6 +201,30 @@ def test_a_paused_head_sits_out_then_drafts_again_exactly():
     result = decoder.generate(prompts(1)[0], NEW_TOKENS, eos_token_id=[])
     assert torch.equal(result.sequences, reference("llama", "sdpa", 0, None))
     assert result.stats.undrafted_steps >= 8 and result.stats.candidates > 0  # sat out, then drafted again
-    reproducible = forerun.Decoder(model, None, "eagle3", draft_head=random_head(model), latency=CURVE,
-                                   reproducible=True)  # fmt: skip
-    assert reproducible.budget.switch is None  # no timings steer what is fed
+
+
+def test_in_reproducible_mode_the_head_sits_out_on_priced_rates_alike_every_run():
+    """Reproducible choices time nothing: the switch compares rates priced on the curve (the head's forwards as its
+    share of the target's parameters). A random head, almost never right, prices slower than decoding without it
+    and is paused, at the same steps in two fresh decoders; an oracle head (a negative control) prices faster and
+    drafts on after plain decoding's one measurement. Every text is generate's."""
+    from forerun.costmodel.switch import PAUSE_STEPS
+
+    model = model_of("llama", "sdpa")
+    truth = reference("llama", "sdpa", 0, None)[0].tolist()
+
+    def run(head):
+        decoder = forerun.Decoder(model, None, "eagle3", draft_head=head, latency=CURVE, reproducible=True)
+        decoder.budget.target_parameters = 20 * sum(p.numel() for p in head.parameters())  # a real target's share
+        result = decoder.generate(prompts(1)[0], NEW_TOKENS, eos_token_id=[])
+        assert result.sequences[0].tolist() == truth
+        return result.stats, decoder.budget.switch
+
+    (first, switch), (second, _) = run(random_head(model)), run(random_head(model))
+    assert switch.rates[True] < switch.rates[False] and switch.pause > PAUSE_STEPS and first.undrafted_steps >= 8
+    assert (first.undrafted_steps, first.forwards) == (second.undrafted_steps, second.forwards)
+    oracle = random_head(model, draft_vocab=VOCAB)
+    oracle.d2t.zero_()
+    stats, switch = run(OracleHead(oracle, truth))
+    assert switch.rates[True] > 2 * switch.rates[False] and stats.accepted >= NEW_TOKENS // 2
+    assert switch.pause == PAUSE_STEPS  # never found slower (the one pause measured plain decoding)

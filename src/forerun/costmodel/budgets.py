@@ -44,6 +44,10 @@ class Budget(Protocol):
 
     def timed(self, fed: int, seconds: float) -> None: ...
 
+    def priced_step(self, fed: int, drafter_parameters: float) -> float:
+        """A step's seconds on the curve alone, for a switch that must not time (`CostModel.priced_step`)."""
+        ...
+
     def new_request(self) -> None: ...
 
     def for_row(self) -> Budget:
@@ -133,6 +137,10 @@ class StaticBudget:
     switch = None
     """Every drafter drafts every step, as its knobs ask."""
 
+    def priced_step(self, fed: int, drafter_parameters: float) -> float:
+        """Never asked (no switch); a forward a step."""
+        return 1.0
+
     def choose(self, root: int, proposals: Sequence[TokenTree], lead: int = 0, drafts: bool = True) -> Selection:
         """`drafts=False`: feed the root alone this step."""
         tree, node_maps = merge(root, proposals, self.max_nodes if drafts else 1)
@@ -176,7 +184,11 @@ class CostModel:
     run; from stored measurements, the same prompt gives the same text every run (`EngineConfig.reproducible`)."""
     switch: DraftSwitch | None = None
     """Whether the costly drafters (a trained head: forwards of its own before the target's) draft this step,
-    from measured rates with and without them; None: they always draft (reproducible choices use no timings)."""
+    from rates with and without them: measured, or priced on the curve when choices are `reproducible`
+    (`priced_step`); None: they always draft."""
+    target_parameters: int = 0
+    """The target's parameter count: what a costly drafter's own forwards are priced against when choices are
+    reproducible (0: they are priced at nothing)."""
     selective = True
     """Drafters propose whatever might pay; this model picks."""
 
@@ -264,6 +276,20 @@ class CostModel:
         if self.times is not None and not self.reproducible:
             self.times.record(fed, self.curve.cost(fed), seconds)
 
+    def priced_step(self, fed: int, drafter_parameters: float) -> float:
+        """A step's seconds on the curve alone (reproducible choices time nothing): the forward of `fed` tokens,
+        plus the costly drafters' own forwards (`drafter_parameters` read in all) priced as their share of the
+        target's parameters of a 1-token forward. A forward reads every weight once, so on a CPU, where reading
+        them is most of a small forward's time, the shares are what the forwards cost.
+
+        Example (1 token 10 ms, 8 tokens 12 ms; a head a tenth of the target, read 3 times):
+            >>> model = CostModel(LatencyCurve((1, 8), (0.010, 0.012)), 16, target_parameters=100)
+            >>> round(model.priced_step(8, 30), 4), round(model.priced_step(1, 0), 4)
+            (0.015, 0.01)
+        """
+        own = drafter_parameters / self.target_parameters if self.target_parameters else 0.0
+        return self.curve.cost(fed) + own * self.curve.cost(1)
+
     def new_request(self) -> None:
         self.calibration.new_request()
 
@@ -271,7 +297,10 @@ class CostModel:
         """A row's own budget: the same curve, long-run calibration and check of fed guesses, its own per-request
         correction (no forward timings: a batch times its forwards itself, `forerun.costmodel.batch`)."""
         calibration = Calibration(hits=self.calibration.hits, trials=self.calibration.trials)
-        return CostModel(self.curve, self.max_nodes, calibration, self.fed_check, None, self.reproducible)
+        return CostModel(
+            self.curve, self.max_nodes, calibration, self.fed_check, None, self.reproducible,
+            target_parameters=self.target_parameters,
+        )  # fmt: skip
 
     def proposal_nodes(self, rows: int) -> int:
         """Most nodes, root included, a row's drafters may propose in a batch of `rows` rows (`PROPOSAL_COST`).

@@ -43,6 +43,15 @@ class Eagle3Drafter:
         """The head's output [H] at the newest position it read: it predicts the root's child."""
         self.outputs: dict[int, torch.Tensor] = {}
         """This step's drafted nodes' head outputs (each predicts the node's children)."""
+        self.forwards = 0
+        """Forwards of the head since `spent` was last asked."""
+        self.parameters = sum(p.numel() for name, p in head.named_parameters() if not name.startswith("embed_tokens."))
+        """What one forward of the head reads (its embedding is looked up, not read)."""
+
+    def spent(self) -> float:
+        """Parameters the head's forwards read since the last call (the cost model prices them)."""
+        forwards, self.forwards = self.forwards, 0
+        return float(forwards * self.parameters)
 
     def start(self, ctx: DraftContext) -> None:
         self.cache, self.committed, self.last, self.outputs = HeadCache(), 0, None, {}
@@ -60,7 +69,7 @@ class Eagle3Drafter:
         tokens = torch.tensor(ctx.tokens[end - count + 1 : end + 1], device=device)
         features = outcome.features.to(self.head.fc.weight.dtype)
         out = self.head(tokens, self.head.project(features), positions, self.cache)
-        self.committed, self.last = self.cache.length, out[-1]
+        self.committed, self.last, self.forwards = self.cache.length, out[-1], self.forwards + 1
 
     @torch.inference_mode()
     def propose(self, ctx: DraftContext) -> TokenTree:
@@ -126,6 +135,7 @@ class Eagle3Drafter:
         positions = torch.full((len(nodes),), position, device=device)
         outs = list(self.head(tokens, hidden, positions, self.cache, visible))
         self.outputs.update(zip(nodes, outs, strict=True))
+        self.forwards += 1
         return outs
 
     def finish(self, ctx: DraftContext) -> None:
