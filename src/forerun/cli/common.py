@@ -45,7 +45,11 @@ DTYPE = typer.Option(
 )
 THREADS = typer.Option(0, "--threads", help="torch threads (0 = torch's default).")
 DRAFT = typer.Option("", "--draft-model", help="Method draft_model: the small model that drafts.")
-HEAD = typer.Option("", "--draft-head", help="Method eagle3 (and auto): a folder holding an EAGLE-3 head.")
+HEAD = typer.Option(
+    "",
+    "--draft-head",
+    help="Method eagle3 (and auto): a folder holding an EAGLE-3 head, or a shipped head's name (smollm2-135m).",
+)
 NODES = typer.Option(0, "--max-tree-nodes", help="Most tokens fed in one forward (0 = the method's or device's).")
 COMPILE = typer.Option(
     False,

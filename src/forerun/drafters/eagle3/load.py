@@ -28,11 +28,30 @@ ARCHITECTURE = "LlamaForCausalLMEagle3"
 REQUIRED = ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size", "draft_vocab_size")
 
 
-def load_head(path: Path | str, target: torch.nn.Module) -> Eagle3Head:
-    """The head in folder `path`, on the target's device and in its dtype, in eval mode."""
+SHIPPED = Path(__file__).resolve().parents[2] / "assets" / "heads"
+"""Heads that ship with forerun, one folder each, named as their target's alias (`smollm2-135m`)."""
+
+
+def head_folder(path: Path | str) -> Path:
+    """`path` as a folder, or the shipped head of that name where no such folder exists.
+
+    Example:
+        >>> head_folder("smollm2-135m").name, head_folder("heads/mine").as_posix()
+        ('smollm2-135m', 'heads/mine')
+    """
     folder = Path(path).expanduser()
+    if not folder.is_dir() and str(path) and (SHIPPED / str(path)).is_dir():
+        return SHIPPED / str(path)
+    return folder
+
+
+def load_head(path: Path | str, target: torch.nn.Module) -> Eagle3Head:
+    """The head in folder `path` (or the shipped head of that name), on the target's device and in its dtype, in
+    eval mode."""
+    folder = head_folder(path)
     if not folder.is_dir():
-        raise FileNotFoundError(f"EAGLE-3 head folder not found: {folder}")
+        shipped = sorted(p.name for p in SHIPPED.iterdir() if p.is_dir()) if SHIPPED.is_dir() else []
+        raise FileNotFoundError(f"EAGLE-3 head folder not found: {folder} (shipped heads: {', '.join(shipped)})")
     config_file = folder / "config.json"
     raw = read_config(config_file)
     config = LlamaConfig.from_dict(raw)
