@@ -8,7 +8,7 @@ silently is a ValueError naming the file and the key: sizes that do not fit the 
 the target's, maps out of range or inconsistent, missing or unknown weights.
 
 Example:
-    >>> head = load_head("heads/smollm2-135m-eagle3", model)          # doctest: +SKIP
+    >>> head = load_head("smollm2-135m", model)  # the shipped head, or a folder    # doctest: +SKIP
     >>> head.aux_layers                                                 # doctest: +SKIP
     (1, 14, 26)
 """
