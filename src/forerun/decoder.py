@@ -28,6 +28,7 @@ from forerun.batch import batchable, decode_rows, fork
 from forerun.checks import check_batch_size, row_seeds
 from forerun.config import EngineConfig
 from forerun.costmodel import Budget, CostModel, DraftSwitch, ForwardTimes, LatencyCurve, StaticBudget
+from forerun.costmodel.switch import FIRST_PROBE_STEPS
 from forerun.drafters.base import Drafter
 from forerun.drafters.prediction import PredictionDrafter
 from forerun.engine import decode
@@ -158,8 +159,9 @@ class Decoder:
             # priced on the curve where choices must be reproducible
             parameters = sum(p.numel() for p in self.model.parameters())
             return CostModel(
-                curve, cap, times=times, reproducible=reproducible, switch=DraftSwitch(), target_parameters=parameters
-            )
+                curve, cap, times=times, reproducible=reproducible, switch=DraftSwitch(probing=FIRST_PROBE_STEPS),
+                target_parameters=parameters,
+            )  # fmt: skip
         return StaticBudget(config.max_tree_nodes or (self.plan.static_budget() if self.plan.specs else 16))
 
     def make_base(self, device_type: str) -> StaticBase | None:
