@@ -98,10 +98,13 @@ def draft_vocabulary(readings: list[Reading], vocab: int, size: int) -> torch.Te
 def packs(readings: list[Reading], size: int) -> list[Pack]:
     """Readings packed in order, whole, into packs of at most `size` tokens (a longer reading is a pack alone)."""
     groups: list[list[Reading]] = [[]]
+    filled = 0
     for reading in readings:
-        if groups[-1] and sum(map(len, groups[-1])) + len(reading) > size:
+        if groups[-1] and filled + len(reading) > size:
             groups.append([])
+            filled = 0
         groups[-1].append(reading)
+        filled += len(reading)
     return [pack_of(group) for group in groups if group]
 
 

@@ -132,8 +132,9 @@ def draft_index(used: torch.Tensor, vocab: int) -> torch.Tensor:
 
 
 def pack_loss(head: Eagle3Head, pack: Pack, index: torch.Tensor, unroll: int) -> tuple[torch.Tensor, list[float]]:
-    """The weighted cross-entropy over `pack`'s training-time test steps (module docstring), and the head's top-1
-    agreement with the target's first choice at each step (chains within one text only)."""
+    """The weighted cross-entropy over `pack`'s training-time test steps (module docstring), and, without
+    gradients (held-out text), the head's top-1 agreement with the target's first choice at each step (chains
+    within one text only; an empty list while training)."""
     loss, agreement = torch.zeros(()), []
     outputs = unrolled(head, pack.ids[None], pack.features, unroll, pack.positions, pack.segments)
     for step, out in enumerate(outputs, start=1):
@@ -147,8 +148,9 @@ def pack_loss(head: Eagle3Head, pack: Pack, index: torch.Tensor, unroll: int) ->
         logits = head.draft_logits(out[keep])
         logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, labels[keep].clamp_min(0))
         loss = loss + 0.8 ** (step - 1) * -(odds * logp).sum(-1).mean()
-        chosen = head.target_ids(logits.detach().argmax(-1))
-        agreement.append(float((chosen == pack.top_ids[step:][keep][:, 0]).float().mean()))
+        if not torch.is_grad_enabled():  # measured on held-out text only: a training step need not pay for it
+            chosen = head.target_ids(logits.argmax(-1))
+            agreement.append(float((chosen == pack.top_ids[step:][keep][:, 0]).float().mean()))
     return loss, agreement
 
 
