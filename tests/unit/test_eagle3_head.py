@@ -29,7 +29,7 @@ def target():
 )
 def test_a_head_in_specforge_layout_loads_and_drafts(tmp_path, target, options):
     state = write_head(tmp_path, target, **options)
-    head = load_head(tmp_path, target)
+    head = load_head(tmp_path, target, dtype=torch.float32)
     assert torch.equal(head.fc.weight, state["fc.weight"]) and torch.equal(head.d2t, state["d2t"])
     assert (head.fc_norm is not None) == options.get("fc_norm", False)
     assert head.norm_output == options.get("norm_output", True)
@@ -46,7 +46,7 @@ def test_a_head_in_specforge_layout_loads_and_drafts(tmp_path, target, options):
 
 def test_the_cache_makes_one_position_at_a_time_equal_all_at_once(tmp_path, target):
     write_head(tmp_path, target)
-    head = load_head(tmp_path, target)
+    head = load_head(tmp_path, target, dtype=torch.float32)
     tokens, hidden = torch.tensor([3, 4, 5]), torch.randn(3, 64)
     with torch.inference_mode():
         together = head(tokens, hidden, torch.arange(3), HeadCache())
@@ -56,6 +56,34 @@ def test_the_cache_makes_one_position_at_a_time_equal_all_at_once(tmp_path, targ
         alone = head(tokens[2:], hidden[2:], torch.arange(2, 3), HeadCache())
     torch.testing.assert_close(apart, together, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(alone, together[2:], atol=1e-3)
+
+
+def test_a_bf16_head_under_an_fp32_target_leaves_the_target_as_it_is_and_drafts_exactly(tmp_path, target):
+    """On a CPU with bf16 units a head computes in bf16 under an fp32 target; the embedding it shares stays the
+    target's own, in fp32 (converting it would change what the target writes)."""
+    import forerun
+    from forerun.drafters.eagle3.load import head_dtype
+
+    from tiny_models import prompts
+
+    assert head_dtype(torch.float32, "cpu", bf16_units=True) == torch.bfloat16
+    assert head_dtype(torch.float32, "cpu", bf16_units=False) == torch.float32
+    assert head_dtype(torch.bfloat16, "cpu", bf16_units=True) == torch.bfloat16
+    assert head_dtype(torch.float32, "cuda") == torch.float32
+    write_head(tmp_path, target)
+    before = target.get_input_embeddings().weight.clone()
+    head = load_head(tmp_path, target, dtype=torch.bfloat16)
+    embedding = target.get_input_embeddings().weight
+    assert head.embed_tokens is target.get_input_embeddings() and embedding.dtype == torch.float32
+    assert torch.equal(embedding, before)
+    assert head.fc.weight.dtype == head.lm_head.weight.dtype == torch.bfloat16
+    assert head.rotary.inv_freq.dtype == torch.float32
+    prompt = prompts(1)[0]
+    expected = target.generate(prompt, max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
+    result = forerun.Decoder(target, None, "eagle3", draft_head=head, adaptive=False).generate(
+        prompt, 24, eos_token_id=[]
+    )
+    assert torch.equal(result.sequences, expected) and result.stats.candidates > 0
 
 
 def drop(key):

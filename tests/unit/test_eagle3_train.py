@@ -3,6 +3,8 @@ and drafts exactly."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 import forerun
@@ -37,6 +39,17 @@ def test_a_trained_head_learns_loads_and_drafts_exactly(tmp_path):
         prompt, 30, eos_token_id=[]
     )
     assert torch.equal(result.sequences, expected) and result.stats.candidates > 0
+    # trained further from where it stopped: its draft vocabulary kept, it starts where the first run ended (a
+    # new head's first losses are the negative control), and the target it shares an embedding with is untouched
+    embedding = model.get_input_embeddings().weight.clone()
+    more: list[float] = []
+    start = load_head(folder, model, dtype=torch.float32)
+    again = train_head(model, DigitTokenizer(), texts * 3, tmp_path / "again", replace(config, seconds=4), start=start,
+                       report=lambda step, loss, seconds: more.append(loss))  # fmt: skip
+    assert torch.equal(load_head(again, model).d2t, head.d2t)
+    assert sum(more[:3]) < 0.8 * sum(losses[:3])
+    assert torch.equal(model.get_input_embeddings().weight, embedding)
+    assert not any(p.requires_grad for p in model.parameters()) or all(p.requires_grad for p in model.parameters())
 
 
 def test_training_time_test_steps_are_what_the_drafter_computes_at_depth():

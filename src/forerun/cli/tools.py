@@ -76,6 +76,12 @@ def train_head_command(
         help="bf16: the target reads in bf16 and the head's matmuls run in bf16 (its weights stay "
         "fp32), about twice as fast on CPUs with bf16 instructions | fp32.",
     ),  # fmt: skip
+    start_from: str = typer.Option(
+        "",
+        "--start-from",
+        help="A head to train further (a folder, or a shipped head's name): its draft vocabulary and weights, "
+        "e.g. the shipped head on your own text.",
+    ),
     threads: int = THREADS,
 ) -> None:
     """Train an EAGLE-3 head for MODEL on this machine (teacher-forced on the model's own hidden states and
@@ -83,7 +89,10 @@ def train_head_command(
     import json
     from pathlib import Path
 
+    import torch
+
     from forerun.corpus import read_corpus
+    from forerun.drafters.eagle3 import load_head
     from forerun.drafters.eagle3.train import TrainConfig, stdlib_texts, train_head
 
     if minutes <= 0 or draft_vocab < 2 or not 1 <= unroll <= 8 or dtype not in ("bf16", "fp32"):
@@ -95,6 +104,7 @@ def train_head_command(
     spec = run_spec(model, "plain", None, "cpu", dtype, threads)
     lm, tokenizer, _ = spec.load()
     config = TrainConfig(draft_vocab=draft_vocab, seconds=minutes * 60, unroll=unroll, bf16=dtype == "bf16")
+    start = load_head(start_from, lm, dtype=torch.float32) if start_from else None
     with progress_bar() as progress:
         reading = progress.add_task("the target reads the corpus (tokens)", total=config.max_tokens)
         task = progress.add_task("training", total=round(config.seconds))
@@ -106,7 +116,7 @@ def train_head_command(
             progress.update(reading, total=progress.tasks[reading].completed)
             progress.update(task, completed=min(seconds, config.seconds), description=f"step {step}, loss {loss:.3f}")
 
-        folder = train_head(lm, tokenizer, texts, out, config, report, read)
+        folder = train_head(lm, tokenizer, texts, out, config, report, read, start)
     training = json.loads((folder / "config.json").read_text())["forerun_training"]
     console.print(
         f"EAGLE-3 head -> {folder} ({training['steps']} steps, {training['passes']} passes over "

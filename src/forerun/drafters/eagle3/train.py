@@ -193,17 +193,18 @@ def chain_mask(rows: int, starts: list[int], first: int) -> torch.Tensor:
 
 def train_head(model, tokenizer, texts: Iterable[str], out: Path | str, config: TrainConfig = TrainConfig(),
                report: Callable[[int, float, float], None] | None = None,
-               read: Callable[[int], None] | None = None) -> Path:  # fmt: skip
+               read: Callable[[int], None] | None = None, start: Eagle3Head | None = None) -> Path:  # fmt: skip
     """Train a head for `model` on `texts` for `config.seconds` and write it to folder `out`; returns the folder.
     `read(tokens)` after each text the target reads, `report(step, loss, seconds)` after every training step
-    (progress bars)."""
+    (progress bars). `start`: a head to train further (its layers, draft vocabulary and weights; e.g. the shipped
+    one, `load_head("smollm2-135m", model, dtype=torch.float32)`) instead of a new one."""
     torch.manual_seed(config.seed)
     frozen = {name: p.requires_grad for name, p in model.named_parameters()}
     model.requires_grad_(False)  # the target (its embedding, which the head shares) is not trained
     try:
-        layers = default_aux_layers(model.config.num_hidden_layers)
+        layers = start.aux_layers if start is not None else default_aux_layers(model.config.num_hidden_layers)
         readings = read_corpus(model, tokenizer, texts, layers, config, read)
-        return train_loop(model, readings, layers, Path(out), config, report)
+        return train_loop(model, readings, layers, Path(out), config, report, start)
     finally:
         for name, parameter in model.named_parameters():
             parameter.requires_grad_(frozen[name])
@@ -224,14 +225,22 @@ def read_corpus(model, tokenizer, texts, layers, config: TrainConfig, read) -> l
     return readings
 
 
-def train_loop(model, readings: list[Reading], layers, out: Path, config: TrainConfig, report) -> Path:
+def train_loop(model, readings: list[Reading], layers, out: Path, config: TrainConfig, report,
+               start: Eagle3Head | None = None) -> Path:  # fmt: skip
     """Train on all readings but every 20th (held out, when there are 20 or more) for `config.seconds`; save."""
     held = readings[::20] if len(readings) >= 20 else []
     trained_on = [r for i, r in enumerate(readings) if not held or i % 20]
     vocab = model.get_output_embeddings().weight.shape[0]
-    used = draft_vocabulary(trained_on, vocab, config.draft_vocab)
+    if start is None:
+        used = draft_vocabulary(trained_on, vocab, config.draft_vocab)
+        head = new_head(model, used, layers)
+    else:  # its draft vocabulary stays: its output matrix's rows mean those tokens
+        head = start.train()
+        for module in head.children():  # its embedding (the target's, or its own) is not trained
+            if module is not head.embed_tokens:
+                module.float().requires_grad_(True)
+        used = head.target_ids(torch.arange(head.lm_head.weight.shape[0], device=head.d2t.device))
     index = draft_index(used, vocab)
-    head = new_head(model, used, layers)
     trained = [p for name, p in head.named_parameters() if not name.startswith("embed_tokens.")]
     optimizer = torch.optim.AdamW(trained, lr=config.lr, weight_decay=0.0)
     batches, order = packs(trained_on, config.pack), torch.Generator().manual_seed(config.seed)
@@ -251,7 +260,8 @@ def train_loop(model, readings: list[Reading], layers, out: Path, config: TrainC
     agreement = held_out_agreement(head, packs(held, config.pack), index, config.unroll)
     training = {"steps": step, "seconds": round(elapsed), "passes": passes, "tokens": sum(map(len, trained_on)),
                 "held_out_tokens": sum(map(len, held)), "held_out_accuracy": agreement}  # fmt: skip
-    return save_head(head, out, training)
+    shared = head.embed_tokens is model.get_input_embeddings()
+    return save_head(head, out, training, own_embedding=not shared)
 
 
 def learning_rate_scale(progress: float) -> float:
@@ -267,8 +277,8 @@ def learning_rate_scale(progress: float) -> float:
     return 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, (progress - 0.03) / 0.97)))
 
 
-def save_head(head: Eagle3Head, folder: Path, training: dict) -> Path:
-    """config.json and model.safetensors (bf16 weights; the embedding is the target's, not written)."""
+def save_head(head: Eagle3Head, folder: Path, training: dict, own_embedding: bool = False) -> Path:
+    """config.json and model.safetensors (bf16 weights; the embedding only where it is the head's own)."""
     folder.mkdir(parents=True, exist_ok=True)
     raw = head.config.to_dict()
     raw["forerun_training"] = training
@@ -276,7 +286,7 @@ def save_head(head: Eagle3Head, folder: Path, training: dict) -> Path:
     state = {
         name: (tensor.to(torch.bfloat16) if tensor.is_floating_point() else tensor).contiguous()
         for name, tensor in head.state_dict().items()
-        if not name.startswith("embed_tokens.")
+        if own_embedding or not name.startswith("embed_tokens.")
     }
     save_file(state, str(folder / "model.safetensors"))
     return folder
