@@ -49,6 +49,7 @@ from forerun.kvcache import keep_accepted, plain_layers
 from forerun.row import RowJob, RowRun
 from forerun.rowcache import RowCache
 from forerun.stats import GenerationStats
+from forerun.taps import LayerTaps, feature_layers
 from forerun.tree import TokenTree, as_attention_mask, merge
 
 
@@ -168,8 +169,10 @@ class Batch:
         selection = budget.choose(row.root, row.propose(drafting), len(lead), drafting)
         tree = selection.tree
         t1 = time.perf_counter()
-        logits = forward_tree(self.head, own, tree, prompt_len - 1, lead, self.attention)
-        path = row.commit(selection, logits, joining.begun_s + t1 - t0, time.perf_counter() - t1)
+        with LayerTaps(self.model, feature_layers(job.drafters)) as taps:
+            logits = forward_tree(self.head, own, tree, prompt_len - 1, lead, self.attention)
+        propose_s, forward_s = joining.begun_s + t1 - t0, time.perf_counter() - t1
+        path = row.commit(selection, logits, propose_s, forward_s, taps.take(), len(lead))
         keep_accepted(own, prompt_len - 1, path)
         if job.prefixes is not None:
             job.prefixes.store(ctx.tokens, own, prompt_len - 1 + len(path))
@@ -214,17 +217,27 @@ class Batch:
         # 2. pack and 3. forward: one call for every row, trees padded to one size
         nodes = max(len(selection.tree) for selection in selections)
         input_ids, position_ids, mask = self.pack([selection.tree for selection in selections], nodes)
-        logits = self.head(
-            input_ids=input_ids,
-            attention_mask=mask,
-            position_ids=position_ids,
-            past_key_values=self.cache.cache,
-            use_cache=True,
-        )  # [rows, nodes, vocab]
-        forward_s = time.perf_counter() - t1
+        # a paused batch taps nothing: its heads forget and read again from the step they draft in
+        layers = feature_layers(d for row in rows for d in row.job.drafters) if drafting else ()
+        with LayerTaps(self.model, layers) as taps:
+            logits = self.head(
+                input_ids=input_ids,
+                attention_mask=mask,
+                position_ids=position_ids,
+                past_key_values=self.cache.cache,
+                use_cache=True,
+            )  # [rows, nodes, vocab]
+        forward_s, tapped = time.perf_counter() - t1, taps.take()  # [rows, nodes, F] or None
         # 4. verify and 5. commit, per row; then keep each row's accepted path in the shared cache
         kept = [
-            self.commit_apart(row, selection, logits[b, : len(selection.tree)], (t1 - t0) / len(rows), forward_s)
+            self.commit_apart(
+                row,
+                selection,
+                logits[b, : len(selection.tree)],
+                (t1 - t0) / len(rows),
+                forward_s,
+                row_features(tapped, b, len(selection.tree), layers, row.job.drafters),
+            )  # fmt: skip
             for b, (row, selection) in enumerate(zip(rows, selections, strict=True))
         ]
         self.cache.keep(kept, nodes)
@@ -266,13 +279,19 @@ class Batch:
             return self.choose(proposals)
 
     def commit_apart(
-        self, row: RowRun, selection: Selection, logits: torch.Tensor, propose_s: float, forward_s: float
+        self,
+        row: RowRun,
+        selection: Selection,
+        logits: torch.Tensor,
+        propose_s: float,
+        forward_s: float,
+        tapped: torch.Tensor | None = None,
     ) -> list[int]:
         """`RowRun.commit`, where a failure ends only this row (its root stays in the cache until it leaves)."""
         if row.error is not None:
             return [0]
         try:
-            return row.commit(selection, logits, propose_s, forward_s)
+            return row.commit(selection, logits, propose_s, forward_s, tapped)
         except Exception as error:  # noqa: BLE001
             row.error = error
             return [0]
@@ -371,3 +390,13 @@ def decode_rows(
             if row.error is not None:
                 raise row.error
             yield index_of.pop(id(row)), row.stats
+
+
+def row_features(
+    tapped: torch.Tensor | None, b: int, nodes: int, layers: tuple[int, ...], drafters: Sequence[Drafter]
+) -> torch.Tensor | None:
+    """Row `b`'s tapped features [1, nodes, F] of the batch's [rows, padded nodes, F], for a row whose drafters read
+    those very `layers` (None for the others: a head that reads other layers is handed nothing)."""
+    if tapped is None or feature_layers(drafters) != layers:
+        return None
+    return tapped[b : b + 1, :nodes]

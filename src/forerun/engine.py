@@ -21,7 +21,7 @@ from forerun.costmodel import Budget
 from forerun.drafters.base import Drafter
 from forerun.row import RowJob, RowRun
 from forerun.stats import GenerationStats
-from forerun.taps import LayerTaps, feature_layers
+from forerun.taps import LayerTaps, committed_features, feature_layers
 from forerun.tree import TREE_ATTENTION, tree_support  # noqa: F401 - re-exported
 
 logger = logging.getLogger(__name__)
@@ -80,15 +80,6 @@ def decode(
             lead = []
     base.store(job.prefixes, row.ctx.tokens, row.prefix_len)  # the cache holds prompt + accepted
     return row.finish()
-
-
-def committed_features(features: torch.Tensor | None, lead: int, kept: list[int]) -> torch.Tensor | None:
-    """Of one row's tapped features [1, lead + nodes, F]: the lead's and the kept nodes' rows, [lead + kept, F]
-    (None where nothing was tapped: a base whose forward is a replayed graph, or no drafter asked)."""
-    if features is None or features.shape[0] != 1:
-        return None
-    rows = torch.tensor(list(range(lead)) + [lead + node for node in kept], device=features.device)
-    return features[0].index_select(0, rows)
 
 
 def fallback_if_unsupported(

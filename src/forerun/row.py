@@ -35,6 +35,7 @@ from forerun.costmodel import Budget, Selection
 from forerun.drafters.base import DraftContext, Drafter, StepOutcome
 from forerun.prefixcache import Prefixes
 from forerun.stats import GenerationStats
+from forerun.taps import committed_features
 from forerun.transcript import Transcript
 from forerun.tree import TokenTree
 from forerun.verify import NodeScores, Sampling, Verdict, verify
@@ -173,10 +174,20 @@ class RowRun:
         """Whether any of the row's drafters is costly (`costly`)."""
         return any(map(costly, self.job.drafters))
 
-    def commit(self, selection: Selection, logits: torch.Tensor, propose_s: float, forward_s: float) -> list[int]:
-        """`verify` then `accept`: the kept path (root first)."""
+    def commit(
+        self,
+        selection: Selection,
+        logits: torch.Tensor,
+        propose_s: float,
+        forward_s: float,
+        tapped: torch.Tensor | None = None,
+        lead: int = 0,
+    ) -> list[int]:
+        """`verify` then `accept`: the kept path (root first). `tapped`: the row's features off the forward,
+        [1, lead + nodes, F] (`forerun.taps`), of which its drafters are handed the committed positions'."""
         verdict = self.verify(selection.tree, logits)
-        return self.accept(selection, verdict, logits, propose_s, forward_s)
+        features = committed_features(tapped, lead, [0, *verdict.accepted_nodes])
+        return self.accept(selection, verdict, logits, propose_s, forward_s, features)
 
     def steps_left(self) -> float:
         """Steps this row still needs at its rate so far (its tokens left over its tokens per step)."""

@@ -29,14 +29,15 @@ def feature_layers(drafters: Iterable[object]) -> tuple[int, ...]:
 
 class LayerTaps:
     """Forward hooks on decoder layers `layers` of `model`: `take()` gives the last forward's outputs of those
-    layers, concatenated in that order, [rows, n, len(layers) * hidden] (None when no forward ran since)."""
+    layers, concatenated in that order, [rows, n, len(layers) * hidden] (None when no forward ran since, or no
+    layers are asked for: then it hooks nothing)."""
 
     def __init__(self, model: torch.nn.Module, layers: Sequence[int]) -> None:
-        decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+        decoder = model.get_decoder() if layers and hasattr(model, "get_decoder") else None
         blocks = getattr(decoder, "layers", None)
-        if blocks is None or not all(0 <= i < len(blocks) for i in layers):
+        if layers and (blocks is None or not all(0 <= i < len(blocks) for i in layers)):
             raise ValueError(f"{type(model).__name__} has no decoder layers {list(layers)} to read hidden states from")
-        self.blocks = [blocks[i] for i in layers]
+        self.blocks = [blocks[i] for i in layers] if layers else []
         self.outputs: list[torch.Tensor | None] = [None] * len(layers)
         self.handles: list[torch.utils.hooks.RemovableHandle] = []
 
@@ -58,8 +59,22 @@ class LayerTaps:
 
     def take(self) -> torch.Tensor | None:
         """The last forward's features [rows, n, len(layers) * hidden], or None; forgets them."""
-        if any(output is None for output in self.outputs):
+        if not self.outputs or any(output is None for output in self.outputs):
             return None
         features = torch.cat(self.outputs, dim=-1)  # type: ignore[arg-type]
         self.outputs = [None] * len(self.outputs)
         return features
+
+
+def committed_features(features: torch.Tensor | None, lead: int, kept: list[int]) -> torch.Tensor | None:
+    """Of one row's tapped features [1, lead + nodes, F]: the lead's and the kept nodes' rows, [lead + kept, F]
+    (None where nothing was tapped: a base whose forward is a replayed graph, or no drafter asked).
+
+    Example (a lead of 2 prompt tokens, then a tree whose nodes 0 and 2 were kept):
+        >>> committed_features(torch.arange(5.0)[None, :, None], 2, [0, 2]).flatten().tolist()
+        [0.0, 1.0, 2.0, 4.0]
+    """
+    if features is None or features.shape[0] != 1:
+        return None
+    rows = torch.tensor(list(range(lead)) + [lead + node for node in kept], device=features.device)
+    return features[0].index_select(0, rows)

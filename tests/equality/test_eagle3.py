@@ -228,3 +228,48 @@ def test_in_reproducible_mode_the_head_sits_out_on_priced_rates_alike_every_run(
     stats, switch = run(OracleHead(oracle, truth))
     assert switch.rates[True] > 2 * switch.rates[False] and stats.accepted >= NEW_TOKENS // 2
     assert switch.pause == PAUSE_STEPS  # never found slower (the one pause measured plain decoding)
+
+
+class PromptFeatureRecorder(FeatureRecorder):
+    """`FeatureRecorder` for a batch: its rows are shallow copies sharing `seen`, so it files by the row's prompt."""
+
+    def observe(self, ctx, outcome):
+        seen = self.seen.setdefault(tuple(ctx.tokens[:PROMPT]), {})
+        end = len(ctx.tokens) - 1
+        for offset, row in enumerate(outcome.features):
+            seen[end - len(outcome.features) + offset] = row
+
+
+PROMPT = 24  # tokens of each of `prompts`' prompts
+
+
+def test_a_batch_hands_each_row_the_features_of_its_own_positions():
+    model = model_of("llama", "sdpa")
+    recorder = PromptFeatureRecorder()
+    decoder = forerun.Decoder(model, None, "plain", drafters=[recorder], adaptive=False)
+    results = decoder.generate_batch(prompts(3), 20, eos_token_id=[])
+    assert len(recorder.seen) == 3
+    for result in results:
+        sequence = result.sequences
+        seen = recorder.seen[tuple(sequence[0, :PROMPT].tolist())]
+        assert sorted(seen) == list(range(sequence.shape[1] - 1))  # every position but the last token's, once
+        with torch.inference_mode():
+            states = model(sequence, output_hidden_states=True).hidden_states
+        features = torch.stack([seen[p] for p in sorted(seen)]).chunk(3, dim=-1)
+        torch.testing.assert_close(features[1], states[1][0, :-1], rtol=1e-4, atol=1e-4)
+
+
+def test_an_oracle_head_in_a_batch_is_accepted_at_full_depth():
+    """Rows of a batch draft with their head as a lone row does: the batch's forward hands each row's head its
+    features (with no features handed over, the head drafts nothing and this fails)."""
+    model = model_of("llama", "sdpa")
+    truth = reference("llama", "sdpa", 0, None)[0].tolist()
+    head = random_head(model, draft_vocab=VOCAB)
+    head.d2t.zero_()
+    # a static budget shares its nodes among the rows: 5 each, the root and a chain of 4
+    chain = dict(adaptive=False, max_tree_nodes=10, depth=4, topk=1, width=1)
+    decoder = forerun.Decoder(model, None, "eagle3", draft_head=OracleHead(head, truth), **chain)
+    first, other = decoder.generate_batch([prompts(1)[0], prompts(2)[1]], NEW_TOKENS, eos_token_id=[])
+    assert first.sequences[0].tolist() == truth
+    assert torch.equal(other.sequences, reference("llama", "sdpa", 1, None))  # its oracle is wrong: still exact
+    assert first.stats.accepted_hist[4] >= first.stats.forwards - 3
