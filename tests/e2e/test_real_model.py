@@ -122,6 +122,27 @@ def test_the_shipped_head_drafts_well_and_exactly_on_a_chat_question(smollm2):
     assert unseeing.stats.tokens_per_forward < result.stats.tokens_per_forward - 0.3, unseeing.stats.summary()
 
 
+def test_rows_of_a_batch_draft_with_the_shipped_head_exactly(smollm2):
+    """Three chat questions decoded together, each row's head reading its own row's hidden states: every answer is
+    generate's, and the rows draft well (always drafting: the static budget shares its nodes among the rows)."""
+    model, tokenizer = smollm2
+    questions = ["What is the water cycle?", "Give me two tips for better sleep.", "Why is the sky blue?"]
+    chats = [[{"role": "user", "content": question}] for question in questions]
+    ids = [
+        tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt", return_dict=True)[
+            "input_ids"
+        ]
+        for chat in chats
+    ]
+    decoder = forerun.Decoder(model, tokenizer, "eagle3", draft_head="smollm2-135m", adaptive=False)
+    results = decoder.generate_batch(ids, 40)
+    for prompt, result in zip(ids, results, strict=True):
+        expected = model.generate(prompt, max_new_tokens=40, do_sample=False)
+        assert torch.equal(result.sequences, expected)
+    per_forward = sum(r.stats.new_tokens for r in results) / sum(r.stats.forwards for r in results)
+    assert per_forward > 1.3, [r.stats.summary() for r in results]
+
+
 def answer(output: str) -> list[str]:
     """The generated text of a CLI run's output, without the loading progress bars (stderr, mixed in)."""
     lines = output.replace("\r", "\n").splitlines()

@@ -281,3 +281,31 @@ def test_a_joining_prompt_whose_client_went_away_is_dropped_between_chunks():
     long_job = abandoned[0]
     assert abandoned == [long_job] and fed.count(long_job) == 1  # one chunk of 24 tokens, then dropped
     assert not worker.joining and worker.batch.cache.slots == 0
+
+
+def test_concurrent_clients_of_a_server_with_the_shipped_head_get_exact_answers(smollm2):
+    """`forerun serve --method eagle3 --draft-head smollm2-135m`: concurrent rows of the continuous batch, each
+    with its own head reading its own row's hidden states, get plain generate's answers (whether they draft is the
+    batch policy's call: in fp32 on a CPU, at four rows, it mostly finds drafting does not pay)."""
+    model, tokenizer = smollm2
+    config = ServerConfig(MODEL, "eagle3", max_batch=4, max_tokens_limit=64, draft_head="smollm2-135m")
+    server = LiveServer(create_app(model, tokenizer, config))
+    try:
+        client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+        def ask(index: int) -> str:
+            messages = [{"role": "user", "content": QUESTIONS[index]}]
+            reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=32, temperature=0)
+            return reply.choices[0].message.content
+
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(ask, range(4)))
+        metrics = httpx.get(server.url + "/metrics").text
+    finally:
+        server.stop()
+    for question, answer in zip(QUESTIONS[:4], answers, strict=True):
+        messages = [{"role": "user", "content": question}]
+        assert answer == plain_text(smollm2, messages=messages, max_new_tokens=32), question
+    counter = 'forerun_generated_tokens_total{method="eagle3"}'
+    generated = [line for line in metrics.splitlines() if line.startswith(counter)]
+    assert generated and float(generated[0].split()[-1]) >= 4 * 8  # the rows decoded with the head's method
