@@ -3,12 +3,15 @@
 Three steps (the answers come from `forerun run`, which is exact: they are what plain generate writes; stop it
 when you have enough, it resumes where it stopped):
 
-    .venv/bin/python benchmarks/head_corpus.py questions --count 2000 --out heads/questions.jsonl
+    .venv/bin/python benchmarks/head_corpus.py questions --count 3200 --out heads/questions.jsonl
     .venv/bin/forerun run heads/questions.jsonl --out heads/answers.jsonl --method auto --batch-size 16 \
         --threads 2 --dtype bf16 --max-new-tokens 160                          # ~30 answers a minute, 2 cores
     .venv/bin/python benchmarks/head_corpus.py corpus --answers heads/answers.jsonl --questions heads/questions.jsonl \
         --stdlib-tokens 60000 --out heads/corpus.jsonl
     .venv/bin/forerun train-head --corpus heads/corpus.jsonl --unroll 3 --minutes 48 --threads 2 --out heads/smollm2
+
+With more answers later, `forerun train-head ... --start-from heads/smollm2` trains that head further (the shipped
+head: two runs, 48 and 35 minutes; the benchmarks page, "EAGLE-3").
 
 Each corpus row is the chat-templated question followed by the answer (what the head sees when it drafts a chat
 answer), then some of the Python standard library's sources (code, as the code benchmarks ask for).

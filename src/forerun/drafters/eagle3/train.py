@@ -260,6 +260,8 @@ def train_loop(model, readings: list[Reading], layers, out: Path, config: TrainC
     agreement = held_out_agreement(head, packs(held, config.pack), index, config.unroll)
     training = {"steps": step, "seconds": round(elapsed), "passes": passes, "tokens": sum(map(len, trained_on)),
                 "held_out_tokens": sum(map(len, held)), "held_out_accuracy": agreement}  # fmt: skip
+    if start is not None:  # the training it had before (nested as deep as it goes)
+        training["started_from"] = getattr(start.config, "forerun_training", None)
     shared = head.embed_tokens is model.get_input_embeddings()
     return save_head(head, out, training, own_embedding=not shared)
 
