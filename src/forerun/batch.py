@@ -237,7 +237,7 @@ class Batch:
                 (t1 - t0) / len(rows),
                 forward_s,
                 row_features(tapped, b, len(selection.tree), layers, row.job.drafters),
-            )  # fmt: skip
+            )
             for b, (row, selection) in enumerate(zip(rows, selections, strict=True))
         ]
         self.cache.keep(kept, nodes)

@@ -25,8 +25,7 @@ PROBE_STEPS = 6
 FIRST_PROBE_STEPS = 24
 """Steps of a trained head's drafting before a single row's switch first compares (`DraftSwitch(probing=...)`):
 the cost model is still learning how far the head's guesses hold, and judged on six steps a head that pays was
-switched off (SmolLM2-135M's shipped head, bf16 chat questions: `eagle3` 36.0 tok/s with six, 42.4 with 24,
-plain 32.8)."""
+switched off (`benchmarks/first_probe.py` measures first requests by this length)."""
 
 
 @dataclass

@@ -48,8 +48,8 @@ def head_folder(path: Path | str) -> Path:
 def head_dtype(target_dtype: torch.dtype, device_type: str, bf16_units: bool | None = None) -> torch.dtype:
     """The dtype a head computes in: its target's, except under an fp32 target on a CPU that computes bf16
     (`bf16_units`; None: ask oneDNN). The head only guesses, so its precision never changes what is written, while
-    its forwards are time the target's are not: bf16 halves the bytes its output matrix reads (SmolLM2-135M's
-    shipped head under an fp32 target, 4 chat questions: `eagle3` 27.4 tok/s in bf16, 25.1 in fp32).
+    its forwards are time the target's are not: bf16 halves the bytes its output matrix reads (measured: the
+    benchmarks page, "EAGLE-3").
 
     Example:
         >>> head_dtype(torch.float32, "cpu", bf16_units=True), head_dtype(torch.float32, "cpu", bf16_units=False)
