@@ -10,8 +10,8 @@ Sections (each writes its records to `--out` as JSON lines as it goes, so a run 
   transformers' prompt lookup, and forerun methods, interleaved per prompt; every output checked against eager
   generate (bf16: a first difference must be a numerical tie on generate's own logits).
 - `batch`: `generate([...])` of 1 / 4 / 16 rows against transformers' batched generate.
-- `profile`: where the host's time per forward goes (cProfile over 3 prompts per method; `--compiled` any: buckets
-  compiled).
+- `profile` (after `bench`, on its warm decoders): where a step's time goes (cProfile over 3 prompts, and the
+  card's kernels and the host's CUDA calls per forward under torch.profiler over one).
 
 Usage (on the GPU machine; `benchmarks/gpu_check.sh` prepares the model file and calls this):
     python benchmarks/gpu_check.py smoke,curve --model random-1b --out $OUT/gpu.jsonl
@@ -170,10 +170,11 @@ def bench(
     methods: list[str],
     compiled: list[str],
     baselines: list[str],
-) -> None:
+) -> dict[str, Decoder]:
     """Interleaved single-row runs; speed ratios against eager generate and compiled static-cache generate.
     `compiled`: these methods also with their buckets compiled before capture (label `METHOD (compiled)`);
-    `baselines`: transformers' runs beside eager generate (`generate_static_compiled`, `hf_prompt_lookup`)."""
+    `baselines`: transformers' runs beside eager generate (`generate_static_compiled`, `hf_prompt_lookup`).
+    Returns the warmed decoders by label (the profile reuses them: no second compile)."""
     longest = max(prompts, key=lambda p: len(p["ids"]))
     warm_ids = torch.tensor([longest["ids"]], device=DEVICE)
     decoders = {}
@@ -195,7 +196,7 @@ def bench(
     for prompt in prompts:
         if log.late(60):
             log("bench", note="deadline: stopped early")
-            return
+            return decoders
         ids = torch.tensor([prompt["ids"]], device=DEVICE)
         out, seconds = sync_time(
             lambda ids=ids: hf_generate(model, ids, new_tokens, output_logits=True, return_dict_in_generate=True)
@@ -219,10 +220,14 @@ def bench(
             divergence = first_divergence(reference, tokens, logits, model.dtype)
             extra = {}
             if stats is not None:
+                steps = max(stats.forwards, 1)
                 extra = {
                     "tokens_per_forward": round(stats.tokens_per_forward, 3),
                     "forwards": stats.forwards,
-                    "host_ms_per_step": round(1e3 * stats.draft_seconds / max(stats.forwards, 1), 3),
+                    "fed_per_forward": round(stats.fed_tokens / steps, 2),
+                    "host_ms_per_step": round(1e3 * stats.draft_seconds / steps, 3),
+                    "forward_ms_per_step": round(1e3 * stats.forward_seconds / steps, 3),
+                    "prefill_ms": round(1e3 * stats.prefill_seconds, 2),
                 }
             log(
                 "bench",
@@ -236,20 +241,25 @@ def bench(
                 tie=None if divergence is None else divergence.is_tie,
                 **extra,
             )
+    return decoders
 
 
-def profile(
-    log: Log, model, tokenizer, prompts: list[dict], new_tokens: int, methods: list[str], compiled: bool
-) -> None:
-    """Where a step's host time goes: each method over the first 3 prompts under cProfile (after a warm run), the
-    forerun and transformers functions with the most cumulative time, milliseconds per forward."""
+def profile(log: Log, model, tokenizer, prompts: list[dict], new_tokens: int, decoders: dict[str, Decoder]) -> None:
+    """Where a step's time goes, for each decoder (the bench's, already warm), over the first 3 prompts:
+    - cProfile: the forerun and transformers functions with the most cumulative time, ms per forward (a wait for
+      the card shows in the call that waits: the step's one copy, `tolist`);
+    - torch.profiler over one prompt: the card's kernels and the host's CUDA calls by total time, per forward (what
+      the card runs per step and how often the host launches, copies or waits)."""
     import cProfile
     import pstats
 
-    for method in methods:
-        decoder = Decoder(model, tokenizer, method, static_cache=True, compile_buckets=compiled)
-        decoder.warm_up(max(len(p["ids"]) for p in prompts[:3]) + new_tokens)
-        decoder.generate(torch.tensor([prompts[0]["ids"]], device=DEVICE), 16)
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    for label, decoder in decoders.items():
+        if log.late(30):
+            log("profile", note="deadline: stopped early")
+            return
         profiler, forwards = cProfile.Profile(), 0
         for prompt in prompts[:3]:
             ids = torch.tensor([prompt["ids"]], device=DEVICE)
@@ -264,7 +274,22 @@ def profile(
             for (file, line, name), (_, calls, own, cumulative, _) in rows
             if "forerun" in file or "transformers" in file or "{" in name
         ][:40]  # fmt: skip
-        log("profile", method=method, compiled=compiled, forwards=forwards, top=top)
+        log("profile", method=label, forwards=forwards, top=top)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE.type == "cuda" else [])
+        ids = torch.tensor([prompts[0]["ids"]], device=DEVICE)
+        with torch_profile(activities=activities) as traced:
+            forwards = decoder.generate(ids, new_tokens).stats.forwards
+        events = [e for e in traced.key_averages() if e.count > 0]
+        device_us = lambda e: getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)  # noqa: E731
+        kernels = sorted((e for e in events if device_us(e) > 0), key=lambda e: -device_us(e))[:25]
+        host = sorted(events, key=lambda e: -e.cpu_time_total)[:25]
+        log("profile", method=label, forwards=forwards, kernels=[
+            {"name": e.key[:90], "device_ms_per_forward": round(device_us(e) / 1e3 / forwards, 4),
+             "calls_per_forward": round(e.count / forwards, 2)} for e in kernels
+        ], host_calls=[
+            {"name": e.key[:90], "cpu_ms_per_forward": round(e.cpu_time_total / 1e3 / forwards, 4),
+             "calls_per_forward": round(e.count / forwards, 2)} for e in host
+        ])  # fmt: skip
 
 
 def batch(log: Log, model, tokenizer, prompts: list[dict], new_tokens: int) -> None:
@@ -304,6 +329,8 @@ def main() -> None:
     parser.add_argument("--compiled", default="", help="bench: these methods with compiled buckets too (a list)")
     parser.add_argument("--baselines", default="generate_static_compiled,hf_prompt_lookup",
                         help="bench: transformers' runs beside eager generate")  # fmt: skip
+    parser.add_argument("--profile", default="auto,prompt_lookup",
+                        help="profile: the bench's decoders of these methods (compiled or not)")  # fmt: skip
     parser.add_argument("--budget-s", type=float, default=420.0, help="stop starting new work after this long")
     parser.add_argument("--out", type=Path, default=Path("gpu_check.jsonl"))
     args = parser.parse_args()
@@ -331,25 +358,29 @@ def main() -> None:
     if "steps" in sections:
         guarded(log, "steps", lambda: steps(log, model, label))
     prompts = json.loads(args.prompts.read_text()) if args.prompts else []
+    decoders: dict[str, Decoder] = {}
     if "bench" in sections and prompts:
-        methods = args.methods.split(",")
+        methods = [m for m in args.methods.split(",") if m]
         compiled, baselines = [m for m in args.compiled.split(",") if m], args.baselines.split(",")
-        guarded(log, "bench", lambda: bench(log, model, tokenizer, prompts, args.new_tokens, methods, compiled,
-                                            baselines))  # fmt: skip
+        made = guarded(log, "bench", lambda: bench(log, model, tokenizer, prompts, args.new_tokens, methods,
+                                                   compiled, baselines))  # fmt: skip
+        decoders.update(made or {})
     if "profile" in sections and prompts:
-        methods, fused = args.methods.split(","), bool(args.compiled)
-        guarded(log, "profile", lambda: profile(log, model, tokenizer, prompts, args.new_tokens, methods, fused))
+        wanted = [m for m in args.profile.split(",") if m]
+        chosen = {label: d for label, d in decoders.items() if not wanted or label.split(" ")[0] in wanted}
+        guarded(log, "profile", lambda: profile(log, model, tokenizer, prompts, args.new_tokens, chosen))
     if "batch" in sections and prompts:
         guarded(log, "batch", lambda: batch(log, model, tokenizer, prompts, min(args.new_tokens, 64)))
 
 
-def guarded(log: Log, section: str, run) -> None:
-    """Run one section; a failure is recorded and the next section still runs."""
+def guarded(log: Log, section: str, run):
+    """Run one section and return what it returns (None where it failed: the failure is recorded and the next
+    section still runs)."""
     if log.late():
         log(section, note="skipped: deadline")
-        return
+        return None
     try:
-        run()
+        return run()
     except Exception as error:  # noqa: BLE001 - a device check reports every failure and goes on
         import traceback
 

