@@ -115,11 +115,51 @@ def test_a_padded_bucket_gives_the_tree_its_own_logits():
         follow = TokenTree.rooted_at(13)
         follow.add(0, 14)
         outputs[type(base).__name__] = (first, base.forward(follow, len(prompt) + 2, ()))
-    assert 4 in static.steps and 2 in static.steps and len(static.steps) == 2
+    assert {2, 4} <= set(static.steps)  # beside the prefill's bucket
     for got, want in zip(outputs["StaticBase"], outputs["DynamicBase"], strict=True):
         assert got.logits.shape == want.logits.shape
         assert torch.allclose(got.logits, want.logits, atol=1e-5)
         assert got.choices == got.logits.argmax(-1).tolist()
+
+
+class NoEagerPrefill(StaticBase):
+    """A static base whose eager prefill is refused: the prompt must go through the buckets."""
+
+    def prefill(self, tree: TokenTree, prefix_len: int, lead) -> None:
+        raise AssertionError(f"an eager forward of {len(lead)} prompt tokens and {len(tree)} nodes")
+
+
+@pytest.mark.parametrize(("family", "impl"), [("llama", "sdpa"), ("qwen3", "eager"), ("gpt2", "sdpa")])
+def test_a_prompt_longer_than_every_bucket_is_fed_in_chunks_through_them(family, impl):
+    """Buckets of at most 4 nodes: each prompt (longer) is read in chunks of 4 and its rest rides with the first
+    tree; the output is generate's, and no eager forward ran."""
+    model = model_of(family, impl)
+    for method, knobs in (("plain", {}), ("prompt_lookup", {"max_ngram": 2, "draft_len": 3, "max_branches": 1})):
+        decoder = forerun.Decoder(model, None, method, max_tree_nodes=4, adaptive=False, **knobs)
+        decoder.base = NoEagerPrefill(model, buckets=(1, 2, 4))
+        for index, prompt in enumerate(prompts(3)):
+            assert prompt.shape[1] > 8
+            result = decoder.generate(prompt, NEW_TOKENS, eos_token_id=[])
+            assert torch.equal(result.sequences, reference(family, impl, index)), (family, impl, method, index)
+
+
+@torch.inference_mode()
+def test_chunked_prefill_gives_the_growing_cache_logits():
+    """A 13-token prompt through buckets of 4 (three chunks, then one lead token with a 2-node tree): the tree's
+    logits equal the growing cache's one-forward prefill; a negative control shifts the lead by one slot."""
+    model = model_of("llama", "eager")
+    prompt = list(range(3, 16))
+    tree = TokenTree.rooted_at(prompt[-1])
+    tree.add(0, 20)
+    static, dynamic = StaticBase(model, buckets=(1, 2, 4)), DynamicBase(model)
+    got, want = (base.begin(32) or base.forward(tree, 12, prompt[:-1]) for base in (static, dynamic))
+    assert got.logits.shape == want.logits.shape == (2, VOCAB)
+    assert torch.allclose(got.logits, want.logits, atol=1e-5)
+    assert got.choices == want.logits.argmax(-1).tolist()
+    shifted = StaticBase(model, buckets=(1, 2, 4))
+    assert shifted.begin(32) is None
+    wrong = shifted.forward(tree, 13, [0, *prompt[:-1]])  # one more token in front: other positions, other logits
+    assert not torch.allclose(wrong.logits, want.logits, atol=1e-3)
 
 
 def test_sampling_with_a_seed_repeats_and_matches_the_growing_cache():
@@ -211,3 +251,23 @@ def test_warm_up_makes_every_bucket_before_the_first_request():
     for bad in (0, -5, 2.5, True, "200", 10**12):  # refused before anything is allocated
         with pytest.raises(ValueError, match="warm_up's max_len"):
             decoder.warm_up(bad)
+
+
+@torch.inference_mode()
+def test_compiled_buckets_of_two_models_are_never_shared():
+    """Compiled bases of three models in one process (fp32 linear layers, then bf16, then 4-bit kernels in place
+    of the linear layers): each bucket's logits are its own model's. The compiled program skips guards on the
+    model's modules (their checks would cost every CPU step), so a program shared between bases would run the
+    first model's layers on the next one's weights."""
+    from forerun.base.weights import quantize_weights
+
+    fp32 = model_of("llama", "sdpa")
+    prompt = prompts(3)[1][0].tolist()
+    tree = TokenTree.rooted_at(prompt[-1])
+    tree.add_chain(0, [5, 6, 7])
+    for model in (fp32, tiny_model("llama", "sdpa").to(torch.bfloat16), quantize_weights(
+            tiny_model("llama", "sdpa").to(torch.bfloat16), "int4")):  # fmt: skip
+        eager, compiled = StaticBase(model, buckets=(1, 8)), StaticBase(model, buckets=(1, 8), compiled=True)
+        want, got = (base.begin(64) or base.forward(tree, len(prompt) - 1, prompt[:-1]) for base in (eager, compiled))
+        tolerance = 1e-4 if model.dtype == torch.float32 else 0.1  # inductor rounds bf16 otherwise than eager
+        assert torch.allclose(got.logits.float(), want.logits.float(), atol=tolerance), model.dtype

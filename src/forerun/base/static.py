@@ -15,6 +15,8 @@ the forward once as a CUDA graph, and replay it.
   the cache) and replayed after: the step's inputs (prefix length, tokens, depths, ancestry) travel in one
   host-to-device copy into the graph's input buffer; the mask, positions and slots are computed inside the graph.
 - **One device-to-host copy per step**: the target's argmax at every node, computed inside the graph.
+- **The prompt through the same graphs**: a prefill feeds the prompt in chunks of the largest bucket (a chain is
+  a tree), then the rest of it with the first tree; no eager forward of a shape seen once.
 
 On a CPU the same bucketed forward runs without graphs, eagerly (what the CPU tests check token for token against
 plain generate) or compiled (`compiled=True`, with `static_cache=True`: inductor fuses the small operators between
@@ -35,13 +37,14 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import FunctionType, MethodType
 
-import numpy as np
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, StaticLayer
 
 from forerun.base.dynamic import TreeLogits
+from forerun.base.step_inputs import behind, fill_host
 from forerun.costmodel import LatencyCurve
 from forerun.kvcache import UnsupportedCacheError, check_tree_cache
 from forerun.measured import synchronize
@@ -148,10 +151,13 @@ class StaticBase:
         # the node count may become a symbolic size (dynamo's automatic dynamic shapes): the buckets past the
         # second share one compiled program (compiling each cost ~15 s on a card's host), and each is still
         # captured as its own graph. Without graphs (a CPU) every step runs the program's guards: those on the
-        # model's modules (hundreds of weights that a decoder never changes) are left out
+        # model's modules (hundreds of weights that a decoder never changes) are left out. Programs are kept per
+        # code object: this base's own copy of the function keeps another model's program from ever being reused
         skip_module_guards = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
         self.step_forward = (
-            torch.compile(self.bucket_forward, options=skip_module_guards) if compiled else self.bucket_forward
+            torch.compile(own_code(self.bucket_forward), options=skip_module_guards)
+            if compiled
+            else self.bucket_forward
         )
         self.compiled = compiled
         self.buckets = tuple(sorted({int(b) for b in buckets}))
@@ -219,21 +225,37 @@ class StaticBase:
         pass
 
     def forward(self, tree: TokenTree, prefix_len: int, lead: Sequence[int]) -> TreeLogits:
-        if lead or len(tree) > self.largest:
-            return self.prefill(tree, prefix_len, lead)
+        """The tree's logits and argmaxes after `prefix_len` committed tokens, of which `lead` (a prefill's prompt)
+        is fed first. The lead goes through the buckets too: in chunks of the largest, then its rest with the tree
+        in one. An eager forward of a shape seen once costs a card its launches and a fresh attention plan per
+        prompt length, many steps' worth (the benchmarks page, GPU); only a tree wider than every bucket runs one.
+        """
         n = len(tree)
-        step = self.steps.get(self.bucket(n)) or self.prepare(self.bucket(n))
+        if n > self.largest:
+            return self.prefill(tree, prefix_len, lead)
+        start, lead = prefix_len - len(lead), list(lead)
+        while len(lead) + n > self.largest:  # the prompt's head: no logits wanted, nothing copied back
+            chunk, lead = lead[: self.largest], lead[self.largest :]
+            self.run(behind(chunk[:-1], TokenTree.rooted_at(chunk[-1])), start, wait=True)
+            start += len(chunk)
+        logits, choices = self.run(behind(lead, tree), start)
+        first = len(lead)  # the tree's nodes follow the lead's
+        return TreeLogits(logits[first : first + n].clone(), choices[first : first + n].tolist())  # the one copy
+
+    def run(self, tree: TokenTree, prefix_len: int, wait: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """One bucketed forward of `tree` (at most `largest` nodes) after `prefix_len` slots: the bucket's logits
+        [B, vocab] and argmaxes [B], on the device. `wait`: the input copy returns only once done, so the pinned
+        host buffer may be refilled at once (a prefill's chunks; a step's next fill follows its copy-back)."""
+        step = self.steps.get(self.bucket(len(tree))) or self.prepare(self.bucket(len(tree)))
         fill_host(step.host.numpy(), tree, prefix_len, step.size)
-        step.inputs.copy_(step.host, non_blocking=True)
+        step.inputs.copy_(step.host, non_blocking=not wait)
         if step.graph is not None:
             step.graph.replay()
-            logits, choices = step.logits, step.choices
-        else:
-            logits, choices = self.step_forward(step.size, step.inputs)
-        return TreeLogits(logits[:n].clone(), choices[:n].tolist())  # the one device-to-host copy of the step
+            return step.logits, step.choices
+        return self.step_forward(step.size, step.inputs)
 
     def prefill(self, tree: TokenTree, prefix_len: int, lead: Sequence[int]) -> TreeLogits:
-        """An eager forward of `lead` then `tree` (shapes vary with the prompt: not worth a graph)."""
+        """An eager forward of `lead` then `tree`: a tree wider than every bucket, and the curve's context."""
         n, start = len(tree), prefix_len - len(lead)
         ids = torch.tensor([[*lead, *tree.tokens]], device=self.device)
         depths = torch.tensor(tree.depths, device=self.device) + prefix_len
@@ -350,21 +372,10 @@ class StaticBase:
             layer.values.index_copy_(2, target, layer.values.index_select(2, source))
 
 
-def fill_host(host: np.ndarray, tree: TokenTree, prefix_len: int, size: int) -> None:
-    """Write one step's inputs for bucket `size` into `host` [1 + 2B + B*B]: the prefix length, the tokens and
-    depths (padding nodes repeat the root at depth 0), and the ancestry (a padding node sees only itself).
-
-    Example: a root and one child, bucket 2, after 7 cached tokens:
-        >>> tree = TokenTree.rooted_at(5); _ = tree.add(0, 9)
-        >>> host = np.zeros(1 + 2 * 2 + 4, dtype=np.int64); fill_host(host, tree, 7, 2); host.tolist()
-        [7, 5, 9, 0, 1, 1, 0, 1, 1]
-    """
-    n = len(tree)
-    host[0] = prefix_len
-    host[1 : 1 + n] = tree.tokens
-    host[1 + n : 1 + size] = tree.tokens[0]
-    host[1 + size : 1 + size + n] = tree.depths
-    host[1 + size + n : 1 + 2 * size] = 0
-    ancestry = np.eye(size, dtype=np.int64)
-    ancestry[:n, :n] = tree.ancestors().numpy()
-    host[1 + 2 * size :] = ancestry.reshape(-1)
+def own_code(method: MethodType) -> MethodType:
+    """`method` bound to a function with a code object of its own (an equal copy). torch.compile keeps its
+    programs and their guards on the code object, so each copy compiles, and is reused, apart from the others."""
+    function = method.__func__
+    copy = FunctionType(function.__code__.replace(), function.__globals__, function.__name__,
+                        function.__defaults__, function.__closure__)  # fmt: skip
+    return MethodType(copy, method.__self__)
