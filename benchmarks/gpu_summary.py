@@ -1,16 +1,17 @@
 """Tables of a GPU check's records (`benchmarks/gpu_check.py`) as Markdown.
 
 Usage:
-    .venv/bin/python benchmarks/gpu_summary.py benchmarks/results/gpu-h200-run2.jsonl
-    .venv/bin/python benchmarks/gpu_summary.py benchmarks/results/gpu-h200-run2.jsonl --plot docs/gpu-h200.png
-    .venv/bin/python benchmarks/gpu_summary.py benchmarks/results/gpu-h100-run1.jsonl \
-        benchmarks/results/gpu-h100-compiled.jsonl --plot docs/gpu-h100.png   (curve: every file; bench: the last)
+    .venv/bin/python benchmarks/gpu_summary.py benchmarks/results/gpu-h200-run4.jsonl
+    .venv/bin/python benchmarks/gpu_summary.py benchmarks/results/gpu-h200-run4.jsonl --plot docs/gpu-h200.png
+    (with several files: the curve from every file, the bench from the last; a bench-only run plots the curves its
+    decoders measured)
 """
 
 from __future__ import annotations
 
 import json
 import math
+import statistics
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -77,8 +78,8 @@ def dataset_table(records: list[dict], reference: str = "generate_static_compile
 
 
 def plot(records: list[dict], path: Path, card: str) -> None:
-    """Two panels: seconds per step by bucket (captured, eager on slots, eager growing cache), and tokens per
-    second by method over every prompt."""
+    """Two panels: seconds per step by bucket (captured, eager on slots, eager growing cache), and each method's
+    median tokens per second over the prompts (one slow prompt does not colour the bar)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -87,11 +88,12 @@ def plot(records: list[dict], path: Path, card: str) -> None:
     curve = [r for r in records if r["section"] == "curve" and "bucket" in r]
     runs = [r for r in records if r["section"] == "bench" and "method" in r]
     compiled = next((r["curve_ms"] for r in records if "(compiled)" in r.get("note", "") and r.get("curve_ms")), None)
+    captured = next((r["curve_ms"] for r in records if "made" in r.get("note", "") and "(compiled)" not in r["note"]
+                     and r.get("curve_ms")), None)  # fmt: skip
+    if not curve and captured:  # a bench-only run: its decoders' measured curves
+        curve = [{"bucket": int(b), "captured_ms": ms} for b, ms in captured.items()]
     methods = list(dict.fromkeys(r["method"] for r in runs))
-    rates = [
-        sum(r["new_tokens"] for r in runs if r["method"] == m) / sum(r["seconds"] for r in runs if r["method"] == m)
-        for m in methods
-    ]
+    rates = [statistics.median(r["new_tokens"] / r["seconds"] for r in runs if r["method"] == m) for m in methods]
     figure, (left, right) = plt.subplots(1, 2, figsize=(14, 4.8))
     buckets = [r["bucket"] for r in curve]
     for key, label in (
@@ -99,7 +101,8 @@ def plot(records: list[dict], path: Path, card: str) -> None:
         ("static_eager_ms", "same step, eager"),
         ("growing_eager_ms", "growing cache, eager (the CPU's base)"),
     ):
-        left.plot(buckets, [r[key] for r in curve], marker="o", label=label)
+        if all(key in r for r in curve):
+            left.plot(buckets, [r[key] for r in curve], marker="o", label=label)
     if compiled:
         left.plot(buckets, [compiled[str(b)] for b in buckets], marker="o", label="compiled, then captured")
     left.set(xscale="log", xlabel="tree nodes fed (bucket)", ylabel="ms per step", ylim=(0, None))
@@ -112,7 +115,8 @@ def plot(records: list[dict], path: Path, card: str) -> None:
     for y, rate in enumerate(rates[::-1]):
         right.text(rate, y, f" {rate:.0f}", va="center")
     prompts = len({(r["dataset"], r["prompt"]) for r in runs})
-    right.set(xlabel=f"tokens per second ({prompts} prompts, 128 new tokens, greedy)")
+    right.set_xlim(0, max(rates) * 1.12)
+    right.set(xlabel=f"tokens per second, median of {prompts} prompts (128 new tokens, greedy)")
     right.set_title("grey, blue: transformers; orange: forerun; red: compiled buckets")
     figure.suptitle(f"{card}, bf16, one row")
     figure.tight_layout()
