@@ -318,6 +318,23 @@ def batch(log: Log, model, tokenizer, prompts: list[dict], new_tokens: int) -> N
                 tokens=produced, vs_hf=round(hf_s / took, 3))  # fmt: skip
 
 
+def log_slow_collections(log: Log, threshold_s: float = 0.05) -> None:
+    """Record every garbage collection longer than `threshold_s` (its generation and seconds): compiling leaves
+    millions of objects behind, and one full collection among them may hold a step (a suspect for one compiled
+    prompt's 1.7 s first step on the H200)."""
+    import gc
+
+    started: dict[str, float] = {}
+
+    def timed(phase: str, info: dict) -> None:
+        if phase == "start":
+            started["at"] = time.perf_counter()
+        elif "at" in started and (seconds := time.perf_counter() - started.pop("at")) > threshold_s:
+            log("gc", generation=info.get("generation"), seconds=round(seconds, 3), collected=info.get("collected"))
+
+    gc.callbacks.append(timed)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("sections", help="comma-separated: smoke, curve, steps, bench, batch, profile")
@@ -335,6 +352,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("gpu_check.jsonl"))
     args = parser.parse_args()
     log = Log(args.out, time.monotonic() + args.budget_s)
+    log_slow_collections(log)
     import transformers
 
     from forerun.measured import device_name
