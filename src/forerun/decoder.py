@@ -159,8 +159,8 @@ class Decoder:
             # priced on the curve where choices must be reproducible
             parameters = sum(p.numel() for p in self.model.parameters())
             return CostModel(
-                curve, cap, times=times, reproducible=reproducible, switch=DraftSwitch(probing=FIRST_PROBE_STEPS),
-                target_parameters=parameters,
+                curve, cap, times=times, reproducible=reproducible, target_parameters=parameters,
+                switch=DraftSwitch(probing=FIRST_PROBE_STEPS, paired=True),
             )  # fmt: skip
         return StaticBudget(config.max_tree_nodes or (self.plan.static_budget() if self.plan.specs else 16))
 

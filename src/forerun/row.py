@@ -32,6 +32,7 @@ import torch
 from transformers import LogitsProcessorList
 
 from forerun.costmodel import Budget, Selection
+from forerun.costmodel.switch import held
 from forerun.drafters.base import DraftContext, Drafter, StepOutcome
 from forerun.prefixcache import Prefixes
 from forerun.stats import GenerationStats
@@ -73,6 +74,10 @@ class RowRun:
     """What ended this row early: its drafters, budget or verification failed (in a batch, the other rows go on)."""
     costly_drafting: bool = True
     """Whether this step's costly drafters drafted (`propose`)."""
+    costly_seconds: float = 0.0
+    """This step's time in the costly drafters' own proposing and learning (their forwards)."""
+    alone: Selection | None = None
+    """What the budget would have fed this step without the costly drafters (a paired switch's comparison)."""
 
     @classmethod
     def begin(cls, job: RowJob, budget: Budget) -> RowRun:
@@ -109,12 +114,25 @@ class RowRun:
         switch = self.budget.switch
         # about the switch alone: a step that verifies no tree (a long prompt's prefill) still lets them read
         self.costly_drafting = switch is None or switch.drafting()
+        self.costly_seconds, self.alone = 0.0, None
         if not drafting:
             return [TokenTree.rooted_at(self.root) for _ in self.job.drafters]
-        return [
-            drafter.propose(self.ctx) if self.costly_drafting or not costly(drafter) else TokenTree.rooted_at(self.root)
-            for drafter in self.job.drafters
-        ]
+        trees = []
+        for drafter in self.job.drafters:
+            if not costly(drafter):
+                trees.append(drafter.propose(self.ctx))
+            elif self.costly_drafting:
+                started = time.perf_counter()
+                trees.append(drafter.propose(self.ctx))
+                self.costly_seconds += time.perf_counter() - started
+            else:
+                trees.append(TokenTree.rooted_at(self.root))
+        if self.costly_drafting and self.has_costly and switch is not None and switch.paired:
+            started = time.perf_counter()  # what the budget would feed without them, for the switch's comparison
+            others = [tree for drafter, tree in zip(self.job.drafters, trees, strict=True) if not costly(drafter)]
+            self.alone = self.budget.choose(self.root, others)
+            self.costly_seconds += time.perf_counter() - started
+        return trees
 
     def verify(self, tree: TokenTree, logits: torch.Tensor, choices: list[int] | None = None) -> Verdict:
         """The longest path of `tree` the target agrees with, on the tree's `logits` [nodes, vocab] (`choices`:
@@ -143,31 +161,51 @@ class RowRun:
         self.ctx.tokens.extend(new_tokens)
         started = time.perf_counter()
         for drafter, node_map in zip(self.job.drafters, selection.node_maps, strict=True):
-            if self.costly_drafting or not costly(drafter):
+            if not costly(drafter):
                 drafter.observe(self.ctx, StepOutcome(tree, verdict, logits, new_tokens, node_map, features, choices))
+            elif self.costly_drafting:
+                observed = time.perf_counter()
+                drafter.observe(self.ctx, StepOutcome(tree, verdict, logits, new_tokens, node_map, features, choices))
+                self.costly_seconds += time.perf_counter() - observed
             else:  # sitting out: it forgets, and reads again from the step it drafts in
                 drafter.start(self.ctx)
         self.budget.learn(selection, new_tokens)
         drafting_s = time.perf_counter() - started + propose_s
-        self.time_costly(len(new_tokens), drafting_s + forward_s, len(tree))
+        self.time_costly(selection, verdict, len(new_tokens), drafting_s + forward_s)
         expected = selection.expected_accepted
         self.stats.record_step(tree, verdict.accepted_len, Counter(sources[:-1]), drafting_s, forward_s, expected)
         if self.stats.forwards == 1:
             self.stats.prefill_seconds = time.perf_counter() - self.started
         return path
 
-    def time_costly(self, tokens: int, seconds: float, fed: int) -> None:
+    def time_costly(self, selection: Selection, verdict: Verdict, tokens: int, seconds: float) -> None:
         """Tell the budget's switch this step's rate, with or without the costly drafters (a prefill is no step:
-        it reads the prompt): measured, or priced on the curve where choices must be reproducible (`fed` tokens
-        and the drafters' own forwards, `CostModel.priced_step`)."""
-        switch = self.budget.switch
-        if switch is None or not self.has_costly:
+        it reads the prompt): measured, or priced on the curve where choices must be reproducible (the tokens fed
+        and the drafters' own forwards, `CostModel.priced_step`). A paired switch is told too what the same step
+        would have cost without them: what the budget would have fed of the other drafters' proposals (`alone`),
+        at its price, and how many of the committed tokens it holds (`held`)."""
+        switch, budget = self.budget.switch, self.budget
+        if switch is None or not self.has_costly or self.stats.forwards == 0:
             return
+        fed = len(selection.tree)
         spent = sum(drafter.spent() for drafter in self.job.drafters if costly(drafter) and hasattr(drafter, "spent"))
-        if self.budget.reproducible:
-            seconds = self.budget.priced_step(fed, spent)
-        if self.stats.forwards > 0 and seconds > 0:
+        if budget.reproducible:
+            seconds = budget.priced_step(fed, spent)
+        if seconds <= 0:
+            return
+        if not (switch.paired and self.costly_drafting):
             switch.record(self.costly_drafting, tokens / seconds)
+            return
+        if self.alone is None:
+            return
+        kept = min(held(self.alone.tree, self.ctx.tokens[len(self.ctx.tokens) - tokens :]), tokens) + 1
+        alone = budget.priced_step(len(self.alone.tree), 0)
+        if not budget.reproducible:  # the measured step less the costly drafters' time, their nodes priced apart
+            alone = max(seconds - self.costly_seconds - budget.priced_step(fed, 0) + alone, 1e-9)
+        # weighed by the text written, not by steps: at the rate this step shows, the others alone would have taken
+        # tokens / kept such steps for the same tokens (the head's steps are fewest where it helps most, so a mean
+        # over its steps would count the others' easy stretches too often)
+        switch.record_pair(tokens, seconds, tokens, alone * tokens / kept)
 
     @cached_property
     def has_costly(self) -> bool:
