@@ -9,9 +9,11 @@ import torch
 from test_equality_families import CURVE, NEW_TOKENS, model_of, reference
 
 import forerun
+from forerun.costmodel.switch import DRAFT_MARGIN
 from forerun.drafters.eagle3 import Eagle3Head
 
 from eagle3_heads import random_head
+from helpers import OracleDrafter, RandomDrafter
 from tiny_models import VOCAB, prompts
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "olmo2", "granite"]
@@ -228,6 +230,60 @@ def test_in_reproducible_mode_the_head_sits_out_on_priced_rates_alike_every_run(
     stats, switch = run(OracleHead(oracle, truth))
     assert switch.rates[True] > 2 * switch.rates[False] and stats.accepted >= NEW_TOKENS // 2
     assert switch.pause == PAUSE_STEPS  # never found slower (the one pause measured plain decoding)
+
+
+class CostlyOracle(OracleDrafter):
+    """The oracle, marked costly (as a trained head is): the switch weighs it against the other drafters."""
+
+    name = "costly_oracle"
+    costly = True
+
+    def __init__(self, truth: list[int], depth: int, vocab: int) -> None:
+        super().__init__(truth, depth, vocab)
+        self.proposed = 0
+
+    def propose(self, ctx):
+        self.proposed += 1
+        return super().propose(ctx)
+
+
+@pytest.mark.parametrize("free", ["oracle", "random"])
+def test_a_paired_switch_weighs_the_head_against_what_the_other_drafters_alone_would_write(free):
+    """Reproducible choices, a costly oracle one token deep: beside a free oracle six deep, each of its steps
+    would have written the same text at the same price without it, so it sits out after its first probe; beside a
+    free drafter that is never right, the others alone would write one token a step, and it drafts on. Every text
+    is generate's."""
+    model = model_of("llama", "sdpa")
+    truth = reference("llama", "sdpa", 0, None)[0].tolist()
+    other = OracleDrafter(truth, 6, VOCAB) if free == "oracle" else RandomDrafter(truth, VOCAB, width=2, depth=2)
+    costly = CostlyOracle(truth, 1, VOCAB)
+    decoder = forerun.Decoder(
+        model, None, "plain", drafters=[other, costly], latency=CURVE, adaptive=True, reproducible=True
+    )
+    switch = decoder.budget.switch
+    assert switch.paired
+    switch.probing = 4
+    result = decoder.generate(prompts(1)[0], NEW_TOKENS, eos_token_id=[])
+    assert result.sequences[0].tolist() == truth
+    if free == "oracle":
+        assert not switch.drafting() and costly.proposed <= 5  # the prefill's proposal, then the 4-step probe
+        assert switch.rates[True] < DRAFT_MARGIN * switch.rates[False]
+    else:
+        assert switch.drafting() and costly.proposed == result.stats.forwards
+        assert switch.rates[True] > 1.5 * switch.rates[False]
+
+
+def test_a_paired_switch_weighs_the_text_written_not_each_step_alike():
+    """Nine steps where the head writes 2 tokens in 1.0 s that would take the others 1.6 s, one where another
+    drafter's long guess writes 10 tokens in 0.5 s against the head's 1.0 s: by the text, the head is ahead (28
+    tokens in 10 s against 14.9 s); a mean of the steps' rates would have put it behind (2.8 against 3.1)."""
+    from forerun.costmodel import DraftSwitch
+
+    switch = DraftSwitch(paired=True, probing=10)
+    for _ in range(9):
+        switch.record_pair(2, 1.0, 2, 1.6)
+    switch.record_pair(10, 1.0, 10, 0.5)
+    assert switch.drafting() and switch.rates[True] > DRAFT_MARGIN * switch.rates[False]
 
 
 class PromptFeatureRecorder(FeatureRecorder):
