@@ -171,14 +171,14 @@ class RowRun:
                 drafter.start(self.ctx)
         self.budget.learn(selection, new_tokens)
         drafting_s = time.perf_counter() - started + propose_s
-        self.time_costly(selection, verdict, len(new_tokens), drafting_s + forward_s)
+        self.time_costly(selection, len(new_tokens), drafting_s + forward_s)
         expected = selection.expected_accepted
         self.stats.record_step(tree, verdict.accepted_len, Counter(sources[:-1]), drafting_s, forward_s, expected)
         if self.stats.forwards == 1:
             self.stats.prefill_seconds = time.perf_counter() - self.started
         return path
 
-    def time_costly(self, selection: Selection, verdict: Verdict, tokens: int, seconds: float) -> None:
+    def time_costly(self, selection: Selection, tokens: int, seconds: float) -> None:
         """Tell the budget's switch this step's rate, with or without the costly drafters (a prefill is no step:
         it reads the prompt): measured, or priced on the curve where choices must be reproducible (the tokens fed
         and the drafters' own forwards, `CostModel.priced_step`). A paired switch is told too what the same step

@@ -78,9 +78,9 @@ class DraftSwitch:
     totals: dict[bool, list[float]] = field(default_factory=lambda: {True: [0.0, 0.0], False: [0.0, 0.0]})
     """A paired switch's recency-weighted [tokens, seconds] per mode."""
     paired: bool = False
-    """Each drafting step also tells its rate without the drafting (`record_pair`, a single row's costly drafters:
-    what the other drafters alone would have committed and cost on the same step). Comparisons are then made on the
-    same steps, and a pause's steps only count down."""
+    """Each drafting step also tells what the same text would have cost without the drafting (`record_pair`, a
+    single row's costly drafters: what the other drafters alone would have fed and kept). Comparisons are then made
+    on the same text, and a pause's steps only count down."""
 
     def drafting(self) -> bool:
         return self.paused == 0
