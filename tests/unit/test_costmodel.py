@@ -460,3 +460,34 @@ def test_batches_measure_their_curves_once_beside_the_single_row_curve(model, tm
     assert again.batch_budget().curve == budget.curve  # read back from the one file
     given = forerun.Decoder(model, None, "prompt_lookup", latency=STEEP)
     assert given.batch_budget().curve is STEEP  # a curve given by the caller is used as it is
+
+
+def test_a_row_tells_its_paired_switch_what_the_same_text_costs_without_the_head():
+    """A step commits 4 tokens in 2.0 s (measured), 0.25 s of it the head's own. Without the head the budget would
+    have fed a 2-node tree that holds the first of them: that step writes 2 tokens (the held one, then the target's
+    own) in 2.0 - 0.25 s less the fed tree's price plus its own. The same 4 tokens take two such steps: the switch is
+    told both sides for the same text."""
+    from types import SimpleNamespace
+
+    from forerun.costmodel import DraftSwitch, Selection
+    from forerun.row import RowRun
+
+    switch = DraftSwitch(paired=True)
+    told = []
+    switch.record_pair = lambda *args: told.append(args)
+    prices = {1: 1.0, 2: 1.0, 5: 1.5}
+    budget = SimpleNamespace(switch=switch, reproducible=False, priced_step=lambda fed, spent: prices[fed])
+    head = SimpleNamespace(costly=True, name="head")
+    alone = TokenTree.rooted_at(1)
+    alone.add(0, 7)  # holds the first committed token
+    row = RowRun.__new__(RowRun)
+    row.job = SimpleNamespace(drafters=[head])
+    row.ctx = SimpleNamespace(tokens=[3, 1, 7, 8, 9, 4])
+    row.budget, row.stats = budget, SimpleNamespace(forwards=3)
+    row.costly_drafting, row.costly_seconds = True, 0.25
+    row.alone = Selection(alone, [{}])
+    fed = TokenTree.rooted_at(1)
+    fed.add_chain(0, [7, 8, 9, 5])
+    row.time_costly(Selection(fed, [{}]), 4, 2.0)
+    kept, alone_seconds = 2, 2.0 - 0.25 - prices[5] + prices[2]  # 1 held, then the target's own token
+    assert told == [(4, 2.0, 4, alone_seconds * 4 / kept)]
