@@ -161,12 +161,11 @@ class RowRun:
         self.ctx.tokens.extend(new_tokens)
         started = time.perf_counter()
         for drafter, node_map in zip(self.job.drafters, selection.node_maps, strict=True):
-            if not costly(drafter):
-                drafter.observe(self.ctx, StepOutcome(tree, verdict, logits, new_tokens, node_map, features, choices))
-            elif self.costly_drafting:
+            if self.costly_drafting or not costly(drafter):
                 observed = time.perf_counter()
                 drafter.observe(self.ctx, StepOutcome(tree, verdict, logits, new_tokens, node_map, features, choices))
-                self.costly_seconds += time.perf_counter() - observed
+                if costly(drafter):
+                    self.costly_seconds += time.perf_counter() - observed
             else:  # sitting out: it forgets, and reads again from the step it drafts in
                 drafter.start(self.ctx)
         self.budget.learn(selection, new_tokens)

@@ -87,7 +87,7 @@ class DraftSwitch:
 
     def record(self, drafted: bool, rate: float) -> None:
         """One step's measured rate; decides the next steps' mode."""
-        if not (self.paired and not drafted):
+        if not self.paired:  # a paired switch hears drafting steps through `record_pair`
             self.remember(drafted, rate)
         if not drafted:
             self.paused = max(0, self.paused - 1)
