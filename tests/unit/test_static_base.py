@@ -115,7 +115,7 @@ def test_a_padded_bucket_gives_the_tree_its_own_logits():
         follow = TokenTree.rooted_at(13)
         follow.add(0, 14)
         outputs[type(base).__name__] = (first, base.forward(follow, len(prompt) + 2, ()))
-    assert {2, 4} <= set(static.steps)  # beside the prefill's bucket
+    assert {2, 4} <= {size for _, size, _ in static.steps}  # beside the prefill's bucket
     for got, want in zip(outputs["StaticBase"], outputs["DynamicBase"], strict=True):
         assert got.logits.shape == want.logits.shape
         assert torch.allclose(got.logits, want.logits, atol=1e-5)
@@ -196,7 +196,7 @@ def test_compiled_buckets_give_the_eager_buckets_tokens():
     decoder.base = StaticBase(model, buckets=(1, 4), compiled=True)
     result = decoder.generate(prompts(3)[0], NEW_TOKENS, eos_token_id=[])
     assert torch.equal(result.sequences, expected)
-    assert decoder.base.steps.keys() == {1, 4} and decoder.base.settings()["compiled"] is True
+    assert decoder.base.steps.keys() == {(1, 1, False), (1, 4, False)} and decoder.base.settings()["compiled"] is True
     assert result.stats.tokens_per_forward > 1
 
 
@@ -242,7 +242,7 @@ def test_warm_up_makes_every_bucket_before_the_first_request():
     decoder = forerun.Decoder(model, None, "prompt_lookup", latency=CURVE, static_cache=True)
     assert decoder.base.steps == {}
     decoder.warm_up(200)
-    assert set(decoder.base.steps) == set(decoder.base.buckets)
+    assert set(decoder.base.steps) == {(1, size, False) for size in decoder.base.buckets}
     steps, length = dict(decoder.base.steps), decoder.base.length
     result = decoder.generate(prompts(3)[0], NEW_TOKENS, eos_token_id=[])
     assert torch.equal(result.sequences, reference("llama", "sdpa", 0))

@@ -4,16 +4,20 @@ A GPU runs a small model's forward in well under a millisecond, and an eager Pyt
 milliseconds launching its kernels. What makes it fast is what the field's GPU engines do: fix the shapes, capture
 the forward once as a CUDA graph, and replay it.
 
-- **Slots, not a growing cache.** Keys and values live in one buffer per layer of `length` slots
-  (`SlotLayer`, a transformers `StaticLayer` that writes where its base says). A forward after `prefix_len`
-  committed tokens writes its nodes at slots prefix_len, prefix_len + 1, ...; the commit gathers the accepted path
-  to the front of that region in place; slots past the committed length are never visible, so nothing is cleared.
+- **Slots, not a growing cache.** Keys and values live in one buffer per layer of `places` rows of `length`
+  slots (`forerun.base.slots`). A forward after `prefix_len` committed tokens writes its nodes at slots
+  prefix_len, prefix_len + 1, ... of its place; the commit gathers the accepted path to the front of that region
+  in place; slots past the committed length are never visible, so nothing is cleared.
+- **Rows.** A batch's rows are places 0..R-1 of one forward (`forward_rows`), R a row bucket (`ROW_BUCKETS`),
+  each row at its own prefix length (no left padding, no holes); places no row holds are fed a padding root. A
+  joining row's prompt is fed alone into its own place (`forward(..., place=p)`), the others waiting.
 - **Buckets.** A tree of n nodes is fed as the smallest bucket B >= n (`BUCKETS`); the padding nodes repeat the
   root, see only the prefix and themselves, and write into slots that the next forward overwrites. The latency
   curve is measured per bucket (`measure_curve`), so the cost model prices a tree at its bucket's cost and fills it.
-- **One graph per bucket**, captured at first use (warm-up forwards write only into a scratch region at the end of
-  the cache) and replayed after: the step's inputs (prefix length, tokens, depths, ancestry) travel in one
-  host-to-device copy into the graph's input buffer; the mask, positions and slots are computed inside the graph.
+- **One graph per (rows, bucket)**, captured at first use (warm-up forwards write only into a scratch region at
+  the end of the cache) and replayed after: the step's inputs (per row: place, prefix length, tokens, depths,
+  ancestry) travel in one host-to-device copy into the graph's input buffer; the mask, positions and slots are
+  computed inside the graph.
 - **One device-to-host copy per step**: the target's argmax at every node, computed inside the graph.
 - **The prompt through the same graphs**: a prefill feeds the prompt in chunks of the largest bucket (a chain is
   a tree), then the rest of it with the first tree; no eager forward of a shape seen once.
@@ -35,15 +39,17 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import FunctionType, MethodType
 
+import numpy as np
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import Cache, StaticLayer
+from transformers.cache_utils import Cache
 
 from forerun.base.dynamic import TreeLogits
+from forerun.base.slots import SlotLayer, Slots
 from forerun.base.step_inputs import behind, fill_host
 from forerun.costmodel import LatencyCurve
 from forerun.kvcache import UnsupportedCacheError, check_tree_cache
@@ -55,8 +61,12 @@ logger = logging.getLogger(__name__)
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 """Node counts a forward is padded to: each has its own captured graph and its own point on the latency curve."""
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+"""Row counts a batch's forward is padded to (capped at the base's places): a graph per (rows, nodes)."""
 LENGTH_STEP = 512
 """The cache's slot count is rounded up to a multiple of this: requests of similar lengths reuse its graphs."""
+IDLE = TokenTree.rooted_at(0)
+"""What a place no row holds is fed in a batch's forward: a root in the scratch slots, seen by no one."""
 
 
 def static_support(model: torch.nn.Module, max_len: int | None = None) -> str | None:
@@ -74,60 +84,20 @@ def static_support(model: torch.nn.Module, max_len: int | None = None) -> str | 
     return None
 
 
-class Slots:
-    """Where the forward in flight writes: `current` [tokens fed] slot indices, shared by every layer; and, once
-    the first layer is allocated, every layer's keys and values in one buffer (one gather commits them all)."""
-
-    def __init__(self, layers: int, length: int) -> None:
-        self.layers, self.length = layers, length
-        self.current: torch.Tensor | None = None
-        self.kv: torch.Tensor | None = None
-        """[layers, 2, rows, heads, length, head_dim], where keys and values have one shape."""
-
-    def allocate(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor | None:
-        if self.kv is None and keys.shape == values.shape:
-            rows, heads, _, dim = keys.shape
-            shape = (self.layers, 2, rows, heads, self.length, dim)
-            self.kv = torch.zeros(shape, dtype=keys.dtype, device=keys.device)
-        return self.kv
-
-
-class SlotLayer(StaticLayer):
-    """A `StaticLayer` that writes a forward's keys and values at the slots `slots.current` names, not after a
-    running length: a tree's nodes go where the base put them, and a rejected branch is simply overwritten."""
-
-    def __init__(self, max_cache_len: int, slots: Slots, index: int) -> None:
-        super().__init__(max_cache_len)
-        self.slots, self.index = slots, index
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        shared = self.slots.allocate(key_states, value_states)
-        if shared is None:  # keys and values of different widths: a buffer each
-            super().lazy_initialization(key_states, value_states)
-            return
-        self.dtype, self.device = key_states.dtype, key_states.device
-        self.batch_size, self.num_heads = key_states.shape[:2]
-        self.k_head_dim = self.v_head_dim = key_states.shape[-1]
-        self.keys, self.values = shared[self.index, 0], shared[self.index, 1]
-        self.is_initialized = True
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        where = self.slots.current[: key_states.shape[-2]]
-        self.keys.index_copy_(2, where, key_states)
-        self.values.index_copy_(2, where, value_states)
-        return self.keys, self.values
-
-
 @dataclass
 class BucketStep:
-    """One bucket's input buffer (device), its pinned host twin, and its graph with the outputs it writes."""
+    """One (rows, bucket) input buffer (device), its pinned host twin, and its graph with the outputs it writes."""
 
+    rows: int
     size: int
+    placed: bool
+    """One row fed into a place given in its inputs (a joining row), not rows 0..R-1 as places 0..R-1."""
     inputs: torch.Tensor
-    """[1 + 2B + B*B] int64: prefix length, B tokens, B depths, the B x B ancestry (row i: the nodes i sees)."""
+    """[rows, 2 + 2B + B*B] int64, per row: place, prefix length, B tokens, B depths, the B x B ancestry (row i:
+    the nodes i sees)."""
     host: torch.Tensor
+    idle: np.ndarray
+    """A place no row holds, filled once: a padding root in the scratch slots."""
     graph: torch.cuda.CUDAGraph | None = None
     logits: torch.Tensor | None = None
     choices: torch.Tensor | None = None
@@ -135,7 +105,7 @@ class BucketStep:
 
 class StaticBase:
     """Verifies trees on slots in buckets (module docstring); `graphs` (None: on a CUDA device) captures each
-    bucket's forward once and replays it."""
+    (rows, bucket) forward once and replays it. `places`: rows it holds at once (1: a single row's base)."""
 
     def __init__(
         self,
@@ -143,6 +113,7 @@ class StaticBase:
         buckets: Sequence[int] = BUCKETS,
         graphs: bool | None = None,
         compiled: bool = False,
+        places: int = 1,
     ) -> None:
         """`compiled`: each bucket's forward goes through `torch.compile` (inductor fuses transformers' small
         kernels; on a GPU before it is captured): tens of seconds per program once, then shorter steps where
@@ -163,6 +134,10 @@ class StaticBase:
         self.buckets = tuple(sorted({int(b) for b in buckets}))
         if not self.buckets or self.buckets[0] != 1:
             raise ValueError(f"buckets must include 1, got {list(buckets)}")
+        if places < 1:
+            raise ValueError(f"places must be >= 1, got {places}")
+        self.places = places
+        self.row_buckets = (*(b for b in ROW_BUCKETS if b < places), places)
         self.device = next(model.parameters()).device
         self.graphs = self.device.type == "cuda" if graphs is None else bool(graphs)
         if self.graphs and self.device.type != "cuda":
@@ -170,9 +145,9 @@ class StaticBase:
         self.attention = getattr(model.config, "_attn_implementation", None) or "eager"
         self.layers = model.config.get_text_config(decoder=True).num_hidden_layers
         self.length = 0
-        self.slots = Slots(self.layers, 0)
+        self.slots = Slots(self.layers, places, 0)
         self.cache: Cache | None = None
-        self.steps: dict[int, BucketStep] = {}
+        self.steps: dict[tuple[int, int, bool], BucketStep] = {}
         self.capture_seconds = 0.0
         """Seconds spent warming and capturing graphs so far (once per bucket and cache size)."""
         self.capture_error: str | None = None
@@ -189,6 +164,13 @@ class StaticBase:
                 return size
         raise ValueError(f"a tree of {n} nodes exceeds the largest bucket ({self.largest})")
 
+    def row_bucket(self, rows: int) -> int:
+        """The row count a forward over places 0..rows-1 is fed as."""
+        for size in self.row_buckets:
+            if rows <= size:
+                return size
+        raise ValueError(f"{rows} rows exceed this base's {self.places} places")
+
     def begin(self, max_len: int) -> str | None:
         reason = static_support(self.model, max_len)
         if reason is not None:
@@ -199,23 +181,31 @@ class StaticBase:
         return None
 
     def allocate(self, length: int) -> None:
-        """A cache of `length` slots; graphs captured on the old one are dropped (they point at its buffers)."""
-        self.length, self.steps = length, {}
-        self.slots = Slots(self.layers, length)
+        """A cache of `length` slots, holding what the old one held; graphs captured on the old one are dropped
+        (they point at its buffers)."""
+        old, self.length, self.steps = self.slots, length, {}
+        self.slots = Slots(self.layers, self.places, length)
+        if old.kv is not None:  # rows held while a longer one joins keep their slots
+            self.slots.kv = old.kv.new_zeros((*old.kv.shape[:4], length, old.kv.shape[5]))
+            self.slots.kv[..., : old.length, :] = old.kv
+        elif self.places > 1 and self.cache is not None and any(layer.is_initialized for layer in self.cache.layers):
+            raise ValueError("a static cache with separate key and value widths cannot grow while it holds rows")
         self.cache = Cache(layers=[SlotLayer(length, self.slots, i) for i in range(self.layers)])
         self.columns = torch.arange(length, device=self.device)
         self.offsets = torch.arange(self.largest, device=self.device)
 
-    def warm(self, max_len: int) -> float:
-        """Make every bucket's graph (and compiled program) now, for texts of up to `max_len` tokens, instead of
-        at each bucket's first use; returns the seconds it took. A server calls it once before taking requests."""
+    def warm(self, max_len: int, rows: Sequence[int] = (1,)) -> float:
+        """Make every bucket's graph (and compiled program) now, for texts of up to `max_len` tokens and forwards
+        of each of `rows`, instead of at each one's first use; returns the seconds it took. A server calls it once
+        before taking requests."""
         started = time.perf_counter()
         reason = self.begin(max_len)
         if reason is not None:
             raise ValueError(f"this model cannot verify trees on the static cache: {reason}")
-        for size in self.buckets:
-            if size not in self.steps:
-                self.prepare(size)
+        for count in rows:
+            for size in self.buckets:
+                if (count, size, False) not in self.steps:
+                    self.prepare(count, size, False)
         return time.perf_counter() - started
 
     def seed(self, prefixes: Prefixes | None, tokens: list[int]) -> int:
@@ -224,37 +214,57 @@ class StaticBase:
     def store(self, prefixes: Prefixes | None, tokens: list[int], length: int) -> None:
         pass
 
-    def forward(self, tree: TokenTree, prefix_len: int, lead: Sequence[int]) -> TreeLogits:
-        """The tree's logits and argmaxes after `prefix_len` committed tokens, of which `lead` (a prefill's prompt)
-        is fed first. The lead goes through the buckets too: in chunks of the largest, then its rest with the tree
-        in one. An eager forward of a shape seen once costs a card its launches and a fresh attention plan per
-        prompt length, many steps' worth (the benchmarks page, GPU); only a tree wider than every bucket runs one.
+    def forward(self, tree: TokenTree, prefix_len: int, lead: Sequence[int], place: int = 0) -> TreeLogits:
+        """The tree's logits and argmaxes after `prefix_len` committed tokens of `place`, of which `lead` (a
+        prefill's prompt) is fed first. The lead goes through the buckets too: in chunks of the largest, then its
+        rest with the tree in one. An eager forward of a shape seen once costs a card its launches and a fresh
+        attention plan per prompt length, many steps' worth (the benchmarks page, GPU); only a tree wider than
+        every bucket runs one.
         """
         n = len(tree)
         if n > self.largest:
-            return self.prefill(tree, prefix_len, lead)
+            return self.prefill(tree, prefix_len, lead, place)
         start, lead = prefix_len - len(lead), list(lead)
         while len(lead) + n > self.largest:  # the prompt's head: no logits wanted, nothing copied back
             chunk, lead = lead[: self.largest], lead[self.largest :]
-            self.run(behind(chunk[:-1], TokenTree.rooted_at(chunk[-1])), start, wait=True)
+            self.run({place: (behind(chunk[:-1], TokenTree.rooted_at(chunk[-1])), start)}, place != 0, wait=True)
             start += len(chunk)
-        logits, choices = self.run(behind(lead, tree), start)
+        logits, choices = self.run({place: (behind(lead, tree), start)}, place != 0)
         first = len(lead)  # the tree's nodes follow the lead's
-        return TreeLogits(logits[first : first + n].clone(), choices[first : first + n].tolist())  # the one copy
+        return TreeLogits(logits[0, first : first + n].clone(), choices[0, first : first + n].tolist())  # one copy
 
-    def run(self, tree: TokenTree, prefix_len: int, wait: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """One bucketed forward of `tree` (at most `largest` nodes) after `prefix_len` slots: the bucket's logits
-        [B, vocab] and argmaxes [B], on the device. `wait`: the input copy returns only once done, so the pinned
-        host buffer may be refilled at once (a prefill's chunks; a step's next fill follows its copy-back)."""
-        step = self.steps.get(self.bucket(len(tree))) or self.prepare(self.bucket(len(tree)))
-        fill_host(step.host.numpy(), tree, prefix_len, step.size)
+    def forward_rows(self, fed: Mapping[int, tuple[TokenTree, int]]) -> tuple[torch.Tensor, list[list[int]]]:
+        """One forward of a batch's rows, `fed` {place: (tree, prefix_len)}: logits [R, B, vocab] (row r: place
+        r, rows past the last place fed dropped) and every node's argmax, in the step's one copy to the host."""
+        logits, choices = self.run(fed, placed=False)
+        rows, nodes = max(fed) + 1, max(len(tree) for tree, _ in fed.values())
+        return logits[:rows, :nodes].clone(), choices[:rows, :nodes].tolist()
+
+    def run(
+        self, fed: Mapping[int, tuple[TokenTree, int]], placed: bool, wait: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One bucketed forward of `fed` {place: (tree of at most `largest` nodes, prefix_len)}: logits [R, B,
+        vocab] and argmaxes [R, B], on the device. Row r is place r; `placed`: one place fed alone, row 0 (the
+        other places are neither fed nor read). `wait`: the input copy returns only once done, so the pinned host
+        buffer may be refilled at once (a prefill's chunks; a step's next fill follows its copy-back)."""
+        size = self.bucket(max(len(tree) for tree, _ in fed.values()))
+        rows = 1 if placed else self.row_bucket(max(fed) + 1)
+        step = self.steps.get((rows, size, placed)) or self.prepare(rows, size, placed)
+        host = step.host.numpy()
+        for r, place in enumerate(fed if placed else range(rows)):
+            if place in fed:
+                host[r, 0] = place
+                fill_host(host[r, 1:], fed[place][0], fed[place][1], size)
+            else:
+                host[r] = step.idle
+                host[r, 0] = place
         step.inputs.copy_(step.host, non_blocking=not wait)
         if step.graph is not None:
             step.graph.replay()
             return step.logits, step.choices
-        return self.step_forward(step.size, step.inputs)
+        return self.step_forward(size, step.inputs, placed)
 
-    def prefill(self, tree: TokenTree, prefix_len: int, lead: Sequence[int]) -> TreeLogits:
+    def prefill(self, tree: TokenTree, prefix_len: int, lead: Sequence[int], place: int = 0) -> TreeLogits:
         """An eager forward of `lead` then `tree`: a tree wider than every bucket, and the curve's context."""
         n, start = len(tree), prefix_len - len(lead)
         ids = torch.tensor([[*lead, *tree.tokens]], device=self.device)
@@ -263,25 +273,32 @@ class StaticBase:
         bools = attention_mask_4d(tree.ancestors(), prefix_len, "sdpa", self.model.dtype, len(lead))
         visible = torch.zeros((*bools.shape[:3], self.length), dtype=torch.bool)
         visible[..., : bools.shape[-1]] = bools
-        self.slots.current = torch.arange(start, start + ids.shape[1], device=self.device)
-        logits = self.call(ids, positions, visible.to(self.device))[-n:]  # its own tensor: no graph rewrites it
+        current = torch.arange(start, start + ids.shape[1], device=self.device)[None]
+        self.slots.point(torch.tensor([place], device=self.device), current, contiguous=place == 0)
+        logits = self.call(ids, positions, visible.to(self.device))[0, -n:]  # its own tensor: no graph rewrites it
         return TreeLogits(logits, logits.argmax(-1).tolist())
 
-    def bucket_forward(self, size: int, inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The forward of one bucket from its input buffer (module docstring): logits [B, vocab], argmax [B].
-        Every shape is fixed by `size` and the cache length, and nothing waits for the host: capturable."""
-        prefix, ids, depths = inputs[0], inputs[1 : 1 + size], inputs[1 + size : 1 + 2 * size]
-        ancestry = inputs[1 + 2 * size :].view(size, size).bool()  # [B, B]
-        self.slots.current = prefix + self.offsets[:size]
-        relative = self.columns - prefix  # [length]: column j holds node j - prefix, or the prefix where < 0
+    def bucket_forward(
+        self, size: int, inputs: torch.Tensor, placed: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The forward of one (rows, bucket) from its input buffer (module docstring): logits [R, B, vocab],
+        argmax [R, B]. Every shape is fixed by the buffer and the cache length, and nothing waits for the host:
+        capturable."""
+        rows = inputs.shape[0]
+        places, prefix = inputs[:, 0], inputs[:, 1:2]  # [R], [R, 1]
+        ids, depths = inputs[:, 2 : 2 + size], inputs[:, 2 + size : 2 + 2 * size]
+        ancestry = inputs[:, 2 + 2 * size :].view(rows, size, size).bool()  # [R, B, B]
+        self.slots.point(places, prefix + self.offsets[:size], contiguous=not placed)
+        relative = self.columns - prefix  # [R, length]: column j holds node j - prefix, or the prefix where < 0
         in_tree = (relative >= 0) & (relative < size)
-        visible = ancestry.index_select(1, relative.clamp(0, size - 1)) & in_tree  # [B, length]
-        visible = visible | (relative < 0)
-        logits = self.call(ids[None], (prefix + depths)[None], visible[None, None])
+        where = relative.clamp(0, size - 1)[:, None, :].expand(rows, size, self.length)
+        visible = ancestry.gather(2, where) & in_tree[:, None, :]  # [R, B, length]
+        visible = visible | (relative < 0)[:, None, :]
+        logits = self.call(ids, prefix + depths, visible[:, None])
         return logits, logits.argmax(-1)
 
     def call(self, ids: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-        """One call of the unmodified model; `visible` [1, 1, q, length] bool. Returns logits [q, vocab]."""
+        """One call of the unmodified model; `visible` [R, 1, q, length] bool. Returns logits [R, q, vocab]."""
         if self.attention == "eager":  # eager adds the mask to the scores
             dtype = self.model.dtype
             mask = torch.zeros((), dtype=dtype, device=self.device).masked_fill(~visible, torch.finfo(dtype).min)
@@ -290,31 +307,35 @@ class StaticBase:
         out = self.model(
             input_ids=ids, position_ids=positions, attention_mask=mask, past_key_values=self.cache, use_cache=True
         )
-        return out.logits[0]
+        return out.logits
 
-    def prepare(self, size: int) -> BucketStep:
-        """The bucket's buffers, and on a GPU its graph: two warm-up forwards on a side stream (the compiled
-        program is made by the first), then the capture, all writing into the scratch slots at the end of the
-        cache. Compiled without graphs (a CPU), one warm-up forward compiles it."""
+    def prepare(self, rows: int, size: int, placed: bool) -> BucketStep:
+        """The (rows, bucket)'s buffers, and on a GPU its graph: two warm-up forwards on a side stream (the
+        compiled program is made by the first), then the capture, all writing into the scratch slots at the end of
+        the cache. Compiled without graphs (a CPU), one warm-up forward compiles it."""
         started = time.perf_counter()
-        count = 1 + 2 * size + size * size
-        host = torch.zeros(count, dtype=torch.long, pin_memory=self.device.type == "cuda")
-        step = BucketStep(size, torch.zeros(count, dtype=torch.long, device=self.device), host)
+        count = 2 + 2 * size + size * size
+        host = torch.zeros(rows, count, dtype=torch.long, pin_memory=self.device.type == "cuda")
+        idle = np.zeros(count, dtype=np.int64)
+        fill_host(idle[1:], IDLE, self.length - self.largest, size)
+        inputs = torch.zeros(rows, count, dtype=torch.long, device=self.device)
+        step = BucketStep(rows, size, placed, inputs, host, idle)
         if self.graphs or self.compiled:
-            fill_host(host.numpy(), TokenTree.rooted_at(0), self.length - self.largest, size)
+            host.numpy()[:] = idle
+            host.numpy()[:, 0] = np.arange(rows)
             step.inputs.copy_(host)
         if self.graphs:
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
                 for _ in range(2):
-                    self.step_forward(size, step.inputs)
+                    self.step_forward(size, step.inputs, placed)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             self.capture(step)
             torch.cuda.synchronize(self.device)
         elif self.compiled:
-            self.step_forward(size, step.inputs)
-        self.steps[size] = step
+            self.step_forward(size, step.inputs, placed)
+        self.steps[rows, size, placed] = step
         self.capture_seconds += time.perf_counter() - started
         return step
 
@@ -324,7 +345,7 @@ class StaticBase:
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph):
-                step.logits, step.choices = self.step_forward(step.size, step.inputs)
+                step.logits, step.choices = self.step_forward(step.size, step.inputs, step.placed)
             step.graph = graph
         except RuntimeError as error:
             self.capture_error = f"{type(self.model).__name__}: {error}"
@@ -359,17 +380,33 @@ class StaticBase:
             tuple(range(1, self.largest + 1)), tuple(cost[self.bucket(n)] for n in range(1, self.largest + 1))
         )
 
-    def commit(self, prefix_len: int, kept_nodes: list[int]) -> None:
-        if kept_nodes == list(range(len(kept_nodes))):
-            return  # the path is already where it belongs
-        source = torch.tensor(kept_nodes, device=self.device) + prefix_len
-        target = self.offsets[: len(kept_nodes)] + prefix_len
+    def commit(self, prefix_len: int, kept_nodes: list[int], place: int = 0) -> None:
+        self.commit_rows([(place, prefix_len, kept_nodes)])
+
+    def commit_rows(self, kept: Sequence[tuple[int, int, list[int]]]) -> None:
+        """Each (place, prefix_len, kept nodes): keep the path, gathered to the front of the place's new slots,
+        all places in one gather (a path already in place moves nothing)."""
+        moved = [(p, start, nodes) for p, start, nodes in kept if nodes != list(range(len(nodes)))]
+        if not moved:
+            return
+        places = torch.tensor([p for p, _, nodes in moved for _ in nodes], device=self.device)
+        source = torch.tensor([start + i for _, start, nodes in moved for i in nodes], device=self.device)
+        target = torch.tensor([start + i for _, start, nodes in moved for i in range(len(nodes))], device=self.device)
         if self.slots.kv is not None:  # every layer's keys and values in one gather
-            self.slots.kv.index_copy_(4, target, self.slots.kv.index_select(4, source))
+            self.slots.kv[:, :, places, :, target] = self.slots.kv[:, :, places, :, source]
             return
         for layer in self.cache.layers:
-            layer.keys.index_copy_(2, target, layer.keys.index_select(2, source))
-            layer.values.index_copy_(2, target, layer.values.index_select(2, source))
+            layer.keys[places, :, target] = layer.keys[places, :, source]
+            layer.values[places, :, target] = layer.values[places, :, source]
+
+    def move(self, source: int, target: int, length: int) -> None:
+        """Copy place `source`'s first `length` slots to place `target` (a batch packing its rows to the front)."""
+        if self.slots.kv is not None:
+            self.slots.kv[:, :, target, :, :length] = self.slots.kv[:, :, source, :, :length]
+            return
+        for layer in self.cache.layers:
+            layer.keys[target, :, :length] = layer.keys[source, :, :length]
+            layer.values[target, :, :length] = layer.values[source, :, :length]
 
 
 def own_code(method: MethodType) -> MethodType:
