@@ -39,18 +39,16 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from forerun.base.dynamic import forward_tree
+from forerun.base.rows import DynamicRows, SharedRows, static_rows
 from forerun.checks import is_count
 from forerun.costmodel import BatchPolicy, Budget, Selection
 from forerun.drafters.base import Drafter
 from forerun.engine import decode, tree_in_prefill, tree_support
-from forerun.head import LogitsHead
-from forerun.kvcache import keep_accepted, plain_layers
+from forerun.kvcache import plain_layers
 from forerun.row import RowJob, RowRun
-from forerun.rowcache import RowCache
 from forerun.stats import GenerationStats
 from forerun.taps import LayerTaps, feature_layers
-from forerun.tree import TokenTree, as_attention_mask, merge
+from forerun.tree import TokenTree, merge
 
 
 def fork(drafters: Sequence[Drafter]) -> list[Drafter]:
@@ -65,8 +63,9 @@ class Joining:
     """A row whose prompt is being prefilled (`Batch.begin`, then `Batch.feed` until it returns the row)."""
 
     row: RowRun
-    cache: DynamicCache
-    """The row's own cache: what has been fed so far (its prefix-cache head included)."""
+    own: object
+    """The row's handle in the shared rows (`SharedRows.open`): its own cache of what has been fed so far (its
+    prefix-cache head included), or its place."""
     fed: int
     """Prompt tokens in `cache`."""
     chunks: int = 0
@@ -96,13 +95,13 @@ class Batch:
         >>> while batch.rows: finished = batch.step()                         # doctest: +SKIP
     """
 
-    def __init__(self, model: torch.nn.Module, budget: Budget, closed: bool = False) -> None:
+    def __init__(
+        self, model: torch.nn.Module, budget: Budget, closed: bool = False, shared: SharedRows | None = None
+    ) -> None:
+        """`shared`: the rows' cache and forward (`forerun.base.rows`; default: a growing cache, the CPU's)."""
         self.model, self.budget = model, budget
         self.rows: list[RowRun] = []
-        self.cache = RowCache(model.config)
-        self.attention = model.config._attn_implementation or "eager"
-        self.head = LogitsHead(model)
-        """The batch's forwards (its first prefill decides how the logits of a few positions are computed)."""
+        self.shared: SharedRows = DynamicRows(model) if shared is None else shared
         self.policy = BatchPolicy(closed)
         """How the rows draft together (`forerun.costmodel.batch`)."""
 
@@ -135,10 +134,10 @@ class Batch:
     def begin(self, job: RowJob, budget: Budget | None = None) -> Joining:
         """Start a row's prefill: its drafters see the prompt, its cache is seeded from the prefix cache; nothing
         is fed yet (`feed` does, in one forward or in chunks)."""
-        row = RowRun.begin(job, (budget or self.budget).for_row())
-        own = DynamicCache(config=self.model.config)
-        if job.prefixes is not None:
-            row.stats.cached_prompt_tokens = job.prefixes.seed(own, row.ctx.tokens)
+        budget = (budget or self.budget).for_row()
+        row = RowRun.begin(job, budget)
+        max_len = job.input_ids.shape[1] + job.max_new_tokens + budget.max_nodes
+        own, row.stats.cached_prompt_tokens = self.shared.open(job.prefixes, row.ctx.tokens, max_len)
         return Joining(row, own, row.stats.cached_prompt_tokens, begun_s=time.perf_counter() - row.started)
 
     @torch.inference_mode()
@@ -152,7 +151,7 @@ class Batch:
         positions (fp32: the same text as a one-forward prefill, as the prefix cache's seeded prefills are)."""
         if chunk is not None and not is_count(chunk, 1):
             raise ValueError(f"chunk must be a whole number of tokens >= 1 (None: the rest at once), got {chunk!r}")
-        row, own = joining.row, joining.cache
+        row, own = joining.row, joining.own
         ctx, job, budget = row.ctx, row.job, row.budget
         prompt_len = job.input_ids.shape[1]
         lead = ctx.tokens[joining.fed : -1]  # what is still to be fed before the first tree
@@ -160,7 +159,7 @@ class Batch:
             part = lead[:chunk]
             joining.fed += len(part)
             # the part's last token stands as a lone root: a causal chain, no mask; its logits are not needed
-            forward_tree(self.head, own, TokenTree.rooted_at(part[-1]), joining.fed - 1, part[:-1], self.attention)
+            self.shared.feed(own, TokenTree.rooted_at(part[-1]), joining.fed - 1, part[:-1])
             joining.chunks += 1
             return None
         t0 = time.perf_counter()
@@ -170,19 +169,17 @@ class Batch:
         tree = selection.tree
         t1 = time.perf_counter()
         with LayerTaps(self.model, feature_layers(job.drafters)) as taps:
-            logits = forward_tree(self.head, own, tree, prompt_len - 1, lead, self.attention)
+            fed = self.shared.feed(own, tree, prompt_len - 1, lead)
         propose_s, forward_s = joining.begun_s + t1 - t0, time.perf_counter() - t1
-        path = row.commit(selection, logits, propose_s, forward_s, taps.take(), len(lead))
-        keep_accepted(own, prompt_len - 1, path)
-        if job.prefixes is not None:
-            job.prefixes.store(ctx.tokens, own, prompt_len - 1 + len(path))
-        self.rows.insert(self.cache.add(own, prompt_len - 1 + len(path)), row)
+        path = row.commit(selection, fed.logits, propose_s, forward_s, taps.take(), len(lead), fed.choices)
+        self.rows.insert(self.shared.admit(own, prompt_len - 1, path, job.prefixes, ctx.tokens), row)
         row.stats.prefill_seconds = time.perf_counter() - row.started
         row.stats.prefill_chunks = joining.chunks + 1
         return row
 
     def abandon(self, joining: Joining) -> None:
         """Drop a row whose prefill had begun (its request went away): its drafters finish, nothing is kept."""
+        self.shared.abandon(joining.own)
         for drafter in joining.row.job.drafters:
             drafter.finish(joining.row.ctx)
 
@@ -204,8 +201,8 @@ class Batch:
         rows, budgets = self.rows, [row.budget for row in self.rows]
         # 1. propose: every row's drafters; the policy keeps what pays for the batch
         t0 = time.perf_counter()
-        self.cache.settle()
-        self.policy.rebase(self.cache.slots)
+        self.shared.settle()
+        self.policy.rebase(self.shared.slots)
         drafting = self.policy.drafting(budgets)
         if drafting:
             for row, cap in zip(rows, self.policy.proposal_caps(budgets), strict=True):
@@ -216,18 +213,13 @@ class Batch:
         t1 = time.perf_counter()
         # 2. pack and 3. forward: one call for every row, trees padded to one size
         nodes = max(len(selection.tree) for selection in selections)
-        input_ids, position_ids, mask = self.pack([selection.tree for selection in selections], nodes)
+        prefix_lens = [row.prefix_len for row in rows]
         # a paused batch taps nothing: its heads forget and read again from the step they draft in
         layers = feature_layers(d for row in rows for d in row.job.drafters) if drafting else ()
         with LayerTaps(self.model, layers) as taps:
-            logits = self.head(
-                input_ids=input_ids,
-                attention_mask=mask,
-                position_ids=position_ids,
-                past_key_values=self.cache.cache,
-                use_cache=True,
-            )  # [rows, nodes, vocab]
-        forward_s, tapped = time.perf_counter() - t1, taps.take()  # [rows, nodes, F] or None
+            trees = [selection.tree for selection in selections]
+            logits, choices = self.shared.forward(prefix_lens, trees, nodes)  # [rows, nodes, vocab]
+        forward_s, tapped = time.perf_counter() - t1, self.shared.in_row_order(taps.take())  # [rows, nodes, F]
         # 4. verify and 5. commit, per row; then keep each row's accepted path in the shared cache
         kept = [
             self.commit_apart(
@@ -237,17 +229,18 @@ class Batch:
                 (t1 - t0) / len(rows),
                 forward_s,
                 row_features(tapped, b, len(selection.tree), layers, row.job.drafters),
+                None if choices is None else choices[b][: len(selection.tree)],
             )
             for b, (row, selection) in enumerate(zip(rows, selections, strict=True))
         ]
-        self.cache.keep(kept, nodes)
+        self.shared.keep(prefix_lens, kept, nodes)
         self.policy.learn(budgets, selections, kept, nodes, forward_s)
         self.policy.record(budgets, drafting, kept, time.perf_counter() - t0)
         finished = [row for row in rows if row.done]
         if finished:
             self.remove(finished)  # their places wait for joining rows; the next step drops the rest and compacts
         else:
-            self.cache.compact()
+            self.shared.compact()
         return finished_early + finished
 
     def propose(self, row: RowRun) -> list[TokenTree]:
@@ -286,55 +279,28 @@ class Batch:
         propose_s: float,
         forward_s: float,
         tapped: torch.Tensor | None = None,
+        choices: list[int] | None = None,
     ) -> list[int]:
         """`RowRun.commit`, where a failure ends only this row (its root stays in the cache until it leaves)."""
         if row.error is not None:
             return [0]
         try:
-            return row.commit(selection, logits, propose_s, forward_s, tapped)
+            return row.commit(selection, logits, propose_s, forward_s, tapped, choices=choices)
         except Exception as error:  # noqa: BLE001
             row.error = error
             return [0]
 
     def remove(self, leaving: Sequence[RowRun]) -> None:
         """Take rows out (finished or cancelled): what each read is left in the prefix cache, each row finishes
-        (`RowRun.finish`), their slots are freed."""
+        (`RowRun.finish`), their room is freed."""
         gone = {id(row) for row in leaving}
-        places = self.cache.places()
-        for place, row in zip(places, self.rows, strict=True):
-            if id(row) in gone and row.job.prefixes is not None:  # what it read (prompt, answer) for its next turn
-                row.job.prefixes.store(row.ctx.tokens, self.cache.row(place), row.prefix_len)
+        self.shared.remove([
+            (index, row.job.prefixes, row.ctx.tokens, row.prefix_len)
+            for index, row in enumerate(self.rows) if id(row) in gone
+        ])  # fmt: skip
         for row in leaving:
             row.finish()
-        vacated = [place for place, row in zip(places, self.rows, strict=True) if id(row) in gone]
         self.rows = [row for row in self.rows if id(row) not in gone]
-        if self.rows:  # their places are kept for rows that join before the next step (`RowCache.refill`)
-            self.cache.vacate(vacated)
-        else:
-            self.cache = RowCache(self.model.config)
-
-    def pack(self, trees: Sequence[TokenTree], nodes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """input_ids and position_ids [rows, nodes]; the mask [rows, 1, nodes, slots + nodes].
-
-        A row sees its visible slots, then its tree's ancestry; padding nodes (rows with smaller trees) repeat
-        the root at its position and see the row's slots and themselves only: no row ever attends to them.
-        """
-        rows, slots = len(trees), self.cache.slots
-        input_ids = torch.zeros(rows, nodes, dtype=torch.long)
-        position_ids = torch.zeros(rows, nodes, dtype=torch.long)
-        visible = torch.zeros(rows, nodes, slots + nodes, dtype=torch.bool)
-        visible[:, :, :slots] = self.cache.visible[:, None, :]
-        for b, (row, tree) in enumerate(zip(self.rows, trees, strict=True)):
-            size = len(tree)
-            input_ids[b, :size] = torch.tensor(tree.tokens)
-            input_ids[b, size:] = tree.tokens[0]
-            position_ids[b, :size] = torch.tensor(tree.depths) + row.prefix_len
-            position_ids[b, size:] = row.prefix_len
-            visible[b, :size, slots : slots + size] = tree.ancestors()
-            visible[b, range(size, nodes), range(slots + size, slots + nodes)] = True
-        mask = as_attention_mask(visible[:, None], self.attention, self.model.dtype)
-        device = self.model.device
-        return input_ids.to(device), position_ids.to(device), mask.to(device)
 
 
 def decode_batch(
@@ -362,8 +328,9 @@ def decode_rows(
 
     Models whose cache cannot hold ragged rows (sliding windows, linear attention) or that cannot take a tree
     mask decode the rows one after another with the single-row engine (which falls back to plain decoding where
-    it must): still exact, just not batched. So do rows decoded one at a time (one job, or `width` 1) where a
-    `base` is given (`forerun.base.StaticBase`, a GPU's captured steps, which batches do not use yet).
+    it must): still exact, just not batched. `base`: the single row's static base (`forerun.base.StaticBase`, a
+    GPU's captured steps): a row decoded alone (one job, or `width` 1) takes it, and a batch its sibling of
+    `width` places (`forerun.base.rows.StaticRows`).
 
     Example (a list of 8 prompts through 4 rows; `forerun run --batch-size 4` does this):
         >>> for index, stats in decode_rows(model, jobs, budget, width=4):   # doctest: +SKIP
@@ -376,9 +343,10 @@ def decode_rows(
         for index, job in enumerate(jobs):
             yield index, decode(model, job, budget, True, base)
         return
-    width = len(jobs) if width is None else width
+    width = min(len(jobs), len(jobs) if width is None else width)
     waiting = deque(enumerate(jobs))
-    batch = Batch(model, budget)
+    longest = max(job.input_ids.shape[1] + job.max_new_tokens for job in jobs) + budget.max_nodes
+    batch = Batch(model, budget, shared=static_rows(base, width, longest))
     index_of: dict[int, int] = {}
     alone = min(width, len(jobs)) == 1  # only a row that decodes alone drafts at its prefill (`Batch.add`)
     while waiting or batch.rows:

@@ -219,12 +219,14 @@ class RowRun:
         forward_s: float,
         tapped: torch.Tensor | None = None,
         lead: int = 0,
+        choices: list[int] | None = None,
     ) -> list[int]:
         """`verify` then `accept`: the kept path (root first). `tapped`: the row's features off the forward,
-        [1, lead + nodes, F] (`forerun.taps`), of which its drafters are handed the committed positions'."""
-        verdict = self.verify(selection.tree, logits)
+        [1, lead + nodes, F] (`forerun.taps`), of which its drafters are handed the committed positions'.
+        `choices`: every node's argmax, where the base computed them."""
+        verdict = self.verify(selection.tree, logits, choices)
         features = committed_features(tapped, lead, [0, *verdict.accepted_nodes])
-        return self.accept(selection, verdict, logits, propose_s, forward_s, features)
+        return self.accept(selection, verdict, logits, propose_s, forward_s, features, choices)
 
     def steps_left(self) -> float:
         """Steps this row still needs at its rate so far (its tokens left over its tokens per step)."""

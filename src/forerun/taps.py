@@ -74,7 +74,7 @@ def committed_features(features: torch.Tensor | None, lead: int, kept: list[int]
         >>> committed_features(torch.arange(5.0)[None, :, None], 2, [0, 2]).flatten().tolist()
         [0.0, 1.0, 2.0, 4.0]
     """
-    if features is None or features.shape[0] != 1:
-        return None
+    if features is None or features.shape[0] != 1 or lead + max(kept) >= features.shape[1]:
+        return None  # the last of several forwards (a prompt fed in chunks) holds only the prompt's tail
     rows = torch.tensor(list(range(lead)) + [lead + node for node in kept], device=features.device)
     return features[0].index_select(0, rows)

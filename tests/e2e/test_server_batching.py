@@ -173,13 +173,16 @@ def test_a_cache_salt_keeps_a_tenants_text_to_itself(batching):
     assert reply.status_code == 400 and "cache_salt" in reply.text
 
 
+@pytest.mark.parametrize("static", [False, True])
 @pytest.mark.parametrize("chunk", [5, 0])
-def test_a_long_prompt_joins_a_chunk_at_a_time_between_the_running_rows_steps(chunk):
+def test_a_long_prompt_joins_a_chunk_at_a_time_between_the_running_rows_steps(chunk, static):
     """The worker feeds a joining 24-token prompt 5 tokens at a time, a step of the running request after each
     chunk: the running request writes 4 times while the long prompt is read (with chunk 0 it waits for the whole
-    prefill: not once). Both answers equal plain generate's, and a bad chunk size is refused."""
+    prefill: not once). Both answers equal plain generate's, and a bad chunk size is refused. `static`: the rows
+    take places of a static base (a GPU's), the joining prompt fed into its own place between the steps."""
     model = tiny_model("llama", "sdpa")
-    decoder = forerun.Decoder(model, None, "prompt_lookup", latency=LatencyCurve((1, 8, 64), (1.0, 1.2, 3.0)))
+    curve = LatencyCurve((1, 8, 64), (1.0, 1.2, 3.0))
+    decoder = forerun.Decoder(model, None, "prompt_lookup", latency=curve, static_cache=static)
     events: list[str] = []  # in the worker thread's order
 
     class Recorder:  # a transformers-style streamer: the prompt first, then each step's new tokens
@@ -206,7 +209,8 @@ def test_a_long_prompt_joins_a_chunk_at_a_time_between_the_running_rows_steps(ch
 
         return build
 
-    worker = BatchWorker(model, decoder.batch_budget(), max_batch=4, prefill_chunk=chunk)
+    worker = BatchWorker(model, decoder.batch_budget(), max_batch=4, prefill_chunk=chunk, base=decoder.base)
+    assert (worker.batch.shared.__class__.__name__ == "StaticRows") == static
 
     async def both():
         first = asyncio.ensure_future(worker.run(prepare(short, "a"), threading.Event()))
@@ -280,7 +284,7 @@ def test_a_joining_prompt_whose_client_went_away_is_dropped_between_chunks():
     assert torch.equal(kept.sequences, reference)
     long_job = abandoned[0]
     assert abandoned == [long_job] and fed.count(long_job) == 1  # one chunk of 24 tokens, then dropped
-    assert not worker.joining and worker.batch.cache.slots == 0
+    assert not worker.joining and worker.batch.shared.slots == 0
 
 
 def test_concurrent_clients_of_a_server_with_the_shipped_head_get_exact_answers(smollm2):

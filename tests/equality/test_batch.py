@@ -12,9 +12,10 @@ import torch
 from transformers import MaxLengthCriteria, StoppingCriteriaList
 
 import forerun
-from forerun.batch import Batch, RowCache, RowJob, decode_batch
+from forerun.batch import Batch, RowJob, decode_batch
 from forerun.costmodel import CostModel, LatencyCurve, StaticBudget, best_shared_count
 from forerun.noise import GumbelNoise
+from forerun.rowcache import RowCache
 from forerun.transcript import Transcript
 from forerun.verify import Sampling
 
@@ -199,14 +200,14 @@ def test_a_batch_measures_again_when_its_cache_changes_length_manyfold():
     more than twice or less than half as long; within that it stands."""
     model = model_of("llama", "sdpa")
     batch = Batch(model, forerun.Decoder(model, None, "auto", latency=CURVE).budget)
-    batch.cache.visible = torch.ones(2, 2000, dtype=torch.bool)
-    batch.policy.rebase(batch.cache.slots)  # a long row joined: from 1 slot to 2000
+    batch.shared.cache.visible = torch.ones(2, 2000, dtype=torch.bool)
+    batch.policy.rebase(batch.shared.slots)  # a long row joined: from 1 slot to 2000
     batch.policy.switch.paused, batch.policy.measured[True] = 64, 5.0
-    batch.cache.visible = torch.ones(2, 1100, dtype=torch.bool)
-    batch.policy.rebase(batch.cache.slots)
+    batch.shared.cache.visible = torch.ones(2, 1100, dtype=torch.bool)
+    batch.policy.rebase(batch.shared.slots)
     assert batch.policy.switch.paused == 64 and batch.policy.measured[True] == 5.0
-    batch.cache.visible = torch.ones(2, 900, dtype=torch.bool)  # the long row left: under half
-    batch.policy.rebase(batch.cache.slots)
+    batch.shared.cache.visible = torch.ones(2, 900, dtype=torch.bool)  # the long row left: under half
+    batch.policy.rebase(batch.shared.slots)
     policy = batch.policy
     assert policy.switch.drafting() and policy.measured == {False: 1.0, True: 1.0} and policy.measured_at == 900
 

@@ -201,7 +201,7 @@ def test_compiled_buckets_give_the_eager_buckets_tokens():
 
 
 def test_one_row_of_a_list_takes_the_static_base():
-    """generate([prompt]) and batch_size=1 decode on the static base (the batch path is the growing cache's):
+    """generate([prompt]) and batch_size=1 decode on the single row's static base (a batch takes its sibling):
     the same tokens as generate(prompt)."""
     model = model_of("qwen2", "sdpa")
     decoder = forerun.Decoder(model, None, "prompt_lookup", latency=CURVE, static_cache=True)

@@ -152,6 +152,15 @@ class StaticBase:
         """Seconds spent warming and capturing graphs so far (once per bucket and cache size)."""
         self.capture_error: str | None = None
         """Why a capture failed (that bucket then runs eagerly), if one did."""
+        self.siblings: dict[int, StaticBase] = {}
+
+    def sibling(self, places: int) -> StaticBase:
+        """A base like this one holding `places` rows (a batch's), made once per count and kept."""
+        if places == self.places:
+            return self
+        if places not in self.siblings:
+            self.siblings[places] = StaticBase(self.model, self.buckets, self.graphs, self.compiled, places)
+        return self.siblings[places]
 
     @property
     def largest(self) -> int:

@@ -22,6 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from forerun.base import StaticBase
+from forerun.base.rows import static_rows
 from forerun.batch import Batch, Joining
 from forerun.checks import is_count
 from forerun.decoder import Decoder, GenerationResult
@@ -181,12 +183,16 @@ class BatchWorker:
     A joining prompt longer than `prefill_chunk` tokens is fed in chunks, one chunk between two steps of the
     running rows (0: every prompt in one forward, the running rows waiting for it)."""
 
-    def __init__(self, model, budget, max_batch: int, prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> None:
+    def __init__(
+        self, model, budget, max_batch: int, prefill_chunk: int = DEFAULT_PREFILL_CHUNK, base: StaticBase | None = None
+    ) -> None:
+        """`base`: a static base (a GPU's); the batch's rows then take places of its sibling (`StaticRows`)."""
         if not is_count(prefill_chunk):
             raise ValueError(f"prefill_chunk must be a whole number of tokens >= 0 (0: off), got {prefill_chunk!r}")
         self.model, self.budget, self.max_batch = model, budget, max_batch
         self.prefill_chunk = prefill_chunk or None
-        self.batch = Batch(model, budget)
+        self.base = base
+        self.batch = self.new_batch()
         self.waiting: deque[Admission] = deque()
         self.joining: list[tuple[Joining, Admission]] = []
         """Requests whose prompts are being fed; the one with the least left to feed goes first."""
@@ -195,6 +201,10 @@ class BatchWorker:
         self.closing = False
         self.thread = threading.Thread(target=self.loop, name="forerun-batch", daemon=True)
         self.thread.start()
+
+    def new_batch(self) -> Batch:
+        """A batch whose rows take places of the static base's sibling, where there is one."""
+        return Batch(self.model, self.budget, shared=static_rows(self.base, self.max_batch, 1))
 
     def counts(self, pending: int) -> tuple[int, int]:
         running = len(self.batch.rows) + len(self.joining)
@@ -291,7 +301,7 @@ class BatchWorker:
                 logger.exception("forerun: a batch step failed; its %d requests get an error", len(self.batch.rows))
                 for row in self.batch.rows:
                     self.settle(self.members.pop(id(row)), error=error)
-                self.batch = Batch(self.model, self.budget)
+                self.batch = self.new_batch()
                 continue
             for row in finished:
                 admission = self.members.pop(id(row))

@@ -65,8 +65,9 @@ class Service:
         if self.config.max_batch > 1 and batchable(model):
             # batch_budget: the curve's batched rows are measured now (once per model and device, then read from
             # disk), not while the first clients wait
-            budget = self.pool.get(self.config.method, {}).batch_budget()
-            return BatchWorker(model, budget, self.config.max_batch, self.config.prefill_chunk)
+            decoder = self.pool.get(self.config.method, {})
+            budget = decoder.batch_budget()
+            return BatchWorker(model, budget, self.config.max_batch, self.config.prefill_chunk, decoder.base)
         return Worker()  # one at a time (also for models whose cache cannot hold ragged rows)
 
     def shutdown(self) -> None:

@@ -1,0 +1,267 @@
+"""What a batch's rows share: one cache and the forward that feeds every row at once (`forerun.batch.Batch` steps
+on one of these, whatever the device).
+
+- `DynamicRows`: one growing `DynamicCache` whose slots need not line up (`forerun.rowcache.RowCache`); a joining
+  row's prompt is read into a cache of its own and spliced in; the prefix cache serves both. The CPU's.
+- `StaticRows`: a `StaticBase` with a place per row: every row at its own prefix length in its own place (no
+  padding, no holes), a joining row's prompt fed into its place through the same buckets, one graph per (rows,
+  bucket) on a GPU and the step's argmaxes in one copy. The GPU's.
+
+Both give each row the logits its single run would see (fp32: the same tokens, the tests check it).
+
+Example (what `Batch` does with either):
+    >>> rows = DynamicRows(model)                                              # doctest: +SKIP
+    >>> own, cached = rows.open(job.prefixes, tokens, max_len=600)             # doctest: +SKIP
+    >>> first = rows.feed(own, tree, prefix_len=len(tokens) - 1, lead=tokens[:-1])   # the prefill  # doctest: +SKIP
+    >>> index = rows.admit(own, len(tokens) - 1, [0, 1], job.prefixes, tokens)       # it joins  # doctest: +SKIP
+    >>> logits, choices = rows.forward([prefix_len], [tree], nodes=len(tree))  # [rows, nodes, vocab]  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+from transformers import DynamicCache
+
+from forerun.base.dynamic import TreeLogits, forward_tree
+from forerun.base.static import StaticBase
+from forerun.head import LogitsHead
+from forerun.kvcache import keep_accepted
+from forerun.prefixcache import Prefixes
+from forerun.rowcache import RowCache
+from forerun.tree import TokenTree, as_attention_mask
+
+Leaving = tuple[int, Prefixes | None, list[int], int]
+"""A row that leaves: its index among the rows, and where its text (tokens, `length` of them cached) is kept."""
+
+
+class SharedRows(Protocol):
+    """What `Batch` asks of the rows' shared cache. `own` is a joining row's handle (its own cache, or its place)."""
+
+    @property
+    def slots(self) -> int:
+        """Slots every row's attention reads (what a batch's forward cost grows with)."""
+        ...
+
+    def open(self, prefixes: Prefixes | None, tokens: list[int], max_len: int) -> tuple[object, int]:
+        """A joining row of at most `max_len` tokens: its handle, and how many of `tokens` are cached already."""
+        ...
+
+    def feed(self, own: object, tree: TokenTree, prefix_len: int, lead: Sequence[int]) -> TreeLogits:
+        """A joining row's forward: `lead` then `tree` after `prefix_len` tokens (the lead's included)."""
+        ...
+
+    def admit(self, own: object, prefix_len: int, path: list[int], prefixes: Prefixes | None, tokens: list[int]) -> int:
+        """Keep the row's accepted `path` after `prefix_len` and take it in; returns its index among the rows."""
+        ...
+
+    def abandon(self, own: object) -> None: ...
+
+    def settle(self) -> None:
+        """Before a forward: room left by rows that went is given back."""
+        ...
+
+    def forward(
+        self, prefix_lens: Sequence[int], trees: Sequence[TokenTree], nodes: int
+    ) -> tuple[torch.Tensor, list[list[int]] | None]:
+        """One forward of every row's tree: logits [rows, nodes, vocab] in row order, and every node's argmax where
+        the device computed them (None: the verifier takes its own)."""
+        ...
+
+    def in_row_order(self, tapped: torch.Tensor | None) -> torch.Tensor | None:
+        """The last forward's tapped features [rows, nodes, F] in row order."""
+        ...
+
+    def keep(self, prefix_lens: Sequence[int], kept: Sequence[list[int]], nodes: int) -> None:
+        """Each row's accepted path (node indices, root first) after its `prefix_lens` committed tokens."""
+        ...
+
+    def compact(self) -> None: ...
+
+    def remove(self, leaving: Sequence[Leaving]) -> None: ...
+
+
+class DynamicRows:
+    """Rows on one growing `DynamicCache` (`RowCache`), each tree padded to the step's widest (module docstring)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.cache = RowCache(model.config)
+        self.attention = model.config._attn_implementation or "eager"
+        self.head = LogitsHead(model)
+        """The batch's forwards (its first prefill decides how the logits of a few positions are computed)."""
+
+    @property
+    def slots(self) -> int:
+        return self.cache.slots
+
+    def open(self, prefixes: Prefixes | None, tokens: list[int], max_len: int) -> tuple[DynamicCache, int]:
+        own = DynamicCache(config=self.model.config)
+        return own, prefixes.seed(own, tokens) if prefixes is not None else 0
+
+    def feed(self, own: DynamicCache, tree: TokenTree, prefix_len: int, lead: Sequence[int]) -> TreeLogits:
+        return TreeLogits(forward_tree(self.head, own, tree, prefix_len, lead, self.attention))
+
+    def admit(
+        self, own: DynamicCache, prefix_len: int, path: list[int], prefixes: Prefixes | None, tokens: list[int]
+    ) -> int:
+        keep_accepted(own, prefix_len, path)
+        if prefixes is not None:
+            prefixes.store(tokens, own, prefix_len + len(path))
+        return self.cache.add(own, prefix_len + len(path))
+
+    def abandon(self, own: DynamicCache) -> None:
+        pass
+
+    def settle(self) -> None:
+        self.cache.settle()
+
+    def forward(
+        self, prefix_lens: Sequence[int], trees: Sequence[TokenTree], nodes: int
+    ) -> tuple[torch.Tensor, list[list[int]] | None]:
+        input_ids, position_ids, mask = self.pack(prefix_lens, trees, nodes)
+        logits = self.head(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=position_ids,
+            past_key_values=self.cache.cache,
+            use_cache=True,
+        )  # [rows, nodes, vocab]
+        # on an accelerator every node's argmax in one transfer beats a host sync per walked node
+        return logits, None if logits.device.type == "cpu" else logits.argmax(-1).tolist()
+
+    def in_row_order(self, tapped: torch.Tensor | None) -> torch.Tensor | None:
+        return tapped
+
+    def keep(self, prefix_lens: Sequence[int], kept: Sequence[list[int]], nodes: int) -> None:
+        self.cache.keep(kept, nodes)
+
+    def compact(self) -> None:
+        self.cache.compact()
+
+    def remove(self, leaving: Sequence[Leaving]) -> None:
+        places = self.cache.places()
+        for index, prefixes, tokens, length in leaving:
+            if prefixes is not None:  # what it read (prompt, answer) for its next turn
+                prefixes.store(tokens, self.cache.row(places[index]), length)
+        if len(leaving) == len(places):
+            self.cache = RowCache(self.model.config)
+        else:  # their places are kept for rows that join before the next step (`RowCache.refill`)
+            self.cache.vacate([places[index] for index, *_ in leaving])
+
+    def pack(
+        self, prefix_lens: Sequence[int], trees: Sequence[TokenTree], nodes: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """input_ids and position_ids [rows, nodes]; the mask [rows, 1, nodes, slots + nodes].
+
+        A row sees its visible slots, then its tree's ancestry; padding nodes (rows with smaller trees) repeat
+        the root at its position and see the row's slots and themselves only: no row ever attends to them.
+        """
+        rows, slots = len(trees), self.cache.slots
+        input_ids = torch.zeros(rows, nodes, dtype=torch.long)
+        position_ids = torch.zeros(rows, nodes, dtype=torch.long)
+        visible = torch.zeros(rows, nodes, slots + nodes, dtype=torch.bool)
+        visible[:, :, :slots] = self.cache.visible[:, None, :]
+        for b, (prefix_len, tree) in enumerate(zip(prefix_lens, trees, strict=True)):
+            size = len(tree)
+            input_ids[b, :size] = torch.tensor(tree.tokens)
+            input_ids[b, size:] = tree.tokens[0]
+            position_ids[b, :size] = torch.tensor(tree.depths) + prefix_len
+            position_ids[b, size:] = prefix_len
+            visible[b, :size, slots : slots + size] = tree.ancestors()
+            visible[b, range(size, nodes), range(slots + size, slots + nodes)] = True
+        mask = as_attention_mask(visible[:, None], self.attention, self.model.dtype)
+        device = self.model.device
+        return input_ids.to(device), position_ids.to(device), mask.to(device)
+
+
+class StaticRows:
+    """Rows at places of a `StaticBase` (module docstring). Rows keep to the lowest places: where the ones left
+    fit a smaller row bucket, the last are moved down (`settle`), so a shrinking batch feeds fewer rows."""
+
+    def __init__(self, base: StaticBase) -> None:
+        self.base = base
+        self.held: list[int] = []
+        """Each row's place, in row order."""
+        self.joining: set[int] = set()
+        self.lengths: dict[int, int] = {}
+        """Committed tokens per held place."""
+
+    @property
+    def slots(self) -> int:
+        return self.base.length
+
+    def open(self, prefixes: Prefixes | None, tokens: list[int], max_len: int) -> tuple[int, int]:
+        reason = self.base.begin(max_len)
+        if reason is not None:
+            raise ValueError(f"this request cannot be verified on the static cache: {reason}")
+        taken = {*self.held, *self.joining}
+        free = [place for place in range(self.base.places) if place not in taken]
+        if not free:
+            raise ValueError(f"all {self.base.places} places of the static cache are taken")
+        self.joining.add(free[0])
+        return free[0], 0  # the prefix cache holds DynamicCache layers: the prompt is read in full
+
+    def feed(self, own: int, tree: TokenTree, prefix_len: int, lead: Sequence[int]) -> TreeLogits:
+        return self.base.forward(tree, prefix_len, lead, place=own)
+
+    def admit(self, own: int, prefix_len: int, path: list[int], prefixes: Prefixes | None, tokens: list[int]) -> int:
+        self.base.commit(prefix_len, path, place=own)
+        self.joining.discard(own)
+        self.held.append(own)
+        self.lengths[own] = prefix_len + len(path)
+        return len(self.held) - 1
+
+    def abandon(self, own: int) -> None:
+        self.joining.discard(own)
+
+    def settle(self) -> None:
+        """Move the rows at the highest places into the lowest free ones while that lowers the row bucket."""
+        base = self.base
+        while self.held and base.row_bucket(len(self.held)) < base.row_bucket(max(self.held) + 1):
+            taken = {*self.held, *self.joining}
+            low = min(place for place in range(base.places) if place not in taken)
+            high = max(self.held)
+            if low > high:
+                return
+            base.move(high, low, self.lengths[high])
+            self.held[self.held.index(high)] = low
+            self.lengths[low] = self.lengths.pop(high)
+
+    def forward(
+        self, prefix_lens: Sequence[int], trees: Sequence[TokenTree], nodes: int
+    ) -> tuple[torch.Tensor, list[list[int]]]:
+        fed = {place: (tree, prefix_len) for place, tree, prefix_len in zip(self.held, trees, prefix_lens, strict=True)}
+        logits, choices = self.base.run(fed, placed=False)
+        every = choices[:, :nodes].tolist()  # the step's one copy to the host
+        return self.in_row_order(logits)[:, :nodes], [every[place] for place in self.held]
+
+    def in_row_order(self, tapped: torch.Tensor | None) -> torch.Tensor | None:
+        if tapped is None:
+            return None
+        return tapped.index_select(0, torch.tensor(self.held, device=tapped.device))  # a copy: no replay rewrites it
+
+    def keep(self, prefix_lens: Sequence[int], kept: Sequence[list[int]], nodes: int) -> None:
+        self.base.commit_rows(list(zip(self.held, prefix_lens, kept, strict=True)))
+        for place, prefix_len, path in zip(self.held, prefix_lens, kept, strict=True):
+            self.lengths[place] = prefix_len + len(path)
+
+    def compact(self) -> None:
+        pass  # each row's slots are its own: nothing to squeeze
+
+    def remove(self, leaving: Sequence[Leaving]) -> None:
+        gone = {index for index, *_ in leaving}
+        for index in gone:
+            self.lengths.pop(self.held[index], None)
+        self.held = [place for index, place in enumerate(self.held) if index not in gone]
+
+
+def static_rows(base: StaticBase | None, places: int, max_len: int) -> StaticRows | None:
+    """Rows on `base`'s sibling of `places` places for texts of up to `max_len` tokens (it grows for longer ones),
+    or None where there is no static base or it cannot serve them (then the batch takes the growing cache)."""
+    if base is None:
+        return None
+    sibling = base.sibling(places)
+    return StaticRows(sibling) if sibling.begin(max_len) is None else None

@@ -1,0 +1,159 @@
+"""A batch on the static base's places (a GPU's batched path; on a CPU the same bucketed forward, eager or compiled)
+gives every row plain generate's tokens: rows at their own prefix lengths, joining into free places, moved down as
+others leave, their paths committed in one gather."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import forerun
+from forerun.base import StaticBase
+from forerun.batch import batchable
+from forerun.costmodel import LatencyCurve
+
+from helpers import OracleDrafter
+from tiny_models import FAMILIES, VOCAB, prompts, tiny_model
+
+NO_SDPA = {"gemma2", "gptj"}
+CASES = [(f, impl) for f in FAMILIES for impl in ("eager", "sdpa") if not (impl == "sdpa" and f in NO_SDPA)]
+NEW_TOKENS = 24
+CURVE = LatencyCurve((1, 2, 4, 8, 16, 32, 64), (1.0, 1.0, 1.0, 1.05, 1.1, 1.2, 1.3))
+"""A GPU's shape: wide trees are nearly free, so rows draft and buckets get padded."""
+METHODS = {
+    "plain": {},
+    "prompt_lookup": {"max_ngram": 2, "draft_len": 5, "max_branches": 2},
+    "auto": {},
+}
+
+
+@functools.lru_cache(maxsize=4)
+def model_of(family: str, impl: str) -> torch.nn.Module:
+    return tiny_model(family, impl)
+
+
+@functools.lru_cache(maxsize=128)
+def reference(family: str, impl: str, index: int, length: int, new_tokens: int = NEW_TOKENS) -> torch.Tensor:
+    prompt = prompts(5, length=length)[index]
+    return model_of(family, impl).generate(prompt, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
+                                           pad_token_id=0)  # fmt: skip
+
+
+def row_steps(decoder: forerun.Decoder, places: int) -> set[tuple[int, int, bool]]:
+    return set(decoder.base.siblings[places].steps)
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+@pytest.mark.parametrize(("family", "impl"), CASES)
+def test_a_batch_on_places_equals_generate(family, impl, method):
+    """Three prompts of different lengths (so the rows' prefix lengths differ) in one batch of three places."""
+    model = model_of(family, impl)
+    decoder = forerun.Decoder(model, None, method, latency=CURVE, static_cache=True, **METHODS[method])
+    lengths = (12, 24, 17)
+    batch = [prompts(5, length=length)[i] for i, length in enumerate(lengths)]
+    results = decoder.generate([p[0].tolist() for p in batch], NEW_TOKENS, eos_token_id=[])
+    for i, (length, result) in enumerate(zip(lengths, results, strict=True)):
+        expected = reference(family, impl, i, length)
+        assert torch.equal(result.sequences, expected[:, : result.sequences.shape[1]]), (family, impl, method, i)
+        assert result.sequences.shape[1] == expected.shape[1] or result.stats.fallback_reason
+    if not batchable(model):  # a sliding window's ring or no tree masks: rows one at a time, the single base's
+        assert 3 not in decoder.base.siblings
+        return
+    steps = row_steps(decoder, 3)
+    assert any(rows > 1 for rows, _, _ in steps)  # the rows were stepped together
+    assert any(placed for _, _, placed in steps)  # the prompts after the first went into their own places
+    if method != "plain":
+        assert len({size for _, size, _ in steps}) > 2  # several buckets: padding was exercised
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gpt2"])
+def test_rows_join_free_places_and_move_down_as_others_leave(family):
+    """Five prompts through two places, each with its own length of answer: rows leave at different steps, the
+    waiting ones join the freed places, and once one row is left in place 1 it moves to place 0 (one row's
+    forward). Every answer is generate's."""
+    model = model_of(family, "sdpa")
+    decoder = forerun.Decoder(model, None, "prompt_lookup", latency=CURVE, static_cache=True, max_ngram=2)
+    news = (6, 20, 9, 14, 30)
+    requests = [
+        forerun.GenerationRequest(prompts(5, length=20)[i][0].tolist(), new, eos_token_id=())
+        for i, new in enumerate(news)
+    ]
+    results = decoder.generate(requests, batch_size=2)
+    for i, (new, result) in enumerate(zip(news, results, strict=True)):
+        assert torch.equal(result.sequences, reference(family, "sdpa", i, 20, new)), (family, i)
+    steps = row_steps(decoder, 2)
+    assert any(rows == 2 for rows, _, placed in steps if not placed)
+    assert any(rows == 1 for rows, _, placed in steps if not placed)  # the last row, moved to place 0
+
+
+class Oracles(OracleDrafter):
+    """An oracle for several rows: the truth whose beginning is the row's text."""
+
+    def __init__(self, truths: list[list[int]], depth: int, vocab: int) -> None:
+        super().__init__(truths[0], depth, vocab)
+        self.truths = truths
+
+    def propose(self, ctx):
+        self.truth = next((t for t in self.truths if t[: len(ctx.tokens)] == list(ctx.tokens)), self.truths[0])
+        return super().propose(ctx)
+
+
+@pytest.mark.parametrize("family", ["llama", "opt"])
+def test_oracle_drafts_of_rows_on_places_are_gathered_into_place(family):
+    """Each row's oracle follows a decoy branch, so every accepted path starts off node 1 and is gathered (in one
+    gather for all rows) to the front of the row's new slots; rows of different lengths, generate's output."""
+    model = model_of(family, "sdpa")
+    lengths = (24, 13, 19)
+    truths = [reference(family, "sdpa", i, length, 40) for i, length in enumerate(lengths)]
+    oracle = Oracles([t[0].tolist() for t in truths], 6, VOCAB)
+    decoder = forerun.Decoder(model, None, "plain", drafters=[oracle], max_tree_nodes=16, latency=CURVE,
+                              static_cache=True)  # fmt: skip
+    batch = [prompts(5, length=length)[i][0].tolist() for i, length in enumerate(lengths)]
+    results = decoder.generate(batch, 40, eos_token_id=[])
+    for truth, result in zip(truths, results, strict=True):
+        assert torch.equal(result.sequences, truth)
+        assert result.stats.tokens_per_forward > 2.5  # several tokens a step, each path off the decoy's node 1
+    assert any(rows > 1 for rows, _, _ in row_steps(decoder, 3))
+
+
+def test_negative_control_rows_that_skip_the_gather_are_caught():
+    """Rows whose accepted paths are not gathered into place attend to the decoy branch's keys: the output
+    departs from generate's, so the equality tests above can fail."""
+    model = model_of("llama", "sdpa")
+    truth = reference("llama", "sdpa", 0, 24, 40)[0].tolist()
+    decoder = forerun.Decoder(model, None, "plain", drafters=[Oracles([truth], 6, VOCAB)], max_tree_nodes=16,
+                              latency=CURVE, static_cache=True)  # fmt: skip
+    base = decoder.base.sibling(2)
+    base.commit_rows = lambda kept: None  # the paths stay where the tree put them
+    prompt = prompts(5, length=24)[0][0].tolist()
+    results = decoder.generate([prompt, prompt], 40, eos_token_id=[])
+    assert not torch.equal(results[0].sequences, torch.tensor([truth]))
+
+
+def test_sampled_rows_repeat_with_their_seeds_and_match_the_growing_cache():
+    model = model_of("qwen2", "sdpa")
+    batch = [p[0].tolist() for p in prompts(3, length=18)]
+    texts = []
+    for static in (True, True, False):
+        decoder = forerun.Decoder(model, None, "prompt_lookup", latency=CURVE, static_cache=static)
+        outs = decoder.generate(batch, 24, do_sample=True, seed=3, temperature=1.2, eos_token_id=[])
+        texts.append([out.sequences for out in outs])
+    for first, again, dynamic in zip(*texts, strict=True):
+        assert torch.equal(first, again) and torch.equal(first, dynamic)
+
+
+def test_compiled_rows_give_the_eager_rows_tokens():
+    """A batch's (rows, bucket) forwards through torch.compile (inductor on this CPU), the joining prompts' one-place
+    forwards too: generate's tokens for every row (a few compilations: about a minute)."""
+    model = model_of("llama", "sdpa")
+    decoder = forerun.Decoder(model, None, "prompt_lookup", max_tree_nodes=4, adaptive=False, draft_len=3,
+                              max_branches=1, static_cache=True, compile_buckets=True)  # fmt: skip
+    decoder.base = StaticBase(model, buckets=(1, 4), compiled=True)
+    batch = [prompts(5, length=length)[i][0].tolist() for i, length in enumerate((12, 24))]
+    results = decoder.generate(batch, NEW_TOKENS, eos_token_id=[])
+    for i, (length, result) in enumerate(zip((12, 24), results, strict=True)):
+        assert torch.equal(result.sequences, reference("llama", "sdpa", i, length))
+    sibling = decoder.base.sibling(2)
+    assert sibling.compiled and any(rows == 2 for rows, _, _ in sibling.steps)
