@@ -32,7 +32,7 @@ from forerun.costmodel.switch import FIRST_PROBE_STEPS
 from forerun.drafters.base import Drafter
 from forerun.drafters.prediction import PredictionDrafter
 from forerun.engine import decode
-from forerun.latency import DEFAULT_CACHE_DIR, curve_for, measure_batched
+from forerun.latency import DEFAULT_CACHE_DIR, curve_for
 from forerun.methods import DEFAULT_METHOD, MethodPlan, plan_method
 from forerun.noise import GumbelNoise
 from forerun.prefixcache import PrefixCache, Prefixes
@@ -182,10 +182,8 @@ class Decoder:
         budget = self.budget
         measure = self.latency is None and batchable(self.model)
         if budget.curve is not None and measure and not budget.curve.batched:
-            if self.latency_cache is None:
-                budget.curve = budget.curve.with_batches(measure_batched(self.model))
-            else:
-                budget.curve = curve_for(self.model, self.latency_cache, batched=True)
+            # on the base the curve was measured on: a static base's batches are its siblings' steps
+            budget.curve = curve_for(self.model, self.latency_cache, batched=True, base=self.base)
         return budget
 
     def prepare_draft(self, draft: torch.nn.Module | str | None, draft_tokenizer) -> torch.nn.Module:

@@ -166,6 +166,13 @@ def time_forwards(
     return LatencyCurve(tuple(sizes), tuple(min(samples[n][1:]) for n in sizes))
 
 
+def batches_of(model: torch.nn.Module, base: object | None) -> tuple[tuple[int, LatencyCurve], ...]:
+    """The batched row curves: a static base's batches (its siblings' steps), else the growing cache's."""
+    if base is not None:
+        return base.measure_rows(BATCH_ROWS, BATCH_SIZES, CONTEXT)
+    return measure_batched(model)
+
+
 def curve_path(model: torch.nn.Module, cache_dir: Path | str = DEFAULT_CACHE_DIR, base: object | None = None) -> Path:
     return Path(cache_dir).expanduser() / "latency" / f"{curve_key(base_settings(model, base))}.json"
 
@@ -205,14 +212,14 @@ def curve_for(
     measure = base.measure_curve if base is not None else lambda: measure_curve(model)
     if cache_dir is None:
         curve = measure()
-        return curve.with_batches(measure_batched(model)) if batched else curve
+        return curve.with_batches(batches_of(model, base)) if batched else curve
     path = curve_path(model, cache_dir, base)
     curve = load_curve(path)
     missing = curve is None or (batched and not curve.batched)
     if curve is None:
         curve = measure()
     if batched and not curve.batched:
-        curve = curve.with_batches(measure_batched(model))
+        curve = curve.with_batches(batches_of(model, base))
     if missing:
         try:
             save_curve(curve, path, base_settings(model, base))

@@ -157,3 +157,18 @@ def test_compiled_rows_give_the_eager_rows_tokens():
         assert torch.equal(result.sequences, reference("llama", "sdpa", i, length))
     sibling = decoder.base.sibling(2)
     assert sibling.compiled and any(rows == 2 for rows, _, _ in sibling.steps)
+
+
+def test_a_batch_budget_on_the_static_base_times_its_siblings(tmp_path):
+    """A static base's batches are priced on its own batched steps (siblings of 2, 4 and 8 places), stored with
+    the static base's curve; the single row's curve stays the static base's."""
+    model = model_of("llama", "sdpa")
+    decoder = forerun.Decoder(model, None, "prompt_lookup", static_cache=True, latency_cache=tmp_path)
+    single = decoder.budget.curve
+    assert single.sizes == tuple(range(1, 65))  # the buckets' curve
+    curve = decoder.batch_budget().curve
+    assert curve.sizes == single.sizes and [rows for rows, _ in curve.batched] == [2, 4, 8]
+    assert {2, 4, 8} <= set(decoder.base.siblings)
+    assert all(rows_curve.seconds[0] > 0 for _, rows_curve in curve.batched)
+    again = forerun.Decoder(model, None, "prompt_lookup", static_cache=True, latency_cache=tmp_path)
+    assert again.batch_budget().curve == curve and not again.base.siblings  # read back, not measured

@@ -48,12 +48,12 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
+from forerun.base import static_timing
 from forerun.base.dynamic import TreeLogits
 from forerun.base.slots import SlotLayer, Slots
 from forerun.base.step_inputs import behind, fill_host
 from forerun.costmodel import LatencyCurve
 from forerun.kvcache import UnsupportedCacheError, check_tree_cache
-from forerun.measured import synchronize
 from forerun.prefixcache import Prefixes
 from forerun.tree import TokenTree, attention_mask_4d, tree_support
 
@@ -366,28 +366,15 @@ class StaticBase:
             {"compiled": True} if self.compiled else {}
         )
 
-    @torch.inference_mode()
     def measure_curve(self, context: int = 256, repeats: int = 3) -> LatencyCurve:
-        """Seconds per step at each bucket after `context` cached tokens, host work and the step's one transfer
-        included (the fastest of `repeats` rounds after a warm-up round), as a curve over every size 1..largest:
-        n nodes cost their bucket."""
-        self.begin(context + 1)
-        vocab = self.model.get_input_embeddings().weight.shape[0]
-        tokens = torch.randint(0, vocab, (context + self.largest,), generator=torch.Generator().manual_seed(0))
-        self.prefill(TokenTree.rooted_at(int(tokens[context])), context, tokens[:context].tolist())
-        samples: dict[int, list[float]] = {size: [] for size in self.buckets}
-        for _ in range(repeats + 1):
-            for size in self.buckets:
-                tree = TokenTree.rooted_at(int(tokens[context]))
-                tree.add_chain(0, tokens[context + 1 : context + size].tolist())
-                synchronize(self.device)
-                started = time.perf_counter()
-                self.forward(tree, context, ())
-                samples[size].append(time.perf_counter() - started)
-        cost = {size: min(times[1:]) for size, times in samples.items()}
-        return LatencyCurve(
-            tuple(range(1, self.largest + 1)), tuple(cost[self.bucket(n)] for n in range(1, self.largest + 1))
-        )
+        """Seconds per step at each bucket (`forerun.base.static_timing.measure_curve`)."""
+        return static_timing.measure_curve(self, context, repeats)
+
+    def measure_rows(
+        self, rows: Sequence[int], sizes: Sequence[int], context: int = 256, repeats: int = 2
+    ) -> tuple[tuple[int, LatencyCurve], ...]:
+        """Seconds per batched step of each row count, on the siblings (`static_timing.measure_rows`)."""
+        return static_timing.measure_rows(self, rows, sizes, context, repeats)
 
     def commit(self, prefix_len: int, kept_nodes: list[int], place: int = 0) -> None:
         self.commit_rows([(place, prefix_len, kept_nodes)])

@@ -1,0 +1,81 @@
+"""What the static base's steps cost, for the cost model: one row's step per bucket, and a batch's step per row
+count and tokens per row. Host work and the step's one transfer are included: that is what a step costs.
+
+Example:
+    >>> curve = measure_curve(StaticBase(model))          # 1..64 nodes: each costs its bucket  # doctest: +SKIP
+    >>> rows = measure_rows(StaticBase(model), (2, 4), (1, 2, 4))   # ((2, curve), (4, curve))  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from forerun.costmodel import LatencyCurve
+from forerun.measured import synchronize
+from forerun.tree import TokenTree
+
+if TYPE_CHECKING:
+    from forerun.base.static import StaticBase
+
+
+def context_tokens(base: StaticBase, count: int) -> list[int]:
+    vocab = base.model.get_input_embeddings().weight.shape[0]
+    return torch.randint(0, vocab, (count,), generator=torch.Generator().manual_seed(0)).tolist()
+
+
+def chain(tokens: list[int], size: int) -> TokenTree:
+    tree = TokenTree.rooted_at(tokens[0])
+    tree.add_chain(0, tokens[1:size])
+    return tree
+
+
+@torch.inference_mode()
+def measure_curve(base: StaticBase, context: int = 256, repeats: int = 3) -> LatencyCurve:
+    """Seconds per step at each bucket after `context` cached tokens (the fastest of `repeats` rounds after a
+    warm-up round), as a curve over every size 1..largest: n nodes cost their bucket."""
+    base.begin(context + 1)
+    tokens = context_tokens(base, context + base.largest)
+    base.prefill(TokenTree.rooted_at(tokens[context]), context, tokens[:context])
+    samples: dict[int, list[float]] = {size: [] for size in base.buckets}
+    for _ in range(repeats + 1):
+        for size in base.buckets:
+            synchronize(base.device)
+            started = time.perf_counter()
+            base.forward(chain(tokens[context:], size), context, ())
+            samples[size].append(time.perf_counter() - started)
+    cost = {size: min(times[1:]) for size, times in samples.items()}
+    sizes = tuple(range(1, base.largest + 1))
+    return LatencyCurve(sizes, tuple(cost[base.bucket(n)] for n in sizes))
+
+
+@torch.inference_mode()
+def measure_rows(
+    base: StaticBase, rows: Sequence[int], sizes: Sequence[int], context: int = 256, repeats: int = 2
+) -> tuple[tuple[int, LatencyCurve], ...]:
+    """Per row count r: seconds of a batch's step of r rows x n nodes (each row a chain after `context` cached
+    tokens of its own) on `base`'s sibling of r places, as `forerun.latency.measure_batched` times the growing
+    cache's."""
+    sizes = sorted({int(n) for n in sizes} | {1})
+    if max(sizes) > base.largest:
+        raise ValueError(f"sizes up to {max(sizes)} exceed the largest bucket ({base.largest})")
+    tokens = context_tokens(base, context + max(sizes))
+    out = []
+    for count in sorted(set(rows)):
+        sibling = base.sibling(count)
+        sibling.begin(context + 1)
+        for place in range(count):
+            sibling.forward(TokenTree.rooted_at(tokens[context]), context, tokens[:context], place=place)
+        samples: dict[int, list[float]] = {n: [] for n in sizes}
+        for _ in range(repeats + 1):
+            for n in sizes:
+                fed = {place: (chain(tokens[context:], n), context) for place in range(count)}
+                synchronize(base.device)
+                started = time.perf_counter()
+                sibling.forward_rows(fed)
+                samples[n].append(time.perf_counter() - started)
+        out.append((count, LatencyCurve(tuple(sizes), tuple(min(samples[n][1:]) for n in sizes))))
+    return tuple(out)
