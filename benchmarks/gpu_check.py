@@ -9,7 +9,8 @@ Sections (each writes its records to `--out` as JSON lines as it goes, so a run 
   `model.generate` eager, `model.generate` with transformers' static cache (auto-compiled; warmed before timing),
   transformers' prompt lookup, and forerun methods, interleaved per prompt; every output checked against eager
   generate (bf16: a first difference must be a numerical tie on generate's own logits).
-- `batch`: `generate([...])` of 1 / 4 / 16 rows against transformers' batched generate.
+- `batch`: `generate([...])` of 1 / 4 / 16 rows (the static base's places) against transformers' batched
+  generate, eager and static-cache compiled.
 - `profile` (after `bench`, on its warm decoders): where a step's time goes (cProfile over 3 prompts, and the
   card's kernels and the host's CUDA calls per forward under torch.profiler over one).
 
@@ -292,30 +293,54 @@ def profile(log: Log, model, tokenizer, prompts: list[dict], new_tokens: int, de
         ])  # fmt: skip
 
 
-def batch(log: Log, model, tokenizer, prompts: list[dict], new_tokens: int) -> None:
-    """`generate([...])` of r rows against transformers' batched generate of the same left-padded rows."""
+def batch(log: Log, model, tokenizer, prompts: list[dict], new_tokens: int, compiled: list[str]) -> None:
+    """`generate([...])` of r rows (on the static base's places, graphs per (rows, bucket)) against transformers'
+    batched generate of the same left-padded rows, eager and with its static cache (compiled; warmed per row
+    count). `compiled`: these methods also with compiled buckets. Each forerun row is compared with the eager
+    batched generate's row (bf16: a padded batch may differ at ties, so this is reported, not asserted)."""
     for rows in (1, 4, 16):
         if log.late(60):
             return
-        chosen = (prompts * 4)[:rows]
-        texts = [torch.tensor(p["ids"]) for p in chosen]
-        width = max(len(t) for t in texts)
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        ids = torch.stack([torch.cat([torch.full((width - len(t),), pad), t]) for t in texts]).to(DEVICE)
-        mask = (torch.arange(width)[None] >= torch.tensor([width - len(t) for t in texts])[:, None]).long()
-        mask = mask.to(DEVICE)
-        hf_generate(model, ids[:2], 8, attention_mask=mask[:2], pad_token_id=pad)
-        _, hf_s = sync_time(
-            lambda a=(ids, mask, pad): hf_generate(model, a[0], new_tokens, attention_mask=a[1], pad_token_id=a[2])
-        )
-        lists = [t.tolist() for t in texts]
-        for method in ("plain", "auto"):
-            decoder = Decoder(model, tokenizer, method)
-            decoder.generate((lists * 2)[:2], 8)  # warm: the batched curve is measured once
-            results, took = sync_time(lambda d=decoder, lists=lists: d.generate(lists, new_tokens))
-            produced = sum(len(r.new_tokens) for r in results)
-            log("batch", rows=rows, method=method, seconds=round(took, 3), hf_seconds=round(hf_s, 3),
-                tokens=produced, vs_hf=round(hf_s / took, 3))  # fmt: skip
+        batch_of(log, model, tokenizer, [torch.tensor(p["ids"]) for p in (prompts * 4)[:rows]], new_tokens, compiled)
+
+
+def batch_of(log: Log, model, tokenizer, texts: list[torch.Tensor], new_tokens: int, compiled: list[str]) -> None:
+    rows, width = len(texts), max(len(t) for t in texts)
+    pad = next(
+        (
+            t
+            for t in (getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None))
+            if t is not None
+        ),
+        0,
+    )
+    ids = torch.stack([torch.cat([torch.full((width - len(t),), pad), t]) for t in texts]).to(DEVICE)
+    mask = (torch.arange(width)[None] >= torch.tensor([width - len(t) for t in texts])[:, None]).long().to(DEVICE)
+
+    def run_hf(**options):
+        return hf_generate(model, ids, new_tokens, attention_mask=mask, pad_token_id=pad, eos_token_id=None, **options)
+
+    run_hf()
+    hf_out, hf_s = sync_time(run_hf)
+    _, compile_s = sync_time(lambda: run_hf(cache_implementation="static"))
+    _, hf_static_s = sync_time(lambda: run_hf(cache_implementation="static"))
+    log("batch", rows=rows, baseline="generate", seconds=round(hf_s, 3), static_seconds=round(hf_static_s, 3),
+        static_compile_s=round(compile_s, 1))  # fmt: skip
+    lists = [t.tolist() for t in texts]
+    for label, method, fused in [(m, m, False) for m in ("plain", "auto")] + [(f"{m} (compiled)", m, True)
+                                                                             for m in compiled]:  # fmt: skip
+        if log.late(45):
+            return
+        decoder = Decoder(model, tokenizer, method, static_cache=True, compile_buckets=fused)
+        _, warm_s = sync_time(lambda d=decoder: d.generate(lists, new_tokens, eos_token_id=[]))  # capture
+        results, took = sync_time(lambda d=decoder: d.generate(lists, new_tokens, eos_token_id=[]))
+        same = sum(r.new_tokens == hf_out[i, width:].tolist() for i, r in enumerate(results))
+        sibling = decoder.base.siblings.get(rows) if decoder.base is not None and rows > 1 else decoder.base
+        log("batch", rows=rows, method=label, seconds=round(took, 3), warm_s=round(warm_s, 1),
+            tokens=sum(len(r.new_tokens) for r in results), vs_generate=round(hf_s / took, 3),
+            vs_static_generate=round(hf_static_s / took, 3), forwards=sum(r.stats.forwards for r in results) / rows,
+            same_as_generate=f"{same}/{rows}",
+            graphs=sorted(map(list, sibling.steps)) if sibling is not None else None)  # fmt: skip
 
 
 def log_slow_collections(log: Log, threshold_s: float = 0.05) -> None:
@@ -346,6 +371,7 @@ def main() -> None:
     parser.add_argument("--compiled", default="", help="bench: these methods with compiled buckets too (a list)")
     parser.add_argument("--baselines", default="generate_static_compiled,hf_prompt_lookup",
                         help="bench: transformers' runs beside eager generate")  # fmt: skip
+    parser.add_argument("--batch-compiled", default="", help="batch: these methods with compiled buckets too")
     parser.add_argument("--profile", default="auto,prompt_lookup",
                         help="profile: the bench's decoders of these methods (compiled or not)")  # fmt: skip
     parser.add_argument("--budget-s", type=float, default=420.0, help="stop starting new work after this long")
@@ -388,7 +414,8 @@ def main() -> None:
         chosen = {label: d for label, d in decoders.items() if not wanted or label.split(" ")[0] in wanted}
         guarded(log, "profile", lambda: profile(log, model, tokenizer, prompts, args.new_tokens, chosen))
     if "batch" in sections and prompts:
-        guarded(log, "batch", lambda: batch(log, model, tokenizer, prompts, min(args.new_tokens, 64)))
+        compiled = [m for m in args.batch_compiled.split(",") if m]
+        guarded(log, "batch", lambda: batch(log, model, tokenizer, prompts, min(args.new_tokens, 64), compiled))
 
 
 def guarded(log: Log, section: str, run):
