@@ -13,6 +13,7 @@ import forerun
 from forerun.base import StaticBase
 from forerun.batch import batchable
 from forerun.costmodel import LatencyCurve
+from forerun.tree import TokenTree
 
 from helpers import OracleDrafter
 from tiny_models import FAMILIES, VOCAB, prompts, tiny_model
@@ -172,3 +173,23 @@ def test_a_batch_budget_on_the_static_base_times_its_siblings(tmp_path):
     assert all(rows_curve.seconds[0] > 0 for _, rows_curve in curve.batched)
     again = forerun.Decoder(model, None, "prompt_lookup", static_cache=True, latency_cache=tmp_path)
     assert again.batch_budget().curve == curve and not again.base.siblings  # read back, not measured
+
+
+@torch.inference_mode()
+def test_a_base_that_grows_while_it_holds_rows_keeps_their_slots():
+    """A longer request joining allocates more slots: the rows already held keep theirs, so their next step's
+    logits are those of a base that never grew (and a fresh buffer's would not be)."""
+    model = model_of("llama", "sdpa")
+    prompt = prompts(5, length=20)[0][0].tolist()
+    logits = []
+    for grow in (False, True):
+        base = StaticBase(model, places=2)
+        base.begin(100)
+        base.forward(TokenTree.rooted_at(prompt[-1]), len(prompt) - 1, prompt[:-1], place=1)
+        if grow:
+            length = base.length
+            base.begin(length + 1)
+            assert base.length > length and not base.steps  # the graphs of the old buffer are gone
+        step, _ = base.forward_rows({1: (TokenTree.rooted_at(prompt[0]), len(prompt))})
+        logits.append(step[1])
+    assert torch.equal(logits[0], logits[1])
