@@ -287,6 +287,57 @@ def test_a_joining_prompt_whose_client_went_away_is_dropped_between_chunks():
     assert not worker.joining and worker.batch.shared.slots == 0
 
 
+@pytest.mark.parametrize("static", [False, True])
+def test_a_failed_step_fails_its_rows_while_a_joining_request_goes_on(static):
+    """A batch step raises (a device error, say) while a long prompt is being read a chunk at a time: the running
+    request gets the error, and the joining one, whose prompt was fed before the failure, joins the batch started
+    afresh and gets plain generate's answer (`static`: its prompt sits in its place of the static base, which the
+    fresh batch keeps for it)."""
+    model = tiny_model("llama", "sdpa")
+    curve = LatencyCurve((1, 8, 64), (1.0, 1.2, 3.0))
+    decoder = forerun.Decoder(model, None, "prompt_lookup", latency=curve, static_cache=static)
+    worker = BatchWorker(model, decoder.batch_budget(), max_batch=4, prefill_chunk=5, base=decoder.base)
+    forward, failed = worker.batch.shared.forward, threading.Event()
+
+    def failing(*args):
+        if not failed.is_set() and worker.joining and worker.joining[0][0].chunks >= 2:
+            failed.set()
+            raise RuntimeError("the device fell over")
+        return forward(*args)
+
+    worker.batch.shared.forward = failing
+    started = threading.Event()
+
+    class Started:
+        def put(self, ids) -> None:
+            started.set()
+
+        def end(self) -> None:
+            pass
+
+    short, long = prompts(2, length=24)
+    short = short[:, :6]
+
+    def prepare(prompt, streamer=None):
+        return lambda: (decoder.prepare(GenerationRequest(prompt[0].tolist(), 40, eos_token_id=(),
+                                                          streamer=streamer)), decoder)  # fmt: skip
+
+    async def both():
+        first = asyncio.ensure_future(worker.run(prepare(short, Started()), threading.Event()))
+        while not started.is_set():
+            await asyncio.sleep(0.001)
+        second = asyncio.ensure_future(worker.run(prepare(long), threading.Event()))
+        return await asyncio.gather(first, second, return_exceptions=True)
+
+    try:
+        running, joining = asyncio.run(both())
+    finally:
+        worker.shutdown()
+    assert failed.is_set() and isinstance(running, RuntimeError), running
+    reference = model.generate(long, max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(joining.sequences, reference)
+
+
 def test_concurrent_clients_of_a_server_with_the_shipped_head_get_exact_answers(smollm2):
     """`forerun serve --method eagle3 --draft-head smollm2-135m`: concurrent rows of the continuous batch, each
     with its own head reading its own row's hidden states, get plain generate's answers (whether they draft is the

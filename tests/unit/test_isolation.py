@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import forerun
+from forerun.base.rows import static_rows
 from forerun.batch import Batch, fork
 from forerun.costmodel import LatencyCurve
 from forerun.request import GenerationRequest
@@ -58,12 +59,15 @@ def plain(model, prompt: torch.Tensor) -> torch.Tensor:
     return model.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
 
 
+@pytest.mark.parametrize("static", [False, True])
 @pytest.mark.parametrize("where", ["propose", "observe", "root"])
-def test_a_failing_row_ends_alone_and_its_neighbours_stay_exact(where):
+def test_a_failing_row_ends_alone_and_its_neighbours_stay_exact(where, static):
+    """`static`: the rows at places of a static base (a GPU's batch)."""
     model = model_of("llama")
-    decoder = forerun.Decoder(model, None, "prompt_lookup", latency=CURVE)
+    decoder = forerun.Decoder(model, None, "prompt_lookup", latency=CURVE, static_cache=static)
     honest = prompts(3)
-    batch = Batch(model, decoder.budget)
+    batch = Batch(model, decoder.budget, shared=static_rows(decoder.base, 4, 24 + NEW_TOKENS + 16))
+    assert (batch.shared.__class__.__name__ == "StaticRows") == static
     jobs = []
     for index, prompt in enumerate([*honest, prompts(1, seed=9)[0]]):
         job = decoder.prepare(GenerationRequest(prompt, NEW_TOKENS, eos_token_id=())).job

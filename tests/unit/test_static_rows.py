@@ -11,6 +11,7 @@ import torch
 
 import forerun
 from forerun.base import StaticBase
+from forerun.base.rows import StaticRows
 from forerun.batch import batchable
 from forerun.costmodel import LatencyCurve
 from forerun.tree import TokenTree
@@ -193,3 +194,17 @@ def test_a_base_that_grows_while_it_holds_rows_keeps_their_slots():
         step, _ = base.forward_rows({1: (TokenTree.rooted_at(prompt[0]), len(prompt))})
         logits.append(step[1])
     assert torch.equal(logits[0], logits[1])
+
+
+def test_rows_started_afresh_keep_the_places_of_rows_still_joining():
+    """A server's batch whose step failed starts afresh; a request still reading its prompt keeps its place, so
+    a new request never takes it (it would write over that prompt's slots)."""
+    model = model_of("llama", "sdpa")
+    rows = StaticRows(StaticBase(model, places=3))
+    first, _ = rows.open(None, [5, 6, 7], 64)
+    second, _ = rows.open(None, [5, 6, 7], 64)
+    rows.admit(first, 2, [0], None, [5, 6, 7])
+    fresh = rows.without_rows()
+    assert fresh.held == [] and fresh.open(None, [5, 6], 64)[0] not in {second}
+    fresh.admit(second, 2, [0], None, [5, 6, 7])
+    assert fresh.held == [second]

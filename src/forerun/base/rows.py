@@ -82,6 +82,10 @@ class SharedRows(Protocol):
 
     def remove(self, leaving: Sequence[Leaving]) -> None: ...
 
+    def without_rows(self) -> SharedRows:
+        """A fresh one for a batch started afresh (its rows failed), where the rows still joining keep theirs."""
+        ...
+
 
 class DynamicRows:
     """Rows on one growing `DynamicCache` (`RowCache`), each tree padded to the step's widest (module docstring)."""
@@ -150,6 +154,9 @@ class DynamicRows:
             self.cache = RowCache(self.model.config)
         else:  # their places are kept for rows that join before the next step (`RowCache.refill`)
             self.cache.vacate([places[index] for index, *_ in leaving])
+
+    def without_rows(self) -> DynamicRows:
+        return DynamicRows(self.model)  # a joining row's cache is its own until it is admitted
 
     def pack(
         self, prefix_lens: Sequence[int], trees: Sequence[TokenTree], nodes: int
@@ -256,6 +263,11 @@ class StaticRows:
         for index in gone:
             self.lengths.pop(self.held[index], None)
         self.held = [place for index, place in enumerate(self.held) if index not in gone]
+
+    def without_rows(self) -> StaticRows:
+        fresh = StaticRows(self.base)
+        fresh.joining = set(self.joining)  # their prompts are in their places: no new row may take them
+        return fresh
 
 
 def static_rows(base: StaticBase | None, places: int, max_len: int) -> StaticRows | None:

@@ -301,7 +301,8 @@ class BatchWorker:
                 logger.exception("forerun: a batch step failed; its %d requests get an error", len(self.batch.rows))
                 for row in self.batch.rows:
                     self.settle(self.members.pop(id(row)), error=error)
-                self.batch = self.new_batch()
+                # the requests still joining keep what they fed (their own caches, or their places)
+                self.batch = Batch(self.model, self.budget, shared=self.batch.shared.without_rows())
                 continue
             for row in finished:
                 admission = self.members.pop(id(row))
