@@ -43,6 +43,9 @@ def fill_host(host: np.ndarray, tree: TokenTree, prefix_len: int, size: int) -> 
     """
     n = len(tree)
     host[0] = prefix_len
+    if n == 1 and size == 1:  # a lone root: an undrafted step's row, the commonest of all
+        host[1:] = (tree.tokens[0], 0, 1)
+        return
     host[1 : 1 + n] = tree.tokens
     host[1 + n : 1 + size] = tree.tokens[0]
     host[1 + size : 1 + size + n] = tree.depths
