@@ -13,6 +13,9 @@ when another accepted more) are masked out for good, and squeezed out once that 
         row 0  [p p p p | r a a]      visible 1 1 1 1 | 1 1 1
         row 1  [_ p p p | r _ _]      visible 0 1 1 1 | 1 0 0
 
+That is the growing cache's layout (`forerun.base.rows.DynamicRows`, a CPU's); on a static base (a GPU's) each row
+has a place of its own instead, without padding or holes (`StaticRows`); the batch is the same either way.
+
 Positions are per row (tokens committed before the node), never slot indices, so holes change nothing a row
 computes: each row's tokens are exactly those of its own single run (fp32). Rows join between steps (`Batch.add`:
 their prompt is prefilled alone, with their first tree verified in that forward as a single run does, then spliced
@@ -67,7 +70,7 @@ class Joining:
     """The row's handle in the shared rows (`SharedRows.open`): its own cache of what has been fed so far (its
     prefix-cache head included), or its place."""
     fed: int
-    """Prompt tokens in `cache`."""
+    """Prompt tokens fed so far (or found in the prefix cache)."""
     chunks: int = 0
     """Chunks fed so far (the final forward not counted)."""
     begun_s: float = 0.0
