@@ -32,7 +32,7 @@ from forerun.costmodel.switch import FIRST_PROBE_STEPS
 from forerun.drafters.base import Drafter
 from forerun.drafters.prediction import PredictionDrafter
 from forerun.engine import decode
-from forerun.latency import DEFAULT_CACHE_DIR, curve_for
+from forerun.latency import DEFAULT_CACHE_DIR, batches_of, curve_for
 from forerun.methods import DEFAULT_METHOD, MethodPlan, plan_method
 from forerun.noise import GumbelNoise
 from forerun.prefixcache import PrefixCache, Prefixes
@@ -183,7 +183,10 @@ class Decoder:
         measure = self.latency is None and batchable(self.model)
         if budget.curve is not None and measure and not budget.curve.batched:
             # on the base the curve was measured on: a static base's batches are its siblings' steps
-            budget.curve = curve_for(self.model, self.latency_cache, batched=True, base=self.base)
+            if self.latency_cache is None:
+                budget.curve = budget.curve.with_batches(batches_of(self.model, self.base))
+            else:
+                budget.curve = curve_for(self.model, self.latency_cache, batched=True, base=self.base)
         return budget
 
     def prepare_draft(self, draft: torch.nn.Module | str | None, draft_tokenizer) -> torch.nn.Module:

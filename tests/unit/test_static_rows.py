@@ -208,3 +208,14 @@ def test_rows_started_afresh_keep_the_places_of_rows_still_joining():
     assert fresh.held == [] and fresh.open(None, [5, 6], 64)[0] not in {second}
     fresh.admit(second, 2, [0], None, [5, 6, 7])
     assert fresh.held == [second]
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_a_batch_budget_measured_without_a_store_keeps_the_single_rows_curve(static):
+    """latency_cache=None: the batched rows are measured and added; the single row's curve is kept as it was
+    measured (measuring it again would change the choices a single row already made on it)."""
+    model = model_of("llama", "sdpa")
+    decoder = forerun.Decoder(model, None, "prompt_lookup", static_cache=static, latency_cache=None)
+    single = decoder.budget.curve
+    curve = decoder.batch_budget().curve
+    assert (curve.sizes, curve.seconds) == (single.sizes, single.seconds) and curve.batched
