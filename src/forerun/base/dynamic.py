@@ -82,9 +82,7 @@ class DynamicBase:
 
     def forward(self, tree: TokenTree, prefix_len: int, lead: Sequence[int]) -> TreeLogits:
         logits = forward_tree(self.head, self.cache, tree, prefix_len, lead, self.attention)
-        # On an accelerator every node's argmax in one transfer beats a host sync per walked node.
-        choices = None if logits.device.type == "cpu" else logits.argmax(-1).tolist()
-        return TreeLogits(logits, choices)
+        return TreeLogits(logits, host_choices(logits))
 
     def commit(self, prefix_len: int, kept_nodes: list[int]) -> None:
         keep_accepted(self.cache, prefix_len, kept_nodes)
@@ -92,6 +90,12 @@ class DynamicBase:
     def store(self, prefixes: Prefixes | None, tokens: list[int], length: int) -> None:
         if prefixes is not None:
             prefixes.store(tokens, self.cache, length)
+
+
+def host_choices(logits: torch.Tensor) -> list | None:
+    """Every node's argmax (of logits [..., vocab]) copied to the host at once on an accelerator, where that beats
+    a host sync per walked node; None on a CPU (the verifier takes the argmaxes it walks)."""
+    return None if logits.device.type == "cpu" else logits.argmax(-1).tolist()
 
 
 def forward_tree(

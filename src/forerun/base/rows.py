@@ -25,7 +25,7 @@ from typing import Protocol
 import torch
 from transformers import DynamicCache
 
-from forerun.base.dynamic import TreeLogits, forward_tree
+from forerun.base.dynamic import TreeLogits, forward_tree, host_choices
 from forerun.base.static import StaticBase
 from forerun.head import LogitsHead
 from forerun.kvcache import keep_accepted
@@ -133,8 +133,7 @@ class DynamicRows:
             past_key_values=self.cache.cache,
             use_cache=True,
         )  # [rows, nodes, vocab]
-        # on an accelerator every node's argmax in one transfer beats a host sync per walked node
-        return logits, None if logits.device.type == "cpu" else logits.argmax(-1).tolist()
+        return logits, host_choices(logits)
 
     def in_row_order(self, tapped: torch.Tensor | None) -> torch.Tensor | None:
         return tapped

@@ -191,8 +191,8 @@ class BatchWorker:
             raise ValueError(f"prefill_chunk must be a whole number of tokens >= 0 (0: off), got {prefill_chunk!r}")
         self.model, self.budget, self.max_batch = model, budget, max_batch
         self.prefill_chunk = prefill_chunk or None
-        self.base = base
-        self.batch = self.new_batch()
+        # the rows take places of the static base's sibling, where there is one
+        self.batch = Batch(model, budget, shared=static_rows(base, max_batch, 1))
         self.waiting: deque[Admission] = deque()
         self.joining: list[tuple[Joining, Admission]] = []
         """Requests whose prompts are being fed; the one with the least left to feed goes first."""
@@ -201,10 +201,6 @@ class BatchWorker:
         self.closing = False
         self.thread = threading.Thread(target=self.loop, name="forerun-batch", daemon=True)
         self.thread.start()
-
-    def new_batch(self) -> Batch:
-        """A batch whose rows take places of the static base's sibling, where there is one."""
-        return Batch(self.model, self.budget, shared=static_rows(self.base, self.max_batch, 1))
 
     def counts(self, pending: int) -> tuple[int, int]:
         running = len(self.batch.rows) + len(self.joining)
