@@ -72,3 +72,25 @@ def first_divergence(
             margin = high - low
             return Divergence(position, int(expected), int(got), margin, margin / ulp(max(abs(high), abs(low)), dtype))
     return None
+
+
+def judged_by_one_forward(
+    model: torch.nn.Module, prompt: torch.Tensor, reference: Sequence[int], divergence: Divergence
+) -> Divergence:
+    """The same first difference judged on the model's logits from one forward over the prompt and the reference's
+    tokens before it (how the model computes a prompt's positions), instead of generate's step by step.
+
+    A reference margin is one rounding of many: the same text computed by other matrix shapes moves it by an ulp
+    or two (docs/exactness.md shows one). A difference that is a tie on either reading is one
+    the model's arithmetic cannot tell apart from generate's choice; a chosen second-best token is not a tie on
+    either (tested with a verifier that takes the second choice).
+
+    `prompt` [1, P] ids; `reference` plain generate's new tokens; `divergence` as `first_divergence` found it.
+    """
+    text = torch.tensor([list(reference[: divergence.position])], dtype=prompt.dtype, device=prompt.device)
+    with torch.inference_mode():
+        logits = model(torch.cat([prompt, text], dim=1)).logits[0, -1]
+    found = first_divergence([divergence.reference_token], [divergence.token], [logits], model.dtype)
+    assert found is not None  # the two tokens differ
+    # a negative margin: one forward ranks the other token first, which is a tie by any reading
+    return Divergence(divergence.position, found.reference_token, found.token, found.margin, found.ulps)

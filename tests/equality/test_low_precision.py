@@ -19,7 +19,7 @@ import forerun
 from forerun.attention import register
 from forerun.costmodel import LatencyCurve
 from forerun.engine import decode
-from forerun.exactness import TIE_ULPS, first_divergence, ulp
+from forerun.exactness import TIE_ULPS, first_divergence, judged_by_one_forward, ulp
 from forerun.noise import GumbelNoise
 from forerun.row import RowJob
 from forerun.transcript import Transcript
@@ -128,6 +128,8 @@ def test_negative_control_a_verifier_that_takes_the_second_choice_fails_the_chec
     got = transcript.sequence[0, prompt.shape[1] :].tolist()
     divergence = first_divergence(expected, got, logits, model.dtype)
     assert divergence is not None and divergence.ulps > TIE_ULPS, divergence
+    # nor is it a tie when the same text is read by one forward (the contract's second reading)
+    assert judged_by_one_forward(model, prompt, expected, divergence).ulps > TIE_ULPS
 
 
 BF16_CPU_CURVE = LatencyCurve((1, 2, 4, 8, 16, 32), (0.027, 0.029, 0.030, 0.034, 0.041, 0.056))
@@ -177,16 +179,26 @@ def real_model_ties(model, tokenizer, new_tokens: int) -> int:
             expected, logits = reference(model, ids, new_tokens, stop_at_eos=True)
             got = decoder.generate(ids, new_tokens).new_tokens
             divergence = first_divergence(expected, got, logits, model.dtype)
-            # The contract's second half: beyond TIE_ULPS a first difference must still be one that plain
-            # generate makes itself in a batch of two (its own noise floor; measured here: "List the planets..."
-            # flips at position 25 at 3 ulp in plain generate beside another prompt, and in forerun's trees)
-            assert divergence is None or divergence.is_tie or plain_batch_flips(model, tokenizer, ids, divergence), (
+            # The contract's second half: beyond TIE_ULPS on generate's own logits, a first difference must still be
+            # a tie on one forward over the same text, or one that plain generate makes itself in a batch of two
+            # (its noise floor: "List the planets..." flips at position 25 at 3 ulp in plain generate beside another
+            # prompt; with int4 weights on an AVX2 CPU, the palindrome's 3-ulp margin at position 27 is 1 ulp
+            # in one forward). docs/exactness.md.
+            assert divergence is None or is_tie_on_plain_arithmetic(model, tokenizer, ids, expected, divergence), (
                 method,
                 text,
                 divergence,
             )
             identical += divergence is None and len(got) == len(expected)
     return identical
+
+
+def is_tie_on_plain_arithmetic(model, tokenizer, ids, expected, divergence) -> bool:
+    """Whether a first difference is a tie on generate's logits, on one forward over the same text, or is one plain
+    generate itself makes in a batch of two."""
+    if divergence.is_tie or judged_by_one_forward(model, ids, expected, divergence).is_tie:
+        return True
+    return plain_batch_flips(model, tokenizer, ids, divergence)
 
 
 def plain_batch_flips(model, tokenizer, ids: torch.Tensor, divergence) -> bool:
@@ -217,8 +229,9 @@ def plain_batch_flips(model, tokenizer, ids: torch.Tensor, divergence) -> bool:
 
 
 @pytest.mark.real_model
-def test_plain_batch_flips_only_reproduces_what_plain_generate_does():
-    """The noise-floor check cannot pass for a made-up divergence: plain generate never picks token 0 there."""
+def test_the_noise_floor_readings_refuse_a_made_up_divergence():
+    """The contract's second readings cannot pass a made-up divergence: plain generate never picks token 0 there,
+    and one forward over the same text ranks it far below generate's token."""
     from forerun.exactness import Divergence
 
     model, tokenizer = forerun.load_model("smollm2-135m", dtype=torch.bfloat16)
@@ -229,6 +242,10 @@ def test_plain_batch_flips_only_reproduces_what_plain_generate_does():
         return_dict=True,
     )["input_ids"]
     assert not plain_batch_flips(model, tokenizer, ids, Divergence(3, 1, 0, 9.0, 40.0))
+    expected, _ = reference(model, ids, 4, stop_at_eos=True)
+    made_up = Divergence(3, expected[3], 0, 9.0, 40.0)
+    assert judged_by_one_forward(model, ids, expected, made_up).ulps > 10 * TIE_ULPS
+    assert not is_tie_on_plain_arithmetic(model, tokenizer, ids, expected, made_up)
 
 
 @pytest.mark.real_model
