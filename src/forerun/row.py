@@ -138,7 +138,7 @@ class RowRun:
         """The longest path of `tree` the target agrees with, on the tree's `logits` [nodes, vocab] (`choices`:
         every node's argmax, where the base copied them to the host at once)."""
         job = self.job
-        return verify(tree, NodeScores(logits, job.processor, job.transcript.sequence, tree, choices), job.sampling)
+        return verify(tree, NodeScores(logits, job.processor, job.transcript, tree, choices), job.sampling)
 
     def accept(
         self,

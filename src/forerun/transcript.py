@@ -14,9 +14,20 @@ from forerun.logprobs import TokenLogprob, token_logprobs
 
 @dataclass
 class Transcript:
-    """The growing sequence [1, prompt + new], checked against the stopping criteria one token at a time."""
+    """The growing sequence [1, prompt + new], checked against the stopping criteria one token at a time.
 
-    sequence: torch.Tensor
+    The tokens taken under plain limits are held in a list and joined to the tensor when `sequence` is read (a
+    logits processor, a criterion, the result), not at every step: a batch of many rows paid a concatenation
+    and a new tensor per row per step for a sequence most steps never read.
+
+    Example:
+        >>> t = Transcript(torch.tensor([[5, 6]]), StoppingCriteriaList([MaxLengthCriteria(4)]))
+        >>> t.extend([7, 8, 9], ["model"] * 3), t.length, t.done, t.sequence.tolist()
+        ([7, 8], 4, True, [[5, 6, 7, 8]])
+    """
+
+    held: torch.Tensor
+    """[1, n]: the sequence as last joined; `pending` follows it."""
     stopping: StoppingCriteriaList
     streamer: object | None = None
     sources: list[str] = field(default_factory=list)
@@ -29,8 +40,24 @@ class Transcript:
     limits: tuple[float, frozenset[int]] | None = field(init=False, default=None)
     """The stopping criteria as a length and EOS ids where that is all they are (`simple_limits`)."""
 
+    pending: list[int] = field(default_factory=list, repr=False)
+    """Tokens taken since `held` was last joined."""
+
     def __post_init__(self) -> None:
         self.limits = simple_limits(self.stopping)
+
+    @property
+    def sequence(self) -> torch.Tensor:
+        """[1, prompt + new] on the host."""
+        if self.pending:
+            self.held = torch.cat([self.held, self.held.new_tensor([self.pending])], dim=1)
+            self.pending = []
+        return self.held
+
+    @property
+    def length(self) -> int:
+        """Prompt and new tokens so far (without joining them)."""
+        return self.held.shape[1] + len(self.pending)
 
     def extend(self, tokens: list[int], sources: list[str], rows: torch.Tensor | None = None) -> list[int]:
         """Append tokens until a criterion fires (exactly where plain generate stops); return those appended.
@@ -49,14 +76,14 @@ class Transcript:
             note_sources = getattr(self.streamer, "note_sources", None)
             if note_sources is not None:  # optional: streamers that colour tokens by origin (forerun chat)
                 note_sources(self.sources[len(self.sources) - len(taken) :])
-            self.streamer.put(self.sequence.new_tensor(taken))
+            self.streamer.put(self.held.new_tensor(taken))
         return taken
 
     def take(self, tokens: list[int], sources: list[str]) -> list[int]:
         """`extend`'s tokens under a length and EOS alone (`limits`): checked in Python, the sequence grown once
         (a criterion call per token costs tensor ops on the host between a card's steps)."""
         max_length, eos = self.limits
-        taken, length = [], self.sequence.shape[1]
+        taken, length = [], self.length
         for token, source in zip(tokens, sources, strict=True):
             self.sources.append(source)
             taken.append(token)
@@ -64,15 +91,14 @@ class Transcript:
             if length >= max_length or token in eos:
                 self.done = True
                 break
-        if taken:
-            self.sequence = torch.cat([self.sequence, self.sequence.new_tensor([taken])], dim=1)
+        self.pending.extend(taken)
         return taken
 
     def take_checked(self, tokens: list[int], sources: list[str]) -> list[int]:
         """`extend`'s tokens, each checked by calling the stopping criteria on the grown sequence."""
         taken = []
         for token, source in zip(tokens, sources, strict=True):
-            self.sequence = torch.cat([self.sequence, self.sequence.new_tensor([[token]])], dim=1)
+            self.held = torch.cat([self.sequence, self.held.new_tensor([[token]])], dim=1)
             self.sources.append(source)
             taken.append(token)
             if bool(self.stopping(self.sequence, None).any()):

@@ -23,6 +23,7 @@ import torch
 from transformers import LogitsProcessorList
 
 from forerun.noise import GumbelNoise
+from forerun.transcript import Transcript
 from forerun.tree import TokenTree
 
 
@@ -86,7 +87,8 @@ class NodeScores:
 
     logits: torch.Tensor  # [n, vocab]
     processor: LogitsProcessorList | None
-    sequence: torch.Tensor  # [1, committed]; its last token is the root
+    committed: Transcript
+    """The row's text so far (its last token is the root), read only where a processor needs the prefix."""
     tree: TokenTree
     choices: list[int] | None = None
     """Each node's raw argmax, where the base copied them to the host at once (used when nothing processes the
@@ -97,7 +99,8 @@ class NodeScores:
         if not self.processor:
             return row[0]
         path = [self.tree.tokens[i] for i in self.tree.path_to(node)[1:]]
-        prefix = torch.cat([self.sequence, self.sequence.new_tensor([path])], dim=1) if path else self.sequence
+        sequence = self.committed.sequence  # [1, committed]
+        prefix = torch.cat([sequence, sequence.new_tensor([path])], dim=1) if path else sequence
         return self.processor(prefix.to(row.device), row)[0]
 
     def argmax(self, node: int) -> int:
@@ -118,4 +121,4 @@ class Sampling:
 def verify(tree: TokenTree, scores: NodeScores, sampling: Sampling | None) -> Verdict:
     if sampling is None:
         return verify_greedy(tree, scores.argmax)
-    return sampling.verifier(tree, scores.scores, sampling.noise, scores.sequence.shape[1])
+    return sampling.verifier(tree, scores.scores, sampling.noise, scores.committed.length)
