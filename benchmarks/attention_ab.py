@@ -1,10 +1,14 @@
-"""bf16 on a CPU: transformers' sdpa against forerun's fp32 sdpa (`forerun.attention`), interleaved in one process.
+"""Two attention implementations of the same model on a CPU, interleaved in one process: by default, in bf16,
+transformers' sdpa against forerun's fp32 sdpa; `--dtype fp32 --attentions sdpa,forerun_sdpa`: transformers' sdpa
+against forerun's grouped sdpa (`forerun.attention`).
 
 Both models are the same weights; for every prompt each runs plain `generate` and forerun `auto`, in turn, so a
 busy machine slows all four alike. Prints tokens per second over all prompts (the prefill included), how many of
-forerun's outputs equal its own model's generate, and how many others first differ at a tie (`forerun.exactness`).
+forerun's outputs equal its own model's generate (in fp32: all of them), and how many others first differ at a tie
+(`forerun.exactness`).
 
     python benchmarks/attention_ab.py --n 3 --threads 1 --out benchmarks/results/attention-ab-epyc.json
+    python benchmarks/attention_ab.py --dtype fp32 --attentions sdpa,forerun_sdpa --n 2 --threads 1
 """
 
 from __future__ import annotations
@@ -30,12 +34,15 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--quantize", default="", help="int4 or int8 weights (bf16 activations) on both sides")
+    parser.add_argument("--dtype", default="bf16", help="bf16 or fp32")
+    parser.add_argument("--attentions", default=f"sdpa,{SDPA_FP32}", help="the two implementations, comma-separated")
     parser.add_argument("--out", default="attention-ab.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     quantize = args.quantize or None
-    models = {name: forerun.load_model("smollm2-135m", name, "bf16", quantize=quantize) for name in ("sdpa", SDPA_FP32)}
-    tokenizer = models["sdpa"][1]
+    names = args.attentions.split(",")
+    models = {name: forerun.load_model("smollm2-135m", name, args.dtype, quantize=quantize) for name in names}
+    tokenizer = models[names[0]][1]
     decoders = {name: forerun.Decoder(model, tokenizer, "auto") for name, (model, _) in models.items()}
     prompts = [p for name in DATASETS for p in load_dataset(name, args.n)]
     totals = {f"{kind} {name}": [0, 0.0] for name in models for kind in ("generate", "auto")}
@@ -67,8 +74,8 @@ def main() -> None:
     for label, rate in rows.items():
         print(f"{label:32s} {rate:6.1f} tokens/s")
     print(f"forerun identical to its model's generate: {identical}, first difference a tie: {ties}, of {len(prompts)}")
-    record = {"threads": args.threads, "quantize": quantize, "prompts": len(prompts), "tokens_per_second": rows,
-              "identical": identical, "ties": ties}  # fmt: skip
+    record = {"threads": args.threads, "dtype": args.dtype, "quantize": quantize, "prompts": len(prompts),
+              "tokens_per_second": rows, "identical": identical, "ties": ties}  # fmt: skip
     Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
 
 

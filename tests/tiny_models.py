@@ -61,6 +61,18 @@ FAMILIES: dict[str, dict] = {
 }
 
 
+GROUPED = [f for f, c in FAMILIES.items() if c.get("num_key_value_heads", 0) not in (0, c.get("num_attention_heads"))]
+"""Families whose query heads share key/value heads (the ones forerun's grouped attention reads in place)."""
+
+
+def register_grouped() -> str:
+    """forerun's grouped sdpa attention, registered with transformers: its name for `attn_implementation`."""
+    from forerun.attention import SDPA_GROUPED, register
+
+    register()
+    return SDPA_GROUPED
+
+
 def tiny_model(family: str, attn_implementation: str = "sdpa", seed: int = 0) -> torch.nn.Module:
     """A seeded random model of `family` in fp32, eval mode."""
     config = AutoConfig.for_model(family, **COMMON, **FAMILIES[family])

@@ -1,4 +1,14 @@
-"""Attention for half-precision models on the CPU: transformers' sdpa, computed in fp32.
+"""transformers' sdpa attention, with grouped key/value heads read in place under a mask, and computed in fp32 for
+half-precision models on the CPU.
+
+Grouped heads: a model whose query heads share key/value heads (SmolLM2: 9 over 3) runs sdpa on the shared heads
+only where no mask is given; under a mask (every tree forerun verifies, every row of a batch, every step of a
+compiled static cache) transformers copies the keys and values once per query head that reads them, the whole
+cache, in every layer, every forward. `SDPA_GROUPED` folds each group's query heads into the query length instead
+(one kernel call per key/value head, the mask repeated per folded query), so the cache is read where it lies and
+the products are the same ones.
+
+Half precision on the CPU:
 
 PyTorch's CPU flash-attention kernel in bf16 costs a fixed ~0.1 ms a call whatever the query's length (a decode
 step of a 30-layer model pays it 30 times), while the same kernel in fp32 costs a fifth of that for one query and
@@ -25,7 +35,50 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 SDPA_FP32 = "forerun_sdpa_fp32"
-"""The attention implementation's name, as `attn_implementation=` takes it once `register()` has run."""
+"""The fp32 implementation's name (grouped heads folded too), as `attn_implementation=` takes it once `register()`
+has run."""
+SDPA_GROUPED = "forerun_sdpa"
+"""sdpa with grouped heads folded under a mask, in the model's dtype."""
+
+
+def grouped_sdpa(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers' sdpa attention; where `groups` query heads share each key/value head and a mask [b, 1, q, k]
+    is given, query [b, kv * groups, q, d] is read as [b, kv, groups * q, d] against key/value [b, kv, k, d] as they
+    are, with the mask's rows repeated per group. The output is [b, q, heads, d], as transformers' is.
+
+    Example (9 query heads over 3 key/value heads, 5 queries under a mask: the same output as the copies give):
+        >>> class Attention(torch.nn.Module): num_key_value_groups, is_causal = 3, True
+        >>> q, k, v = torch.randn(1, 9, 5, 8), torch.randn(1, 3, 12, 8), torch.randn(1, 3, 12, 8)
+        >>> mask = torch.ones(1, 1, 5, 12, dtype=torch.bool).tril(7)
+        >>> got, _ = grouped_sdpa(Attention(), q, k, v, mask)
+        >>> copied, _ = sdpa_attention_forward(Attention(), q, k, v, mask)
+        >>> tuple(got.shape), torch.allclose(got, copied, atol=1e-6)
+        ((1, 5, 9, 8), True)
+    """
+    groups = getattr(module, "num_key_value_groups", 1)
+    batch, heads, queries, dim = query.shape
+    plain = kwargs.get("position_bias") is None and kwargs.get("cache") is None and kwargs.get("softcap") is None
+    if groups == 1 or attention_mask is None or attention_mask.shape[1] != 1 or not plain:
+        # unmasked: sdpa's own grouped kernels (transformers folds one query itself too, but not while compiling:
+        # a compiled static cache's 1-token step would copy the cache)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    folded = query.reshape(batch, heads // groups, groups * queries, dim)
+    output = torch.nn.functional.scaled_dot_product_attention(
+        folded,
+        key,
+        value,
+        attn_mask=attention_mask.repeat(1, 1, groups, 1),
+        dropout_p=kwargs.get("dropout", 0.0),
+        scale=kwargs.get("scaling"),
+    )
+    return output.reshape(batch, heads, queries, dim).transpose(1, 2).contiguous(), None
 
 
 def sdpa_in_fp32(
@@ -41,43 +94,45 @@ def sdpa_in_fp32(
     forerun's tree mask, is kept as it is)."""
     dtype = query.dtype
     if dtype == torch.float32:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        return grouped_sdpa(module, query, key, value, attention_mask, **kwargs)
     if attention_mask is not None and attention_mask.is_floating_point():
         attention_mask = attention_mask.float()
     upcast = (query.float(), key.float(), value.float())
-    output, weights = sdpa_attention_forward(module, *upcast, attention_mask, **kwargs)
+    output, weights = grouped_sdpa(module, *upcast, attention_mask, **kwargs)
     return output.to(dtype), weights
 
 
 def register() -> str:
-    """Make SDPA_FP32 a name transformers knows (idempotent: the same function under the same name); returns it.
+    """Make SDPA_FP32 and SDPA_GROUPED names transformers knows (idempotent: the same functions under the same
+    names); returns SDPA_FP32.
 
     The mask is sdpa's own (a bool mask, True = visible), so padding, sliding windows and forerun's tree masks
     reach the kernel exactly as with `attn_implementation="sdpa"`.
     """
-    AttentionInterface.register(SDPA_FP32, sdpa_in_fp32)
-    AttentionMaskInterface.register(SDPA_FP32, sdpa_mask)
+    for name, function in ((SDPA_FP32, sdpa_in_fp32), (SDPA_GROUPED, grouped_sdpa)):
+        AttentionInterface.register(name, function)
+        AttentionMaskInterface.register(name, sdpa_mask)
     return SDPA_FP32
 
 
 def pick_attention(attn_implementation: str, device: str, dtype: torch.dtype) -> str:
     """The implementation `load_model` asks transformers for: "auto" is SDPA_FP32 for bf16/fp16 on the CPU, else
-    "sdpa"; any other name is passed through (SDPA_FP32 is registered first when asked for by name).
+    SDPA_GROUPED; any other name is passed through (forerun's are registered first when asked for by name).
 
     Example:
         >>> pick_attention("auto", "cpu", torch.bfloat16), pick_attention("auto", "cpu", torch.float32)
-        ('forerun_sdpa_fp32', 'sdpa')
-        >>> pick_attention("eager", "cpu", torch.bfloat16)
-        'eager'
+        ('forerun_sdpa_fp32', 'forerun_sdpa')
+        >>> pick_attention("eager", "cpu", torch.bfloat16), pick_attention("sdpa", "cpu", torch.float32)
+        ('eager', 'sdpa')
     """
     half = dtype in (torch.bfloat16, torch.float16)
     if attn_implementation == "auto":
-        attn_implementation = SDPA_FP32 if half and torch.device(device).type == "cpu" else "sdpa"
-    if attn_implementation == SDPA_FP32:
+        attn_implementation = SDPA_FP32 if half and torch.device(device).type == "cpu" else SDPA_GROUPED
+    if attn_implementation in (SDPA_FP32, SDPA_GROUPED):
         register()
     return attn_implementation
 
 
 def sdpa_like(attn_implementation: str | None) -> bool:
     """Whether the implementation is transformers' sdpa underneath (takes bool masks, grouped heads alike)."""
-    return attn_implementation in ("sdpa", SDPA_FP32)
+    return attn_implementation in ("sdpa", SDPA_FP32, SDPA_GROUPED)

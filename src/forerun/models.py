@@ -114,8 +114,8 @@ def load_model(
     "fp16", or "auto": bf16 on a CUDA device or with `quantize`, fp32 elsewhere). `quantize="int4"`: every linear
     layer's weights kept in 4 bits, groups of 32, on the CPU (`forerun.base.weights`); a GGUF file's Q4_0/Q4_1
     codes are kept as they are (`forerun.base.gguf_codes`). `quantize="int8"`: 8 bits, one scale per row.
-    `attn_implementation="auto"`: sdpa, computed in fp32 for bf16/fp16 weights on the CPU (`forerun.attention`);
-    any name transformers takes.
+    `attn_implementation="auto"`: sdpa with grouped key/value heads read in place, computed in fp32 for bf16/fp16
+    weights on the CPU (`forerun.attention`); any name transformers takes.
 
     Raises FileNotFoundError with the install command when an embedded model's package is missing, ValueError
     for a dtype forerun does not run in.

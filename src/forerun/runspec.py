@@ -21,13 +21,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from forerun.attention import SDPA_FP32
+from forerun.attention import SDPA_FP32, SDPA_GROUPED
 from forerun.base.weights import check_quantize
 from forerun.config import EngineConfig
 from forerun.methods import DEFAULT_METHOD, MethodPlan, plan_method
 from forerun.models import DEFAULT_MODEL, DTYPES
 
-ATTENTIONS = ("auto", "sdpa", "eager", SDPA_FP32)
+ATTENTIONS = ("auto", "sdpa", "eager", SDPA_FP32, SDPA_GROUPED)
 """What `--attention` takes (transformers' names, and forerun's fp32 sdpa)."""
 MAX_THREADS = 1024
 
@@ -75,7 +75,8 @@ class RunSpec:
     quantize: str | None = None
     """'int4' or 'int8': every linear layer's weights in 4 or 8 bits (CPU, bf16 activations; `forerun.base.weights`)."""
     attention: str = "auto"
-    """auto (sdpa; computed in fp32 for bf16/fp16 on the CPU: `forerun.attention`), sdpa, eager or SDPA_FP32."""
+    """auto (sdpa with grouped heads read in place, computed in fp32 for bf16/fp16 on the CPU: `forerun.attention`),
+    sdpa (transformers' own), eager, SDPA_FP32 or SDPA_GROUPED."""
     compile_buckets: bool = False
     """A CUDA device's single rows: each bucket's forward compiled before it is captured (`EngineConfig`)."""
 

@@ -34,7 +34,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from forerun.attention import SDPA_FP32
+from forerun.attention import SDPA_FP32, SDPA_GROUPED
 
 Role = Literal["root", "candidate", "probe"]
 
@@ -235,7 +235,7 @@ def pack(
     return PackedTree(input_ids, position_ids, mask)
 
 
-TREE_ATTENTION = ("eager", "sdpa", SDPA_FP32)
+TREE_ATTENTION = ("eager", "sdpa", SDPA_FP32, SDPA_GROUPED)
 """Attention implementations that take an arbitrary 4-D mask (flash-attention only knows causal/padding)."""
 
 

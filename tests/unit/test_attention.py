@@ -7,11 +7,11 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import forerun
-from forerun.attention import SDPA_FP32, pick_attention, register, sdpa_in_fp32
+from forerun.attention import SDPA_FP32, SDPA_GROUPED, grouped_sdpa, pick_attention, register, sdpa_in_fp32
 from forerun.latency import curve_settings
 from forerun.tree import tree_support
 
-from tiny_models import tiny_model
+from tiny_models import register_grouped, tiny_model
 
 
 class Grouped(torch.nn.Module):
@@ -41,11 +41,44 @@ def test_fp32_attention_is_sdpa_on_upcast_inputs_and_returns_the_query_dtype(que
     assert not torch.equal(got, half)
 
 
+def random_visibility(queries: int, cached: int, seed: int) -> torch.Tensor:
+    """A tree's mask [1, 1, queries, cached]: the prefix and each query itself visible, earlier queries at random
+    (so no two queries' rows are the same)."""
+    generator = torch.Generator().manual_seed(seed)
+    earlier = (torch.rand(queries, queries, generator=generator) < 0.5).tril(-1)
+    visible = torch.ones(1, 1, queries, cached, dtype=torch.bool)
+    visible[..., cached - queries :] = earlier | torch.eye(queries, dtype=torch.bool)
+    return visible
+
+
+@pytest.mark.parametrize("queries", [1, 2, 7, 32])
+def test_grouped_heads_read_in_place_give_the_copies_output(queries):
+    query, key, value = qkv(queries, torch.float32)
+    mask = random_visibility(queries, 40, seed=queries)
+    got, _ = grouped_sdpa(Grouped(), query, key, value, mask, scaling=0.125)
+    copied, _ = sdpa_attention_forward(Grouped(), query, key, value, mask, scaling=0.125)
+    assert got.shape == copied.shape == (1, queries, 9, 64)
+    assert torch.allclose(got, copied, rtol=0, atol=1e-6)
+    if queries > 1:  # the negative control: each query keeps its own mask row (rows shuffled change the output)
+        shuffled, _ = grouped_sdpa(Grouped(), query, key, value, mask.roll(1, dims=2), scaling=0.125)
+        assert not torch.allclose(shuffled, copied, rtol=0, atol=1e-3)
+
+
+def test_grouped_attention_hands_what_it_does_not_fold_to_transformers():
+    query, key, value = qkv(4, torch.float32)
+    got, _ = grouped_sdpa(Grouped(), query, key, value, None)  # unmasked: sdpa's own grouped kernel
+    assert torch.equal(got, sdpa_attention_forward(Grouped(), query, key, value, None)[0])
+    per_head = torch.ones(1, 9, 4, 40, dtype=torch.bool)  # a mask per head is not repeated per group
+    got, _ = grouped_sdpa(Grouped(), query, key, value, per_head)
+    assert torch.equal(got, sdpa_attention_forward(Grouped(), query, key, value, per_head)[0])
+
+
 def test_auto_picks_fp32_attention_for_half_precision_on_the_cpu_only():
     assert pick_attention("auto", "cpu", torch.bfloat16) == SDPA_FP32
     assert pick_attention("auto", "cpu", torch.float16) == SDPA_FP32
-    assert pick_attention("auto", "cpu", torch.float32) == "sdpa"
-    assert pick_attention("auto", "cuda", torch.bfloat16) == "sdpa"
+    assert pick_attention("auto", "cpu", torch.float32) == SDPA_GROUPED
+    assert pick_attention("auto", "cuda", torch.bfloat16) == SDPA_GROUPED
+    assert pick_attention("sdpa", "cpu", torch.float32) == "sdpa"
     assert pick_attention("eager", "cpu", torch.bfloat16) == "eager"
 
 
@@ -93,3 +126,30 @@ def test_padding_reaches_the_fp32_kernel():
         theirs = tiny_model("llama", "sdpa")(ids, attention_mask=mask).logits
         unmasked = tiny_model("llama", "sdpa")(ids).logits
     assert torch.equal(ours, theirs) and not torch.equal(ours[0, 2:], unmasked[0, 2:])
+
+
+def test_a_tree_forward_of_a_grouped_model_reads_the_cache_without_copies(monkeypatch):
+    model = tiny_model("llama", register_grouped())  # 4 query heads over 2 key/value heads
+    calls = []
+    kernel = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(query, key, value, **kwargs):
+        calls.append((query.shape[1], key.shape[1], kwargs.get("attn_mask") is not None))
+        return kernel(query, key, value, **kwargs)
+
+    ids = torch.arange(3, 13)[None]
+    with torch.inference_mode():
+        cache = model(ids[:, :6], use_cache=True).past_key_values
+        monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+        visible = torch.ones(1, 1, 4, 10, dtype=torch.bool).tril(6)
+        model(ids[:, 6:], past_key_values=cache, attention_mask=visible, position_ids=torch.arange(6, 10)[None])
+    assert calls == [(2, 2, True)] * 2  # per layer: one call on the 2 shared heads, the 4 queries' heads folded
+
+
+def test_grouped_attention_compiles_without_a_graph_break():
+    # A compiled static cache (inductor on the CPU, CUDA graphs on a card) traces the attention whole.
+    query, key, value = qkv(1, torch.float32)
+    mask = torch.ones(1, 1, 1, 40, dtype=torch.bool)
+    compiled = torch.compile(lambda q, k, v, m: grouped_sdpa(Grouped(), q, k, v, m)[0], fullgraph=True)
+    eager, _ = grouped_sdpa(Grouped(), query, key, value, mask)
+    assert torch.allclose(compiled(query, key, value, mask), eager, rtol=0, atol=1e-6)

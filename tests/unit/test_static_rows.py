@@ -17,10 +17,11 @@ from forerun.costmodel import LatencyCurve
 from forerun.tree import TokenTree
 
 from helpers import OracleDrafter
-from tiny_models import FAMILIES, VOCAB, prompts, tiny_model
+from tiny_models import FAMILIES, GROUPED, VOCAB, prompts, register_grouped, tiny_model
 
 NO_SDPA = {"gemma2", "gptj"}
 CASES = [(f, impl) for f in FAMILIES for impl in ("eager", "sdpa") if not (impl == "sdpa" and f in NO_SDPA)]
+CASES += [(f, register_grouped()) for f in GROUPED if f not in NO_SDPA]  # grouped heads read in place
 NEW_TOKENS = 24
 CURVE = LatencyCurve((1, 2, 4, 8, 16, 32, 64), (1.0, 1.0, 1.0, 1.05, 1.1, 1.2, 1.3))
 """A GPU's shape: wide trees are nearly free, so rows draft and buckets get padded."""

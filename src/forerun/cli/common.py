@@ -36,7 +36,8 @@ QUANTIZE = typer.Option(
 ATTENTION = typer.Option(
     "auto",
     "--attention",
-    help="auto (sdpa, computed in fp32 for bf16/fp16 on a CPU) | sdpa (transformers' own) | eager | forerun_sdpa_fp32.",
+    help="auto (forerun_sdpa: sdpa reading grouped key/value heads in place; forerun_sdpa_fp32 for bf16/fp16 on a "
+    "CPU) | sdpa (transformers' own) | eager | forerun_sdpa | forerun_sdpa_fp32.",
 )
 DTYPE = typer.Option(
     "auto",
