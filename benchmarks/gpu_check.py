@@ -32,6 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from forerun import Decoder  # noqa: E402
+from forerun.attention import pick_attention  # noqa: E402
 from forerun.base import BUCKETS, StaticBase  # noqa: E402
 from forerun.exactness import first_divergence  # noqa: E402
 from forerun.latency import measure_curve, synchronize  # noqa: E402
@@ -84,7 +85,7 @@ def smoke(log: Log) -> None:
                     captured=captured, capture_error=error)  # fmt: skip
 
 
-def random_1b(tiny: bool = False) -> tuple[torch.nn.Module, None]:
+def random_1b(tiny: bool = False, attention: str = "sdpa") -> tuple[torch.nn.Module, None]:
     """A randomly initialised bf16 model of Llama-3.2-1B's shape (its acceptance means nothing; its speed does);
     `tiny`: the same family a thousand times smaller, to check the script without a card."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -100,7 +101,7 @@ def random_1b(tiny: bool = False) -> tuple[torch.nn.Module, None]:
     torch.manual_seed(0)
     with torch.device(DEVICE):
         model = LlamaForCausalLM(config).to(torch.bfloat16)
-    model.config._attn_implementation = "sdpa"
+    model.config._attn_implementation = pick_attention(attention, DEVICE.type, torch.bfloat16)
     return model.eval(), None
 
 
@@ -368,6 +369,12 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--methods", default="plain,prompt_lookup,trie,auto")
     parser.add_argument("--dtype", default="bf16")
+    parser.add_argument(
+        "--attention",
+        default="sdpa",
+        help="sdpa (transformers' own, every figure so far) or "
+        "forerun_sdpa (grouped heads read in place; the baselines share the model, so they run it too)",
+    )
     parser.add_argument("--compiled", default="", help="bench: these methods with compiled buckets too (a list)")
     parser.add_argument("--baselines", default="generate_static_compiled,hf_prompt_lookup",
                         help="bench: transformers' runs beside eager generate")  # fmt: skip
@@ -390,12 +397,13 @@ def main() -> None:
     if not {"curve", "bench", "batch", "steps", "profile"} & set(sections):
         return
     if args.model in ("random-1b", "random-tiny"):
-        model, tokenizer = random_1b(tiny=args.model == "random-tiny")
+        model, tokenizer = random_1b(args.model == "random-tiny", args.attention)
         label = "random Llama-3.2-1B shape, bf16" if args.model == "random-1b" else "random tiny llama, bf16"
     else:
         from forerun.models import load_model
 
-        model, tokenizer = load_model(args.model, dtype=args.dtype, device=str(DEVICE), attn_implementation="sdpa")
+        device = str(DEVICE)
+        model, tokenizer = load_model(args.model, dtype=args.dtype, device=device, attn_implementation=args.attention)
         label = f"{Path(args.model).name}, {args.dtype}"
     if "curve" in sections:
         guarded(log, "curve", lambda: curve(log, model, label))
