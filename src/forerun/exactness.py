@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -93,4 +93,4 @@ def judged_by_one_forward(
     found = first_divergence([divergence.reference_token], [divergence.token], [logits], model.dtype)
     assert found is not None  # the two tokens differ
     # a negative margin: one forward ranks the other token first, which is a tie by any reading
-    return Divergence(divergence.position, found.reference_token, found.token, found.margin, found.ulps)
+    return replace(found, position=divergence.position)

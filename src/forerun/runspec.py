@@ -28,7 +28,7 @@ from forerun.methods import DEFAULT_METHOD, MethodPlan, plan_method
 from forerun.models import DEFAULT_MODEL, DTYPES
 
 ATTENTIONS = ("auto", "sdpa", "eager", SDPA_FP32, SDPA_GROUPED)
-"""What `--attention` takes (transformers' names, and forerun's fp32 sdpa)."""
+"""What `--attention` takes (transformers' names, and forerun's two sdpa variants)."""
 MAX_THREADS = 1024
 
 

@@ -80,8 +80,8 @@ class Transcript:
         return taken
 
     def take(self, tokens: list[int], sources: list[str]) -> list[int]:
-        """`extend`'s tokens under a length and EOS alone (`limits`): checked in Python, the sequence grown once
-        (a criterion call per token costs tensor ops on the host between a card's steps)."""
+        """`extend`'s tokens under a length and EOS alone (`limits`): checked in Python and held in `pending` (a
+        criterion call per token costs tensor ops on the host between a card's steps)."""
         max_length, eos = self.limits
         taken, length = [], self.length
         for token, source in zip(tokens, sources, strict=True):
