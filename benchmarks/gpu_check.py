@@ -2,13 +2,15 @@
 
 Sections (each writes its records to `--out` as JSON lines as it goes, so a run cut short keeps what it measured):
 
-- `smoke`: tiny random models of 4 families, fp32, eager and sdpa: greedy output of `plain`, `prompt_lookup` and
-  `auto` on the static base with graphs equals plain `model.generate`, token for token.
+- `smoke`: tiny random models of 4 families, fp32, eager and sdpa: greedy output of `plain`, `prompt_lookup`,
+  `auto` and `eagle3` (a random head reading the layer the graph hands it) on the static base with graphs equals
+  plain `model.generate`, token for token; the head's trees are counted (it drafts on replayed graphs).
 - `curve`: seconds per step by bucket: the captured step, the same step eager, and the growing-cache forward.
 - `bench`: single-row greedy over prompts given as token ids (`--prompts`, from `benchmarks/gpu_prompts.py`):
   `model.generate` eager, `model.generate` with transformers' static cache (auto-compiled; warmed before timing),
   transformers' prompt lookup, and forerun methods, interleaved per prompt; every output checked against eager
-  generate (bf16: a first difference must be a numerical tie on generate's own logits).
+  generate (bf16: a first difference must be a numerical tie on generate's own logits). Methods naming `eagle3`
+  draft with `--draft-head` (the shipped `smollm2-135m` by default).
 - `batch`: `generate([...])` of 1 / 4 / 16 rows (the static base's places) against transformers' batched
   generate, eager and static-cache compiled.
 - `profile` (after `bench`, on its warm decoders): where a step's time goes (cProfile over 3 prompts, and the
@@ -66,23 +68,29 @@ def sync_time(function) -> tuple[object, float]:
 
 
 def smoke(log: Log) -> None:
+    from eagle3_heads import random_head
     from tiny_models import prompts, tiny_model
 
     for family in ("llama", "qwen3", "gemma", "gpt2"):
         for attention in ("sdpa", "eager"):
             model = tiny_model(family, attention).to(DEVICE)
-            for method in ("plain", "prompt_lookup", "auto"):
-                decoder = Decoder(model, None, method, latency_cache=None, static_cache=True)
-                same = 0
+            for method in ("plain", "prompt_lookup", "auto", "eagle3"):
+                head = random_head(model, aux=(0, 0, 0)).to(DEVICE) if method == "eagle3" else None
+                # a random head never pays: the switch would keep it out; here it drafts every step
+                decoder = Decoder(model, None, method, latency_cache=None, static_cache=True, draft_head=head,
+                                  adaptive=False if head is not None else None)  # fmt: skip
+                same = drafted = 0
                 for prompt in prompts(3, 24, seed=1):
                     prompt = prompt.to(DEVICE)
                     expected = model.generate(prompt, max_new_tokens=48, do_sample=False, pad_token_id=0)
-                    same += torch.equal(decoder.generate(prompt, 48).sequences, expected.cpu())
+                    result = decoder.generate(prompt, 48)
+                    same += torch.equal(result.sequences, expected.cpu())
+                    drafted += result.stats.candidates
                 base = decoder.base
                 captured = base is not None and any(step.graph is not None for step in base.steps.values())
                 error = base.capture_error if base is not None else "no static base"
                 log("smoke", family=family, attention=attention, method=method, identical=f"{same}/3",
-                    captured=captured, capture_error=error)  # fmt: skip
+                    drafted=drafted, captured=captured, capture_error=error)  # fmt: skip
 
 
 def random_1b(tiny: bool = False, attention: str = "sdpa") -> tuple[torch.nn.Module, None]:
@@ -172,23 +180,29 @@ def bench(
     methods: list[str],
     compiled: list[str],
     baselines: list[str],
+    head: str | None = None,
 ) -> dict[str, Decoder]:
     """Interleaved single-row runs; speed ratios against eager generate and compiled static-cache generate.
     `compiled`: these methods also with their buckets compiled before capture (label `METHOD (compiled)`);
     `baselines`: transformers' runs beside eager generate (`generate_static_compiled`, `hf_prompt_lookup`).
-    Returns the warmed decoders by label (the profile reuses them: no second compile)."""
+    `head`: the EAGLE-3 head of methods naming `eagle3`. Returns the warmed decoders by label (the profile reuses
+    them: no second compile)."""
     longest = max(prompts, key=lambda p: len(p["ids"]))
     warm_ids = torch.tensor([longest["ids"]], device=DEVICE)
     decoders = {}
     for label, method, fused in [(m, m, False) for m in methods] + [(f"{m} (compiled)", m, True) for m in compiled]:
+        drafts_with = head if "eagle3" in method.split("+") else None
         decoder, made_s = sync_time(
-            lambda m=method, f=fused: Decoder(model, tokenizer, m, static_cache=True, compile_buckets=f)
+            lambda m=method, f=fused, h=drafts_with: Decoder(
+                model, tokenizer, m, static_cache=True, compile_buckets=f, draft_head=h
+            )
         )
         warm_s = decoder.warm_up(len(longest["ids"]) + new_tokens)  # every bucket captured before timing
         decoders[label] = decoder
         log("bench", note=f"{label}: made (curve measured or loaded) and warmed", made_s=round(made_s, 1),
             warm_s=round(warm_s, 1), capture_s=round(decoder.base.capture_seconds, 1),
-            capture_error=decoder.base.capture_error, curve_ms=curve_ms(decoder))  # fmt: skip
+            capture_error=decoder.base.capture_error, curve_ms=curve_ms(decoder),
+            graph_features=list(decoder.base.features))  # fmt: skip
     if "generate_static_compiled" in baselines:
         _, compile_s = sync_time(lambda: hf_generate(model, warm_ids, new_tokens, cache_implementation="static"))
         hf_generate(model, warm_ids, new_tokens, cache_implementation="static")
@@ -381,6 +395,8 @@ def main() -> None:
     parser.add_argument("--batch-compiled", default="", help="batch: these methods with compiled buckets too")
     parser.add_argument("--profile", default="auto,prompt_lookup",
                         help="profile: the bench's decoders of these methods (compiled or not)")  # fmt: skip
+    parser.add_argument("--draft-head", default="smollm2-135m",
+                        help="bench: the EAGLE-3 head of methods naming eagle3 (a folder, a shipped name)")  # fmt: skip
     parser.add_argument("--budget-s", type=float, default=420.0, help="stop starting new work after this long")
     parser.add_argument("--out", type=Path, default=Path("gpu_check.jsonl"))
     args = parser.parse_args()
@@ -415,7 +431,7 @@ def main() -> None:
         methods = [m for m in args.methods.split(",") if m]
         compiled, baselines = [m for m in args.compiled.split(",") if m], args.baselines.split(",")
         made = guarded(log, "bench", lambda: bench(log, model, tokenizer, prompts, args.new_tokens, methods,
-                                                   compiled, baselines))  # fmt: skip
+                                                   compiled, baselines, args.draft_head))  # fmt: skip
         decoders.update(made or {})
     if "profile" in sections and prompts:
         wanted = [m for m in args.profile.split(",") if m]

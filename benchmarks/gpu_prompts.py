@@ -19,15 +19,17 @@ DATASETS = ("gsm8k", "humaneval", "mbpp", "typehints")
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, default=3, help="prompts per dataset")
+    parser.add_argument("--datasets", default=",".join(DATASETS),
+                        help="comma-separated names or JSONL files (benchmarks/chat_questions.jsonl)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path(".gpu/prompts.json"))
     args = parser.parse_args()
     _, tokenizer = load_model()
     prompts = []
-    for name in DATASETS:
+    for name in args.datasets.split(","):
         for prompt in load_dataset(name, args.n):
             ids = tokenizer.apply_chat_template(list(prompt.messages), add_generation_prompt=True, tokenize=True)
             ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-            prompts.append({"id": prompt.id, "dataset": name, "ids": list(ids)})
+            prompts.append({"id": prompt.id, "dataset": Path(name).stem, "ids": list(ids)})
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(prompts))
     print(f"{len(prompts)} prompts -> {args.out}")

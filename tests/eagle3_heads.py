@@ -14,13 +14,17 @@ from tiny_models import VOCAB
 DRAFT_VOCAB = 40
 
 
-def random_head(target: torch.nn.Module, seed: int = 0, draft_vocab: int = DRAFT_VOCAB) -> Eagle3Head:
-    """A seeded random head over `target` (its embedding shared), drafting every other target token."""
+def random_head(
+    target: torch.nn.Module, seed: int = 0, draft_vocab: int = DRAFT_VOCAB, aux: tuple[int, ...] | None = None
+) -> Eagle3Head:
+    """A seeded random head over `target` (its embedding shared), drafting every other target token; `aux`: the
+    target layers it reads (default: the first, second and last)."""
     config = head_config(64, heads=4, kv_heads=2, vocab=VOCAB, draft_vocab=draft_vocab,
                          target_hidden=target.config.hidden_size)  # fmt: skip
     torch.manual_seed(seed)
     layers = target.config.num_hidden_layers
-    head = Eagle3Head(config, target.get_input_embeddings(), (min(1, layers - 1), 0, layers - 1))
+    aux = (min(1, layers - 1), 0, layers - 1) if aux is None else aux
+    head = Eagle3Head(config, target.get_input_embeddings(), aux)
     step = VOCAB // draft_vocab
     head.d2t.copy_(torch.arange(0, step * draft_vocab, step) - torch.arange(draft_vocab))
     return head.to(target.dtype).eval()

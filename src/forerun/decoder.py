@@ -22,7 +22,7 @@ from transformers import (
     StoppingCriteriaList,
 )
 
-from forerun.base import StaticBase, static_support
+from forerun.base import StaticBase, graph_features, static_support
 from forerun.base.weights import weights_kind
 from forerun.batch import batchable, decode_rows, fork
 from forerun.checks import check_batch_size, row_seeds
@@ -42,6 +42,7 @@ from forerun.request import GenerationRequest, Prompt, is_batch
 from forerun.result import GenerationResult
 from forerun.row import RowJob
 from forerun.stats import GenerationStats
+from forerun.taps import feature_layers
 from forerun.transcript import Transcript
 from forerun.verify import Sampling
 
@@ -112,13 +113,14 @@ class Decoder:
         self.engine_config = EngineConfig(
             max_tree_nodes, draft_in_prefill, adaptive, static_cache, compile_buckets, reproducible
         )
-        self.base = self.make_base(device_type)
         check_vocabulary(model, tokenizer)
         uses_draft = self.plan.uses_model()
         if draft_model is not None and not uses_draft:
             raise ValueError(f"draft_model is a knob of method 'draft_model', which is not part of {self.method!r}")
         self.draft_model = self.prepare_draft(draft_model, draft_tokenizer) if uses_draft else None
         self.draft_head = self.prepare_head(draft_head)
+        read = feature_layers(drafters) if drafters is not None else getattr(self.draft_head, "aux_layers", ())
+        self.base = self.make_base(device_type, read)
         self.latency, self.latency_cache = latency, latency_cache
         drafting = bool(self.plan.specs) if drafters is None else bool(drafters)
         self.budget = self.make_budget(latency, latency_cache, drafting)
@@ -164,8 +166,9 @@ class Decoder:
             )  # fmt: skip
         return StaticBudget(config.max_tree_nodes or (self.plan.static_budget() if self.plan.specs else 16))
 
-    def make_base(self, device_type: str) -> StaticBase | None:
-        """The static base for single rows (`EngineConfig.static_cache`), or None for the engine's growing cache."""
+    def make_base(self, device_type: str, read: Sequence[int] = ()) -> StaticBase | None:
+        """The static base for single rows (`EngineConfig.static_cache`), or None for the engine's growing cache.
+        `read`: the layers the drafters read (a head's), returned by its forwards where it can (`graph_features`)."""
         wanted = self.engine_config.static_cache
         if wanted is False or (wanted is None and device_type != "cuda"):
             return None
@@ -173,7 +176,10 @@ class Decoder:
         if reason is not None:
             logger.warning("forerun: no static cache for this model (%s); using the growing cache", reason)
             return None
-        return StaticBase(self.model, compiled=self.engine_config.compile_buckets)
+        features = graph_features(self.model, read)
+        if read and not features:
+            logger.info("forerun: the head reads the target's last layer: it drafts only where no graph replays")
+        return StaticBase(self.model, compiled=self.engine_config.compile_buckets, features=features)
 
     def batch_budget(self) -> Budget:
         """The budget batches decide on: the cost model's curve with its batched row curves

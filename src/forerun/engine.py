@@ -8,7 +8,6 @@ tokens. Greedy output equals
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections.abc import Sequence
@@ -21,7 +20,7 @@ from forerun.costmodel import Budget
 from forerun.drafters.base import Drafter
 from forerun.row import RowJob, RowRun
 from forerun.stats import GenerationStats
-from forerun.taps import LayerTaps, committed_features, feature_layers
+from forerun.taps import committed_features, feature_layers, taps_beside
 from forerun.tree import TREE_ATTENTION, tree_support  # noqa: F401 - re-exported
 
 logger = logging.getLogger(__name__)
@@ -63,7 +62,7 @@ def decode(
     row.stats.cached_prompt_tokens = base.seed(job.prefixes, row.ctx.tokens)
     lead = row.ctx.tokens[row.stats.cached_prompt_tokens : -1]
     layers = feature_layers(drafters)
-    with LayerTaps(model, layers) if layers else contextlib.nullcontext() as taps:
+    with taps_beside(model, base.features, layers) as taps:
         while not row.done:
             t0 = time.perf_counter()
             drafts = row.stats.forwards > 0 or tree_in_prefill(draft_in_prefill, len(lead))
@@ -75,7 +74,8 @@ def decode(
                 budget.timed(len(selection.tree), time.perf_counter() - t1)
             kept = [0, *verdict.accepted_nodes]
             base.commit(row.prefix_len, kept)
-            features = committed_features(taps.take() if taps else None, len(lead), kept)
+            tapped = fed.features if base.features == layers else taps.take()
+            features = committed_features(tapped, len(lead), kept)
             row.accept(selection, verdict, fed.logits, t1 - t0, time.perf_counter() - t1, features, fed.choices)
             lead = []
     base.store(job.prefixes, row.ctx.tokens, row.prefix_len)  # the cache holds prompt + accepted

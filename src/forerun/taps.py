@@ -27,6 +27,12 @@ def feature_layers(drafters: Iterable[object]) -> tuple[int, ...]:
     return ()
 
 
+def taps_beside(model: torch.nn.Module, read: Sequence[int], layers: Sequence[int]) -> LayerTaps:
+    """Hooks on `layers` of `model`, or none where the base's forwards return those very layers themselves (`read`:
+    its `features`). A static base's graph runs no hook when it replays, so it reads them inside the graph."""
+    return LayerTaps(model, () if tuple(layers) == tuple(read) else layers)
+
+
 class LayerTaps:
     """Forward hooks on decoder layers `layers` of `model`: `take()` gives the last forward's outputs of those
     layers, concatenated in that order, [rows, n, len(layers) * hidden] (None when no forward ran since, or no

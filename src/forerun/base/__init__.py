@@ -10,6 +10,6 @@ Two bases serve the one step loop (`forerun.engine.decode`), behind the `TreeBas
 """
 
 from forerun.base.dynamic import DynamicBase, TreeBase, TreeLogits
-from forerun.base.static import BUCKETS, StaticBase, static_support
+from forerun.base.static import BUCKETS, StaticBase, graph_features, static_support
 
-__all__ = ["BUCKETS", "DynamicBase", "StaticBase", "TreeBase", "TreeLogits", "static_support"]
+__all__ = ["BUCKETS", "DynamicBase", "StaticBase", "TreeBase", "TreeLogits", "graph_features", "static_support"]

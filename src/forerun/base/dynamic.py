@@ -32,10 +32,16 @@ class TreeLogits:
     choices: list[int] | None = None
     """The argmax of each node's logits, copied to the host in one transfer (where the base computed it on the
     device); None: the verifier takes argmaxes itself, node by node along the walked path."""
+    features: torch.Tensor | None = None
+    """[1, lead + len(tree), F]: the outputs of the base's `features` layers at every position fed (the lead's
+    first), where the base reads them itself; None: the step loop's hooks read them (`forerun.taps`)."""
 
 
 class TreeBase(Protocol):
     """What the step loop asks of a base: a cache for one request, a tree forward, a commit of the accepted path."""
+
+    features: tuple[int, ...]
+    """Decoder layers whose outputs its forwards return (`TreeLogits.features`); the step loop hooks no others."""
 
     def begin(self, max_len: int) -> str | None:
         """Ready an empty cache for a request of at most `max_len` tokens (prompt, answer and one tree); returns
@@ -62,6 +68,8 @@ class TreeBase(Protocol):
 
 class DynamicBase:
     """Today's CPU base: a `DynamicCache` that grows, trees at their own size, the measured logits layout."""
+
+    features: tuple[int, ...] = ()  # hooks read them: every forward here runs the model's modules
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model

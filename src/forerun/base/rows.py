@@ -14,7 +14,9 @@ Example (what `Batch` does with either):
     >>> own, cached = rows.open(job.prefixes, tokens, max_len=600)             # doctest: +SKIP
     >>> first = rows.feed(own, tree, prefix_len=len(tokens) - 1, lead=tokens[:-1])   # the prefill  # doctest: +SKIP
     >>> index = rows.admit(own, len(tokens) - 1, [0, 1], job.prefixes, tokens)       # it joins  # doctest: +SKIP
-    >>> logits, choices = rows.forward([prefix_len], [tree], nodes=len(tree))  # [rows, nodes, vocab]  # doctest: +SKIP
+    >>> logits, choices, features = rows.forward([prefix_len], [tree], nodes=len(tree))  # doctest: +SKIP
+    >>> logits.shape                                                           # doctest: +SKIP
+    torch.Size([1, 5, 49152])
 """
 
 from __future__ import annotations
@@ -37,8 +39,16 @@ Leaving = tuple[int, Prefixes | None, list[int], int]
 """A row that leaves: its index among the rows, and where its text (tokens, `length` of them cached) is kept."""
 
 
+RowsLogits = tuple[torch.Tensor, list[list[int]] | None, torch.Tensor | None]
+"""A batch forward's logits [rows, nodes, vocab], every node's argmax (None: the verifier takes them) and the
+`features` layers' outputs [rows, nodes, F] (None: hooks read them), in row order."""
+
+
 class SharedRows(Protocol):
     """What `Batch` asks of the rows' shared cache. `own` is a joining row's handle (its own cache, or its place)."""
+
+    features: tuple[int, ...]
+    """Decoder layers whose outputs its forwards return; `Batch` hooks no others (`forerun.taps`)."""
 
     @property
     def slots(self) -> int:
@@ -63,11 +73,8 @@ class SharedRows(Protocol):
         """Before a forward: room left by rows that went is given back."""
         ...
 
-    def forward(
-        self, prefix_lens: Sequence[int], trees: Sequence[TokenTree], nodes: int
-    ) -> tuple[torch.Tensor, list[list[int]] | None]:
-        """One forward of every row's tree: logits [rows, nodes, vocab] in row order, and every node's argmax where
-        the device computed them (None: the verifier takes its own)."""
+    def forward(self, prefix_lens: Sequence[int], trees: Sequence[TokenTree], nodes: int) -> RowsLogits:
+        """One forward of every row's tree, in row order (`RowsLogits`)."""
         ...
 
     def in_row_order(self, tapped: torch.Tensor | None) -> torch.Tensor | None:
@@ -89,6 +96,8 @@ class SharedRows(Protocol):
 
 class DynamicRows:
     """Rows on one growing `DynamicCache` (`RowCache`), each tree padded to the step's widest (module docstring)."""
+
+    features: tuple[int, ...] = ()  # hooks read them: every forward here runs the model's modules
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
@@ -122,9 +131,7 @@ class DynamicRows:
     def settle(self) -> None:
         self.cache.settle()
 
-    def forward(
-        self, prefix_lens: Sequence[int], trees: Sequence[TokenTree], nodes: int
-    ) -> tuple[torch.Tensor, list[list[int]] | None]:
+    def forward(self, prefix_lens: Sequence[int], trees: Sequence[TokenTree], nodes: int) -> RowsLogits:
         input_ids, position_ids, mask = self.pack(prefix_lens, trees, nodes)
         logits = self.head(
             input_ids=input_ids,
@@ -133,7 +140,7 @@ class DynamicRows:
             past_key_values=self.cache.cache,
             use_cache=True,
         )  # [rows, nodes, vocab]
-        return logits, host_choices(logits)
+        return logits, host_choices(logits), None
 
     def in_row_order(self, tapped: torch.Tensor | None) -> torch.Tensor | None:
         return tapped
@@ -236,13 +243,16 @@ class StaticRows:
             self.held[self.held.index(high)] = low
             self.lengths[low] = self.lengths.pop(high)
 
-    def forward(
-        self, prefix_lens: Sequence[int], trees: Sequence[TokenTree], nodes: int
-    ) -> tuple[torch.Tensor, list[list[int]]]:
+    @property
+    def features(self) -> tuple[int, ...]:
+        return self.base.features
+
+    def forward(self, prefix_lens: Sequence[int], trees: Sequence[TokenTree], nodes: int) -> RowsLogits:
         fed = {place: (tree, prefix_len) for place, tree, prefix_len in zip(self.held, trees, prefix_lens, strict=True)}
-        logits, choices = self.base.run(fed, placed=False)
+        logits, choices, features = self.base.run(fed, placed=False)
         every = choices[:, :nodes].tolist()  # the step's one copy to the host
-        return self.in_row_order(logits)[:, :nodes], [every[place] for place in self.held]
+        features = None if features is None else self.in_row_order(features)[:, :nodes]
+        return self.in_row_order(logits)[:, :nodes], [every[place] for place in self.held], features
 
     def in_row_order(self, tapped: torch.Tensor | None) -> torch.Tensor | None:
         if tapped is None:

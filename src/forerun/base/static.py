@@ -19,6 +19,8 @@ the forward once as a CUDA graph, and replay it.
   ancestry) travel in one host-to-device copy into the graph's input buffer; the mask, positions and slots are
   computed inside the graph.
 - **One device-to-host copy per step**: the target's argmax at every node, computed inside the graph.
+- **Features from the graph too**: the outputs of the decoder layers a trained head reads (`features`), taken
+  from the forward's own hidden states inside the graph; forward hooks do not run when a graph replays.
 - **The prompt through the same graphs**: a prefill feeds the prompt in chunks of the largest bucket (a chain is
   a tree), then the rest of it with the first tree; no eager forward of a shape seen once.
 
@@ -40,15 +42,13 @@ import logging
 import math
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from types import FunctionType, MethodType
 
-import numpy as np
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
 from forerun.base import static_timing
+from forerun.base.bucket_steps import BucketStep, Outputs, capture, new_step, own_code
 from forerun.base.dynamic import TreeLogits
 from forerun.base.slots import SlotLayer, Slots
 from forerun.base.step_inputs import behind, fill_host
@@ -65,8 +65,6 @@ ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 """Row counts a batch's forward is padded to (capped at the base's places): a graph per (rows, nodes)."""
 LENGTH_STEP = 512
 """The cache's slot count is rounded up to a multiple of this: requests of similar lengths reuse its graphs."""
-IDLE = TokenTree.rooted_at(0)
-"""What a place no row holds is fed in a batch's forward: a root in the scratch slots, seen by no one."""
 
 
 def static_support(model: torch.nn.Module, max_len: int | None = None) -> str | None:
@@ -84,23 +82,19 @@ def static_support(model: torch.nn.Module, max_len: int | None = None) -> str | 
     return None
 
 
-@dataclass
-class BucketStep:
-    """One (rows, bucket) input buffer (device), its pinned host twin, and its graph with the outputs it writes."""
+def graph_features(model: torch.nn.Module, layers: Sequence[int]) -> tuple[int, ...]:
+    """The decoder layers of `layers` a static base returns from its forwards: all of them where none is the last
+    (transformers hands the last layer's output back after the final norm), else none (the step loop's hooks read
+    them then, on the forwards that are not replayed graphs).
 
-    rows: int
-    size: int
-    placed: bool
-    """One row fed into a place given in its inputs (a joining row), not rows 0..R-1 as places 0..R-1."""
-    inputs: torch.Tensor
-    """[rows, 2 + 2B + B*B] int64, per row: place, prefix length, B tokens, B depths, the B x B ancestry (row i:
-    the nodes i sees)."""
-    host: torch.Tensor
-    idle: np.ndarray
-    """A place no row holds, filled once: a padding root in the scratch slots."""
-    graph: torch.cuda.CUDAGraph | None = None
-    logits: torch.Tensor | None = None
-    choices: torch.Tensor | None = None
+    Example (a 30-layer target; an EAGLE-3 head's usual choice, then one that reads the last layer):
+        >>> from types import SimpleNamespace; from transformers import LlamaConfig
+        >>> model = SimpleNamespace(config=LlamaConfig(num_hidden_layers=30))
+        >>> graph_features(model, (1, 14, 26)), graph_features(model, (1, 14, 29))
+        ((1, 14, 26), ())
+    """
+    last = model.config.get_text_config(decoder=True).num_hidden_layers - 1
+    return tuple(layers) if all(0 <= i < last for i in layers) else ()
 
 
 class StaticBase:
@@ -114,11 +108,18 @@ class StaticBase:
         graphs: bool | None = None,
         compiled: bool = False,
         places: int = 1,
+        features: Sequence[int] = (),
     ) -> None:
         """`compiled`: each bucket's forward goes through `torch.compile` (inductor fuses transformers' small
         kernels; on a GPU before it is captured): tens of seconds per program once, then shorter steps where
-        launches and Python, not arithmetic, bound them. Off by default (the compiling is the user's to choose)."""
+        launches and Python, not arithmetic, bound them. Off by default (the compiling is the user's to choose).
+        `features`: decoder layers (below the last: `graph_features`) whose outputs every forward also returns,
+        concatenated (`TreeLogits.features`): what an EAGLE-3 head reads."""
         self.model = model
+        self.layers = model.config.get_text_config(decoder=True).num_hidden_layers
+        self.features = tuple(features)
+        if any(not 0 <= i < self.layers - 1 for i in self.features):
+            raise ValueError(f"features are read from layers 0..{self.layers - 2}, got {list(features)}")
         # the node count may become a symbolic size (dynamo's automatic dynamic shapes): the buckets past the
         # second share one compiled program (compiling each cost ~15 s on a card's host), and each is still
         # captured as its own graph. Without graphs (a CPU) every step runs the program's guards: those on the
@@ -143,7 +144,6 @@ class StaticBase:
         if self.graphs and self.device.type != "cuda":
             raise ValueError(f"graphs=True needs a CUDA device; the model is on {self.device}")
         self.attention = getattr(model.config, "_attn_implementation", None) or "eager"
-        self.layers = model.config.get_text_config(decoder=True).num_hidden_layers
         self.length = 0
         self.slots = Slots(self.layers, places, 0)
         self.cache: Cache | None = None
@@ -159,7 +159,9 @@ class StaticBase:
         if places == self.places:
             return self
         if places not in self.siblings:
-            self.siblings[places] = StaticBase(self.model, self.buckets, self.graphs, self.compiled, places)
+            self.siblings[places] = StaticBase(
+                self.model, self.buckets, self.graphs, self.compiled, places, self.features
+            )
         return self.siblings[places]
 
     @property
@@ -233,29 +235,35 @@ class StaticBase:
         n = len(tree)
         if n > self.largest:
             return self.prefill(tree, prefix_len, lead, place)
-        start, lead = prefix_len - len(lead), list(lead)
+        start, lead, read = prefix_len - len(lead), list(lead), []
         while len(lead) + n > self.largest:  # the prompt's head: no logits wanted, nothing copied back
             chunk, lead = lead[: self.largest], lead[self.largest :]
-            self.run({place: (behind(chunk[:-1], TokenTree.rooted_at(chunk[-1])), start)}, place != 0, wait=True)
+            fed = {place: (behind(chunk[:-1], TokenTree.rooted_at(chunk[-1])), start)}
+            features = self.run(fed, place != 0, wait=True)[2]
+            if features is not None:  # its own copy: the next replay rewrites the graph's
+                read.append(features[0, : len(chunk)].clone())
             start += len(chunk)
-        logits, choices = self.run({place: (behind(lead, tree), start)}, place != 0)
+        logits, choices, features = self.run({place: (behind(lead, tree), start)}, place != 0)
         first = len(lead)  # the tree's nodes follow the lead's
-        return TreeLogits(logits[0, first : first + n].clone(), choices[0, first : first + n].tolist())  # one copy
+        if features is not None:
+            features = torch.cat([*read, features[0, : first + n]])[None]
+        return TreeLogits(  # the step's one copy to the host: the choices
+            logits[0, first : first + n].clone(), choices[0, first : first + n].tolist(), features
+        )
 
     def forward_rows(self, fed: Mapping[int, tuple[TokenTree, int]]) -> tuple[torch.Tensor, list[list[int]]]:
         """One forward of a batch's rows, `fed` {place: (tree, prefix_len)}: logits [R, B, vocab] (row r: place
         r, rows past the last place fed dropped) and every node's argmax, in the step's one copy to the host."""
-        logits, choices = self.run(fed, placed=False)
+        logits, choices, _ = self.run(fed, placed=False)
         rows, nodes = max(fed) + 1, max(len(tree) for tree, _ in fed.values())
         return logits[:rows, :nodes].clone(), choices[:rows, :nodes].tolist()
 
-    def run(
-        self, fed: Mapping[int, tuple[TokenTree, int]], placed: bool, wait: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, fed: Mapping[int, tuple[TokenTree, int]], placed: bool, wait: bool = False) -> Outputs:
         """One bucketed forward of `fed` {place: (tree of at most `largest` nodes, prefix_len)}: logits [R, B,
-        vocab] and argmaxes [R, B], on the device. Row r is place r; `placed`: one place fed alone, row 0 (the
-        other places are neither fed nor read). `wait`: the input copy returns only once done, so the pinned host
-        buffer may be refilled at once (a prefill's chunks; a step's next fill follows its copy-back)."""
+        vocab], argmaxes [R, B] and the `features` [R, B, F], on the device. Row r is place r; `placed`: one
+        place fed alone, row 0 (the other places are neither fed nor read). `wait`: the input copy returns only
+        once done, so the pinned host buffer may be refilled at once (a prefill's chunks; a step's next fill
+        follows its copy-back)."""
         size = self.bucket(max(len(tree) for tree, _ in fed.values()))
         rows = 1 if placed else self.row_bucket(max(fed) + 1)
         step = self.steps.get((rows, size, placed)) or self.prepare(rows, size, placed)
@@ -270,7 +278,7 @@ class StaticBase:
         step.inputs.copy_(step.host, non_blocking=not wait)
         if step.graph is not None:
             step.graph.replay()
-            return step.logits, step.choices
+            return step.logits, step.choices, step.features
         return self.step_forward(size, step.inputs, placed)
 
     def prefill(self, tree: TokenTree, prefix_len: int, lead: Sequence[int], place: int = 0) -> TreeLogits:
@@ -284,15 +292,14 @@ class StaticBase:
         visible[..., : bools.shape[-1]] = bools
         current = torch.arange(start, start + ids.shape[1], device=self.device)[None]
         self.slots.point(torch.tensor([place], device=self.device), current, contiguous=place == 0)
-        logits = self.call(ids, positions, visible.to(self.device))[0, -n:]  # its own tensor: no graph rewrites it
-        return TreeLogits(logits, logits.argmax(-1).tolist())
+        logits, features = self.call(ids, positions, visible.to(self.device))
+        logits = logits[0, -n:]  # its own tensor: no graph rewrites it
+        return TreeLogits(logits, logits.argmax(-1).tolist(), features)
 
-    def bucket_forward(
-        self, size: int, inputs: torch.Tensor, placed: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def bucket_forward(self, size: int, inputs: torch.Tensor, placed: bool = False) -> Outputs:
         """The forward of one (rows, bucket) from its input buffer (module docstring): logits [R, B, vocab],
-        argmax [R, B]. Every shape is fixed by the buffer and the cache length, and nothing waits for the host:
-        capturable."""
+        argmax [R, B], features [R, B, F] or None. Every shape is fixed by the buffer and the cache length, and
+        nothing waits for the host: capturable."""
         rows = inputs.shape[0]
         places, prefix = inputs[:, 0], inputs[:, 1:2]  # [R], [R, 1]
         ids, depths = inputs[:, 2 : 2 + size], inputs[:, 2 + size : 2 + 2 * size]
@@ -303,62 +310,44 @@ class StaticBase:
         where = relative.clamp(0, size - 1)[:, None, :].expand(rows, size, self.length)
         visible = ancestry.gather(2, where) & in_tree[:, None, :]  # [R, B, length]
         visible = visible | (relative < 0)[:, None, :]
-        logits = self.call(ids, prefix + depths, visible[:, None])
-        return logits, logits.argmax(-1)
+        logits, features = self.call(ids, prefix + depths, visible[:, None])
+        return logits, logits.argmax(-1), features
 
-    def call(self, ids: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-        """One call of the unmodified model; `visible` [R, 1, q, length] bool. Returns logits [R, q, vocab]."""
+    def call(
+        self, ids: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One call of the unmodified model; `visible` [R, 1, q, length] bool. Returns logits [R, q, vocab] and the
+        `features` layers' outputs [R, q, F] (hidden state i + 1 is layer i's output), or None."""
         if self.attention == "eager":  # eager adds the mask to the scores
             dtype = self.model.dtype
             mask = torch.zeros((), dtype=dtype, device=self.device).masked_fill(~visible, torch.finfo(dtype).min)
         else:
             mask = visible
         out = self.model(
-            input_ids=ids, position_ids=positions, attention_mask=mask, past_key_values=self.cache, use_cache=True
-        )
-        return out.logits
+            input_ids=ids, position_ids=positions, attention_mask=mask, past_key_values=self.cache, use_cache=True,
+            output_hidden_states=bool(self.features),
+        )  # fmt: skip
+        if not self.features:
+            return out.logits, None
+        return out.logits, torch.cat([out.hidden_states[i + 1] for i in self.features], dim=-1)
 
     def prepare(self, rows: int, size: int, placed: bool) -> BucketStep:
-        """The (rows, bucket)'s buffers, and on a GPU its graph: two warm-up forwards on a side stream (the
-        compiled program is made by the first), then the capture, all writing into the scratch slots at the end of
-        the cache. Compiled without graphs (a CPU), one warm-up forward compiles it."""
+        """The (rows, bucket)'s buffers, and on a GPU its graph (`bucket_steps.capture`), all its warm-up forwards
+        writing into the scratch slots at the end of the cache. Compiled without graphs (a CPU), one warm-up
+        forward compiles it."""
         started = time.perf_counter()
-        count = 2 + 2 * size + size * size
-        host = torch.zeros(rows, count, dtype=torch.long, pin_memory=self.device.type == "cuda")
-        idle = np.zeros(count, dtype=np.int64)
-        fill_host(idle[1:], IDLE, self.length - self.largest, size)
-        inputs = torch.zeros(rows, count, dtype=torch.long, device=self.device)
-        step = BucketStep(rows, size, placed, inputs, host, idle)
-        if self.graphs or self.compiled:
-            host.numpy()[:] = idle
-            host.numpy()[:, 0] = np.arange(rows)
-            step.inputs.copy_(host)
+        scratch = self.length - self.largest
+        step = new_step(rows, size, placed, scratch, self.device, idle=self.graphs or self.compiled)
         if self.graphs:
-            stream = torch.cuda.Stream(self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    self.step_forward(size, step.inputs, placed)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            self.capture(step)
-            torch.cuda.synchronize(self.device)
+            error = capture(step, self.step_forward)
+            if error is not None:
+                self.capture_error = f"{type(self.model).__name__}: {error}"
+                logger.warning("forerun: bucket %d runs eagerly, its capture failed: %s", size, self.capture_error)
         elif self.compiled:
             self.step_forward(size, step.inputs, placed)
         self.steps[rows, size, placed] = step
         self.capture_seconds += time.perf_counter() - started
         return step
-
-    def capture(self, step: BucketStep) -> None:
-        """Capture `step`'s forward as a CUDA graph (its outputs stay in `step`); a model whose forward waits for
-        the host cannot be captured: that bucket then runs eagerly, still exact."""
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph):
-                step.logits, step.choices = self.step_forward(step.size, step.inputs, step.placed)
-            step.graph = graph
-        except RuntimeError as error:
-            self.capture_error = f"{type(self.model).__name__}: {error}"
-            logger.warning("forerun: bucket %d runs eagerly, its capture failed: %s", step.size, self.capture_error)
 
     def settings(self) -> dict[str, object]:
         """What a latency curve measured on this base depends on beyond the model (part of its stored key)."""
@@ -403,12 +392,3 @@ class StaticBase:
         for layer in self.cache.layers:
             layer.keys[target, :, :length] = layer.keys[source, :, :length]
             layer.values[target, :, :length] = layer.values[source, :, :length]
-
-
-def own_code(method: MethodType) -> MethodType:
-    """`method` bound to a function with a code object of its own (an equal copy). torch.compile keeps its
-    programs and their guards on the code object, so each copy compiles, and is reused, apart from the others."""
-    function = method.__func__
-    copy = FunctionType(function.__code__.replace(), function.__globals__, function.__name__,
-                        function.__defaults__, function.__closure__)  # fmt: skip
-    return MethodType(copy, method.__self__)

@@ -1,0 +1,100 @@
+"""One (rows, bucket) of the static base: its input buffers and, on a GPU, its forward captured as a CUDA graph.
+
+A step's inputs travel in one host-to-device copy into `BucketStep.inputs`; the captured graph reads them there and
+writes its outputs (logits, argmaxes, features) into tensors that every replay rewrites in place.
+
+Example (what `StaticBase.prepare` does with a bucket of 8 nodes for 1 row, on a card):
+    >>> step = new_step(1, 8, False, scratch=1024, device=torch.device("cuda"))      # doctest: +SKIP
+    >>> capture(step, base.step_forward)                                            # doctest: +SKIP
+    >>> step.inputs.copy_(step.host); step.graph.replay(); step.choices.shape       # doctest: +SKIP
+    torch.Size([1, 8])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import FunctionType, MethodType
+
+import numpy as np
+import torch
+
+from forerun.base.step_inputs import fill_host
+from forerun.tree import TokenTree
+
+IDLE = TokenTree.rooted_at(0)
+"""What a place no row holds is fed in a batch's forward: a root in the scratch slots, seen by no one."""
+
+Outputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+"""One bucketed forward's logits [R, B, vocab], argmaxes [R, B] and features [R, B, F] (None: none asked for)."""
+
+Forward = Callable[[int, torch.Tensor, bool], Outputs]
+"""A bucketed forward: (bucket size, input buffer, placed) -> its outputs (`StaticBase.bucket_forward`)."""
+
+
+@dataclass
+class BucketStep:
+    """One (rows, bucket) input buffer (device), its pinned host twin, and its graph with the outputs it writes."""
+
+    rows: int
+    size: int
+    placed: bool
+    """One row fed into a place given in its inputs (a joining row), not rows 0..R-1 as places 0..R-1."""
+    inputs: torch.Tensor
+    """[rows, 2 + 2B + B*B] int64, per row: place, prefix length, B tokens, B depths, the B x B ancestry (row i:
+    the nodes i sees)."""
+    host: torch.Tensor
+    idle: np.ndarray
+    """A place no row holds, filled once: a padding root in the scratch slots."""
+    graph: torch.cuda.CUDAGraph | None = None
+    logits: torch.Tensor | None = None
+    choices: torch.Tensor | None = None
+    features: torch.Tensor | None = None
+
+
+def new_step(rows: int, size: int, placed: bool, scratch: int, device: torch.device, idle: bool = False) -> BucketStep:
+    """The buffers of a (rows, bucket), pinned on the host where the device is a card; `scratch`: the first slot of
+    the scratch region its idle places write into. `idle`: every row starts as an idle place (a warm-up's or a
+    capture's inputs, writing only into the scratch slots)."""
+    count = 2 + 2 * size + size * size
+    host = torch.zeros(rows, count, dtype=torch.long, pin_memory=device.type == "cuda")
+    padding = np.zeros(count, dtype=np.int64)
+    fill_host(padding[1:], IDLE, scratch, size)
+    step = BucketStep(rows, size, placed, torch.zeros(rows, count, dtype=torch.long, device=device), host, padding)
+    if idle:
+        host.numpy()[:] = padding
+        host.numpy()[:, 0] = np.arange(rows)
+        step.inputs.copy_(host)
+    return step
+
+
+def capture(step: BucketStep, forward: Forward) -> str | None:
+    """Two warm-up forwards of `step` on a side stream (a compiled program is made by the first), then its capture
+    as a CUDA graph (its outputs stay in `step`); returns None, or why the capture failed (a model whose forward
+    waits for the host cannot be captured: that bucket then runs eagerly, still exact)."""
+    device = step.inputs.device
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            forward(step.size, step.inputs, step.placed)
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            step.logits, step.choices, step.features = forward(step.size, step.inputs, step.placed)
+        step.graph = graph
+        return None
+    except RuntimeError as error:
+        return str(error)
+    finally:
+        torch.cuda.synchronize(device)
+
+
+def own_code(method: MethodType) -> MethodType:
+    """`method` bound to a function with a code object of its own (an equal copy). torch.compile keeps its
+    programs and their guards on the code object, so each copy compiles, and is reused, apart from the others."""
+    function = method.__func__
+    copy = FunctionType(function.__code__.replace(), function.__globals__, function.__name__,
+                        function.__defaults__, function.__closure__)  # fmt: skip
+    return MethodType(copy, method.__self__)
