@@ -22,13 +22,11 @@ from transformers import (
     StoppingCriteriaList,
 )
 
-from forerun.base import StaticBase, graph_features, static_support
-from forerun.base.weights import weights_kind
+from forerun.assembly import check_vocabulary, make_base, make_budget, prepare_draft, prepare_head
 from forerun.batch import batchable, decode_rows, fork
-from forerun.checks import check_batch_size, row_seeds
+from forerun.checks import check_batch_size, is_count, row_seeds
 from forerun.config import EngineConfig
-from forerun.costmodel import Budget, CostModel, DraftSwitch, ForwardTimes, LatencyCurve, StaticBudget
-from forerun.costmodel.switch import FIRST_PROBE_STEPS
+from forerun.costmodel import Budget, LatencyCurve
 from forerun.drafters.base import Drafter
 from forerun.drafters.prediction import PredictionDrafter
 from forerun.engine import decode
@@ -114,16 +112,13 @@ class Decoder:
             max_tree_nodes, draft_in_prefill, adaptive, static_cache, compile_buckets, reproducible
         )
         check_vocabulary(model, tokenizer)
-        uses_draft = self.plan.uses_model()
-        if draft_model is not None and not uses_draft:
-            raise ValueError(f"draft_model is a knob of method 'draft_model', which is not part of {self.method!r}")
-        self.draft_model = self.prepare_draft(draft_model, draft_tokenizer) if uses_draft else None
-        self.draft_head = self.prepare_head(draft_head)
+        self.draft_model = prepare_draft(model, tokenizer, self.plan, draft_model, draft_tokenizer)
+        self.draft_head = prepare_head(model, self.plan, draft_head)
         read = feature_layers(drafters) if drafters is not None else getattr(self.draft_head, "aux_layers", ())
-        self.base = self.make_base(device_type, read)
+        self.base = make_base(model, self.engine_config, device_type, read)
         self.latency, self.latency_cache = latency, latency_cache
         drafting = bool(self.plan.specs) if drafters is None else bool(drafters)
-        self.budget = self.make_budget(latency, latency_cache, drafting)
+        self.budget = make_budget(model, self.plan, self.engine_config, latency, latency_cache, self.base, drafting)
         if drafters is None and self.budget.curve is not None and self.budget.curve.flat:
             # Extra tokens cost little here: the drafters propose wide trees, the cost model cuts each step's
             # (bf16 on a CPU with bf16 units, SmolLM2 greedy: 1.91x -> 2.03x plain generate in forwards' cost)
@@ -138,49 +133,6 @@ class Decoder:
         """The config of the method when only one is used (None for 'plain' and combinations)."""
         return self.plan.configs[0] if len(self.plan.configs) == 1 else None
 
-    def make_budget(self, latency: LatencyCurve | None, latency_cache: str | Path | None, drafting: bool) -> Budget:
-        """The cost model (model-free methods and combinations, or adaptive=True) or a static node budget;
-        `drafting`: whether there are drafters at all (without any, nothing is left to weigh)."""
-        config = self.engine_config
-        adaptive = self.plan.adaptive if config.adaptive is None else config.adaptive
-        if config.max_tree_nodes is not None and config.max_tree_nodes < self.plan.min_budget():
-            raise ValueError(
-                f"{self.method} needs at least {self.plan.min_budget()} nodes per forward with these knobs "
-                f"(the Jacobi window's W x (N-1) probes and the root), but max_tree_nodes={config.max_tree_nodes}"
-            )
-        if adaptive and drafting:
-            curve = latency if latency is not None else curve_for(self.model, latency_cache, base=self.base)
-            cap = config.max_tree_nodes or max(curve.default_cap(), self.plan.min_budget())
-            # a measured curve is corrected by what this run's forwards take (unless choices must be reproducible);
-            # a given one is the price as it is
-            reproducible = config.reproducible
-            if reproducible is None:
-                reproducible = self.model.dtype != torch.float32 or weights_kind(self.model) is not None
-            times = ForwardTimes() if latency is None and not reproducible else None
-            # costly drafters (a trained head's forwards) are weighed against rates without them: measured, or
-            # priced on the curve where choices must be reproducible
-            parameters = sum(p.numel() for p in self.model.parameters())
-            return CostModel(
-                curve, cap, times=times, reproducible=reproducible, target_parameters=parameters,
-                switch=DraftSwitch(probing=FIRST_PROBE_STEPS, paired=True),
-            )  # fmt: skip
-        return StaticBudget(config.max_tree_nodes or (self.plan.static_budget() if self.plan.specs else 16))
-
-    def make_base(self, device_type: str, read: Sequence[int] = ()) -> StaticBase | None:
-        """The static base for single rows (`EngineConfig.static_cache`), or None for the engine's growing cache.
-        `read`: the layers the drafters read (a head's), returned by its forwards where it can (`graph_features`)."""
-        wanted = self.engine_config.static_cache
-        if wanted is False or (wanted is None and device_type != "cuda"):
-            return None
-        reason = static_support(self.model)
-        if reason is not None:
-            logger.warning("forerun: no static cache for this model (%s); using the growing cache", reason)
-            return None
-        features = graph_features(self.model, read)
-        if read and not features:
-            logger.info("forerun: the head reads the target's last layer: it drafts only where no graph replays")
-        return StaticBase(self.model, compiled=self.engine_config.compile_buckets, features=features)
-
     def batch_budget(self) -> Budget:
         """The budget batches decide on: the cost model's curve with its batched row curves
         (`LatencyCurve.batch_cost`), measured the first time a batch runs and stored beside the curve. A curve given
@@ -194,39 +146,6 @@ class Decoder:
             else:
                 budget.curve = curve_for(self.model, self.latency_cache, batched=True, base=self.base)
         return budget
-
-    def prepare_draft(self, draft: torch.nn.Module | str | None, draft_tokenizer) -> torch.nn.Module:
-        """The draft model of method 'draft_model': given, loaded by name, or the target's own first layers."""
-        from forerun.drafters.draft_model import check_same_vocabulary, load_draft, self_draft
-
-        layers = self.plan.model_config().self_draft_layers
-        if layers:
-            if draft is not None:
-                raise ValueError("give either draft_model or self_draft_layers, not both")
-            return self_draft(self.model, layers)
-        if draft is None:
-            raise ValueError(
-                "method 'draft_model' needs draft_model=... (a model sharing the target's tokenizer, or its name) "
-                "or the knob self_draft_layers=K (the target's own first K layers)"
-            )
-        if isinstance(draft, str):
-            return load_draft(draft, self.model, self.tokenizer)
-        check_same_vocabulary(self.model, draft, self.tokenizer, draft_tokenizer)
-        return draft
-
-    def prepare_head(self, head: str | Path | torch.nn.Module | None) -> torch.nn.Module | None:
-        """The EAGLE-3 head of method eagle3: given as a module, or read from a folder (`load_head`)."""
-        from forerun.drafters.eagle3 import load_head
-
-        if not self.plan.uses_head():
-            if head is not None:
-                raise ValueError(f"draft_head is for method 'eagle3' (or 'auto'), which is not part of {self.method!r}")
-            return None
-        if head is None:
-            raise ValueError(
-                "method 'eagle3' needs draft_head=PATH (a folder with an EAGLE-3 head in SpecForge's layout)"
-            )
-        return head if isinstance(head, torch.nn.Module) else load_head(head, self.model)
 
     def save_cache(self, path: str) -> None:
         """Save the cross-request state (the trie of method 'trie') with safetensors."""
@@ -249,24 +168,34 @@ class Decoder:
                 return drafter
         raise ValueError(f"method {self.method!r} keeps no trie to save or load; use a method with 'trie' in it")
 
-    def warm_up(self, max_len: int = 2048) -> float:
+    def warm_up(self, max_len: int = 2048, batch_size: int = 1) -> float:
         """Capture the static cache's graphs now (compiled first, with compile_buckets) for texts of up to `max_len`
         tokens (prompt + new tokens), so that no request pays for them; returns the seconds spent (0.0 without a
         static cache, a CPU's default). A longer request later allocates a larger cache and captures again.
+        `batch_size` > 1: also the graphs of batches of up to that many rows (every row count they are padded
+        to, and a joining row's prompt fed into its place): `generate_each(..., batch_size=)` and a server's
+        continuous batch of that many rows.
 
         Example:
             >>> decoder = Decoder(model, tokenizer, "auto")                    # doctest: +SKIP
-            >>> decoder.warm_up(1024)                                          # seconds, once  # doctest: +SKIP
+            >>> decoder.warm_up(1024, batch_size=8)                            # seconds, once  # doctest: +SKIP
         """
         if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
             raise ValueError(f"warm_up's max_len must be a positive number of tokens, got {max_len!r:.40}")
+        if not is_count(batch_size, 1):
+            raise ValueError(f"warm_up's batch_size must be a positive number of rows, got {batch_size!r:.40}")
         context = getattr(self.model.config, "max_position_embeddings", None)
         if context is not None and max_len > context:
             raise ValueError(f"warm_up's max_len={max_len} exceeds the model's context ({context} tokens)")
         if self.base is None:
             return 0.0
+        longest = max_len + self.budget.max_nodes
         with torch.inference_mode():
-            return self.base.warm(max_len + self.budget.max_nodes)
+            seconds = self.base.warm(longest)
+            if batch_size > 1 and batchable(self.model):  # the places `generate_each` and a server's batch take
+                rows = self.base.sibling(batch_size)
+                seconds += rows.warm(longest, rows.row_buckets, placed=True)
+        return seconds
 
     def encode(self, prompt: Prompt, chat: bool = False) -> torch.Tensor:
         """Prompt -> input_ids [1, L] on the host: a string (chat=True wraps it as one user message), messages, or
@@ -452,18 +381,6 @@ class Decoder:
     def result(self, prepared: Prepared, stats: GenerationStats) -> GenerationResult:
         """A finished row's GenerationResult."""
         return finished_result(self.tokenizer, prepared, stats)
-
-
-def check_vocabulary(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase | None) -> None:
-    """A tokenizer whose ids exceed the model's embedding rows belongs to another model."""
-    if tokenizer is None:
-        return
-    rows = model.get_input_embeddings().num_embeddings
-    if len(tokenizer) > rows:
-        raise ValueError(
-            f"tokenizer {type(tokenizer).__name__} has {len(tokenizer)} tokens but model {type(model).__name__} "
-            f"embeds only {rows}: they do not belong together"
-        )
 
 
 def generate(

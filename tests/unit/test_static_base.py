@@ -253,6 +253,25 @@ def test_warm_up_makes_every_bucket_before_the_first_request():
             decoder.warm_up(bad)
 
 
+def test_warm_up_for_a_batch_size_makes_every_step_its_rows_take():
+    """warm_up(..., batch_size=3): the 3-place sibling's steps for 1, 2 and 3 rows and its joining rows' placed
+    steps, every bucket; three prompts decoded together then make no step of their own (and write generate's)."""
+    model = model_of("llama", "sdpa")
+    decoder = forerun.Decoder(model, None, "prompt_lookup", latency=CURVE, static_cache=True)
+    decoder.warm_up(200, batch_size=3)
+    rows, buckets = decoder.base.siblings[3], decoder.base.buckets
+    made = {(r, s, False) for r in (1, 2, 3) for s in buckets} | {(1, s, True) for s in buckets}
+    assert set(rows.steps) == made
+    steps = dict(rows.steps)
+    results = decoder.generate([prompt[0].tolist() for prompt in prompts(3)], NEW_TOKENS, eos_token_id=[])
+    for index, result in enumerate(results):
+        assert torch.equal(result.sequences, reference("llama", "sdpa", index)), index
+    assert set(rows.steps) == made and all(rows.steps[key] is steps[key] for key in made)  # reused, none new
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="warm_up's batch_size"):
+            decoder.warm_up(200, batch_size=bad)
+
+
 @torch.inference_mode()
 def test_compiled_buckets_of_two_models_are_never_shared():
     """Compiled bases of three models in one process (fp32 linear layers, then bf16, then 4-bit kernels in place

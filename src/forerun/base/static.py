@@ -205,18 +205,20 @@ class StaticBase:
         self.columns = torch.arange(length, device=self.device)
         self.offsets = torch.arange(self.largest, device=self.device)
 
-    def warm(self, max_len: int, rows: Sequence[int] = (1,)) -> float:
+    def warm(self, max_len: int, rows: Sequence[int] = (1,), placed: bool = False) -> float:
         """Make every bucket's graph (and compiled program) now, for texts of up to `max_len` tokens and forwards
-        of each of `rows`, instead of at each one's first use; returns the seconds it took. A server calls it once
-        before taking requests."""
+        of each of `rows`, instead of at each one's first use; returns the seconds it took. `placed`: also the
+        forwards that feed one joining row's prompt into its own place (a batch's). A server calls it once before
+        taking requests."""
         started = time.perf_counter()
         reason = self.begin(max_len)
         if reason is not None:
             raise ValueError(f"this model cannot verify trees on the static cache: {reason}")
-        for count in rows:
-            for size in self.buckets:
-                if (count, size, False) not in self.steps:
-                    self.prepare(count, size, False)
+        wanted = [(count, size, False) for count in rows for size in self.buckets]
+        wanted += [(1, size, True) for size in self.buckets] if placed else []
+        for key in wanted:
+            if key not in self.steps:
+                self.prepare(*key)
         return time.perf_counter() - started
 
     def seed(self, prefixes: Prefixes | None, tokens: list[int]) -> int:

@@ -51,6 +51,12 @@ def serve(
         help="Prompt tokens a joining request feeds between two steps of the running ones (a long prompt does not "
         "freeze the other streams); 0: whole prompts at once",
     ),
+    warm_up_tokens: int = typer.Option(
+        2048,
+        "--warm-up-tokens",
+        help="On a GPU, capture every graph before serving, for texts (prompt + answer) of up to this many tokens, "
+        "single rows and the batch's; 0: each at its first use, in some request's time",
+    ),
     request_methods: str = typer.Option(
         "any",
         "--request-methods",
@@ -77,11 +83,11 @@ def serve(
         or max_tokens_limit < 1
         or not 0 < timeout < float("inf")
         or min(max_queue, max_batch) < 1
-        or min(prefix_cache, prefill_chunk) < 0
+        or min(prefix_cache, prefill_chunk, warm_up_tokens) < 0
     ):
         raise ValueError(
-            "--port must be in [1, 65535], --max-tokens-limit, --max-queue and --max-batch >= 1, --prefix-cache and "
-            "--prefill-chunk >= 0 and --timeout a positive number"
+            "--port must be in [1, 65535], --max-tokens-limit, --max-queue and --max-batch >= 1, --prefix-cache, "
+            "--prefill-chunk and --warm-up-tokens >= 0 and --timeout a positive number"
         )
     spec = run_spec(model, method, knob, device, dtype, threads, draft_model, max_tree_nodes, quantize, draft_head)
     config = ServerConfig(
@@ -98,11 +104,12 @@ def serve(
         max_batch=max_batch,
         prefix_cache_tokens=prefix_cache,
         prefill_chunk=prefill_chunk,
+        warm_up_tokens=warm_up_tokens,
         request_methods=parse_request_methods(request_methods),
         max_tree_nodes=spec.max_tree_nodes,
     )
     lm, tokenizer, draft = spec.load()
-    with console.status("preparing the server (the latency curves are measured once per model, dtype and device)"):
+    with console.status("preparing the server (latency curves measured once per model, dtype and device; graphs)"):
         app = create_app(lm, tokenizer, config, draft)  # a bad cache file or knob stops here, in one line
     # On SIGTERM/SIGINT: stop accepting, give open requests 5 s, answer those left with 503 (streams: an error
     # event and [DONE]); the trie is saved after. guarded_h11: uvicorn's h11 with a deadline for request heads and

@@ -44,6 +44,10 @@ class ServerConfig:
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     """Prompt tokens a request joining the running batch feeds between two of its steps; 0: whole prompts at once
     (a long prompt then stops every other stream for its whole prefill)."""
+    warm_up_tokens: int = 2048
+    """Texts (prompt and answer) of up to this many tokens find the static cache's graphs captured before the first
+    request (a GPU's: every bucket, for single rows and for the batch's rows; `Decoder.warm_up`), capped at the
+    model's context; 0: each graph is captured at its first use, in some request's time."""
     max_tree_nodes: int | None = None
     """Most tokens any request's forward may carry (`serve --max-tree-nodes`); None: what the curve affords."""
     request_methods: tuple[str, ...] | None = None

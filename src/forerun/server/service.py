@@ -55,11 +55,23 @@ class Service:
         self.pool.get(config.method, {})  # a bad method or knob fails now
         self.cache_decoder = load_trie_cache(self.pool, config.cache_path)
         self.metrics = Metrics()
+        self.warm_up_s = self.warm_up(model)
+        """Seconds spent capturing graphs before serving (0.0 without a static cache: a CPU's default)."""
         self.worker = self.make_worker(model)
         self.pending = 0
         """Requests waiting for or in generation."""
         self.rejected = 0
         """Requests refused because the queue was full."""
+
+    def warm_up(self, model) -> float:
+        """Capture the server's own method's graphs now, for single rows and its batch (`ServerConfig
+        .warm_up_tokens`), so that no client waits for a capture."""
+        if self.config.warm_up_tokens == 0:
+            return 0.0
+        context = getattr(model.config, "max_position_embeddings", None) or self.config.warm_up_tokens
+        rows = self.config.max_batch if self.config.max_batch > 1 and batchable(model) else 1
+        decoder = self.pool.get(self.config.method, {})
+        return decoder.warm_up(min(self.config.warm_up_tokens, context), batch_size=rows)
 
     def make_worker(self, model) -> Worker | BatchWorker:
         if self.config.max_batch > 1 and batchable(model):

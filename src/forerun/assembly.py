@@ -1,0 +1,140 @@
+"""What a `Decoder` is assembled from, besides its drafters: its draft model, its EAGLE-3 head, its base and its
+budget, each made (and checked) from the method plan and the engine's settings.
+
+Example (what `Decoder.__init__` does, in order; on a CPU with method auto):
+    >>> plan, config = plan_method("auto", {}, "cpu"), EngineConfig()               # doctest: +SKIP
+    >>> prepare_draft(model, tokenizer, plan, None, None), prepare_head(model, plan, None)  # doctest: +SKIP
+    (None, None)
+    >>> base = make_base(model, config, "cpu")            # None: the growing cache  # doctest: +SKIP
+    >>> make_budget(model, plan, config, None, DEFAULT_CACHE_DIR, base, True)       # doctest: +SKIP
+    CostModel(...)
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from forerun.base import StaticBase, graph_features, static_support
+from forerun.base.weights import weights_kind
+from forerun.config import EngineConfig
+from forerun.costmodel import Budget, CostModel, DraftSwitch, ForwardTimes, LatencyCurve, StaticBudget
+from forerun.costmodel.switch import FIRST_PROBE_STEPS
+from forerun.latency import curve_for
+from forerun.methods import MethodPlan
+
+logger = logging.getLogger(__name__)
+
+
+def prepare_draft(
+    model: torch.nn.Module, tokenizer, plan: MethodPlan, draft: torch.nn.Module | str | None, draft_tokenizer
+) -> torch.nn.Module | None:
+    """The draft model of method 'draft_model': given, loaded by name, or the target's own first layers; None
+    where the plan has no draft model (one given then is an error)."""
+    from forerun.drafters.draft_model import check_same_vocabulary, load_draft, self_draft
+
+    if not plan.uses_model():
+        if draft is not None:
+            raise ValueError(f"draft_model is a knob of method 'draft_model', which is not part of {plan.text!r}")
+        return None
+    layers = plan.model_config().self_draft_layers
+    if layers:
+        if draft is not None:
+            raise ValueError("give either draft_model or self_draft_layers, not both")
+        return self_draft(model, layers)
+    if draft is None:
+        raise ValueError(
+            "method 'draft_model' needs draft_model=... (a model sharing the target's tokenizer, or its name) "
+            "or the knob self_draft_layers=K (the target's own first K layers)"
+        )
+    if isinstance(draft, str):
+        return load_draft(draft, model, tokenizer)
+    check_same_vocabulary(model, draft, tokenizer, draft_tokenizer)
+    return draft
+
+
+def prepare_head(
+    model: torch.nn.Module, plan: MethodPlan, head: str | Path | torch.nn.Module | None
+) -> torch.nn.Module | None:
+    """The EAGLE-3 head of method eagle3: given as a module, or read from a folder (`load_head`); None where the
+    plan has no head (one given then is an error)."""
+    from forerun.drafters.eagle3 import load_head
+
+    if not plan.uses_head():
+        if head is not None:
+            raise ValueError(f"draft_head is for method 'eagle3' (or 'auto'), which is not part of {plan.text!r}")
+        return None
+    if head is None:
+        raise ValueError("method 'eagle3' needs draft_head=PATH (a folder with an EAGLE-3 head in SpecForge's layout)")
+    return head if isinstance(head, torch.nn.Module) else load_head(head, model)
+
+
+def make_base(
+    model: torch.nn.Module, config: EngineConfig, device_type: str, read: Sequence[int] = ()
+) -> StaticBase | None:
+    """The static base for single rows (`EngineConfig.static_cache`; by default on a CUDA device), or None for the
+    engine's growing cache. `read`: the layers the drafters read (a head's), returned by the base's forwards where
+    it can (`graph_features`)."""
+    wanted = config.static_cache
+    if wanted is False or (wanted is None and device_type != "cuda"):
+        return None
+    reason = static_support(model)
+    if reason is not None:
+        logger.warning("forerun: no static cache for this model (%s); using the growing cache", reason)
+        return None
+    features = graph_features(model, read)
+    if read and not features:
+        logger.info("forerun: the head reads the target's last layer: it drafts only where no graph replays")
+    return StaticBase(model, compiled=config.compile_buckets, features=features)
+
+
+def make_budget(
+    model: torch.nn.Module,
+    plan: MethodPlan,
+    config: EngineConfig,
+    latency: LatencyCurve | None,
+    latency_cache: str | Path | None,
+    base: StaticBase | None,
+    drafting: bool,
+) -> Budget:
+    """The cost model (model-free methods and combinations, or adaptive=True) or a static node budget;
+    `drafting`: whether there are drafters at all (without any, nothing is left to weigh)."""
+    adaptive = plan.adaptive if config.adaptive is None else config.adaptive
+    if config.max_tree_nodes is not None and config.max_tree_nodes < plan.min_budget():
+        raise ValueError(
+            f"{plan.text} needs at least {plan.min_budget()} nodes per forward with these knobs "
+            f"(the Jacobi window's W x (N-1) probes and the root), but max_tree_nodes={config.max_tree_nodes}"
+        )
+    if not (adaptive and drafting):
+        return StaticBudget(config.max_tree_nodes or (plan.static_budget() if plan.specs else 16))
+    curve = latency if latency is not None else curve_for(model, latency_cache, base=base)
+    cap = config.max_tree_nodes or max(curve.default_cap(), plan.min_budget())
+    # a measured curve is corrected by what this run's forwards take (unless choices must be reproducible); a
+    # given one is the price as it is
+    reproducible = config.reproducible
+    if reproducible is None:
+        reproducible = model.dtype != torch.float32 or weights_kind(model) is not None
+    times = ForwardTimes() if latency is None and not reproducible else None
+    # costly drafters (a trained head's forwards) are weighed against rates without them: measured, or priced on
+    # the curve where choices must be reproducible
+    parameters = sum(p.numel() for p in model.parameters())
+    return CostModel(
+        curve, cap, times=times, reproducible=reproducible, target_parameters=parameters,
+        switch=DraftSwitch(probing=FIRST_PROBE_STEPS, paired=True),
+    )  # fmt: skip
+
+
+def check_vocabulary(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase | None) -> None:
+    """A tokenizer whose ids exceed the model's embedding rows belongs to another model."""
+    if tokenizer is None:
+        return
+    rows = model.get_input_embeddings().num_embeddings
+    if len(tokenizer) > rows:
+        raise ValueError(
+            f"tokenizer {type(tokenizer).__name__} has {len(tokenizer)} tokens but model {type(model).__name__} "
+            f"embeds only {rows}: they do not belong together"
+        )

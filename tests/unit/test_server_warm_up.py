@@ -1,0 +1,38 @@
+"""A server captures its graphs before its first request: the server's own method, single rows and its batch's
+rows, for texts of `warm_up_tokens` (capped at the model's context); 0 leaves each capture to its first use."""
+
+from __future__ import annotations
+
+import pytest
+
+import forerun
+from forerun.server import ServerConfig
+from forerun.server.service import Service
+
+from tiny_models import tiny_model
+
+
+@pytest.mark.parametrize(("config", "expected"), [
+    (ServerConfig("tiny", "prompt_lookup", max_batch=4, warm_up_tokens=100), [(100, 4)]),
+    (ServerConfig("tiny", "prompt_lookup", max_batch=1, warm_up_tokens=100), [(100, 1)]),
+    (ServerConfig("tiny", "prompt_lookup", max_batch=4, warm_up_tokens=10**6), [("context", 4)]),
+    (ServerConfig("tiny", "prompt_lookup", max_batch=4, warm_up_tokens=0), []),
+])  # fmt: skip
+def test_the_server_warms_its_own_method_for_its_batch_before_serving(config, expected, monkeypatch):
+    model = tiny_model("llama", "sdpa")
+    calls = []
+    original = forerun.Decoder.warm_up
+
+    def spy(self, max_len=2048, batch_size=1):
+        calls.append((self.method, max_len, batch_size))
+        return original(self, max_len, batch_size) + 1.5  # a CPU has no static cache: 0.0 seconds of its own
+
+    monkeypatch.setattr(forerun.Decoder, "warm_up", spy)
+    service = Service(model, None, config)
+    try:
+        context = model.config.max_position_embeddings
+        want = [("prompt_lookup", context if n == "context" else n, rows) for n, rows in expected]
+        assert calls == want
+        assert service.warm_up_s == (1.5 if expected else 0.0)
+    finally:
+        service.shutdown()
