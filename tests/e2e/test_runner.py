@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -170,8 +171,10 @@ def test_a_crash_midway_then_a_rerun_completes_without_duplicates(smollm2, tmp_p
 def test_bad_lines_are_reported_the_rest_runs_and_an_unwritable_output_stops_at_once(smollm2, tmp_path):
     path = write_prompts(tmp_path / "in.jsonl", PROMPTS[:2], ("oops",))
     out = tmp_path / "out.jsonl"
+    frozen = gc.get_freeze_count()
     result = CliRunner().invoke(app, ["run", str(path), "-o", str(out), "--chat", "-n", "4", "--threads", "2"])
     assert result.exit_code == 2
+    assert gc.get_freeze_count() > frozen  # the run froze what its start-up made (conftest thaws it after the test)
     assert "line 2: invalid JSON" in result.output and "1 bad line(s)" in result.output
     assert sorted(finished_rows(out)) == ["2", "pal"]
     missing = CliRunner().invoke(app, ["run", str(path), "-o", str(tmp_path / "no" / "out.jsonl")])

@@ -21,6 +21,7 @@ from forerun.cli.common import (
     app,
     console,
     errors,
+    freeze_start_up,
     progress_bar,
     run_spec,
     user_errors,
@@ -87,6 +88,7 @@ def run_file(
         dist.barrier()  # every rank has read what is done before any rank appends
     lm, tokenizer, draft = spec.load()
     decoder = spec.decoder(lm, tokenizer, draft)
+    freeze_start_up()  # the model and its tokenizer: no full collection walks them again, for the whole run
     label = f"rank {shard.rank}/{shard.world} " if shard.world > 1 else ""
     totals = {"tokens": 0, "forwards": 0, "refused": 0}
     with progress_bar() as bar:

@@ -17,6 +17,7 @@ from forerun.cli.common import (
     THREADS,
     app,
     console,
+    freeze_start_up,
     run_spec,
     user_errors,
 )
@@ -111,6 +112,7 @@ def serve(
     lm, tokenizer, draft = spec.load()
     with console.status("preparing the server (latency curves measured once per model, dtype and device; graphs)"):
         app = create_app(lm, tokenizer, config, draft)  # a bad cache file or knob stops here, in one line
+    freeze_start_up()  # the model, its tokenizer and the captured graphs: no full collection walks them again
     # On SIGTERM/SIGINT: stop accepting, give open requests 5 s, answer those left with 503 (streams: an error
     # event and [DONE]); the trie is saved after. guarded_h11: uvicorn's h11 with a deadline for request heads and
     # a cap on connections (slowloris).
