@@ -325,9 +325,12 @@ class StaticBase:
             mask = torch.zeros((), dtype=dtype, device=self.device).masked_fill(~visible, torch.finfo(dtype).min)
         else:
             mask = visible
+        # only the layers read are kept (transformers returns None for the others): a captured graph's memory pool
+        # would otherwise hold every layer's hidden states at once
+        selected = [i + 1 for i in self.features] if self.features else False
         out = self.model(
             input_ids=ids, position_ids=positions, attention_mask=mask, past_key_values=self.cache, use_cache=True,
-            output_hidden_states=bool(self.features),
+            output_hidden_states=selected,
         )  # fmt: skip
         if not self.features:
             return out.logits, None
