@@ -14,6 +14,8 @@
 #        SECTIONS=curve,bench bash benchmarks/gpu_check.sh 2   (only those)
 #        SECTIONS=bench bash benchmarks/gpu_check.sh 2 --compiled plain,auto   (more options: gpu_check.py --help)
 #        bash benchmarks/gpu_check.sh 3   (undrafted steps of the random 1B-class model: eager, compiled, forerun)
+#        SECTIONS=bench bash benchmarks/gpu_check.sh 2 --methods plain,eagle3,auto,eagle3+prompt_lookup+trie \
+#          --baselines generate_static_compiled   (the shipped head on graphs; chat prompts: gpu_prompts.py --datasets)
 set -uo pipefail
 OUT=${OUT:-bench-results/gpu}
 mkdir -p "$OUT"
