@@ -36,3 +36,20 @@ def test_the_server_warms_its_own_method_for_its_batch_before_serving(config, ex
         assert service.warm_up_s == (1.5 if expected else 0.0)
     finally:
         service.shutdown()
+
+
+def test_a_server_whose_graphs_cannot_be_warmed_still_starts(monkeypatch, caplog):
+    """A text as long as `warm_up_tokens` may not fit the static cache (a sliding window shorter than it): the
+    server starts anyway, each graph then captured at its first use, and says why."""
+    model = tiny_model("llama", "sdpa")
+
+    def refused(self, max_len=2048, batch_size=1):
+        raise ValueError("this model cannot verify trees on the static cache: a window of 1024 tokens")
+
+    monkeypatch.setattr(forerun.Decoder, "warm_up", refused)
+    service = Service(model, None, ServerConfig("tiny", "prompt_lookup", max_batch=4, warm_up_tokens=100))
+    try:
+        assert service.warm_up_s == 0.0
+        assert "no graphs captured before serving" in caplog.text and "window of 1024" in caplog.text
+    finally:
+        service.shutdown()

@@ -10,6 +10,7 @@ Example (what the routes of `forerun.server.app` do):
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 import uuid
@@ -29,6 +30,8 @@ from forerun.server.schemas import ChatRequest, CompletionRequest
 from forerun.server.shaping import DONE, Answer, chunk, completion, event, logprobs_payload, opening, usage
 from forerun.server.stream import TokenStream
 from forerun.server.translate import APIError, GenerationArgs, Limits, translate
+
+logger = logging.getLogger(__name__)
 
 
 class Service:
@@ -71,7 +74,11 @@ class Service:
         context = getattr(model.config, "max_position_embeddings", None) or self.config.warm_up_tokens
         rows = self.config.max_batch if self.config.max_batch > 1 and batchable(model) else 1
         decoder = self.pool.get(self.config.method, {})
-        return decoder.warm_up(min(self.config.warm_up_tokens, context), batch_size=rows)
+        try:
+            return decoder.warm_up(min(self.config.warm_up_tokens, context), batch_size=rows)
+        except ValueError as error:  # e.g. a sliding window shorter than the texts: those take the growing cache
+            logger.warning("forerun: no graphs captured before serving (%s); each at its first use", error)
+            return 0.0
 
     def make_worker(self, model) -> Worker | BatchWorker:
         if self.config.max_batch > 1 and batchable(model):
