@@ -50,7 +50,7 @@ from forerun.engine import decode, tree_in_prefill, tree_support
 from forerun.kvcache import plain_layers
 from forerun.row import RowJob, RowRun
 from forerun.stats import GenerationStats
-from forerun.taps import feature_layers, taps_beside
+from forerun.taps import LayerTaps, feature_layers
 from forerun.tree import TokenTree, merge
 
 
@@ -171,12 +171,10 @@ class Batch:
         selection = budget.choose(row.root, row.propose(drafting), len(lead), drafting)
         tree = selection.tree
         t1 = time.perf_counter()
-        layers = feature_layers(job.drafters)
-        with taps_beside(self.model, self.shared.features, layers) as taps:
+        with LayerTaps(self.model, feature_layers(job.drafters), read=self.shared.features) as taps:
             fed = self.shared.feed(own, tree, prompt_len - 1, lead)
         propose_s, forward_s = joining.begun_s + t1 - t0, time.perf_counter() - t1
-        tapped = fed.features if self.shared.features == layers else taps.take()
-        path = row.commit(selection, fed.logits, propose_s, forward_s, tapped, len(lead), fed.choices)
+        path = row.commit(selection, fed.logits, propose_s, forward_s, taps.take(fed.features), len(lead), fed.choices)
         self.rows.insert(self.shared.admit(own, prompt_len - 1, path, job.prefixes, ctx.tokens), row)
         row.stats.prefill_seconds = time.perf_counter() - row.started
         row.stats.prefill_chunks = joining.chunks + 1
@@ -221,12 +219,11 @@ class Batch:
         prefix_lens = [row.prefix_len for row in rows]
         # a paused batch taps nothing: its heads forget and read again from the step they draft in
         layers = feature_layers(d for row in rows for d in row.job.drafters) if drafting else ()
-        with taps_beside(self.model, self.shared.features, layers) as taps:
+        with LayerTaps(self.model, layers, read=self.shared.features) as taps:
             trees = [selection.tree for selection in selections]
-            logits, choices, tapped = self.shared.forward(prefix_lens, trees, nodes)  # [rows, nodes, vocab]
+            logits, choices, returned = self.shared.forward(prefix_lens, trees, nodes)  # [rows, nodes, vocab]
         forward_s = time.perf_counter() - t1
-        if tapped is None or self.shared.features != layers:  # read by the hooks, if by anyone: [rows, nodes, F]
-            tapped = self.shared.in_row_order(taps.take())
+        tapped = taps.take(returned, arrange=self.shared.in_row_order)  # [rows, nodes, F]
         # 4. verify and 5. commit, per row; then keep each row's accepted path in the shared cache
         kept = [
             self.commit_apart(

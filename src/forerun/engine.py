@@ -20,7 +20,7 @@ from forerun.costmodel import Budget
 from forerun.drafters.base import Drafter
 from forerun.row import RowJob, RowRun
 from forerun.stats import GenerationStats
-from forerun.taps import committed_features, feature_layers, taps_beside
+from forerun.taps import LayerTaps, committed_features, feature_layers
 from forerun.tree import TREE_ATTENTION, tree_support  # noqa: F401 - re-exported
 
 logger = logging.getLogger(__name__)
@@ -61,8 +61,7 @@ def decode(
     row.stats.fallback_reason = reason
     row.stats.cached_prompt_tokens = base.seed(job.prefixes, row.ctx.tokens)
     lead = row.ctx.tokens[row.stats.cached_prompt_tokens : -1]
-    layers = feature_layers(drafters)
-    with taps_beside(model, base.features, layers) as taps:
+    with LayerTaps(model, feature_layers(drafters), read=base.features) as taps:
         while not row.done:
             t0 = time.perf_counter()
             drafts = row.stats.forwards > 0 or tree_in_prefill(draft_in_prefill, len(lead))
@@ -74,8 +73,7 @@ def decode(
                 budget.timed(len(selection.tree), time.perf_counter() - t1)
             kept = [0, *verdict.accepted_nodes]
             base.commit(row.prefix_len, kept)
-            tapped = fed.features if base.features == layers else taps.take()
-            features = committed_features(tapped, len(lead), kept)
+            features = committed_features(taps.take(fed.features), len(lead), kept)
             row.accept(selection, verdict, fed.logits, t1 - t0, time.perf_counter() - t1, features, fed.choices)
             lead = []
     base.store(job.prefixes, row.ctx.tokens, row.prefix_len)  # the cache holds prompt + accepted

@@ -13,7 +13,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -27,18 +27,18 @@ def feature_layers(drafters: Iterable[object]) -> tuple[int, ...]:
     return ()
 
 
-def taps_beside(model: torch.nn.Module, read: Sequence[int], layers: Sequence[int]) -> LayerTaps:
-    """Hooks on `layers` of `model`, or none where the base's forwards return those very layers themselves (`read`:
-    its `features`). A static base's graph runs no hook when it replays, so it reads them inside the graph."""
-    return LayerTaps(model, () if tuple(layers) == tuple(read) else layers)
-
-
 class LayerTaps:
     """Forward hooks on decoder layers `layers` of `model`: `take()` gives the last forward's outputs of those
     layers, concatenated in that order, [rows, n, len(layers) * hidden] (None when no forward ran since, or no
-    layers are asked for: then it hooks nothing)."""
+    layers are asked for: then it hooks nothing).
 
-    def __init__(self, model: torch.nn.Module, layers: Sequence[int]) -> None:
+    `read`: the layers the base's forwards return themselves (its `features`). Where they are these very layers,
+    nothing is hooked and `take` hands back what the forward returned: a static base's graph runs no hook when it
+    replays, so it reads them inside the graph."""
+
+    def __init__(self, model: torch.nn.Module, layers: Sequence[int], read: Sequence[int] = ()) -> None:
+        self.read_by_base = bool(layers) and tuple(layers) == tuple(read)
+        layers = () if self.read_by_base else layers
         decoder = model.get_decoder() if layers and hasattr(model, "get_decoder") else None
         blocks = getattr(decoder, "layers", None)
         if layers and (blocks is None or not all(0 <= i < len(blocks) for i in layers)):
@@ -63,13 +63,19 @@ class LayerTaps:
 
         return keep
 
-    def take(self) -> torch.Tensor | None:
-        """The last forward's features [rows, n, len(layers) * hidden], or None; forgets them."""
+    def take(
+        self, returned: torch.Tensor | None = None, arrange: Callable[[torch.Tensor], torch.Tensor] | None = None
+    ) -> torch.Tensor | None:
+        """The last forward's features [rows, n, len(layers) * hidden], or None; forgets them. `returned`: the
+        features that forward returned (taken where the base read these layers); `arrange`: applied to the hooks'
+        (a batch's rows in row order)."""
+        if self.read_by_base:
+            return returned
         if not self.outputs or any(output is None for output in self.outputs):
             return None
         features = torch.cat(self.outputs, dim=-1)  # type: ignore[arg-type]
         self.outputs = [None] * len(self.outputs)
-        return features
+        return features if arrange is None else arrange(features)
 
 
 def committed_features(features: torch.Tensor | None, lead: int, kept: list[int]) -> torch.Tensor | None:

@@ -118,7 +118,7 @@ class StaticBase:
         self.model = model
         self.layers = model.config.get_text_config(decoder=True).num_hidden_layers
         self.features = tuple(features)
-        if any(not 0 <= i < self.layers - 1 for i in self.features):
+        if graph_features(model, self.features) != self.features:
             raise ValueError(f"features are read from layers 0..{self.layers - 2}, got {list(features)}")
         # the node count may become a symbolic size (dynamo's automatic dynamic shapes): the buckets past the
         # second share one compiled program (compiling each cost ~15 s on a card's host), and each is still
