@@ -21,6 +21,29 @@ def geometric_mean(values: list[float]) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
 
 
+def ratio(values: list[float]) -> str:
+    """A geometric mean as a table cell ("-" where nothing was compared)."""
+    return f"{geometric_mean(values):.2f}x" if values else "-"
+
+
+def batch_table(records: list[dict]) -> str:
+    """Per batch size and method: tokens/s and ratios against transformers' batched generate (eager; static cache
+    compiled where the run had it), tokens per forward, outputs equal to generate's rows."""
+    lines = [
+        "| rows | method | tok/s | vs batched generate (eager) | vs batched generate (static cache, compiled) | "
+        "forwards per row | same as generate |",
+        "|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in records:
+        if r["section"] == "batch" and "method" in r:
+            static = f"{r['vs_static_generate']:.2f}x" if "vs_static_generate" in r else "-"
+            lines.append(
+                f"| {r['rows']} | {r['method']} | {r['tokens'] / r['seconds']:.0f} | {r['vs_generate']:.2f}x | "
+                f"{static} | {r['forwards']:.1f} | {r['same_as_generate']} |"
+            )
+    return "\n".join(lines)
+
+
 def bench_table(records: list[dict]) -> str:
     """Per method: tokens/s (all prompts), geometric-mean speed ratios against eager and compiled generate,
     tokens per forward, host ms per step, outputs identical / ties / other."""
@@ -30,15 +53,17 @@ def bench_table(records: list[dict]) -> str:
         by_prompt[f"{r['dataset']}/{r['prompt']}"][r["method"]] = r
     methods = list(dict.fromkeys(r["method"] for r in runs))
     lines = [
-        "| method | tok/s | vs generate (eager) | vs generate (static cache, compiled) | tokens/forward | host ms/step "
-        "| identical / tie / other |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| method | tok/s | vs generate (eager) | vs generate (static cache, compiled) | vs forerun plain | "
+        "tokens/forward | host ms/step | identical / tie / other |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for method in methods:
         rows = [p[method] for p in by_prompt.values() if method in p]
         rate = lambda r: r["new_tokens"] / r["seconds"]  # noqa: E731
-        eager = [rate(p[method]) / rate(p["generate"]) for p in by_prompt.values() if method in p]
-        compiled = [rate(p[method]) / rate(p["generate_static_compiled"]) for p in by_prompt.values() if method in p]
+        ratios = " | ".join(
+            ratio([rate(p[method]) / rate(p[reference]) for p in by_prompt.values() if method in p and reference in p])
+            for reference in ("generate", "generate_static_compiled", "plain")
+        )
         tokens = sum(r["new_tokens"] for r in rows) / sum(r["seconds"] for r in rows)
         tpf = [r["tokens_per_forward"] for r in rows if "tokens_per_forward" in r]
         host = [r["host_ms_per_step"] for r in rows if "host_ms_per_step" in r]
@@ -46,11 +71,10 @@ def bench_table(records: list[dict]) -> str:
         ties = sum(bool(r["tie"]) for r in rows)
         other = len(rows) - same - ties
         lines.append(
-            f"| {method} | {tokens:.0f} | {geometric_mean(eager):.2f}x | {geometric_mean(compiled):.2f}x | "
-            f"{sum(tpf) / len(tpf):.2f} | {sum(host) / len(host):.2f} | {same} / {ties} / {other} |"
+            f"| {method} | {tokens:.0f} | {ratios} | {sum(tpf) / len(tpf):.2f} | {sum(host) / len(host):.2f} | "
+            f"{same} / {ties} / {other} |"
             if tpf
-            else f"| {method} | {tokens:.0f} | {geometric_mean(eager):.2f}x | {geometric_mean(compiled):.2f}x | "
-            f"- | - | {same} / {ties} / {other} |"
+            else f"| {method} | {tokens:.0f} | {ratios} | - | - | {same} / {ties} / {other} |"
         )
     return "\n".join(lines)
 
@@ -147,12 +171,13 @@ def main() -> None:
             print()
         if any(r["section"] == "bench" and "method" in r for r in records):
             print(bench_table(records), "\n")
-            print("Against compiled static-cache generate, geometric mean per dataset:\n")
-            print(dataset_table(records), "\n")
-        for r in records:
-            if r["section"] == "batch" and "rows" in r:
-                print(f"- batch {r['rows']} rows, {r['method']}: {r['tokens'] / r['seconds']:.0f} tok/s, "
-                      f"{r['vs_hf']:.2f}x transformers' batched generate")  # fmt: skip
+            compiled = any(r.get("method") == "generate_static_compiled" for r in records)
+            reference = "generate_static_compiled" if compiled else "plain"
+            against = "compiled static-cache generate" if compiled else "forerun plain (captured)"
+            print(f"Against {against}, geometric mean per dataset:\n")
+            print(dataset_table(records, reference), "\n")
+        if any(r["section"] == "batch" and "method" in r for r in records):
+            print(batch_table(records), "\n")
 
 
 if __name__ == "__main__":

@@ -148,3 +148,26 @@ def test_the_servers_pool_and_the_run_specification_take_a_head(tmp_path, target
         RunSpec(method="eagle3")
     with pytest.raises(ValueError, match="not part of 'trie'"):
         RunSpec(method="trie", draft_head=str(tmp_path))
+
+
+def test_the_heads_attention_keeps_off_cudnn_on_a_card_and_changes_nothing_elsewhere(tmp_path, target, monkeypatch):
+    """cuDNN's attention plans every new shape on the host, and the head's shapes change every step: on a CUDA
+    device the head's attention runs with cuDNN's backend switched off (torch's scoped switch), and the switch is
+    restored after it. On a CPU nothing is switched."""
+    from forerun.drafters.eagle3 import head as head_module
+
+    with head_module.planless_attention(torch.device("cuda")):
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.math_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    with head_module.planless_attention(torch.device("cpu")):
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+    # Every attention call of the head goes through the switch, with the device its inputs are on.
+    asked, real = [], head_module.planless_attention
+    monkeypatch.setattr(head_module, "planless_attention", lambda device: asked.append(device) or real(device))
+    write_head(tmp_path, target)
+    head = load_head(tmp_path, target, dtype=torch.float32)
+    with torch.inference_mode():
+        head(torch.tensor([5, 6]), head.project(torch.randn(2, 3 * target.config.hidden_size)), torch.arange(2),
+             HeadCache())  # fmt: skip
+    assert asked == [torch.device("cpu")]

@@ -27,11 +27,13 @@ Example (a random head over a tiny target; shapes only):
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import (
     LlamaMLP,
@@ -93,6 +95,19 @@ class HeadCache:
             self.keys, self.values = self.keys[:, :length], self.values[:, :length]
 
 
+PLANLESS_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+"""The head's attention backends on a CUDA device: every one but cuDNN's."""
+
+
+def planless_attention(device: torch.device) -> AbstractContextManager:
+    """Where the head's attention may run: on a CUDA device, anywhere but cuDNN. The head reads a cache that grows
+    by a few positions every step, under a tree mask of a new shape each time; cuDNN's attention builds (and keeps)
+    an execution plan per new shape on the host, so a head let onto it spends most of each step planning
+    (docs/benchmarks.md, the GPU section). The other kernels need no plan. Elsewhere (a CPU) nothing changes.
+    The switch is torch's own scoped one (`sdpa_kernel`), restored as the head's attention returns."""
+    return sdpa_kernel(PLANLESS_BACKENDS) if device.type == "cuda" else nullcontext()
+
+
 class Eagle3Attention(nn.Module):
     """Self-attention whose input is [norm(embedding) ; norm(hidden)], 2 * hidden_size wide."""
 
@@ -121,9 +136,10 @@ class Eagle3Attention(nn.Module):
         cache.append(k[0], v[0])
         if visible is None:  # every new position sees the cache and the new ones before it
             visible = torch.ones(n, past + n, dtype=torch.bool, device=x.device).tril(past)
-        out = F.scaled_dot_product_attention(
-            q, cache.keys[None], cache.values[None], attn_mask=visible[None, None], enable_gqa=True
-        )
+        with planless_attention(x.device):
+            out = F.scaled_dot_product_attention(
+                q, cache.keys[None], cache.values[None], attn_mask=visible[None, None], enable_gqa=True
+            )
         return self.o_proj(out[0].transpose(0, 1).reshape(n, -1))
 
 
