@@ -29,7 +29,10 @@ Example:
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
+
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -136,3 +139,24 @@ def pick_attention(attn_implementation: str, device: str, dtype: torch.dtype) ->
 def sdpa_like(attn_implementation: str | None) -> bool:
     """Whether the implementation is transformers' sdpa underneath (takes bool masks, grouped heads alike)."""
     return attn_implementation in ("sdpa", SDPA_FP32, SDPA_GROUPED)
+
+
+PLANLESS_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+"""A drafter's attention backends on a CUDA device: every one but cuDNN's."""
+
+
+def planless_attention(device: torch.device) -> AbstractContextManager:
+    """Where a drafter's own eager attention may run (an EAGLE-3 head's, a draft model's): on a CUDA device,
+    anywhere but cuDNN. A drafter reads a cache that grows by a few positions every step, in shapes that change
+    every step; cuDNN's attention builds (and keeps) an execution plan per new shape on the host, so a drafter let
+    onto it spends most of each step planning (docs/benchmarks.md, the GPU section: an EAGLE-3 head). The other
+    kernels need no plan. Elsewhere (a CPU) nothing changes. The target's own forwards are left as they are (what
+    they compute is compared with plain generate's). The switch is torch's own scoped one (`sdpa_kernel`),
+    restored on leaving.
+
+    Example:
+        >>> with planless_attention(torch.device("cuda")):
+        ...     torch.backends.cuda.cudnn_sdp_enabled()
+        False
+    """
+    return sdpa_kernel(PLANLESS_BACKENDS) if device.type == "cuda" else nullcontext()

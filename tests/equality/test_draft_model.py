@@ -279,3 +279,17 @@ def test_missing_or_misplaced_draft_model_is_a_clear_error():
         forerun.Decoder(model_of("llama"), None, "draft_model", draft_model=model_of("llama"), self_draft_layers=1)
     with pytest.raises(ValueError, match="knob of method 'draft_model'"):
         forerun.Decoder(model_of("llama"), None, "prompt_lookup", draft_model=model_of("llama"))
+
+
+def test_the_draft_models_forwards_keep_off_cudnn_on_a_card(monkeypatch):
+    """Every forward of the draft model runs inside `planless_attention` with its inputs' device (a card would
+    otherwise plan cuDNN's attention for every new cache length; `forerun.attention.planless_attention`)."""
+    from forerun.drafters import draft_model as module
+
+    asked, real = [], module.planless_attention
+    monkeypatch.setattr(module, "planless_attention", lambda device: asked.append(device) or real(device))
+    target, draft = model_of("llama"), model_of("llama", "sdpa", seed=1)
+    result = forerun.Decoder(target, None, "draft_model", draft_model=draft, gamma=3).generate(
+        prompts(1)[0], 8, eos_token_id=[]
+    )
+    assert result.stats.candidates > 0 and asked and set(asked) == {torch.device("cpu")}

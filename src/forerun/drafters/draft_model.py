@@ -34,6 +34,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
+from forerun.attention import planless_attention
 from forerun.config import DraftModelConfig, PromptLookupConfig
 from forerun.drafters.base import DraftContext, MethodSpec, StepOutcome, cut_at_eos
 from forerun.drafters.prompt_lookup import PromptLookupDrafter
@@ -153,7 +154,8 @@ class DraftModelDrafter:
         start = len(self.cached)
         ids = torch.tensor([tokens], dtype=torch.long, device=device)
         positions = torch.arange(start, start + len(tokens), device=device).unsqueeze(0)
-        logits = self.head(keep, input_ids=ids, position_ids=positions, past_key_values=self.cache, use_cache=True)
+        with planless_attention(ids.device):  # a new cache length every step: no plan per shape on a card
+            logits = self.head(keep, input_ids=ids, position_ids=positions, past_key_values=self.cache, use_cache=True)
         self.cached.extend(tokens)
         return [fit_rows(row.float(), self.vocab) for row in logits[0, -keep:]]
 

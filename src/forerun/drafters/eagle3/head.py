@@ -27,13 +27,11 @@ Example (a random head over a tiny target; shapes only):
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import (
     LlamaMLP,
@@ -41,6 +39,8 @@ from transformers.models.llama.modeling_llama import (
     LlamaRotaryEmbedding,
     apply_rotary_pos_emb,
 )
+
+from forerun.attention import planless_attention
 
 
 def head_config(
@@ -93,19 +93,6 @@ class HeadCache:
         """Keep the first `length` positions (a rejected branch's are dropped)."""
         if self.keys is not None:
             self.keys, self.values = self.keys[:, :length], self.values[:, :length]
-
-
-PLANLESS_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-"""The head's attention backends on a CUDA device: every one but cuDNN's."""
-
-
-def planless_attention(device: torch.device) -> AbstractContextManager:
-    """Where the head's attention may run: on a CUDA device, anywhere but cuDNN. The head reads a cache that grows
-    by a few positions every step, under a tree mask of a new shape each time; cuDNN's attention builds (and keeps)
-    an execution plan per new shape on the host, so a head let onto it spends most of each step planning
-    (docs/benchmarks.md, the GPU section). The other kernels need no plan. Elsewhere (a CPU) nothing changes.
-    The switch is torch's own scoped one (`sdpa_kernel`), restored as the head's attention returns."""
-    return sdpa_kernel(PLANLESS_BACKENDS) if device.type == "cuda" else nullcontext()
 
 
 class Eagle3Attention(nn.Module):
