@@ -115,3 +115,43 @@ def test_texts_packed_side_by_side_train_as_they_would_alone():
         second = together[step][len(texts[0]) : len(texts[0]) + alone[1][step].shape[0]]
         assert torch.allclose(second, alone[1][step], atol=1e-5)
     assert not torch.allclose(unsegmented[0][10:17], alone[1][0], atol=1e-3)
+
+
+def test_a_level_of_several_branches_reads_as_each_branch_would_alone():
+    """Two branches drafted side by side, two levels deep: each node's head output equals the one its own chain
+    gives read alone (the level's mask shows a node its own ancestors' entries, not its cousins'). A mask that
+    shows every drafted entry fails it, as does one that hides the node's own ancestors."""
+    from forerun.config import Eagle3Config
+    from forerun.drafters.base import DraftContext, StepOutcome
+    from forerun.drafters.eagle3.drafter import Eagle3Drafter
+    from forerun.tree import TokenTree
+    from forerun.verify import Verdict
+
+    from eagle3_heads import random_head
+
+    model = tiny_model("llama")
+    head = random_head(model).float()
+    tokens = prompts(1, 12, seed=4)[0][0].tolist()
+    features = torch.randn(len(tokens), 3 * model.config.hidden_size)
+    ctx = DraftContext(tokens, len(tokens), 16, frozenset())
+
+    def drafter() -> Eagle3Drafter:
+        made = Eagle3Drafter(Eagle3Config(), head)
+        made.observe(ctx, StepOutcome(TokenTree.rooted_at(tokens[-1]), Verdict([], 0), torch.empty(0), [], {},
+                                      features[: len(tokens) - 1]))  # fmt: skip
+        return made
+
+    position = len(tokens) - 1
+    with torch.no_grad():
+        side, tree = drafter(), TokenTree.rooted_at(tokens[-1])
+        a, b = tree.add(0, 5), tree.add(0, 6)
+        first = side.read_level(tree, [a, b], [], position)
+        a2, b2 = tree.add(a, 7), tree.add(b, 8)
+        second = side.read_level(tree, [a2, b2], [a, b], position + 1)
+        for (parent, token), outs in (((5, 7), (first[0], second[0])), ((6, 8), (first[1], second[1]))):
+            alone, chain = drafter(), TokenTree.rooted_at(tokens[-1])
+            one = chain.add(0, parent)
+            (out_one,) = alone.read_level(chain, [one], [], position)
+            two = chain.add(one, token)
+            (out_two,) = alone.read_level(chain, [two], [one], position + 1)
+            assert torch.allclose(outs[0], out_one, atol=1e-5) and torch.allclose(outs[1], out_two, atol=1e-5)

@@ -124,13 +124,16 @@ class Eagle3Drafter:
         its ancestors' drafted entries and itself; returns each node's output, which predicts its children."""
         device = self.last.device
         hidden = torch.stack([self.last if tree.parents[n] == 0 else self.outputs[tree.parents[n]] for n in nodes])
-        visible = torch.zeros(len(nodes), self.cache.length + len(nodes), dtype=torch.bool, device=device)
-        visible[:, : self.committed] = True
+        # The drafted part is built on the host and moved once (an element written into a card's tensor is a kernel
+        # launch of its own); every node sees every committed entry.
+        drafted = []
         for row, node in enumerate(nodes):
             lineage = set(tree.path_to(node))  # the root's position is committed: it has no drafted entry
-            for column, entry in enumerate(entries):
-                visible[row, self.committed + column] = entry in lineage
-            visible[row, self.cache.length + row] = True
+            own = [False] * len(nodes)
+            own[row] = True
+            drafted.append([entry in lineage for entry in entries] + own)
+        committed = torch.ones(len(nodes), self.committed, dtype=torch.bool, device=device)
+        visible = torch.cat([committed, torch.tensor(drafted, dtype=torch.bool).to(device)], dim=1)
         tokens = torch.tensor([tree.tokens[node] for node in nodes], device=device)
         positions = torch.full((len(nodes),), position, device=device)
         outs = list(self.head(tokens, hidden, positions, self.cache, visible))
