@@ -330,7 +330,7 @@ def batch(
     for rows in sizes:
         if log.late(60):
             return
-        texts = [torch.tensor(p["ids"]) for p in (prompts * 4)[:rows]]
+        texts = [torch.tensor(p["ids"]) for p in (prompts * rows)[:rows]]  # as many rows as asked, prompts repeated
         batch_of(log, model, tokenizer, texts, new_tokens, compiled, baselines)
 
 
@@ -420,7 +420,7 @@ def main() -> None:
     parser.add_argument("--baselines", default="generate_static_compiled,hf_prompt_lookup",
                         help="bench: transformers' runs beside eager generate")  # fmt: skip
     parser.add_argument("--batch-compiled", default="", help="batch: these methods with compiled buckets too")
-    parser.add_argument("--batch-rows", default="1,4,16", help="batch: the batch sizes")
+    parser.add_argument("--batch-rows", default=[1, 4, 16], type=row_counts, help="batch: the batch sizes (e.g. 4,16)")
     parser.add_argument("--batch-baselines", default="generate_static_compiled",
                         help="batch: transformers' runs beside its eager batched generate (none: '')")  # fmt: skip
     parser.add_argument("--profile", default="auto,prompt_lookup",
@@ -469,9 +469,19 @@ def main() -> None:
         guarded(log, "profile", lambda: profile(log, model, tokenizer, prompts, args.new_tokens, chosen))
     if "batch" in sections and prompts:
         compiled = [m for m in args.batch_compiled.split(",") if m]
-        sizes = [int(r) for r in args.batch_rows.split(",") if r]
-        guarded(log, "batch", lambda: batch(log, model, tokenizer, prompts, min(args.new_tokens, 64), compiled, sizes,
-                                            args.batch_baselines.split(",")))  # fmt: skip
+        guarded(log, "batch", lambda: batch(log, model, tokenizer, prompts, min(args.new_tokens, 64), compiled,
+                                            args.batch_rows, args.batch_baselines.split(",")))  # fmt: skip
+
+
+def row_counts(text: str) -> list[int]:
+    """`--batch-rows`: comma-separated positive row counts, refused by argparse with the value named otherwise."""
+    try:
+        counts = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        counts = []
+    if not counts or any(count < 1 for count in counts):
+        raise argparse.ArgumentTypeError(f"expected positive row counts such as 4,16, got {text[:40]!r}")
+    return counts
 
 
 def guarded(log: Log, section: str, run):
