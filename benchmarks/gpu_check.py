@@ -90,7 +90,8 @@ def smoke(log: Log) -> None:
                 captured = base is not None and any(step.graph is not None for step in base.steps.values())
                 error = base.capture_error if base is not None else "no static base"
                 log("smoke", family=family, attention=attention, method=method, identical=f"{same}/3",
-                    drafted=drafted, captured=captured, capture_error=error)  # fmt: skip
+                    drafted=drafted, captured=captured, capture_error=error,
+                    head_graphs=head_graphs(decoder))  # fmt: skip
 
 
 def random_1b(tiny: bool = False, attention: str = "sdpa") -> tuple[torch.nn.Module, None]:
@@ -160,6 +161,13 @@ def steps(log: Log, model, label: str, new_tokens: int = 64) -> None:
                 ms_per_token=round(1e3 * took / new_tokens, 3))  # fmt: skip
 
 
+def head_graphs(decoder) -> list[list] | None:
+    """The (rows, kind) of every head forward a decoder's EAGLE-3 drafter captured (None: it drafts with no head,
+    [] where its forwards run eagerly)."""
+    runners = [d.runner for d in decoder.drafters if hasattr(d, "runner")]
+    return [[rows, "read" if project else "level"] for rows, project, _ in runners[0].graphs] if runners else None
+
+
 def curve_ms(decoder: Decoder) -> dict[int, float] | None:
     """The decoder's priced step cost per bucket (ms), where its budget is the cost model."""
     curve = getattr(decoder.budget, "curve", None)
@@ -202,7 +210,7 @@ def bench(
         log("bench", note=f"{label}: made (curve measured or loaded) and warmed", made_s=round(made_s, 1),
             warm_s=round(warm_s, 1), capture_s=round(decoder.base.capture_seconds, 1),
             capture_error=decoder.base.capture_error, curve_ms=curve_ms(decoder),
-            graph_features=list(decoder.base.features))  # fmt: skip
+            graph_features=list(decoder.base.features), head_graphs=head_graphs(decoder))  # fmt: skip
     if "generate_static_compiled" in baselines:
         _, compile_s = sync_time(lambda: hf_generate(model, warm_ids, new_tokens, cache_implementation="static"))
         hf_generate(model, warm_ids, new_tokens, cache_implementation="static")

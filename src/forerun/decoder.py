@@ -170,8 +170,9 @@ class Decoder:
 
     def warm_up(self, max_len: int = 2048, batch_size: int = 1) -> float:
         """Capture the static cache's graphs now (compiled first, with compile_buckets) for texts of up to `max_len`
-        tokens (prompt + new tokens), so that no request pays for them; returns the seconds spent (0.0 without a
-        static cache, a CPU's default). A longer request later allocates a larger cache and captures again.
+        tokens (prompt + new tokens), so that no request pays for them, and a trained head's own graphs; returns the
+        seconds spent (0.0 without a static cache, a CPU's default). A longer request later allocates a larger
+        cache and captures again.
         `batch_size` > 1: also the graphs of batches of up to that many rows (every row count they are padded
         to, and a joining row's prompt fed into its place): `generate_each(..., batch_size=)` and a server's
         continuous batch of that many rows.
@@ -192,6 +193,8 @@ class Decoder:
         longest = max_len + self.budget.max_nodes
         with torch.inference_mode():
             seconds = self.base.warm(longest)
+            warmed = [d for d in self.drafters if callable(getattr(d, "warm", None))]  # a trained head's graphs
+            seconds += sum(drafter.warm(longest) for drafter in warmed)
             if batch_size > 1 and batchable(self.model):  # the places `generate_each` and a server's batch take
                 rows = self.base.sibling(batch_size)
                 seconds += rows.warm(longest, rows.row_buckets, placed=True)

@@ -78,12 +78,12 @@ def test_training_time_test_steps_are_what_the_drafter_computes_at_depth():
         ctx = DraftContext(tokens[: j + 2], j + 2, 16, frozenset())
         drafter.observe(ctx, StepOutcome(TokenTree.rooted_at(tokens[j + 1]), Verdict([], 0), torch.empty(0), [], {},
                                          features[: j + 1]))  # fmt: skip
-        assert torch.allclose(drafter.last, steps[0][j], atol=1e-5)
+        assert torch.allclose(drafter.last.out[0], steps[0][j], atol=1e-5)
         tree = TokenTree.rooted_at(tokens[j + 1])
         child = tree.add(0, tokens[j + 2])
-        (first,) = drafter.read_level(tree, [child], [], j + 1)
+        (first,) = drafter.read_level(tree, [child], [], j + 1).out
         grandchild = tree.add(child, tokens[j + 3])
-        (second,) = drafter.read_level(tree, [grandchild], [child], j + 2)
+        (second,) = drafter.read_level(tree, [grandchild], [child], j + 2).out
         assert torch.allclose(first, steps[1][j], atol=1e-5) and torch.allclose(second, steps[2][j], atol=1e-5)
         assert not torch.allclose(first, steps[1][j + 1], atol=1e-3)  # the neighbouring chain differs
 
@@ -145,13 +145,13 @@ def test_a_level_of_several_branches_reads_as_each_branch_would_alone():
     with torch.no_grad():
         side, tree = drafter(), TokenTree.rooted_at(tokens[-1])
         a, b = tree.add(0, 5), tree.add(0, 6)
-        first = side.read_level(tree, [a, b], [], position)
+        first = side.read_level(tree, [a, b], [], position).out
         a2, b2 = tree.add(a, 7), tree.add(b, 8)
-        second = side.read_level(tree, [a2, b2], [a, b], position + 1)
+        second = side.read_level(tree, [a2, b2], [a, b], position + 1).out
         for (parent, token), outs in (((5, 7), (first[0], second[0])), ((6, 8), (first[1], second[1]))):
             alone, chain = drafter(), TokenTree.rooted_at(tokens[-1])
             one = chain.add(0, parent)
-            (out_one,) = alone.read_level(chain, [one], [], position)
+            (out_one,) = alone.read_level(chain, [one], [], position).out
             two = chain.add(one, token)
-            (out_two,) = alone.read_level(chain, [two], [one], position + 1)
+            (out_two,) = alone.read_level(chain, [two], [one], position + 1).out
             assert torch.allclose(outs[0], out_one, atol=1e-5) and torch.allclose(outs[1], out_two, atol=1e-5)

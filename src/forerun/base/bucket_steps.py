@@ -15,12 +15,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import FunctionType, MethodType
+from typing import TypeVar
 
 import numpy as np
 import torch
 
 from forerun.base.step_inputs import fill_host
 from forerun.tree import TokenTree
+
+T = TypeVar("T")
 
 IDLE = TokenTree.rooted_at(0)
 """What a place no row holds is fed in a batch's forward: a root in the scratch slots, seen by no one."""
@@ -69,24 +72,34 @@ def new_step(rows: int, size: int, placed: bool, scratch: int, device: torch.dev
 
 
 def capture(step: BucketStep, forward: Forward) -> str | None:
-    """Two warm-up forwards of `step` on a side stream (a compiled program is made by the first), then its capture
-    as a CUDA graph (its outputs stay in `step`); returns None, or why the capture failed (a model whose forward
-    waits for the host cannot be captured: that bucket then runs eagerly, still exact)."""
-    device = step.inputs.device
+    """`step`'s forward captured as a CUDA graph (`graph_of`; its outputs stay in `step`); returns None, or why the
+    capture failed (a model whose forward waits for the host cannot be captured: that bucket then runs eagerly,
+    still exact)."""
+    try:
+        step.graph, (step.logits, step.choices, step.features) = graph_of(
+            lambda: forward(step.size, step.inputs, step.placed), step.inputs.device
+        )
+        return None
+    except RuntimeError as error:
+        return str(error)
+
+
+def graph_of(run: Callable[[], T], device: torch.device) -> tuple[torch.cuda.CUDAGraph, T]:
+    """Two warm-up calls of `run` on a side stream (a compiled program is made by the first), then its capture as
+    a CUDA graph; returns the graph and the outputs of the captured call, which every replay rewrites in place.
+    `run` reads its inputs from buffers of its own, filled before each replay. Raises RuntimeError where `run`
+    cannot be captured (it waits for the host)."""
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
         for _ in range(2):
-            forward(step.size, step.inputs, step.placed)
+            run()
     torch.cuda.current_stream(device).wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     try:
         with torch.cuda.graph(graph):
-            step.logits, step.choices, step.features = forward(step.size, step.inputs, step.placed)
-        step.graph = graph
-        return None
-    except RuntimeError as error:
-        return str(error)
+            outputs = run()
+        return graph, outputs
     finally:
         torch.cuda.synchronize(device)
 

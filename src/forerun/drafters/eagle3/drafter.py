@@ -2,11 +2,12 @@
 
 After every verified step the engine hands over the target's features at the positions it committed
 (`StepOutcome.features`, tapped off the verification forward: no extra target forward). The head reads them,
-one position each, into its own cache: position i pairs g_i with the token x_{i+1} after it. Its output at the
+one position each, into its own cache (preallocated slots: `forerun.drafters.eagle3.runner`): position i pairs
+g_i with the token x_{i+1} after it. Its output at the
 last such position predicts the child of the new root; deeper levels feed the head its own outputs (module
 docstring of `forerun.drafters.eagle3.head`). Each level is one head forward of the expanded nodes, with a tree
-mask: a node sees the committed positions, its ancestors and itself. The drafted entries are dropped from the
-head's cache before it reads the next step's features.
+mask: a node sees the committed positions, its ancestors and itself. Drafted nodes write the slots after the
+committed ones, which the next step's committed positions write over.
 
 Example (the tree after "... The cat", root " cat", depth 2, width 2, topk 2):
     root( cat) -> " sat" (0.6) -> " on" (0.9), " down" (0.05)
@@ -17,30 +18,34 @@ Each node's score is the head's probability of it given its parent (the cost mod
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 
 from forerun.config import Eagle3Config
 from forerun.drafters.base import DraftContext, MethodSpec, StepOutcome
-from forerun.drafters.eagle3.head import Eagle3Head, HeadCache
+from forerun.drafters.eagle3.head import Eagle3Head
+from forerun.drafters.eagle3.runner import HeadRead, HeadRunner
 from forerun.tree import TokenTree
 
 
 class Eagle3Drafter:
-    """Drafts with `head` (`forerun.drafters.eagle3.load_head`); `feature_layers` tells the engine what to tap."""
+    """Drafts with `head` (`forerun.drafters.eagle3.load_head`); `feature_layers` tells the engine what to tap.
+    `capture`: the head's forwards are captured as CUDA graphs where it is on a card (`HeadRunner`); a copy (a
+    batch's row) runs them eagerly on slots of its own."""
 
     name = "eagle3"
     costly = True
     """Its head's forwards are time the cost model's curve does not see: it sits out while it does not pay."""
 
-    def __init__(self, config: Eagle3Config, head: Eagle3Head) -> None:
+    def __init__(self, config: Eagle3Config, head: Eagle3Head, capture: bool = True) -> None:
         self.config, self.head = config, head
         self.feature_layers = head.aux_layers
-        self.cache = HeadCache()
+        self.runner = HeadRunner(head, config.topk, capture)
         self.committed = 0
-        """Entries of `cache` that belong to committed positions (the rest are the last step's drafts)."""
-        self.last: torch.Tensor | None = None
-        """The head's output [H] at the newest position it read: it predicts the root's child."""
+        """Slots of the head's cache that hold committed positions (0..committed-1); drafts go after them."""
+        self.last: HeadRead | None = None
+        """The head's read of the newest committed position: its output [1, H] and the root's likeliest children."""
         self.outputs: dict[int, torch.Tensor] = {}
         """This step's drafted nodes' head outputs (each predicts the node's children)."""
         self.forwards = 0
@@ -48,42 +53,55 @@ class Eagle3Drafter:
         self.parameters = sum(p.numel() for name, p in head.named_parameters() if not name.startswith("embed_tokens."))
         """What one forward of the head reads (its embedding is looked up, not read)."""
 
+    def __copy__(self) -> Eagle3Drafter:
+        return Eagle3Drafter(self.config, self.head, capture=False)
+
     def spent(self) -> float:
         """Parameters the head's forwards read since the last call (the cost model prices them)."""
         forwards, self.forwards = self.forwards, 0
         return float(forwards * self.parameters)
 
+    @torch.inference_mode()
+    def warm(self, length: int) -> float:
+        """Make the head's slots and graphs for texts of `length` tokens now (`Decoder.warm_up`); the seconds."""
+        started = time.perf_counter()
+        self.runner.warm(length + self.drafted_slots(), self.config.width)
+        return time.perf_counter() - started
+
+    def drafted_slots(self) -> int:
+        """Slots a step's drafts take at most: every level but the last reads `width` nodes."""
+        return (self.config.depth - 1) * self.config.width
+
     def start(self, ctx: DraftContext) -> None:
-        self.cache, self.committed, self.last, self.outputs = HeadCache(), 0, None, {}
+        self.committed, self.last, self.outputs = 0, None, {}
 
     @torch.inference_mode()
     def observe(self, ctx: DraftContext, outcome: StepOutcome) -> None:
         """Read the committed positions' features: positions T-1-m .. T-2 with the tokens after each."""
-        if outcome.features is None:  # nothing tapped (a batch, a replayed graph): read again from the next step
+        if outcome.features is None or not len(outcome.features):  # nothing tapped: read again from the next step
             self.start(ctx)
             return
-        self.cache.crop(self.committed)
         count, end = outcome.features.shape[0], len(ctx.tokens) - 1
-        device = outcome.features.device
-        positions = torch.arange(end - count, end, device=device)
-        tokens = torch.tensor(ctx.tokens[end - count + 1 : end + 1], device=device)
-        features = outcome.features.to(self.head.fc.weight.dtype)
-        out = self.head(tokens, self.head.project(features), positions, self.cache)
-        self.committed, self.last, self.forwards = self.cache.length, out[-1], self.forwards + 1
+        first = self.committed
+        self.runner.reserve(first, first + count + self.drafted_slots())
+        slots = list(range(first, first + count))
+        self.last = self.runner.read(ctx.tokens[end - count + 1 : end + 1], list(range(end - count, end)), slots,
+                                     [(slot + 1, []) for slot in slots], outcome.features, True, True)  # fmt: skip
+        self.committed, self.forwards = first + count, self.forwards + 1
+        self.outputs = {0: self.last.out[0]}  # the root's: it predicts the root's children
 
     @torch.inference_mode()
     def propose(self, ctx: DraftContext) -> TokenTree:
         tree = TokenTree.rooted_at(ctx.tokens[-1])
         if self.last is None or ctx.budget <= 1:
             return tree
-        self.cache.crop(self.committed)
-        self.outputs = {}
+        self.outputs = {0: self.last.out[0]}
         position = len(ctx.tokens) - 1  # the head position of the root's children: the root's own
-        frontier = [(0, self.last, 0.0)]  # (tree node, head output predicting its children, path log-probability)
-        entries: list[int] = []  # the tree node of each drafted cache entry, in order
+        frontier, read = [(0, 0.0)], self.last  # (tree node, path log-probability); its rows' likeliest children
+        entries: list[int] = []  # the tree node of each drafted slot, in order
         floor = math.log(self.config.min_prob) if self.config.min_prob > 0 else -math.inf
         for level in range(self.config.depth):
-            added = self.children(tree, frontier, ctx)
+            added = self.children(tree, frontier, read, ctx)
             if not added or level == self.config.depth - 1:
                 break
             expand = [
@@ -91,25 +109,20 @@ class Eagle3Drafter:
             ]
             if not expand:  # the head is unsure past this level: no forward of it for guesses that would not hold
                 break
-            outs = self.read_level(tree, [node for node, _, _ in expand], entries, position)
+            read = self.read_level(tree, [node for node, _, _ in expand], entries, position)
             entries.extend(node for node, _, _ in expand)
-            frontier = [(node, out, logp) for (node, _, logp), out in zip(expand, outs, strict=True)]
+            frontier = [(node, logp) for node, _, logp in expand]
             position += 1
         return tree
 
-    def children(self, tree: TokenTree, frontier, ctx: DraftContext) -> list[tuple[int, int, float]]:
-        """Add the `topk` most probable children of each frontier node, most probable paths first, while the
-        budget lasts; returns (node, token, path log-probability) of the nodes added."""
-        frontier = [item for item in frontier if item[0] == 0 or tree.tokens[item[0]] not in ctx.eos_token_ids]
-        if not frontier:
-            return []
-        outs = torch.stack([out for _, out, _ in frontier])
-        probs = torch.softmax(self.head.draft_logits(outs).float(), dim=-1)  # [frontier, draft vocabulary]
-        top = probs.topk(min(self.config.topk, probs.shape[-1]), dim=-1)
-        targets = self.head.target_ids(top.indices).tolist()
+    def children(self, tree: TokenTree, frontier: list[tuple[int, float]], read: HeadRead,
+                 ctx: DraftContext) -> list[tuple[int, int, float]]:  # fmt: skip
+        """Add the `topk` most probable children of each frontier node (`read`'s rows, in order), most probable
+        paths first, while the budget lasts; returns (node, token, path log-probability) of the nodes added."""
         found = [
             (node, token, prob, logp + math.log(max(prob, 1e-12)))
-            for (node, _, logp), tokens, row in zip(frontier, targets, top.values.tolist(), strict=True)
+            for (node, logp), tokens, row in zip(frontier, read.ids.tolist(), read.probs.tolist(), strict=True)
+            if node == 0 or tree.tokens[node] not in ctx.eos_token_ids
             for token, prob in zip(tokens, row, strict=True)
         ]
         added = []
@@ -119,27 +132,23 @@ class Eagle3Drafter:
             added.append((tree.add(parent, token, source=self.name, score=prob), token, logp))
         return added
 
-    def read_level(self, tree: TokenTree, nodes: list[int], entries: list[int], position: int) -> list[torch.Tensor]:
-        """One head forward of `nodes` (one level) at head position `position`, each seeing the committed entries,
-        its ancestors' drafted entries and itself; returns each node's output, which predicts its children."""
-        device = self.last.device
-        hidden = torch.stack([self.last if tree.parents[n] == 0 else self.outputs[tree.parents[n]] for n in nodes])
-        # The drafted part is built on the host and moved once (an element written into a card's tensor is a kernel
-        # launch of its own); every node sees every committed entry.
-        drafted = []
-        for row, node in enumerate(nodes):
-            lineage = set(tree.path_to(node))  # the root's position is committed: it has no drafted entry
-            own = [False] * len(nodes)
-            own[row] = True
-            drafted.append([entry in lineage for entry in entries] + own)
-        committed = torch.ones(len(nodes), self.committed, dtype=torch.bool, device=device)
-        visible = torch.cat([committed, torch.tensor(drafted, dtype=torch.bool).to(device)], dim=1)
-        tokens = torch.tensor([tree.tokens[node] for node in nodes], device=device)
-        positions = torch.full((len(nodes),), position, device=device)
-        outs = list(self.head(tokens, hidden, positions, self.cache, visible))
-        self.outputs.update(zip(nodes, outs, strict=True))
+    @torch.inference_mode()
+    def read_level(self, tree: TokenTree, nodes: list[int], entries: list[int], position: int) -> HeadRead:
+        """One head forward of `nodes` (one level) at head position `position`, each seeing the committed slots,
+        its ancestors' drafted slots and its own; returns each node's output (which predicts its children) and
+        its likeliest children."""
+        hidden = torch.stack([self.outputs[tree.parents[node]] for node in nodes])
+        drafted = self.committed + len(entries)  # this level's first slot
+        slot_of = {entry: self.committed + i for i, entry in enumerate(entries)}
+        visible = [
+            (self.committed, [slot_of[n] for n in tree.path_to(node) if n in slot_of] + [drafted + row])
+            for row, node in enumerate(nodes)
+        ]  # the root's position is committed: it has no drafted slot
+        read = self.runner.read([tree.tokens[node] for node in nodes], [position] * len(nodes),
+                                list(range(drafted, drafted + len(nodes))), visible, hidden, False)  # fmt: skip
+        self.outputs.update(zip(nodes, read.out, strict=True))
         self.forwards += 1
-        return outs
+        return read
 
     def finish(self, ctx: DraftContext) -> None:
         self.start(ctx)

@@ -75,7 +75,8 @@ def default_aux_layers(layers: int) -> tuple[int, int, int]:
 
 @dataclass
 class HeadCache:
-    """The head's keys and values [kv_heads, positions, head_dim] of every position it has read, in order."""
+    """The head's keys and values [kv_heads, positions, head_dim] of every position it has read, in order (training
+    reads through it; a drafter keeps its entries in preallocated slots instead: `forerun.drafters.eagle3.runner`)."""
 
     keys: torch.Tensor | None = None
     values: torch.Tensor | None = None
@@ -85,14 +86,46 @@ class HeadCache:
     def length(self) -> int:
         return 0 if self.keys is None else self.keys.shape[1]
 
-    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def extend(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append the new positions' keys and values; returns every entry's (what the new positions attend to)."""
         self.keys = keys if self.keys is None else torch.cat([self.keys, keys], dim=1)
         self.values = values if self.values is None else torch.cat([self.values, values], dim=1)
+        return self.keys, self.values
 
     def crop(self, length: int) -> None:
         """Keep the first `length` positions (a rejected branch's are dropped)."""
         if self.keys is not None:
             self.keys, self.values = self.keys[:, :length], self.values[:, :length]
+
+
+class HeadSlots:
+    """The head's keys and values in preallocated slots [kv_heads, capacity, head_dim]: a forward writes its new
+    positions' at the slots `where` names (a device tensor, set before it) and attends over every slot, its mask
+    showing each position the ones it may see. Nothing moves when a drafted branch is rejected (its slots are
+    written over later), and the buffers keep their addresses: a captured graph can write and read them.
+
+    Example:
+        >>> slots = HeadSlots(2, 8, capacity=16, dtype=torch.float32, device=torch.device("cpu"))
+        >>> slots.where = torch.tensor([3, 4])
+        >>> keys, values = slots.extend(torch.ones(2, 2, 8), torch.ones(2, 2, 8))
+        >>> tuple(keys.shape), keys[0, :, 0].tolist()[2:6]
+        ((2, 16, 8), [0.0, 1.0, 1.0, 0.0])
+    """
+
+    def __init__(self, kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.keys = torch.zeros(kv_heads, capacity, head_dim, dtype=dtype, device=device)
+        self.values = torch.zeros_like(self.keys)
+        self.where = torch.zeros(0, dtype=torch.long, device=device)
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[1]
+
+    def extend(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write keys and values [kv_heads, n, head_dim] at slots `where` [n]; returns every slot's."""
+        self.keys.index_copy_(1, self.where, keys.to(self.keys.dtype))
+        self.values.index_copy_(1, self.where, values.to(self.values.dtype))
+        return self.keys, self.values
 
 
 class Eagle3Attention(nn.Module):
@@ -109,23 +142,27 @@ class Eagle3Attention(nn.Module):
         self.o_proj = nn.Linear(self.heads * self.head_dim, config.hidden_size, bias=False)
 
     def forward(
-        self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], cache: HeadCache, visible: torch.Tensor | None
+        self,
+        x: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        cache: HeadCache | HeadSlots,
+        visible: torch.Tensor | None,
     ) -> torch.Tensor:
-        """x [n, 2H] at new positions; `visible` [n, cache.length + n] bool (None: causal among the new ones).
-        Appends the new keys and values to `cache`; returns [n, H]."""
+        """x [n, 2H] at new positions; `visible` [n, entries] bool over every entry `cache.extend` returns, the new
+        ones included (None, a `HeadCache` only: causal among the new ones). Returns [n, H]."""
         n = x.shape[0]
         q = self.q_proj(x).view(n, self.heads, self.head_dim).transpose(0, 1)[None]  # [1, heads, n, d]
         k = self.k_proj(x).view(n, self.kv_heads, self.head_dim).transpose(0, 1)[None]
         v = self.v_proj(x).view(n, self.kv_heads, self.head_dim).transpose(0, 1)[None]
         cos, sin = rotary
         q, k = apply_rotary_pos_emb(q, k, cos[None], sin[None])
-        past = cache.length
-        cache.append(k[0], v[0])
+        keys, values = cache.extend(k[0], v[0])
         if visible is None:  # every new position sees the cache and the new ones before it
+            past = keys.shape[1] - n
             visible = torch.ones(n, past + n, dtype=torch.bool, device=x.device).tril(past)
         with planless_attention(x.device):
             out = F.scaled_dot_product_attention(
-                q, cache.keys[None], cache.values[None], attn_mask=visible[None, None], enable_gqa=True
+                q, keys[None], values[None], attn_mask=visible[None, None], enable_gqa=True
             )
         return self.o_proj(out[0].transpose(0, 1).reshape(n, -1))
 
@@ -183,7 +220,7 @@ class Eagle3Head(nn.Module):
         tokens: torch.Tensor,
         hidden: torch.Tensor,
         positions: torch.Tensor,
-        cache: HeadCache,
+        cache: HeadCache | HeadSlots,
         visible: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """tokens [n] (x_{i+1}), hidden [n, H] (g_i, or the head's own output one level up), positions [n] (i)
