@@ -3,11 +3,11 @@
 After every verified step the engine hands over the target's features at the positions it committed
 (`StepOutcome.features`, tapped off the verification forward: no extra target forward). The head reads them,
 one position each, into its own cache (preallocated slots: `forerun.drafters.eagle3.runner`): position i pairs
-g_i with the token x_{i+1} after it. Its output at the
-last such position predicts the child of the new root; deeper levels feed the head its own outputs (module
-docstring of `forerun.drafters.eagle3.head`). Each level is one head forward of the expanded nodes, with a tree
-mask: a node sees the committed positions, its ancestors and itself. Drafted nodes write the slots after the
-committed ones, which the next step's committed positions write over.
+g_i with the token x_{i+1} after it. Its output at the last such position predicts the child of the new root;
+deeper levels feed the head its own outputs (module docstring of `forerun.drafters.eagle3.head`). Each level
+is one head forward of the expanded nodes, with a tree mask: a node sees the committed positions, its ancestors
+and itself. Drafted nodes write the slots after the committed ones, which the next step's committed positions
+write over.
 
 Example (the tree after "... The cat", root " cat", depth 2, width 2, topk 2):
     root( cat) -> " sat" (0.6) -> " on" (0.9), " down" (0.05)
