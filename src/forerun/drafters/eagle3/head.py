@@ -27,7 +27,7 @@ Example (a random head over a tiny target; shapes only):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -80,7 +80,6 @@ class HeadCache:
 
     keys: torch.Tensor | None = None
     values: torch.Tensor | None = None
-    positions: list[int] = field(default_factory=list)
 
     @property
     def length(self) -> int:
@@ -91,11 +90,6 @@ class HeadCache:
         self.keys = keys if self.keys is None else torch.cat([self.keys, keys], dim=1)
         self.values = values if self.values is None else torch.cat([self.values, values], dim=1)
         return self.keys, self.values
-
-    def crop(self, length: int) -> None:
-        """Keep the first `length` positions (a rejected branch's are dropped)."""
-        if self.keys is not None:
-            self.keys, self.values = self.keys[:, :length], self.values[:, :length]
 
 
 class HeadSlots:

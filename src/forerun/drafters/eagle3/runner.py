@@ -65,10 +65,9 @@ class HeadRead:
 
 @dataclass
 class HeadGraph:
-    """A captured forward of `rows` rows: its input buffer (device), the pinned host twin, its hidden-state input,
-    and the outputs every replay rewrites."""
+    """A captured forward: its input buffer (device), the pinned host twin, its hidden-state input, and the outputs
+    every replay rewrites."""
 
-    rows: int
     inputs: torch.Tensor
     host: torch.Tensor
     hidden: torch.Tensor
@@ -168,7 +167,7 @@ class HeadRunner:
         if key not in self.graphs:
             width = self.head.fc.in_features if project else self.head.config.hidden_size
             host = torch.from_numpy(self.inputs_of([], [], [], [], rows)).pin_memory()
-            made = HeadGraph(rows, host.to(self.device), host,
+            made = HeadGraph(host.to(self.device), host,
                              torch.zeros(rows, width, dtype=self.dtype, device=self.device))  # fmt: skip
             try:
                 made.graph, made.outputs = graph_of(
