@@ -89,6 +89,55 @@ def test_an_oracle_head_is_accepted_at_full_depth():
     assert result.stats.accepted_by["eagle3"] == result.stats.accepted
 
 
+class CountedOracle(OracleHead):
+    """The oracle, counting its forwards (reading the committed text and each drafted level alike)."""
+
+    forwards = 0
+
+    def forward(self, tokens, hidden, positions, cache, visible=None):
+        self.forwards += 1
+        return super().forward(tokens, hidden, positions, cache, visible)
+
+
+@pytest.mark.parametrize("steep", [True, False])
+def test_the_head_drafts_only_one_level_below_what_the_budget_fed(steep):
+    """A perfect chain four deep on offer; where a third token costs three times two (`steep`), the cost model
+    feeds one guess a step, and the head reads one level past it: its text read and one drafted level, two
+    forwards a step. Control: on a flat curve the whole chain is fed, and every level is read each step."""
+    model = model_of("llama", "sdpa")
+    truth = reference("llama", "sdpa", 0, None)[0].tolist()
+    head = random_head(model, draft_vocab=VOCAB)
+    head.d2t.zero_()
+    oracle = CountedOracle(head, truth)
+    costs = (1.0, 1.05, 3.0, 6.0, 12.0) if steep else (1.0, 1.0, 1.0, 1.0, 1.0)
+    curve = forerun.LatencyCurve((1, 2, 4, 8, 16), costs)
+    decoder = forerun.Decoder(model, None, "eagle3", draft_head=oracle, latency=curve, depth=4, topk=1, width=1)
+    result = decoder.generate(prompts(1)[0], NEW_TOKENS, eos_token_id=[])
+    assert result.sequences[0].tolist() == truth
+    per_step = oracle.forwards / result.stats.forwards
+    if steep:
+        assert max(result.stats.accepted_hist) == 1 and per_step <= 2.0, (result.stats.accepted_hist, per_step)
+    else:
+        assert result.stats.accepted_hist[4] >= result.stats.forwards - 3 and per_step > 3.5, per_step
+
+
+def test_the_head_reads_no_level_once_its_tree_is_full():
+    """Three nodes a forward, a chain four deep asked for: the root's child comes with the text's read, its child
+    from one drafted level; a further level would add nothing (two forwards a step, not three)."""
+    model = model_of("llama", "sdpa")
+    truth = reference("llama", "sdpa", 0, None)[0].tolist()
+    head = random_head(model, draft_vocab=VOCAB)
+    head.d2t.zero_()
+    oracle = CountedOracle(head, truth)
+    chain = dict(adaptive=False, max_tree_nodes=3, depth=4, topk=1, width=1)
+    result = forerun.Decoder(model, None, "eagle3", draft_head=oracle, **chain).generate(
+        prompts(1)[0], NEW_TOKENS, eos_token_id=[]
+    )
+    assert result.sequences[0].tolist() == truth
+    assert result.stats.accepted_hist[2] >= result.stats.forwards - 3
+    assert oracle.forwards <= 2 * result.stats.forwards, (oracle.forwards, result.stats.forwards)
+
+
 def test_sampled_runs_with_a_head_repeat_with_their_seed():
     model = model_of("llama", "sdpa")
     decoder = forerun.Decoder(model, None, "eagle3", draft_head=random_head(model), latency=CURVE)

@@ -50,6 +50,10 @@ class Eagle3Drafter:
         """This step's drafted nodes' head outputs (each predicts the node's children)."""
         self.forwards = 0
         """Forwards of the head since `spent` was last asked."""
+        self.reach = config.depth
+        """Levels to draft this step: one below the deepest of its nodes the budget fed last time (`observe`)."""
+        self.drafted = 0
+        """Levels this step's proposal has below its root."""
         self.parameters = sum(p.numel() for name, p in head.named_parameters() if not name.startswith("embed_tokens."))
         """What one forward of the head reads (its embedding is looked up, not read)."""
 
@@ -74,6 +78,7 @@ class Eagle3Drafter:
 
     def start(self, ctx: DraftContext) -> None:
         self.committed, self.last, self.outputs = 0, None, {}
+        self.reach, self.drafted = self.config.depth, 0
 
     @torch.inference_mode()
     def observe(self, ctx: DraftContext, outcome: StepOutcome) -> None:
@@ -81,6 +86,9 @@ class Eagle3Drafter:
         if outcome.features is None or not len(outcome.features):  # nothing tapped: read again from the next step
             self.start(ctx)
             return
+        if self.drafted:  # the budget's choice: levels it did not feed were forwards of the head for nothing
+            fed = max((outcome.tree.depths[node] for mine, node in outcome.node_map.items() if mine), default=0)
+            self.reach = min(self.config.depth, fed + 1)
         count, end = outcome.features.shape[0], len(ctx.tokens) - 1
         first = self.committed
         self.runner.reserve(first, first + count + self.drafted_slots())
@@ -93,6 +101,7 @@ class Eagle3Drafter:
     @torch.inference_mode()
     def propose(self, ctx: DraftContext) -> TokenTree:
         tree = TokenTree.rooted_at(ctx.tokens[-1])
+        self.drafted = 0
         if self.last is None or ctx.budget <= 1:
             return tree
         self.outputs = {0: self.last.out[0]}
@@ -100,10 +109,11 @@ class Eagle3Drafter:
         frontier, read = [(0, 0.0)], self.last  # (tree node, path log-probability); its rows' likeliest children
         entries: list[int] = []  # the tree node of each drafted slot, in order
         floor = math.log(self.config.min_prob) if self.config.min_prob > 0 else -math.inf
-        for level in range(self.config.depth):
+        for level in range(self.reach):
             added = self.children(tree, frontier, read, ctx)
-            if not added or level == self.config.depth - 1:
-                break
+            self.drafted += bool(added)
+            if not added or level == self.reach - 1 or len(tree) >= ctx.budget:
+                break  # (a full tree: another level's forward would add nothing)
             expand = [
                 item for item in sorted(added, key=lambda item: -item[2])[: self.config.width] if item[2] >= floor
             ]
