@@ -207,7 +207,8 @@ class Eagle3Config:
     probable children, down to `depth` levels. The head itself is not a knob: `Decoder(..., draft_head=PATH)`."""
 
     depth: int = 5
-    """Levels of the draft tree below the root (one forward of the head each, beyond the first)."""
+    """Most levels of the draft tree below the root (one forward of the head each, beyond the first). A step drafts
+    one level below the deepest of the head's guesses the budget fed the step before, up to this."""
     topk: int = 4
     """Children tried under each expanded node."""
     width: int = 4
