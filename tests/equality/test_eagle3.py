@@ -74,21 +74,6 @@ class OracleHead(Eagle3Head):
         return logits
 
 
-def test_an_oracle_head_is_accepted_at_full_depth():
-    model = model_of("llama", "sdpa")
-    truth = reference("llama", "sdpa", 0, None)[0].tolist()
-    head = random_head(model, draft_vocab=VOCAB)
-    head.d2t.zero_()  # draft ids are target ids
-    oracle = OracleHead(head, truth)
-    depth = 4
-    decoder = forerun.Decoder(model, None, "eagle3", draft_head=oracle, adaptive=False, depth=depth, topk=1, width=1)
-    result = decoder.generate(prompts(1)[0], NEW_TOKENS, eos_token_id=[])
-    assert result.sequences[0].tolist() == truth
-    # the prefill verifies no head draft (nothing read yet); every later step but the last takes the whole chain
-    assert result.stats.accepted_hist[depth] >= result.stats.forwards - 3
-    assert result.stats.accepted_by["eagle3"] == result.stats.accepted
-
-
 class CountedOracle(OracleHead):
     """The oracle, counting its forwards (reading the committed text and each drafted level alike)."""
 
@@ -99,16 +84,33 @@ class CountedOracle(OracleHead):
         return super().forward(tokens, hidden, positions, cache, visible)
 
 
+def llama_oracle() -> tuple[torch.nn.Module, list[int], CountedOracle]:
+    """The tiny llama (sdpa), its greedy text for the first prompt, and an oracle head over it whose draft ids are
+    target ids."""
+    model = model_of("llama", "sdpa")
+    truth = reference("llama", "sdpa", 0, None)[0].tolist()
+    head = random_head(model, draft_vocab=VOCAB)
+    head.d2t.zero_()  # draft ids are target ids
+    return model, truth, CountedOracle(head, truth)
+
+
+def test_an_oracle_head_is_accepted_at_full_depth():
+    model, truth, oracle = llama_oracle()
+    depth = 4
+    decoder = forerun.Decoder(model, None, "eagle3", draft_head=oracle, adaptive=False, depth=depth, topk=1, width=1)
+    result = decoder.generate(prompts(1)[0], NEW_TOKENS, eos_token_id=[])
+    assert result.sequences[0].tolist() == truth
+    # the prefill verifies no head draft (nothing read yet); every later step but the last takes the whole chain
+    assert result.stats.accepted_hist[depth] >= result.stats.forwards - 3
+    assert result.stats.accepted_by["eagle3"] == result.stats.accepted
+
+
 @pytest.mark.parametrize("steep", [True, False])
 def test_the_head_drafts_only_one_level_below_what_the_budget_fed(steep):
     """A perfect chain four deep on offer; where a third token costs three times two (`steep`), the cost model
     feeds one guess a step, and the head reads one level past it: its text read and one drafted level, two
     forwards a step. Control: on a flat curve the whole chain is fed, and every level is read each step."""
-    model = model_of("llama", "sdpa")
-    truth = reference("llama", "sdpa", 0, None)[0].tolist()
-    head = random_head(model, draft_vocab=VOCAB)
-    head.d2t.zero_()
-    oracle = CountedOracle(head, truth)
+    model, truth, oracle = llama_oracle()
     costs = (1.0, 1.05, 3.0, 6.0, 12.0) if steep else (1.0, 1.0, 1.0, 1.0, 1.0)
     curve = forerun.LatencyCurve((1, 2, 4, 8, 16), costs)
     decoder = forerun.Decoder(model, None, "eagle3", draft_head=oracle, latency=curve, depth=4, topk=1, width=1)
@@ -124,11 +126,7 @@ def test_the_head_drafts_only_one_level_below_what_the_budget_fed(steep):
 def test_the_head_reads_no_level_once_its_tree_is_full():
     """Three nodes a forward, a chain four deep asked for: the root's child comes with the text's read, its child
     from one drafted level; a further level would add nothing (two forwards a step, not three)."""
-    model = model_of("llama", "sdpa")
-    truth = reference("llama", "sdpa", 0, None)[0].tolist()
-    head = random_head(model, draft_vocab=VOCAB)
-    head.d2t.zero_()
-    oracle = CountedOracle(head, truth)
+    model, truth, oracle = llama_oracle()
     chain = dict(adaptive=False, max_tree_nodes=3, depth=4, topk=1, width=1)
     result = forerun.Decoder(model, None, "eagle3", draft_head=oracle, **chain).generate(
         prompts(1)[0], NEW_TOKENS, eos_token_id=[]
