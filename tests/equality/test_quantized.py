@@ -12,9 +12,12 @@ from test_low_precision import CURVE, real_model_ties, reference
 
 import forerun
 from forerun.base.weights import check_quantize, quantize_weights, weights_kind
+from forerun.drafters.eagle3 import load_head
+from forerun.drafters.eagle3.runner import HeadRunner
 from forerun.exactness import first_divergence
 from forerun.latency import curve_settings
 
+from eagle3_heads import write_head
 from tiny_models import prompts, tiny_model
 
 
@@ -38,6 +41,39 @@ def test_quantized_first_differences_are_ties(family, method, bits):
         assert divergence is None or divergence.is_tie, (family, method, divergence)
         drafted += result.stats.accepted
     assert drafted > 0  # trees were verified on the 4-bit weights
+
+
+@pytest.mark.parametrize("bits", ["int4", "int8"])
+def test_a_head_over_quantized_weights_is_quantized_alike_and_drafts(bits, tmp_path):
+    model = int4_model("llama", bits)
+    write_head(tmp_path, model)
+    head, dense = load_head(tmp_path, model), load_head(tmp_path, model, quantized=False)
+    assert weights_kind(head) == bits and weights_kind(dense) is None
+    # the same head in fewer bits: its draft distribution over the same inputs nearly the dense one's (another
+    # head's is not: the control)
+    write_head(tmp_path / "other", model, edit_state=lambda state: torch.nn.init.normal_(state["lm_head.weight"]))
+    other = load_head(tmp_path / "other", model, quantized=False)
+    features = torch.randn(5, 3 * model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    probs = {}
+    for name, each in (("quantized", head), ("dense", dense), ("other", other)):
+        runner = HeadRunner(each, topk=2, capture=False)
+        runner.reserve(0, 8)
+        with torch.inference_mode():
+            read = runner.read([3, 4, 5, 6, 7], list(range(5)), list(range(5)), [(s + 1, []) for s in range(5)],
+                               features.to(torch.bfloat16), True)  # fmt: skip
+            probs[name] = torch.softmax(each.draft_logits(read.out).float(), -1)
+    near = float((probs["quantized"] - probs["dense"]).abs().sum(-1).max())  # twice the total variation distance
+    far = float((probs["other"] - probs["dense"]).abs().sum(-1).max())
+    assert near < 0.3 < far
+    decoder = forerun.Decoder(model, None, "eagle3", draft_head=head, adaptive=False)
+    candidates = 0
+    for prompt in prompts(2):
+        expected, logits = reference(model, prompt)
+        result = decoder.generate(prompt, 40, eos_token_id=[])
+        divergence = first_divergence(expected, result.new_tokens, logits, model.dtype)
+        assert divergence is None or divergence.is_tie, (bits, divergence)
+        candidates += result.stats.candidates
+    assert candidates > 0  # the quantized head drafted: trees were verified
 
 
 def test_int4_weights_are_their_own_curve_and_bad_settings_are_refused():

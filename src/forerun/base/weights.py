@@ -25,6 +25,8 @@ QUANTIZATIONS = ("int4", "int8")
 """What `load_model(..., quantize=)` takes (None: the weights as loaded)."""
 GROUP_SIZE = 32
 """Weights per scale and zero point: the group of a GGUF Q4 block."""
+INT4_ROWS = 16
+"""The CPU int4 layout packs output rows in sixteens: a layer with another count stays dense."""
 
 
 def check_quantize(quantize: str | None, device: str, dtype: torch.dtype) -> None:
@@ -42,7 +44,8 @@ def check_quantize(quantize: str | None, device: str, dtype: torch.dtype) -> Non
 
 
 def quantize_weights(model: torch.nn.Module, quantize: str) -> torch.nn.Module:
-    """Quantize `model`'s dense linear layers in place (those whose input width is a multiple of GROUP_SIZE);
+    """Quantize `model`'s dense linear layers in place (for int4, those whose input width is a multiple of
+    GROUP_SIZE and whose output count one of INT4_ROWS);
     layers already holding quantized weights (a GGUF file's kept codes: `forerun.base.gguf_codes`) stay as they are.
     Every quantized layer then calls its kernel directly (`forerun.base.kernels`: the same numbers, less Python)."""
     if quantize == "int8":
@@ -54,11 +57,14 @@ def quantize_weights(model: torch.nn.Module, quantize: str) -> torch.nn.Module:
         from torchao.quantization import quantize_
 
         config = PrototypeInt4WeightOnlyConfig(group_size=GROUP_SIZE, set_inductor_config=False)
-        quantize_(
-            model, config, filter_fn=lambda module, _: isinstance(module, torch.nn.Linear) and dense(module.weight)
-        )
+        quantize_(model, config, filter_fn=lambda module, _: isinstance(module, torch.nn.Linear) and int4_fits(module))
     direct_kernels(model)
     return model
+
+
+def int4_fits(layer: torch.nn.Linear) -> bool:
+    """Whether the CPU int4 layout can hold `layer`'s weights (dense now, shaped in whole groups and row packs)."""
+    return dense(layer.weight) and layer.in_features % GROUP_SIZE == 0 and layer.out_features % INT4_ROWS == 0
 
 
 def dense(weight: torch.Tensor) -> bool:

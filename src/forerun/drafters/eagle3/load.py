@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import LlamaConfig
 
+from forerun.base.weights import quantize_weights, weights_kind
 from forerun.drafters.eagle3.head import Eagle3Head, default_aux_layers
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -64,10 +65,18 @@ def head_dtype(target_dtype: torch.dtype, device_type: str, bf16_units: bool | N
     return torch.bfloat16 if bf16_units else target_dtype
 
 
-def load_head(path: Path | str, target: torch.nn.Module, dtype: torch.dtype | None = None) -> Eagle3Head:
+def load_head(
+    path: Path | str, target: torch.nn.Module, dtype: torch.dtype | None = None, quantized: bool = True
+) -> Eagle3Head:
     """The head in folder `path` (or the shipped head of that name), on the target's device, in eval mode, in
     `dtype` (None: `head_dtype`). A head that reads the target's embedding leaves it as it is: the head casts
-    what it looks up; its rotary frequencies stay fp32."""
+    what it looks up; its rotary frequencies stay fp32.
+
+    `quantized`: where the target's linear layers hold 4- or 8-bit weights (`load_model(..., quantize=)`), the
+    head's are quantized the same way. Its forwards then read a byte count in the same proportion to the target's
+    as its parameter count (which is how the cost model prices them), and its few-row products run on the same
+    kernels as the target's tree forwards; dense bf16 products of several rows are slow on a CPU without bf16
+    units. Its guesses move a little; what is written never does. False: dense, in `dtype`."""
     folder = head_folder(path)
     if not folder.is_dir():
         shipped = sorted(p.name for p in SHIPPED.iterdir() if p.is_dir()) if SHIPPED.is_dir() else []
@@ -112,6 +121,9 @@ def load_head(path: Path | str, target: torch.nn.Module, dtype: torch.dtype | No
         # the target's embedding stays the target's; the rotary frequencies stay fp32, as in training
         if module is not target.get_input_embeddings() and module is not head.rotary:
             module.to(device=parameter.device, dtype=dtype)
+    kind = weights_kind(target)
+    if quantized and kind is not None:
+        quantize_weights(head, kind)
     return head.to(device=parameter.device).eval()
 
 
