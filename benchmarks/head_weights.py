@@ -5,8 +5,10 @@ Each prompt: plain generate of the quantized model (the reference), then every m
 second over the reference's on the same prompt, and each greedy output is judged against it (identical, or a first
 difference at a numerical tie).
 
-    .venv/bin/python benchmarks/head_weights.py --quantize int4 --dataset benchmarks/chat_questions.jsonl --n 12 \
-        --threads 1 --out benchmarks/results/head-weights-int4-chat.md
+    .venv/bin/python benchmarks/head_weights.py --quantize int4 --n 12 --threads 1          # 12 chat questions
+    .venv/bin/python benchmarks/head_weights.py --quantize int4 --dataset gsm8k,humaneval,mbpp,typehints --n 6
+
+(`benchmarks/results/head-weights-int4-epyc-avx2.md` holds both runs' tables.)
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ def check_quantize(quantize: str | None, device: str, dtype: torch.dtype) -> Non
 
 def quantize_weights(model: torch.nn.Module, quantize: str) -> torch.nn.Module:
     """Quantize `model`'s dense linear layers in place (for int4, those whose input width is a multiple of
-    GROUP_SIZE and whose output count one of INT4_ROWS);
+    GROUP_SIZE and whose output count a multiple of INT4_ROWS);
     layers already holding quantized weights (a GGUF file's kept codes: `forerun.base.gguf_codes`) stay as they are.
     Every quantized layer then calls its kernel directly (`forerun.base.kernels`: the same numbers, less Python)."""
     if quantize == "int8":
