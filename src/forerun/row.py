@@ -166,8 +166,8 @@ class RowRun:
                 drafter.observe(self.ctx, StepOutcome(tree, verdict, logits, new_tokens, node_map, features, choices))
                 if costly(drafter):
                     self.costly_seconds += time.perf_counter() - observed
-            else:  # sitting out: it forgets, and reads again from the step it drafts in
-                drafter.start(self.ctx)
+            else:  # sitting out: it keeps what it needs to draft again (a head: the features, read later)
+                drafter.sit_out(self.ctx, StepOutcome(tree, verdict, logits, new_tokens, node_map, features, choices))
         self.budget.learn(selection, new_tokens)
         drafting_s = time.perf_counter() - started + propose_s
         self.time_costly(selection, len(new_tokens), drafting_s + forward_s)
@@ -249,5 +249,6 @@ class RowRun:
 def costly(drafter: Drafter) -> bool:
     """Whether `drafter` spends forwards of its own before the target's (a trained head): the budget's switch
     may make it sit out (`CostModel.switch`). Such a drafter tells what its forwards read since it was last asked
-    (`spent()`: parameters, each forward's counted once)."""
+    (`spent()`: parameters, each forward's counted once), and is shown each step it sat out (`sit_out(ctx, outcome)`,
+    instead of `observe`)."""
     return getattr(drafter, "costly", False)

@@ -6,6 +6,8 @@ forward equals the eager one."""
 from __future__ import annotations
 
 import copy
+import itertools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -127,3 +129,63 @@ def test_a_captured_head_drafts_as_the_eager_one_on_a_card():
     _, want, _ = drafted(head, features.cuda(), tokens, pad=True)
     assert captured.runner.graphs and captured.runner.capture
     assert tree.tokens == want.tokens and tree.parents == want.parents
+
+
+def steps_of(tokens: list[int], features: torch.Tensor, cuts: list[int]):
+    """The committed text after each of a few steps: (context, outcome) with the features of the positions that
+    step committed, `cuts[k-1]` .. `cuts[k]` - 1."""
+    for before, after in itertools.pairwise(cuts):
+        outcome = StepOutcome(TokenTree.rooted_at(tokens[after]), Verdict([], 0), torch.empty(0), [], {},
+                              features[before:after])  # fmt: skip
+        yield DraftContext(tokens[: after + 1], 1, 64, frozenset()), outcome
+
+
+def test_a_head_that_sat_out_reads_what_waited_and_drafts_as_if_it_had_read_every_step():
+    """Three steps' committed positions, read as they come, or the first read and the next two kept while the head
+    sat out: when it drafts again it reads them in one forward, and its first tree is the same (tokens, parents,
+    scores within rounding). A head that read only the step it drafts in (the control: what a fresh cache knows)
+    drafts otherwise."""
+    model = tiny_model("llama")
+    head = random_head(model).float()
+    tokens, features = prompt_and_features(model, 24)
+    steps = list(steps_of(tokens, features, [0, 16, 19, 23]))
+    config = Eagle3Config(depth=4, topk=3, width=3, min_prob=0.0)
+    every, waited, forgot = (Eagle3Drafter(config, head) for _ in range(3))
+    with torch.inference_mode():
+        for index, (ctx, outcome) in enumerate(steps):
+            every.observe(ctx, outcome)
+            (waited.observe if index == 0 else waited.sit_out)(ctx, outcome)
+        forgot.observe(*steps[-1])
+        assert waited.committed == 16 and len(waited.pending) == 2
+        trees = [drafter.propose(steps[-1][0]) for drafter in (every, waited, forgot)]
+    assert waited.committed == every.committed == 23 and not waited.pending
+    assert len(trees[0]) > 4 and trees[1].tokens == trees[0].tokens and trees[1].parents == trees[0].parents
+    assert torch.allclose(torch.tensor(trees[1].scores), torch.tensor(trees[0].scores), atol=1e-5)
+    assert torch.allclose(waited.last.out, every.last.out, atol=1e-5)
+    assert not torch.allclose(forgot.last.out, every.last.out, atol=1e-3)
+
+
+def test_a_long_wait_keeps_the_newest_positions_on_a_fresh_cache(monkeypatch):
+    """More positions than `CATCH_UP` waiting: the newest `CATCH_UP` are kept and read into a cache that starts
+    over (no gap in what the head sees); a step that tapped nothing starts it over too."""
+    from forerun.drafters.eagle3 import drafter as module
+
+    monkeypatch.setattr(module, "CATCH_UP", 6)
+    model = tiny_model("llama")
+    head = random_head(model).float()
+    tokens, features = prompt_and_features(model, 24)
+    steps = list(steps_of(tokens, features, [0, 10, 14, 18, 23]))
+    drafter = Eagle3Drafter(Eagle3Config(depth=2, topk=2, width=2), head)
+    with torch.inference_mode():
+        drafter.observe(*steps[0])
+        drafter.sit_out(*steps[1])
+        assert drafter.committed == 10 and drafter.last is not None
+        drafter.sit_out(*steps[2])  # 8 waiting: the newest 6 kept, the cache starts over
+        assert drafter.committed == 0 and drafter.last is None
+        assert [positions for _, positions, _ in drafter.pending] == [[12, 13, 14, 15, 16, 17]]
+        drafter.sit_out(*steps[3])  # 11 waiting: positions 17 .. 22
+        drafter.propose(steps[3][0])
+        assert drafter.committed == 6 and not drafter.pending
+        ctx, outcome = steps[3]
+        drafter.sit_out(ctx, replace(outcome, features=None))
+        assert drafter.committed == 0 and drafter.last is None and not drafter.pending

@@ -13,6 +13,9 @@ Example (the tree after "... The cat", root " cat", depth 2, width 2, topk 2):
     root( cat) -> " sat" (0.6) -> " on" (0.9), " down" (0.05)
                -> " is"  (0.3) -> " a" (0.4),  " on" (0.2)
 Each node's score is the head's probability of it given its parent (the cost model calibrates them).
+
+While the budget's switch keeps the head out (`sit_out`), the committed positions' features wait, and the head reads
+them all in one forward when it drafts again: its first step back drafts, with the whole text behind it.
 """
 
 from __future__ import annotations
@@ -27,6 +30,10 @@ from forerun.drafters.base import DraftContext, MethodSpec, StepOutcome
 from forerun.drafters.eagle3.head import Eagle3Head
 from forerun.drafters.eagle3.runner import HeadRead, HeadRunner
 from forerun.tree import TokenTree
+
+CATCH_UP = 512
+"""Most positions kept for a head sitting out (the newest): past this, its cache starts over from them. A pause is
+at most `MAX_PAUSE_STEPS` steps; this bounds what waits (3 target hidden sizes a position) on a long one."""
 
 
 class Eagle3Drafter:
@@ -54,6 +61,8 @@ class Eagle3Drafter:
         """Levels to draft this step: one below the deepest of its nodes the budget fed last time (`observe`)."""
         self.drafted = 0
         """Levels this step's proposal has below its root."""
+        self.pending: list[tuple[list[int], list[int], torch.Tensor]] = []
+        """Committed positions read while sitting out, to read on drafting again: (tokens, positions, features)."""
         self.parameters = sum(p.numel() for name, p in head.named_parameters() if not name.startswith("embed_tokens."))
         """What one forward of the head reads (its embedding is looked up, not read)."""
 
@@ -77,7 +86,7 @@ class Eagle3Drafter:
         return (self.config.depth - 1) * self.config.width
 
     def start(self, ctx: DraftContext) -> None:
-        self.committed, self.last, self.outputs = 0, None, {}
+        self.committed, self.last, self.outputs, self.pending = 0, None, {}, []
         self.reach, self.drafted = self.config.depth, 0
 
     @torch.inference_mode()
@@ -89,12 +98,36 @@ class Eagle3Drafter:
         if self.drafted:  # the budget's choice: levels it did not feed were forwards of the head for nothing
             fed = max((outcome.tree.depths[node] for mine, node in outcome.node_map.items() if mine), default=0)
             self.reach = min(self.config.depth, fed + 1)
-        count, end = outcome.features.shape[0], len(ctx.tokens) - 1
-        first = self.committed
+        self.catch_up()
+        self.read_committed(*committed_span(ctx, outcome.features))
+
+    def sit_out(self, ctx: DraftContext, outcome: StepOutcome) -> None:
+        """A step verified without the head (the switch measured it not paying): keep the committed positions'
+        features for the step it drafts again, which reads them in one forward (`catch_up`) instead of one a step
+        now. Its cache starts over where more than `CATCH_UP` positions wait or a step tapped nothing."""
+        if outcome.features is None or not len(outcome.features):
+            self.start(ctx)
+            return
+        self.pending.append(committed_span(ctx, outcome.features))
+        waiting = sum(len(tokens) for tokens, _, _ in self.pending)
+        if waiting > CATCH_UP:  # the newest CATCH_UP positions, read into a fresh cache
+            tokens, positions, features = (part[-CATCH_UP:] for part in joined(self.pending))
+            self.committed, self.last, self.pending = 0, None, [(tokens, positions, features)]
+
+    def catch_up(self) -> None:
+        """Read what waited while the head sat out, if anything (one forward, chunked by the runner's rows)."""
+        if self.pending:
+            waiting, self.pending = joined(self.pending), []
+            self.read_committed(*waiting)
+
+    def read_committed(self, tokens: list[int], positions: list[int], features: torch.Tensor) -> None:
+        """Read committed positions `positions` (each with the token after it, `tokens`, and its features [m, F])
+        into the slots after the committed ones; the last one's read drafts the root's children."""
+        first, count = self.committed, len(tokens)
         self.runner.reserve(first, first + count + self.drafted_slots())
         slots = list(range(first, first + count))
-        self.last = self.runner.read(ctx.tokens[end - count + 1 : end + 1], list(range(end - count, end)), slots,
-                                     [(slot + 1, []) for slot in slots], outcome.features, True, True)  # fmt: skip
+        self.last = self.runner.read(tokens, positions, slots, [(slot + 1, []) for slot in slots], features,
+                                     True, True)  # fmt: skip
         self.committed, self.forwards = first + count, self.forwards + 1
         self.outputs = {0: self.last.out[0]}  # the root's: it predicts the root's children
 
@@ -102,6 +135,7 @@ class Eagle3Drafter:
     def propose(self, ctx: DraftContext) -> TokenTree:
         tree = TokenTree.rooted_at(ctx.tokens[-1])
         self.drafted = 0
+        self.catch_up()
         if self.last is None or ctx.budget <= 1:
             return tree
         self.outputs = {0: self.last.out[0]}
@@ -162,6 +196,28 @@ class Eagle3Drafter:
 
     def finish(self, ctx: DraftContext) -> None:
         self.start(ctx)
+
+
+def committed_span(ctx: DraftContext, features: torch.Tensor) -> tuple[list[int], list[int], torch.Tensor]:
+    """A step's committed positions as the head reads them: the last m = len(features) positions before the newest
+    token, T-1-m .. T-2, each with the token after it.
+
+    Example (tokens [5, 6, 7, 8, 9], 2 positions tapped):
+        >>> ctx = DraftContext([5, 6, 7, 8, 9], 2, 8, frozenset())
+        >>> committed_span(ctx, torch.zeros(2, 3))[:2]
+        ([8, 9], [2, 3])
+    """
+    count, end = features.shape[0], len(ctx.tokens) - 1
+    return ctx.tokens[end - count + 1 : end + 1], list(range(end - count, end)), features
+
+
+def joined(spans: list[tuple[list[int], list[int], torch.Tensor]]) -> tuple[list[int], list[int], torch.Tensor]:
+    """Spans of committed positions (`committed_span`'s), one after another, as one."""
+    return (
+        [token for tokens, _, _ in spans for token in tokens],
+        [position for _, positions, _ in spans for position in positions],
+        torch.cat([features for _, _, features in spans]),
+    )
 
 
 METHOD = MethodSpec(
