@@ -216,6 +216,10 @@ class Eagle3Config:
     min_prob: float = 0.1
     """Only paths at least this probable (the product of the head's probabilities) are expanded further: where the
     head is unsure, deeper guesses rarely hold, and each level costs a forward of the head."""
+    catch_up: int = 64
+    """Positions written while the head sat out (the cost model measured it not paying) that it reads when it
+    drafts again, in one forward: the newest; past this many its cache starts over from them. 0: it starts over
+    from the step it drafts in (its first step back drafts nothing)."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.min_prob <= 1.0:
@@ -223,6 +227,7 @@ class Eagle3Config:
         check_int(self, "depth", 1, 32)
         check_int(self, "topk", 1, 32)
         check_int(self, "width", 1, 32)
+        check_int(self, "catch_up", 0, 4096)
 
 
 @dataclass(frozen=True)

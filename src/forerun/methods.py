@@ -171,7 +171,10 @@ def split_knobs(specs: Sequence[MethodSpec], knobs: Mapping[str, object], text: 
                 )
             method, knob = specs[0].name, key
         if method not in routed:
-            raise ValueError(f"knob {key!r} is for method {method!r}, which is not part of {text!r}")
+            hint = ""
+            if method in REGISTRY and REGISTRY[method].reads_head and AUTO in [p.strip() for p in text.split("+")]:
+                hint = f" (given a head, 'auto' drafts with it too; to set its knobs, name it: '{text}+{method}')"
+            raise ValueError(f"knob {key!r} is for method {method!r}, which is not part of {text!r}{hint}")
         routed[method][knob] = value
     return routed
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import forerun
 from forerun.drafters.eagle3 import HeadCache, load_head
 
 from eagle3_heads import DRAFT_VOCAB, write_head
@@ -148,6 +149,10 @@ def test_the_servers_pool_and_the_run_specification_take_a_head(tmp_path, target
         RunSpec(method="eagle3")
     with pytest.raises(ValueError, match="not part of 'trie'"):
         RunSpec(method="trie", draft_head=str(tmp_path))
+    with pytest.raises(ValueError, match=r"name it: 'auto\+eagle3'"):  # the head 'auto' adds takes knobs so
+        forerun.Decoder(target, None, "auto", draft_head=str(tmp_path), **{"eagle3.catch_up": 0})
+    decoder = forerun.Decoder(target, None, "auto+eagle3", draft_head=str(tmp_path), **{"eagle3.catch_up": 0})
+    assert decoder.drafters[-1].config.catch_up == 0
 
 
 def test_the_heads_attention_keeps_off_cudnn_on_a_card_and_changes_nothing_elsewhere(tmp_path, target, monkeypatch):

@@ -165,17 +165,16 @@ def test_a_head_that_sat_out_reads_what_waited_and_drafts_as_if_it_had_read_ever
     assert not torch.allclose(forgot.last.out, every.last.out, atol=1e-3)
 
 
-def test_a_long_wait_keeps_the_newest_positions_on_a_fresh_cache(monkeypatch):
-    """More positions than `CATCH_UP` waiting: the newest `CATCH_UP` are kept and read into a cache that starts
-    over (no gap in what the head sees); a step that tapped nothing starts it over too."""
-    from forerun.drafters.eagle3 import drafter as module
-
-    monkeypatch.setattr(module, "CATCH_UP", 6)
+def test_a_long_wait_keeps_the_newest_positions_on_a_fresh_cache():
+    """More positions than `catch_up` waiting: the newest `catch_up` are kept and read into a cache that starts
+    over (no gap in what the head sees); a step that tapped nothing starts it over too, and `catch_up=0` keeps
+    nothing: the head's first step back drafts no tree (the control)."""
     model = tiny_model("llama")
     head = random_head(model).float()
     tokens, features = prompt_and_features(model, 24)
     steps = list(steps_of(tokens, features, [0, 10, 14, 18, 23]))
-    drafter = Eagle3Drafter(Eagle3Config(depth=2, topk=2, width=2), head)
+    drafter = Eagle3Drafter(Eagle3Config(depth=2, topk=2, width=2, catch_up=6), head)
+    forgetful = Eagle3Drafter(Eagle3Config(depth=2, topk=2, width=2, catch_up=0), head)
     with torch.inference_mode():
         drafter.observe(*steps[0])
         drafter.sit_out(*steps[1])
@@ -184,8 +183,11 @@ def test_a_long_wait_keeps_the_newest_positions_on_a_fresh_cache(monkeypatch):
         assert drafter.committed == 0 and drafter.last is None
         assert [positions for _, positions, _ in drafter.pending] == [[12, 13, 14, 15, 16, 17]]
         drafter.sit_out(*steps[3])  # 11 waiting: positions 17 .. 22
-        drafter.propose(steps[3][0])
+        assert len(drafter.propose(steps[3][0])) > 1
         assert drafter.committed == 6 and not drafter.pending
         ctx, outcome = steps[3]
         drafter.sit_out(ctx, replace(outcome, features=None))
         assert drafter.committed == 0 and drafter.last is None and not drafter.pending
+        forgetful.observe(*steps[0])
+        forgetful.sit_out(*steps[1])
+        assert forgetful.committed == 0 and not forgetful.pending and len(forgetful.propose(steps[1][0])) == 1

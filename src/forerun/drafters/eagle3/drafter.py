@@ -31,10 +31,6 @@ from forerun.drafters.eagle3.head import Eagle3Head
 from forerun.drafters.eagle3.runner import HeadRead, HeadRunner
 from forerun.tree import TokenTree
 
-CATCH_UP = 512
-"""Most positions kept for a head sitting out (the newest): past this, its cache starts over from them. A pause is
-at most `MAX_PAUSE_STEPS` steps; this bounds what waits (3 target hidden sizes a position) on a long one."""
-
 
 class Eagle3Drafter:
     """Drafts with `head` (`forerun.drafters.eagle3.load_head`); `feature_layers` tells the engine what to tap.
@@ -104,14 +100,16 @@ class Eagle3Drafter:
     def sit_out(self, ctx: DraftContext, outcome: StepOutcome) -> None:
         """A step verified without the head (the switch measured it not paying): keep the committed positions'
         features for the step it drafts again, which reads them in one forward (`catch_up`) instead of one a step
-        now. Its cache starts over where more than `CATCH_UP` positions wait or a step tapped nothing."""
-        if outcome.features is None or not len(outcome.features):
+        now. Its cache starts over where more than `config.catch_up` positions wait (from the newest of them) or a
+        step tapped nothing."""
+        keep = self.config.catch_up
+        if outcome.features is None or not len(outcome.features) or keep == 0:
             self.start(ctx)
             return
         self.pending.append(committed_span(ctx, outcome.features))
         waiting = sum(len(tokens) for tokens, _, _ in self.pending)
-        if waiting > CATCH_UP:  # the newest CATCH_UP positions, read into a fresh cache
-            tokens, positions, features = (part[-CATCH_UP:] for part in joined(self.pending))
+        if waiting > keep:  # the newest positions, read into a fresh cache (no gap in what it sees)
+            tokens, positions, features = (part[-keep:] for part in joined(self.pending))
             self.committed, self.last, self.pending = 0, None, [(tokens, positions, features)]
 
     def catch_up(self) -> None:
