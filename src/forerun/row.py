@@ -161,13 +161,14 @@ class RowRun:
         self.ctx.tokens.extend(new_tokens)
         started = time.perf_counter()
         for drafter, node_map in zip(self.job.drafters, selection.node_maps, strict=True):
+            outcome = StepOutcome(tree, verdict, logits, new_tokens, node_map, features, choices)
             if self.costly_drafting or not costly(drafter):
                 observed = time.perf_counter()
-                drafter.observe(self.ctx, StepOutcome(tree, verdict, logits, new_tokens, node_map, features, choices))
+                drafter.observe(self.ctx, outcome)
                 if costly(drafter):
                     self.costly_seconds += time.perf_counter() - observed
             else:  # sitting out: it keeps what it needs to draft again (a head: the features, read later)
-                drafter.sit_out(self.ctx, StepOutcome(tree, verdict, logits, new_tokens, node_map, features, choices))
+                drafter.sit_out(self.ctx, outcome)
         self.budget.learn(selection, new_tokens)
         drafting_s = time.perf_counter() - started + propose_s
         self.time_costly(selection, len(new_tokens), drafting_s + forward_s)
