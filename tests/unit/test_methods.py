@@ -50,6 +50,9 @@ def test_combinations_keep_the_written_order_and_route_dotted_knobs():
         ("trie", {"prompt_weight": float("nan")}, "prompt_weight must be a number >= 0 and <= 1e\\+06, got nan"),
         ("trie", {"prompt_weight": 1e308}, "prompt_weight must be a number >= 0 and <= 1e\\+06, got 1e\\+308"),
         ("prompt_lookup", {"draft_len": 10**30}, "draft_len must be an integer >= 1 and <= 256"),
+        ("eagle3", {"catch_up": 10**12}, "catch_up must be an integer >= 0 and <= 4096, got 1000000000000"),
+        ("auto+eagle3", {"eagle3.catch_up": -1}, "catch_up must be an integer >= 0 and <= 4096, got -1"),
+        ("eagle3", {"catch_up": True}, "catch_up must be an integer >= 0 and <= 4096, got True"),
         ("plain", {"draft_len": 3}, "method 'plain' takes no knobs"),
     ],
 )
