@@ -104,7 +104,7 @@ class Decoder:
                 raise ValueError(f"a MethodPlan carries its knobs; got {sorted(knobs)} besides")
             self.plan = method
         else:
-            self.plan = plan_method(method, knobs, device_type)
+            self.plan = plan_method(method, knobs, device_type, head=draft_head is not None)
         if draft_head is not None:
             self.plan = self.plan.with_head()  # 'auto' drafts with the head too whenever one is given
         self.method = self.plan.text

@@ -98,7 +98,7 @@ class MethodPlan:
         """'auto' (or a combination with it) given a head: the same plan with eagle3 added; otherwise itself."""
         if self.uses_head() or AUTO not in [part.strip() for part in self.text.split("+")]:
             return self
-        return plan_method(f"{self.text}+eagle3", self.knobs, self.device_type)
+        return plan_method(self.text, self.knobs, self.device_type, head=True)
 
     def saves_state(self) -> bool:
         """Whether some method of the plan keeps state a Decoder can save and load."""
@@ -173,20 +173,31 @@ def split_knobs(specs: Sequence[MethodSpec], knobs: Mapping[str, object], text: 
         if method not in routed:
             hint = ""
             if method in REGISTRY and REGISTRY[method].reads_head and AUTO in [p.strip() for p in text.split("+")]:
-                hint = f" (given a head, 'auto' drafts with it too; to set its knobs, name it: '{text}+{method}')"
+                hint = " ('auto' drafts with a head only when one is given: draft_head=FOLDER, --draft-head)"
             raise ValueError(f"knob {key!r} is for method {method!r}, which is not part of {text!r}{hint}")
         routed[method][knob] = value
     return routed
 
 
 def plan_method(
-    text: str, knobs: Mapping[str, object] | None = None, device_type: str = "cpu", flat: bool = False
+    text: str,
+    knobs: Mapping[str, object] | None = None,
+    device_type: str = "cpu",
+    flat: bool = False,
+    head: bool = False,
 ) -> MethodPlan:
     """Parse `text`, route `knobs`, and build each method's config over its defaults for `device_type` (and,
-    `flat=True`, for a cost model on a flat latency curve: see `device_defaults`).
+    `flat=True`, for a cost model on a flat latency curve: see `device_defaults`). `head=True`: a trained head is
+    given, so 'auto' drafts with it too, and the head's knobs route to it.
 
     Knobs the caller gives always win over device defaults; unknown knobs raise a ValueError naming them.
+
+    Example:
+        >>> plan_method("auto", {"eagle3.depth": 3}, head=True).names
+        ('prompt_lookup', 'trie', 'jacobi', 'eagle3')
     """
+    if head and isinstance(text, str):
+        text = head_added(text)
     specs = parse_method(text)
     routed = split_knobs(specs, knobs or {}, text)
     configs = []
@@ -198,6 +209,19 @@ def plan_method(
         defaults = device_defaults(spec.name, device_type, flat)
         configs.append(spec.config(**{**defaults, **routed[spec.name]}))
     return MethodPlan(text.strip(), specs, tuple(configs), dict(knobs or {}), device_type)
+
+
+def head_added(text: str) -> str:
+    """'auto' (alone or combined) with the head-reading method added, when the expression does not name one.
+
+    Example:
+        >>> head_added("auto"), head_added("auto+eagle3"), head_added("trie")
+        ('auto+eagle3', 'auto+eagle3', 'trie')
+    """
+    parts = [part.strip() for part in text.split("+")]
+    if AUTO not in parts or any(part in REGISTRY and REGISTRY[part].reads_head for part in parts):
+        return text
+    return "+".join([*parts, *(name for name, spec in REGISTRY.items() if spec.reads_head)])
 
 
 def device_defaults(method: str, device_type: str, flat: bool = False) -> dict[str, object]:

@@ -119,8 +119,8 @@ class RunSpec:
     def plan(self, method: str | None = None, knobs: Mapping[str, object] | None = None) -> MethodPlan:
         """The parsed method (this spec's, or another one on the same device: chat's /method, a server request)."""
         device_type = torch.device(self.device).type
-        plan = plan_method(method or self.method, self.knobs if knobs is None else knobs, device_type)
-        return plan.with_head() if self.draft_head else plan
+        knobs = self.knobs if knobs is None else knobs
+        return plan_method(method or self.method, knobs, device_type, head=bool(self.draft_head))
 
     def pin_threads(self) -> None:
         if self.threads:

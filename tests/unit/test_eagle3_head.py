@@ -149,10 +149,43 @@ def test_the_servers_pool_and_the_run_specification_take_a_head(tmp_path, target
         RunSpec(method="eagle3")
     with pytest.raises(ValueError, match="not part of 'trie'"):
         RunSpec(method="trie", draft_head=str(tmp_path))
-    with pytest.raises(ValueError, match=r"name it: 'auto\+eagle3'"):  # the head 'auto' adds takes knobs so
-        forerun.Decoder(target, None, "auto", draft_head=str(tmp_path), **{"eagle3.catch_up": 0})
-    decoder = forerun.Decoder(target, None, "auto+eagle3", draft_head=str(tmp_path), **{"eagle3.catch_up": 0})
-    assert decoder.drafters[-1].config.catch_up == 0
+
+
+def test_the_head_auto_adds_takes_its_knobs_at_every_entry_point_and_none_without_a_head(tmp_path, target):
+    """Given a head, 'auto' drafts with it, so 'eagle3.catch_up=0' under 'auto' sets the head it adds: in a Decoder,
+    a run specification, the server's pool and its request check, and the benchmark. Without a head the same knob
+    is refused, saying a head must be given: nothing would read it."""
+    from forerun.bench.runner import parse_methods
+    from forerun.runspec import RunSpec
+    from forerun.server.pool import DecoderPool
+    from forerun.server.schemas import CompletionRequest
+    from forerun.server.translate import APIError, Limits, translate
+
+    write_head(tmp_path, target)
+    knob = {"eagle3.catch_up": 0}
+    decoder = forerun.Decoder(target, None, "auto", draft_head=str(tmp_path), **knob)
+    assert decoder.method == "auto+eagle3" and decoder.drafters[-1].config.catch_up == 0
+    assert RunSpec(method="auto", knobs=knob, draft_head=str(tmp_path)).plan().config("eagle3").catch_up == 0
+    pool = DecoderPool(target, None, "auto", knob, draft_head=str(tmp_path))
+    assert pool.get("auto", {}).drafters[-1].config.catch_up == 0
+    assert pool.get("auto", {"eagle3.catch_up": 5}).drafters[-1].config.catch_up == 5
+    (method,) = parse_methods("auto[eagle3.catch_up=0]")
+    assert method.reads_head(True) and method.knobs == knob
+    served, bare = Limits("m", method="auto", head=True), Limits("m", method="auto")
+    body = CompletionRequest(prompt="hi", forerun={"method": "auto", "eagle3.catch_up": 3})
+    assert translate(body, served).knobs == {"eagle3.catch_up": 3}
+
+    without = "'auto' drafts with a head only when one is given"
+    with pytest.raises(ValueError, match=without):
+        forerun.Decoder(target, None, "auto", **knob)
+    with pytest.raises(ValueError, match=without):
+        RunSpec(method="auto", knobs=knob)
+    with pytest.raises(ValueError, match=without):
+        DecoderPool(target, None, "auto", {}).get("auto", knob)
+    with pytest.raises(ValueError, match=without):
+        method.reads_head(False)
+    with pytest.raises(APIError, match=without):
+        translate(body, bare)
 
 
 def test_the_heads_attention_keeps_off_cudnn_on_a_card_and_changes_nothing_elsewhere(tmp_path, target, monkeypatch):

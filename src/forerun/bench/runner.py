@@ -70,15 +70,14 @@ class BenchMethod:
 
     def needs_draft(self) -> bool:
         return self.method == "hf_assisted" or (
-            self.method not in OTHER_METHODS and plan_method(self.method, self.knobs).needs_draft()
+            self.method not in OTHER_METHODS and plan_method(self.method, self.knobs, head=True).needs_draft()
         )
 
     def reads_head(self, given: bool) -> bool:
         """Whether this method drafts with an EAGLE-3 head (eagle3; also auto when one is `given`)."""
         if self.method in OTHER_METHODS:
             return False
-        plan = plan_method(self.method, self.knobs)
-        return plan.uses_head() or (given and plan.with_head().uses_head())
+        return plan_method(self.method, self.knobs, head=given).uses_head()
 
 
 def parse_methods(text: str) -> list[BenchMethod]:
@@ -101,7 +100,7 @@ def parse_methods(text: str) -> list[BenchMethod]:
             raise ValueError(f"{label}: {name} takes no knobs; they are for forerun methods")
         if name not in OTHER_METHODS:
             try:
-                plan_method(name, knobs)
+                plan_method(name, knobs, head=True)  # a head's knobs under 'auto' are checked when it is given
             except ValueError as error:
                 raise ValueError(
                     f"unknown benchmark method {name!r} ({error}); choose from {', '.join(METHODS + OTHER_METHODS)}"

@@ -25,7 +25,9 @@ errors = Console(stderr=True)
 # The run options, shared by every command (one definition each, so they cannot drift apart).
 MODEL = typer.Option(DEFAULT_MODEL, "--model", "-m", help="Alias, local folder, .gguf file or cached hub id.")
 METHOD = typer.Option(
-    DEFAULT_METHOD, "--method", help="plain | prompt_lookup | jacobi | trie | draft_model | auto, or joined: a+b."
+    DEFAULT_METHOD,
+    "--method",
+    help="plain | prompt_lookup | jacobi | trie | draft_model | eagle3 | auto, or joined: a+b.",
 )
 KNOB = typer.Option([], "--knob", "-k", help="Method knob NAME=VALUE (repeatable; METHOD.NAME when combined).")
 DEVICE = typer.Option("cpu", "--device", help="cpu, cuda, cuda:1 ...")

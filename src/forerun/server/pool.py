@@ -70,16 +70,16 @@ class DecoderPool:
         self.lock = threading.Lock()
 
     def build(self, method: str, knobs: dict) -> Decoder:
-        plan = plan_method(method, knobs, next(self.model.parameters()).device.type)
+        plan = plan_method(method, knobs, next(self.model.parameters()).device.type, head=self.head is not None)
         draft = {}
         if plan.needs_draft():
             if self.draft_model is None:
                 raise ValueError("method draft_model needs a draft model: start the server with --draft-model NAME")
             draft = {"draft_model": self.draft_model}
-        if self.head is not None and plan.with_head().uses_head():
+        if plan.uses_head():
+            if self.head is None:
+                raise ValueError("method eagle3 needs an EAGLE-3 head: start the server with --draft-head FOLDER")
             draft["draft_head"] = self.head
-        elif plan.uses_head():
-            raise ValueError("method eagle3 needs an EAGLE-3 head: start the server with --draft-head FOLDER")
         return Decoder(
             self.model, self.tokenizer, method, prefix_cache=self.prefixes, max_tree_nodes=self.max_tree_nodes,
             **draft, **knobs
@@ -102,7 +102,7 @@ class DecoderPool:
 
     def trie_decoder(self) -> Decoder | None:
         """The shared Decoder whose trie the cache file holds (the server's own method, if it has a trie)."""
-        if not plan_method(self.method, self.knobs).saves_state():
+        if not plan_method(self.method, self.knobs, head=self.head is not None).saves_state():
             return None
         return self.get(self.method, {})
 

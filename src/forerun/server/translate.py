@@ -57,6 +57,8 @@ class Limits:
     device_type: str = "cpu"
     request_methods: tuple[str, ...] | None = None
     """Methods a request may name besides the server's (None: any; `ServerConfig.request_methods`)."""
+    head: bool = False
+    """Whether the server drafts with a trained head ('auto' then includes it, and its knobs route to it)."""
 
 
 @dataclass(frozen=True)
@@ -318,7 +320,7 @@ def translate(body: ChatRequest | CompletionRequest, limits: Limits) -> Generati
     method = options.pop("method", limits.method)
     knobs = options if options or method != limits.method else dict(limits.knobs)
     try:
-        plan = plan_method(method, knobs, limits.device_type)
+        plan = plan_method(method, knobs, limits.device_type, head=limits.head)
     except (ValueError, TypeError) as error:
         raise refuse("forerun", str(error)) from None
     allowed = limits.request_methods
