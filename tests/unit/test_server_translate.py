@@ -154,6 +154,24 @@ def test_an_operator_limits_which_methods_requests_may_pick():
     assert translate(ChatRequest(messages=HI, forerun={"method": "auto"}), LIMITS).method == "auto"  # None: any
 
 
+def test_an_operator_list_admits_auto_by_name_or_by_its_parts_and_a_servers_head_is_not_the_requests_pick():
+    """'--request-methods auto' admits 'auto'; so does listing the three methods it stands for, also on a server
+    with a head (which 'auto' then drafts with: the operator's head, not a method the request picked). 'eagle3'
+    named by a request is a pick of its own and needs listing."""
+    import dataclasses
+
+    ask = lambda method, limits: translate(ChatRequest(messages=HI, forerun={"method": method}), limits)  # noqa: E731
+    by_name = dataclasses.replace(LIMITS, method="prompt_lookup", request_methods=("auto",))
+    assert ask("auto", by_name).method == "auto"
+    for method in ("trie", "auto+eagle3"):
+        with pytest.raises(APIError, match="not enabled on this server"):
+            ask(method, by_name)
+    by_parts = dataclasses.replace(by_name, request_methods=("prompt_lookup", "trie", "jacobi"), head=True)
+    assert ask("auto", by_parts).method == "auto" and ask("trie", by_parts).method == "trie"
+    with pytest.raises(APIError, match="not enabled on this server"):
+        ask("eagle3", by_parts)
+
+
 def test_request_methods_on_the_command_line():
     from forerun.cli import parse_request_methods
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from forerun.checks import check_sampling, check_text
-from forerun.methods import DEFAULT_METHOD, plan_method
+from forerun.methods import DEFAULT_METHOD, parse_method, plan_method
 from forerun.request import GenerationRequest
 from forerun.server.schemas import ChatRequest, CommonRequest, CompletionRequest
 
@@ -320,11 +320,11 @@ def translate(body: ChatRequest | CompletionRequest, limits: Limits) -> Generati
     method = options.pop("method", limits.method)
     knobs = options if options or method != limits.method else dict(limits.knobs)
     try:
-        plan = plan_method(method, knobs, limits.device_type, head=limits.head)
+        plan_method(method, knobs, limits.device_type, head=limits.head)  # a bad method or knob: refused here
     except (ValueError, TypeError) as error:
         raise refuse("forerun", str(error)) from None
     allowed = limits.request_methods
-    if allowed is not None and method != limits.method and not set(plan.names) <= set(allowed):
+    if allowed is not None and method != limits.method and not admitted(method, allowed):
         offered = ", ".join([limits.method, *allowed])
         raise refuse("forerun", f"method {method!r} is not enabled on this server (it offers: {offered})")
     return GenerationArgs(
@@ -342,6 +342,22 @@ def translate(body: ChatRequest | CompletionRequest, limits: Limits) -> Generati
         include_usage=bool((body.stream_options or {}).get("include_usage", False)),
         cache_salt=cache_salt_of(body),
     )
+
+
+def admitted(method: str, allowed: tuple[str, ...]) -> bool:
+    """Whether an operator's list of methods (`--request-methods`) admits a request's `method` expression: every
+    part it names is listed ('auto' admits 'auto'), or every method it stands for is (prompt_lookup, trie and
+    jacobi admit 'auto'). A head the server adds to 'auto' is the operator's, not the request's pick.
+
+    Example:
+        >>> admitted("auto", ("auto",)), admitted("auto", ("prompt_lookup", "trie", "jacobi"))
+        (True, True)
+        >>> admitted("trie", ("auto",)), admitted("auto+eagle3", ("auto",)), admitted("plain", ())
+        (False, False, True)
+    """
+    listed = set(allowed)
+    parts = {part.strip() for part in method.split("+")}
+    return parts <= listed or {spec.name for spec in parse_method(method)} <= listed
 
 
 def cache_salt_of(body: CommonRequest) -> str | None:
