@@ -102,11 +102,9 @@ class Decoder:
         if isinstance(method, MethodPlan):  # parsed once, by the run specification: not re-rendered as text
             if knobs:
                 raise ValueError(f"a MethodPlan carries its knobs; got {sorted(knobs)} besides")
-            self.plan = method
+            self.plan = method if draft_head is None else method.with_head()  # 'auto' drafts with a given head too
         else:
             self.plan = plan_method(method, knobs, device_type, head=draft_head is not None)
-        if draft_head is not None:
-            self.plan = self.plan.with_head()  # 'auto' drafts with the head too whenever one is given
         self.method = self.plan.text
         self.engine_config = EngineConfig(
             max_tree_nodes, draft_in_prefill, adaptive, static_cache, compile_buckets, reproducible
