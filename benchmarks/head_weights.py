@@ -1,5 +1,6 @@
-"""An EAGLE-3 head on a quantized target: its weights quantized as the target's (`load_head`'s default) against
-the same head with dense bf16 weights, and `auto` without a head, all in one process, interleaved per prompt.
+"""An EAGLE-3 head in fewer bits (`load_head`'s default: as the target's weights where those are quantized, int4
+over a dense target where the head computes in bf16 on a CPU) against the same head with dense bf16 weights, and
+`auto` without a head, all in one process, interleaved per prompt.
 
 Each prompt: plain generate of the quantized model (the reference), then every method in turn; speed is tokens per
 second over the reference's on the same prompt, and each greedy output is judged against it (identical, or a first
@@ -7,6 +8,7 @@ difference at a numerical tie).
 
     .venv/bin/python benchmarks/head_weights.py --quantize int4 --n 12 --threads 1          # 12 chat questions
     .venv/bin/python benchmarks/head_weights.py --quantize int4 --dataset gsm8k,humaneval,mbpp,typehints --n 6
+    .venv/bin/python benchmarks/head_weights.py --quantize none --dtype bf16 --n 12     # a dense bf16 target
 
 (`benchmarks/results/head-weights-int4-epyc-avx2.md` holds both runs' tables.)
 """
@@ -19,6 +21,7 @@ from pathlib import Path
 import torch
 
 import forerun
+from forerun.base.weights import weights_kind
 from forerun.bench.datasets import load_dataset
 from forerun.bench.report import markdown, overview, summarize
 from forerun.bench.runner import REFERENCE, BenchMethod, Record, Run, encode
@@ -29,7 +32,7 @@ def decoders(model, tokenizer, head: str) -> dict[str, forerun.Decoder]:
     """label -> decoder: auto without a head; eagle3 and auto with the quantized head, then with the dense one."""
     quantized, dense = load_head(head, model), load_head(head, model, quantized=False)
     made = {"auto (no head)": forerun.Decoder(model, tokenizer, "auto")}
-    for label, loaded in (("quantized head", quantized), ("dense bf16 head", dense)):
+    for label, loaded in ((f"{weights_kind(quantized)} head", quantized), ("dense bf16 head", dense)):
         for method in ("eagle3", "auto"):
             made[f"{method}, {label}"] = forerun.Decoder(model, tokenizer, method, draft_head=loaded)
     return made
@@ -37,7 +40,8 @@ def decoders(model, tokenizer, head: str) -> dict[str, forerun.Decoder]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quantize", default="int4", choices=["int4", "int8"])
+    parser.add_argument("--quantize", default="int4", choices=["int4", "int8", "none"], help="the target's weights")
+    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="a dense target's dtype")
     parser.add_argument("--dataset", default="benchmarks/chat_questions.jsonl", help="comma-separated")
     parser.add_argument("--n", type=int, default=12)
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -46,7 +50,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    model, tokenizer = forerun.load_model("smollm2-135m", quantize=args.quantize)
+    quantize = None if args.quantize == "none" else args.quantize
+    model, tokenizer = forerun.load_model("smollm2-135m", quantize=quantize, dtype=args.dtype)
     made = decoders(model, tokenizer, args.head)
     prompts = [p for name in args.dataset.split(",") for p in load_dataset(name, args.n)]
     run = Run(model, args.max_new_tokens, None, 0)

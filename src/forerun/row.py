@@ -250,6 +250,6 @@ class RowRun:
 def costly(drafter: Drafter) -> bool:
     """Whether `drafter` spends forwards of its own before the target's (a trained head): the budget's switch
     may make it sit out (`CostModel.switch`). Such a drafter tells what its forwards read since it was last asked
-    (`spent()`: parameters, each forward's counted once), and is shown each step it sat out (`sit_out(ctx, outcome)`,
+    (`spent()`: the bytes of weights they read), and is shown each step it sat out (`sit_out(ctx, outcome)`,
     instead of `observe`)."""
     return getattr(drafter, "costly", False)

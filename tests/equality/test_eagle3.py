@@ -9,6 +9,7 @@ import torch
 from test_equality_families import CURVE, NEW_TOKENS, model_of, reference
 
 import forerun
+from forerun.base.weights import read_bytes
 from forerun.costmodel.switch import DRAFT_MARGIN
 from forerun.drafters.eagle3 import Eagle3Head
 
@@ -257,7 +258,7 @@ def test_a_paused_head_sits_out_then_drafts_again_exactly():
 
 def test_in_reproducible_mode_the_head_sits_out_on_priced_rates_alike_every_run():
     """Reproducible choices time nothing: the switch compares rates priced on the curve (the head's forwards as its
-    share of the target's parameters). A random head, almost never right, prices slower than decoding without it
+    share of what the target's forward reads). A random head, almost never right, prices slower than decoding without it
     and is paused, at the same steps in two fresh decoders; an oracle head (a negative control) prices faster and
     drafts on after plain decoding's one measurement. Every text is generate's."""
     from forerun.costmodel.switch import PAUSE_STEPS
@@ -267,7 +268,7 @@ def test_in_reproducible_mode_the_head_sits_out_on_priced_rates_alike_every_run(
 
     def run(head):
         decoder = forerun.Decoder(model, None, "eagle3", draft_head=head, latency=CURVE, reproducible=True)
-        decoder.budget.target_parameters = 20 * sum(p.numel() for p in head.parameters())  # a real target's share
+        decoder.budget.target_bytes = 20 * read_bytes(head)  # a real target's share
         result = decoder.generate(prompts(1)[0], NEW_TOKENS, eos_token_id=[])
         assert result.sequences[0].tolist() == truth
         return result.stats, decoder.budget.switch

@@ -87,6 +87,31 @@ def test_a_bf16_head_under_an_fp32_target_leaves_the_target_as_it_is_and_drafts_
     assert torch.equal(result.sequences, expected) and result.stats.candidates > 0
 
 
+def test_on_a_cpu_a_bf16_head_over_a_dense_target_reads_int4_weights_and_is_priced_by_its_bytes(tmp_path, target):
+    """On a CPU a head's forward costs about the bytes it reads: computing in bf16, it loads with int4 weights over
+    a dense target (the bf16 tensors of `quantized=False` read over 3x more), and the budget prices its forwards
+    by those bytes against the target's. An fp32 head stays dense (torchao's int4 products compute in bf16)."""
+    pytest.importorskip("torchao")
+    from forerun.base.weights import read_bytes, weights_kind
+    from forerun.drafters.eagle3.drafter import Eagle3Drafter
+
+    from tiny_models import prompts
+
+    write_head(tmp_path, target)
+    small, dense = load_head(tmp_path, target, torch.bfloat16), load_head(tmp_path, target, torch.bfloat16, False)
+    assert weights_kind(small) == "int4" and weights_kind(dense) is None
+    assert weights_kind(load_head(tmp_path, target, dtype=torch.float32)) is None
+    skip = ("embed_tokens.",)
+    assert read_bytes(small, skip) < 0.35 * read_bytes(dense, skip)  # (its 40-row output matrix stays dense)
+    decoder = forerun.Decoder(target, None, "eagle3", draft_head=small, adaptive=False)
+    result = decoder.generate(prompts(1)[0], 24, eos_token_id=[])
+    expected = target.generate(prompts(1)[0], max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(result.sequences, expected) and result.stats.candidates > 0
+    drafter = Eagle3Drafter(forerun.config.Eagle3Config(), small)
+    drafter.forwards = 3
+    assert drafter.spent() == 3 * read_bytes(small, skip) and drafter.spent() == 0
+
+
 def drop(key):
     return lambda state: state.pop(key)
 

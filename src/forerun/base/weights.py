@@ -39,8 +39,13 @@ def check_quantize(quantize: str | None, device: str, dtype: torch.dtype) -> Non
         raise ValueError(f"quantize={quantize!r} uses torchao's CPU layout; the model is on {device}")
     if dtype != torch.bfloat16:
         raise ValueError(f"quantize={quantize!r} computes in bf16 (give dtype='bf16' or 'auto'), got {dtype}")
-    if importlib.util.find_spec("torchao") is None:
+    if not quantizable():
         raise ValueError(f"quantize={quantize!r} needs torchao: pip install 'forerun[quantize]' (torchao==0.18.0)")
+
+
+def quantizable() -> bool:
+    """Whether torchao (the `quantize` extra) is installed."""
+    return importlib.util.find_spec("torchao") is not None
 
 
 def quantize_weights(model: torch.nn.Module, quantize: str) -> torch.nn.Module:
@@ -72,12 +77,44 @@ def dense(weight: torch.Tensor) -> bool:
     return type(weight) in (torch.Tensor, torch.nn.Parameter)
 
 
+BYTES_PER_WEIGHT = {"int4": 0.5 + 4 / GROUP_SIZE, "int8": 1.0}
+"""What a quantized weight reads: int4 half a byte and a bf16 scale and zero per group; int8 one byte (its scale
+per row is negligible)."""
+
+
+def read_bytes(module: torch.nn.Module, skip: tuple[str, ...] = ()) -> float:
+    """The bytes one forward of `module` reads of its parameters (each counted once, tied ones too; those whose
+    names start with one of `skip` left out: an embedding is looked up, not read). Quantized linear layers count
+    at `BYTES_PER_WEIGHT`: a CPU forward of a small model costs about what it reads.
+
+    Example:
+        >>> layer = torch.nn.Linear(64, 32, bias=False).to(torch.bfloat16)
+        >>> read_bytes(layer), read_bytes(torch.nn.Sequential(layer, layer))
+        (4096.0, 4096.0)
+    """
+    quantized = {
+        id(m.weight): m.in_features * m.out_features * BYTES_PER_WEIGHT[kind_of(m)]
+        for m in module.modules()
+        if isinstance(m, torch.nn.Linear) and not dense(m.weight)
+    }
+    return float(
+        sum(
+            quantized.get(id(p), p.numel() * p.element_size())
+            for name, p in module.named_parameters()
+            if not name.startswith(skip)
+        )
+    )
+
+
+def kind_of(layer: torch.nn.Linear) -> str:
+    """'int8' or 'int4': the kind of a quantized linear layer's weights."""
+    return "int8" if type(layer.weight).__name__ == "Int8RowTensor" else "int4"
+
+
 def weights_kind(model: torch.nn.Module) -> str | None:
     """'int4' or 'int8' where the model's linear layers hold quantized weights, else None (part of a latency
     curve's key)."""
     for module in model.modules():
         if isinstance(module, torch.nn.Linear):
-            if dense(module.weight):
-                return None
-            return "int8" if type(module.weight).__name__ == "Int8RowTensor" else "int4"
+            return None if dense(module.weight) else kind_of(module)
     return None

@@ -44,7 +44,7 @@ class Budget(Protocol):
 
     def timed(self, fed: int, seconds: float) -> None: ...
 
-    def priced_step(self, fed: int, drafter_parameters: float) -> float:
+    def priced_step(self, fed: int, drafter_bytes: float) -> float:
         """A step's seconds on the curve alone, for a switch that must not time (`CostModel.priced_step`)."""
         ...
 
@@ -137,7 +137,7 @@ class StaticBudget:
     switch = None
     """Every drafter drafts every step, as its knobs ask."""
 
-    def priced_step(self, fed: int, drafter_parameters: float) -> float:
+    def priced_step(self, fed: int, drafter_bytes: float) -> float:
         """Never asked (no switch); a forward a step."""
         return 1.0
 
@@ -186,9 +186,9 @@ class CostModel:
     """Whether the costly drafters (a trained head: forwards of its own before the target's) draft this step,
     from rates with and without them: measured, or priced on the curve when choices are `reproducible`
     (`priced_step`); None: they always draft."""
-    target_parameters: int = 0
-    """The target's parameter count: what a costly drafter's own forwards are priced against when choices are
-    reproducible (0: they are priced at nothing)."""
+    target_bytes: float = 0.0
+    """What one forward of the target reads of its weights (`forerun.base.weights.read_bytes`): what a costly
+    drafter's own forwards are priced against when choices are reproducible (0: they are priced at nothing)."""
     selective = True
     """Drafters propose whatever might pay; this model picks."""
 
@@ -276,18 +276,18 @@ class CostModel:
         if self.times is not None and not self.reproducible:
             self.times.record(fed, self.curve.cost(fed), seconds)
 
-    def priced_step(self, fed: int, drafter_parameters: float) -> float:
+    def priced_step(self, fed: int, drafter_bytes: float) -> float:
         """A step's seconds on the curve alone (reproducible choices time nothing): the forward of `fed` tokens,
-        plus the costly drafters' own forwards (`drafter_parameters` read in all) priced as their share of the
-        target's parameters of a 1-token forward. A forward reads every weight once, so on a CPU, where reading
-        them is most of a small forward's time, the shares are what the forwards cost.
+        plus the costly drafters' own forwards (`drafter_bytes` of weights read in all) priced as their share of
+        what the target's 1-token forward reads. On a CPU, where reading the weights is most of a small forward's
+        time, the shares are what the forwards cost.
 
-        Example (1 token 10 ms, 8 tokens 12 ms; a head a tenth of the target, read 3 times):
-            >>> model = CostModel(LatencyCurve((1, 8), (0.010, 0.012)), 16, target_parameters=100)
+        Example (1 token 10 ms, 8 tokens 12 ms; a head reading a tenth of the target's bytes, 3 times):
+            >>> model = CostModel(LatencyCurve((1, 8), (0.010, 0.012)), 16, target_bytes=100)
             >>> round(model.priced_step(8, 30), 4), round(model.priced_step(1, 0), 4)
             (0.015, 0.01)
         """
-        own = drafter_parameters / self.target_parameters if self.target_parameters else 0.0
+        own = drafter_bytes / self.target_bytes if self.target_bytes else 0.0
         return self.curve.cost(fed) + own * self.curve.cost(1)
 
     def new_request(self) -> None:
@@ -299,7 +299,7 @@ class CostModel:
         calibration = Calibration(hits=self.calibration.hits, trials=self.calibration.trials)
         return CostModel(
             self.curve, self.max_nodes, calibration, self.fed_check, None, self.reproducible,
-            target_parameters=self.target_parameters,
+            target_bytes=self.target_bytes,
         )  # fmt: skip
 
     def proposal_nodes(self, rows: int) -> int:

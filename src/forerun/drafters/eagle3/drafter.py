@@ -25,6 +25,7 @@ import time
 
 import torch
 
+from forerun.base.weights import read_bytes
 from forerun.config import Eagle3Config
 from forerun.drafters.base import DraftContext, MethodSpec, StepOutcome
 from forerun.drafters.eagle3.head import Eagle3Head
@@ -59,16 +60,16 @@ class Eagle3Drafter:
         """Levels this step's proposal has below its root."""
         self.pending: list[tuple[list[int], list[int], torch.Tensor]] = []
         """Committed positions read while sitting out, to read on drafting again: (tokens, positions, features)."""
-        self.parameters = sum(p.numel() for name, p in head.named_parameters() if not name.startswith("embed_tokens."))
-        """What one forward of the head reads (its embedding is looked up, not read)."""
+        self.bytes_read = read_bytes(head, skip=("embed_tokens.",))
+        """What one forward of the head reads of its weights (its embedding is looked up, not read)."""
 
     def __copy__(self) -> Eagle3Drafter:
         return Eagle3Drafter(self.config, self.head, capture=False)
 
     def spent(self) -> float:
-        """Parameters the head's forwards read since the last call (the cost model prices them)."""
+        """Bytes of weights the head's forwards read since the last call (the cost model prices them)."""
         forwards, self.forwards = self.forwards, 0
-        return float(forwards * self.parameters)
+        return forwards * self.bytes_read
 
     @torch.inference_mode()
     def warm(self, length: int) -> float:

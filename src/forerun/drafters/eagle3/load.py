@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import LlamaConfig
 
-from forerun.base.weights import quantize_weights, weights_kind
+from forerun.base.weights import quantizable, quantize_weights, weights_kind
 from forerun.drafters.eagle3.head import Eagle3Head, default_aux_layers
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -65,6 +65,23 @@ def head_dtype(target_dtype: torch.dtype, device_type: str, bf16_units: bool | N
     return torch.bfloat16 if bf16_units else target_dtype
 
 
+def head_weights(target_kind: str | None, dtype: torch.dtype, device_type: str, torchao: bool) -> str | None:
+    """The kind of weights a head's linear layers take (None: dense): the target's where it is quantized; int4 for
+    a dense target where the head computes in bf16 on a CPU and torchao is installed. On a CPU a head forward is
+    bound by reading its weights, as a small target's is: int4 reads a quarter of bf16's bytes, and torchao's int4
+    products of a few rows are no slower than bf16's (the benchmarks page, "EAGLE-3", measures both).
+
+    Example:
+        >>> head_weights(None, torch.bfloat16, "cpu", torchao=True), head_weights("int8", torch.bfloat16, "cpu", True)
+        ('int4', 'int8')
+        >>> head_weights(None, torch.float32, "cpu", True), head_weights(None, torch.bfloat16, "cuda", True)
+        (None, None)
+    """
+    if target_kind is not None:
+        return target_kind
+    return "int4" if torchao and device_type == "cpu" and dtype == torch.bfloat16 else None
+
+
 def load_head(
     path: Path | str, target: torch.nn.Module, dtype: torch.dtype | None = None, quantized: bool = True
 ) -> Eagle3Head:
@@ -72,11 +89,11 @@ def load_head(
     `dtype` (None: `head_dtype`). A head that reads the target's embedding leaves it as it is: the head casts
     what it looks up; its rotary frequencies stay fp32.
 
-    `quantized`: where the target's linear layers hold 4- or 8-bit weights (`load_model(..., quantize=)`), the
-    head's are quantized the same way. Its forwards then read a byte count in the same proportion to the target's
-    as its parameter count (which is how the cost model prices them), and its few-row products run on the same
-    kernels as the target's tree forwards; dense bf16 products of several rows are slow on a CPU without bf16
-    units. Its guesses move a little; what is written never does. False: dense, in `dtype`."""
+    `quantized`: the head's linear layers in fewer bits where that pays (`head_weights`): as the target's where
+    those hold 4- or 8-bit weights (`load_model(..., quantize=)`), else int4 where the head computes in bf16 on a
+    CPU. A head forward reads its weights as the target's forward reads its own, so on a CPU its time is about its
+    bytes (which is how the cost model prices it, `forerun.base.weights.read_bytes`); its few-row products then
+    run on the target's kernels. Its guesses move a little; what is written never does. False: dense, in `dtype`."""
     folder = head_folder(path)
     if not folder.is_dir():
         shipped = sorted(p.name for p in SHIPPED.iterdir() if p.is_dir()) if SHIPPED.is_dir() else []
@@ -121,7 +138,7 @@ def load_head(
         # the target's embedding stays the target's; the rotary frequencies stay fp32, as in training
         if module is not target.get_input_embeddings() and module is not head.rotary:
             module.to(device=parameter.device, dtype=dtype)
-    kind = weights_kind(target)
+    kind = head_weights(weights_kind(target), dtype, parameter.device.type, quantizable())
     if quantized and kind is not None:
         quantize_weights(head, kind)
     return head.to(device=parameter.device).eval()
