@@ -211,14 +211,14 @@ class Batch:
             for row, cap in zip(rows, self.policy.proposal_caps(budgets), strict=True):
                 row.ctx.budget = cap
             selections = self.choose_apart([self.propose(row) for row in rows])
-        else:  # paused: no proposals, one token per row
-            selections = [Selection(*merge(row.root, row.propose(False))) for row in rows]
+        else:  # paused: no proposals, one token per row; the heads sit out (no forwards of their own)
+            selections = [Selection(*merge(row.root, row.propose(False, with_costly=False))) for row in rows]
         t1 = time.perf_counter()
         # 2. pack and 3. forward: one call for every row, trees padded to one size
         nodes = max(len(selection.tree) for selection in selections)
         prefix_lens = [row.prefix_len for row in rows]
-        # a paused batch taps nothing: its heads forget and read again from the step they draft in
-        layers = feature_layers(d for row in rows for d in row.job.drafters) if drafting else ()
+        # tapped paused too: the heads keep what is written and read it in one forward when the batch drafts again
+        layers = feature_layers(d for row in rows for d in row.job.drafters)
         with LayerTaps(self.model, layers, read=self.shared.features) as taps:
             trees = [selection.tree for selection in selections]
             logits, choices, returned = self.shared.forward(prefix_lens, trees, nodes)  # [rows, nodes, vocab]

@@ -108,12 +108,13 @@ class RowRun:
         """The last committed token: the root of this step's tree."""
         return self.ctx.tokens[-1]
 
-    def propose(self, drafting: bool = True) -> list[TokenTree]:
+    def propose(self, drafting: bool = True, with_costly: bool = True) -> list[TokenTree]:
         """Each drafter's tree; `drafting=False`: the root alone from each (a step that verifies no tree needs no
-        proposals). Costly drafters (a trained head) sit out while the budget's switch measures them not paying."""
+        proposals). Costly drafters (a trained head) sit out while the budget's switch measures them not paying, or
+        where `with_costly=False` (a paused batch's rows): they keep what is written for the step they draft again."""
         switch = self.budget.switch
         # about the switch alone: a step that verifies no tree (a long prompt's prefill) still lets them read
-        self.costly_drafting = switch is None or switch.drafting()
+        self.costly_drafting = with_costly and (switch is None or switch.drafting())
         self.costly_seconds, self.alone = 0.0, None
         if not drafting:
             return [TokenTree.rooted_at(self.root) for _ in self.job.drafters]

@@ -383,3 +383,49 @@ def test_an_oracle_head_in_a_batch_is_accepted_at_full_depth():
     assert first.sequences[0].tolist() == truth
     assert torch.equal(other.sequences, reference("llama", "sdpa", 1, None))  # its oracle is wrong: still exact
     assert first.stats.accepted_hist[4] >= first.stats.forwards - 3
+
+
+@pytest.mark.parametrize("catch_up", [64, 0])
+def test_a_paused_batch_taps_its_forwards_and_its_heads_draft_at_once_after(catch_up):
+    """While a batch's rows do not draft (its policy measured drafting not paying), its forwards are still tapped
+    and each row's head keeps the positions written, with no forward of its own (`sit_out`); the first drafted step
+    after the pause reads them in one forward, and the oracle head is accepted there at once. With `catch_up=0`
+    (the control: a head that keeps nothing, as a paused batch's heads had) it starts over and that step accepts
+    nothing. Both rows equal generate."""
+    from transformers import MaxLengthCriteria, StoppingCriteriaList
+
+    from forerun.batch import Batch, RowJob, fork
+    from forerun.transcript import Transcript
+
+    model = model_of("llama", "sdpa")
+    truth = reference("llama", "sdpa", 0, None)[0].tolist()
+    head = random_head(model, draft_vocab=VOCAB)
+    head.d2t.zero_()
+    decoder = forerun.Decoder(model, None, "eagle3", draft_head=OracleHead(head, truth), latency=CURVE,
+                              catch_up=catch_up)  # fmt: skip
+    batch = Batch(model, decoder.budget)
+    jobs = []
+    for prompt in prompts(2):
+        criteria = StoppingCriteriaList([MaxLengthCriteria(prompt.shape[1] + NEW_TOKENS)])
+        jobs.append(
+            RowJob(prompt, Transcript(prompt.clone(), criteria), fork(decoder.drafters), frozenset(), NEW_TOKENS)
+        )
+    rows = [batch.add(job) for job in jobs]
+    for _ in range(3):  # drafted steps: the oracle's chances are learned
+        batch.step()
+    batch.policy.switch.paused = 6
+    written = len(jobs[0].transcript.sources)
+    for _ in range(6):
+        batch.step()
+    oracle = rows[0].job.drafters[0]
+    assert len(jobs[0].transcript.sources) == written + 6  # a token a step, no drafts
+    waiting = sum(len(tokens) for tokens, _, _ in oracle.pending)
+    assert (waiting, oracle.last is None) == ((6, False) if catch_up else (0, True))
+    written = len(jobs[0].transcript.sources)
+    batch.step()  # drafting again
+    accepted = len(jobs[0].transcript.sources) - written - 1
+    assert accepted >= 2 if catch_up else accepted == 0
+    while batch.rows:
+        batch.step()
+    for index, job in enumerate(jobs):
+        assert torch.equal(job.transcript.sequence, reference("llama", "sdpa", index, None)), index
