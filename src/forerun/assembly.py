@@ -20,7 +20,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from forerun.base import StaticBase, graph_features, static_support
-from forerun.base.weights import read_bytes, weights_kind
+from forerun.base.weights import looked_up, read_bytes, weights_kind
 from forerun.config import EngineConfig
 from forerun.costmodel import Budget, CostModel, DraftSwitch, ForwardTimes, LatencyCurve, StaticBudget
 from forerun.costmodel.switch import FIRST_PROBE_STEPS
@@ -122,7 +122,7 @@ def make_budget(
     # costly drafters (a trained head's forwards) are weighed against rates without them: measured, or priced on
     # the curve where choices must be reproducible
     return CostModel(
-        curve, cap, times=times, reproducible=reproducible, target_bytes=read_bytes(model),
+        curve, cap, times=times, reproducible=reproducible, target_bytes=read_bytes(model, looked_up(model)),
         switch=DraftSwitch(probing=FIRST_PROBE_STEPS, paired=True),
     )  # fmt: skip
 

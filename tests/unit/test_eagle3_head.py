@@ -101,7 +101,7 @@ def test_on_a_cpu_a_bf16_head_over_a_dense_target_reads_int4_weights_and_is_pric
     small, dense = load_head(tmp_path, target, torch.bfloat16), load_head(tmp_path, target, torch.bfloat16, False)
     assert weights_kind(small) == "int4" and weights_kind(dense) is None
     assert weights_kind(load_head(tmp_path, target, dtype=torch.float32)) is None
-    skip = ("embed_tokens.",)
+    skip = (target.get_input_embeddings(),)  # looked up, not read
     assert read_bytes(small, skip) < 0.35 * read_bytes(dense, skip)  # (its 40-row output matrix stays dense)
     decoder = forerun.Decoder(target, None, "eagle3", draft_head=small, adaptive=False)
     result = decoder.generate(prompts(1)[0], 24, eos_token_id=[])
@@ -110,6 +110,20 @@ def test_on_a_cpu_a_bf16_head_over_a_dense_target_reads_int4_weights_and_is_pric
     drafter = Eagle3Drafter(forerun.config.Eagle3Config(), small)
     drafter.forwards = 3
     assert drafter.spent() == 3 * read_bytes(small, skip) and drafter.spent() == 0
+
+
+def test_what_a_target_forward_reads_leaves_out_an_embedding_only_looked_up():
+    """The price of a head's forwards is their share of what the target's forward reads: an input embedding
+    apart from the output matrix is only looked up (left out); tied to it, it is read (kept)."""
+    from forerun.base.weights import looked_up, read_bytes
+
+    model = tiny_model("qwen2")
+    embedding = model.get_input_embeddings()
+    size = embedding.weight.numel() * embedding.weight.element_size()
+    assert looked_up(model) == (embedding,)
+    assert read_bytes(model, looked_up(model)) == read_bytes(model) - size
+    model.get_output_embeddings().weight = embedding.weight  # tied
+    assert looked_up(model) == () and read_bytes(model, looked_up(model)) == read_bytes(model)
 
 
 def drop(key):

@@ -82,28 +82,32 @@ BYTES_PER_WEIGHT = {"int4": 0.5 + 4 / GROUP_SIZE, "int8": 1.0}
 per row is negligible)."""
 
 
-def read_bytes(module: torch.nn.Module, skip: tuple[str, ...] = ()) -> float:
-    """The bytes one forward of `module` reads of its parameters (each counted once, tied ones too; those whose
-    names start with one of `skip` left out: an embedding is looked up, not read). Quantized linear layers count
-    at `BYTES_PER_WEIGHT`: a CPU forward of a small model costs about what it reads.
+def read_bytes(module: torch.nn.Module, skip: tuple[torch.nn.Module, ...] = ()) -> float:
+    """The bytes one forward of `module` reads of its parameters (each counted once, tied ones too; those of the
+    modules in `skip` left out: an embedding is looked up, not read). Quantized linear layers count at
+    `BYTES_PER_WEIGHT`: a CPU forward of a small model costs about what it reads.
 
     Example:
         >>> layer = torch.nn.Linear(64, 32, bias=False).to(torch.bfloat16)
-        >>> read_bytes(layer), read_bytes(torch.nn.Sequential(layer, layer))
-        (4096.0, 4096.0)
+        >>> read_bytes(layer), read_bytes(torch.nn.Sequential(layer, layer)), read_bytes(layer, skip=(layer,))
+        (4096.0, 4096.0, 0.0)
     """
     quantized = {
         id(m.weight): m.in_features * m.out_features * BYTES_PER_WEIGHT[kind_of(m)]
         for m in module.modules()
         if isinstance(m, torch.nn.Linear) and not dense(m.weight)
     }
+    skipped = {id(p) for m in skip for p in m.parameters()}
     return float(
-        sum(
-            quantized.get(id(p), p.numel() * p.element_size())
-            for name, p in module.named_parameters()
-            if not name.startswith(skip)
-        )
+        sum(quantized.get(id(p), p.numel() * p.element_size()) for p in module.parameters() if id(p) not in skipped)
     )
+
+
+def looked_up(model: torch.nn.Module) -> tuple[torch.nn.Module, ...]:
+    """The model's input embedding where only looked up (not tied to its output matrix, which a forward reads)."""
+    embedding, output = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = output is not None and output.weight is embedding.weight
+    return () if tied else (embedding,)
 
 
 def kind_of(layer: torch.nn.Linear) -> str:

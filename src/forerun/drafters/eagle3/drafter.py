@@ -60,7 +60,7 @@ class Eagle3Drafter:
         """Levels this step's proposal has below its root."""
         self.pending: list[tuple[list[int], list[int], torch.Tensor]] = []
         """Committed positions read while sitting out, to read on drafting again: (tokens, positions, features)."""
-        self.bytes_read = read_bytes(head, skip=("embed_tokens.",))
+        self.bytes_read = read_bytes(head, skip=(head.embed_tokens,))
         """What one forward of the head reads of its weights (its embedding is looked up, not read)."""
 
     def __copy__(self) -> Eagle3Drafter:
