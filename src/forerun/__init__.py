@@ -5,6 +5,7 @@
 >>> result = forerun.Decoder(model, tokenizer, method="auto").generate("def add(a, b):")  # doctest: +SKIP
 """
 
+from forerun.base.packed import pack_weights
 from forerun.config import DraftModelConfig, Eagle3Config, EngineConfig, JacobiConfig, PromptLookupConfig, TrieConfig
 from forerun.costmodel import LatencyCurve
 from forerun.decoder import Decoder, GenerationResult, generate
@@ -31,5 +32,6 @@ __all__ = [
     "generate",
     "hf_generate",
     "load_model",
+    "pack_weights",
 ]
 __version__ = "0.1.0"

@@ -25,6 +25,7 @@ from transformers import DynamicCache
 
 from forerun.attention import sdpa_like
 from forerun.base.kernels import KernelLinear
+from forerun.base.packed import packed
 from forerun.base.weights import weights_kind
 from forerun.costmodel import LatencyCurve
 from forerun.head import LogitsHead
@@ -72,12 +73,14 @@ def curve_settings(model: torch.nn.Module) -> dict[str, object]:
 def weights_settings(model: torch.nn.Module) -> dict[str, str]:
     """{'weights': 'int4'} for quantized weights (their curve is their own), else {} (existing names kept); with
     'kernels': 'direct' where their layers call the kernel themselves (`forerun.base.kernels`: a step without the
-    subclass's dispatch costs less, so a curve measured through it misprices one)."""
+    subclass's dispatch costs less, so a curve measured through it misprices one); 'packed': True where dense layers
+    are laid out for oneDNN (`forerun.base.packed`)."""
     kind = weights_kind(model)
+    laid_out = {"packed": True} if packed(model) else {}  # oneDNN's layout: cheaper forwards, trees the most
     if not kind:
-        return {}
+        return laid_out
     direct = any(isinstance(module, KernelLinear) for module in model.modules())
-    return {"weights": kind} | ({"kernels": "direct"} if direct else {})
+    return {"weights": kind} | ({"kernels": "direct"} if direct else {}) | laid_out
 
 
 def masked_gqa(model: torch.nn.Module) -> bool:

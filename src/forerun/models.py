@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTra
 
 from forerun.attention import pick_attention
 from forerun.base.gguf_codes import keep_codes
+from forerun.base.packed import check_pack, pack_weights, packable
 from forerun.base.weights import check_quantize, quantize_weights
 from forerun.fetch import DEFAULT_MODELS_DIR, FETCHABLE
 
@@ -109,13 +110,16 @@ def load_model(
     dtype: torch.dtype | str = "auto",
     device: str = "cpu",
     quantize: str | None = None,
+    pack: bool | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load (model, tokenizer) offline; GGUF weights are dequantized to `dtype` (a torch dtype, "fp32", "bf16",
     "fp16", or "auto": bf16 on a CUDA device or with `quantize`, fp32 elsewhere). `quantize="int4"`: every linear
     layer's weights kept in 4 bits, groups of 32, on the CPU (`forerun.base.weights`); a GGUF file's Q4_0/Q4_1
     codes are kept as they are (`forerun.base.gguf_codes`). `quantize="int8"`: 8 bits, one scale per row.
     `attn_implementation="auto"`: sdpa with grouped key/value heads read in place, computed in fp32 for bf16/fp16
-    weights on the CPU (`forerun.attention`); any name transformers takes.
+    weights on the CPU (`forerun.attention`); any name transformers takes. `pack`: dense linear layers laid out once
+    for oneDNN's kernels (`forerun.base.packed`); None: where measured faster (a CPU with AVX-512, fp32 or bf16),
+    False: transformers' own layers, as plain `from_pretrained` gives them.
 
     Raises FileNotFoundError with the install command when an embedded model's package is missing, ValueError
     for a dtype forerun does not run in.
@@ -124,6 +128,7 @@ def load_model(
         dtype = torch.bfloat16 if torch.device(device).type == "cuda" or quantize else torch.float32
     dtype = as_dtype(dtype)
     check_quantize(quantize, device, dtype)
+    check_pack(bool(pack), device, dtype)
     attn_implementation = pick_attention(attn_implementation, device, dtype)
     location, gguf_file = resolve(name)
     extra = {"gguf_file": gguf_file} if gguf_file else {}
@@ -150,6 +155,8 @@ def load_model(
         if gguf_file and quantize == "int4":  # the file's own Q4_0/Q4_1 codes, not quantized a second time
             keep_codes(model, Path(location) / gguf_file)
         quantize_weights(model, quantize)
+    if packable(device, dtype) if pack is None else pack:
+        pack_weights(model)
     return model, tokenizer
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from forerun.attention import SDPA_FP32, SDPA_GROUPED
+from forerun.base.packed import check_pack
 from forerun.base.weights import check_quantize
 from forerun.config import EngineConfig
 from forerun.methods import DEFAULT_METHOD, MethodPlan, plan_method
@@ -30,6 +31,8 @@ from forerun.models import DEFAULT_MODEL, DTYPES
 ATTENTIONS = ("auto", "sdpa", "eager", SDPA_FP32, SDPA_GROUPED)
 """What `--attention` takes (transformers' names, and forerun's two sdpa variants)."""
 MAX_THREADS = 1024
+PACKS = {"auto": None, "on": True, "off": False}
+"""What `--pack` takes -> `load_model(pack=)`."""
 
 
 def parse_device(text: str) -> torch.device:
@@ -79,6 +82,9 @@ class RunSpec:
     sdpa (transformers' own), eager, SDPA_FP32 or SDPA_GROUPED."""
     compile_buckets: bool = False
     """A CUDA device's single rows: each bucket's forward compiled before it is captured (`EngineConfig`)."""
+    pack: str = "auto"
+    """on | off | auto: dense linear layers laid out once for oneDNN's kernels (`forerun.base.packed`); auto: where
+    measured faster (a CPU with AVX-512, fp32 or bf16)."""
 
     def __post_init__(self) -> None:
         if self.dtype == "auto":
@@ -92,6 +98,9 @@ class RunSpec:
             raise ValueError(f"compile_buckets is for a CUDA device's captured graphs; the device is {self.device!r}")
         if self.attention not in ATTENTIONS:
             raise ValueError(f"attention must be one of {', '.join(ATTENTIONS)}, got {self.attention!r}")
+        if self.pack not in PACKS:
+            raise ValueError(f"pack must be one of {', '.join(PACKS)}, got {self.pack!r}")
+        check_pack(bool(PACKS[self.pack]), self.device, self.torch_dtype)
         if isinstance(self.threads, bool) or not isinstance(self.threads, int) or not 0 <= self.threads <= MAX_THREADS:
             raise ValueError(
                 f"threads must be an integer in [0, {MAX_THREADS}] (this machine has {os.cpu_count()} "
@@ -132,7 +141,9 @@ class RunSpec:
         from forerun.models import load_model
 
         self.pin_threads()
-        model, tokenizer = load_model(self.model, self.attention, self.torch_dtype, self.device, quantize=self.quantize)
+        model, tokenizer = load_model(
+            self.model, self.attention, self.torch_dtype, self.device, quantize=self.quantize, pack=PACKS[self.pack]
+        )
         draft = load_draft(self.draft_model, model, tokenizer) if self.draft_model else None
         return model, tokenizer, draft
 

@@ -8,13 +8,14 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from typer.testing import CliRunner
 
+from forerun.base.packed import packed
 from forerun.bench.datasets import load_dataset
 from forerun.bench.latency import write_curves
 from forerun.bench.peers import DenseGeneratePeer
 from forerun.bench.runner import encode, load_records, mismatch_lines, parse_methods, run_interleaved
 from forerun.cli import app
 from forerun.latency import measure_curve
-from forerun.models import load_model, resolve
+from forerun.models import DTYPES, load_model, resolve
 
 EXPECTED_COUNTS = {
     "gsm8k": 1319,
@@ -301,21 +302,24 @@ def test_llama_cpp_methods_refuse_what_they_cannot_do(model, tokenizer):
             parse_methods(label)
 
 
-def test_generate_bf16_times_the_dense_model_beside_a_quantized_run(model, tokenizer):
-    """The dense bf16 baseline of a --quantize run is transformers' generate of the same model loaded again: its
-    new tokens are that model's own greedy ones, timed, never judged against the run's reference."""
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_generate_of_transformers_own_layers_is_timed_beside_the_run(model, tokenizer, dtype):
+    """The baseline a user runs without forerun (of a --quantize run, or of a run on weights forerun laid out) is
+    transformers' generate of the same model loaded again with its own layers: its new tokens are that model's own
+    greedy ones, timed, never judged against the run's reference."""
     prompts = load_dataset("humaneval", 1)
-    specs = parse_methods("generate_bf16")
-    with pytest.raises(ValueError, match="loads the model again with dense bf16 weights"):
+    specs = parse_methods(f"generate_{dtype}")
+    with pytest.raises(ValueError, match="loads the model again with transformers' own layers"):
         run_interleaved(model, tokenizer, prompts, specs, 4)
     (record,) = [r for r in run_interleaved(model, tokenizer, prompts, specs, 8, source="smollm2-135m")
-                 if r.method == "generate_bf16"]  # fmt: skip
+                 if r.method == f"generate_{dtype}"]  # fmt: skip
     assert record.new_tokens == 8 and record.identical is None and record.seconds > 0
-    dense, _ = load_model("smollm2-135m", attn_implementation="sdpa", dtype="bf16")
+    dense, _ = load_model("smollm2-135m", attn_implementation="sdpa", dtype=dtype, pack=False)
+    assert dense.dtype == DTYPES[dtype] and not packed(dense)
     ids = encode(tokenizer, prompts[0], torch.device("cpu"))
     expected = dense.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1] :].tolist()
-    peer = DenseGeneratePeer("smollm2-135m")
-    assert peer.generate(ids[0].tolist(), 8, {tokenizer.eos_token_id})[0] == expected
+    peer = DenseGeneratePeer("smollm2-135m", dtype)
+    assert not packed(peer.model) and peer.generate(ids[0].tolist(), 8, {tokenizer.eos_token_id})[0] == expected
     assert mismatch_lines([dataclasses.replace(record, identical=False)]) == []  # speed only
 
 

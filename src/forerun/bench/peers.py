@@ -2,11 +2,13 @@
 GGUF file forerun loads, and transformers on the same model's dense weights, with the same prompt token ids, thread
 count and stopping tokens.
 
-`llama_cpp`: its plain greedy decoding; `llama_cpp_lookup`: with its prompt lookup (`LlamaPromptLookupDecoding`,
-10 tokens per guess); `generate_bf16`: transformers' plain greedy `generate` of the same model in bf16 with dense
-weights and transformers' own sdpa, what a user runs without forerun (the baseline of a `--quantize` run, whose
-reference is generate of the quantized model). Texts differ across runtimes and weights, so a peer's run is
-compared for speed only; llama.cpp's prompt lookup is checked against its own plain output of the same prompt.
+`llama_cpp`: its plain greedy decoding; `llama_cpp_lookup`: with its prompt lookup (`LlamaPromptLookupDecoding`, 10
+tokens per guess); `generate_bf16` and `generate_fp32`: transformers' plain greedy `generate` of the same model in that
+dtype with dense weights in transformers' own layers and its own sdpa, what a user runs without forerun (the baseline of
+a `--quantize` run, whose reference is generate of the quantized model, and of a run whose weights forerun laid out for
+oneDNN, `forerun.base.packed`, whose reference is generate of those). Texts differ across runtimes and weights, so a
+peer's run is compared for speed only; llama.cpp's prompt lookup is checked against its own plain output of the same
+prompt.
 
 Example:
     >>> peer = LlamaCppPeer("SmolLM2-135M-Instruct.Q4_1.gguf", threads=1, lookup=False)   # doctest: +SKIP
@@ -21,7 +23,9 @@ from pathlib import Path
 
 import torch
 
-PEER_METHODS = ("llama_cpp", "llama_cpp_lookup", "generate_bf16")
+DENSE_PEERS = {"generate_bf16": "bf16", "generate_fp32": "fp32"}
+"""transformers' own model in each dtype: the method's name -> the dtype it loads."""
+PEER_METHODS = ("llama_cpp", "llama_cpp_lookup", *DENSE_PEERS)
 LOOKUP_TOKENS = 10
 """Tokens per guess of llama.cpp's prompt lookup, as transformers' `prompt_lookup_num_tokens=10` in this bench."""
 CONTEXT = 4096
@@ -56,13 +60,13 @@ class LlamaCppPeer:
 
 
 class DenseGeneratePeer:
-    """transformers' greedy `generate` of the model at `source` (an alias, folder or GGUF file) in bf16, its weights
-    dense and its attention transformers' sdpa, timed with its prefill."""
+    """transformers' greedy `generate` of the model at `source` (an alias, folder or GGUF file) in `dtype`, its
+    weights dense in transformers' own layers and its attention transformers' sdpa, timed with its prefill."""
 
-    def __init__(self, source: str | Path) -> None:
+    def __init__(self, source: str | Path, dtype: str = "bf16") -> None:
         from forerun.models import load_model
 
-        self.model, _ = load_model(str(source), attn_implementation="sdpa", dtype="bf16")
+        self.model, _ = load_model(str(source), attn_implementation="sdpa", dtype=dtype, pack=False)
 
     def generate(self, ids: Sequence[int], max_new_tokens: int, eos: Collection[int]) -> tuple[list[int], float]:
         """Greedy new tokens after the prompt `ids`, stopping at `eos` (the generation config's where empty)."""

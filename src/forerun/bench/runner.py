@@ -4,15 +4,15 @@ The reference is plain `model.generate` (label `generate`); each method's output
 token, and speed is the ratio of the two wall times on the same prompt in the same process.
 
 Methods: any forerun method expression (`plain`, `prompt_lookup`, `jacobi`, `trie`, `draft_model`, `auto`,
-`prompt_lookup+trie`), `hf_prompt_lookup` (transformers' `prompt_lookup_num_tokens=10`), `hf_assisted`
-(transformers' `assistant_model=`), `llama_cpp` and `llama_cpp_lookup` (llama.cpp on the same GGUF file, plain and
-with its prompt lookup), `generate_bf16` (transformers' generate of the model's dense bf16 weights; these three:
-`forerun.bench.peers`), with knobs in brackets: `jacobi[window=7,ngram=5,max_candidates=7]`,
-`prompt_lookup[max_tree_nodes=8,draft_len=7]`, `auto[trie.decoding_length=24]`, `auto[prefix_cache=0]` (no
-prefix cache: every prompt prefilled in full, as generate does), `auto[predict=true]` (each
-prompt's prediction, the `edit` dataset's original code, passed as OpenAI's predicted output), `trie[warm=10]`
-(the trie first learns from the model's own answers to 10 other prompts of each dataset, disjoint from the timed
-ones, as PIA's benchmarks use a train split), `auto[adaptive=false]`.
+`prompt_lookup+trie`), `hf_prompt_lookup` (transformers' `prompt_lookup_num_tokens=10`), `hf_assisted` (transformers'
+`assistant_model=`), `llama_cpp` and `llama_cpp_lookup` (llama.cpp on the same GGUF file, plain and with its prompt
+lookup), `generate_bf16` and `generate_fp32` (transformers' generate of the model's dense weights in its own layers;
+these four: `forerun.bench.peers`), with knobs in brackets: `jacobi[window=7,ngram=5,max_candidates=7]`,
+`prompt_lookup[max_tree_nodes=8,draft_len=7]`, `auto[trie.decoding_length=24]`, `auto[prefix_cache=0]` (no prefix cache:
+every prompt prefilled in full, as generate does), `auto[predict=true]` (each prompt's prediction, the `edit` dataset's
+original code, passed as OpenAI's predicted output), `trie[warm=10]` (the trie first learns from the model's own answers
+to 10 other prompts of each dataset, disjoint from the timed ones, as PIA's benchmarks use a train split),
+`auto[adaptive=false]`.
 
 Speed is the ratio of tokens per second against the reference on the same prompt (for greedy fp32 runs, whose
 lengths are equal, that is the ratio of wall times).
@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from forerun.bench.datasets import BenchPrompt
-from forerun.bench.peers import PEER_METHODS, DenseGeneratePeer, LlamaCppPeer
+from forerun.bench.peers import DENSE_PEERS, PEER_METHODS, DenseGeneratePeer, LlamaCppPeer
 from forerun.costmodel import LatencyCurve
 from forerun.decoder import DEFAULT_PREFIX_TOKENS, Decoder
 from forerun.exactness import TIE_ULPS, first_divergence
@@ -162,7 +162,7 @@ def run_interleaved(
     `draft_model`: the small model of methods draft_model and hf_assisted (transformers' assistant_model).
     `latency`: the device's latency curve for the cost model (None: forerun.latency.curve_for).
     `gguf`, `threads`: the model's GGUF file and the thread count, for the llama.cpp methods; `source`: the model's
-    name or path, which generate_bf16 loads again with dense weights.
+    name or path, which generate_bf16 and generate_fp32 load again with transformers' own layers.
     `draft_head`: the EAGLE-3 head of method eagle3, which `auto` then drafts with too. `compile_buckets`: a card's
     decoders compile each bucket before capturing it (`EngineConfig.compile_buckets`).
     """
@@ -400,12 +400,12 @@ def make_peers(
     specs: Sequence[BenchMethod], gguf: str | Path | None, threads: int, sampling: dict | None, source: str | None
 ) -> dict[str, LlamaCppPeer | DenseGeneratePeer]:
     """The other runtimes the specs ask for, each label its own: llama.cpp models loaded from `gguf`, transformers'
-    dense bf16 model from `source` (the model's name or path)."""
+    own model from `source` (the model's name or path) in the dtype of each `generate_*`."""
     wanted = [s for s in specs if s.method in PEER_METHODS]
-    dense = [s for s in wanted if s.method == "generate_bf16"]
+    dense = [s for s in wanted if s.method in DENSE_PEERS]
     llama = [s for s in wanted if s not in dense]
     if dense and source is None:
-        raise ValueError(f"{dense[0].label} loads the model again with dense bf16 weights; give its name or path")
+        raise ValueError(f"{dense[0].label} loads the model again with transformers' own layers; give its name or path")
     if llama and gguf is None:
         raise ValueError(
             f"{llama[0].label} runs llama.cpp on the model's GGUF file; this model was not loaded from one"
@@ -413,7 +413,7 @@ def make_peers(
     if wanted and sampling is not None:
         raise ValueError(f"{wanted[0].label}: the other runtimes are timed greedy; drop --sample")
     # every check before any model loads
-    return {s.label: DenseGeneratePeer(source) for s in dense} | {
+    return {s.label: DenseGeneratePeer(source, DENSE_PEERS[s.method]) for s in dense} | {
         s.label: LlamaCppPeer(gguf, threads, lookup=s.method == "llama_cpp_lookup") for s in llama
     }
 

@@ -14,6 +14,7 @@ from forerun.cli.common import (
     DTYPE,
     HEAD,
     MODEL,
+    PACK,
     QUANTIZE,
     app,
     console,
@@ -68,6 +69,7 @@ def bench(
     dtype: str = DTYPE,
     quantize: str = QUANTIZE,
     attention: str = ATTENTION,
+    pack: str = PACK,
 ) -> None:
     """Benchmark methods against plain model.generate on real prompts, interleaved, outputs checked."""
     from pathlib import Path
@@ -88,7 +90,7 @@ def bench(
     writable_folder(out)
     spec = RunSpec(
         model=model, method="plain", device=device, dtype=dtype, threads=threads, quantize=quantize or None,
-        attention=attention, compile_buckets=compile_buckets,
+        attention=attention, compile_buckets=compile_buckets, pack=pack,
     )  # fmt: skip
     dtype = spec.dtype  # "auto" resolved for this device
     prompts = [p for name in dataset.split(",") for p in load_dataset(name.strip(), n)]
@@ -278,6 +280,7 @@ def curve(
         "2,4,8", "--rows", help="Rows per forward for the batched curves (what batches decide on); '' for none."
     ),
     attention: str = ATTENTION,
+    pack: str = PACK,
 ) -> None:
     """Measure the forward-latency curve(s) (latency vs tokens per forward, and with several rows per forward):
     latency.json and latency.png, and the file the cost model reads for this model, dtype, device and threads."""
@@ -317,6 +320,7 @@ def curve(
             device=device,
             threads=threads,
             attention=attention,
+            pack=pack,
             **quantized.get(label, {"dtype": label}),
         )  # fmt: skip
         for label in labels

@@ -47,6 +47,12 @@ DTYPE = typer.Option(
     "--dtype",
     help="auto (bf16 on a GPU, fp32 on a CPU) | fp32 (identical to generate) | bf16 | fp16 (identical up to ties).",
 )
+PACK = typer.Option(
+    "auto",
+    "--pack",
+    help="auto | on | off: dense linear layers laid out once for oneDNN's CPU kernels (auto: on a CPU with AVX-512, "
+    "fp32 or bf16; off: transformers' own layers).",
+)
 THREADS = typer.Option(0, "--threads", help="torch threads (0 = torch's default).")
 DRAFT = typer.Option("", "--draft-model", help="Method draft_model: the small model that drafts.")
 HEAD = typer.Option(
@@ -101,6 +107,7 @@ def run_spec(
     quantize: str = "",
     draft_head: str = "",
     compile_buckets: bool = False,
+    pack: str = "auto",
 ) -> RunSpec:
     """The command line's run options as a checked RunSpec (raises ValueError before anything loads)."""
     return RunSpec(
@@ -115,6 +122,7 @@ def run_spec(
         quantize=quantize or None,
         draft_head=draft_head or None,
         compile_buckets=compile_buckets,
+        pack=pack,
     )
 
 

@@ -14,6 +14,7 @@ from forerun.cli.common import (
     METHOD,
     MODEL,
     NODES,
+    PACK,
     QUANTIZE,
     THREADS,
     app,
@@ -43,15 +44,15 @@ def generate(
     device: str = DEVICE,
     dtype: str = DTYPE,
     quantize: str = QUANTIZE,
+    pack: str = PACK,
 ) -> None:
     """Generate text greedily; identical to model.generate(do_sample=False), only sooner."""
     if max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     if not prompt.strip():
         raise ValueError("prompt is empty")
-    spec = run_spec(
-        model, method, knob, device, dtype, threads, draft_model, max_tree_nodes, quantize, draft_head, compile_buckets
-    )
+    spec = run_spec(model, method, knob, device, dtype, threads, draft_model, max_tree_nodes, quantize, draft_head,
+                    compile_buckets, pack)  # fmt: skip
     lm, tokenizer, draft = spec.load()
     decoder = spec.decoder(lm, tokenizer, draft)
     result = decoder.generate(prompt, max_new_tokens, chat=chat)
@@ -79,14 +80,14 @@ def chat(
     device: str = DEVICE,
     dtype: str = DTYPE,
     quantize: str = QUANTIZE,
+    pack: str = PACK,
 ) -> None:
     """Chat in the terminal: streaming answers, draft-accepted tokens coloured, a stats line per answer."""
     from forerun.chat import chat_loop
 
     if max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
-    spec = run_spec(
-        model, method, knob, device, dtype, threads, draft_model, max_tree_nodes, quantize, draft_head, compile_buckets
-    )
+    spec = run_spec(model, method, knob, device, dtype, threads, draft_model, max_tree_nodes, quantize, draft_head,
+                    compile_buckets, pack)  # fmt: skip
     lm, tokenizer, draft = spec.load()
     chat_loop(spec, lm, tokenizer, draft, max_new_tokens, console)

@@ -16,6 +16,7 @@ from forerun.cli.common import (
     METHOD,
     MODEL,
     NODES,
+    PACK,
     QUANTIZE,
     THREADS,
     app,
@@ -53,6 +54,7 @@ def run_file(
     device: str = DEVICE,
     dtype: str = DTYPE,
     quantize: str = QUANTIZE,
+    pack: str = PACK,
 ) -> None:
     """Decode a JSONL file of prompts, --batch-size rows at once; rerun to resume. Under torchrun each rank takes a
     shard."""
@@ -74,7 +76,9 @@ def run_file(
         defaults.update(do_sample=True, **{k: v for k, v in sampling.items() if v is not None})
     if seed is not None:
         defaults["seed"] = seed
-    spec = run_spec(model, method, knob, device, dtype, threads, draft_model, max_tree_nodes, quantize, draft_head)
+    spec = run_spec(
+        model, method, knob, device, dtype, threads, draft_model, max_tree_nodes, quantize, draft_head, pack=pack
+    )
     records, problems = read_records(source, defaults)
     shard = Shard()
     if dist.is_torchelastic_launched():  # torchrun set the rendezvous: one shard per rank

@@ -13,6 +13,7 @@ from forerun.cli.common import (
     METHOD,
     MODEL,
     NODES,
+    PACK,
     QUANTIZE,
     THREADS,
     app,
@@ -71,6 +72,7 @@ def serve(
     device: str = DEVICE,
     dtype: str = DTYPE,
     quantize: str = QUANTIZE,
+    pack: str = PACK,
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (completions, chat, streaming, /metrics)."""
     import uvicorn
@@ -90,7 +92,9 @@ def serve(
             "--port must be in [1, 65535], --max-tokens-limit, --max-queue and --max-batch >= 1, --prefix-cache, "
             "--prefill-chunk and --warm-up-tokens >= 0 and --timeout a positive number"
         )
-    spec = run_spec(model, method, knob, device, dtype, threads, draft_model, max_tree_nodes, quantize, draft_head)
+    spec = run_spec(
+        model, method, knob, device, dtype, threads, draft_model, max_tree_nodes, quantize, draft_head, pack=pack
+    )
     config = ServerConfig(
         model_name=model,
         method=spec.method,

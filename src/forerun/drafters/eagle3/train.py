@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from forerun.base.packed import dense_matrix
 from forerun.drafters.eagle3.head import Eagle3Head, HeadCache, default_aux_layers, head_config
 from forerun.drafters.eagle3.readings import Pack, Reading, draft_vocabulary, packs, read_texts
 
@@ -83,7 +84,7 @@ def new_head(model, used: torch.Tensor, layers: tuple[int, ...]) -> Eagle3Head:
     head_conf.eagle_config = {"eagle_aux_hidden_state_layer_ids": list(layers)}
     head = Eagle3Head(head_conf, model.get_input_embeddings(), layers)  # fp32; the embedding is the target's own
     with torch.no_grad():
-        head.lm_head.weight.copy_(model.get_output_embeddings().weight[used].float())
+        head.lm_head.weight.copy_(dense_matrix(model.get_output_embeddings())[used].float())
         head.d2t.copy_(used - torch.arange(len(used)))
         head.t2d.zero_()
         head.t2d[used] = True

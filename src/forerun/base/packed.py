@@ -1,0 +1,98 @@
+"""Dense weights laid out once for the CPU's matrix kernels: each linear layer multiplies by oneDNN with its matrix
+already in the kernel's blocked layout, instead of PyTorch's `F.linear` laying it out on every call.
+
+On a CPU with AVX-512, PyTorch's bf16 `F.linear` hands oneDNN's kernel the plain matrix on every call, and its fp32
+one runs MKL, whose paths for a few rows (a tree of 2 to 16 tokens) read the matrix slowly. A small model's forward is
+bound by reading its weights, so laying them out once (`torch.ops.mkldnn._reorder_linear_weight`, as inductor's CPU
+freezing does) makes every forward cheaper, and a tree's forward the most (docs/benchmarks.md). The numbers: in bf16
+the products `F.linear` computes (a bias is added before the one rounding to bf16, where `F.linear` rounds twice); in
+fp32 within float rounding of MKL's. forerun on a packed model is compared with plain generate of the same packed
+model (`load_model(pack=False)` gives transformers' own layers).
+
+`weight` becomes the laid-out tensor itself (layout `torch._mkldnn`, same shape, dtype and bytes), so the model
+holds no second copy of its linear layers; an output matrix tied to the input embedding gets a laid-out copy of its
+own (the embedding stays dense, looked up by row). `.to_dense()` gives the original matrix back exactly
+(`dense_matrix`). A packed model stays on the CPU and does not train; under autocast or with gradients the layer
+multiplies its dense matrix.
+
+Example (a [64, 32] layer: 64 outputs, 32 inputs):
+    >>> model = torch.nn.Sequential(torch.nn.Linear(32, 64))
+    >>> pack_weights(model), type(model[0]).__name__, tuple(model[0](torch.ones(3, 32)).shape)
+    (1, 'PackedLinear', (3, 64))
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+PACKED_ROWS = 16
+"""The rows a product is laid out for (oneDNN's hint): a tree or a batch of a few to 16 tokens."""
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+class PackedLinear(torch.nn.Linear):
+    """A linear layer whose matrix oneDNN has laid out once: x [..., in] -> [..., out], in the weight's dtype."""
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__(linear.in_features, linear.out_features, bias=False, device="meta")
+        laid_out = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), PACKED_ROWS)
+        self.weight = torch.nn.Parameter(laid_out, requires_grad=False)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        if weight.layout != torch._mkldnn:  # tied again to a dense matrix (transformers' `tie_weights`)
+            return F.linear(x, weight, self.bias)
+        if x.dtype != weight.dtype or torch.is_autocast_enabled("cpu") or x.requires_grad:
+            return F.linear(x, weight.to_dense(), self.bias)  # autocast's casts and autograd's graph are F.linear's
+        return torch.ops.mkldnn._linear_pointwise(x, weight, self.bias, "none", [], "")
+
+
+def packable(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether `pack_weights` lays out a model on `device` in `dtype` by default: a CPU with AVX-512 (where it
+    was measured faster), fp32, or bf16 where oneDNN has bf16 kernels for it."""
+    if torch.device(device).type != "cpu" or dtype not in DTYPES or not torch.backends.mkldnn.is_available():
+        return False
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        return False
+    return dtype == torch.float32 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def check_pack(pack: bool, device: torch.device | str, dtype: torch.dtype) -> None:
+    """A ValueError naming what stands in the way unless the weights of a model on `device` in `dtype` can be
+    laid out (`pack=True` asks for it on any CPU oneDNN runs on)."""
+    if not pack:
+        return
+    if torch.device(device).type != "cpu":
+        raise ValueError(f"pack=True lays weights out for the CPU's kernels; the model is on {device}")
+    if dtype not in DTYPES:
+        raise ValueError(f"pack=True takes fp32 or bf16 weights, got {dtype}")
+    if not torch.backends.mkldnn.is_available():
+        raise ValueError("pack=True needs PyTorch built with oneDNN (mkldnn); this build has none")
+
+
+def pack_weights(model: torch.nn.Module) -> int:
+    """Replace, in place, every dense fp32/bf16 linear layer of `model` by a PackedLinear over its matrix laid
+    out; returns how many. Quantized layers (`forerun.base.weights`) stay as they are."""
+    swaps = []
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            weight = getattr(child, "weight", None)
+            plain = type(weight) is torch.nn.Parameter and weight.layout == torch.strided
+            if type(child) is torch.nn.Linear and plain and weight.dtype in DTYPES and weight.device.type == "cpu":
+                swaps.append((parent, name, PackedLinear(child)))
+    for parent, name, layer in swaps:
+        setattr(parent, name, layer)
+    return len(swaps)
+
+
+def packed(model: torch.nn.Module) -> bool:
+    """Whether `model`'s linear layers are laid out (`pack_weights`)."""
+    return any(isinstance(module, PackedLinear) for module in model.modules())
+
+
+def dense_matrix(layer: torch.nn.Module) -> torch.Tensor:
+    """A linear layer's matrix [out, in] as a plain tensor (a laid-out one brought back, exactly)."""
+    weight = layer.weight
+    return weight.to_dense() if weight.layout == torch._mkldnn else weight
