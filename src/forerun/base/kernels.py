@@ -61,11 +61,22 @@ def kernel_of(weight: torch.Tensor) -> tuple[Callable[..., torch.Tensor], tuple]
 def direct_kernels(model: torch.nn.Module) -> int:
     """Replace, in place, every linear layer of `model` whose weight is a packed weight `kernel_of` knows by a
     KernelLinear over the same weight; returns how many were replaced."""
+
+    def direct(layer: torch.nn.Linear) -> torch.nn.Module | None:
+        found = kernel_of(layer.weight)
+        return None if found is None else KernelLinear(layer, *found)
+
+    return replace_linears(model, direct)
+
+
+def replace_linears(model: torch.nn.Module, build: Callable[[torch.nn.Linear], torch.nn.Module | None]) -> int:
+    """Replace, in place, every plain `torch.nn.Linear` of `model` for which `build` returns a module by that
+    module (None: kept); returns how many were replaced."""
     swaps = []
     for parent in model.modules():
         for name, child in parent.named_children():
-            if type(child) is torch.nn.Linear and (found := kernel_of(child.weight)) is not None:
-                swaps.append((parent, name, KernelLinear(child, *found)))
+            if type(child) is torch.nn.Linear and (layer := build(child)) is not None:
+                swaps.append((parent, name, layer))
     for parent, name, layer in swaps:
         setattr(parent, name, layer)
     return len(swaps)

@@ -26,6 +26,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from forerun.base.kernels import replace_linears
+
 PACKED_ROWS = 16
 """The rows a product is laid out for (oneDNN's hint): a tree or a batch of a few to 16 tokens."""
 DTYPES = (torch.float32, torch.bfloat16)
@@ -75,16 +77,13 @@ def check_pack(pack: bool, device: torch.device | str, dtype: torch.dtype) -> No
 def pack_weights(model: torch.nn.Module) -> int:
     """Replace, in place, every dense fp32/bf16 linear layer of `model` by a PackedLinear over its matrix laid
     out; returns how many. Quantized layers (`forerun.base.weights`) stay as they are."""
-    swaps = []
-    for parent in model.modules():
-        for name, child in parent.named_children():
-            weight = getattr(child, "weight", None)
-            plain = type(weight) is torch.nn.Parameter and weight.layout == torch.strided
-            if type(child) is torch.nn.Linear and plain and weight.dtype in DTYPES and weight.device.type == "cpu":
-                swaps.append((parent, name, PackedLinear(child)))
-    for parent, name, layer in swaps:
-        setattr(parent, name, layer)
-    return len(swaps)
+
+    def laid_out(layer: torch.nn.Linear) -> PackedLinear | None:
+        weight = layer.weight
+        plain = type(weight) is torch.nn.Parameter and weight.layout == torch.strided
+        return PackedLinear(layer) if plain and weight.dtype in DTYPES and weight.device.type == "cpu" else None
+
+    return replace_linears(model, laid_out)
 
 
 def packed(model: torch.nn.Module) -> bool:
