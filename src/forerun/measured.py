@@ -35,6 +35,34 @@ def device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine()
 
 
+def machine_label(device: torch.device) -> str:
+    """What a figure names its machine by: the GPU's name, or the CPU's with the vector units its kernels use
+    (CPUs of one name differ: an EPYC with AVX2 only, or with AVX-512 and AVX-512 BF16; a Xeon with AMX).
+
+    Example (the words depend on the CPU):
+        >>> machine_label(torch.device("cpu"))                                                # doctest: +SKIP
+        'AMD EPYC (AVX-512, AVX-512 BF16)'
+    """
+    if device.type != "cpu":
+        return device_name(device)
+    units = {"AVX512": "AVX-512", "AVX2": "AVX2"}.get(torch.backends.cpu.get_cpu_capability(), "")
+    flags = cpu_flags()
+    extra = [name for flag, name in (("avx512_bf16", "AVX-512 BF16"), ("amx_tile", "AMX")) if flag in flags]
+    found = ", ".join(part for part in (units, *extra) if part)
+    return f"{device_name(device)} ({found})" if found else device_name(device)
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (`/proc/cpuinfo`), empty where there is no such file."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for queued GPU work, so a timer stops when the tokens exist (no-op on a CPU)."""
     if device.type == "cuda":

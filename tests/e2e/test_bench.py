@@ -15,6 +15,7 @@ from forerun.bench.peers import DenseGeneratePeer
 from forerun.bench.runner import encode, load_records, mismatch_lines, parse_methods, run_interleaved
 from forerun.cli import app
 from forerun.latency import measure_curve
+from forerun.measured import device_name
 from forerun.models import DTYPES, load_model, resolve
 
 EXPECTED_COUNTS = {
@@ -185,6 +186,12 @@ def test_cli_bench_writes_tables_json_and_plots(model, tokenizer, tmp_path):
     assert "speed vs plain model.generate" in result.output and "trie[warm=1]" in result.output
     data = json.loads((out / "results.json").read_text())
     assert len(data["records"]) == 2 * 5 and data["settings"]["threads"] == 1
+    # what the figures ran on: the weights and the machine (a CPU's name alone does not say its vector units)
+    settings = data["settings"]
+    assert settings["quantize"] is None and isinstance(settings["packed"], bool) and settings["date"]
+    assert settings["machine_label"].startswith(device_name(torch.device("cpu")))
+    units = {"AVX512": "AVX-512", "AVX2": "AVX2"}.get(torch.backends.cpu.get_cpu_capability())
+    assert units is None or units in settings["machine_label"]
     assert set(data["summary"]) == {"gsm8k", "typehints"}
     assert "| trie[warm=1] |" in (out / "results.md").read_text()
     for png in ("speedup.png", "accepted_hist.png"):

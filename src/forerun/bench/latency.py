@@ -65,7 +65,8 @@ def write_curves(curves: dict[str, LatencyCurve], settings: dict, out: Path) -> 
     left.set_ylim(bottom=0)
     right.set_ylabel("latency / latency of 1 token")
     threads = f", {settings['threads']} thread(s)" if settings.get("threads") else ""
-    fig.suptitle(f"{settings.get('model', '')} on {settings.get('device', '')}{threads}: forward latency")
+    where = settings.get("machine_label") or settings.get("device", "")
+    fig.suptitle(f"{settings.get('model', '')} on {where}{threads}: forward latency")
     fig.tight_layout()
     fig.savefig(paths[1], dpi=100)
     plt.close(fig)

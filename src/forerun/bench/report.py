@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
 import platform
+import textwrap
 from collections import defaultdict
 from dataclasses import asdict
 from pathlib import Path
 
+import torch
 from rich.markup import escape
 from rich.table import Table
 
 from forerun.bench.peers import PEER_METHODS
 from forerun.bench.runner import Record
+from forerun.measured import machine_label
 
 IDENTICAL = {True: "yes", False: "NO", None: "n/a (sampled)"}
 
@@ -156,18 +160,52 @@ def overview(summary: dict[str, dict[str, dict]]) -> str:
 def write_outputs(records: list[Record], summary: dict, settings: dict, out: Path) -> list[Path]:
     """results.json, results.md, speedup.png, accepted_hist.png under `out`."""
     out.mkdir(parents=True, exist_ok=True)
-    settings = {**settings, "machine": platform.machine(), "python": platform.python_version()}
+    where = torch.device("cuda" if settings.get("device", "cpu") != "cpu" else "cpu")
+    settings = {
+        **settings, "machine": platform.machine(), "machine_label": machine_label(where),
+        "python": platform.python_version(), "date": settings.get("date") or datetime.date.today().isoformat(),
+    }  # fmt: skip
     paths = [out / "results.json", out / "results.md", out / "speedup.png", out / "accepted_hist.png"]
     paths[0].write_text(
         json.dumps({"settings": settings, "summary": summary, "records": [asdict(r) for r in records]}, indent=1)
     )
     paths[1].write_text(overview(summary) + "\n\n" + markdown(summary))
-    plot_speedups(summary, paths[2])
-    plot_histograms(records, paths[3])
+    plot_speedups(summary, paths[2], figure_title(settings))
+    plot_histograms(records, paths[3], figure_title(settings))
     return paths
 
 
-def plot_speedups(summary: dict, path: Path) -> None:
+def figure_title(settings: dict) -> str:
+    """What a plot ran on, in one line: the model, its weights, the machine, the threads, the tokens, the day.
+
+    Example:
+        >>> figure_title({"model": "smollm2-135m", "dtype": "bf16", "quantize": "int4", "threads": 1,
+        ...               "machine_label": "AMD EPYC (AVX-512)", "max_new_tokens": 128, "date": "2026-11-29"})
+        'smollm2-135m, bf16, int4 weights; AMD EPYC (AVX-512), 1 thread; 128 new tokens; 2026-11-29'
+    """
+    weights = f", {settings['quantize']} weights" if settings.get("quantize") else ""
+    threads = settings.get("threads")
+    threads_text = f", {threads} thread{'s' if threads != 1 else ''}" if threads else ""
+    return (
+        f"{settings.get('model', '')}, {settings.get('dtype', '')}{weights}; "
+        f"{settings.get('machine_label', settings.get('device', ''))}{threads_text}; "
+        f"{settings.get('max_new_tokens', '')} new tokens; {settings.get('date', '')}"
+    )
+
+
+def short_label(method: str, width: int = 34) -> str:
+    """A method's name wrapped for an axis: a long bracketed setting breaks after its commas.
+
+    Example:
+        >>> print(short_label("jacobi[window=7,ngram=5,max_candidates=7]", width=20))
+        jacobi[window=7,
+        ngram=5,
+        max_candidates=7]
+    """
+    return "\n".join(textwrap.wrap(method.replace(",", ", "), width)).replace(", ", ",")
+
+
+def plot_speedups(summary: dict, path: Path, title: str = "") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -188,7 +226,9 @@ def plot_speedups(summary: dict, path: Path) -> None:
         bars = ax.barh(positions, values, height, label=dataset)
         ax.bar_label(bars, labels=[f"{v:.2f}x" if v else "" for v in values], fontsize=7, padding=2)
     ax.axvline(1.0, color="black", linewidth=0.8, linestyle="--")
-    ax.set_yticks([y + height * (len(datasets) - 1) / 2 for y in range(len(methods))], methods, fontsize=8)
+    labels = [short_label(m) for m in methods]
+    ax.set_yticks([y + height * (len(datasets) - 1) / 2 for y in range(len(methods))], labels, fontsize=8)
+    ax.set_title(title, fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("speedup vs plain model.generate (geometric mean per dataset)")
     ax.set_xlim(
@@ -200,7 +240,7 @@ def plot_speedups(summary: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def plot_histograms(records: list[Record], path: Path) -> None:
+def plot_histograms(records: list[Record], path: Path, title: str = "") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -217,9 +257,10 @@ def plot_histograms(records: list[Record], path: Path) -> None:
         xs = sorted(counts)
         total = sum(counts.values())
         ax.bar(xs, [counts[x] / total for x in xs])
-        ax.set_title(method, fontsize=9)
+        ax.set_title(short_label(method, 28), fontsize=9)
         ax.set_xlabel("accepted draft tokens per step")
     axes[0][0].set_ylabel("share of steps")
+    fig.suptitle(title, fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

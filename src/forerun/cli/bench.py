@@ -77,6 +77,7 @@ def bench(
     import torch
 
     from forerun.base import StaticBase, static_support
+    from forerun.base.packed import packed
     from forerun.bench.datasets import load_dataset
     from forerun.bench.report import summarize, tables, write_outputs
     from forerun.bench.runner import load_records, mismatch_lines, parse_methods, run_interleaved
@@ -173,6 +174,8 @@ def bench(
         "max_new_tokens": max_new_tokens,
         "threads": threads,
         "dtype": dtype,
+        "quantize": quantize or None,
+        "packed": packed(lm),
         "sampling": sampling,
         "seed": seed if sampling else None,
         "torch": torch.__version__,
@@ -286,6 +289,7 @@ def curve(
     latency.json and latency.png, and the file the cost model reads for this model, dtype, device and threads."""
     from pathlib import Path
 
+    import torch
     from rich.table import Table
 
     from forerun.bench.latency import write_curves
@@ -297,6 +301,7 @@ def curve(
         measure_curve,
         save_curve,
     )
+    from forerun.measured import machine_label
 
     try:
         size_list = [int(x) for x in sizes.split(",") if x.strip()]
@@ -357,7 +362,10 @@ def curve(
             for count, row_curve in ((1, measured), *measured.batched):
                 grid.add_row(str(count), *[f"{row_curve.cost(n) / measured.seconds[0]:.2f}" for n in batch_sizes])
             console.print(grid)
-    settings = {"model": model, "threads": threads, "device": device, "context": context, "repeats": repeats}
+    settings = {
+        "model": model, "threads": threads, "device": device, "context": context, "repeats": repeats,
+        "machine_label": machine_label(torch.device(device)),
+    }  # fmt: skip
     for path in write_curves(curves, settings, Path(out)):
         console.print(f"wrote {path}")
 
