@@ -12,7 +12,16 @@ from forerun.base.packed import packed
 from forerun.bench.datasets import load_dataset
 from forerun.bench.latency import write_curves
 from forerun.bench.peers import DenseGeneratePeer
-from forerun.bench.runner import encode, load_records, mismatch_lines, parse_methods, run_interleaved
+from forerun.bench.runner import (
+    NOISE_FLOOR,
+    Record,
+    encode,
+    load_records,
+    mismatch_lines,
+    noise_floor_lines,
+    parse_methods,
+    run_interleaved,
+)
 from forerun.cli import app
 from forerun.latency import measure_curve
 from forerun.measured import device_name
@@ -164,6 +173,12 @@ def test_mismatch_detector_catches_an_injected_mismatch(model, tokenizer):
     records = run_interleaved(model, tokenizer, load_dataset("gsm8k", 1), specs, 6, prepare=corrupt)
     lines = mismatch_lines(records)
     assert len(lines) == 2 and "plain on" in lines[0] and "prompt_lookup on" in lines[1]
+    # generate against itself in a batch of two is the noise floor: noted, never a forerun mismatch
+    flipped = Record("GSM8K/0", "gsm8k", NOISE_FLOOR, 6, 0.0, identical=False, tie_ulps=3.0)
+    assert mismatch_lines([flipped]) == [] and noise_floor_lines([flipped]) == [
+        f"{NOISE_FLOOR} on GSM8K/0 differs from model.generate alone at a margin of 3.0 ulp"
+    ]
+    assert noise_floor_lines([dataclasses.replace(flipped, tie_ulps=1.0)]) == []  # a tie is no news
 
 
 def test_sampled_runs_are_not_compared_token_for_token(model, tokenizer):

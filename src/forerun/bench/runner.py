@@ -388,12 +388,24 @@ def mismatch_lines(records: Sequence[Record]) -> list[str]:
     precision only); sampled runs are not compared."""
     lines = []
     for r in records:
-        if r.method.split("[")[0] in PEER_METHODS:  # another runtime's consistency is reported, not ours to fail on
+        # generate against itself, or another runtime: reported (`noise_floor_lines`, the tables), not forerun's
+        if r.method == NOISE_FLOOR or r.method.split("[")[0] in PEER_METHODS:
             continue
         if r.identical is False and (r.tie_ulps is None or r.tie_ulps > TIE_ULPS):
             where = "" if r.tie_ulps is None else f" at a margin of {r.tie_ulps:.1f} ulp (more than a tie)"
             lines.append(f"{r.method} on {r.prompt_id} differs from model.generate{where}")
     return lines
+
+
+def noise_floor_lines(records: Sequence[Record]) -> list[str]:
+    """One line per prompt where plain generate in a batch of two differs from itself alone by more than a tie:
+    the model's own rounding reaches past `TIE_ULPS` there, so a forerun run's difference of that size is noise."""
+    return [
+        f"{NOISE_FLOOR} on {r.prompt_id} differs from model.generate alone"
+        + ("" if r.tie_ulps is None else f" at a margin of {r.tie_ulps:.1f} ulp")
+        for r in records
+        if r.method == NOISE_FLOOR and r.identical is False and (r.tie_ulps is None or r.tie_ulps > TIE_ULPS)
+    ]
 
 
 def make_peers(

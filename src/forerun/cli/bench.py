@@ -80,7 +80,7 @@ def bench(
     from forerun.base.packed import packed
     from forerun.bench.datasets import load_dataset
     from forerun.bench.report import summarize, tables, write_outputs
-    from forerun.bench.runner import load_records, mismatch_lines, parse_methods, run_interleaved
+    from forerun.bench.runner import load_records, mismatch_lines, noise_floor_lines, parse_methods, run_interleaved
     from forerun.latency import curve_for
 
     if quick:
@@ -186,6 +186,8 @@ def bench(
     }
     for path in write_outputs(records + included, summary, settings, Path(out)):
         console.print(f"wrote {path}")
+    for line in noise_floor_lines(records):
+        errors.print(f"[yellow]note[/]: {escape(line)} (plain generate's own noise, not forerun's)", highlight=False)
     mismatches = mismatch_lines(records)
     for line in mismatches:
         errors.print(f"[bold red]MISMATCH[/]: {escape(line)}", highlight=False)
