@@ -26,13 +26,7 @@ def device_name(device: torch.device) -> str:
     """The GPU's name, or the CPU's model name (`/proc/cpuinfo`; the platform's name where there is none)."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return cpuinfo("model name") or platform.processor() or platform.machine()
 
 
 def machine_label(device: torch.device) -> str:
@@ -46,21 +40,21 @@ def machine_label(device: torch.device) -> str:
     if device.type != "cpu":
         return device_name(device)
     units = {"AVX512": "AVX-512", "AVX2": "AVX2"}.get(torch.backends.cpu.get_cpu_capability(), "")
-    flags = cpu_flags()
+    flags = set(cpuinfo("flags").split())
     extra = [name for flag, name in (("avx512_bf16", "AVX-512 BF16"), ("amx_tile", "AMX")) if flag in flags]
     found = ", ".join(part for part in (units, *extra) if part)
     return f"{device_name(device)} ({found})" if found else device_name(device)
 
 
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags (`/proc/cpuinfo`), empty where there is no such file."""
+def cpuinfo(field: str) -> str:
+    """The first `field` of `/proc/cpuinfo` ("model name", "flags"), or "" where there is no such file or field."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return frozenset(line.partition(":")[2].split())
+            if line.startswith(field):
+                return line.partition(":")[2].strip()
     except OSError:
         pass
-    return frozenset()
+    return ""
 
 
 def synchronize(device: torch.device) -> None:

@@ -11,13 +11,11 @@ from collections import defaultdict
 from dataclasses import asdict
 from pathlib import Path
 
-import torch
 from rich.markup import escape
 from rich.table import Table
 
 from forerun.bench.peers import PEER_METHODS
 from forerun.bench.runner import Record
-from forerun.measured import machine_label
 
 IDENTICAL = {True: "yes", False: "NO", None: "n/a (sampled)"}
 
@@ -160,10 +158,9 @@ def overview(summary: dict[str, dict[str, dict]]) -> str:
 def write_outputs(records: list[Record], summary: dict, settings: dict, out: Path) -> list[Path]:
     """results.json, results.md, speedup.png, accepted_hist.png under `out`."""
     out.mkdir(parents=True, exist_ok=True)
-    where = torch.device("cuda" if settings.get("device", "cpu") != "cpu" else "cpu")
     settings = {
-        **settings, "machine": platform.machine(), "machine_label": machine_label(where),
-        "python": platform.python_version(), "date": settings.get("date") or datetime.date.today().isoformat(),
+        **settings, "machine": platform.machine(), "python": platform.python_version(),
+        "date": settings.get("date") or datetime.date.today().isoformat(),
     }  # fmt: skip
     paths = [out / "results.json", out / "results.md", out / "speedup.png", out / "accepted_hist.png"]
     paths[0].write_text(

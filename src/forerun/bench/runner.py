@@ -391,7 +391,7 @@ def mismatch_lines(records: Sequence[Record]) -> list[str]:
         # generate against itself, or another runtime: reported (`noise_floor_lines`, the tables), not forerun's
         if r.method == NOISE_FLOOR or r.method.split("[")[0] in PEER_METHODS:
             continue
-        if r.identical is False and (r.tie_ulps is None or r.tie_ulps > TIE_ULPS):
+        if beyond_tie(r):
             where = "" if r.tie_ulps is None else f" at a margin of {r.tie_ulps:.1f} ulp (more than a tie)"
             lines.append(f"{r.method} on {r.prompt_id} differs from model.generate{where}")
     return lines
@@ -404,8 +404,13 @@ def noise_floor_lines(records: Sequence[Record]) -> list[str]:
         f"{NOISE_FLOOR} on {r.prompt_id} differs from model.generate alone"
         + ("" if r.tie_ulps is None else f" at a margin of {r.tie_ulps:.1f} ulp")
         for r in records
-        if r.method == NOISE_FLOOR and r.identical is False and (r.tie_ulps is None or r.tie_ulps > TIE_ULPS)
+        if r.method == NOISE_FLOOR and beyond_tie(r)
     ]
+
+
+def beyond_tie(record: Record) -> bool:
+    """A greedy run that differs from plain generate other than at a numerical tie (fp32: any difference)."""
+    return record.identical is False and (record.tie_ulps is None or record.tie_ulps > TIE_ULPS)
 
 
 def make_peers(

@@ -82,6 +82,7 @@ def bench(
     from forerun.bench.report import summarize, tables, write_outputs
     from forerun.bench.runner import load_records, mismatch_lines, noise_floor_lines, parse_methods, run_interleaved
     from forerun.latency import curve_for
+    from forerun.measured import machine_label
 
     if quick:
         dataset, n, methods = "gsm8k,humaneval", 5, QUICK_METHODS
@@ -176,6 +177,7 @@ def bench(
         "dtype": dtype,
         "quantize": quantize or None,
         "packed": packed(lm),
+        "machine_label": machine_label(lm.device),
         "sampling": sampling,
         "seed": seed if sampling else None,
         "torch": torch.__version__,
