@@ -23,8 +23,10 @@ import torch
 import forerun
 from forerun.base.weights import weights_kind
 from forerun.bench.datasets import load_dataset
+from forerun.bench.methods import BenchMethod
+from forerun.bench.records import REFERENCE, Record
 from forerun.bench.report import markdown, overview, summarize
-from forerun.bench.runner import REFERENCE, BenchMethod, Record, Run, encode
+from forerun.bench.runner import Run, encode
 from forerun.drafters.eagle3 import load_head
 
 

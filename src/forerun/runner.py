@@ -283,6 +283,10 @@ class Shard:
     def output(self, out: Path) -> Path:
         return out if self.world == 1 else out.with_name(f"{out.name}.part{self.rank}-of-{self.world}")
 
+    def label(self) -> str:
+        """How messages name this shard: 'rank 1/4 ' under torchrun, '' alone."""
+        return f"rank {self.rank}/{self.world} " if self.world > 1 else ""
+
 
 def pending_records(records: list[Record], out: Path) -> list[Record]:
     """The records not yet in OUT or any part file (read only: call it on every rank before any rank writes).

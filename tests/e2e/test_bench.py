@@ -11,17 +11,10 @@ from typer.testing import CliRunner
 from forerun.base.packed import packed
 from forerun.bench.datasets import load_dataset
 from forerun.bench.latency import write_curves
+from forerun.bench.methods import parse_methods
 from forerun.bench.peers import DenseGeneratePeer
-from forerun.bench.runner import (
-    NOISE_FLOOR,
-    Record,
-    encode,
-    load_records,
-    mismatch_lines,
-    noise_floor_lines,
-    parse_methods,
-    run_interleaved,
-)
+from forerun.bench.records import NOISE_FLOOR, Record, load_records, mismatch_lines, noise_floor_lines
+from forerun.bench.runner import encode, run_interleaved
 from forerun.cli import app
 from forerun.latency import measure_curve
 from forerun.measured import device_name

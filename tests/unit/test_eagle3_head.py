@@ -194,7 +194,7 @@ def test_the_head_auto_adds_takes_its_knobs_at_every_entry_point_and_none_withou
     """Given a head, 'auto' drafts with it, so 'eagle3.catch_up=0' under 'auto' sets the head it adds: in a Decoder,
     a run specification, the server's pool and its request check, and the benchmark. Without a head the same knob
     is refused, saying a head must be given: nothing would read it."""
-    from forerun.bench.runner import parse_methods
+    from forerun.bench.methods import parse_methods
     from forerun.runspec import RunSpec
     from forerun.server.pool import DecoderPool
     from forerun.server.schemas import CompletionRequest

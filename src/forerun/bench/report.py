@@ -15,7 +15,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from forerun.bench.peers import PEER_METHODS
-from forerun.bench.runner import Record
+from forerun.bench.records import Record
 
 IDENTICAL = {True: "yes", False: "NO", None: "n/a (sampled)"}
 

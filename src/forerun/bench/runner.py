@@ -30,8 +30,6 @@ generate, which draws its randomness differently (the distribution is proven equ
 
 from __future__ import annotations
 
-import json
-import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -40,102 +38,13 @@ from pathlib import Path
 import torch
 
 from forerun.bench.datasets import BenchPrompt
+from forerun.bench.methods import HF_METHODS, OTHER_METHODS, BenchMethod
 from forerun.bench.peers import DENSE_PEERS, PEER_METHODS, DenseGeneratePeer, LlamaCppPeer
+from forerun.bench.records import NOISE_FLOOR, REFERENCE, Record
 from forerun.costmodel import LatencyCurve
-from forerun.decoder import DEFAULT_PREFIX_TOKENS, Decoder
-from forerun.exactness import TIE_ULPS, first_divergence
+from forerun.decoder import Decoder
+from forerun.exactness import first_divergence
 from forerun.latency import synchronize
-from forerun.methods import METHODS, parse_knob_pairs, plan_method
-
-REFERENCE = "generate"
-NOISE_FLOOR = "generate[batch=2]"
-HF_METHODS = ("hf_prompt_lookup", "hf_assisted")
-OTHER_METHODS = HF_METHODS + PEER_METHODS
-"""Methods that are not forerun's: their knobs are not forerun knobs, no Decoder is built for them."""
-
-
-@dataclass(frozen=True)
-class BenchMethod:
-    label: str
-    method: str
-    knobs: dict = field(default_factory=dict)
-    max_tree_nodes: int | None = None
-    warm: int = 0
-    """Before timing, let the decoder answer this many other prompts per dataset (a warm trie or pool)."""
-    adaptive: bool | None = None
-    predict: bool = False
-    """Pass each prompt's prediction (the `edit` dataset's original code) to `generate(prediction=...)`."""
-    prefix_cache: int = DEFAULT_PREFIX_TOKENS
-    """The decoder's prefix cache in tokens (`auto[prefix_cache=0]`: every prompt prefilled in full, as generate)."""
-
-    def needs_draft(self) -> bool:
-        return self.method == "hf_assisted" or (
-            self.method not in OTHER_METHODS and plan_method(self.method, self.knobs, head=True).needs_draft()
-        )
-
-    def reads_head(self, given: bool) -> bool:
-        """Whether this method drafts with an EAGLE-3 head (eagle3; also auto when one is `given`)."""
-        if self.method in OTHER_METHODS:
-            return False
-        return plan_method(self.method, self.knobs, head=given).uses_head()
-
-
-def parse_methods(text: str) -> list[BenchMethod]:
-    """'plain,jacobi[window=7,ngram=5],auto' -> methods; raises ValueError naming an unknown method or knob."""
-    specs = []
-    for label in re.findall(r"[^,\[]+(?:\[[^\]]*\])?", text):
-        label = label.strip()
-        name, _, rest = label.partition("[")
-        knobs = parse_knob_pairs([p for p in rest.rstrip("]").split(",") if p]) if rest else {}
-        nodes = knobs.pop("max_tree_nodes", None)
-        warm = knobs.pop("warm", 0)
-        adaptive = knobs.pop("adaptive", None)
-        predict = bool(knobs.pop("predict", False))
-        prefix_cache = knobs.pop("prefix_cache", DEFAULT_PREFIX_TOKENS)
-        if isinstance(prefix_cache, bool) or not isinstance(prefix_cache, int) or prefix_cache < 0:
-            raise ValueError(f"{label}: prefix_cache takes a number of tokens >= 0, got {prefix_cache!r}")
-        if predict and name in OTHER_METHODS:
-            raise ValueError(f"{label}: predict=true is for forerun methods")
-        if rest and name in OTHER_METHODS:  # another runtime's call is fixed: a knob would be ignored silently
-            raise ValueError(f"{label}: {name} takes no knobs; they are for forerun methods")
-        if name not in OTHER_METHODS:
-            try:
-                plan_method(name, knobs, head=True)  # a head's knobs under 'auto' are checked when it is given
-            except ValueError as error:
-                raise ValueError(
-                    f"unknown benchmark method {name!r} ({error}); choose from {', '.join(METHODS + OTHER_METHODS)}"
-                ) from None
-        specs.append(BenchMethod(label, name, knobs, nodes, warm, adaptive, predict, prefix_cache))
-    if not specs:
-        raise ValueError("no methods given")
-    return specs
-
-
-@dataclass
-class Record:
-    """One (prompt, method) run."""
-
-    prompt_id: str
-    dataset: str
-    method: str
-    new_tokens: int
-    seconds: float
-    identical: bool | None
-    """Token-for-token equal to the reference; None for sampled runs."""
-    forwards: int | None = None
-    tokens_per_forward: float | None = None
-    acceptance: float | None = None
-    draft_share: float | None = None
-    accepted_hist: dict = field(default_factory=dict)
-    speedup: float | None = None
-    """This run's tokens/s over the reference's, same prompt, same process (greedy: reference s / this run's s)."""
-    tie_ulps: float | None = None
-    """Low precision, greedy, not identical: the reference's logit margin at the first difference, in units in the
-    last place (a tie when <= forerun.exactness.TIE_ULPS)."""
-    mean_fed: float | None = None
-    """Tokens fed per forward, on average."""
-    single_token_share: float | None = None
-    """Share of forwards that fed the root alone."""
 
 
 def run_interleaved(
@@ -146,6 +55,7 @@ def run_interleaved(
     max_new_tokens: int,
     on_step: Callable[[str, str], None] | None = None,
     prepare: Callable[[BenchMethod, Decoder], None] | None = None,
+    *,
     sampling: dict | None = None,
     seed: int = 0,
     draft_model: torch.nn.Module | None = None,
@@ -158,9 +68,10 @@ def run_interleaved(
 ) -> list[Record]:
     """Run reference + every spec on each prompt in turn; returns one Record per (prompt, method).
 
-    `sampling`: generation settings for sampled runs (e.g. {"temperature": 0.7, "top_p": 0.9}); None = greedy.
-    `draft_model`: the small model of methods draft_model and hf_assisted (transformers' assistant_model).
-    `latency`: the device's latency curve for the cost model (None: forerun.latency.curve_for).
+    `on_step(prompt id, label)` after each run; `prepare(spec, decoder)` once per forerun method before anything is
+    timed (a warm trie). `sampling`: generation settings for sampled runs (e.g. {"temperature": 0.7, "top_p": 0.9});
+    None = greedy. `draft_model`: the small model of methods draft_model and hf_assisted (transformers'
+    assistant_model). `latency`: the device's latency curve for the cost model (None: forerun.latency.curve_for).
     `gguf`, `threads`: the model's GGUF file and the thread count, for the llama.cpp methods; `source`: the model's
     name or path, which generate_bf16 and generate_fp32 load again with transformers' own layers.
     `draft_head`: the EAGLE-3 head of method eagle3, which `auto` then drafts with too. `compile_buckets`: a card's
@@ -171,7 +82,29 @@ def run_interleaved(
         raise ValueError(f"{', '.join(needing)} need a draft model (forerun bench --draft-model NAME)")
     peers = make_peers(specs, gguf, threads, sampling, source)
     run = Run(model, max_new_tokens, dict(sampling) if sampling is not None else None, seed, draft_model, peers)
-    decoders = {
+    decoders = build_decoders(model, tokenizer, specs, latency, draft_model, draft_head, compile_buckets)
+    for spec in specs:
+        if prepare is not None and spec.label in decoders:
+            prepare(spec, decoders[spec.label])
+    longest = max(encode(tokenizer, prompt, torch.device("cpu")).shape[1] for prompt in prompts)
+    for decoder in decoders.values():  # a card's graphs, every bucket captured before anything is timed
+        decoder.warm_up(longest + max_new_tokens)
+    warm_up(model, tokenizer, decoders, prompts[0], draft_model, peers)
+    return prompt_records(run, tokenizer, prompts, specs, decoders, on_step)
+
+
+def build_decoders(
+    model: torch.nn.Module,
+    tokenizer,
+    specs: Sequence[BenchMethod],
+    latency: LatencyCurve | None,
+    draft_model: torch.nn.Module | None,
+    draft_head: torch.nn.Module | None,
+    compile_buckets: bool,
+) -> dict[str, Decoder]:
+    """label -> a Decoder for each forerun method of `specs` (the other runtimes are `make_peers`'), each given the
+    draft model or head only where its method drafts with one."""
+    return {
         s.label: Decoder(
             model,
             tokenizer,
@@ -188,13 +121,19 @@ def run_interleaved(
         for s in specs
         if s.method not in OTHER_METHODS
     }
-    for spec in specs:
-        if prepare is not None and spec.label in decoders:
-            prepare(spec, decoders[spec.label])
-    longest = max(encode(tokenizer, prompt, torch.device("cpu")).shape[1] for prompt in prompts)
-    for decoder in decoders.values():  # a card's graphs, every bucket captured before anything is timed
-        decoder.warm_up(longest + max_new_tokens)
-    warm_up(model, tokenizer, decoders, prompts[0], draft_model, peers)
+
+
+def prompt_records(
+    run: Run,
+    tokenizer,
+    prompts: Sequence[BenchPrompt],
+    specs: Sequence[BenchMethod],
+    decoders: dict[str, Decoder],
+    on_step: Callable[[str, str], None] | None,
+) -> list[Record]:
+    """Each prompt in turn: plain generate (the reference), in greedy low precision its noise floor, then every
+    method; a conversation's later turns follow plain generate's own earlier answers."""
+    model = run.model
     histories: dict[str, list[dict]] = {}  # conversation -> its turns so far, with plain generate's answers
     records = []
     for index, prompt in enumerate(prompts):
@@ -370,47 +309,6 @@ class Run:
             s.mean_fed,
             s.single_token_share,
         )
-
-
-def load_records(path: Path) -> list[Record]:
-    """The records of a results.json (ours, or one written in our format by benchmarks/run_lade.py)."""
-    if not path.is_file():
-        raise FileNotFoundError(f"records file not found: {path}")
-    try:
-        rows = json.loads(path.read_text())["records"]
-        return [Record(**row) for row in rows]
-    except (json.JSONDecodeError, KeyError, TypeError) as error:
-        raise ValueError(f"{path} is not a benchmark results file ({error})") from None
-
-
-def mismatch_lines(records: Sequence[Record]) -> list[str]:
-    """One line per greedy run that differs from plain model.generate other than at a numerical tie (low
-    precision only); sampled runs are not compared."""
-    lines = []
-    for r in records:
-        # generate against itself, or another runtime: reported (`noise_floor_lines`, the tables), not forerun's
-        if r.method == NOISE_FLOOR or r.method.split("[")[0] in PEER_METHODS:
-            continue
-        if beyond_tie(r):
-            where = "" if r.tie_ulps is None else f" at a margin of {r.tie_ulps:.1f} ulp (more than a tie)"
-            lines.append(f"{r.method} on {r.prompt_id} differs from model.generate{where}")
-    return lines
-
-
-def noise_floor_lines(records: Sequence[Record]) -> list[str]:
-    """One line per prompt where plain generate in a batch of two differs from itself alone by more than a tie:
-    the model's own rounding reaches past `TIE_ULPS` there, so a forerun run's difference of that size is noise."""
-    return [
-        f"{NOISE_FLOOR} on {r.prompt_id} differs from model.generate alone"
-        + ("" if r.tie_ulps is None else f" at a margin of {r.tie_ulps:.1f} ulp")
-        for r in records
-        if r.method == NOISE_FLOOR and beyond_tie(r)
-    ]
-
-
-def beyond_tie(record: Record) -> bool:
-    """A greedy run that differs from plain generate other than at a numerical tie (fp32: any difference)."""
-    return record.identical is False and (record.tie_ulps is None or record.tie_ulps > TIE_ULPS)
 
 
 def make_peers(

@@ -13,11 +13,11 @@ Example:
 
 # Each module registers its commands on `app`; `forerun --help` lists them in this order.
 # isort: off
-from forerun.cli import generate, serve, run, bench, tools  # noqa: F401
+from forerun.cli import generate, serve, run, bench, curve, tools  # noqa: F401
 
 # isort: on
-from forerun.cli.bench import CURVE_SIZES
 from forerun.cli.common import app
+from forerun.cli.curve import CURVE_SIZES
 from forerun.cli.serve import parse_request_methods
 
 __all__ = ["CURVE_SIZES", "app", "main", "parse_request_methods"]

@@ -1,11 +1,10 @@
-"""`forerun bench` (interleaved against plain generate, or batched) and `forerun curve`."""
+"""`forerun bench`: interleaved against plain generate, or batched."""
 
 from __future__ import annotations
 
 import typer
 from rich.markup import escape
 
-from forerun.base.weights import QUANTIZATIONS
 from forerun.checks import writable_folder
 from forerun.cli.common import (
     ATTENTION,
@@ -74,15 +73,9 @@ def bench(
     """Benchmark methods against plain model.generate on real prompts, interleaved, outputs checked."""
     from pathlib import Path
 
-    import torch
-
-    from forerun.base import StaticBase, static_support
-    from forerun.base.packed import packed
     from forerun.bench.datasets import load_dataset
-    from forerun.bench.report import summarize, tables, write_outputs
-    from forerun.bench.runner import load_records, mismatch_lines, noise_floor_lines, parse_methods, run_interleaved
-    from forerun.latency import curve_for
-    from forerun.measured import machine_label
+    from forerun.bench.methods import parse_methods
+    from forerun.bench.records import load_records
 
     if quick:
         dataset, n, methods = "gsm8k,humaneval", 5, QUICK_METHODS
@@ -98,24 +91,9 @@ def bench(
     prompts = [p for name in dataset.split(",") for p in load_dataset(name.strip(), n)]
     included = [record for path in include for record in load_records(Path(path))]
     lm, tokenizer, _ = spec.load()
-    draft = None
-    if draft_model:
-        from forerun.drafters.draft_model import load_draft
-
-        draft = load_draft(draft_model, lm, tokenizer)
-    head = None
-    if draft_head:
-        from forerun.drafters.eagle3 import load_head
-
-        head = load_head(draft_head, lm)
-    elif any(s.reads_head(False) for s in specs):
-        raise ValueError("method eagle3 needs an EAGLE-3 head (forerun bench --draft-head FOLDER)")
+    draft, head = drafting_models(lm, tokenizer, specs, draft_model, draft_head)
     sampling = {"temperature": temperature, "top_p": top_p} if sample else None
-    # a card's single rows verify on the static base, whose bucketed steps have their own curve
-    static = lm.device.type == "cuda" and not batch_size and static_support(lm) is None
-    base = StaticBase(lm, compiled=compile_buckets) if static else None
-    with console.status("latency curve (measured once per model, dtype, device and thread count)"):
-        curve = curve_for(lm, batched=bool(batch_size), base=base)
+    curve = bench_curve(lm, bool(batch_size), compile_buckets)
     if batch_size:
         bench_batched(
             lm, tokenizer, prompts, specs, batch_size, max_new_tokens, curve, Path(out), dtype, threads, refill, rounds
@@ -128,6 +106,52 @@ def bench(
         f"methods generate (reference), {escape(', '.join(s.label for s in specs))}",
         highlight=False,
     )
+    run = {"sampling": sampling, "seed": seed, "draft_model": draft, "latency": curve, "gguf": gguf_of(model),
+           "threads": threads, "draft_head": head, "compile_buckets": compile_buckets, "source": model}  # fmt: skip
+    records = run_with_progress(lm, tokenizer, prompts, specs, max_new_tokens, dataset, n, run)
+    settings = {
+        "model": model, "datasets": dataset, "n": n, "methods": methods, "max_new_tokens": max_new_tokens,
+        "threads": threads, "dtype": dtype, "quantize": quantize or None, "sampling": sampling,
+        "seed": seed if sampling else None, "draft_model": draft_model or None, "draft_head": draft_head or None,
+    }  # fmt: skip
+    report_single(records, included, settings | measured_settings(lm, curve), Path(out))
+
+
+def drafting_models(lm, tokenizer, specs, draft_model: str, draft_head: str) -> tuple:
+    """(the draft model, the EAGLE-3 head) the command names, loaded for `lm`, each None where not named; a
+    method that drafts with a head without one named is a ValueError."""
+    draft = head = None
+    if draft_model:
+        from forerun.drafters.draft_model import load_draft
+
+        draft = load_draft(draft_model, lm, tokenizer)
+    if draft_head:
+        from forerun.drafters.eagle3 import load_head
+
+        head = load_head(draft_head, lm)
+    elif any(s.reads_head(False) for s in specs):
+        raise ValueError("method eagle3 needs an EAGLE-3 head (forerun bench --draft-head FOLDER)")
+    return draft, head
+
+
+def bench_curve(lm, batched: bool, compile_buckets: bool):
+    """The latency curve the decoders price steps on: measured once per model, dtype, device and threads (a card's
+    single rows verify on the static base, whose bucketed steps have their own curve)."""
+    from forerun.base import StaticBase, static_support
+    from forerun.latency import curve_for
+
+    static = lm.device.type == "cuda" and not batched and static_support(lm) is None
+    base = StaticBase(lm, compiled=compile_buckets) if static else None
+    with console.status("latency curve (measured once per model, dtype, device and thread count)"):
+        return curve_for(lm, batched=batched, base=base)
+
+
+def run_with_progress(lm, tokenizer, prompts, specs, max_new_tokens: int, dataset: str, n: int, run: dict) -> list:
+    """`run_interleaved` under a progress bar; a method with `warm=K` first answers K other prompts of each of the
+    `dataset`s (those after the first `n`). `run`: run_interleaved's keyword arguments."""
+    from forerun.bench.datasets import load_dataset
+    from forerun.bench.runner import run_interleaved
+
     with progress_bar() as progress:
         task = progress.add_task("runs", total=len(prompts) * (len(specs) + 1))
 
@@ -144,49 +168,40 @@ def bench(
                 decoder.generate(list(prompt.messages), max_new_tokens)
                 progress.advance(warm_task)
 
-        records = run_interleaved(
-            lm,
-            tokenizer,
-            prompts,
-            specs,
-            max_new_tokens,
-            step,
-            warm_up_on_other_prompts,
-            sampling,
-            seed,
-            draft,
-            curve,
-            gguf_of(model),
-            threads,
-            head,
-            compile_buckets,
-            source=model,
-        )
+        return run_interleaved(
+            lm, tokenizer, prompts, specs, max_new_tokens, step, warm_up_on_other_prompts, **run
+        )  # fmt: skip
+
+
+def measured_settings(lm, curve) -> dict:
+    """What a run's figures were measured on: the weights' layout, the machine with its vector units, torch, the
+    device, the day, the latency curve."""
+    import torch
+
+    from forerun.base.packed import packed
+    from forerun.measured import machine_label
+
+    return {
+        "packed": packed(lm),
+        "machine_label": machine_label(lm.device),
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(lm.device) if lm.device.type == "cuda" else "cpu",
+        "latency_curve": curve.as_dict(),
+    }
+
+
+def report_single(records: list, included: list, settings: dict, out) -> None:
+    """Print the tables, write results.json/.md and the plots under `out`, note the noise floor's flips; exit 1
+    where a forerun method's greedy output differs from plain generate other than at a tie."""
+    from forerun.bench.records import mismatch_lines, noise_floor_lines
+    from forerun.bench.report import summarize, tables, write_outputs
+
     for line in mismatch_lines(included):
         errors.print(f"[yellow]note[/]: included run: {escape(line)}", highlight=False)
     summary = summarize(records + included)
     for table in tables(summary):
         console.print(table)
-    settings = {
-        "model": model,
-        "datasets": dataset,
-        "n": n,
-        "methods": methods,
-        "max_new_tokens": max_new_tokens,
-        "threads": threads,
-        "dtype": dtype,
-        "quantize": quantize or None,
-        "packed": packed(lm),
-        "machine_label": machine_label(lm.device),
-        "sampling": sampling,
-        "seed": seed if sampling else None,
-        "torch": torch.__version__,
-        "device": torch.cuda.get_device_name(lm.device) if lm.device.type == "cuda" else "cpu",
-        "draft_model": draft_model or None,
-        "draft_head": draft_head or None,
-        "latency_curve": curve.as_dict(),
-    }
-    for path in write_outputs(records + included, summary, settings, Path(out)):
+    for path in write_outputs(records + included, summary, settings, out):
         console.print(f"wrote {path}")
     for line in noise_floor_lines(records):
         errors.print(f"[yellow]note[/]: {escape(line)} (plain generate's own noise, not forerun's)", highlight=False)
@@ -204,7 +219,7 @@ def bench_batched(
     import json
 
     from forerun.bench.batched import markdown_table, run_batched
-    from forerun.bench.runner import OTHER_METHODS
+    from forerun.bench.methods import OTHER_METHODS
     from forerun.decoder import Decoder
 
     try:
@@ -259,119 +274,6 @@ def bench_batched(
                 f"[bold red]MISMATCH[/]: b={row.batch_size} {row.method}: {row.identical_rows}/{row.rows} rows"
             )
         raise typer.Exit(1)
-
-
-CURVE_SIZES = ",".join(str(n) for n in (*range(1, 17), 20, 24, 32, 48, 64))
-"""forerun.latency.SIZES, spelled out here so that `--help` does not import torch."""
-
-
-@app.command()
-@user_errors
-def curve(
-    model: str = MODEL,
-    sizes: str = typer.Option(
-        CURVE_SIZES, "--sizes", help="Tokens per forward to measure (default: what the cost model measures)."
-    ),
-    context: int = typer.Option(256, "--context", help="Cached tokens before each forward."),
-    repeats: int = typer.Option(5, "--repeats"),
-    threads: int = typer.Option(1, "--threads"),
-    out: str = typer.Option("bench-results/latency", "--out"),
-    device: str = DEVICE,
-    dtype: str = typer.Option(
-        "fp32",
-        "--dtype",
-        help="fp32, bf16, int8 or int4 (8- or 4-bit weights, bf16 activations), or several: fp32,bf16,int8,int4 "
-        "(one plot).",
-    ),
-    rows: str = typer.Option(
-        "2,4,8", "--rows", help="Rows per forward for the batched curves (what batches decide on); '' for none."
-    ),
-    attention: str = ATTENTION,
-    pack: str = PACK,
-) -> None:
-    """Measure the forward-latency curve(s) (latency vs tokens per forward, and with several rows per forward):
-    latency.json and latency.png, and the file the cost model reads for this model, dtype, device and threads."""
-    from pathlib import Path
-
-    import torch
-    from rich.table import Table
-
-    from forerun.bench.latency import write_curves
-    from forerun.latency import (
-        DEFAULT_CACHE_DIR,
-        curve_path,
-        curve_settings,
-        measure_batched,
-        measure_curve,
-        save_curve,
-    )
-    from forerun.measured import machine_label
-
-    try:
-        size_list = [int(x) for x in sizes.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"--sizes must be comma-separated integers, got {sizes!r}") from None
-    try:
-        row_list = [int(x) for x in rows.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"--rows must be comma-separated integers, got {rows!r}") from None
-    if any(r < 2 or r > 256 for r in row_list):
-        raise ValueError(f"--rows must be between 2 and 256, got {rows!r}")
-    if threads < 1:
-        raise ValueError("--threads must be >= 1")
-    writable_folder(out)
-    labels = [d.strip() for d in dtype.split(",")]
-    quantized = {label: {"dtype": "bf16", "quantize": label} for label in QUANTIZATIONS}  # int4: bf16 activations
-    specs = [
-        RunSpec(
-            model=model,
-            method="plain",
-            device=device,
-            threads=threads,
-            attention=attention,
-            pack=pack,
-            **quantized.get(label, {"dtype": label}),
-        )  # fmt: skip
-        for label in labels
-    ]
-    curves = {}
-    for label, spec in zip(labels, specs, strict=True):
-        lm, _, _ = spec.load()
-        with console.status(f"{label}: measuring {len(size_list)} sizes x {repeats} repeats"):
-            measured = measure_curve(lm, size_list, context, repeats)
-        if row_list:
-            with console.status(f"{label}: measuring batches of {rows} rows"):
-                measured = measured.with_batches(measure_batched(lm, row_list, context=context, repeats=repeats))
-        save_curve(measured, curve_path(lm, DEFAULT_CACHE_DIR), curve_settings(lm))
-        curves[label] = measured
-        del lm
-    table = Table(title=f"forward latency, {context} cached tokens, {threads} thread(s), {device}")
-    table.add_column("tokens", justify="right")
-    for label in curves:
-        table.add_column(f"{label} ms", justify="right")
-        table.add_column(f"{label} relative", justify="right")
-    for n in curves[labels[0]].sizes:
-        cells = [str(n)]
-        for measured in curves.values():
-            cells += [f"{measured.cost(n) * 1000:.1f}", f"{measured.relative(n):.2f}"]
-        table.add_row(*cells)
-    console.print(table)
-    for label, measured in curves.items():
-        if measured.batched:
-            batch_sizes = measured.batched[0][1].sizes
-            grid = Table(title=f"{label}: rows x tokens per row, relative to 1 row x 1 token")
-            grid.add_column("rows", justify="right")
-            for n in batch_sizes:
-                grid.add_column(str(n), justify="right")
-            for count, row_curve in ((1, measured), *measured.batched):
-                grid.add_row(str(count), *[f"{row_curve.cost(n) / measured.seconds[0]:.2f}" for n in batch_sizes])
-            console.print(grid)
-    settings = {
-        "model": model, "threads": threads, "device": device, "context": context, "repeats": repeats,
-        "machine_label": machine_label(torch.device(device)),
-    }  # fmt: skip
-    for path in write_curves(curves, settings, Path(out)):
-        console.print(f"wrote {path}")
 
 
 def gguf_of(model: str):

@@ -62,7 +62,7 @@ def run_file(
 
     import torch.distributed as dist
 
-    from forerun.runner import Shard, check_writable, merge_results, pending_records, read_records, run_records
+    from forerun.runner import check_writable, merge_results, pending_records, read_records
 
     if batch_size < 1 or max_new_tokens < 1:
         raise ValueError(f"--batch-size and --max-new-tokens must be >= 1 (got {batch_size}, {max_new_tokens})")
@@ -80,10 +80,7 @@ def run_file(
         model, method, knob, device, dtype, threads, draft_model, max_tree_nodes, quantize, draft_head, pack=pack
     )
     records, problems = read_records(source, defaults)
-    shard = Shard()
-    if dist.is_torchelastic_launched():  # torchrun set the rendezvous: one shard per rank
-        dist.init_process_group("nccl" if spec.device.startswith("cuda") else "gloo")
-        shard = Shard(dist.get_rank(), dist.get_world_size())
+    shard = join_shard(spec.device)
     if shard.rank == 0:  # every rank reads the same file: one report
         for problem in problems:
             errors.print(f"[bold yellow]skipped:[/] {escape(problem)}", highlight=False)
@@ -93,10 +90,48 @@ def run_file(
     lm, tokenizer, draft = spec.load()
     decoder = spec.decoder(lm, tokenizer, draft)
     freeze_start_up()  # the model and its tokenizer: no full collection walks them again, for the whole run
-    label = f"rank {shard.rank}/{shard.world} " if shard.world > 1 else ""
+    decoded, refused = decode_with_progress(decoder, shard.take(pending), pending, target, batch_size, shard)
+    if shard.world > 1:
+        dist.barrier()  # every rank's part file is complete
+    if shard.rank == 0:
+        written = merge_results(target, records) if decoded or shard.world > 1 or target.exists() else 0
+        console.print(f"{written} records in {target} ({decoded} decoded now)", highlight=False)
+    if shard.world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+    if refused:
+        errors.print(
+            f"[bold red]error:[/] {shard.label()}{refused} record(s) refused; their rows in {target} hold the "
+            "reason under 'error' (a rerun tries them again)",
+            highlight=False,
+        )
+    if problems and shard.rank == 0:
+        errors.print(f"[bold red]error:[/] {len(problems)} bad line(s) in {source} were skipped", highlight=False)
+    if refused or (problems and shard.rank == 0):
+        raise typer.Exit(2)
+
+
+def join_shard(device: str):
+    """This process's shard of the file: under torchrun (which set the rendezvous) one per rank, else the whole."""
+    import torch.distributed as dist
+
+    from forerun.runner import Shard
+
+    if not dist.is_torchelastic_launched():
+        return Shard()
+    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+    return Shard(dist.get_rank(), dist.get_world_size())
+
+
+def decode_with_progress(decoder, mine: list, pending: list, target, batch_size: int, shard) -> tuple[int, int]:
+    """`run_records` under a progress bar of `mine` (this shard's records) that shows tokens per second and per
+    forward, each refused record printed as it comes; (records decoded, records refused)."""
+    from forerun.runner import run_records
+
+    label = shard.label()
     totals = {"tokens": 0, "forwards": 0, "refused": 0}
     with progress_bar() as bar:
-        task = bar.add_task(f"{label}records", total=len(shard.take(pending)))
+        task = bar.add_task(f"{label}records", total=len(mine))
         started = time.perf_counter()
 
         def advance(row: dict) -> None:
@@ -111,21 +146,4 @@ def run_file(
             bar.update(task, advance=1, description=description)
 
         decoded = run_records(decoder, pending, target, batch_size, shard, advance)
-    if shard.world > 1:
-        dist.barrier()  # every rank's part file is complete
-    if shard.rank == 0:
-        written = merge_results(target, records) if decoded or shard.world > 1 or target.exists() else 0
-        console.print(f"{written} records in {target} ({decoded} decoded now)", highlight=False)
-    if shard.world > 1:
-        dist.barrier()
-        dist.destroy_process_group()
-    if totals["refused"]:
-        errors.print(
-            f"[bold red]error:[/] {label}{totals['refused']} record(s) refused; their rows in {target} hold the "
-            "reason under 'error' (a rerun tries them again)",
-            highlight=False,
-        )
-    if problems and shard.rank == 0:
-        errors.print(f"[bold red]error:[/] {len(problems)} bad line(s) in {source} were skipped", highlight=False)
-    if totals["refused"] or (problems and shard.rank == 0):
-        raise typer.Exit(2)
+    return decoded, totals["refused"]

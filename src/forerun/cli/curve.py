@@ -1,0 +1,134 @@
+"""`forerun curve`: measure the forward-latency curves the cost model prices steps on, plotted and stored."""
+
+from __future__ import annotations
+
+import typer
+
+from forerun.base.weights import QUANTIZATIONS
+from forerun.checks import writable_folder
+from forerun.cli.common import ATTENTION, DEVICE, MODEL, PACK, app, console, user_errors
+from forerun.runspec import RunSpec
+
+CURVE_SIZES = ",".join(str(n) for n in (*range(1, 17), 20, 24, 32, 48, 64))
+"""forerun.latency.SIZES, spelled out here so that `--help` does not import torch."""
+
+
+@app.command()
+@user_errors
+def curve(
+    model: str = MODEL,
+    sizes: str = typer.Option(
+        CURVE_SIZES, "--sizes", help="Tokens per forward to measure (default: what the cost model measures)."
+    ),
+    context: int = typer.Option(256, "--context", help="Cached tokens before each forward."),
+    repeats: int = typer.Option(5, "--repeats"),
+    threads: int = typer.Option(1, "--threads"),
+    out: str = typer.Option("bench-results/latency", "--out"),
+    device: str = DEVICE,
+    dtype: str = typer.Option(
+        "fp32",
+        "--dtype",
+        help="fp32, bf16, int8 or int4 (8- or 4-bit weights, bf16 activations), or several: fp32,bf16,int8,int4 "
+        "(one plot).",
+    ),
+    rows: str = typer.Option(
+        "2,4,8", "--rows", help="Rows per forward for the batched curves (what batches decide on); '' for none."
+    ),
+    attention: str = ATTENTION,
+    pack: str = PACK,
+) -> None:
+    """Measure the forward-latency curve(s) (latency vs tokens per forward, and with several rows per forward):
+    latency.json and latency.png, and the file the cost model reads for this model, dtype, device and threads."""
+    from pathlib import Path
+
+    import torch
+
+    from forerun.bench.latency import write_curves
+    from forerun.measured import machine_label
+
+    size_list, row_list = int_list(sizes, "--sizes"), int_list(rows, "--rows")
+    if any(r < 2 or r > 256 for r in row_list):
+        raise ValueError(f"--rows must be between 2 and 256, got {rows!r}")
+    if threads < 1:
+        raise ValueError("--threads must be >= 1")
+    writable_folder(out)
+    quantized = {label: {"dtype": "bf16", "quantize": label} for label in QUANTIZATIONS}  # int4: bf16 activations
+    specs = {
+        label: RunSpec(
+            model=model,
+            method="plain",
+            device=device,
+            threads=threads,
+            attention=attention,
+            pack=pack,
+            **quantized.get(label, {"dtype": label}),
+        )  # fmt: skip
+        for label in (d.strip() for d in dtype.split(","))
+    }
+    curves = {
+        label: measure_and_keep(spec, label, size_list, row_list, context, repeats) for label, spec in specs.items()
+    }
+    print_curves(curves, f"forward latency, {context} cached tokens, {threads} thread(s), {device}")
+    settings = {
+        "model": model, "threads": threads, "device": device, "context": context, "repeats": repeats,
+        "machine_label": machine_label(torch.device(device)),
+    }  # fmt: skip
+    for path in write_curves(curves, settings, Path(out)):
+        console.print(f"wrote {path}")
+
+
+def int_list(text: str, flag: str) -> list[int]:
+    """'1,2,4' -> [1, 2, 4] ('' -> []); anything else is a ValueError naming `flag`."""
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} must be comma-separated integers, got {text!r}") from None
+
+
+def measure_and_keep(spec: RunSpec, label: str, sizes: list[int], rows: list[int], context: int, repeats: int):
+    """The curve of `spec`'s model (and its batched curves over `rows` rows), stored where the cost model reads it."""
+    from forerun.latency import (
+        DEFAULT_CACHE_DIR,
+        curve_path,
+        curve_settings,
+        measure_batched,
+        measure_curve,
+        save_curve,
+    )
+
+    lm, _, _ = spec.load()
+    with console.status(f"{label}: measuring {len(sizes)} sizes x {repeats} repeats"):
+        measured = measure_curve(lm, sizes, context, repeats)
+    if rows:
+        with console.status(f"{label}: measuring batches of {','.join(map(str, rows))} rows"):
+            measured = measured.with_batches(measure_batched(lm, rows, context=context, repeats=repeats))
+    save_curve(measured, curve_path(lm, DEFAULT_CACHE_DIR), curve_settings(lm))
+    return measured
+
+
+def print_curves(curves: dict, title: str) -> None:
+    """One table of every curve by tokens fed (ms, relative to 1 token), and per curve with batches, one grid of
+    rows x tokens per row relative to 1 row x 1 token."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    table.add_column("tokens", justify="right")
+    for label in curves:
+        table.add_column(f"{label} ms", justify="right")
+        table.add_column(f"{label} relative", justify="right")
+    for n in next(iter(curves.values())).sizes:
+        cells = [str(n)]
+        for measured in curves.values():
+            cells += [f"{measured.cost(n) * 1000:.1f}", f"{measured.relative(n):.2f}"]
+        table.add_row(*cells)
+    console.print(table)
+    for label, measured in curves.items():
+        if measured.batched:
+            batch_sizes = measured.batched[0][1].sizes
+            grid = Table(title=f"{label}: rows x tokens per row, relative to 1 row x 1 token")
+            grid.add_column("rows", justify="right")
+            for n in batch_sizes:
+                grid.add_column(str(n), justify="right")
+            for count, row_curve in ((1, measured), *measured.batched):
+                grid.add_row(str(count), *[f"{row_curve.cost(n) / measured.seconds[0]:.2f}" for n in batch_sizes])
+            console.print(grid)
