@@ -20,7 +20,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from forerun.base import StaticBase, graph_features, static_support
-from forerun.base.weights import looked_up, read_bytes, weights_kind
+from forerun.base.weights import weights_kind
 from forerun.config import EngineConfig
 from forerun.costmodel import Budget, CostModel, DraftSwitch, ForwardTimes, LatencyCurve, StaticBudget
 from forerun.costmodel.switch import FIRST_PROBE_STEPS
@@ -122,9 +122,18 @@ def make_budget(
     # costly drafters (a trained head's forwards) are weighed against rates without them: measured, or priced on
     # the curve where choices must be reproducible
     return CostModel(
-        curve, cap, times=times, reproducible=reproducible, target_bytes=read_bytes(model, looked_up(model)),
-        switch=DraftSwitch(probing=FIRST_PROBE_STEPS, paired=True),
-    )  # fmt: skip
+        curve, cap, times=times, reproducible=reproducible, switch=DraftSwitch(probing=FIRST_PROBE_STEPS, paired=True)
+    )
+
+
+def price_costly(drafters: Sequence[object], budget: Budget, cache_dir: str | Path | None) -> None:
+    """Where the budget prices steps instead of timing them (reproducible choices), give each costly drafter (a
+    trained head) what its own forwards cost on this device (`price`: stored in `cache_dir`, or measured now), so
+    that the switch weighs them at what they take here, not at what they weigh."""
+    if isinstance(budget, CostModel) and budget.reproducible and budget.switch is not None:
+        for drafter in drafters:
+            if getattr(drafter, "costly", False) and hasattr(drafter, "price"):
+                drafter.price(cache_dir)
 
 
 def check_vocabulary(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase | None) -> None:

@@ -22,7 +22,7 @@ from transformers import (
     StoppingCriteriaList,
 )
 
-from forerun.assembly import check_vocabulary, make_base, make_budget, prepare_draft, prepare_head
+from forerun.assembly import check_vocabulary, make_base, make_budget, prepare_draft, prepare_head, price_costly
 from forerun.batch import batchable, decode_rows, fork
 from forerun.checks import check_batch_size, is_count, row_seeds
 from forerun.config import EngineConfig
@@ -125,6 +125,7 @@ class Decoder:
         self.drafters = list(
             self.plan.build(self.draft_model, vocab, self.draft_head) if drafters is None else drafters
         )
+        price_costly(self.drafters, self.budget, latency_cache)
 
     @property
     def config(self) -> object | None:

@@ -195,7 +195,7 @@ def load_curve(path: Path) -> LatencyCurve | None:
     data = read_json(path)
     try:
         return None if data is None else LatencyCurve.from_dict(data)
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, AttributeError):
         return None
 
 

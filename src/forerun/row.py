@@ -250,7 +250,7 @@ class RowRun:
 
 def costly(drafter: Drafter) -> bool:
     """Whether `drafter` spends forwards of its own before the target's (a trained head): the budget's switch
-    may make it sit out (`CostModel.switch`). Such a drafter tells what its forwards read since it was last asked
-    (`spent()`: the bytes of weights they read), and is shown each step it sat out (`sit_out(ctx, outcome)`,
-    instead of `observe`)."""
+    may make it sit out (`CostModel.switch`). Such a drafter tells what its forwards cost since it was last asked
+    (`spent()`: seconds, as they measured on this device, where a budget prices steps: `price(cache_dir)`), and is
+    shown each step it sat out (`sit_out(ctx, outcome)`, instead of `observe`)."""
     return getattr(drafter, "costly", False)

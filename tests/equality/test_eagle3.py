@@ -9,9 +9,9 @@ import torch
 from test_equality_families import CURVE, NEW_TOKENS, model_of, reference
 
 import forerun
-from forerun.base.weights import read_bytes
 from forerun.costmodel.switch import DRAFT_MARGIN
 from forerun.drafters.eagle3 import Eagle3Head
+from forerun.drafters.eagle3.costs import HeadCosts
 
 from eagle3_heads import random_head
 from helpers import OracleDrafter, RandomDrafter
@@ -257,10 +257,11 @@ def test_a_paused_head_sits_out_then_drafts_again_exactly():
 
 
 def test_in_reproducible_mode_the_head_sits_out_on_priced_rates_alike_every_run():
-    """Reproducible choices time nothing: the switch compares rates priced on the curve (the head's forwards as its
-    share of what the target's forward reads). A random head, almost never right, prices slower than decoding without it
-    and is paused, at the same steps in two fresh decoders; an oracle head (a negative control) prices faster and
-    drafts on after plain decoding's one measurement. Every text is generate's."""
+    """Reproducible choices time nothing: the switch compares rates priced on the curve (the head's forwards at
+    their own costs, here a twentieth of the target's 1-token forward each). A random head, almost never right,
+    prices slower than decoding without it and is paused, at the same steps in two fresh decoders; an oracle head
+    (a negative control) prices faster and drafts on after plain decoding's one measurement. Every text is
+    generate's."""
     from forerun.costmodel.switch import PAUSE_STEPS
 
     model = model_of("llama", "sdpa")
@@ -268,7 +269,9 @@ def test_in_reproducible_mode_the_head_sits_out_on_priced_rates_alike_every_run(
 
     def run(head):
         decoder = forerun.Decoder(model, None, "eagle3", draft_head=head, latency=CURVE, reproducible=True)
-        decoder.budget.target_bytes = 20 * read_bytes(head)  # a real target's share
+        (drafter,) = decoder.drafters
+        share = forerun.LatencyCurve((1,), (CURVE.cost(1) / 20,))  # a real head's forward against its target's
+        drafter.costs = HeadCosts(level=share, read=share)
         result = decoder.generate(prompts(1)[0], NEW_TOKENS, eos_token_id=[])
         assert result.sequences[0].tolist() == truth
         return result.stats, decoder.budget.switch

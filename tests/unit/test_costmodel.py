@@ -407,6 +407,8 @@ def test_curve_is_measured_once_then_read_from_the_cache(model, tmp_path, monkey
     files[0].write_text("{not json")  # a damaged file is measured again, not trusted
     monkeypatch.undo()
     assert latency.curve_for(model, tmp_path).sizes == first.sizes
+    files[0].write_text('{"sizes": [1], "seconds": [0.01], "batched": "nonsense"}')  # JSON, but not a curve
+    assert latency.curve_for(model, tmp_path).sizes == first.sizes
 
 
 def test_a_curve_measured_with_grouped_masked_attention_is_another_curve(monkeypatch):

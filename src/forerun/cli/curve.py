@@ -6,7 +6,7 @@ import typer
 
 from forerun.base.weights import QUANTIZATIONS
 from forerun.checks import writable_folder
-from forerun.cli.common import ATTENTION, DEVICE, MODEL, PACK, app, console, user_errors
+from forerun.cli.common import ATTENTION, DEVICE, HEAD, MODEL, PACK, app, console, user_errors
 from forerun.runspec import RunSpec
 
 CURVE_SIZES = ",".join(str(n) for n in (*range(1, 17), 20, 24, 32, 48, 64))
@@ -36,15 +36,17 @@ def curve(
     ),
     attention: str = ATTENTION,
     pack: str = PACK,
+    draft_head: str = HEAD,
 ) -> None:
     """Measure the forward-latency curve(s) (latency vs tokens per forward, and with several rows per forward):
-    latency.json and latency.png, and the file the cost model reads for this model, dtype, device and threads."""
+    latency.json and latency.png, and the file the cost model reads for this model, dtype, device and threads.
+    With --draft-head, the EAGLE-3 head's forwards by rows too (head-costs.json)."""
     from pathlib import Path
 
     import torch
 
     from forerun.bench.latency import write_curves
-    from forerun.measured import machine_label
+    from forerun.measured import machine_label, write_json
 
     size_list, row_list = int_list(sizes, "--sizes"), int_list(rows, "--rows")
     if any(r < 2 or r > 256 for r in row_list):
@@ -65,10 +67,18 @@ def curve(
         )  # fmt: skip
         for label in (d.strip() for d in dtype.split(","))
     }
-    curves = {
-        label: measure_and_keep(spec, label, size_list, row_list, context, repeats) for label, spec in specs.items()
-    }
+    curves, heads = {}, {}
+    for label, spec in specs.items():
+        lm, _, _ = spec.load()
+        curves[label] = measure_and_keep(lm, label, size_list, row_list, context, repeats)
+        if draft_head:
+            heads[label] = measure_head_and_keep(lm, draft_head, label)
+        del lm
     print_curves(curves, f"forward latency, {context} cached tokens, {threads} thread(s), {device}")
+    if heads:
+        print_head_costs(heads, curves)
+        write_json(Path(out) / "head-costs.json", {"head": draft_head, **{k: v.as_dict() for k, v in heads.items()}})
+        console.print(f"wrote {Path(out) / 'head-costs.json'}")
     settings = {
         "model": model, "threads": threads, "device": device, "context": context, "repeats": repeats,
         "machine_label": machine_label(torch.device(device)),
@@ -85,8 +95,8 @@ def int_list(text: str, flag: str) -> list[int]:
         raise ValueError(f"{flag} must be comma-separated integers, got {text!r}") from None
 
 
-def measure_and_keep(spec: RunSpec, label: str, sizes: list[int], rows: list[int], context: int, repeats: int):
-    """The curve of `spec`'s model (and its batched curves over `rows` rows), stored where the cost model reads it."""
+def measure_and_keep(lm, label: str, sizes: list[int], rows: list[int], context: int, repeats: int):
+    """The curve of model `lm` (and its batched curves over `rows` rows), stored where the cost model reads it."""
     from forerun.latency import (
         DEFAULT_CACHE_DIR,
         curve_path,
@@ -96,7 +106,6 @@ def measure_and_keep(spec: RunSpec, label: str, sizes: list[int], rows: list[int
         save_curve,
     )
 
-    lm, _, _ = spec.load()
     with console.status(f"{label}: measuring {len(sizes)} sizes x {repeats} repeats"):
         measured = measure_curve(lm, sizes, context, repeats)
     if rows:
@@ -132,3 +141,38 @@ def print_curves(curves: dict, title: str) -> None:
             for count, row_curve in ((1, measured), *measured.batched):
                 grid.add_row(str(count), *[f"{row_curve.cost(n) / measured.seconds[0]:.2f}" for n in batch_sizes])
             console.print(grid)
+
+
+def measure_head_and_keep(lm, draft_head: str, label: str):
+    """The EAGLE-3 head's costs over model `lm` (as a Decoder loads and runs it), measured again and stored where
+    a reproducible budget reads them."""
+    from forerun.config import Eagle3Config
+    from forerun.drafters.eagle3 import load_head
+    from forerun.drafters.eagle3.costs import DEFAULT_CACHE_DIR, costs_path, costs_settings, measure_head_costs
+    from forerun.measured import write_json
+
+    head = load_head(draft_head, lm)
+    topk, capture = min(Eagle3Config().topk, head.config.draft_vocab_size), True
+    with console.status(f"{label}: measuring the head's forwards"):
+        costs = measure_head_costs(head, topk, capture)
+    settings = costs_settings(head, topk, capture)
+    write_json(costs_path(head, topk, capture, DEFAULT_CACHE_DIR), {"settings": settings, "costs": costs.as_dict()})
+    return costs
+
+
+def print_head_costs(heads: dict, curves: dict) -> None:
+    """Per dtype, the head's forwards by rows: a level's and a read's ms, and each as a share of the target's
+    1-token forward."""
+    from rich.table import Table
+
+    for label, costs in heads.items():
+        one = curves[label].seconds[0]
+        table = Table(title=f"{label}: the EAGLE-3 head's forwards (share of the target's 1-token forward)")
+        for column in ("rows", "level ms", "level share", "read ms", "read share"):
+            table.add_column(column, justify="right")
+        for n in costs.level.sizes:
+            level, read = costs.cost(n, False), costs.cost(n, True)
+            table.add_row(
+                str(n), f"{level * 1000:.2f}", f"{level / one:.1%}", f"{read * 1000:.2f}", f"{read / one:.1%}"
+            )
+        console.print(table)

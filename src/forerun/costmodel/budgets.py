@@ -44,8 +44,8 @@ class Budget(Protocol):
 
     def timed(self, fed: int, seconds: float) -> None: ...
 
-    def priced_step(self, fed: int, drafter_bytes: float) -> float:
-        """A step's seconds on the curve alone, for a switch that must not time (`CostModel.priced_step`)."""
+    def priced_step(self, fed: int, drafter_seconds: float) -> float:
+        """A step's seconds on stored measurements alone, for a switch that must not time (`CostModel.priced_step`)."""
         ...
 
     def new_request(self) -> None: ...
@@ -137,7 +137,7 @@ class StaticBudget:
     switch = None
     """Every drafter drafts every step, as its knobs ask."""
 
-    def priced_step(self, fed: int, drafter_bytes: float) -> float:
+    def priced_step(self, fed: int, drafter_seconds: float) -> float:
         """Never asked (no switch); a forward a step."""
         return 1.0
 
@@ -186,9 +186,6 @@ class CostModel:
     """Whether the costly drafters (a trained head: forwards of its own before the target's) draft this step,
     from rates with and without them: measured, or priced on the curve when choices are `reproducible`
     (`priced_step`); None: they always draft."""
-    target_bytes: float = 0.0
-    """What one forward of the target reads of its weights (`forerun.base.weights.read_bytes`): what a costly
-    drafter's own forwards are priced against when choices are reproducible (0: they are priced at nothing)."""
     selective = True
     """Drafters propose whatever might pay; this model picks."""
 
@@ -276,19 +273,17 @@ class CostModel:
         if self.times is not None and not self.reproducible:
             self.times.record(fed, self.curve.cost(fed), seconds)
 
-    def priced_step(self, fed: int, drafter_bytes: float) -> float:
-        """A step's seconds on the curve alone (reproducible choices time nothing): the forward of `fed` tokens,
-        plus the costly drafters' own forwards (`drafter_bytes` of weights read in all) priced as their share of
-        what the target's 1-token forward reads. On a CPU, where reading the weights is most of a small forward's
-        time, the shares are what the forwards cost.
+    def priced_step(self, fed: int, drafter_seconds: float) -> float:
+        """A step's seconds on stored measurements alone (reproducible choices time nothing): the forward of `fed`
+        tokens on the curve, plus the costly drafters' own forwards as priced on their own measured costs
+        (`drafter_seconds`, e.g. `forerun.drafters.eagle3.costs.HeadCosts`).
 
-        Example (1 token 10 ms, 8 tokens 12 ms; a head reading a tenth of the target's bytes, 3 times):
-            >>> model = CostModel(LatencyCurve((1, 8), (0.010, 0.012)), 16, target_bytes=100)
-            >>> round(model.priced_step(8, 30), 4), round(model.priced_step(1, 0), 4)
+        Example (1 token 10 ms, 8 tokens 12 ms; a head's three forwards priced at 1 ms each):
+            >>> model = CostModel(LatencyCurve((1, 8), (0.010, 0.012)), 16)
+            >>> round(model.priced_step(8, 0.003), 4), round(model.priced_step(1, 0), 4)
             (0.015, 0.01)
         """
-        own = drafter_bytes / self.target_bytes if self.target_bytes else 0.0
-        return self.curve.cost(fed) + own * self.curve.cost(1)
+        return self.curve.cost(fed) + drafter_seconds
 
     def new_request(self) -> None:
         self.calibration.new_request()
@@ -297,10 +292,7 @@ class CostModel:
         """A row's own budget: the same curve, long-run calibration and check of fed guesses, its own per-request
         correction (no forward timings: a batch times its forwards itself, `forerun.costmodel.batch`)."""
         calibration = Calibration(hits=self.calibration.hits, trials=self.calibration.trials)
-        return CostModel(
-            self.curve, self.max_nodes, calibration, self.fed_check, None, self.reproducible,
-            target_bytes=self.target_bytes,
-        )  # fmt: skip
+        return CostModel(self.curve, self.max_nodes, calibration, self.fed_check, None, self.reproducible)
 
     def proposal_nodes(self, rows: int) -> int:
         """Most nodes, root included, a row's drafters may propose in a batch of `rows` rows (`PROPOSAL_COST`).

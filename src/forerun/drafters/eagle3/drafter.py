@@ -22,14 +22,15 @@ from __future__ import annotations
 
 import math
 import time
+from pathlib import Path
 
 import torch
 
-from forerun.base.weights import read_bytes
 from forerun.config import Eagle3Config
 from forerun.drafters.base import DraftContext, MethodSpec, StepOutcome
+from forerun.drafters.eagle3.costs import HeadCosts, head_costs
 from forerun.drafters.eagle3.head import Eagle3Head
-from forerun.drafters.eagle3.runner import HeadRead, HeadRunner
+from forerun.drafters.eagle3.runner import ROWS, HeadRead, HeadRunner
 from forerun.tree import TokenTree
 
 
@@ -52,24 +53,36 @@ class Eagle3Drafter:
         """The head's read of the newest committed position: its output [1, H] and the root's likeliest children."""
         self.outputs: dict[int, torch.Tensor] = {}
         """This step's drafted nodes' head outputs (each predicts the node's children)."""
-        self.forwards = 0
-        """Forwards of the head since `spent` was last asked."""
+        self.costs: HeadCosts | None = None
+        """What its forwards cost on this device, where a budget prices them (`price`); None: not priced."""
+        self.priced = 0.0
+        """Seconds its forwards cost on `costs` since `spent` was last asked."""
         self.reach = config.depth
         """Levels to draft this step: one below the deepest of its nodes the budget fed last time (`observe`)."""
         self.drafted = 0
         """Levels this step's proposal has below its root."""
         self.pending: list[tuple[list[int], list[int], torch.Tensor]] = []
         """Committed positions read while sitting out, to read on drafting again: (tokens, positions, features)."""
-        self.bytes_read = read_bytes(head, skip=(head.embed_tokens,))
-        """What one forward of the head reads of its weights (its embedding is looked up, not read)."""
 
     def __copy__(self) -> Eagle3Drafter:
-        return Eagle3Drafter(self.config, self.head, capture=False)
+        copied = Eagle3Drafter(self.config, self.head, capture=False)
+        copied.costs = self.costs
+        return copied
+
+    def price(self, cache_dir: str | Path | None) -> None:
+        """Price its forwards from now on at what they cost on this device (`head_costs`: stored in `cache_dir`, or
+        measured now); a budget that prices steps instead of timing them asks for it."""
+        self.costs = head_costs(self.head, self.runner.topk, self.runner.capture, cache_dir)
 
     def spent(self) -> float:
-        """Bytes of weights the head's forwards read since the last call (the cost model prices them)."""
-        forwards, self.forwards = self.forwards, 0
-        return forwards * self.bytes_read
+        """Seconds the head's forwards cost on its measured `costs` since the last call (0 where not priced)."""
+        priced, self.priced = self.priced, 0.0
+        return priced
+
+    def forwarded(self, rows: int, project: bool) -> None:
+        """One forward of the head of `rows` rows ran (`HeadCosts.cost`)."""
+        if self.costs is not None:
+            self.priced += self.costs.cost(rows, project)
 
     @torch.inference_mode()
     def warm(self, length: int) -> float:
@@ -127,7 +140,9 @@ class Eagle3Drafter:
         slots = list(range(first, first + count))
         self.last = self.runner.read(tokens, positions, slots, [(slot + 1, []) for slot in slots], features,
                                      True, True)  # fmt: skip
-        self.committed, self.forwards = first + count, self.forwards + 1
+        self.committed = first + count
+        for start in range(0, count, ROWS[-1]):  # the runner's forwards: chunks of its largest row count
+            self.forwarded(min(ROWS[-1], count - start), True)
         self.outputs = {0: self.last.out[0]}  # the root's: it predicts the root's children
 
     @torch.inference_mode()
@@ -190,7 +205,7 @@ class Eagle3Drafter:
         read = self.runner.read([tree.tokens[node] for node in nodes], [position] * len(nodes),
                                 list(range(drafted, drafted + len(nodes))), visible, hidden, False)  # fmt: skip
         self.outputs.update(zip(nodes, read.out, strict=True))
-        self.forwards += 1
+        self.forwarded(len(nodes), False)
         return read
 
     def finish(self, ctx: DraftContext) -> None:

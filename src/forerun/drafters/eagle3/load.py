@@ -92,8 +92,8 @@ def load_head(
     `quantized`: the head's linear layers in fewer bits where that pays (`head_weights`): as the target's where
     those hold 4- or 8-bit weights (`load_model(..., quantize=)`), else int4 where the head computes in bf16 on a
     CPU. A head forward reads its weights as the target's forward reads its own, so on a CPU its time is about its
-    bytes (which is how the cost model prices it, `forerun.base.weights.read_bytes`); its few-row products then
-    run on the target's kernels. Its guesses move a little; what is written never does. False: dense, in `dtype`."""
+    bytes (`forerun.base.weights.read_bytes`); its few-row products then run on the target's kernels. Its guesses
+    move a little; what is written never does. False: dense, in `dtype`."""
     folder = head_folder(path)
     if not folder.is_dir():
         shipped = sorted(p.name for p in SHIPPED.iterdir() if p.is_dir()) if SHIPPED.is_dir() else []
