@@ -168,6 +168,16 @@ def head_graphs(decoder) -> list[list] | None:
     return [[rows, "read" if project else "level"] for rows, project, _ in runners[0].graphs] if runners else None
 
 
+def head_costs_ms(decoder: Decoder) -> dict[str, dict[int, float]] | None:
+    """What the decoder's EAGLE-3 head's forwards are priced at by rows (ms; measured when it was made), or None
+    where they are not priced (no head, or steps timed rather than priced)."""
+    costs = [d.costs for d in decoder.drafters if getattr(d, "costs", None) is not None]
+    if not costs:
+        return None
+    return {kind: {n: round(curve.cost(n) * 1e3, 3) for n in curve.sizes}
+            for kind, curve in (("level", costs[0].level), ("read", costs[0].read))}  # fmt: skip
+
+
 def curve_ms(decoder: Decoder) -> dict[int, float] | None:
     """The decoder's priced step cost per bucket (ms), where its budget is the cost model."""
     curve = getattr(decoder.budget, "curve", None)
@@ -210,7 +220,8 @@ def bench(
         log("bench", note=f"{label}: made (curve measured or loaded) and warmed", made_s=round(made_s, 1),
             warm_s=round(warm_s, 1), capture_s=round(decoder.base.capture_seconds, 1),
             capture_error=decoder.base.capture_error, curve_ms=curve_ms(decoder),
-            graph_features=list(decoder.base.features), head_graphs=head_graphs(decoder))  # fmt: skip
+            graph_features=list(decoder.base.features), head_graphs=head_graphs(decoder),
+            head_costs_ms=head_costs_ms(decoder))  # fmt: skip
     if "generate_static_compiled" in baselines:
         _, compile_s = sync_time(lambda: hf_generate(model, warm_ids, new_tokens, cache_implementation="static"))
         hf_generate(model, warm_ids, new_tokens, cache_implementation="static")
