@@ -247,6 +247,23 @@ def test_batched_curves_are_measured_plotted_and_stored_by_the_curve_command(mod
     assert set(stored["batched"]) == {"2", "3"}
 
 
+def test_the_curve_command_measures_and_stores_a_heads_forwards_by_rows(model, tokenizer, tmp_path):
+    from eagle3_heads import write_head
+
+    folder, head = tmp_path / "tiny", tmp_path / "head"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    write_head(head, model, hidden=32, vocab=len(tokenizer))
+    args = ["curve", "--model", str(folder), "--sizes", "1,2", "--repeats", "1", "--context", "8", "--rows", "",
+            "--draft-head", str(head), "--out", str(tmp_path / "cli")]  # fmt: skip
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "the EAGLE-3 head's forwards" in result.output
+    stored = json.loads((tmp_path / "cli" / "head-costs.json").read_text())
+    assert stored["head"] == str(head) and set(stored["fp32"]) == {"level", "read"}
+    assert stored["fp32"]["level"]["sizes"][:4] == [1, 2, 3, 4]
+
+
 def test_included_records_load_and_bad_files_are_refused(tmp_path):
     row = {"prompt_id": "GSM8K/0", "dataset": "gsm8k", "method": "lade[window=7]", "new_tokens": 9, "seconds": 1.0}
     path = tmp_path / "lade.json"

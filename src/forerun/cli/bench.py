@@ -222,12 +222,7 @@ def bench_batched(
     from forerun.bench.methods import OTHER_METHODS
     from forerun.decoder import Decoder
 
-    try:
-        sizes = [int(part) for part in sizes_text.split(",")]
-    except ValueError:
-        raise ValueError(f"--batch-size takes integers like 1,2,4,8, got {sizes_text!r}") from None
-    if not sizes or min(sizes) < 1:
-        raise ValueError(f"--batch-size values must be >= 1, got {sizes_text!r}")
+    sizes = batch_sizes(sizes_text)
     if rounds < 1:
         raise ValueError(f"--rounds must be >= 1, got {rounds}")
     skipped = [s.label for s in specs if s.method in OTHER_METHODS or s.needs_draft()]
@@ -274,6 +269,17 @@ def bench_batched(
                 f"[bold red]MISMATCH[/]: b={row.batch_size} {row.method}: {row.identical_rows}/{row.rows} rows"
             )
         raise typer.Exit(1)
+
+
+def batch_sizes(text: str) -> list[int]:
+    """--batch-size's '1,2,4,8' -> [1, 2, 4, 8]; anything but integers >= 1 is a ValueError naming the option."""
+    try:
+        sizes = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--batch-size takes integers like 1,2,4,8, got {text!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"--batch-size values must be >= 1, got {text!r}")
+    return sizes
 
 
 def gguf_of(model: str):

@@ -307,26 +307,8 @@ def translate(body: ChatRequest | CompletionRequest, limits: Limits) -> Generati
         raise refuse(field_name, f"{field_name} must be between 1 and {limits.max_tokens_limit}, got {max_tokens}")
     if body.seed is not None and not 0 <= body.seed <= 2**63 - 1:
         raise refuse("seed", f"seed must be between 0 and 2**63 - 1, got {body.seed}")
-    if body.stream_options is not None:
-        if not body.stream:
-            raise refuse("stream_options", "stream_options needs stream: true")
-        if set(body.stream_options) - {"include_usage"}:
-            raise refuse(
-                "stream_options", f"stream_options takes include_usage only, got {sorted(body.stream_options)}"
-            )
-        if not isinstance(body.stream_options.get("include_usage", False), bool):  # bool("false") is True
-            raise refuse("stream_options", "stream_options.include_usage must be true or false")
-    options = dict(body.forerun or {})
-    method = options.pop("method", limits.method)
-    knobs = options if options or method != limits.method else dict(limits.knobs)
-    try:
-        plan_method(method, knobs, limits.device_type, head=limits.head)  # a bad method or knob: refused here
-    except (ValueError, TypeError) as error:
-        raise refuse("forerun", str(error)) from None
-    allowed = limits.request_methods
-    if allowed is not None and method != limits.method and not admitted(method, allowed):
-        offered = ", ".join([limits.method, *allowed])
-        raise refuse("forerun", f"method {method!r} is not enabled on this server (it offers: {offered})")
+    check_stream_options(body)
+    method, knobs = method_of(body, limits)
     return GenerationArgs(
         prompt=prompt,
         chat=chat,
@@ -342,6 +324,35 @@ def translate(body: ChatRequest | CompletionRequest, limits: Limits) -> Generati
         include_usage=bool((body.stream_options or {}).get("include_usage", False)),
         cache_salt=cache_salt_of(body),
     )
+
+
+def check_stream_options(body: ChatRequest | CompletionRequest) -> None:
+    """`stream_options` only with `stream`, and only `include_usage`, a boolean; else an APIError naming it."""
+    if body.stream_options is None:
+        return
+    if not body.stream:
+        raise refuse("stream_options", "stream_options needs stream: true")
+    if set(body.stream_options) - {"include_usage"}:
+        raise refuse("stream_options", f"stream_options takes include_usage only, got {sorted(body.stream_options)}")
+    if not isinstance(body.stream_options.get("include_usage", False), bool):  # bool("false") is True
+        raise refuse("stream_options", "stream_options.include_usage must be true or false")
+
+
+def method_of(body: ChatRequest | CompletionRequest, limits: Limits) -> tuple[str, dict]:
+    """(method, knobs) of the request's `forerun` field (the server's own where it names none), checked and
+    admitted by the server's `request_methods`; else an APIError naming `forerun`."""
+    options = dict(body.forerun or {})
+    method = options.pop("method", limits.method)
+    knobs = options if options or method != limits.method else dict(limits.knobs)
+    try:
+        plan_method(method, knobs, limits.device_type, head=limits.head)  # a bad method or knob: refused here
+    except (ValueError, TypeError) as error:
+        raise refuse("forerun", str(error)) from None
+    allowed = limits.request_methods
+    if allowed is not None and method != limits.method and not admitted(method, allowed):
+        offered = ", ".join([limits.method, *allowed])
+        raise refuse("forerun", f"method {method!r} is not enabled on this server (it offers: {offered})")
+    return method, knobs
 
 
 def admitted(method: str, allowed: tuple[str, ...]) -> bool:
