@@ -41,9 +41,9 @@ committed (up to the tree's depth + 1), or what waited while the head sat out (`
 CONTEXT = 256
 """Committed positions in the head's slots before each measured forward (as for the target's curve)."""
 REPEATS = 5
-FORWARDS = 1
+FORWARDS = 2
 """How the head's forwards are run, part of the stored costs' key: costs stored by an older way are measured
-again."""
+again (2: on a CPU its keys and values in fp32 under a half-precision head, `runner.slots_dtype`)."""
 
 __all__ = ["DEFAULT_CACHE_DIR", "HeadCosts", "costs_path", "head_costs", "measure_head_costs"]
 

@@ -154,11 +154,11 @@ class Eagle3Attention(nn.Module):
         if visible is None:  # every new position sees the cache and the new ones before it
             past = keys.shape[1] - n
             visible = torch.ones(n, past + n, dtype=torch.bool, device=x.device).tril(past)
-        with planless_attention(x.device):
+        with planless_attention(x.device):  # in the slots' dtype (fp32 on a CPU: `runner.slots_dtype`)
             out = F.scaled_dot_product_attention(
-                q, keys[None], values[None], attn_mask=visible[None, None], enable_gqa=True
+                q.to(keys.dtype), keys[None], values[None], attn_mask=visible[None, None], enable_gqa=True
             )
-        return self.o_proj(out[0].transpose(0, 1).reshape(n, -1))
+        return self.o_proj(out[0].transpose(0, 1).reshape(n, -1).to(x.dtype))
 
 
 class Eagle3Layer(nn.Module):
