@@ -29,7 +29,15 @@ from forerun.base.packed import packed
 from forerun.base.weights import weights_kind
 from forerun.costmodel import LatencyCurve
 from forerun.head import LogitsHead
-from forerun.measured import DEFAULT_CACHE_DIR, device_name, read_json, settings_digest, synchronize, write_json
+from forerun.measured import (
+    DEFAULT_CACHE_DIR,
+    config_shape,
+    device_name,
+    read_json,
+    settings_digest,
+    synchronize,
+    write_json,
+)
 from forerun.tree import as_attention_mask
 
 __all__ = ["DEFAULT_CACHE_DIR", "curve_for", "device_name", "measure_batched", "measure_curve", "synchronize"]
@@ -50,13 +58,11 @@ BATCH_SIZES = (1, 2, 3, 4, 6, 8, 12, 16)
 
 def curve_settings(model: torch.nn.Module) -> dict[str, object]:
     """What the curve depends on: the architecture's sizes, dtype, attention, device, threads, torch."""
-    config = model.config.to_dict()
-    shape = {k: v for k, v in sorted(config.items()) if isinstance(v, (int, float, str, bool)) and "name" not in k}
     device = next(model.parameters()).device
     return (
         {
             "model": type(model).__name__,
-            "architecture": shape,
+            "architecture": config_shape(model.config),
             "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
             "attention": getattr(model.config, "_attn_implementation", None) or "eager",
             "device": device_name(device),

@@ -57,6 +57,13 @@ def cpuinfo(field: str) -> str:
     return ""
 
 
+def config_shape(config) -> dict[str, object]:
+    """A model config's plain values (sizes, flags, names of kinds), sorted, without names of models or files:
+    what a measurement of its forwards depends on."""
+    items = sorted(config.to_dict().items())
+    return {k: v for k, v in items if isinstance(v, (int, float, str, bool)) and "name" not in k}
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for queued GPU work, so a timer stops when the tokens exist (no-op on a CPU)."""
     if device.type == "cuda":

@@ -46,6 +46,7 @@ def curve(
     import torch
 
     from forerun.bench.latency import write_curves
+    from forerun.drafters.eagle3 import load_head
     from forerun.measured import machine_label, write_json
 
     size_list, row_list = int_list(sizes, "--sizes"), int_list(rows, "--rows")
@@ -70,10 +71,11 @@ def curve(
     curves, heads = {}, {}
     for label, spec in specs.items():
         lm, _, _ = spec.load()
+        head = load_head(draft_head, lm) if draft_head else None  # a bad head stops the command before measuring
         curves[label] = measure_and_keep(lm, label, size_list, row_list, context, repeats)
-        if draft_head:
-            heads[label] = measure_head_and_keep(lm, draft_head, label)
-        del lm
+        if head is not None:
+            heads[label] = measure_head_and_keep(head, label)
+        del lm, head
     print_curves(curves, f"forward latency, {context} cached tokens, {threads} thread(s), {device}")
     if heads:
         print_head_costs(heads, curves)
@@ -143,21 +145,14 @@ def print_curves(curves: dict, title: str) -> None:
             console.print(grid)
 
 
-def measure_head_and_keep(lm, draft_head: str, label: str):
-    """The EAGLE-3 head's costs over model `lm` (as a Decoder loads and runs it), measured again and stored where
-    a reproducible budget reads them."""
+def measure_head_and_keep(head, label: str):
+    """The EAGLE-3 head's costs (loaded over its target as a Decoder loads it), measured again and stored where a
+    reproducible budget reads them."""
     from forerun.config import Eagle3Config
-    from forerun.drafters.eagle3 import load_head
-    from forerun.drafters.eagle3.costs import DEFAULT_CACHE_DIR, costs_path, costs_settings, measure_head_costs
-    from forerun.measured import write_json
+    from forerun.drafters.eagle3.costs import head_costs
 
-    head = load_head(draft_head, lm)
-    topk, capture = min(Eagle3Config().topk, head.config.draft_vocab_size), True
     with console.status(f"{label}: measuring the head's forwards"):
-        costs = measure_head_costs(head, topk, capture)
-    settings = costs_settings(head, topk, capture)
-    write_json(costs_path(head, topk, capture, DEFAULT_CACHE_DIR), {"settings": settings, "costs": costs.as_dict()})
-    return costs
+        return head_costs(head, Eagle3Config().topk, capture=True, again=True)
 
 
 def print_head_costs(heads: dict, curves: dict) -> None:

@@ -33,7 +33,15 @@ from forerun.base.weights import weights_kind
 from forerun.costmodel import LatencyCurve
 from forerun.drafters.eagle3.head import Eagle3Head
 from forerun.drafters.eagle3.runner import HeadRunner
-from forerun.measured import DEFAULT_CACHE_DIR, device_name, read_json, settings_digest, synchronize, write_json
+from forerun.measured import (
+    DEFAULT_CACHE_DIR,
+    config_shape,
+    device_name,
+    read_json,
+    settings_digest,
+    synchronize,
+    write_json,
+)
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 32)
 """Rows per forward measured: a level has up to `Eagle3Config.width` rows (4 by default), a read the tokens a step
@@ -70,16 +78,14 @@ class HeadCosts:
 def costs_settings(head: Eagle3Head, topk: int, capture: bool) -> dict[str, object]:
     """What the costs depend on: the head's sizes, dtype and weights, the device, threads, torch, captured or not."""
     weight = head.fc.weight
-    config = head.config.to_dict()
-    shape = {k: v for k, v in sorted(config.items()) if isinstance(v, (int, float, str, bool)) and "name" not in k}
     return {
-        "head": shape,
+        "head": config_shape(head.config),
         "dtype": str(weight.dtype).removeprefix("torch."),
         "weights": weights_kind(head) or "dense",
         "device": device_name(weight.device),
         "threads": torch.get_num_threads() if weight.device.type == "cpu" else None,
         "torch": torch.__version__,
-        "topk": topk,
+        "topk": min(topk, head.config.draft_vocab_size),  # as the runner draws them
         "captured": capture and weight.device.type == "cuda",
         "sizes": list(SIZES),
         "forwards": FORWARDS,
@@ -94,14 +100,18 @@ def costs_path(head: Eagle3Head, topk: int, capture: bool, cache_dir: Path | str
 
 
 def head_costs(
-    head: Eagle3Head, topk: int, capture: bool, cache_dir: Path | str | None = DEFAULT_CACHE_DIR
+    head: Eagle3Head,
+    topk: int,
+    capture: bool,
+    cache_dir: Path | str | None = DEFAULT_CACHE_DIR,
+    again: bool = False,
 ) -> HeadCosts:
-    """The head's costs on this device: read from `cache_dir`, else measured now (a second or so) and stored there;
-    `cache_dir=None` measures without reading or writing any file."""
+    """The head's costs on this device: read from `cache_dir`, else (or with `again`) measured now (a second or
+    so) and stored there; `cache_dir=None` measures without reading or writing any file."""
     if cache_dir is None:
         return measure_head_costs(head, topk, capture)
     path = costs_path(head, topk, capture, cache_dir)
-    data = read_json(path)
+    data = None if again else read_json(path)
     try:
         return HeadCosts.from_dict(data["costs"])  # type: ignore[index]
     except (TypeError, KeyError, ValueError, AttributeError):
