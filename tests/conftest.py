@@ -1,4 +1,4 @@
-"""Shared fixtures: the real embedded model is loaded once per session (about 25 s on this CPU)."""
+"""Shared fixtures: the real embedded model is loaded once per session (its conversion kept: forerun.converted)."""
 
 from __future__ import annotations
 

@@ -19,7 +19,9 @@ from forerun.attention import pick_attention
 from forerun.base.gguf_codes import keep_codes
 from forerun.base.packed import check_pack, pack_weights, packable
 from forerun.base.weights import check_quantize, quantize_weights
+from forerun.converted import load_gguf
 from forerun.fetch import DEFAULT_MODELS_DIR, FETCHABLE
+from forerun.measured import DEFAULT_CACHE_DIR
 
 
 @dataclass(frozen=True)
@@ -111,6 +113,7 @@ def load_model(
     device: str = "cpu",
     quantize: str | None = None,
     pack: bool | None = None,
+    cache_dir: Path | str | None = DEFAULT_CACHE_DIR,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load (model, tokenizer) offline; GGUF weights are dequantized to `dtype` (a torch dtype, "fp32", "bf16",
     "fp16", or "auto": bf16 on a CUDA device or with `quantize`, fp32 elsewhere). `quantize="int4"`: every linear
@@ -119,7 +122,9 @@ def load_model(
     `attn_implementation="auto"`: sdpa with grouped key/value heads read in place, computed in fp32 for bf16/fp16
     weights on the CPU (`forerun.attention`); any name transformers takes. `pack`: dense linear layers laid out once
     for oneDNN's kernels (`forerun.base.packed`); None: where measured faster (a CPU with AVX-512, fp32 or bf16),
-    False: transformers' own layers, as plain `from_pretrained` gives them.
+    False: transformers' own layers, as plain `from_pretrained` gives them. A GGUF file is converted once per dtype
+    and kept under `cache_dir` (`forerun.converted`: later loads take a fraction of a second, the same weights);
+    None: converted at every load, nothing written.
 
     Raises FileNotFoundError with the install command when an embedded model's package is missing, ValueError
     for a dtype forerun does not run in.
@@ -131,32 +136,48 @@ def load_model(
     check_pack(bool(pack), device, dtype)
     attn_implementation = pick_attention(attn_implementation, device, dtype)
     location, gguf_file = resolve(name)
-    extra = {"gguf_file": gguf_file} if gguf_file else {}
-    # Dense weights, asked for outright: with the `kernels` package installed transformers would keep GGUF blocks
-    # packed and compute in fp32 (and without it, it warns that it does so for any other dtype, then dequantizes).
-    dense = {"quantization_config": GgufConfig(dequantize=True)} if gguf_file else {}
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(location, local_files_only=True, **extra)
-        model = AutoModelForCausalLM.from_pretrained(
-            location, local_files_only=True, dtype=dtype, attn_implementation=attn_implementation, **extra, **dense
+    if gguf_file:
+        gguf = Path(location) / gguf_file
+        model, tokenizer = load_gguf(
+            gguf, dtype, attn_implementation, cache_dir, lambda: convert_gguf(gguf, dtype, attn_implementation)
         )
-    except OSError as error:
-        raise FileNotFoundError(f"cannot load {name!r} offline: {error}") from error
-    except Exception as error:  # a GGUF reader fails deep inside numpy on a cut file ("cannot reshape array...")
-        if not gguf_file:
-            raise
-        path = Path(location) / gguf_file
-        raise ValueError(
-            f"cannot read GGUF file {path} ({path.stat().st_size:,} bytes): it looks truncated or corrupt "
-            f"({type(error).__name__}: {error}); fetch or copy it again"
-        ) from error
+    else:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(location, local_files_only=True)
+            model = AutoModelForCausalLM.from_pretrained(
+                location, local_files_only=True, dtype=dtype, attn_implementation=attn_implementation
+            )
+        except OSError as error:
+            raise FileNotFoundError(f"cannot load {name!r} offline: {error}") from error
     model.to(device).eval()
     if quantize is not None:
         if gguf_file and quantize == "int4":  # the file's own Q4_0/Q4_1 codes, not quantized a second time
-            keep_codes(model, Path(location) / gguf_file)
+            keep_codes(model, gguf)
         quantize_weights(model, quantize)
     if packable(device, dtype) if pack is None else pack:
         pack_weights(model)
+    return model, tokenizer
+
+
+def convert_gguf(
+    gguf: Path, dtype: torch.dtype, attn_implementation: str
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """transformers' own reading of a GGUF file: its tokenizer and its weights dequantized to `dtype`.
+
+    Raises ValueError naming the file where it is cut short or corrupt."""
+    # Dense weights, asked for outright: with the `kernels` package installed transformers would keep GGUF blocks
+    # packed and compute in fp32 (and without it, it warns that it does so for any other dtype, then dequantizes).
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, local_files_only=True, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, local_files_only=True, dtype=dtype, attn_implementation=attn_implementation,
+            gguf_file=gguf.name, quantization_config=GgufConfig(dequantize=True),
+        )  # fmt: skip
+    except Exception as error:  # a GGUF reader fails deep inside numpy on a cut file ("cannot reshape array...")
+        raise ValueError(
+            f"cannot read GGUF file {gguf} ({gguf.stat().st_size:,} bytes): it looks truncated or corrupt "
+            f"({type(error).__name__}: {error}); fetch or copy it again"
+        ) from error
     return model, tokenizer
 
 

@@ -138,21 +138,30 @@ def models_list(models_dir: str = typer.Option(str(DEFAULT_MODELS_DIR), "--dir",
 
     from rich.table import Table
 
+    from forerun.converted import kept
     from forerun.fetch import FETCHABLE
+    from forerun.measured import DEFAULT_CACHE_DIR
     from forerun.models import EMBEDDED
+
+    def converted(path: Path) -> str:
+        folders = kept(path, DEFAULT_CACHE_DIR)
+        size = sum(folders.values()) / 1e6
+        return (
+            f"; converted for {', '.join(folders)} ({size:,.0f} MB in {DEFAULT_CACHE_DIR}/converted)" if folders else ""
+        )
 
     table = Table(title="models")
     for column in ("alias", "what", "status"):
-        table.add_column(column)
+        table.add_column(column, overflow="fold")
     for name, embedded in EMBEDDED.items():
         try:
-            status = f"installed: {embedded.locate()}"
+            status = f"installed: {embedded.locate()}{converted(embedded.locate())}"
         except FileNotFoundError:
             status = f"missing: {embedded.install}"
         table.add_row(name, "embedded default", status)
     for name, model in FETCHABLE.items():
         path = model.path_in(Path(models_dir))
-        status = f"fetched: {path}" if path.is_file() else f"not fetched: forerun models fetch {name}"
+        status = f"fetched: {path}{converted(path)}" if path.is_file() else f"not fetched: forerun models fetch {name}"
         table.add_row(name, model.about, status)
     console.print(table)
 
