@@ -5,6 +5,13 @@
 >>> result = forerun.Decoder(model, tokenizer, method="auto").generate("def add(a, b):")  # doctest: +SKIP
 """
 
+# ruff: noqa: E402 (the notices are dropped before anything imports transformers)
+# isort: off
+from forerun.notices import drop_import_notices
+
+drop_import_notices()  # transformers imports torchao: forerun.notices says which lines and why
+# isort: on
+
 from forerun.base.packed import pack_weights
 from forerun.config import DraftModelConfig, Eagle3Config, EngineConfig, JacobiConfig, PromptLookupConfig, TrieConfig
 from forerun.costmodel import LatencyCurve

@@ -11,12 +11,14 @@ tensors a conversion gives (the same dequantized values, cast once), so the mode
 
 A folder appears whole or not at all (written beside it, then renamed); one that fails to load is removed and
 converted again; when the disk lacks room for it (and 1 GiB to spare) the model is converted and used, not kept.
-`cache_dir=None` converts every time and writes nothing. Deleting `~/.cache/forerun/converted` is always safe.
+`cache_dir=None` converts every time and writes nothing. With `quantize="int4"` the layers take the file's own
+4-bit codes, found through an index of its tensors kept in the folder too (`INDEX_FILE`). Deleting
+`~/.cache/forerun/converted` is always safe.
 
 Example (the first call converts and keeps; the second reads the folder):
     >>> model, tokenizer = load_model("smollm2-135m")                                        # doctest: +SKIP
     >>> sorted(p.name for p in (DEFAULT_CACHE_DIR / "converted").expanduser().iterdir())      # doctest: +SKIP
-    ['SmolLM2-135M-Instruct.Q4_1-float32-3f0c2a6e1b7d9c44']
+    ['SmolLM2-135M-Instruct.Q4_1-float32-5658d911f324dac6']
 """
 
 from __future__ import annotations
@@ -44,6 +46,9 @@ SOURCE_FILE = "forerun-source.json"
 """What a folder was converted from (`source_of`), written last inside it."""
 SPARE_BYTES = 1 << 30
 """Disk left free after a folder is written, or it is not written."""
+INDEX_FILE = "forerun-gguf-index.json"
+"""Where each tensor lies in the file (`forerun.base.gguf_codes.Places`), kept beside the converted model for
+`quantize="int4"`, whose layers take the file's own 4-bit codes: without it every load parses the metadata again."""
 STALE_SECONDS = 24 * 3600
 """A half-written folder (its writer killed) older than this is swept away by the next writer."""
 
@@ -54,8 +59,8 @@ def folder_for(gguf: Path, dtype: torch.dtype, cache_dir: Path | str) -> Path:
     """Where the conversion of `gguf` to `dtype` is kept: one folder per file (by its resolved path) and dtype.
 
     Example:
-        >>> folder_for(Path("/models/a.Q4_0.gguf"), torch.bfloat16, "/cache").name[:23]
-        'a.Q4_0-bfloat16-a4e4c5f'
+        >>> folder_for(Path("/models/a.Q4_0.gguf"), torch.bfloat16, "/cache")
+        PosixPath('/cache/converted/a.Q4_0-bfloat16-91c91a550292f7a4')
     """
     dtype_name = str(dtype).removeprefix("torch.")
     digest = settings_digest({"path": str(gguf.expanduser().resolve())})
@@ -77,6 +82,15 @@ def kept(gguf: Path, cache_dir: Path | str) -> dict[str, int]:
         for folder in sorted(folders)
         if (folder / SOURCE_FILE).is_file()
     }
+
+
+def index_for(gguf: Path, dtype: torch.dtype, cache_dir: Path | str | None) -> Path | None:
+    """Where `gguf`'s tensor index is kept (`INDEX_FILE`, in the folder of its conversion to `dtype`); None where
+    nothing is kept (no `cache_dir`, or no folder: the disk was full)."""
+    if cache_dir is None:
+        return None
+    folder = folder_for(gguf, dtype, cache_dir)
+    return folder / INDEX_FILE if (folder / SOURCE_FILE).is_file() else None
 
 
 def source_of(gguf: Path) -> dict[str, object]:
@@ -115,11 +129,7 @@ def load_gguf(
 def read_folder(folder: Path, source: dict[str, object], dtype: torch.dtype, attn_implementation: str) -> Loaded | None:
     """The model and tokenizer kept in `folder` when it was converted from `source`; None where there is no such
     folder, or it was converted from something else or fails to load (then it is removed, to be written again)."""
-    try:
-        kept = json.loads((folder / SOURCE_FILE).read_text())
-    except (OSError, ValueError):
-        kept = None
-    if kept != source:
+    if recorded(folder) != source:
         if folder.exists():
             logger.info("forerun: %s was converted from another file or transformers; converting again", folder)
             remove(folder)
@@ -137,6 +147,14 @@ def read_folder(folder: Path, source: dict[str, object], dtype: torch.dtype, att
     return model, tokenizer
 
 
+def recorded(folder: Path) -> object:
+    """What `folder` records it was converted from (`source_of`), or None where it records nothing readable."""
+    try:
+        return json.loads((folder / SOURCE_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def keep(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, folder: Path, source: dict[str, object]) -> bool:
     """Write `model` and `tokenizer` to `folder` (whole or not at all: beside it, then renamed). False, with
     nothing written, where the disk lacks room or writing fails (the caller still has the model)."""
@@ -152,6 +170,9 @@ def keep(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, folder: Pat
         model.save_pretrained(partial)
         tokenizer.save_pretrained(partial)
         (partial / SOURCE_FILE).write_text(json.dumps(source))
+        if recorded(folder) == source:  # another process kept the same conversion meanwhile: leave it be read
+            remove(partial)
+            return True
         remove(folder)  # a stale folder (another source), if any
         partial.rename(folder)
         return True

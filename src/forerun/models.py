@@ -19,7 +19,7 @@ from forerun.attention import pick_attention
 from forerun.base.gguf_codes import keep_codes
 from forerun.base.packed import check_pack, pack_weights, packable
 from forerun.base.weights import check_quantize, quantize_weights
-from forerun.converted import load_gguf
+from forerun.converted import index_for, load_gguf
 from forerun.fetch import DEFAULT_MODELS_DIR, FETCHABLE
 from forerun.measured import DEFAULT_CACHE_DIR
 
@@ -152,7 +152,7 @@ def load_model(
     model.to(device).eval()
     if quantize is not None:
         if gguf_file and quantize == "int4":  # the file's own Q4_0/Q4_1 codes, not quantized a second time
-            keep_codes(model, gguf)
+            keep_codes(model, gguf, index_for(gguf, dtype, cache_dir))
         quantize_weights(model, quantize)
     if packable(device, dtype) if pack is None else pack:
         pack_weights(model)

@@ -19,7 +19,7 @@ from transformers import PreTrainedTokenizerFast
 
 import forerun
 from forerun import converted
-from forerun.converted import SOURCE_FILE, folder_for, load_gguf
+from forerun.converted import INDEX_FILE, SOURCE_FILE, folder_for, load_gguf
 from forerun.measured import config_shape
 
 from tiny_models import VOCAB, tiny_model
@@ -158,6 +158,21 @@ def test_a_failed_write_leaves_no_folder_half_written(gguf, tmp_path, monkeypatc
     assert list((cache / "converted").iterdir()) == []
 
 
+def test_a_conversion_another_process_kept_meanwhile_is_left_in_place(gguf, tmp_path):
+    cache = tmp_path / "cache"
+    folder = folder_for(gguf, torch.float32, cache)
+    theirs = {}
+
+    def converted_while_another_process_keeps_it():
+        assert converted.keep(*Conversions()(), folder, converted.source_of(gguf))
+        theirs["inode"] = (folder / "model.safetensors").stat().st_ino
+        return Conversions()()
+
+    load_gguf(gguf, torch.float32, "sdpa", cache, converted_while_another_process_keeps_it)
+    assert (folder / "model.safetensors").stat().st_ino == theirs["inode"]  # not replaced under a reader
+    assert [p.name for p in folder.parent.iterdir()] == [folder.name]  # and nothing half-written left
+
+
 def test_stale_half_written_folders_are_swept_and_fresh_ones_left(gguf, tmp_path):
     cache = tmp_path / "cache"
     stale = cache / "converted" / "tiny.Q4_0-float32-0123456789abcdef.partial-1-deadbeef"
@@ -184,3 +199,17 @@ def test_the_embedded_file_kept_loads_as_its_conversion(tmp_path):
     assert kept_tokenizer(text).input_ids == tokenizer(text).input_ids
     templated = [tok.apply_chat_template(chat, tokenize=False) for tok in (tokenizer, kept_tokenizer)]
     assert templated[0] == templated[1] and "Add type hints" in templated[0]
+
+
+@pytest.mark.real_model
+def test_int4_reads_the_files_codes_through_the_kept_index(tmp_path, monkeypatch):
+    from test_gguf_codes import same_int4
+
+    from forerun.base import gguf_codes
+
+    model, _ = forerun.load_model("smollm2-135m", quantize="int4", cache_dir=tmp_path)  # converts, keeps, indexes
+    monkeypatch.setattr(gguf_codes, "read_places", lambda _: pytest.fail("the GGUF metadata was parsed again"))
+    kept, _ = forerun.load_model("smollm2-135m", quantize="int4", cache_dir=tmp_path)
+    assert same_int4(model, kept)
+    (folder,) = (tmp_path / "converted").iterdir()  # int4 starts from the bf16 conversion, beside its index
+    assert "bfloat16" in folder.name and (folder / INDEX_FILE).is_file()

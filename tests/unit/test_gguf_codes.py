@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import numpy as np
@@ -10,7 +11,8 @@ import torch
 from gguf import GGMLQuantizationType, dequantize, quantize
 
 import forerun
-from forerun.base.gguf_codes import Codes, block_codes, int4_weight, keep_codes, mismatch
+from forerun.base import gguf_codes
+from forerun.base.gguf_codes import Codes, Place, Places, block_codes, int4_weight, keep_codes, mismatch
 from forerun.base.weights import dense, quantize_weights, weights_kind
 from forerun.models import resolve
 
@@ -68,3 +70,45 @@ def test_the_embedded_q4_1_file_keeps_its_codes_in_every_layer():
     assert dense(model.lm_head.weight)
     quantize_weights(model, "int4")  # the rest: the output matrix, quantized by torchao
     assert not dense(model.lm_head.weight) and weights_kind(model) == "int4"
+
+
+def test_places_round_trip_and_read_their_bytes(tmp_path):
+    path = tmp_path / "blob.gguf"
+    path.write_bytes(bytes(range(256)))
+    places = Places("llama", {"a.weight": Place("Q4_1", 10, 4), "b.weight": Place("F32", 200, 8)})
+    again = Places.from_json(places.to_json())
+    assert again == places
+    assert again.raw(path, "a.weight").tolist() == [10, 11, 12, 13] and again.raw(path, "c.weight") is None
+
+
+def same_int4(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    pairs = [(x.weight, y.weight) for x, y in zip(a.modules(), b.modules(), strict=True) if hasattr(x, "weight")]
+    return all(
+        torch.equal(x.qdata, y.qdata) and torch.equal(x.scale_and_zero, y.scale_and_zero)
+        if hasattr(x, "qdata")
+        else torch.equal(x, y)
+        for x, y in pairs
+    )
+
+
+@pytest.mark.real_model
+def test_codes_found_through_a_kept_index_are_the_files(tmp_path, monkeypatch):
+    dense_model, _ = forerun.load_model("smollm2-135m", dtype="bf16", pack=False)
+    location, gguf_file = resolve("smollm2-135m")
+    path, index = Path(location) / gguf_file, tmp_path / "index.json"
+    first = copy.deepcopy(dense_model)
+    kept = keep_codes(first, path, index)  # parses the file, keeps the index
+    assert index.is_file() and len(kept.kept) == 210
+
+    def no_parsing(_):
+        raise AssertionError("the file's metadata was parsed again")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(gguf_codes, "read_places", no_parsing)
+        again = copy.deepcopy(dense_model)
+        assert keep_codes(again, path, index) == kept
+    assert same_int4(first, again)
+    index.write_text('{"architecture": "llama", "tensors": {"x": [')  # damaged: the file is read again
+    third = copy.deepcopy(dense_model)
+    assert keep_codes(third, path, index) == kept and same_int4(first, third)
+    assert Places.from_json(index.read_text()) == gguf_codes.read_places(path)  # and the index written whole again

@@ -17,7 +17,9 @@ Example:
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,29 +109,97 @@ class Kept:
     left: tuple[tuple[str, str], ...]
 
 
-def keep_codes(model: torch.nn.Module, path: Path | str) -> Kept:
-    """Give every linear layer of `model` (loaded dense from the GGUF file `path`) whose tensor is Q4_0/Q4_1 the
-    file's codes; the others are left as they are (listed with the reason). A block that does not match the dense
-    weight transformers loaded (an unexpected layout) is left too, never kept wrong."""
-    from gguf import MODEL_ARCH_NAMES, GGUFReader, get_tensor_name_map
+@dataclass(frozen=True)
+class Place:
+    """Where one tensor's bytes lie in a GGUF file: its kind ("Q4_1", "Q8_0", "F32"...), first byte and length."""
+
+    kind: str
+    offset: int
+    size: int
+
+
+@dataclass(frozen=True)
+class Places:
+    """A GGUF file's architecture and the place of every tensor (`read_places`), kept as a small JSON file beside
+    the converted model (`load_model`) so that a later load reads the codes without parsing the file's metadata."""
+
+    architecture: str
+    tensors: dict[str, Place]
+
+    def raw(self, path: Path, name: str) -> np.ndarray | None:
+        """The bytes of tensor `name` (uint8, read from `path` as needed), or None where the file has no such one."""
+        place = self.tensors.get(name)
+        return None if place is None else np.memmap(path, np.uint8, "r", place.offset, (place.size,))
+
+    def to_json(self) -> str:
+        tensors = {name: [p.kind, p.offset, p.size] for name, p in self.tensors.items()}
+        return json.dumps({"architecture": self.architecture, "tensors": tensors})
+
+    @classmethod
+    def from_json(cls, text: str) -> Places:
+        data = json.loads(text)
+        tensors = {
+            name: Place(str(kind), int(offset), int(size)) for name, (kind, offset, size) in data["tensors"].items()
+        }
+        return cls(str(data["architecture"]), tensors)
+
+
+def read_places(path: Path | str) -> Places:
+    """Every tensor's place in the GGUF file `path` (gguf's reader: it parses all the metadata, seconds for a
+    large vocabulary)."""
+    from gguf import GGUFReader
 
     reader = GGUFReader(str(path))
     architecture = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
+    tensors = {t.name: Place(t.tensor_type.name, int(t.data_offset), int(t.n_bytes)) for t in reader.tensors}
+    return Places(architecture, tensors)
+
+
+def places_of(path: Path, index: Path | None) -> Places:
+    """The places of `path`'s tensors: read from `index` (a JSON file `Places.to_json` wrote for this very file)
+    where it holds them, else from the file itself, then written to `index` (through a renamed temporary file)."""
+    if index is not None:
+        try:
+            return Places.from_json(index.read_text())
+        except (OSError, ValueError, KeyError, TypeError):  # not written yet, or damaged: read the file again
+            pass
+    places = read_places(path)
+    if index is not None and index.parent.is_dir():
+        temporary = index.with_name(f"{index.name}.tmp-{os.getpid()}")
+        try:
+            temporary.write_text(places.to_json())
+            temporary.replace(index)
+        except OSError as error:  # a full disk: the next load reads the file again
+            logger.warning("the GGUF tensor index was not kept in %s: %s", index, error)
+            temporary.unlink(missing_ok=True)
+    return places
+
+
+def keep_codes(model: torch.nn.Module, path: Path | str, index: Path | None = None) -> Kept:
+    """Give every linear layer of `model` (loaded dense from the GGUF file `path`) whose tensor is Q4_0/Q4_1 the
+    file's codes; the others are left as they are (listed with the reason). A block that does not match the dense
+    weight transformers loaded (an unexpected layout) is left too, never kept wrong. `index`: where the file's
+    tensor places are kept between loads (`places_of`; None: read from the file each time)."""
+    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
+
+    path = Path(path)
+    places = places_of(path, index)
+    architecture = places.architecture
     arch = next((key for key, value in MODEL_ARCH_NAMES.items() if value == architecture), None)
     if arch is None:
         return Kept((), (("*", f"gguf does not know architecture {architecture!r}"),))
     names = get_tensor_name_map(arch, model.config.num_hidden_layers)
-    tensors = {t.name: t for t in reader.tensors}
     kept, left = [], []
     for module_name, module in model.named_modules():
         if not isinstance(module, torch.nn.Linear):
             continue
-        tensor = tensors.get(f"{names.get_name(module_name)}.weight")
-        reason = why_not(module, tensor)
+        tensor_name = f"{names.get_name(module_name)}.weight"
+        place = places.tensors.get(tensor_name)
+        reason = why_not(module, place)
         if reason is None:
             rows, columns = module.weight.shape
-            codes = block_codes(tensor.data, tensor.tensor_type.name, rows, columns)
-            order = row_order(model, architecture, tensor.name, rows)
+            codes = block_codes(places.raw(path, tensor_name), place.kind, rows, columns)
+            order = row_order(model, architecture, tensor_name, rows)
             if order is None:
                 reason = f"transformers' {architecture} processor does more than reorder rows"
             else:
@@ -144,11 +214,11 @@ def keep_codes(model: torch.nn.Module, path: Path | str) -> Kept:
     return Kept(tuple(kept), tuple(left))
 
 
-def why_not(module: torch.nn.Linear, tensor) -> str | None:
-    """None if `tensor` (a GGUF tensor or None) holds `module`'s weight as Q4 blocks that can be kept."""
-    if tensor is None:
+def why_not(module: torch.nn.Linear, place: Place | None) -> str | None:
+    """None if the tensor at `place` (None: not in the file) holds `module`'s weight as Q4 blocks that can be kept."""
+    if place is None:
         return "not in the file (tied to another tensor)"
-    kind = tensor.tensor_type.name
+    kind = place.kind
     if kind not in BLOCK_BYTES:
         return f"stored as {kind}"
     if module.weight.shape[1] % GROUP or type(module.weight) is not torch.nn.Parameter:
