@@ -157,16 +157,17 @@ def recorded(folder: Path) -> object:
 
 def keep(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, folder: Path, source: dict[str, object]) -> bool:
     """Write `model` and `tokenizer` to `folder` (whole or not at all: beside it, then renamed). False, with
-    nothing written, where the disk lacks room or writing fails (the caller still has the model)."""
+    nothing written, where the disk lacks room or the cache cannot be written (a read-only home, a full disk,
+    a path through a file): the caller still has the model, and the next load converts again."""
     needed = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    sweep(folder.parent)
-    if shutil.disk_usage(folder.parent).free < needed + SPARE_BYTES:
-        logger.warning("forerun: not keeping the converted model (%.0f MB) in %s: too little disk free; it will be "
-                       "converted again next time", needed / 1e6, folder.parent)  # fmt: skip
-        return False
     partial = folder.with_name(f"{folder.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        sweep(folder.parent)
+        if shutil.disk_usage(folder.parent).free < needed + SPARE_BYTES:
+            logger.warning("forerun: not keeping the converted model (%.0f MB) in %s: too little disk free; it "
+                           "will be converted again next time", needed / 1e6, folder.parent)  # fmt: skip
+            return False
         model.save_pretrained(partial)
         tokenizer.save_pretrained(partial)
         (partial / SOURCE_FILE).write_text(json.dumps(source))
@@ -176,7 +177,7 @@ def keep(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, folder: Pat
         remove(folder)  # a stale folder (another source), if any
         partial.rename(folder)
         return True
-    except OSError as error:  # a full disk, or another process that kept the same folder first
+    except OSError as error:  # an unwritable cache, a full disk, another process's folder in the way
         logger.warning("forerun: the converted model was not kept in %s: %s", folder, error)
         remove(partial)
         return False

@@ -146,6 +146,17 @@ def test_too_little_disk_keeps_nothing_and_still_loads(gguf, tmp_path, monkeypat
     assert list((cache / "converted").iterdir()) == []
 
 
+def test_a_cache_that_cannot_be_written_still_loads(gguf, tmp_path, caplog):
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a folder")  # as a read-only home would refuse the cache's folders
+    conversions = Conversions()
+    with caplog.at_level(logging.WARNING, logger="forerun.converted"):
+        model, _ = load(gguf, blocked / "cache", conversions)
+        load(gguf, blocked / "cache", conversions)
+    assert isinstance(model, torch.nn.Module) and conversions.count == 2
+    assert "was not kept" in caplog.text and "Not a directory" in caplog.text
+
+
 def test_a_failed_write_leaves_no_folder_half_written(gguf, tmp_path, monkeypatch, caplog):
     def full_disk(*args, **kwargs):
         raise OSError(28, "No space left on device")
