@@ -9,7 +9,8 @@ was made from (the file's size and modification time, transformers' version): a 
 transformers, converts afresh over it, so there is one folder per file and dtype. The folder's weights are the very
 tensors a conversion gives (the same dequantized values, cast once), so the model is the same bit for bit.
 
-A folder appears whole or not at all (written beside it, then renamed); one that fails to load is removed and
+A folder is kept only where it reads back as the conversion (config, tokenizer: `reads_back_otherwise`), and
+appears whole or not at all (written beside it, then renamed); one that fails to load is removed and
 converted again; when the disk lacks room for it (and 1 GiB to spare) the model is converted and used, not kept.
 `cache_dir=None` converts every time and writes nothing. With `quantize="int4"` the layers take the file's own
 4-bit codes, found through an index of its tensors kept in the folder too (`INDEX_FILE`). Deleting
@@ -34,7 +35,7 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from forerun.measured import settings_digest
 
@@ -170,6 +171,11 @@ def keep(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, folder: Pat
             return False
         model.save_pretrained(partial)
         tokenizer.save_pretrained(partial)
+        unfaithful = reads_back_otherwise(partial, model, tokenizer)
+        if unfaithful is not None:  # a conversion transformers cannot round-trip: used now, never kept wrong
+            logger.warning("forerun: the converted model was not kept: %s", unfaithful)
+            remove(partial)
+            return False
         (partial / SOURCE_FILE).write_text(json.dumps(source))
         if recorded(folder) == source:  # another process kept the same conversion meanwhile: leave it be read
             remove(partial)
@@ -181,6 +187,32 @@ def keep(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, folder: Pat
         logger.warning("forerun: the converted model was not kept in %s: %s", folder, error)
         remove(partial)
         return False
+
+
+PROBE_TEXT = "Hello, world!\n\tdef f(x): return x ** 2  # 12345 ünïcödé 漢字 🙂"
+"""Text a kept tokenizer must split as the converted one does."""
+
+
+def reads_back_otherwise(folder: Path, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> str | None:
+    """None where `folder` (just written) reads back as `model`'s config and `tokenizer`, else what differs (an
+    architecture whose GGUF conversion holds something a transformers folder does not keep)."""
+    ours, theirs = config_values(model.config), config_values(AutoConfig.from_pretrained(folder, local_files_only=True))
+    if ours != theirs:
+        keys = sorted(k for k in ours | theirs if ours.get(k) != theirs.get(k))
+        return f"its config reads back otherwise ({', '.join(keys)})"
+    if tokenizer_facts(AutoTokenizer.from_pretrained(folder, local_files_only=True)) != tokenizer_facts(tokenizer):
+        return "its tokenizer reads back otherwise (size, special tokens, chat template or how it splits text)"
+    return None
+
+
+def config_values(config) -> dict[str, object]:
+    """A config's values but the name of where it was read from."""
+    return {k: v for k, v in config.to_dict().items() if "name_or_path" not in k}
+
+
+def tokenizer_facts(tokenizer: PreTrainedTokenizerBase) -> tuple:
+    """What a kept tokenizer must share with the converted one."""
+    return len(tokenizer), tokenizer.all_special_ids, tokenizer.chat_template, tokenizer(PROBE_TEXT).input_ids
 
 
 def sweep(converted: Path) -> None:

@@ -157,6 +157,35 @@ def test_a_cache_that_cannot_be_written_still_loads(gguf, tmp_path, caplog):
     assert "was not kept" in caplog.text and "Not a directory" in caplog.text
 
 
+@pytest.mark.parametrize("part", ["config", "tokenizer"])
+def test_a_conversion_that_reads_back_otherwise_is_not_kept(gguf, tmp_path, monkeypatch, caplog, part):
+    # As an architecture whose converted config or tokenizer a transformers folder does not hold whole would.
+    if part == "config":
+        read = converted.AutoConfig.from_pretrained
+
+        def otherwise(folder, **kwargs):
+            config = read(folder, **kwargs)
+            config.rope_theta = 1.0
+            return config
+
+        monkeypatch.setattr(converted.AutoConfig, "from_pretrained", otherwise)
+    else:
+        read = converted.AutoTokenizer.from_pretrained
+
+        def otherwise(folder, **kwargs):
+            tokenizer = read(folder, **kwargs)
+            tokenizer.chat_template = "{{ messages }}"
+            return tokenizer
+
+        monkeypatch.setattr(converted.AutoTokenizer, "from_pretrained", otherwise)
+    conversions, cache = Conversions(), tmp_path / "cache"
+    with caplog.at_level(logging.WARNING, logger="forerun.converted"):
+        model, _ = load(gguf, cache, conversions)
+    assert isinstance(model, torch.nn.Module) and "was not kept" in caplog.text
+    assert ("rope_theta" if part == "config" else "its tokenizer reads back otherwise") in caplog.text
+    assert list((cache / "converted").iterdir()) == []
+
+
 def test_a_failed_write_leaves_no_folder_half_written(gguf, tmp_path, monkeypatch, caplog):
     def full_disk(*args, **kwargs):
         raise OSError(28, "No space left on device")
