@@ -114,12 +114,13 @@ def load_gguf(
     The loaded model and tokenizer name the GGUF file's folder (`name_or_path`), as a conversion does."""
     if cache_dir is None:
         return convert()
-    folder = folder_for(gguf, dtype, cache_dir)
-    loaded = read_folder(folder, source_of(gguf), dtype, attn_implementation)
+    folder, source = folder_for(gguf, dtype, cache_dir), source_of(gguf)
+    loaded = read_folder(folder, source, dtype, attn_implementation)
     if loaded is None:
         started = time.perf_counter()
         loaded = convert()
-        if keep(*loaded, folder, source_of(gguf)):
+        # recorded as the file was before converting: one replaced meanwhile reads as another source next time
+        if keep(*loaded, folder, source):
             logger.info("forerun: %s converted in %.1f s and kept in %s", gguf.name, time.perf_counter() - started,
                         folder)  # fmt: skip
     model, tokenizer = loaded

@@ -164,7 +164,7 @@ def convert_gguf(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """transformers' own reading of a GGUF file: its tokenizer and its weights dequantized to `dtype`.
 
-    Raises ValueError naming the file where it is cut short or corrupt."""
+    Raises ValueError naming the file where it is cut short or corrupt, FileNotFoundError where it cannot be read."""
     # Dense weights, asked for outright: with the `kernels` package installed transformers would keep GGUF blocks
     # packed and compute in fp32 (and without it, it warns that it does so for any other dtype, then dequantizes).
     try:
@@ -173,6 +173,8 @@ def convert_gguf(
             gguf.parent, local_files_only=True, dtype=dtype, attn_implementation=attn_implementation,
             gguf_file=gguf.name, quantization_config=GgufConfig(dequantize=True),
         )  # fmt: skip
+    except OSError as error:  # unreadable, or (from transformers) something it would have had to download
+        raise FileNotFoundError(f"cannot load {gguf} offline: {error}") from error
     except Exception as error:  # a GGUF reader fails deep inside numpy on a cut file ("cannot reshape array...")
         raise ValueError(
             f"cannot read GGUF file {gguf} ({gguf.stat().st_size:,} bytes): it looks truncated or corrupt "

@@ -93,6 +93,22 @@ def test_a_replaced_file_converts_again_over_its_folder(gguf, tmp_path):
     assert len(list((cache / "converted").iterdir())) == 1
 
 
+def test_a_file_replaced_while_it_converts_converts_again_next_time(gguf, tmp_path):
+    conversions, cache = Conversions(), tmp_path / "cache"
+
+    def replaced_meanwhile():
+        pair = conversions()
+        if conversions.count == 1:
+            gguf.write_bytes(b"GGUF stand-in, replaced while the old one converted")
+            os.utime(gguf, ns=(gguf.stat().st_atime_ns, gguf.stat().st_mtime_ns + 10**9))
+        return pair
+
+    load_gguf(gguf, torch.float32, "sdpa", cache, replaced_meanwhile)
+    load_gguf(gguf, torch.float32, "sdpa", cache, replaced_meanwhile)
+    load_gguf(gguf, torch.float32, "sdpa", cache, replaced_meanwhile)
+    assert conversions.count == 2  # the kept folder said "the file as it was before": the new one converts once
+
+
 def test_another_transformers_converts_again(gguf, tmp_path, monkeypatch):
     conversions, cache = Conversions(), tmp_path / "cache"
     load(gguf, cache, conversions)
