@@ -10,6 +10,8 @@ back after each). `subclass` and `direct` must give identical logits (asserted);
 
     python benchmarks/step_overhead.py --quantize int4 --threads 1 --compiled \
         --out benchmarks/results/step-overhead-int4-epyc.json
+    python benchmarks/step_overhead.py --quantize int4 --threads 1 --compiled --cpp-wrapper --repeats 7 \
+        --out benchmarks/results/step-overhead-int4-cpp-wrapper-epyc.json
 """
 
 from __future__ import annotations
@@ -62,6 +64,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--compiled", action="store_true", help="also time the compiled forward (minutes)")
+    wrapper_help = "compile with inductor's C++ wrapper (no Python between its kernels; ~10 min cold)"
+    parser.add_argument("--cpp-wrapper", action="store_true", help=wrapper_help)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -73,6 +77,7 @@ def main() -> None:
     with torch.inference_mode():
         if args.compiled:
             options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+            options |= {"cpp_wrapper": True} if args.cpp_wrapper else {}
             ways["compiled"] = (direct, torch.compile(direct.forward, dynamic=True, options=options))
             started = time.perf_counter()
             for context, tokens in SHAPES:
@@ -101,6 +106,7 @@ def main() -> None:
         "cpu": platform.processor() or platform.machine(),
         "torch": torch.__version__,
         "compile_seconds": compile_seconds,
+        "cpp_wrapper": args.cpp_wrapper,
         "rows": rows,
     }
     if args.out:
