@@ -64,8 +64,12 @@ def folder_for(gguf: Path, dtype: torch.dtype, cache_dir: Path | str) -> Path:
         PosixPath('/cache/converted/a.Q4_0-bfloat16-91c91a550292f7a4')
     """
     dtype_name = str(dtype).removeprefix("torch.")
-    digest = settings_digest({"path": str(gguf.expanduser().resolve())})
-    return Path(cache_dir).expanduser() / "converted" / f"{gguf.stem}-{dtype_name}-{digest}"
+    return Path(cache_dir).expanduser() / "converted" / f"{gguf.stem}-{dtype_name}-{path_digest(gguf)}"
+
+
+def path_digest(gguf: Path) -> str:
+    """16 hex digits naming the file by its resolved path (two files of one name in two folders: two digests)."""
+    return settings_digest({"path": str(gguf.expanduser().resolve())})
 
 
 def kept(gguf: Path, cache_dir: Path | str) -> dict[str, int]:
@@ -76,7 +80,7 @@ def kept(gguf: Path, cache_dir: Path | str) -> dict[str, int]:
         >>> kept(Path("/models/never-loaded.gguf"), "/no/such/cache")
         {}
     """
-    digest = folder_for(gguf, torch.float32, cache_dir).name.rpartition("-")[2]
+    digest = path_digest(gguf)
     folders = (Path(cache_dir).expanduser() / "converted").glob(f"{gguf.stem}-*-{digest}")
     return {
         folder.name[len(gguf.stem) + 1 : -len(digest) - 1]: sum(f.stat().st_size for f in folder.iterdir())

@@ -17,14 +17,14 @@ Example:
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from forerun.measured import read_json, write_json
 
 logger = logging.getLogger(__name__)
 
@@ -131,13 +131,12 @@ class Places:
         place = self.tensors.get(name)
         return None if place is None else np.memmap(path, np.uint8, "r", place.offset, (place.size,))
 
-    def to_json(self) -> str:
+    def as_dict(self) -> dict[str, object]:
         tensors = {name: [p.kind, p.offset, p.size] for name, p in self.tensors.items()}
-        return json.dumps({"architecture": self.architecture, "tensors": tensors})
+        return {"architecture": self.architecture, "tensors": tensors}
 
     @classmethod
-    def from_json(cls, text: str) -> Places:
-        data = json.loads(text)
+    def from_dict(cls, data: dict) -> Places:
         tensors = {
             name: Place(str(kind), int(offset), int(size)) for name, (kind, offset, size) in data["tensors"].items()
         }
@@ -156,22 +155,18 @@ def read_places(path: Path | str) -> Places:
 
 
 def places_of(path: Path, index: Path | None) -> Places:
-    """The places of `path`'s tensors: read from `index` (a JSON file `Places.to_json` wrote for this very file)
-    where it holds them, else from the file itself, then written to `index` (through a renamed temporary file)."""
-    if index is not None:
-        try:
-            return Places.from_json(index.read_text())
-        except (OSError, ValueError, KeyError, TypeError):  # not written yet, or damaged: read the file again
-            pass
+    """The places of `path`'s tensors: read from `index` (a JSON file of `Places.as_dict` written for this very
+    file) where it holds them, else from the file itself, then kept in `index` where its folder still is."""
+    try:
+        return Places.from_dict(read_json(index) if index is not None else None)  # type: ignore[arg-type]
+    except (TypeError, KeyError, ValueError):  # no index, not written yet, or damaged: read the file again
+        pass
     places = read_places(path)
     if index is not None and index.parent.is_dir():
-        temporary = index.with_name(f"{index.name}.tmp-{os.getpid()}")
         try:
-            temporary.write_text(places.to_json())
-            temporary.replace(index)
+            write_json(index, places.as_dict())
         except OSError as error:  # a full disk: the next load reads the file again
             logger.warning("the GGUF tensor index was not kept in %s: %s", index, error)
-            temporary.unlink(missing_ok=True)
     return places
 
 
