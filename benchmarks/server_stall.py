@@ -26,7 +26,7 @@ import forerun
 from forerun.bench.datasets import load_dataset
 from forerun.server import ServerConfig, create_app
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "e2e"))
 from test_server import LiveServer  # noqa: E402  (the tests' loopback uvicorn runner)
 
 
