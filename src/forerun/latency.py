@@ -205,6 +205,35 @@ def load_curve(path: Path) -> LatencyCurve | None:
         return None
 
 
+def kept_as_measured(curve: LatencyCurve | None, base: object | None) -> LatencyCurve | None:
+    """`curve` as read from its file where it holds what `curve_for` measures (every size of `SIZES`, or each size up
+    to a static base's largest bucket; batched rows `BATCH_ROWS` at `BATCH_SIZES`); its single-row part alone where
+    only the batched part differs; None where the single-row part differs (then it is measured again).
+
+    A curve of other sizes under the same key (a `forerun curve --sizes 1` of an older forerun stored its one size
+    there) would price every step on what it holds: with one size nothing larger is ever fed, and a model never
+    drafts again, silently.
+
+    Example:
+        >>> kept_as_measured(LatencyCurve((1,), (0.05,)), None) is None
+        True
+        >>> full = LatencyCurve(SIZES, tuple(0.01 + 0.001 * n for n in SIZES))
+        >>> odd_rows = full.with_batches(((2, LatencyCurve((1, 2), (0.02, 0.03))),))
+        >>> kept_as_measured(full, None) is full, kept_as_measured(odd_rows, None).batched
+        (True, ())
+    """
+    if curve is None:
+        return None
+    sizes = tuple(SIZES) if base is None else tuple(range(1, base.largest + 1))
+    if curve.sizes != sizes:
+        return None
+    rows = tuple(count for count, _ in curve.batched)
+    row_sizes = {row_curve.sizes for _, row_curve in curve.batched}
+    if curve.batched and (rows != BATCH_ROWS or (base is None and row_sizes != {BATCH_SIZES})):
+        return curve.with_batches(())  # measured again when a batch asks for it
+    return curve
+
+
 def curve_for(
     model: torch.nn.Module,
     cache_dir: Path | str | None = DEFAULT_CACHE_DIR,
@@ -223,7 +252,7 @@ def curve_for(
         curve = measure()
         return curve.with_batches(batches_of(model, base)) if batched else curve
     path = curve_path(model, cache_dir, base)
-    curve = load_curve(path)
+    curve = kept_as_measured(load_curve(path), base)
     missing = curve is None or (batched and not curve.batched)
     if curve is None:
         curve = measure()

@@ -16,7 +16,7 @@ from forerun.bench.peers import DenseGeneratePeer
 from forerun.bench.records import NOISE_FLOOR, Record, load_records, mismatch_lines, noise_floor_lines
 from forerun.bench.runner import encode, run_interleaved
 from forerun.cli import app
-from forerun.latency import measure_curve
+from forerun.latency import SIZES, measure_curve
 from forerun.measured import device_name
 from forerun.models import DTYPES, load_model, resolve
 
@@ -211,7 +211,6 @@ def test_cli_bench_writes_tables_json_and_plots(model, tokenizer, tmp_path):
 
 def test_latency_curve_shape_and_outputs(model, tmp_path):
     from forerun.cli import CURVE_SIZES
-    from forerun.latency import SIZES
 
     assert CURVE_SIZES == ",".join(map(str, SIZES))  # `forerun curve` measures what the cost model measures
     curve = measure_curve(model, sizes=(1, 2, 4), context=16, repeats=2)
@@ -225,7 +224,7 @@ def test_latency_curve_shape_and_outputs(model, tmp_path):
         measure_curve(model, sizes=(0, 2))
 
 
-def test_batched_curves_are_measured_plotted_and_stored_by_the_curve_command(model, tokenizer, tmp_path):
+def test_batched_curves_are_measured_plotted_and_stored_by_the_curve_command(model, tokenizer, tmp_path, monkeypatch):
     from forerun.latency import measure_batched
 
     batched = measure_batched(model, rows=(4, 2), sizes=(2, 4), context=8, repeats=1)
@@ -239,12 +238,21 @@ def test_batched_curves_are_measured_plotted_and_stored_by_the_curve_command(mod
     folder = tmp_path / "tiny"
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # where the cost model's curves are kept
+    kept = tmp_path / "home" / ".cache" / "forerun" / "latency"
     args = ["curve", "--model", str(folder), "--sizes", "1,2", "--repeats", "1", "--context", "8", "--rows", "2,3"]
     result = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "cli")])
     assert result.exit_code == 0, result.output
     assert "rows x tokens per row" in result.output
     stored = json.loads((tmp_path / "cli" / "latency.json").read_text())["curves"]["fp32"]
     assert set(stored["batched"]) == {"2", "3"}
+    # other sizes, context or rows than the cost model measures: not its file (a curve of few sizes stops drafting)
+    assert "not kept for the cost model" in " ".join(result.output.split()) and not kept.exists()
+    result = CliRunner().invoke(app, ["curve", "--model", str(folder), "--repeats", "1", "--rows", "", "--out",
+                                      str(tmp_path / "cli")])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    (path,) = kept.glob("*.json")
+    assert json.loads(path.read_text())["sizes"] == list(SIZES)
 
 
 def test_the_curve_command_measures_and_stores_a_heads_forwards_by_rows(model, tokenizer, tmp_path):

@@ -411,6 +411,27 @@ def test_curve_is_measured_once_then_read_from_the_cache(model, tmp_path, monkey
     assert latency.curve_for(model, tmp_path).sizes == first.sizes
 
 
+def test_a_kept_curve_of_other_sizes_is_measured_again_not_priced_on(model, tmp_path):
+    """A curve of one size under the cost model's key (an older `forerun curve --sizes 1` stored one there) made
+    every later Decoder feed the root alone: no method drafted again. It is measured again; a batched part of other
+    rows is measured again when a batch asks for it."""
+    from forerun import latency
+    from forerun.costmodel import LatencyCurve
+
+    path = latency.curve_path(model, tmp_path)
+    latency.save_curve(LatencyCurve((1,), (0.05,)), path, latency.curve_settings(model))
+    assert latency.curve_for(model, tmp_path).sizes == latency.SIZES
+    assert latency.load_curve(path).sizes == latency.SIZES  # and kept so
+    full = latency.load_curve(path)
+    odd_rows = full.with_batches(((2, LatencyCurve((1, 2), (0.02, 0.03))), (3, LatencyCurve((1, 2), (0.03, 0.04)))))
+    latency.save_curve(odd_rows, path, latency.curve_settings(model))
+    assert latency.curve_for(model, tmp_path) == full  # its own sizes, rows dropped
+    batched = latency.curve_for(model, tmp_path, batched=True)
+    assert [rows for rows, _ in batched.batched] == list(latency.BATCH_ROWS)
+    decoder = forerun.Decoder(model, None, "prompt_lookup", latency_cache=tmp_path)
+    assert decoder.budget.max_nodes > 1
+
+
 def test_a_curve_measured_with_grouped_masked_attention_is_another_curve(monkeypatch):
     """Under transformers' TRANSFORMERS_SDPA_FORCE_GQA=1 a tree forward skips a copy of the cache per query head: its
     curve is another file; without the switch the settings (and the names of curves already measured) are as before.

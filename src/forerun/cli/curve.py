@@ -39,7 +39,8 @@ def curve(
     draft_head: str = HEAD,
 ) -> None:
     """Measure the forward-latency curve(s) (latency vs tokens per forward, and with several rows per forward):
-    latency.json and latency.png, and the file the cost model reads for this model, dtype, device and threads.
+    latency.json and latency.png, and the file the cost model reads for this model, dtype, device and threads
+    (only a curve measured as the cost model measures it: the default sizes and context, rows 2,4,8 or none).
     With --draft-head, the EAGLE-3 head's forwards by rows too (head-costs.json)."""
     from pathlib import Path
 
@@ -100,7 +101,10 @@ def int_list(text: str, flag: str) -> list[int]:
 def measure_and_keep(lm, label: str, sizes: list[int], rows: list[int], context: int, repeats: int):
     """The curve of model `lm` (and its batched curves over `rows` rows), stored where the cost model reads it."""
     from forerun.latency import (
+        BATCH_ROWS,
+        CONTEXT,
         DEFAULT_CACHE_DIR,
+        SIZES,
         curve_path,
         curve_settings,
         measure_batched,
@@ -113,7 +117,15 @@ def measure_and_keep(lm, label: str, sizes: list[int], rows: list[int], context:
     if rows:
         with console.status(f"{label}: measuring batches of {','.join(map(str, rows))} rows"):
             measured = measured.with_batches(measure_batched(lm, rows, context=context, repeats=repeats))
-    save_curve(measured, curve_path(lm, DEFAULT_CACHE_DIR), curve_settings(lm))
+    # The cost model prices every step on the file it reads: only what it would measure itself goes there (a curve
+    # of one size there would stop all drafting).
+    if measured.sizes == SIZES and context == CONTEXT and tuple(sorted(set(rows))) in ((), BATCH_ROWS):
+        save_curve(measured, curve_path(lm, DEFAULT_CACHE_DIR), curve_settings(lm))
+    else:
+        console.print(
+            f"{label}: not kept for the cost model, which measures sizes {','.join(map(str, SIZES))} after "
+            f"{CONTEXT} cached tokens and rows {','.join(map(str, BATCH_ROWS))} (or none); written to --out only"
+        )
     return measured
 
 
