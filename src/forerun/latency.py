@@ -25,7 +25,7 @@ from transformers import DynamicCache
 
 from forerun.attention import sdpa_like
 from forerun.base.kernels import KernelLinear
-from forerun.base.packed import packed
+from forerun.base.packed import packed, row_table
 from forerun.base.weights import weights_kind
 from forerun.costmodel import LatencyCurve
 from forerun.head import LogitsHead
@@ -80,9 +80,13 @@ def weights_settings(model: torch.nn.Module) -> dict[str, str]:
     """{'weights': 'int4'} for quantized weights (their curve is their own), else {} (existing names kept); with
     'kernels': 'direct' where their layers call the kernel themselves (`forerun.base.kernels`: a step without the
     subclass's dispatch costs less, so a curve measured through it misprices one); 'packed': True where dense layers
-    are laid out for oneDNN (`forerun.base.packed`)."""
+    are laid out for oneDNN (`forerun.base.packed`), with 'rows' where they compute a few rows as more
+    (`forerun.base.packed_rows`)."""
     kind = weights_kind(model)
     laid_out = {"packed": True} if packed(model) else {}  # oneDNN's layout: cheaper forwards, trees the most
+    table = row_table(model)
+    if any(n != m for m, n in enumerate(table)):  # a few rows computed as more: another curve
+        laid_out["rows"] = list(table)
     if not kind:
         return laid_out
     direct = any(isinstance(module, KernelLinear) for module in model.modules())

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTra
 
 from forerun.attention import pick_attention
 from forerun.base.gguf_codes import keep_codes
-from forerun.base.packed import check_pack, pack_weights, packable
+from forerun.base.packed import check_pack, lay_out_rows, pack_weights, packable
 from forerun.base.weights import check_quantize, quantize_weights
 from forerun.converted import index_for, load_gguf
 from forerun.fetch import DEFAULT_MODELS_DIR, FETCHABLE
@@ -122,9 +122,10 @@ def load_model(
     `attn_implementation="auto"`: sdpa with grouped key/value heads read in place, computed in fp32 for bf16/fp16
     weights on the CPU (`forerun.attention`); any name transformers takes. `pack`: dense linear layers laid out once
     for oneDNN's kernels (`forerun.base.packed`); None: where measured faster (a CPU with AVX-512, fp32 or bf16),
-    False: transformers' own layers, as plain `from_pretrained` gives them. A GGUF file is converted once per dtype
-    and kept under `cache_dir` (`forerun.converted`: later loads take a fraction of a second, the same weights);
-    None: converted at every load, nothing written.
+    False: transformers' own layers, as plain `from_pretrained` gives them. Laid-out layers compute a product of a
+    few rows as more rows where this CPU measured that faster (`forerun.base.packed_rows`, kept under `cache_dir`).
+    A GGUF file is converted once per dtype and kept under `cache_dir` (`forerun.converted`: later loads take a
+    fraction of a second, the same weights); None: converted at every load, nothing written.
 
     Raises FileNotFoundError with the install command when an embedded model's package is missing, ValueError
     for a dtype forerun does not run in.
@@ -156,6 +157,7 @@ def load_model(
         quantize_weights(model, quantize)
     if packable(device, dtype) if pack is None else pack:
         pack_weights(model)
+        lay_out_rows(model, cache_dir)  # a few rows computed as more where this CPU does that faster
     return model, tokenizer
 
 

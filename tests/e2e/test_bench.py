@@ -8,7 +8,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from typer.testing import CliRunner
 
-from forerun.base.packed import packed
+from forerun.base.packed import packable, packed
 from forerun.bench.datasets import load_dataset
 from forerun.bench.latency import write_curves
 from forerun.bench.methods import parse_methods
@@ -253,6 +253,8 @@ def test_batched_curves_are_measured_plotted_and_stored_by_the_curve_command(mod
     assert result.exit_code == 0, result.output
     (path,) = kept.glob("*.json")
     assert json.loads(path.read_text())["sizes"] == list(SIZES)
+    if packable("cpu", torch.float32):  # load_model laid the layers out and measured their row table
+        assert list((tmp_path / "home" / ".cache" / "forerun" / "packed-rows").glob("float32-*.json"))
 
 
 def test_the_curve_command_measures_and_stores_a_heads_forwards_by_rows(model, tokenizer, tmp_path):

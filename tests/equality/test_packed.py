@@ -47,6 +47,37 @@ def test_fp32_on_packed_weights_equals_generate_of_the_packed_model(family, meth
     assert drafted > 0  # trees were verified through the packed layers, not only 1-token steps
 
 
+FORCED_ROWS = (0, 4, 4, 5, 4, 5, 6, 7, 8)
+"""A row table computing 1 and 2 rows as 4, 3 as 5 (`forerun.base.packed_rows`), whatever this CPU measured."""
+
+
+@functools.lru_cache(maxsize=8)
+def model_with_rows(family: str, dtype: str) -> torch.nn.Module:
+    model = tiny_model(family, "sdpa").to(DTYPES[dtype])
+    assert pack_weights(model) > 0
+    for layer in model.modules():
+        if isinstance(layer, PackedLinear):
+            layer.rows = FORCED_ROWS
+    return model
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma"])
+def test_a_few_rows_computed_as_more_change_no_token(family):
+    """Layers computing 1-3 rows as 4-5: forerun writes what plain generate of the same model writes (fp32, every
+    token; bf16, up to ties), the steps of every size going through them."""
+    for dtype in DTYPES:
+        model = model_with_rows(family, dtype)
+        decoder = forerun.Decoder(model, None, "auto", latency=CURVE)
+        for prompt in prompts(3):
+            expected, logits = reference(model, prompt)
+            got = decoder.generate(prompt, 40, eos_token_id=[]).new_tokens
+            if dtype == "fp32":
+                assert got == expected, family
+            else:
+                divergence = first_divergence(expected, got, logits, model.dtype)
+                assert divergence is None or divergence.is_tie, (family, divergence)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_bf16_on_packed_weights_differs_from_generate_only_at_ties(family):
     model = packed_model(family, "bf16")

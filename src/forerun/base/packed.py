@@ -23,10 +23,14 @@ Example (a [64, 32] layer: 64 outputs, 32 inputs):
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 
 from forerun.base.kernels import replace_linears
+from forerun.base.packed_rows import rows_for
+from forerun.measured import DEFAULT_CACHE_DIR
 
 PACKED_ROWS = 16
 """The rows a product is laid out for (oneDNN's hint): a tree or a batch of a few to 16 tokens."""
@@ -34,13 +38,17 @@ DTYPES = (torch.float32, torch.bfloat16)
 
 
 class PackedLinear(torch.nn.Linear):
-    """A linear layer whose matrix oneDNN has laid out once: x [..., in] -> [..., out], in the weight's dtype."""
+    """A linear layer whose matrix oneDNN has laid out once: x [..., in] -> [..., out], in the weight's dtype.
+
+    `rows`: per row count m (index m), the rows a product of m rows is computed as (`forerun.base.packed_rows`:
+    zero rows added, the first m kept); empty: as many as asked."""
 
     def __init__(self, linear: torch.nn.Linear) -> None:
         super().__init__(linear.in_features, linear.out_features, bias=False, device="meta")
         laid_out = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), PACKED_ROWS)
         self.weight = torch.nn.Parameter(laid_out, requires_grad=False)
         self.bias = linear.bias
+        self.rows: tuple[int, ...] = ()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
@@ -48,7 +56,20 @@ class PackedLinear(torch.nn.Linear):
             return F.linear(x, weight, self.bias)
         if x.dtype != weight.dtype or torch.is_autocast_enabled("cpu") or x.requires_grad:
             return F.linear(x, weight.to_dense(), self.bias)  # autocast's casts and autograd's graph are F.linear's
-        return torch.ops.mkldnn._linear_pointwise(x, weight, self.bias, "none", [], "")
+        count = x.numel() // self.in_features
+        if count >= len(self.rows) or self.rows[count] == count:
+            return self.product(x)
+        return self.product(x, self.rows[count])
+
+    def product(self, x: torch.Tensor, rows: int = 0) -> torch.Tensor:
+        """oneDNN's product of x [..., in] with the laid-out matrix; with `rows` more than x's m rows, computed as
+        `rows` rows (zeros after x's) and the first m kept."""
+        if rows:
+            count = x.numel() // self.in_features
+            flat = x.reshape(count, self.in_features)
+            padded = torch.cat([flat, flat.new_zeros(rows - count, self.in_features)])
+            return self.product(padded)[:count].reshape(*x.shape[:-1], self.out_features)
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
 
 def packable(device: torch.device | str, dtype: torch.dtype) -> bool:
@@ -84,6 +105,24 @@ def pack_weights(model: torch.nn.Module) -> int:
         return PackedLinear(layer) if plain and weight.dtype in DTYPES and weight.device.type == "cpu" else None
 
     return replace_linears(model, laid_out)
+
+
+def lay_out_rows(model: torch.nn.Module, cache_dir: Path | str | None = DEFAULT_CACHE_DIR) -> tuple[int, ...]:
+    """Give every laid-out layer of `model` the row table measured for them on this CPU (`packed_rows.rows_for`,
+    stored under `cache_dir`); returns it (empty where no layer is laid out)."""
+    layers = [module for module in model.modules() if isinstance(module, PackedLinear)]
+    layers = [layer for layer in layers if layer.weight.layout == torch._mkldnn]
+    if not layers:
+        return ()
+    table = rows_for(layers, cache_dir)
+    for layer in layers:
+        layer.rows = table
+    return table
+
+
+def row_table(model: torch.nn.Module) -> tuple[int, ...]:
+    """The row table `model`'s laid-out layers compute by (empty: as many rows as asked)."""
+    return next((module.rows for module in model.modules() if isinstance(module, PackedLinear)), ())
 
 
 def packed(model: torch.nn.Module) -> bool:

@@ -1,0 +1,123 @@
+"""How many rows a laid-out layer computes for a product of a few rows: as many as it is asked, or more where this
+CPU computes more for less.
+
+oneDNN picks its kernel for a laid-out matrix by the number of rows it multiplies, and on some CPUs the kernels for
+one or two rows stream the weights more slowly than those for three or four: on an AVX-512 EPYC in fp32 (1 thread,
+SmolLM2-135M's 211 layers, weights read from memory as in a forward) 1 row took ~40 ms, 2 rows ~48 and 4 rows
+~33 (docs/benchmarks.md). A product of m rows there is computed as one of `rows[m]` rows, the extra rows zero, and
+its first m rows kept: each output row is the same dot products of its own input row, whatever rows sit beside it,
+so the numbers are the kernel's for `rows[m]` rows. Plain generate of a model loaded this way runs the same layers,
+so forerun's text is still compared with the same model's.
+
+The table is measured once per layer shapes, dtype, device, thread count and torch version (a second or two: every
+laid-out layer of the model in turn, at 1 to `MOST_ROWS` rows) and kept under `~/.cache/forerun/packed-rows/`.
+
+Example (1 row measured dearer than 4, 2 rows dearer than 3; 5 rows no cheaper than 6 by enough):
+    >>> fastest_rows({1: 0.040, 2: 0.048, 3: 0.034, 4: 0.033, 5: 0.036, 6: 0.035, 7: 0.05, 8: 0.06})
+    (0, 4, 4, 3, 4, 5, 6, 7, 8)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from forerun.measured import DEFAULT_CACHE_DIR, device_name, read_json, settings_digest, write_json
+
+MOST_ROWS = 8
+"""Products of up to this many rows may be computed as more rows (up to this many)."""
+MARGIN = 0.9
+"""More rows are computed only where they measured at most this share of the rows asked for: a tie keeps the
+kernel the product would have had."""
+VERSION = 1
+
+
+def fastest_rows(seconds: Mapping[int, float]) -> tuple[int, ...]:
+    """Per row count m (index m; index 0 unused): the row count m' >= m with the least measured time, where that is
+    at most `MARGIN` of m's own, else m. `seconds`: measured time per row count 1..n."""
+    most = max(seconds)
+    table = [0]
+    for m in range(1, most + 1):
+        best = min(range(m, most + 1), key=lambda n: (seconds[n], n))
+        table.append(best if seconds[best] <= MARGIN * seconds[m] else m)
+    return tuple(table)
+
+
+@torch.inference_mode()
+def time_rows(layers: list[torch.nn.Module], pairs: list[tuple[int, int]], repeats: int = 3) -> dict:
+    """Seconds of one pass through every layer of `layers` per (m, n) of `pairs`: m rows computed as n (each layer
+    fed its own input, one after another as a forward feeds them, so the weights come from memory, not from a cache
+    that held them a moment before; the zero rows' cost included). The fastest of `repeats` interleaved rounds
+    after a warm-up round."""
+    weight = layers[0].weight
+    inputs = {
+        (m, n): torch.randn(m, n, generator=torch.Generator().manual_seed(m), dtype=torch.float32).to(weight.dtype)
+        for m in {m for m, _ in pairs}
+        for n in {layer.in_features for layer in layers}
+    }
+    samples: dict[tuple[int, int], list[float]] = {pair: [] for pair in pairs}
+    for _ in range(repeats + 1):
+        for m, n in pairs:
+            started = time.perf_counter()
+            for layer in layers:
+                layer.product(inputs[m, layer.in_features], 0 if n == m else n)
+            samples[m, n].append(time.perf_counter() - started)
+    return {pair: min(times[1:]) for pair, times in samples.items()}
+
+
+def measure_table(layers: list[torch.nn.Module]) -> tuple[tuple[int, ...], dict[int, float], dict[int, float]]:
+    """The row table for `layers`, the seconds per row count as asked, and those of each count computed as the
+    table's choice: the choice from the products alone (`fastest_rows`), then kept only where, zero rows included,
+    it measured at most `MARGIN` of the count as asked."""
+    plain = {m: s for (m, _), s in time_rows(layers, [(m, m) for m in range(1, MOST_ROWS + 1)]).items()}
+    chosen = fastest_rows(plain)
+    padded = time_rows(
+        layers, [pair for m in range(1, MOST_ROWS + 1) for pair in ((m, m), (m, chosen[m])) if chosen[m] != m]
+    )
+    as_chosen = {m: padded[m, n] for m, n in enumerate(chosen) if m and n != m}
+    table = tuple(n if m == 0 or n == m or as_chosen[m] <= MARGIN * padded[m, m] else m for m, n in enumerate(chosen))
+    return table, plain, as_chosen
+
+
+def rows_for(layers: list[torch.nn.Module], cache_dir: Path | str | None = DEFAULT_CACHE_DIR) -> tuple[int, ...]:
+    """The row table (`fastest_rows`) for these laid-out `layers`: read from `cache_dir`, else measured now and
+    stored there (None: measured, nothing read or written)."""
+    weight = layers[0].weight
+    settings = {
+        "layers": [[layer.out_features, layer.in_features] for layer in layers],
+        "dtype": str(weight.dtype).removeprefix("torch."),
+        "device": device_name(weight.device),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "version": VERSION,
+    }
+    name = f"{settings['dtype']}-t{settings['threads']}-{settings_digest(settings)}.json"
+    path = None if cache_dir is None else Path(cache_dir).expanduser() / "packed-rows" / name
+    stored = read_json(path) if path is not None else None
+    table = stored.get("rows") if stored is not None else None
+    if valid(table):
+        return tuple(table)
+    table, plain, as_chosen = measure_table(layers)
+    if path is not None:
+        record = {"rows": list(table), "ms": {m: s * 1e3 for m, s in plain.items()}}
+        record["ms_as_more"] = {m: s * 1e3 for m, s in as_chosen.items()}
+        try:
+            write_json(path, {"settings": settings, **record})
+        except OSError:
+            pass  # a read-only home: the table still serves this process
+    return table
+
+
+def valid(table: object) -> bool:
+    """Whether `table` is a row table: index 0 is 0, and each m maps to m..MOST_ROWS (a damaged file is measured
+    again)."""
+    return (
+        isinstance(table, list)
+        and len(table) == MOST_ROWS + 1
+        and all(type(n) is int for n in table)
+        and table[0] == 0
+        and all(m <= n <= MOST_ROWS for m, n in enumerate(table) if m)
+    )
