@@ -77,3 +77,6 @@ def test_a_model_takes_its_table_and_its_curve_is_its_own(tmp_path, monkeypatch)
     assert curve_settings(model)["rows"] == [0, 4, 4, 3, 4, 5, 6, 7, 8] and "rows" not in before
     plain = tiny_model("llama", "sdpa")
     assert lay_out_rows(plain, tmp_path) == () and row_table(plain) == ()  # nothing laid out: nothing measured
+    half = tiny_model("llama", "sdpa").to(torch.bfloat16)
+    pack_weights(half)
+    assert lay_out_rows(half, tmp_path) == () and row_table(half) == ()  # bf16: measured no gain end to end

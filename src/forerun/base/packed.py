@@ -108,11 +108,14 @@ def pack_weights(model: torch.nn.Module) -> int:
 
 
 def lay_out_rows(model: torch.nn.Module, cache_dir: Path | str | None = DEFAULT_CACHE_DIR) -> tuple[int, ...]:
-    """Give every laid-out layer of `model` the row table measured for them on this CPU (`packed_rows.rows_for`,
-    stored under `cache_dir`); returns it (empty where no layer is laid out)."""
+    """Give every laid-out fp32 layer of `model` the row table measured for them on this CPU
+    (`packed_rows.rows_for`, stored under `cache_dir`); returns it (empty where no fp32 layer is laid out).
+
+    fp32 only: in bf16 on the AVX-512 EPYC the layers alone measured 2 rows cheaper computed as 4, but end to end
+    generate gained nothing and `auto` lost 4-5% (`benchmarks/packed_rows.py`), where fp32 gained 8% in both."""
     layers = [module for module in model.modules() if isinstance(module, PackedLinear)]
     layers = [layer for layer in layers if layer.weight.layout == torch._mkldnn]
-    if not layers:
+    if not layers or any(layer.weight.dtype != torch.float32 for layer in layers):
         return ()
     table = rows_for(layers, cache_dir)
     for layer in layers:
