@@ -112,7 +112,7 @@ def lay_out_rows(model: torch.nn.Module, cache_dir: Path | str | None = DEFAULT_
     (`packed_rows.rows_for`, stored under `cache_dir`); returns it (empty where no fp32 layer is laid out).
 
     fp32 only: in bf16 on the AVX-512 EPYC the layers alone measured 2 rows cheaper computed as 4, but end to end
-    generate gained nothing and `auto` lost 4-5% (`benchmarks/packed_rows.py`), where fp32 gained 8% in both."""
+    generate gained nothing and `auto` lost 4-5% (`benchmarks/packed_rows.py`), where fp32 generate gained 5-10%."""
     layers = [module for module in model.modules() if isinstance(module, PackedLinear)]
     layers = [layer for layer in layers if layer.weight.layout == torch._mkldnn]
     if not layers or any(layer.weight.dtype != torch.float32 for layer in layers):
