@@ -47,16 +47,18 @@ def fastest_rows(seconds: Mapping[int, float]) -> tuple[int, ...]:
 
 
 @torch.inference_mode()
-def time_rows(layers: list[torch.nn.Module], pairs: list[tuple[int, int]], repeats: int = 3) -> dict:
+def time_rows(
+    layers: list[torch.nn.Module], pairs: list[tuple[int, int]], repeats: int = 3
+) -> dict[tuple[int, int], float]:
     """Seconds of one pass through every layer of `layers` per (m, n) of `pairs`: m rows computed as n (each layer
     fed its own input, one after another as a forward feeds them, so the weights come from memory, not from a cache
     that held them a moment before; the zero rows' cost included). The fastest of `repeats` interleaved rounds
     after a warm-up round."""
     weight = layers[0].weight
     inputs = {
-        (m, n): torch.randn(m, n, generator=torch.Generator().manual_seed(m), dtype=torch.float32).to(weight.dtype)
+        (m, width): torch.randn(m, width, generator=torch.Generator().manual_seed(m)).to(weight.dtype)
         for m in {m for m, _ in pairs}
-        for n in {layer.in_features for layer in layers}
+        for width in {layer.in_features for layer in layers}
     }
     samples: dict[tuple[int, int], list[float]] = {pair: [] for pair in pairs}
     for _ in range(repeats + 1):
