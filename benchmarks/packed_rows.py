@@ -9,6 +9,8 @@ every `auto` output is identical to generate of the same configuration (fp32) or
 
     python benchmarks/packed_rows.py --dtypes fp32,bf16 --n 2 --threads 1 \
         --out benchmarks/results/packed-rows-epyc-avx512.json
+    python benchmarks/packed_rows.py --dtypes fp32 --n 1 --max-new-tokens 64 --batch-rows 2 --threads 1 \
+        --out benchmarks/results/packed-rows-batch2-epyc-avx512.json
 """
 
 from __future__ import annotations
@@ -74,6 +76,31 @@ def run_dtype(dtype: str, n: int, new_tokens: int) -> dict:
     return {"table": list(table), "tokens_per_second": rates, "identical_or_tie": same, "prompts": len(prompts)}
 
 
+def run_batch(dtype: str, rows: int, new_tokens: int, rounds: int = 3) -> dict:
+    """forerun `plain` on one batch of `rows` GSM8K prompts, as asked and with the table, interleaved `rounds` times:
+    a batch's undrafted step multiplies `rows` rows (2 rows: computed as the table says)."""
+    model, tokenizer = forerun.load_model("smollm2-135m", dtype=dtype)
+    layers = [layer for layer in model.modules() if isinstance(layer, PackedLinear)]
+    configs = {"as asked": (), "table": row_table(model) or rows_for(layers)}
+    decoders = {}
+    for name, table in configs.items():
+        set_rows(model, table)
+        decoders[name] = forerun.Decoder(model, tokenizer, "plain")
+    prompts = [p.messages[-1]["content"] for p in load_dataset("gsm8k", rows)]
+    spent, texts = dict.fromkeys(configs, 0.0), {}
+    for _ in range(rounds):
+        for name, table in configs.items():
+            set_rows(model, table)
+            seconds, results = timed(decoders[name].generate, prompts, new_tokens, chat=True)
+            spent[name] += seconds
+            texts[name] = [result.text for result in results]
+    return {
+        "rows": rows,
+        "seconds": {k: v / rounds for k, v in spent.items()},
+        "same_text": len(set(map(tuple, texts.values()))) == 1,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtypes", default="fp32,bf16")
@@ -81,6 +108,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--batch-rows", type=int, default=0, help="Also time forerun `plain` on a batch of this many.")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     report = {"machine": machine_label(torch.device("cpu")), "threads": args.threads, "dtypes": {}}
@@ -95,6 +123,14 @@ def main() -> None:
         print(f"| {dtype} | {found['table'][1:4]} | {r['generate as asked']:.1f} | {r['generate table']:.1f} "
               f"({gain['generate']:.2f}x) | {r['auto as asked']:.1f} | {r['auto table']:.1f} ({gain['auto']:.2f}x) "
               f"| {found['identical_or_tie']} |", flush=True)  # fmt: skip
+    if args.batch_rows:
+        for dtype in args.dtypes.split(","):
+            found = run_batch(dtype, args.batch_rows, args.max_new_tokens)
+            report["dtypes"][dtype]["batch"] = found
+            seconds = found["seconds"]
+            print(f"{dtype}, `plain`, a batch of {args.batch_rows}: {seconds['as asked']:.2f} s as asked, "
+                  f"{seconds['table']:.2f} s with the table ({seconds['as asked'] / seconds['table']:.2f}x), "
+                  f"same text: {found['same_text']}")  # fmt: skip
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
 
