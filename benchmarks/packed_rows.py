@@ -45,7 +45,8 @@ def timed(call, *args, **kwargs):
     return time.perf_counter() - started, out
 
 
-def run_dtype(dtype: str, n: int, new_tokens: int) -> dict:
+def configured(dtype: str, method: str):
+    """The model, its tokenizer, the two configurations ({name: row table}) and a Decoder of `method` for each."""
     model, tokenizer = forerun.load_model("smollm2-135m", dtype=dtype)
     layers = [layer for layer in model.modules() if isinstance(layer, PackedLinear)]
     table = row_table(model) or rows_for(layers)  # bf16: measured here (load_model gives only fp32 layers one)
@@ -53,7 +54,13 @@ def run_dtype(dtype: str, n: int, new_tokens: int) -> dict:
     decoders = {}
     for name, rows in configs.items():
         set_rows(model, rows)  # each Decoder measures (or reads) the curve of its own configuration
-        decoders[name] = forerun.Decoder(model, tokenizer, "auto")
+        decoders[name] = forerun.Decoder(model, tokenizer, method)
+    return model, tokenizer, configs, decoders
+
+
+def run_dtype(dtype: str, n: int, new_tokens: int) -> dict:
+    model, tokenizer, configs, decoders = configured(dtype, "auto")
+    table = configs["table"]
     seconds = {f"{kind} {name}": 0.0 for kind in ("generate", "auto") for name in configs}
     tokens, same = dict.fromkeys(seconds, 0), {name: True for name in configs}
     prompts = [p for dataset in DATASETS for p in load_dataset(dataset, n)]
@@ -79,13 +86,7 @@ def run_dtype(dtype: str, n: int, new_tokens: int) -> dict:
 def run_batch(dtype: str, rows: int, new_tokens: int, rounds: int = 3) -> dict:
     """forerun `plain` on one batch of `rows` GSM8K prompts, as asked and with the table, interleaved `rounds` times:
     a batch's undrafted step multiplies `rows` rows (2 rows: computed as the table says)."""
-    model, tokenizer = forerun.load_model("smollm2-135m", dtype=dtype)
-    layers = [layer for layer in model.modules() if isinstance(layer, PackedLinear)]
-    configs = {"as asked": (), "table": row_table(model) or rows_for(layers)}
-    decoders = {}
-    for name, table in configs.items():
-        set_rows(model, table)
-        decoders[name] = forerun.Decoder(model, tokenizer, "plain")
+    model, _, configs, decoders = configured(dtype, "plain")
     prompts = [p.messages[-1]["content"] for p in load_dataset("gsm8k", rows)]
     spent, texts = dict.fromkeys(configs, 0.0), {}
     for _ in range(rounds):

@@ -57,15 +57,13 @@ class PackedLinear(torch.nn.Linear):
         if x.dtype != weight.dtype or torch.is_autocast_enabled("cpu") or x.requires_grad:
             return F.linear(x, weight.to_dense(), self.bias)  # autocast's casts and autograd's graph are F.linear's
         count = x.numel() // self.in_features
-        if count >= len(self.rows) or self.rows[count] == count:
-            return self.product(x)
-        return self.product(x, self.rows[count])
+        return self.product(x, self.rows[count] if count < len(self.rows) else 0)
 
     def product(self, x: torch.Tensor, rows: int = 0) -> torch.Tensor:
-        """oneDNN's product of x [..., in] with the laid-out matrix; with `rows` more than x's m rows, computed as
-        `rows` rows (zeros after x's) and the first m kept."""
-        if rows:
-            count = x.numel() // self.in_features
+        """oneDNN's product of x [..., in] with the laid-out matrix; where `rows` is more than x's m rows, computed
+        as `rows` rows (zeros after x's) and the first m kept."""
+        count = x.numel() // self.in_features if rows else 0
+        if rows > count:
             flat = x.reshape(count, self.in_features)
             padded = torch.cat([flat, flat.new_zeros(rows - count, self.in_features)])
             return self.product(padded)[:count].reshape(*x.shape[:-1], self.out_features)

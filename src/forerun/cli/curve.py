@@ -107,6 +107,7 @@ def measure_and_keep(lm, label: str, sizes: list[int], rows: list[int], context:
         SIZES,
         curve_path,
         curve_settings,
+        kept_as_measured,
         measure_batched,
         measure_curve,
         save_curve,
@@ -119,7 +120,7 @@ def measure_and_keep(lm, label: str, sizes: list[int], rows: list[int], context:
             measured = measured.with_batches(measure_batched(lm, rows, context=context, repeats=repeats))
     # The cost model prices every step on the file it reads: only what it would measure itself goes there (a curve
     # of one size there would stop all drafting).
-    if measured.sizes == SIZES and context == CONTEXT and tuple(sorted(set(rows))) in ((), BATCH_ROWS):
+    if context == CONTEXT and kept_as_measured(measured, None) is measured:
         save_curve(measured, curve_path(lm, DEFAULT_CACHE_DIR), curve_settings(lm))
     else:
         console.print(
