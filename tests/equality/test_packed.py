@@ -52,8 +52,8 @@ FORCED_ROWS = (0, 4, 4, 5, 4, 5, 6, 7, 8)
 
 
 @functools.lru_cache(maxsize=8)
-def model_with_rows(family: str, dtype: str) -> torch.nn.Module:
-    model = tiny_model(family, "sdpa").to(DTYPES[dtype])
+def model_with_rows(family: str, dtype: str, attention: str = "sdpa") -> torch.nn.Module:
+    model = tiny_model(family, attention).to(DTYPES[dtype])
     assert pack_weights(model) > 0
     for layer in model.modules():
         if isinstance(layer, PackedLinear):
@@ -61,12 +61,13 @@ def model_with_rows(family: str, dtype: str) -> torch.nn.Module:
     return model
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gemma"])
-def test_a_few_rows_computed_as_more_change_no_token(family):
+def test_a_few_rows_computed_as_more_change_no_token(family, attention):
     """Layers computing 1-3 rows as 4-5: forerun writes what plain generate of the same model writes (fp32, every
     token; bf16, up to ties), the steps of every size going through them."""
     for dtype in DTYPES:
-        model = model_with_rows(family, dtype)
+        model = model_with_rows(family, dtype, attention)
         decoder = forerun.Decoder(model, None, "auto", latency=CURVE)
         for prompt in prompts(3):
             expected, logits = reference(model, prompt)
