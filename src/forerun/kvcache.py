@@ -38,7 +38,7 @@ def check_tree_cache(cache: object, max_len: int, model_name: str) -> None:
                     f"{model_name}: layer {index} has a sliding window of {layer.sliding_window} tokens, shorter "
                     f"than prompt + new tokens + tree ({max_len}); tree decoding would drop context"
                 )
-        elif type(layer) is not DynamicLayer:
+        elif type(layer) not in FULL_LAYERS:
             raise UnsupportedCacheError(
                 f"{model_name}: cache layer {index} is {type(layer).__name__}, which cannot keep a "
                 "non-contiguous accepted path"
@@ -46,13 +46,13 @@ def check_tree_cache(cache: object, max_len: int, model_name: str) -> None:
 
 
 def plain_layers(cache: object) -> bool:
-    """Whether every layer of `cache` is a plain full-attention `DynamicLayer` (a per-token prefix of the text; a
-    DynamicCache made without a config adds such layers as it goes)."""
+    """Whether every layer of `cache` is a plain full-attention layer, `DynamicLayer` or `RoomyLayer` (a per-token
+    prefix of the text; a DynamicCache made without a config adds such layers as it goes)."""
     if not isinstance(cache, DynamicCache):
         return False
     if not cache.layers:
-        return getattr(cache, "layer_class_to_replicate", None) is DynamicLayer
-    return all(type(layer) is DynamicLayer for layer in cache.layers)
+        return getattr(cache, "layer_class_to_replicate", None) in FULL_LAYERS
+    return all(type(layer) in FULL_LAYERS for layer in cache.layers)
 
 
 def keep_accepted(cache: DynamicCache, prefix_len: int, kept_nodes: list[int]) -> None:
@@ -134,6 +134,11 @@ class RoomyLayer(DynamicLayer):
         self.keys = self.appended(0, self.keys, key_states)
         self.values = self.appended(1, self.values, value_states)
         return self.keys, self.values
+
+
+FULL_LAYERS = (DynamicLayer, RoomyLayer)
+"""The full-attention layer kinds whose entries are a per-token prefix of the text (not sliding-window layers,
+which subclass `DynamicLayer` too)."""
 
 
 def roomy_cache(config) -> DynamicCache:

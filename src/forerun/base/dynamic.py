@@ -1,5 +1,9 @@
 """The base every device can run: a growing `DynamicCache`, each tree fed at its own size.
 
+Its layers are `RoomyLayer`s: a step writes its entries into spare slots where transformers' `DynamicLayer`
+concatenates (copies) the whole layer every forward, a cost that grows with the text (docs/benchmarks.md, long
+prompts). The entries and what attention computes from them are the same.
+
 Example:
     >>> base = DynamicBase(model)                                      # doctest: +SKIP
     >>> base.begin(max_len=512)                                        # doctest: +SKIP
@@ -18,7 +22,7 @@ import torch
 from transformers import DynamicCache
 
 from forerun.head import LogitsHead
-from forerun.kvcache import UnsupportedCacheError, check_tree_cache, keep_accepted
+from forerun.kvcache import UnsupportedCacheError, check_tree_cache, keep_accepted, roomy_cache
 from forerun.prefixcache import Prefixes
 from forerun.tree import TokenTree, pack
 
@@ -67,7 +71,8 @@ class TreeBase(Protocol):
 
 
 class DynamicBase:
-    """Today's CPU base: a `DynamicCache` that grows, trees at their own size, the measured logits layout."""
+    """Today's CPU base: a `DynamicCache` that grows in place, trees at their own size, the measured logits
+    layout."""
 
     features: tuple[int, ...] = ()  # hooks read them: every forward here runs the model's modules
 
@@ -75,10 +80,10 @@ class DynamicBase:
         self.model = model
         self.head = LogitsHead(model)
         self.attention = getattr(model.config, "_attn_implementation", None) or "eager"
-        self.cache = DynamicCache(config=model.config)
+        self.cache = roomy_cache(model.config)
 
     def begin(self, max_len: int) -> str | None:
-        self.cache = DynamicCache(config=self.model.config)
+        self.cache = roomy_cache(self.model.config)
         try:
             check_tree_cache(self.cache, max_len, type(self.model).__name__)
         except UnsupportedCacheError as error:

@@ -1,0 +1,39 @@
+"""The growing cache of a single row writes each step's entries in place, and the text stays plain generate's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import forerun
+from forerun.costmodel import LatencyCurve
+from forerun.kvcache import ROOM, RoomyLayer
+
+from tiny_models import prompts, tiny_model
+
+CURVE = LatencyCurve((1, 2, 4, 8, 16, 32, 64), (1.0, 1.0, 1.0, 1.2, 1.4, 1.9, 2.9))
+NEW = 2 * ROOM + 16  # past the first buffer's spare slots at least once
+
+
+@pytest.mark.parametrize("method", ["plain", "prompt_lookup", "auto"])
+@pytest.mark.parametrize(("family", "impl"), [("llama", "sdpa"), ("llama", "eager"), ("qwen2", "sdpa")])
+def test_a_long_answer_grows_its_cache_in_place_and_equals_generate(family, impl, method):
+    model = tiny_model(family, impl)
+    prompt = prompts(1, length=24, seed=3)[0]
+    expected = model.generate(prompt, max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
+    buffers, forwards = set(), []
+
+    def seen(_module, _args, kwargs, _output):
+        layer = kwargs["past_key_values"].layers[0]
+        assert isinstance(layer, RoomyLayer)
+        buffers.add(layer.keys.data_ptr())
+        forwards.append(layer.keys.shape[-2])
+
+    hook = model.register_forward_hook(seen, with_kwargs=True)
+    try:
+        result = forerun.Decoder(model, None, method, latency=CURVE).generate(prompt, NEW, eos_token_id=[])
+    finally:
+        hook.remove()
+    assert torch.equal(result.sequences, expected), (family, impl, method)
+    # a concatenating layer would hold a new tensor after every forward; this one re-buffers a few times at most
+    assert len(forwards) > 10 and len(buffers) <= 4, (len(forwards), len(buffers))
