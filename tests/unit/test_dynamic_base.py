@@ -37,3 +37,25 @@ def test_a_long_answer_grows_its_cache_in_place_and_equals_generate(family, impl
     assert torch.equal(result.sequences, expected), (family, impl, method)
     # a concatenating layer would hold a new tensor after every forward; this one re-buffers a few times at most
     assert len(forwards) > 10 and len(buffers) <= 4, (len(forwards), len(buffers))
+
+
+def test_a_draft_models_cache_grows_in_place_too():
+    target, draft = tiny_model("llama", "sdpa"), tiny_model("llama", "sdpa", seed=1)
+    prompt = prompts(1, length=24, seed=4)[0]
+    expected = target.generate(prompt, max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
+    buffers, forwards = set(), []
+
+    def seen(_module, _args, kwargs, _output):
+        layer = kwargs["past_key_values"].layers[0]
+        assert isinstance(layer, RoomyLayer)
+        buffers.add(layer.keys.data_ptr())
+        forwards.append(layer.keys.shape[-2])
+
+    hook = draft.register_forward_hook(seen, with_kwargs=True)
+    try:
+        decoder = forerun.Decoder(target, None, "draft_model", draft_model=draft, confidence=0.0, gamma=3)
+        result = decoder.generate(prompt, NEW, eos_token_id=[])
+    finally:
+        hook.remove()
+    assert torch.equal(result.sequences, expected)
+    assert len(forwards) > 20 and len(buffers) <= 4, (len(forwards), len(buffers))

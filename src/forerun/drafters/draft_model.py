@@ -39,6 +39,7 @@ from forerun.config import DraftModelConfig, PromptLookupConfig
 from forerun.drafters.base import DraftContext, MethodSpec, StepOutcome, cut_at_eos
 from forerun.drafters.prompt_lookup import PromptLookupDrafter
 from forerun.head import LogitsHead
+from forerun.kvcache import roomy_cache
 from forerun.tree import TokenTree
 
 
@@ -67,7 +68,7 @@ class DraftModelDrafter:
         (it starts at the bar: guessing starts on, and carries over to the next request)."""
 
     def start(self, ctx: DraftContext) -> None:
-        self.cache = DynamicCache(config=self.draft.config)
+        self.cache = roomy_cache(self.draft.config)  # written in place: the draft runs a forward per guess
         self.cached = []
         if self.lookup is not None:
             self.lookup.start(ctx)
