@@ -29,10 +29,12 @@ from forerun.base.packed import packed, row_table
 from forerun.base.weights import weights_kind
 from forerun.costmodel import LatencyCurve
 from forerun.head import LogitsHead
+from forerun.kvcache import roomy_cache
 from forerun.measured import (
     DEFAULT_CACHE_DIR,
     config_shape,
     device_name,
+    progress,
     read_json,
     settings_digest,
     synchronize,
@@ -155,28 +157,40 @@ def time_forwards(
     vocab = model.get_input_embeddings().weight.shape[0]
     generator = torch.Generator().manual_seed(seed)
     device = next(model.parameters()).device
-    attention = getattr(model.config, "_attn_implementation", None) or "eager"
     ids = torch.randint(0, vocab, (rows, context + max(sizes)), generator=generator).to(device)
-    cache = DynamicCache(config=model.config)
+    cache = roomy_cache(model.config)  # the growing cache decoding runs on (`forerun.base.DynamicBase`)
     head = LogitsHead(model)  # forwards as decoding runs them: this prefill decides how their logits are computed
     head(1, input_ids=ids[:, :context], past_key_values=cache, use_cache=True)
     samples: dict[int, list[float]] = {n: [] for n in sizes}
-    for _ in range(repeats + 1):  # the first round warms up and is dropped
-        for n in sizes:
-            positions = torch.arange(context, context + n, device=device).expand(rows, n)
-            masked = {}
-            if rows > 1 or n > 1:  # as decoding feeds them: a tree's 4-D mask, or the root alone without one
-                visible = torch.ones(rows, 1, n, context + n, dtype=torch.bool)
-                visible[..., context:] = torch.ones(n, n, dtype=torch.bool).tril()
-                masked["attention_mask"] = as_attention_mask(visible, attention, model.dtype).to(device)
-            synchronize(device)
-            started = time.perf_counter()
-            head(input_ids=ids[:, context : context + n], past_key_values=cache, position_ids=positions, use_cache=True,
-                 **masked)  # fmt: skip
-            synchronize(device)
-            samples[n].append(time.perf_counter() - started)
-            cache.crop(-n)  # back to the context (negative: drop the last n)
+    shape = f"{rows} rows x " if rows > 1 else ""
+    what = f"timing forwards of {shape}{sizes[0]}-{sizes[-1]} tokens (once per model, dtype, device and threads)"
+    with progress((repeats + 1) * len(sizes), what) as bar:
+        for _ in range(repeats + 1):  # the first round warms up and is dropped
+            for n in sizes:
+                samples[n].append(time_one(head, cache, ids, rows, n, context))
+                bar.update()
     return LatencyCurve(tuple(sizes), tuple(min(samples[n][1:]) for n in sizes))
+
+
+def time_one(head: LogitsHead, cache: DynamicCache, ids: torch.Tensor, rows: int, n: int, context: int) -> float:
+    """Seconds of one forward of `rows` x `n` tokens (`ids[:, context : context + n]`) after `context` cached
+    tokens per row, the cache cropped back after it."""
+    model, device = head.model, ids.device
+    attention = getattr(model.config, "_attn_implementation", None) or "eager"
+    positions = torch.arange(context, context + n, device=device).expand(rows, n)
+    masked = {}
+    if rows > 1 or n > 1:  # as decoding feeds them: a tree's 4-D mask, or the root alone without one
+        visible = torch.ones(rows, 1, n, context + n, dtype=torch.bool)
+        visible[..., context:] = torch.ones(n, n, dtype=torch.bool).tril()
+        masked["attention_mask"] = as_attention_mask(visible, attention, model.dtype).to(device)
+    synchronize(device)
+    started = time.perf_counter()
+    head(input_ids=ids[:, context : context + n], past_key_values=cache, position_ids=positions, use_cache=True,
+         **masked)  # fmt: skip
+    synchronize(device)
+    seconds = time.perf_counter() - started
+    cache.crop(-n)  # back to the context (negative: drop the last n)
+    return seconds
 
 
 def batches_of(model: torch.nn.Module, base: object | None) -> tuple[tuple[int, LatencyCurve], ...]:

@@ -64,6 +64,21 @@ def config_shape(config) -> dict[str, object]:
     return {k: v for k, v in items if isinstance(v, (int, float, str, bool)) and "name" not in k}
 
 
+def progress(total: int, what: str):
+    """A progress bar of `total` steps for a measurement made once on this device, labelled "forerun: `what`";
+    transformers' own bar, so what switches transformers' bars off switches these off too
+    (`transformers.utils.logging.disable_progress_bar()`, `HF_HUB_DISABLE_PROGRESS_BARS=1`).
+
+    Example:
+        >>> with progress(3, "timing nothing") as bar:
+        ...     for _ in range(3):
+        ...         bar.update()
+    """
+    from transformers.utils.logging import tqdm
+
+    return tqdm(total=total, desc=f"forerun: {what}", leave=False)
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for queued GPU work, so a timer stops when the tokens exist (no-op on a CPU)."""
     if device.type == "cuda":

@@ -514,3 +514,20 @@ def test_a_row_tells_its_paired_switch_what_the_same_text_costs_without_the_head
     row.time_costly(Selection(fed, [{}]), 4, 2.0)
     kept, alone_seconds = 2, 2.0 - 0.25 - prices[5] + prices[2]  # 1 held, then the target's own token
     assert told == [(4, 2.0, 4, alone_seconds * 4 / kept)]
+
+
+def test_a_measurement_shows_its_progress_unless_transformers_bars_are_off(capsys):
+    from transformers.utils import logging as hf_logging
+
+    from forerun import latency
+
+    model, was_on = tiny_model("llama"), hf_logging.is_progress_bar_enabled()
+    try:
+        hf_logging.enable_progress_bar()
+        latency.measure_curve(model, sizes=(1, 2), context=8, repeats=1)
+        assert "forerun: timing forwards of 1-2 tokens" in capsys.readouterr().err
+        hf_logging.disable_progress_bar()
+        latency.measure_curve(model, sizes=(1, 2), context=8, repeats=1)
+        assert "forerun:" not in capsys.readouterr().err
+    finally:
+        (hf_logging.enable_progress_bar if was_on else hf_logging.disable_progress_bar)()

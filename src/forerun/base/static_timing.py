@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from forerun.costmodel import LatencyCurve
-from forerun.measured import synchronize
+from forerun.measured import progress, synchronize
 from forerun.tree import TokenTree
 
 if TYPE_CHECKING:
@@ -41,12 +41,15 @@ def measure_curve(base: StaticBase, context: int = 256, repeats: int = 3) -> Lat
     tokens = context_tokens(base, context + base.largest)
     base.prefill(TokenTree.rooted_at(tokens[context]), context, tokens[:context])
     samples: dict[int, list[float]] = {size: [] for size in base.buckets}
-    for _ in range(repeats + 1):
-        for size in base.buckets:
-            synchronize(base.device)
-            started = time.perf_counter()
-            base.forward(chain(tokens[context:], size), context, ())
-            samples[size].append(time.perf_counter() - started)
+    what = f"timing steps of {len(base.buckets)} tree sizes (first rounds capture their graphs; once per device)"
+    with progress((repeats + 1) * len(base.buckets), what) as bar:
+        for _ in range(repeats + 1):
+            for size in base.buckets:
+                synchronize(base.device)
+                started = time.perf_counter()
+                base.forward(chain(tokens[context:], size), context, ())
+                samples[size].append(time.perf_counter() - started)
+                bar.update()
     cost = {size: min(times[1:]) for size, times in samples.items()}
     sizes = tuple(range(1, base.largest + 1))
     return LatencyCurve(sizes, tuple(cost[base.bucket(n)] for n in sizes))
@@ -70,12 +73,14 @@ def measure_rows(
         for place in range(count):
             sibling.forward(TokenTree.rooted_at(tokens[context]), context, tokens[:context], place=place)
         samples: dict[int, list[float]] = {n: [] for n in sizes}
-        for _ in range(repeats + 1):
-            for n in sizes:
-                fed = {place: (chain(tokens[context:], n), context) for place in range(count)}
-                synchronize(base.device)
-                started = time.perf_counter()
-                sibling.forward_rows(fed)
-                samples[n].append(time.perf_counter() - started)
+        with progress((repeats + 1) * len(sizes), f"timing steps of {count} rows (once per device)") as bar:
+            for _ in range(repeats + 1):
+                for n in sizes:
+                    fed = {place: (chain(tokens[context:], n), context) for place in range(count)}
+                    synchronize(base.device)
+                    started = time.perf_counter()
+                    sibling.forward_rows(fed)
+                    samples[n].append(time.perf_counter() - started)
+                    bar.update()
         out.append((count, LatencyCurve(tuple(sizes), tuple(min(samples[n][1:]) for n in sizes))))
     return tuple(out)
