@@ -73,9 +73,9 @@ def register_grouped() -> str:
     return SDPA_GROUPED
 
 
-def tiny_model(family: str, attn_implementation: str = "sdpa", seed: int = 0) -> torch.nn.Module:
-    """A seeded random model of `family` in fp32, eval mode."""
-    config = AutoConfig.for_model(family, **COMMON, **FAMILIES[family])
+def tiny_model(family: str, attn_implementation: str = "sdpa", seed: int = 0, **config: object) -> torch.nn.Module:
+    """A seeded random model of `family` in fp32, eval mode (`config`: settings over the family's own)."""
+    config = AutoConfig.for_model(family, **COMMON, **(FAMILIES[family] | config))
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=torch.float32)
     return model.eval()

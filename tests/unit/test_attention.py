@@ -7,7 +7,17 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import forerun
-from forerun.attention import SDPA_FP32, SDPA_GROUPED, grouped_sdpa, pick_attention, register, sdpa_in_fp32
+from forerun.attention import (
+    ROWS_FP32,
+    ROWS_GROUPED,
+    SDPA_FP32,
+    SDPA_GROUPED,
+    grouped_sdpa,
+    pick_attention,
+    register,
+    row_starts,
+    sdpa_in_fp32,
+)
 from forerun.latency import curve_settings
 from forerun.tree import tree_support
 
@@ -62,6 +72,47 @@ def test_grouped_heads_read_in_place_give_the_copies_output(queries):
     if queries > 1:  # the negative control: each query keeps its own mask row (rows shuffled change the output)
         shuffled, _ = grouped_sdpa(Grouped(), query, key, value, mask.roll(1, dims=2), scaling=0.125)
         assert not torch.allclose(shuffled, copied, rtol=0, atol=1e-3)
+
+
+def padded_batch(dtype: torch.dtype, lengths=(1500, 300, 40), queries: int = 3):
+    """A batch's query [rows, 9, q, 64], left-padded keys/values [rows, 3, longest + q, 64] and bool mask: row r
+    sees its last `lengths[r]` cached keys and its queries causally."""
+    generator = torch.Generator().manual_seed(1)
+    rows, keys = len(lengths), max(lengths) + queries
+    query = torch.randn(rows, 9, queries, 64, generator=generator).to(dtype)
+    key, value = (torch.randn(rows, 3, keys, 64, generator=generator).to(dtype) for _ in range(2))
+    mask = torch.zeros(rows, 1, queries, keys, dtype=torch.bool)
+    for row, length in enumerate(lengths):
+        mask[row, :, :, keys - queries - length : keys - queries] = True
+    mask[..., keys - queries :] = torch.ones(queries, queries, dtype=torch.bool).tril()
+    return query, key, value, mask
+
+
+@pytest.mark.parametrize(("by_rows", "alone", "dtype"), [(ROWS_GROUPED, grouped_sdpa, torch.float32),
+                                                          (ROWS_FP32, sdpa_in_fp32, torch.bfloat16)])  # fmt: skip
+def test_a_batch_with_wide_padding_is_attended_row_by_row_as_each_row_alone(by_rows, alone, dtype):
+    query, key, value, mask = padded_batch(dtype)
+    assert row_starts(mask, 3) == [0, 1200, 1460]
+    got, _ = by_rows(Grouped(), query, key, value, mask, scaling=0.125)
+    for row, start in enumerate([0, 1200, 1460]):
+        part = (query[row : row + 1], key[row : row + 1, :, start:], value[row : row + 1, :, start:])
+        single, _ = alone(Grouped(), *part, mask[row : row + 1, :, :, start:].contiguous(), scaling=0.125)
+        assert torch.equal(got[row : row + 1], single), row
+    padded, _ = alone(Grouped(), query, key, value, mask, scaling=0.125)
+    assert got.shape == padded.shape and torch.allclose(got.float(), padded.float(), rtol=0, atol=1e-2)
+    # The negative control: starting a row one visible key late is another attention.
+    late, _ = alone(Grouped(), *(t[1:2] for t in (query, key[..., 1201:, :], value[..., 1201:, :])),
+                    mask[1:2, ..., 1201:], scaling=0.125)  # fmt: skip
+    assert not torch.equal(got[1:2], late)
+
+
+def test_narrow_padding_single_rows_and_float_masks_are_attended_as_they_are():
+    query, key, value, mask = padded_batch(torch.float32, lengths=(300, 250, 280))
+    assert row_starts(mask, 3) is None  # 70 keys skipped: less than the extra calls cost
+    got, _ = ROWS_GROUPED(Grouped(), query, key, value, mask, scaling=0.125)
+    assert torch.equal(got, grouped_sdpa(Grouped(), query, key, value, mask, scaling=0.125)[0])
+    _, _, _, wide = padded_batch(torch.float32)
+    assert row_starts(wide[:1], 1) is None and row_starts(wide.float(), 3) is None and row_starts(None, 3) is None
 
 
 def test_grouped_attention_hands_what_it_does_not_fold_to_transformers():
