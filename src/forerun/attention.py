@@ -150,7 +150,7 @@ def by_rows(attend: Callable[..., tuple[torch.Tensor, None]]) -> Callable[..., t
 
     def attention(module, query, key, value, attention_mask, **kwargs) -> tuple[torch.Tensor, None]:
         starts = row_starts(attention_mask, query.shape[0])
-        if starts is None:
+        if starts is None or attention_mask.shape[-1] != key.shape[-2]:  # a mask over more slots than keys
             return attend(module, query, key, value, attention_mask, **kwargs)
         rows = [
             attend(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -15,12 +17,9 @@ CURVE = LatencyCurve((1, 2, 4, 8, 16, 32, 64), (1.0, 1.0, 1.0, 1.2, 1.4, 1.9, 2.
 NEW = 2 * ROOM + 16  # past the first buffer's spare slots at least once
 
 
-@pytest.mark.parametrize("method", ["plain", "prompt_lookup", "auto"])
-@pytest.mark.parametrize(("family", "impl"), [("llama", "sdpa"), ("llama", "eager"), ("qwen2", "sdpa")])
-def test_a_long_answer_grows_its_cache_in_place_and_equals_generate(family, impl, method):
-    model = tiny_model(family, impl)
-    prompt = prompts(1, length=24, seed=3)[0]
-    expected = model.generate(prompt, max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
+def watched(model: torch.nn.Module, run: Callable[[], object]) -> tuple[object, set[int], list[int]]:
+    """`run()`'s result, with the buffers under `model`'s first cache layer's keys and their length after each of
+    its forwards."""
     buffers, forwards = set(), []
 
     def seen(_module, _args, kwargs, _output):
@@ -31,9 +30,19 @@ def test_a_long_answer_grows_its_cache_in_place_and_equals_generate(family, impl
 
     hook = model.register_forward_hook(seen, with_kwargs=True)
     try:
-        result = forerun.Decoder(model, None, method, latency=CURVE).generate(prompt, NEW, eos_token_id=[])
+        return run(), buffers, forwards
     finally:
         hook.remove()
+
+
+@pytest.mark.parametrize("method", ["plain", "prompt_lookup", "auto"])
+@pytest.mark.parametrize(("family", "impl"), [("llama", "sdpa"), ("llama", "eager"), ("qwen2", "sdpa")])
+def test_a_long_answer_grows_its_cache_in_place_and_equals_generate(family, impl, method):
+    model = tiny_model(family, impl)
+    prompt = prompts(1, length=24, seed=3)[0]
+    expected = model.generate(prompt, max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
+    decoder = forerun.Decoder(model, None, method, latency=CURVE)
+    result, buffers, forwards = watched(model, lambda: decoder.generate(prompt, NEW, eos_token_id=[]))
     assert torch.equal(result.sequences, expected), (family, impl, method)
     # a concatenating layer would hold a new tensor after every forward; this one re-buffers a few times at most
     assert len(forwards) > 10 and len(buffers) <= 4, (len(forwards), len(buffers))
@@ -43,19 +52,7 @@ def test_a_draft_models_cache_grows_in_place_too():
     target, draft = tiny_model("llama", "sdpa"), tiny_model("llama", "sdpa", seed=1)
     prompt = prompts(1, length=24, seed=4)[0]
     expected = target.generate(prompt, max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
-    buffers, forwards = set(), []
-
-    def seen(_module, _args, kwargs, _output):
-        layer = kwargs["past_key_values"].layers[0]
-        assert isinstance(layer, RoomyLayer)
-        buffers.add(layer.keys.data_ptr())
-        forwards.append(layer.keys.shape[-2])
-
-    hook = draft.register_forward_hook(seen, with_kwargs=True)
-    try:
-        decoder = forerun.Decoder(target, None, "draft_model", draft_model=draft, confidence=0.0, gamma=3)
-        result = decoder.generate(prompt, NEW, eos_token_id=[])
-    finally:
-        hook.remove()
+    decoder = forerun.Decoder(target, None, "draft_model", draft_model=draft, confidence=0.0, gamma=3)
+    result, buffers, forwards = watched(draft, lambda: decoder.generate(prompt, NEW, eos_token_id=[]))
     assert torch.equal(result.sequences, expected)
     assert len(forwards) > 20 and len(buffers) <= 4, (len(forwards), len(buffers))
