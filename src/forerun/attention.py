@@ -107,9 +107,9 @@ def sdpa_in_fp32(
 
 
 KEYS_PER_CALL = 256
-"""What one more sdpa call costs, in keys one query row reads (fp32, a CPU core: a call's fixed cost ~25 us, a
-key ~0.2 us per layer): a batch is attended row by row only where the padding skipped pays for the extra calls
-twice over."""
+"""What one more sdpa call costs, in keys one query row reads (a call's fixed cost against a key's, measured on a
+CPU core in fp32: docs/benchmarks.md, "A long document beside short questions"): a batch is attended row by row
+only where the padding skipped pays for the extra calls twice over."""
 
 
 def row_starts(attention_mask: torch.Tensor | None, batch: int) -> list[int] | None:
