@@ -149,8 +149,9 @@ def by_rows(attend: Callable[..., tuple[torch.Tensor, None]]) -> Callable[..., t
     computes is what the same row attended alone over the same visible keys computes."""
 
     def attention(module, query, key, value, attention_mask, **kwargs) -> tuple[torch.Tensor, None]:
-        starts = row_starts(attention_mask, query.shape[0])
-        if starts is None or attention_mask.shape[-1] != key.shape[-2]:  # a mask over more slots than keys
+        whole = attention_mask is None or attention_mask.shape[-1] != key.shape[-2]  # a mask over other slots
+        starts = None if whole else row_starts(attention_mask, query.shape[0])
+        if starts is None:
             return attend(module, query, key, value, attention_mask, **kwargs)
         rows = [
             attend(

@@ -34,7 +34,7 @@ from forerun.measured import (
     DEFAULT_CACHE_DIR,
     config_shape,
     device_name,
-    progress,
+    fastest,
     read_json,
     settings_digest,
     synchronize,
@@ -161,15 +161,10 @@ def time_forwards(
     cache = roomy_cache(model.config)  # the growing cache decoding runs on (`forerun.base.DynamicBase`)
     head = LogitsHead(model)  # forwards as decoding runs them: this prefill decides how their logits are computed
     head(1, input_ids=ids[:, :context], past_key_values=cache, use_cache=True)
-    samples: dict[int, list[float]] = {n: [] for n in sizes}
     shape = f"{rows} rows x " if rows > 1 else ""
     what = f"timing forwards of {shape}{sizes[0]}-{sizes[-1]} tokens (once per model, dtype, device and threads)"
-    with progress((repeats + 1) * len(sizes), what) as bar:
-        for _ in range(repeats + 1):  # the first round warms up and is dropped
-            for n in sizes:
-                samples[n].append(time_one(head, cache, ids, rows, n, context))
-                bar.update()
-    return LatencyCurve(tuple(sizes), tuple(min(samples[n][1:]) for n in sizes))
+    cost = fastest(sizes, lambda n: time_one(head, cache, ids, rows, n, context), repeats, what)
+    return LatencyCurve(tuple(sizes), tuple(cost[n] for n in sizes))
 
 
 def time_one(head: LogitsHead, cache: DynamicCache, ids: torch.Tensor, rows: int, n: int, context: int) -> float:

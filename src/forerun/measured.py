@@ -15,11 +15,14 @@ import hashlib
 import json
 import os
 import platform
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
 DEFAULT_CACHE_DIR = Path("~/.cache/forerun")
+T = TypeVar("T")
 
 
 def device_name(device: torch.device) -> str:
@@ -64,19 +67,25 @@ def config_shape(config) -> dict[str, object]:
     return {k: v for k, v in items if isinstance(v, (int, float, str, bool)) and "name" not in k}
 
 
-def progress(total: int, what: str):
-    """A progress bar of `total` steps for a measurement made once on this device, labelled "forerun: `what`";
-    transformers' own bar, so what switches transformers' bars off switches these off too
+def fastest(items: Sequence[T], seconds_of: Callable[[T], float], repeats: int, what: str) -> dict[T, float]:
+    """Per item, the fastest of `repeats` rounds of `seconds_of(item)` (items interleaved within each round, after a
+    warm-up round that is dropped): on a shared machine load only ever slows a run down. Shown as a progress bar
+    labelled "forerun: `what`", transformers' own, so what switches transformers' bars off switches it off too
     (`transformers.utils.logging.disable_progress_bar()`, `HF_HUB_DISABLE_PROGRESS_BARS=1`).
 
     Example:
-        >>> with progress(3, "timing nothing") as bar:
-        ...     for _ in range(3):
-        ...         bar.update()
+        >>> fastest([1, 2], lambda n: 0.5 * n, repeats=2, what="timing nothing")
+        {1: 0.5, 2: 1.0}
     """
     from transformers.utils.logging import tqdm
 
-    return tqdm(total=total, desc=f"forerun: {what}", leave=False)
+    samples: dict[T, list[float]] = {item: [] for item in items}
+    with tqdm(total=(repeats + 1) * len(samples), desc=f"forerun: {what}", leave=False) as bar:
+        for _ in range(repeats + 1):
+            for item in samples:
+                samples[item].append(seconds_of(item))
+                bar.update()
+    return {item: min(times[1:]) for item, times in samples.items()}
 
 
 def synchronize(device: torch.device) -> None:

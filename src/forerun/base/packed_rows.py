@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from forerun.measured import DEFAULT_CACHE_DIR, device_name, progress, read_json, settings_digest, write_json
+from forerun.measured import DEFAULT_CACHE_DIR, device_name, fastest, read_json, settings_digest, write_json
 
 MOST_ROWS = 8
 """Products of up to this many rows may be computed as more rows (up to this many)."""
@@ -60,17 +60,16 @@ def time_rows(
         for m in {m for m, _ in pairs}
         for width in {layer.in_features for layer in layers}
     }
-    samples: dict[tuple[int, int], list[float]] = {pair: [] for pair in pairs}
+
+    def seconds_of(pair: tuple[int, int]) -> float:
+        m, n = pair
+        started = time.perf_counter()
+        for layer in layers:
+            layer.product(inputs[m, layer.in_features], n)
+        return time.perf_counter() - started
+
     what = f"timing {len(layers)} layers' products of 1-{MOST_ROWS} rows (once per machine and threads)"
-    with progress((repeats + 1) * len(pairs), what) as bar:
-        for _ in range(repeats + 1):
-            for m, n in pairs:
-                started = time.perf_counter()
-                for layer in layers:
-                    layer.product(inputs[m, layer.in_features], n)
-                samples[m, n].append(time.perf_counter() - started)
-                bar.update()
-    return {pair: min(times[1:]) for pair, times in samples.items()}
+    return fastest(pairs, seconds_of, repeats, what)
 
 
 def measure_table(layers: list[torch.nn.Module]) -> tuple[tuple[int, ...], dict[int, float], dict[int, float]]:

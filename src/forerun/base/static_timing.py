@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from forerun.costmodel import LatencyCurve
-from forerun.measured import progress, synchronize
+from forerun.measured import fastest, synchronize
 from forerun.tree import TokenTree
 
 if TYPE_CHECKING:
@@ -40,17 +40,15 @@ def measure_curve(base: StaticBase, context: int = 256, repeats: int = 3) -> Lat
     base.begin(context + 1)
     tokens = context_tokens(base, context + base.largest)
     base.prefill(TokenTree.rooted_at(tokens[context]), context, tokens[:context])
-    samples: dict[int, list[float]] = {size: [] for size in base.buckets}
+
+    def seconds_of(size: int) -> float:
+        synchronize(base.device)
+        started = time.perf_counter()
+        base.forward(chain(tokens[context:], size), context, ())
+        return time.perf_counter() - started
+
     what = f"timing steps of {len(base.buckets)} tree sizes (first rounds capture their graphs; once per device)"
-    with progress((repeats + 1) * len(base.buckets), what) as bar:
-        for _ in range(repeats + 1):
-            for size in base.buckets:
-                synchronize(base.device)
-                started = time.perf_counter()
-                base.forward(chain(tokens[context:], size), context, ())
-                samples[size].append(time.perf_counter() - started)
-                bar.update()
-    cost = {size: min(times[1:]) for size, times in samples.items()}
+    cost = fastest(base.buckets, seconds_of, repeats, what)
     sizes = tuple(range(1, base.largest + 1))
     return LatencyCurve(sizes, tuple(cost[base.bucket(n)] for n in sizes))
 
@@ -72,15 +70,14 @@ def measure_rows(
         sibling.begin(context + 1)
         for place in range(count):
             sibling.forward(TokenTree.rooted_at(tokens[context]), context, tokens[:context], place=place)
-        samples: dict[int, list[float]] = {n: [] for n in sizes}
-        with progress((repeats + 1) * len(sizes), f"timing steps of {count} rows (once per device)") as bar:
-            for _ in range(repeats + 1):
-                for n in sizes:
-                    fed = {place: (chain(tokens[context:], n), context) for place in range(count)}
-                    synchronize(base.device)
-                    started = time.perf_counter()
-                    sibling.forward_rows(fed)
-                    samples[n].append(time.perf_counter() - started)
-                    bar.update()
-        out.append((count, LatencyCurve(tuple(sizes), tuple(min(samples[n][1:]) for n in sizes))))
+
+        def seconds_of(n: int, sibling=sibling, count=count) -> float:
+            fed = {place: (chain(tokens[context:], n), context) for place in range(count)}
+            synchronize(base.device)
+            started = time.perf_counter()
+            sibling.forward_rows(fed)
+            return time.perf_counter() - started
+
+        cost = fastest(sizes, seconds_of, repeats, f"timing steps of {count} rows (once per device)")
+        out.append((count, LatencyCurve(tuple(sizes), tuple(cost[n] for n in sizes))))
     return tuple(out)
