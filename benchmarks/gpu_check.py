@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from forerun import Decoder  # noqa: E402
 from forerun.attention import pick_attention  # noqa: E402
-from forerun.base import BUCKETS, StaticBase  # noqa: E402
+from forerun.base.static import BUCKETS, StaticBase  # noqa: E402
 from forerun.exactness import first_divergence  # noqa: E402
 from forerun.latency import measure_curve, synchronize  # noqa: E402
 

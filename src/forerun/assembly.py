@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from forerun.base import StaticBase, graph_features, static_support
+from forerun.base.static import StaticBase, graph_features, static_support
 from forerun.base.weights import weights_kind
 from forerun.config import EngineConfig
 from forerun.costmodel import Budget, CostModel, DraftSwitch, ForwardTimes, LatencyCurve, StaticBudget

@@ -332,7 +332,7 @@ def decode_rows(
 
     Models whose cache cannot hold ragged rows (sliding windows, linear attention) or that cannot take a tree
     mask decode the rows one after another with the single-row engine (which falls back to plain decoding where
-    it must): still exact, just not batched. `base`: the single row's static base (`forerun.base.StaticBase`, a
+    it must): still exact, just not batched. `base`: the single row's static base (`forerun.base.static.StaticBase`, a
     GPU's captured steps): a row decoded alone (one job, or `width` 1) takes it, and a batch its sibling of
     `width` places (`forerun.base.rows.StaticRows`).
 

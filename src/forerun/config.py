@@ -246,7 +246,7 @@ class EngineConfig:
     budget (each method feeds what its knobs ask for, every step)."""
     static_cache: bool | None = None
     """Verify a single row's trees on a preallocated cache, padded to a few tree sizes, each size's forward
-    captured once as a CUDA graph on a GPU (`forerun.base.StaticBase`). None: on a CUDA device, off elsewhere (a
+    captured once as a CUDA graph on a GPU (`forerun.base.static.StaticBase`). None: on a CUDA device, off elsewhere (a
     CPU gains nothing from fixed shapes, and keeps the prefix cache). Batches keep the growing cache."""
     compile_buckets: bool = False
     """With the static cache: compile each bucket's forward (`torch.compile`, inductor) before capturing it: tens of

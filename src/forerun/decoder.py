@@ -27,11 +27,12 @@ from forerun.batch import batchable, decode_rows, fork
 from forerun.checks import check_batch_size, is_count, row_seeds
 from forerun.config import EngineConfig
 from forerun.costmodel import Budget, LatencyCurve
+from forerun.defaults import DEFAULT_METHOD
 from forerun.drafters.base import Drafter
 from forerun.drafters.prediction import PredictionDrafter
 from forerun.engine import decode
 from forerun.latency import DEFAULT_CACHE_DIR, batches_of, curve_for
-from forerun.methods import DEFAULT_METHOD, MethodPlan, plan_method
+from forerun.methods import MethodPlan, plan_method
 from forerun.noise import GumbelNoise
 from forerun.prefixcache import PrefixCache, Prefixes
 from forerun.preparation import Prepared, as_request, eos_ids_of, finished_result, request_criteria, seeded

@@ -15,7 +15,7 @@ from dataclasses import replace
 
 import torch
 
-from forerun.base import DynamicBase, TreeBase
+from forerun.base.dynamic import DynamicBase, TreeBase
 from forerun.costmodel import Budget
 from forerun.drafters.base import Drafter
 from forerun.row import RowJob, RowRun

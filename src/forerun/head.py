@@ -32,6 +32,7 @@ Example:
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Collection, Sequence
 from pathlib import Path
@@ -40,7 +41,6 @@ import torch
 
 from forerun.base.weights import dense
 from forerun.measured import DEFAULT_CACHE_DIR, device_name, read_json, settings_digest, write_json
-from forerun.models import last_logits
 
 TALL_MAX_POSITIONS = 16
 """Most positions whose logits may be computed as (W @ h^T)^T: beyond, F.linear's large-matrix path is as fast on
@@ -204,3 +204,9 @@ def time_layouts(weight: torch.Tensor, sizes: Sequence[int], repeats: int = 3) -
             tall_product(weight, hidden[0])
             samples[n].append((middle - started, time.perf_counter() - middle))
     return {n: (min(s[0] for s in runs[1:]), min(s[1] for s in runs[1:])) for n, runs in samples.items()}
+
+
+def last_logits(model: torch.nn.Module, n: int) -> dict[str, int]:
+    """{'logits_to_keep': n} when `model.forward` takes it: a prefill then skips the LM head on every prompt
+    position but the last n (with a 150k vocabulary that is most of a short prompt's prefill), as generate does."""
+    return {"logits_to_keep": n} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}

@@ -16,7 +16,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from forerun.batch import decode_batch, fork
 from forerun.decoder import Decoder
-from forerun.methods import DEFAULT_METHOD
+from forerun.defaults import DEFAULT_METHOD
 from forerun.noise import GumbelNoise
 from forerun.preparation import eos_ids_of
 from forerun.row import RowJob

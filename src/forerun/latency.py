@@ -158,7 +158,7 @@ def time_forwards(
     generator = torch.Generator().manual_seed(seed)
     device = next(model.parameters()).device
     ids = torch.randint(0, vocab, (rows, context + max(sizes)), generator=generator).to(device)
-    cache = roomy_cache(model.config)  # the growing cache decoding runs on (`forerun.base.DynamicBase`)
+    cache = roomy_cache(model.config)  # the growing cache decoding runs on (`forerun.base.dynamic.DynamicBase`)
     head = LogitsHead(model)  # forwards as decoding runs them: this prefill decides how their logits are computed
     head(1, input_ids=ids[:, :context], past_key_values=cache, use_cache=True)
     shape = f"{rows} rows x " if rows > 1 else ""
@@ -200,7 +200,7 @@ def curve_path(model: torch.nn.Module, cache_dir: Path | str = DEFAULT_CACHE_DIR
 
 
 def base_settings(model: torch.nn.Module, base: object | None) -> dict[str, object]:
-    """The curve's settings, with those of the base it is measured on (`forerun.base.StaticBase.settings`)."""
+    """The curve's settings, with those of the base it is measured on (`forerun.base.static.StaticBase.settings`)."""
     return curve_settings(model) | (base.settings() if base is not None else {})
 
 
@@ -257,7 +257,7 @@ def curve_for(
 
     `batched=True`: with its batched row curves (`measure_batched`, ten seconds or so, measured the first time a
     batch needs them and added to the same file). `cache_dir=None` measures without reading or writing any file.
-    `base`: a `forerun.base.StaticBase` whose bucketed steps are what the single-row curve times (its own
+    `base`: a `forerun.base.static.StaticBase` whose bucketed steps are what the single-row curve times (its own
     `measure_curve`, stored under its own key).
     """
     measure = base.measure_curve if base is not None else lambda: measure_curve(model)

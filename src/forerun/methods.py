@@ -36,9 +36,6 @@ REGISTRY: dict[str, MethodSpec] = {
 PLAIN, AUTO = "plain", "auto"
 METHODS: tuple[str, ...] = (PLAIN, *REGISTRY, AUTO)
 """The names a method expression is made of."""
-DEFAULT_METHOD = "prompt_lookup"
-"""What every command, the Decoder and the server draft with unless told otherwise: no state learned across
-requests, and on a GPU ahead of `auto`, whose host time per step is larger (docs/benchmarks.md, "GPU")."""
 
 
 def source_style(source: str) -> str:

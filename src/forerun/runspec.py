@@ -25,8 +25,9 @@ from forerun.attention import SDPA_FP32, SDPA_GROUPED
 from forerun.base.packed import check_pack
 from forerun.base.weights import check_quantize
 from forerun.config import EngineConfig
-from forerun.methods import DEFAULT_METHOD, MethodPlan, plan_method
-from forerun.models import DEFAULT_MODEL, DTYPES
+from forerun.defaults import DEFAULT_METHOD, DEFAULT_MODEL
+from forerun.methods import MethodPlan, plan_method
+from forerun.models import DTYPES
 
 ATTENTIONS = ("auto", "sdpa", "eager", SDPA_FP32, SDPA_GROUPED)
 """What `--attention` takes (transformers' names, and forerun's two sdpa variants)."""

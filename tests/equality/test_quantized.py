@@ -144,7 +144,7 @@ def test_compiled_buckets_on_4_bit_weights_differ_only_at_ties():
     """The CPU's compiled static base over a quantized model (inductor around the direct 4-bit kernels): drafted
     steps, and every first difference from the same model's plain generate sits on a tie (two buckets, two
     compilations)."""
-    from forerun.base import StaticBase
+    from forerun.base.static import StaticBase
 
     model = int4_model("llama")
     decoder = forerun.Decoder(model, None, "prompt_lookup", max_tree_nodes=4, adaptive=False, draft_len=3,

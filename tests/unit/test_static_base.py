@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import forerun
-from forerun.base import DynamicBase, StaticBase
+from forerun.base.dynamic import DynamicBase
+from forerun.base.static import StaticBase
 from forerun.costmodel import LatencyCurve
 from forerun.tree import TokenTree
 

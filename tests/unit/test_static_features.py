@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import forerun
-from forerun.base import DynamicBase, StaticBase, graph_features
+from forerun.base.dynamic import DynamicBase
+from forerun.base.static import StaticBase, graph_features
 from forerun.costmodel import LatencyCurve
 from forerun.drafters.eagle3.drafter import Eagle3Drafter
 from forerun.taps import LayerTaps

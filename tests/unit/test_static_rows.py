@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import forerun
-from forerun.base import StaticBase
 from forerun.base.rows import StaticRows
+from forerun.base.static import StaticBase
 from forerun.batch import batchable
 from forerun.costmodel import LatencyCurve
 from forerun.tree import TokenTree

@@ -20,9 +20,8 @@ import importlib.util
 import torch
 
 from forerun.base.kernels import direct_kernels
+from forerun.defaults import QUANTIZATIONS
 
-QUANTIZATIONS = ("int4", "int8")
-"""What `load_model(..., quantize=)` takes (None: the weights as loaded)."""
 GROUP_SIZE = 32
 """Weights per scale and zero point: the group of a GGUF Q4 block."""
 INT4_ROWS = 16

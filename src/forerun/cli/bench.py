@@ -21,7 +21,6 @@ from forerun.cli.common import (
     progress_bar,
     user_errors,
 )
-from forerun.runspec import RunSpec
 
 QUICK_METHODS = "plain,hf_prompt_lookup,prompt_lookup,auto"
 
@@ -76,6 +75,7 @@ def bench(
     from forerun.bench.datasets import load_dataset
     from forerun.bench.methods import parse_methods
     from forerun.bench.records import load_records
+    from forerun.runspec import RunSpec
 
     if quick:
         dataset, n, methods = "gsm8k,humaneval", 5, QUICK_METHODS
@@ -137,7 +137,7 @@ def drafting_models(lm, tokenizer, specs, draft_model: str, draft_head: str) -> 
 def bench_curve(lm, batched: bool, compile_buckets: bool):
     """The latency curve the decoders price steps on: measured once per model, dtype, device and threads (a card's
     single rows verify on the static base, whose bucketed steps have their own curve)."""
-    from forerun.base import StaticBase, static_support
+    from forerun.base.static import StaticBase, static_support
     from forerun.latency import curve_for
 
     static = lm.device.type == "cuda" and not batched and static_support(lm) is None

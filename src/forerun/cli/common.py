@@ -6,6 +6,7 @@ import gc
 import sys
 from collections.abc import Callable
 from functools import wraps
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
@@ -13,9 +14,10 @@ from rich.markup import escape
 from rich.progress import Progress
 from rich.text import Text
 
-from forerun.methods import DEFAULT_METHOD, parse_knob_pairs, source_style
-from forerun.models import DEFAULT_MODEL
-from forerun.runspec import RunSpec
+from forerun.defaults import DEFAULT_METHOD, DEFAULT_MODEL
+
+if TYPE_CHECKING:
+    from forerun.runspec import RunSpec
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Faster, identical text from Hugging Face LMs.")
 # Tables are wide: give them room when the output is a file or a pipe (rich would assume 80 columns).
@@ -110,6 +112,9 @@ def run_spec(
     pack: str = "auto",
 ) -> RunSpec:
     """The command line's run options as a checked RunSpec (raises ValueError before anything loads)."""
+    from forerun.methods import parse_knob_pairs
+    from forerun.runspec import RunSpec
+
     return RunSpec(
         model=model,
         method=method,
@@ -136,6 +141,7 @@ def progress_bar() -> Progress:
 
 def coloured(tokenizer, new_ids: list[int], sources: list[str]) -> Text:
     """The new text with every token styled by where it came from (a drafter's accepted guess, or the model)."""
+    from forerun.methods import source_style
     from forerun.text import IncrementalText
 
     text, pieces = Text(), IncrementalText(tokenizer)
@@ -146,6 +152,8 @@ def coloured(tokenizer, new_ids: list[int], sources: list[str]) -> Text:
 
 
 def legend(names: tuple[str, ...]) -> Text:
+    from forerun.methods import source_style
+
     line = Text("legend: ")
     line.append("own step ", style="default")
     for name in names:

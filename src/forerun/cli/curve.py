@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import typer
 
-from forerun.base.weights import QUANTIZATIONS
 from forerun.checks import writable_folder
 from forerun.cli.common import ATTENTION, DEVICE, HEAD, MODEL, PACK, app, console, user_errors
-from forerun.runspec import RunSpec
+from forerun.defaults import QUANTIZATIONS
 
 CURVE_SIZES = ",".join(str(n) for n in (*range(1, 17), 20, 24, 32, 48, 64))
 """forerun.latency.SIZES, spelled out here so that `--help` does not import torch."""
@@ -49,6 +48,7 @@ def curve(
     from forerun.bench.latency import write_curves
     from forerun.drafters.eagle3 import load_head
     from forerun.measured import machine_label, write_json
+    from forerun.runspec import RunSpec
 
     size_list, row_list = int_list(sizes, "--sizes"), int_list(rows, "--rows")
     if any(r < 2 or r > 256 for r in row_list):

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from forerun.decoder import DEFAULT_PREFIX_TOKENS, Decoder
-from forerun.methods import DEFAULT_METHOD
+from forerun.defaults import DEFAULT_METHOD
 from forerun.server.pool import DEFAULT_PREFILL_CHUNK, DecoderPool
 
 

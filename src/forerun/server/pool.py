@@ -22,8 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from forerun.base import StaticBase
 from forerun.base.rows import static_rows
+from forerun.base.static import StaticBase
 from forerun.batch import Batch, Joining
 from forerun.checks import is_count
 from forerun.decoder import Decoder, GenerationResult

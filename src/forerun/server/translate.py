@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from forerun.checks import check_sampling, check_text
-from forerun.methods import DEFAULT_METHOD, parse_method, plan_method
+from forerun.defaults import DEFAULT_METHOD
+from forerun.methods import parse_method, plan_method
 from forerun.request import GenerationRequest
 from forerun.server.schemas import ChatRequest, CommonRequest, CompletionRequest
 
