@@ -43,3 +43,8 @@ def test_every_public_name_resolves():
         assert name in dir(forerun)
     with pytest.raises(AttributeError, match="no attribute 'Decodr'"):
         forerun.Decodr  # noqa: B018
+
+
+def test_python_dash_m_runs_the_command():
+    done = subprocess.run([sys.executable, "-m", "forerun", "--help"], capture_output=True, text=True, check=True)
+    assert "Usage" in done.stdout and "serve" in done.stdout
