@@ -24,6 +24,42 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help="Faster, iden
 console = Console(width=None if sys.stdout.isatty() else 150)
 errors = Console(stderr=True)
 
+
+def versions() -> str:
+    """forerun's version and those of what it runs on, read from the installed packages' metadata (nothing
+    imported): what a bug report needs. Example: 'forerun 0.1.0 (torch 2.13.0, transformers 5.23.0, python 3.11.7)'."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def of(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    found = ", ".join(f"{name} {of(name)}" for name in ("torch", "transformers"))
+    return f"forerun {of('forerun')} ({found}, python {sys.version.split()[0]})"
+
+
+def print_versions(asked: bool) -> None:
+    """`--version`: print `versions()` and stop (eager: before any command is looked for)."""
+    if asked:
+        console.print(versions(), highlight=False)
+        raise typer.Exit()
+
+
+@app.callback()
+def options(
+    version: bool = typer.Option(
+        False,
+        "--version",
+        is_eager=True,
+        callback=print_versions,
+        help="Print forerun's, torch's and transformers' versions.",
+    ),
+) -> None:
+    """Faster, identical text from Hugging Face LMs."""
+
+
 # The run options, shared by every command (one definition each, so they cannot drift apart).
 MODEL = typer.Option(DEFAULT_MODEL, "--model", "-m", help="Alias, local folder, .gguf file or cached hub id.")
 METHOD = typer.Option(
