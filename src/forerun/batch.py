@@ -48,7 +48,7 @@ from forerun.costmodel import BatchPolicy, Budget, Selection
 from forerun.drafters.base import Drafter
 from forerun.engine import decode, tree_in_prefill, tree_support
 from forerun.kvcache import plain_layers
-from forerun.row import RowJob, RowRun
+from forerun.row import RowJob, RowRun, costly
 from forerun.stats import GenerationStats
 from forerun.taps import LayerTaps, feature_layers
 from forerun.tree import TokenTree, merge
@@ -137,7 +137,7 @@ class Batch:
     def begin(self, job: RowJob, budget: Budget | None = None) -> Joining:
         """Start a row's prefill: its drafters see the prompt, its cache is seeded from the prefix cache; nothing
         is fed yet (`feed` does, in one forward or in chunks)."""
-        budget = (budget or self.budget).for_row()
+        budget = (budget or self.budget).for_row(self.policy.costly)
         row = RowRun.begin(job, budget)
         max_len = job.input_ids.shape[1] + job.max_new_tokens + budget.max_nodes
         own, row.stats.cached_prompt_tokens = self.shared.open(job.prefixes, row.ctx.tokens, max_len)
@@ -202,6 +202,8 @@ class Batch:
             if not self.rows:
                 return finished_early
         rows, budgets = self.rows, [row.budget for row in self.rows]
+        for row in rows:
+            row.rows = len(rows)  # each row's steps are priced at its share of this forward
         # 1. propose: every row's drafters; the policy keeps what pays for the batch
         t0 = time.perf_counter()
         self.shared.settle()
@@ -210,12 +212,16 @@ class Batch:
         if drafting:
             for row, cap in zip(rows, self.policy.proposal_caps(budgets), strict=True):
                 row.ctx.budget = cap
-            selections = self.choose_apart([self.propose(row) for row in rows])
+            proposals = [self.propose(row) for row in rows]
+            selections = self.choose_apart(proposals)
+            self.without_costly(rows, proposals)
         else:  # paused: no proposals, one token per row; the heads sit out (no forwards of their own)
             selections = [Selection(*merge(row.root, row.propose(False, with_costly=False))) for row in rows]
         t1 = time.perf_counter()
         # 2. pack and 3. forward: one call for every row, trees padded to one size
         nodes = max(len(selection.tree) for selection in selections)
+        for row in rows:
+            row.padded = nodes
         prefix_lens = [row.prefix_len for row in rows]
         # tapped paused too: the heads keep what is written and read it in one forward when the batch drafts again
         layers = feature_layers(d for row in rows for d in row.job.drafters)
@@ -246,6 +252,27 @@ class Batch:
         else:
             self.shared.compact()
         return finished_early + finished
+
+    def without_costly(self, rows: list[RowRun], proposals: list[list[TokenTree]]) -> None:
+        """What the batch would have fed had the rows' costly drafters (trained heads) not drafted this step, for
+        their paired switch (`RowRun.time_costly`): the batch's own choice over the other drafters' proposals and
+        the node count it pads to. (A row's own choice would feed what pays for a single row: beside other rows a
+        tree costs more, and the heads were credited with tokens the batch would not have fed.)"""
+        weighed = [row.weighs_costly and row.error is None for row in rows]
+        if not any(weighed):
+            return
+        others = [
+            [tree for drafter, tree in zip(row.job.drafters, trees, strict=True) if not costly(drafter)]
+            for row, trees in zip(rows, proposals, strict=True)
+        ]
+        try:
+            alone = self.choose(others)
+        except Exception:  # noqa: BLE001 - advice for the switch only; each row's own choice stands
+            return
+        padded = max(len(selection.tree) for selection in alone)
+        for row, selection, weigh in zip(rows, alone, weighed, strict=True):
+            if weigh:
+                row.alone, row.padded_alone = selection, padded
 
     def propose(self, row: RowRun) -> list[TokenTree]:
         """The row's drafters' trees; a drafter that fails ends its own row (`RowRun.error`), which then feeds its

@@ -78,6 +78,12 @@ class RowRun:
     """This step's time in the costly drafters' own proposing and learning (their forwards)."""
     alone: Selection | None = None
     """What the budget would have fed this step without the costly drafters (a paired switch's comparison)."""
+    rows: int = 1
+    """Rows that share this step's forward (a batch's, set by it each step): the row pays its share of it."""
+    padded: int = 0
+    """Nodes a batch padded every row's tree to in this step's forward (0: a single row's own tree)."""
+    padded_alone: int = 0
+    """Nodes the batch's choice without the costly drafters would have padded to (`Batch.without_costly`)."""
 
     @classmethod
     def begin(cls, job: RowJob, budget: Budget) -> RowRun:
@@ -111,11 +117,12 @@ class RowRun:
     def propose(self, drafting: bool = True, with_costly: bool = True) -> list[TokenTree]:
         """Each drafter's tree; `drafting=False`: the root alone from each (a step that verifies no tree needs no
         proposals). Costly drafters (a trained head) sit out while the budget's switch measures them not paying, or
-        where `with_costly=False` (a paused batch's rows): they keep what is written for the step they draft again."""
+        where `with_costly=False` (a paused batch's rows): they keep what is written for the step they draft again.
+        What a single row would feed without them is chosen here; a batch's rows, by the batch (`without_costly`)."""
         switch = self.budget.switch
         # about the switch alone: a step that verifies no tree (a long prompt's prefill) still lets them read
         self.costly_drafting = with_costly and (switch is None or switch.drafting())
-        self.costly_seconds, self.alone = 0.0, None
+        self.costly_seconds, self.alone, self.padded_alone = 0.0, None, 0
         if not drafting:
             return [TokenTree.rooted_at(self.root) for _ in self.job.drafters]
         trees = []
@@ -128,7 +135,7 @@ class RowRun:
                 self.costly_seconds += time.perf_counter() - started
             else:
                 trees.append(TokenTree.rooted_at(self.root))
-        if self.costly_drafting and self.has_costly and switch is not None and switch.paired:
+        if self.weighs_costly and self.rows == 1:
             started = time.perf_counter()  # what the budget would feed without them, for the switch's comparison
             others = [tree for drafter, tree in zip(self.job.drafters, trees, strict=True) if not costly(drafter)]
             self.alone = self.budget.choose(self.root, others)
@@ -172,7 +179,7 @@ class RowRun:
                 drafter.sit_out(self.ctx, outcome)
         self.budget.learn(selection, new_tokens)
         drafting_s = time.perf_counter() - started + propose_s
-        self.time_costly(selection, len(new_tokens), drafting_s + forward_s)
+        self.time_costly(selection, len(new_tokens), drafting_s + forward_s / self.rows)
         expected = selection.expected_accepted
         self.stats.record_step(tree, verdict.accepted_len, Counter(sources[:-1]), drafting_s, forward_s, expected)
         if self.stats.forwards == 1:
@@ -188,10 +195,10 @@ class RowRun:
         switch, budget = self.budget.switch, self.budget
         if switch is None or not self.has_costly or self.stats.forwards == 0:
             return
-        fed = len(selection.tree)
+        fed = self.padded or len(selection.tree)
         spent = sum(drafter.spent() for drafter in self.job.drafters if costly(drafter) and hasattr(drafter, "spent"))
         if budget.reproducible:
-            seconds = budget.priced_step(fed, spent)
+            seconds = budget.priced_step(fed, spent, self.rows)
         if seconds <= 0:
             return
         if not (switch.paired and self.costly_drafting):
@@ -200,13 +207,20 @@ class RowRun:
         if self.alone is None:
             return
         kept = min(held(self.alone.tree, self.ctx.tokens[len(self.ctx.tokens) - tokens :]), tokens) + 1
-        alone = budget.priced_step(len(self.alone.tree), 0)
+        alone = budget.priced_step(self.padded_alone or len(self.alone.tree), 0, self.rows)
         if not budget.reproducible:  # the measured step less the costly drafters' time, their nodes priced apart
-            alone = max(seconds - self.costly_seconds - budget.priced_step(fed, 0) + alone, 1e-9)
+            alone = max(seconds - self.costly_seconds - budget.priced_step(fed, 0, self.rows) + alone, 1e-9)
         # weighed by the text written, not by steps: at the rate this step shows, the others alone would have taken
         # tokens / kept such steps for the same tokens (the head's steps are fewest where it helps most, so a mean
         # over its steps would count the others' easy stretches too often)
         switch.record_pair(tokens, seconds, tokens, alone * tokens / kept)
+
+    @property
+    def weighs_costly(self) -> bool:
+        """Whether this step's costly drafters drafted under a paired switch (which hears what the step would have
+        been without them)."""
+        switch = self.budget.switch
+        return self.costly_drafting and self.has_costly and switch is not None and switch.paired
 
     @cached_property
     def has_costly(self) -> bool:

@@ -432,3 +432,51 @@ def test_a_paused_batch_taps_its_forwards_and_its_heads_draft_at_once_after(catc
         batch.step()
     for index, job in enumerate(jobs):
         assert torch.equal(job.transcript.sequence, reference("llama", "sdpa", index, None)), index
+
+
+@pytest.mark.parametrize("oracle", [False, True])
+def test_a_batch_weighs_its_rows_heads_at_their_share_of_the_forward(oracle):
+    """Reproducible choices, three rows: one switch for the rows' costly drafters hears every row's steps, priced at
+    the row's share of the batch's forward and its head's forwards whole (here a twentieth of the target's 1-token
+    forward each). A random head, almost never right, is paused and the rows' heads sit out most steps; an oracle
+    head (the control, every row the same prompt) drafts on. Every row equals generate."""
+    from transformers import MaxLengthCriteria, StoppingCriteriaList
+
+    from forerun.batch import Batch, RowJob, fork
+    from forerun.costmodel.switch import PAUSE_STEPS
+    from forerun.transcript import Transcript
+
+    model = model_of("llama", "sdpa")
+    indices = [0, 0, 0] if oracle else [0, 1, 2]
+    truth = reference("llama", "sdpa", 0, None)[0].tolist()
+    head = random_head(model)
+    if oracle:  # one-hot logits over the target's own vocabulary
+        head = random_head(model, draft_vocab=VOCAB)
+        head.d2t.zero_()
+        head = OracleHead(head, truth)
+    decoder = forerun.Decoder(model, None, "eagle3", draft_head=head, latency=CURVE, reproducible=True)
+    share = forerun.LatencyCurve((1,), (CURVE.cost(1) / 20,))
+    decoder.drafters[0].costs = HeadCosts(level=share, read=share)  # the rows' copies price alike
+    batch = Batch(model, decoder.budget)
+    jobs = []
+    for index in indices:
+        prompt = prompts(3)[index]
+        criteria = StoppingCriteriaList([MaxLengthCriteria(prompt.shape[1] + NEW_TOKENS)])
+        jobs.append(
+            RowJob(prompt, Transcript(prompt.clone(), criteria), fork(decoder.drafters), frozenset(), NEW_TOKENS)
+        )
+    rows = [batch.add(job) for job in jobs]
+    proposed = 0
+    while batch.rows:
+        batch.step()
+        proposed += sum(row.costly_drafting for row in batch.rows)
+    steps = sum(row.stats.forwards for row in rows)
+    switch = batch.policy.costly
+    if oracle:
+        assert switch.pause == PAUSE_STEPS and switch.rates[True] > 1.5 * switch.rates[False]
+        assert sum(row.stats.accepted for row in rows) >= 3 * NEW_TOKENS // 2
+    else:
+        assert switch.pause > PAUSE_STEPS and switch.rates[True] < switch.rates[False]
+        assert proposed < steps // 2, (proposed, steps)  # the heads sat out most row-steps
+    for job, index in zip(jobs, indices, strict=True):
+        assert torch.equal(job.transcript.sequence, reference("llama", "sdpa", index, None)), index

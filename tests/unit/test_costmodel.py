@@ -499,14 +499,14 @@ def test_a_row_tells_its_paired_switch_what_the_same_text_costs_without_the_head
     told = []
     switch.record_pair = lambda *args: told.append(args)
     prices = {1: 1.0, 2: 1.0, 5: 1.5}
-    budget = SimpleNamespace(switch=switch, reproducible=False, priced_step=lambda fed, spent: prices[fed])
+    budget = SimpleNamespace(switch=switch, reproducible=False, priced_step=lambda fed, spent, rows: prices[fed])
     head = SimpleNamespace(costly=True, name="head")
     alone = TokenTree.rooted_at(1)
     alone.add(0, 7)  # holds the first committed token
     row = RowRun.__new__(RowRun)
     row.job = SimpleNamespace(drafters=[head])
     row.ctx = SimpleNamespace(tokens=[3, 1, 7, 8, 9, 4])
-    row.budget, row.stats = budget, SimpleNamespace(forwards=3)
+    row.budget, row.stats, row.rows, row.padded, row.padded_alone = budget, SimpleNamespace(forwards=3), 1, 0, 0
     row.costly_drafting, row.costly_seconds = True, 0.25
     row.alone = Selection(alone, [{}])
     fed = TokenTree.rooted_at(1)
@@ -514,6 +514,36 @@ def test_a_row_tells_its_paired_switch_what_the_same_text_costs_without_the_head
     row.time_costly(Selection(fed, [{}]), 4, 2.0)
     kept, alone_seconds = 2, 2.0 - 0.25 - prices[5] + prices[2]  # 1 held, then the target's own token
     assert told == [(4, 2.0, 4, alone_seconds * 4 / kept)]
+
+
+def test_a_row_of_a_batch_is_priced_at_its_share_of_the_forward():
+    """Reproducible choices: a row among 3 prices its step at its share of the 3-row forward padded to the batch's
+    node count (8 here, its own tree 4), its head's forwards whole; and the step without the head at its share of
+    the forward the batch's choice without heads pads to (4 here, its own tree 2)."""
+    from types import SimpleNamespace
+
+    from forerun.costmodel import CostModel, DraftSwitch, Selection
+    from forerun.row import RowRun
+
+    three = LatencyCurve((1, 4, 8), (0.030, 0.045, 0.060))
+    budget = CostModel(LatencyCurve((1, 8), (0.010, 0.030), ((3, three),)), 16, reproducible=True)
+    budget.switch = DraftSwitch(paired=True)
+    told = []
+    budget.switch.record_pair = lambda *args: told.append(args)
+    head = SimpleNamespace(costly=True, name="head", spent=lambda: 0.002)
+    row = RowRun.__new__(RowRun)
+    row.job, row.ctx = SimpleNamespace(drafters=[head]), SimpleNamespace(tokens=[3, 1, 7, 9])
+    row.budget, row.stats, row.rows = budget, SimpleNamespace(forwards=3), 3
+    row.costly_drafting, row.costly_seconds, row.padded, row.padded_alone = True, 0.0, 8, 4
+    alone = TokenTree.rooted_at(1)
+    alone.add(0, 7)  # holds the first committed token
+    row.alone = Selection(alone, [{}])
+    fed = TokenTree.rooted_at(1)
+    fed.add_chain(0, [7, 9, 5])
+    row.time_costly(Selection(fed, [{}]), 2, 1.0)
+    seconds, alone_seconds = 0.060 / 3 + 0.002, 0.045 / 3  # one held, then the target's own: 2 tokens, no more
+    ((tokens, spent, same, without),) = told
+    assert (tokens, same) == (2, 2) and spent == pytest.approx(seconds) and without == pytest.approx(alone_seconds)
 
 
 def test_a_measurement_shows_its_progress_unless_transformers_bars_are_off(capsys):

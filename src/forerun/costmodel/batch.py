@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from forerun.costmodel.budgets import Budget, CostModel
 from forerun.costmodel.choice import Selection
 from forerun.costmodel.curve import LatencyCurve
-from forerun.costmodel.switch import DraftSwitch
+from forerun.costmodel.switch import FIRST_PROBE_STEPS, DraftSwitch
 from forerun.tree import TokenTree, merge
 
 BATCH_PRIOR = 4.0
@@ -45,6 +45,11 @@ class BatchPolicy:
     the decision (`best_shared_count`'s draft_penalty)."""
     switch: DraftSwitch = field(default_factory=lambda: DraftSwitch())
     """Whether rows propose at all (measured wall-clock rates of drafting and plain steps)."""
+    costly: DraftSwitch = field(default_factory=lambda: DraftSwitch(probing=FIRST_PROBE_STEPS, paired=True))
+    """Whether the rows' costly drafters (trained heads) draft, where their budgets weigh them (`CostModel.for_row`):
+    one switch for every row, told each row's steps (a row-step each) paired with what its other drafters alone
+    would have fed, at the row's share of the batch's forward and its head's forwards whole: a head that pays
+    alone may not beside other rows, whose forward it cannot share."""
     measured_at: int = 1
     """Cache slots when the switch and the forward-time corrections began measuring (`rebase`)."""
     expected: float = 0.0

@@ -44,14 +44,15 @@ class Budget(Protocol):
 
     def timed(self, fed: int, seconds: float) -> None: ...
 
-    def priced_step(self, fed: int, drafter_seconds: float) -> float:
+    def priced_step(self, fed: int, drafter_seconds: float, rows: int = 1) -> float:
         """A step's seconds on stored measurements alone, for a switch that must not time (`CostModel.priced_step`)."""
         ...
 
     def new_request(self) -> None: ...
 
-    def for_row(self) -> Budget:
-        """The budget of one row of a batch (its own per-request state, the shared long-run state)."""
+    def for_row(self, switch: DraftSwitch | None = None) -> Budget:
+        """The budget of one row of a batch (its own per-request state, the shared long-run state; `switch`: the
+        batch's for costly drafters, where this budget weighs them)."""
         ...
 
     def proposal_nodes(self, rows: int) -> int:
@@ -137,7 +138,7 @@ class StaticBudget:
     switch = None
     """Every drafter drafts every step, as its knobs ask."""
 
-    def priced_step(self, fed: int, drafter_seconds: float) -> float:
+    def priced_step(self, fed: int, drafter_seconds: float, rows: int = 1) -> float:
         """Never asked (no switch); a forward a step."""
         return 1.0
 
@@ -159,7 +160,7 @@ class StaticBudget:
     def curve(self) -> None:
         return None
 
-    def for_row(self) -> StaticBudget:
+    def for_row(self, switch: DraftSwitch | None = None) -> StaticBudget:
         return self
 
     def proposal_nodes(self, rows: int) -> int:
@@ -273,26 +274,36 @@ class CostModel:
         if self.times is not None and not self.reproducible:
             self.times.record(fed, self.curve.cost(fed), seconds)
 
-    def priced_step(self, fed: int, drafter_seconds: float) -> float:
+    def priced_step(self, fed: int, drafter_seconds: float, rows: int = 1) -> float:
         """A step's seconds on stored measurements alone (reproducible choices time nothing): the forward of `fed`
         tokens on the curve, plus the costly drafters' own forwards as priced on their own measured costs
-        (`drafter_seconds`, e.g. `forerun.drafters.eagle3.costs.HeadCosts`).
+        (`drafter_seconds`, e.g. `forerun.drafters.eagle3.costs.HeadCosts`). A row among `rows` of a batch pays
+        its share of their forward (`LatencyCurve.batch_cost`) and its drafters' forwards whole.
 
-        Example (1 token 10 ms, 8 tokens 12 ms; a head's three forwards priced at 1 ms each):
-            >>> model = CostModel(LatencyCurve((1, 8), (0.010, 0.012)), 16)
+        Example (1 token 10 ms, 8 tokens 12 ms; a head's three forwards priced at 1 ms each; 4 rows of 8 tokens
+        48 ms):
+            >>> four = LatencyCurve((1, 8), (0.016, 0.048))
+            >>> model = CostModel(LatencyCurve((1, 8), (0.010, 0.012), ((4, four),)), 16)
             >>> round(model.priced_step(8, 0.003), 4), round(model.priced_step(1, 0), 4)
             (0.015, 0.01)
+            >>> round(model.priced_step(8, 0.003, rows=4), 4)
+            0.015
         """
-        return self.curve.cost(fed) + drafter_seconds
+        return self.curve.batch_cost(rows, fed) / rows + drafter_seconds
 
     def new_request(self) -> None:
         self.calibration.new_request()
 
-    def for_row(self) -> CostModel:
+    def for_row(self, switch: DraftSwitch | None = None) -> CostModel:
         """A row's own budget: the same curve, long-run calibration and check of fed guesses, its own per-request
-        correction (no forward timings: a batch times its forwards itself, `forerun.costmodel.batch`)."""
+        correction (no forward timings: a batch times its forwards itself, `forerun.costmodel.batch`). Where this
+        budget weighs costly drafters (it has a switch), the row's are weighed by `switch`, the batch's (its rows
+        share it: `BatchPolicy.costly`); without one they always draft."""
         calibration = Calibration(hits=self.calibration.hits, trials=self.calibration.trials)
-        return CostModel(self.curve, self.max_nodes, calibration, self.fed_check, None, self.reproducible)
+        weighed = switch if self.switch is not None else None
+        return CostModel(
+            self.curve, self.max_nodes, calibration, self.fed_check, None, self.reproducible, switch=weighed
+        )
 
     def proposal_nodes(self, rows: int) -> int:
         """Most nodes, root included, a row's drafters may propose in a batch of `rows` rows (`PROPOSAL_COST`).
