@@ -259,7 +259,7 @@ class Batch:
         the node count it pads to. (A row's own choice would feed what pays for a single row: beside other rows a
         tree costs more, and the heads were credited with tokens the batch would not have fed.)"""
         weighed = [row.weighs_costly and row.error is None for row in rows]
-        if not any(weighed):
+        if len(rows) < 2 or not any(weighed):  # a row alone chose its own (`RowRun.propose`)
             return
         others = [
             [tree for drafter, tree in zip(row.job.drafters, trees, strict=True) if not costly(drafter)]

@@ -47,9 +47,9 @@ class BatchPolicy:
     """Whether rows propose at all (measured wall-clock rates of drafting and plain steps)."""
     costly: DraftSwitch = field(default_factory=lambda: DraftSwitch(probing=FIRST_PROBE_STEPS, paired=True))
     """Whether the rows' costly drafters (trained heads) draft, where their budgets weigh them (`CostModel.for_row`):
-    one switch for every row, told each row's steps (a row-step each) paired with what its other drafters alone
-    would have fed, at the row's share of the batch's forward and its head's forwards whole: a head that pays
-    alone may not beside other rows, whose forward it cannot share."""
+    one switch for every row, told each row's steps (a row-step each) paired with what the batch would have fed
+    without the heads (`Batch.without_costly`), at the row's share of the batch's forward and its head's forwards
+    whole: a head that pays alone may not beside other rows, whose forward it cannot share."""
     measured_at: int = 1
     """Cache slots when the switch and the forward-time corrections began measuring (`rebase`)."""
     expected: float = 0.0
