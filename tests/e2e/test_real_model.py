@@ -77,6 +77,30 @@ def test_cli_generate_verbose_colours_and_stats():
     assert "tokens/forward" in result.output and "legend:" in result.output
 
 
+def test_cli_generate_samples_with_a_seed_and_stops_at_a_stop_string(smollm2):
+    """`forerun generate --sample --seed`: the text the Python API writes with that seed, whatever drafts it (the
+    same for `plain` and `prompt_lookup`; another seed writes another); `--stop` ends the text shown before it;
+    sampling settings without --sample are refused by name (greedy decoding would ignore them silently)."""
+    model, tokenizer = smollm2
+    prompt, sampled = "Write a haiku about the sea.", ["--sample", "--temperature", "0.9", "--top-p", "0.95"]
+    expected = forerun.Decoder(model, tokenizer, "plain").generate(
+        prompt, 24, chat=True, do_sample=True, temperature=0.9, top_p=0.95, seed=7
+    )
+    for method, seed in (("plain", "7"), ("prompt_lookup", "7"), ("plain", "8")):
+        args = ["generate", prompt, "--chat", "-n", "24", "--threads", "2", *sampled, "--seed", seed]
+        run = CliRunner().invoke(app, [*args, "--method", method])
+        assert run.exit_code == 0, run.output
+        assert (expected.text.strip() in run.output) == (seed == "7"), (method, seed, run.output)
+    greedy = forerun.Decoder(model, tokenizer, "plain").generate("def fib(n):", 48)
+    shown = greedy.text[: greedy.text.index("return")].rstrip()  # the greedy answer has a return in it
+    stopped = CliRunner().invoke(app, ["generate", "def fib(n):", "-n", "48", "--stop", "return", "--threads", "2"])
+    assert stopped.exit_code == 0, stopped.output
+    assert shown.strip() in stopped.output and "return" not in stopped.output
+    for flags in (["--temperature", "0.5"], ["--seed", "1"]):
+        refused = CliRunner().invoke(app, ["generate", prompt, *flags])
+        assert refused.exit_code == 2 and f"{flags[0]} given without --sample" in refused.output
+
+
 def test_eagle3_with_a_random_head_equals_generate_on_the_real_model_and_in_the_cli(smollm2, references, tmp_path):
     from eagle3_heads import write_head
 

@@ -179,6 +179,9 @@ def test_bad_lines_are_reported_the_rest_runs_and_an_unwritable_output_stops_at_
     assert sorted(finished_rows(out)) == ["2", "pal"]
     missing = CliRunner().invoke(app, ["run", str(path), "-o", str(tmp_path / "no" / "out.jsonl")])
     assert missing.exit_code == 2 and "does not exist" in missing.output and "Traceback" not in missing.output
+    greedy = CliRunner().invoke(app, ["run", str(path), "-o", str(tmp_path / "greedy.jsonl"), "--top-p", "0.5"])
+    assert greedy.exit_code == 2 and "--top-p given without --sample" in greedy.output  # not ignored silently
+    assert not (tmp_path / "greedy.jsonl").exists()
 
 
 @pytest.mark.real_model

@@ -104,6 +104,26 @@ COMPILE = typer.Option(
     "--compile-buckets",
     help="CUDA: compile each tree size's forward before capturing it (steps ~2x shorter; minutes of compiling once).",
 )
+SAMPLE = typer.Option(False, "--sample", help="Sample instead of greedy decoding (the model's own distribution).")
+TEMPERATURE = typer.Option(None, "--temperature", help="With --sample.")
+TOP_P = typer.Option(None, "--top-p", help="With --sample.")
+TOP_K = typer.Option(None, "--top-k", help="With --sample.")
+
+
+def sampling(do_sample: bool, temperature: float | None, top_p: float | None, top_k: int | None) -> dict:
+    """The request options of the sampling flags ({} for greedy decoding). A sampling setting without --sample is
+    a ValueError naming it: greedy decoding would ignore it, and the user would not learn why nothing changed.
+
+    Example:
+        >>> sampling(True, 0.7, None, 40), sampling(False, None, None, None)
+        ({'do_sample': True, 'temperature': 0.7, 'top_k': 40}, {})
+    """
+    settings = {"temperature": temperature, "top_p": top_p, "top_k": top_k}
+    given = {name: value for name, value in settings.items() if value is not None}
+    if given and not do_sample:
+        flags = ", ".join(f"--{name.replace('_', '-')}" for name in given)
+        raise ValueError(f"{flags} given without --sample: greedy decoding takes the likeliest token (add --sample)")
+    return {"do_sample": True, **given} if do_sample else {}
 
 
 def freeze_start_up() -> None:

@@ -16,12 +16,17 @@ from forerun.cli.common import (
     NODES,
     PACK,
     QUANTIZE,
+    SAMPLE,
+    TEMPERATURE,
     THREADS,
+    TOP_K,
+    TOP_P,
     app,
     coloured,
     console,
     legend,
     run_spec,
+    sampling,
     user_errors,
 )
 
@@ -34,6 +39,14 @@ def generate(
     method: str = METHOD,
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n"),
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt as a user message with the chat template."),
+    stop: list[str] = typer.Option(
+        [], "--stop", help="End the answer where this text appears (repeatable; the text shown ends before it)."
+    ),
+    do_sample: bool = SAMPLE,
+    temperature: float = TEMPERATURE,
+    top_p: float = TOP_P,
+    top_k: int = TOP_K,
+    seed: int = typer.Option(None, "--seed", help="With --sample: the same seed writes the same text."),
     knob: list[str] = KNOB,
     max_tree_nodes: int = NODES,
     threads: int = THREADS,
@@ -46,18 +59,24 @@ def generate(
     quantize: str = QUANTIZE,
     pack: str = PACK,
 ) -> None:
-    """Generate text greedily; identical to model.generate(do_sample=False), only sooner."""
+    """Generate text: greedy, identical to model.generate(do_sample=False), only sooner; with --sample, drawn from
+    the model's own distribution (whatever drafted it, the same --seed writes the same text)."""
     if max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     if not prompt.strip():
         raise ValueError("prompt is empty")
+    options = sampling(do_sample, temperature, top_p, top_k)
+    if seed is not None:
+        if not do_sample:
+            raise ValueError("--seed given without --sample: greedy decoding draws nothing (add --sample)")
+        options["seed"] = seed
     spec = run_spec(model, method, knob, device, dtype, threads, draft_model, max_tree_nodes, quantize, draft_head,
                     compile_buckets, pack)  # fmt: skip
     lm, tokenizer, draft = spec.load()
     decoder = spec.decoder(lm, tokenizer, draft)
-    result = decoder.generate(prompt, max_new_tokens, chat=chat)
+    result = decoder.generate(prompt, max_new_tokens, chat=chat, stop=tuple(stop), **options)
     if not verbose:
-        console.print(result.text, highlight=False, markup=False)
+        console.print(result.shown_text, highlight=False, markup=False)
         return
     console.print(coloured(tokenizer, result.new_tokens, result.token_sources))
     console.print(legend(decoder.plan.names))

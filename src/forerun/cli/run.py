@@ -18,13 +18,18 @@ from forerun.cli.common import (
     NODES,
     PACK,
     QUANTIZE,
+    SAMPLE,
+    TEMPERATURE,
     THREADS,
+    TOP_K,
+    TOP_P,
     app,
     console,
     errors,
     freeze_start_up,
     progress_bar,
     run_spec,
+    sampling,
     user_errors,
 )
 
@@ -42,10 +47,10 @@ def run_file(
     ),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n"),
     chat: bool = typer.Option(False, "--chat", help="Apply the chat template to text prompts."),
-    do_sample: bool = typer.Option(False, "--sample", help="Sample instead of greedy decoding."),
-    temperature: float = typer.Option(None, "--temperature", help="With --sample."),
-    top_p: float = typer.Option(None, "--top-p", help="With --sample."),
-    top_k: int = typer.Option(None, "--top-k", help="With --sample."),
+    do_sample: bool = SAMPLE,
+    temperature: float = TEMPERATURE,
+    top_p: float = TOP_P,
+    top_k: int = TOP_K,
     seed: int = typer.Option(None, "--seed", help="With --sample: the file's i-th record draws from seed + i."),
     max_tree_nodes: int = NODES,
     threads: int = THREADS,
@@ -70,10 +75,7 @@ def run_file(
     if not source.is_file():
         raise ValueError(f"prompts file {source} " + ("is not a regular file" if source.exists() else "does not exist"))
     check_writable(target)
-    defaults = {"max_new_tokens": max_new_tokens, "chat": chat}
-    if do_sample:
-        sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k}
-        defaults.update(do_sample=True, **{k: v for k, v in sampling.items() if v is not None})
+    defaults = {"max_new_tokens": max_new_tokens, "chat": chat} | sampling(do_sample, temperature, top_p, top_k)
     if seed is not None:
         defaults["seed"] = seed
     spec = run_spec(
