@@ -48,7 +48,11 @@ class ConsoleStream:
         self.console.print()
 
 
-def chat_loop(spec: RunSpec, model, tokenizer, draft, max_new_tokens: int, console: Console) -> None:
+def chat_loop(
+    spec: RunSpec, model, tokenizer, draft, max_new_tokens: int, console: Console, options: dict | None = None
+) -> None:
+    """Read lines, answer each with the whole conversation so far. `options`: every answer's generation options
+    (e.g. {"do_sample": True, "temperature": 0.7}; none: greedy)."""
     method = spec.method
     decoders = {method: spec.decoder(model, tokenizer, draft)}
     history: list[dict] = []
@@ -84,22 +88,27 @@ def chat_loop(spec: RunSpec, model, tokenizer, draft, max_new_tokens: int, conso
             console.print(f"{error}; not sent", style="red", markup=False, highlight=False)
             continue
         history.append({"role": "user", "content": line})
-        answer = answer_once(decoders[method], history, max_new_tokens, console)
+        answer = answer_once(decoders[method], history, max_new_tokens, console, options)
         if answer is None:  # the turn failed: the history stays as it was, so the next turn is not broken by it
             history.pop()
             continue
         history.append({"role": "assistant", "content": answer})
 
 
-def answer_once(decoder: Decoder, history: list[dict], max_new_tokens: int, console: Console) -> str | None:
-    """Stream one answer to `history`; its text, or None when it failed (the error is shown)."""
+def answer_once(
+    decoder: Decoder, history: list[dict], max_new_tokens: int, console: Console, options: dict | None = None
+) -> str | None:
+    """Stream one answer to `history` (`options`: `Decoder.generate`'s); its text, or None when it failed (the
+    error is shown)."""
     stream = ConsoleStream(console, decoder.tokenizer)
     cancel = threading.Event()
     box: dict = {}
 
     def work() -> None:
         try:
-            box["result"] = decoder.generate(list(history), max_new_tokens, streamer=stream, cancel=cancel)
+            box["result"] = decoder.generate(
+                list(history), max_new_tokens, streamer=stream, cancel=cancel, **(options or {})
+            )
         except Exception as error:  # noqa: BLE001 - shown to the user, the chat goes on
             box["error"] = error
 

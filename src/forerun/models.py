@@ -98,6 +98,8 @@ def resolve(name: str, models_dir: Path = DEFAULT_MODELS_DIR) -> tuple[str, str 
     if path.is_dir():
         return str(path), None
     if "/" in name and not path.exists():
+        if name.startswith(("/", ".", "~")) or name.count("/") > 1:  # a path, not an org/name hub id
+            raise FileNotFoundError(f"no such model folder: {path} (nor a .gguf file, an alias or a hub id)")
         return name, None  # a hub id: only the local cache is read (local_files_only below)
     raise ValueError(
         f"unknown model {name!r}: give an alias ({', '.join([*EMBEDDED, *FETCHABLE])}), a local folder, a .gguf file, "

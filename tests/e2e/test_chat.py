@@ -70,3 +70,27 @@ def test_a_line_of_invalid_utf8_is_refused_and_the_chat_goes_on():
     assert "lone surrogate" in output and "not sent" in output
     assert output.count("bot> ") == 2 and "error:" not in output  # both good turns answered
     assert "error:" not in output
+
+
+def test_a_sampled_chat_answers_what_the_python_api_draws_with_its_seed(smollm2):
+    """`forerun chat --sample --temperature 0.9 --seed 5`: the answer is `generate(messages, do_sample=True, ...,
+    seed=5)`'s, streamed; another seed answers otherwise."""
+    import subprocess
+
+    import forerun
+
+    model, tokenizer = smollm2
+    messages = [{"role": "user", "content": "Tell me a short story about a cat."}]
+    expected = forerun.Decoder(model, tokenizer, "prompt_lookup").generate(
+        messages, 24, do_sample=True, temperature=0.9, seed=5
+    )
+    answers = {}
+    for seed in ("5", "6"):
+        args = ["chat", "--max-new-tokens", "24", "--threads", "2", "--sample", "--temperature", "0.9", "--seed", seed]
+        done = subprocess.run(
+            [forerun_command(), *args], input=b"Tell me a short story about a cat.\n", capture_output=True, timeout=300
+        )
+        answers[seed] = done.stdout.decode("utf-8", "replace")
+        assert done.returncode == 0, answers[seed] + done.stderr.decode("utf-8", "replace")
+    first_line = expected.text.strip().splitlines()[0]
+    assert first_line in answers["5"] and first_line not in answers["6"]

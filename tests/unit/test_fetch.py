@@ -70,3 +70,7 @@ def test_known_models_and_clear_errors(tmp_path):
         fetch("qwen-7b", tmp_path)
     with pytest.raises(FileNotFoundError, match="run: forerun models fetch qwen2.5-coder-1.5b"):
         resolve("qwen2.5-coder-1.5b", tmp_path)
+    for missing in (str(tmp_path / "nowhere"), "./nowhere", "~/nowhere", "models/org/name"):  # paths, not hub ids
+        with pytest.raises(FileNotFoundError, match="no such model folder"):
+            resolve(missing, tmp_path)
+    assert resolve("org/name", tmp_path) == ("org/name", None)  # a hub id: read from the local cache only

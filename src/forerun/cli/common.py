@@ -110,7 +110,9 @@ TOP_P = typer.Option(None, "--top-p", help="With --sample.")
 TOP_K = typer.Option(None, "--top-k", help="With --sample.")
 
 
-def sampling(do_sample: bool, temperature: float | None, top_p: float | None, top_k: int | None) -> dict:
+def sampling(
+    do_sample: bool, temperature: float | None, top_p: float | None, top_k: int | None, seed: int | None = None
+) -> dict:
     """The request options of the sampling flags ({} for greedy decoding). A sampling setting without --sample is
     a ValueError naming it: greedy decoding would ignore it, and the user would not learn why nothing changed.
 
@@ -118,7 +120,7 @@ def sampling(do_sample: bool, temperature: float | None, top_p: float | None, to
         >>> sampling(True, 0.7, None, 40), sampling(False, None, None, None)
         ({'do_sample': True, 'temperature': 0.7, 'top_k': 40}, {})
     """
-    settings = {"temperature": temperature, "top_p": top_p, "top_k": top_k}
+    settings = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed}
     given = {name: value for name, value in settings.items() if value is not None}
     if given and not do_sample:
         flags = ", ".join(f"--{name.replace('_', '-')}" for name in given)

@@ -65,11 +65,7 @@ def generate(
         raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     if not prompt.strip():
         raise ValueError("prompt is empty")
-    options = sampling(do_sample, temperature, top_p, top_k)
-    if seed is not None:
-        if not do_sample:
-            raise ValueError("--seed given without --sample: greedy decoding draws nothing (add --sample)")
-        options["seed"] = seed
+    options = sampling(do_sample, temperature, top_p, top_k, seed)
     spec = run_spec(model, method, knob, device, dtype, threads, draft_model, max_tree_nodes, quantize, draft_head,
                     compile_buckets, pack)  # fmt: skip
     lm, tokenizer, draft = spec.load()
@@ -91,6 +87,11 @@ def chat(
     method: str = METHOD,
     knob: list[str] = KNOB,
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n"),
+    do_sample: bool = SAMPLE,
+    temperature: float = TEMPERATURE,
+    top_p: float = TOP_P,
+    top_k: int = TOP_K,
+    seed: int = typer.Option(None, "--seed", help="With --sample: each answer draws from this seed."),
     threads: int = THREADS,
     draft_model: str = DRAFT,
     draft_head: str = HEAD,
@@ -101,12 +102,14 @@ def chat(
     quantize: str = QUANTIZE,
     pack: str = PACK,
 ) -> None:
-    """Chat in the terminal: streaming answers, draft-accepted tokens coloured, a stats line per answer."""
+    """Chat in the terminal: streaming answers, draft-accepted tokens coloured, a stats line per answer (greedy, or
+    sampled with --sample)."""
     from forerun.chat import chat_loop
 
     if max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    options = sampling(do_sample, temperature, top_p, top_k, seed)
     spec = run_spec(model, method, knob, device, dtype, threads, draft_model, max_tree_nodes, quantize, draft_head,
                     compile_buckets, pack)  # fmt: skip
     lm, tokenizer, draft = spec.load()
-    chat_loop(spec, lm, tokenizer, draft, max_new_tokens, console)
+    chat_loop(spec, lm, tokenizer, draft, max_new_tokens, console, options)
