@@ -15,6 +15,7 @@ from forerun.checks import check_text
 from forerun.decoder import Decoder
 from forerun.methods import source_style
 from forerun.runspec import RunSpec
+from forerun.stopping import HeldText
 from forerun.text import IncrementalText
 
 
@@ -46,6 +47,31 @@ class ConsoleStream:
     def end(self) -> None:
         self.show(self.text.finish())
         self.console.print()
+
+
+class AnswerStream:
+    """Prints an answer as it is written (`forerun generate`): whole characters, ending before the first stop string
+    (`HeldText`: characters that could begin one wait until they cannot), a newline at the end."""
+
+    def __init__(self, console: Console, tokenizer, stops: tuple[str, ...] = ()) -> None:
+        self.console, self.text, self.held = console, IncrementalText(tokenizer), HeldText(stops)
+        self.prompt_seen = False
+
+    def put(self, value) -> None:
+        if not self.prompt_seen:  # transformers' convention: the prompt comes first
+            self.prompt_seen = True
+            return
+        self.text.push(value.flatten().tolist())
+        self.show(self.held.release(self.text.text))
+
+    def end(self) -> None:
+        self.text.finish()
+        self.show(self.held.release(self.text.text, final=True))
+        self.console.print()
+
+    def show(self, piece: str) -> None:
+        if piece:
+            self.console.print(piece, end="", markup=False, highlight=False, soft_wrap=True)
 
 
 def chat_loop(

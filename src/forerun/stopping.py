@@ -27,6 +27,39 @@ def first_stop(text: str, stops: Sequence[str]) -> int | None:
     return min(positions) if positions else None
 
 
+class HeldText:
+    """What of a growing text may be shown while it is written: everything before the first stop string, less the
+    last characters while they could still begin one (shown at the end if none follows). One per answer.
+
+    Example (stop "\\n\\n": "a\\n" shows "a", the "\\n" held; "a\\n\\nb" has the stop: nothing more):
+        >>> held = HeldText(["\\n\\n"])
+        >>> held.release("a\\n"), held.release("a\\n\\nb"), held.stopped, held.release("a\\n\\nbc", final=True)
+        ('a', '', True, '')
+    """
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = list(stops)
+        self.holdback = max((len(s) for s in self.stops), default=1) - 1
+        self.shown = 0
+        """Characters of the text released so far."""
+        self.stopped = False
+        """Whether a stop string has appeared (nothing is released after it)."""
+
+    def release(self, text: str, final: bool = False) -> str:
+        """The part of `text` (the whole answer so far) not released before that may be shown now; `final`: the
+        answer is complete, nothing is held back."""
+        if self.stopped:
+            return ""
+        cut = first_stop(text, self.stops)
+        if cut is not None:
+            text, self.stopped = text[:cut], True
+        elif not final:
+            text = text[: max(self.shown, len(text) - self.holdback)]
+        delta = text[self.shown :]
+        self.shown = max(self.shown, len(text))
+        return delta
+
+
 class StopStrings(StoppingCriteria):
     """True once the text generated after `prompt_len` tokens contains one of `stops`."""
 

@@ -70,10 +70,13 @@ def generate(
                     compile_buckets, pack)  # fmt: skip
     lm, tokenizer, draft = spec.load()
     decoder = spec.decoder(lm, tokenizer, draft)
-    result = decoder.generate(prompt, max_new_tokens, chat=chat, stop=tuple(stop), **options)
-    if not verbose:
-        console.print(result.shown_text, highlight=False, markup=False)
+    if not verbose:  # the answer shows as it is written
+        from forerun.chat import AnswerStream
+
+        streamer = AnswerStream(console, tokenizer, tuple(stop))
+        decoder.generate(prompt, max_new_tokens, chat=chat, stop=tuple(stop), streamer=streamer, **options)
         return
+    result = decoder.generate(prompt, max_new_tokens, chat=chat, stop=tuple(stop), **options)
     console.print(coloured(tokenizer, result.new_tokens, result.token_sources))
     console.print(legend(decoder.plan.names))
     console.print(result.stats.summary(), highlight=False)

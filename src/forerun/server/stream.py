@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 
 from forerun.logprobs import entries_before
-from forerun.stopping import first_stop
+from forerun.stopping import HeldText
 from forerun.text import IncrementalText
 
 
@@ -31,10 +31,8 @@ class TokenStream:
         self.text = IncrementalText(tokenizer)
         self.queue: asyncio.Queue = asyncio.Queue()
         self.started = asyncio.Event()
-        self.sent = 0
+        self.held = HeldText(stops)
         self.prompt_seen = False
-        self.stopped = False
-        self.holdback = max((len(s) for s in stops), default=1) - 1
 
     def put(self, value) -> None:
         if not self.prompt_seen:  # transformers' convention: the prompt comes first
@@ -55,17 +53,11 @@ class TokenStream:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, None)
 
     def emit(self, final: bool) -> None:
-        if self.stopped:
-            return
-        text = self.text.text
-        cut = first_stop(text, self.stops)
-        if cut is not None:
-            text, self.stopped = text[:cut], True
-        elif not final:
-            text = text[: max(self.sent, len(text) - self.holdback)]
-        if len(text) > self.sent:
-            delta, self.sent = text[self.sent :], len(text)
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, (delta, self.released(delta, cut is not None)))
+        already = self.held.stopped
+        delta = self.held.release(self.text.text, final)
+        if delta:
+            stopped = self.held.stopped and not already
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (delta, self.released(delta, stopped)))
 
     def released(self, delta: str, stopped: bool) -> list | None:
         """The entries to send with `delta`: all noted so far, or at a stop string those whose text the delta
