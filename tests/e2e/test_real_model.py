@@ -101,6 +101,18 @@ def test_cli_generate_samples_with_a_seed_and_stops_at_a_stop_string(smollm2):
         assert refused.exit_code == 2 and f"{flags[0]} given without --sample" in refused.output
 
 
+def test_cli_generate_reads_a_prompt_piped_into_standard_input():
+    """`forerun generate - < file`: the same answer as the prompt given as an argument; bytes that are not UTF-8 are
+    refused naming where."""
+    args = ["-n", "16", "--threads", "2"]
+    given = CliRunner().invoke(app, ["generate", "def fib(n):", *args])
+    piped = CliRunner().invoke(app, ["generate", "-", *args], input="\ufeffdef fib(n):".encode())
+    assert given.exit_code == 0 and piped.exit_code == 0, piped.output
+    assert answer(piped.output) == answer(given.output) != []
+    bad = CliRunner().invoke(app, ["generate", "-"], input=b"def \xff(n):")
+    assert bad.exit_code == 2 and "standard input is not UTF-8 text (byte 4: 0xff)" in bad.output
+
+
 def test_eagle3_with_a_random_head_equals_generate_on_the_real_model_and_in_the_cli(smollm2, references, tmp_path):
     from eagle3_heads import write_head
 

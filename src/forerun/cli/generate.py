@@ -34,7 +34,7 @@ from forerun.cli.common import (
 @app.command()
 @user_errors
 def generate(
-    prompt: str = typer.Argument(..., help="The prompt text."),
+    prompt: str = typer.Argument(..., help="The prompt text; - reads it from standard input (a file piped in)."),
     model: str = MODEL,
     method: str = METHOD,
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n"),
@@ -63,6 +63,8 @@ def generate(
     the model's own distribution (whatever drafted it, the same --seed writes the same text)."""
     if max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    if prompt == "-":
+        prompt = standard_input()
     if not prompt.strip():
         raise ValueError("prompt is empty")
     options = sampling(do_sample, temperature, top_p, top_k, seed)
@@ -81,6 +83,18 @@ def generate(
     console.print(legend(decoder.plan.names))
     console.print(result.stats.summary(), highlight=False)
     console.print(f"accepted length per step: {dict(sorted(result.stats.accepted_hist.items()))}", highlight=False)
+
+
+def standard_input() -> str:
+    """The prompt piped in (`forerun generate - < notes.txt`): UTF-8 text (a byte order mark dropped), or a
+    ValueError saying where it is not."""
+    import sys
+
+    data = sys.stdin.buffer.read()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"standard input is not UTF-8 text (byte {error.start}: {data[error.start]:#04x})") from None
 
 
 @app.command()
