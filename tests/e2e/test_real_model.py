@@ -70,11 +70,14 @@ def test_text_and_chat_prompts(smollm2):
 
 
 def test_cli_generate_verbose_colours_and_stats():
-    result = CliRunner().invoke(
-        app, ["generate", "Write hello world in Python.", "--chat", "-n", "24", "-v", "--threads", "2"]
-    )
-    assert result.exit_code == 0, result.output
+    """`-v` streams the same answer, coloured by origin (no colours here: not a terminal), then the legend and the
+    stats."""
+    args = ["generate", "Write hello world in Python.", "--chat", "-n", "24", "--threads", "2"]
+    result, quiet = CliRunner().invoke(app, [*args, "-v"]), CliRunner().invoke(app, args)
+    assert result.exit_code == 0 and quiet.exit_code == 0, result.output
     assert "tokens/forward" in result.output and "legend:" in result.output
+    shown = answer(result.output)
+    assert shown[: shown.index(next(line for line in shown if line.startswith("legend:")))] == answer(quiet.output)
 
 
 def test_cli_generate_samples_with_a_seed_and_stops_at_a_stop_string(smollm2):

@@ -197,18 +197,6 @@ def progress_bar() -> Progress:
     return Progress(*columns, console=console)
 
 
-def coloured(tokenizer, new_ids: list[int], sources: list[str]) -> Text:
-    """The new text with every token styled by where it came from (a drafter's accepted guess, or the model)."""
-    from forerun.methods import source_style
-    from forerun.text import IncrementalText
-
-    text, pieces = Text(), IncrementalText(tokenizer)
-    for token, source in zip(new_ids, sources, strict=False):
-        text.append(pieces.push([token]), style=source_style(source))
-    text.append(pieces.finish())
-    return text
-
-
 def legend(names: tuple[str, ...]) -> Text:
     from forerun.methods import source_style
 

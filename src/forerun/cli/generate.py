@@ -22,7 +22,6 @@ from forerun.cli.common import (
     TOP_K,
     TOP_P,
     app,
-    coloured,
     console,
     legend,
     run_spec,
@@ -61,6 +60,8 @@ def generate(
 ) -> None:
     """Generate text: greedy, identical to model.generate(do_sample=False), only sooner; with --sample, drawn from
     the model's own distribution (whatever drafted it, the same --seed writes the same text)."""
+    from forerun.chat import AnswerStream, ConsoleStream
+
     if max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     if prompt == "-":
@@ -72,14 +73,11 @@ def generate(
                     compile_buckets, pack)  # fmt: skip
     lm, tokenizer, draft = spec.load()
     decoder = spec.decoder(lm, tokenizer, draft)
-    if not verbose:  # the answer shows as it is written
-        from forerun.chat import AnswerStream
-
-        streamer = AnswerStream(console, tokenizer, tuple(stop))
-        decoder.generate(prompt, max_new_tokens, chat=chat, stop=tuple(stop), streamer=streamer, **options)
+    # the answer shows as it is written; -v: every token, coloured by where it came from, then the stats
+    streamer = ConsoleStream(console, tokenizer) if verbose else AnswerStream(console, tokenizer, tuple(stop))
+    result = decoder.generate(prompt, max_new_tokens, chat=chat, stop=tuple(stop), streamer=streamer, **options)
+    if not verbose:
         return
-    result = decoder.generate(prompt, max_new_tokens, chat=chat, stop=tuple(stop), **options)
-    console.print(coloured(tokenizer, result.new_tokens, result.token_sources))
     console.print(legend(decoder.plan.names))
     console.print(result.stats.summary(), highlight=False)
     console.print(f"accepted length per step: {dict(sorted(result.stats.accepted_hist.items()))}", highlight=False)
