@@ -60,8 +60,6 @@ def generate(
 ) -> None:
     """Generate text: greedy, identical to model.generate(do_sample=False), only sooner; with --sample, drawn from
     the model's own distribution (whatever drafted it, the same --seed writes the same text)."""
-    from forerun.chat import AnswerStream, ConsoleStream
-
     if max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     if prompt == "-":
@@ -73,6 +71,8 @@ def generate(
                     compile_buckets, pack)  # fmt: skip
     lm, tokenizer, draft = spec.load()
     decoder = spec.decoder(lm, tokenizer, draft)
+    from forerun.chat import AnswerStream, ConsoleStream  # imports torch: after the options are checked
+
     # the answer shows as it is written; -v: every token, coloured by where it came from, then the stats
     streamer = ConsoleStream(console, tokenizer) if verbose else AnswerStream(console, tokenizer, tuple(stop))
     result = decoder.generate(prompt, max_new_tokens, chat=chat, stop=tuple(stop), streamer=streamer, **options)

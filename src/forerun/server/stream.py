@@ -25,7 +25,7 @@ class TokenStream:
     string); without logprobs asked, they are None."""
 
     def __init__(self, tokenizer, loop: asyncio.AbstractEventLoop, stops: list[str], logprobs: bool = False) -> None:
-        self.loop, self.stops, self.tokenizer = loop, stops, tokenizer
+        self.loop, self.tokenizer = loop, tokenizer
         self.entries: list | None = [] if logprobs else None
         """Entries of tokens whose text is not sent yet (`note_logprobs`)."""
         self.text = IncrementalText(tokenizer)
@@ -53,11 +53,9 @@ class TokenStream:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, None)
 
     def emit(self, final: bool) -> None:
-        already = self.held.stopped
         delta = self.held.release(self.text.text, final)
-        if delta:
-            stopped = self.held.stopped and not already
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, (delta, self.released(delta, stopped)))
+        if delta:  # nothing is released after a stop string: one that has appeared appeared in this delta
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (delta, self.released(delta, self.held.stopped)))
 
     def released(self, delta: str, stopped: bool) -> list | None:
         """The entries to send with `delta`: all noted so far, or at a stop string those whose text the delta
