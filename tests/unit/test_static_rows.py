@@ -149,17 +149,40 @@ def test_sampled_rows_repeat_with_their_seeds_and_match_the_growing_cache():
 
 def test_compiled_rows_give_the_eager_rows_tokens():
     """A batch's (rows, bucket) forwards through torch.compile (inductor on this CPU), the joining prompts' one-place
-    forwards too: generate's tokens for every row (a few compilations: about a minute)."""
+    forwards too: generate's tokens for every row, in a batch of 2 and then of 3 rows (two siblings sharing one
+    program; a few compilations: about a minute)."""
     model = model_of("llama", "sdpa")
     decoder = forerun.Decoder(model, None, "prompt_lookup", max_tree_nodes=4, adaptive=False, draft_len=3,
                               max_branches=1, static_cache=True, compile_buckets=True)  # fmt: skip
     decoder.base = StaticBase(model, buckets=(1, 4), compiled=True)
-    batch = [prompts(5, length=length)[i][0].tolist() for i, length in enumerate((12, 24))]
-    results = decoder.generate(batch, NEW_TOKENS, eos_token_id=[])
-    for i, (length, result) in enumerate(zip((12, 24), results, strict=True)):
-        assert torch.equal(result.sequences, reference("llama", "sdpa", i, length))
-    sibling = decoder.base.sibling(2)
-    assert sibling.compiled and any(rows == 2 for rows, _, _ in sibling.steps)
+    for lengths in ((12, 24), (17, 12, 24)):
+        batch = [prompts(5, length=length)[i][0].tolist() for i, length in enumerate(lengths)]
+        results = decoder.generate(batch, NEW_TOKENS, eos_token_id=[])
+        for i, (length, result) in enumerate(zip(lengths, results, strict=True)):
+            assert torch.equal(result.sequences, reference("llama", "sdpa", i, length)), (lengths, i)
+    two, three = decoder.base.siblings[2], decoder.base.siblings[3]
+    assert two.compiled and any(rows == 2 for rows, _, _ in two.steps) and any(rows == 3 for rows, _, _ in three.steps)
+    assert two.program is three.program is not decoder.base.program
+
+
+@torch.inference_mode()
+def test_a_second_row_count_compiles_little_or_nothing():
+    """Every row count's base (a sibling) shares its maker's compiled program: warming 4 places after 2 compiles
+    fewer programs than 2 did (nothing, here), where a program per sibling compiled the whole set again (a 16-row
+    warm-up on a card met ~26 programs of tens of seconds each, and did not finish in 8 minutes)."""
+    from torch._dynamo.utils import counters
+
+    base = StaticBase(model_of("llama", "sdpa"), buckets=(1, 4), compiled=True)
+    base.warm(48)
+
+    def compiled_by_warming(places: int) -> int:
+        before = counters["stats"]["unique_graphs"]
+        sibling = base.sibling(places)
+        sibling.warm(48, sibling.row_buckets, placed=True)
+        return counters["stats"]["unique_graphs"] - before
+
+    first = compiled_by_warming(2)
+    assert first >= 2 and compiled_by_warming(4) < first
 
 
 def test_a_batch_budget_on_the_static_base_times_its_siblings(tmp_path):

@@ -41,14 +41,15 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from types import MethodType
 
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
 from forerun.base import static_timing
-from forerun.base.bucket_steps import BucketStep, Outputs, capture, new_step, own_code
+from forerun.base.bucket_steps import BucketStep, Outputs, capture, compiled_copy, new_step
 from forerun.base.dynamic import TreeLogits
 from forerun.base.slots import SlotLayer, Slots
 from forerun.base.step_inputs import behind, fill_host
@@ -109,29 +110,26 @@ class StaticBase:
         compiled: bool = False,
         places: int = 1,
         features: Sequence[int] = (),
+        program: Callable[..., Outputs] | None = None,
     ) -> None:
         """`compiled`: each bucket's forward goes through `torch.compile` (inductor fuses transformers' small
         kernels; on a GPU before it is captured): tens of seconds per program once, then shorter steps where
         launches and Python, not arithmetic, bound them. Off by default (the compiling is the user's to choose).
         `features`: decoder layers (below the last: `graph_features`) whose outputs every forward also returns,
-        concatenated (`TreeLogits.features`): what an EAGLE-3 head reads."""
+        concatenated (`TreeLogits.features`): what an EAGLE-3 head reads. `program`: the compiled forward to use
+        (`bucket_steps.compiled_copy`; a sibling gets its maker's, so every row count shares one)."""
         self.model = model
         self.layers = model.config.get_text_config(decoder=True).num_hidden_layers
         self.features = tuple(features)
         if graph_features(model, self.features) != self.features:
             raise ValueError(f"features are read from layers 0..{self.layers - 2}, got {list(features)}")
-        # the node count may become a symbolic size (dynamo's automatic dynamic shapes): the buckets past the
-        # second share one compiled program (compiling each cost ~15 s on a card's host), and each is still
-        # captured as its own graph. Without graphs (a CPU) every step runs the program's guards: those on the
-        # model's modules (hundreds of weights that a decoder never changes) are left out. Programs are kept per
-        # code object: this base's own copy of the function keeps another model's program from ever being reused
-        skip_module_guards = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
-        self.step_forward = (
-            torch.compile(own_code(self.bucket_forward), options=skip_module_guards)
-            if compiled
-            else self.bucket_forward
+        self.compiled = compiled or program is not None
+        self.program = program if program is not None or not compiled else compiled_copy(StaticBase.bucket_forward)
+        self.step_forward: Callable[[int, torch.Tensor, bool], Outputs] = (
+            MethodType(self.program, self) if self.program is not None else self.bucket_forward
         )
-        self.compiled = compiled
+        self.rows_program = self.program if places > 1 else None
+        """The compiled forward this base's siblings share (made at the first sibling of a single row's base)."""
         self.buckets = tuple(sorted({int(b) for b in buckets}))
         if not self.buckets or self.buckets[0] != 1:
             raise ValueError(f"buckets must include 1, got {list(buckets)}")
@@ -159,8 +157,12 @@ class StaticBase:
         if places == self.places:
             return self
         if places not in self.siblings:
+            # one program for every row count: a base per count compiling its own made a 16-row server's warm-up
+            # compile ~26 programs (the GPU benchmark's; 8 this way), each tens of seconds on a card's host
+            if self.compiled and self.rows_program is None:
+                self.rows_program = compiled_copy(StaticBase.bucket_forward)
             self.siblings[places] = StaticBase(
-                self.model, self.buckets, self.graphs, self.compiled, places, self.features
+                self.model, self.buckets, self.graphs, self.compiled, places, self.features, self.rows_program
             )
         return self.siblings[places]
 
