@@ -185,6 +185,22 @@ def test_a_second_row_count_compiles_little_or_nothing():
     assert first >= 2 and compiled_by_warming(4) < first
 
 
+def test_a_compiled_16_row_warm_up_stays_compiled():
+    """What a server with compiled buckets does at start: its batch budget times siblings of 2, 4 and 8 places, its
+    warm-up makes every (rows, bucket) of 16. The programs the siblings share stay under dynamo's limit of 8 per
+    function, past which every new variant runs eagerly: no program traces the cache's first allocation (a variant
+    for each sibling's empty cache and place count took them past it)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    decoder = forerun.Decoder(model_of("llama", "sdpa"), None, "auto", static_cache=True, compile_buckets=True,
+                              latency_cache=None)  # fmt: skip
+    decoder.batch_budget()
+    decoder.warm_up(48, batch_size=16)
+    shared = decoder.base.sibling(16).program
+    assert shared is decoder.base.sibling(2).program
+    assert len(_debug_get_cache_entry_list(shared._torchdynamo_orig_callable.__code__)) < 8
+
+
 def test_a_batch_budget_on_the_static_base_times_its_siblings(tmp_path):
     """A static base's batches are priced on its own batched steps (siblings of 2, 4 and 8 places), stored with
     the static base's curve; the single row's curve stays the static base's."""

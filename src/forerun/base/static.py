@@ -345,6 +345,10 @@ class StaticBase:
         started = time.perf_counter()
         scratch = self.length - self.largest
         step = new_step(rows, size, placed, scratch, self.device, idle=self.graphs or self.compiled)
+        if self.compiled and not self.cache.layers[0].is_initialized:
+            # the layers allocate at their first forward: eagerly, so that no program traces it (a variant guarded
+            # on an empty cache and on each sibling's place count took the shared program past dynamo's 8)
+            self.bucket_forward(size, step.inputs, placed)
         if self.graphs:
             error = capture(step, self.step_forward)
             if error is not None:
