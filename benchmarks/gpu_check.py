@@ -12,7 +12,7 @@ Sections (each writes its records to `--out` as JSON lines as it goes, so a run 
   generate (bf16: a first difference must be a numerical tie on generate's own logits). Methods naming `eagle3`
   draft with `--draft-head` (the shipped `smollm2-135m` by default).
 - `batch`: `generate([...])` of 1 / 4 / 16 rows (the static base's places) against transformers' batched
-  generate, eager and static-cache compiled.
+  generate, eager and static-cache compiled; `--batch-profile auto` runs `auto`'s batch once more under cProfile.
 - `profile` (after `bench`, on its warm decoders): where a step's time goes (cProfile over 3 prompts, and the
   card's kernels and the host's CUDA calls per forward under torch.profiler over one).
 
@@ -286,7 +286,6 @@ def profile(log: Log, model, tokenizer, prompts: list[dict], new_tokens: int, de
     - torch.profiler over one prompt: the card's kernels and the host's CUDA calls by total time, per forward (what
       the card runs per step and how often the host launches, copies or waits)."""
     import cProfile
-    import pstats
 
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
@@ -301,15 +300,7 @@ def profile(log: Log, model, tokenizer, prompts: list[dict], new_tokens: int, de
             profiler.enable()
             forwards += decoder.generate(ids, new_tokens).stats.forwards
             profiler.disable()
-        stats = pstats.Stats(profiler).stats
-        rows = sorted(stats.items(), key=lambda item: -item[1][3])
-        top = [
-            {"function": f"{Path(file).name}:{line}({name})", "ms_per_forward": round(1e3 * cumulative / forwards, 3),
-             "own_ms_per_forward": round(1e3 * own / forwards, 3), "calls_per_forward": round(calls / forwards, 2)}
-            for (file, line, name), (_, calls, own, cumulative, _) in rows
-            if "forerun" in file or "transformers" in file or "{" in name
-        ][:40]  # fmt: skip
-        log("profile", method=label, forwards=forwards, top=top)
+        log("profile", method=label, forwards=forwards, top=top_functions(profiler, forwards, "forward"))
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE.type == "cuda" else [])
         ids = torch.tensor([prompts[0]["ids"]], device=DEVICE)
         with torch_profile(activities=activities) as traced:
@@ -327,6 +318,20 @@ def profile(log: Log, model, tokenizer, prompts: list[dict], new_tokens: int, de
         ])  # fmt: skip
 
 
+def top_functions(profiler, per: int, unit: str, limit: int = 40) -> list[dict]:
+    """The forerun and transformers functions (and builtins) with the most cumulative time in `profiler`
+    (cProfile), in ms per `unit` (`per` of them ran)."""
+    import pstats
+
+    rows = sorted(pstats.Stats(profiler).stats.items(), key=lambda item: -item[1][3])
+    return [
+        {"function": f"{Path(file).name}:{line}({name})", f"ms_per_{unit}": round(1e3 * cumulative / per, 3),
+         f"own_ms_per_{unit}": round(1e3 * own / per, 3), f"calls_per_{unit}": round(calls / per, 2)}
+        for (file, line, name), (_, calls, own, cumulative, _) in rows
+        if "forerun" in file or "transformers" in file or "{" in name
+    ][:limit]  # fmt: skip
+
+
 def batch(
     log: Log,
     model,
@@ -336,6 +341,7 @@ def batch(
     compiled: list[str],
     sizes: list[int],
     baselines: list[str],
+    profiled: tuple[str, ...] = (),
 ) -> None:
     """`generate([...])` of r rows (on the static base's places, graphs per (rows, bucket)) against transformers'
     batched generate of the same left-padded rows, eager and (in `baselines`) with its static cache (compiled;
@@ -350,11 +356,18 @@ def batch(
         if log.late(60):
             return
         texts = [torch.tensor(p["ids"]) for p in (prompts * rows)[:rows]]  # as many rows as asked, prompts repeated
-        batch_of(log, model, tokenizer, texts, new_tokens, compiled, baselines)
+        batch_of(log, model, tokenizer, texts, new_tokens, compiled, baselines, profiled)
 
 
 def batch_of(
-    log: Log, model, tokenizer, texts: list[torch.Tensor], new_tokens: int, compiled: list[str], baselines: list[str]
+    log: Log,
+    model,
+    tokenizer,
+    texts: list[torch.Tensor],
+    new_tokens: int,
+    compiled: list[str],
+    baselines: list[str],
+    profiled: tuple[str, ...] = (),
 ) -> None:
     from forerun.cli.common import freeze_start_up
 
@@ -402,6 +415,12 @@ def batch_of(
             warm_s=round(warm_s, 1), tokens=sum(len(r.new_tokens) for r in results), **speed,
             forwards=sum(r.stats.forwards for r in results) / rows, same_as_generate=f"{same}/{rows}",
             graphs=len(sibling.steps) if sibling is not None else None)  # fmt: skip
+        if label in profiled:  # once more under cProfile: where a batched step's host time goes
+            import cProfile
+
+            profiler = cProfile.Profile()
+            profiler.runcall(lambda d=decoder: d.generate(lists, new_tokens, eos_token_id=[]))
+            log("batch_profile", rows=rows, method=label, top=top_functions(profiler, 1, "run", limit=60))
 
 
 def log_slow_collections(log: Log, threshold_s: float = 0.05) -> None:
@@ -442,6 +461,8 @@ def main() -> None:
     parser.add_argument("--batch-rows", default=[1, 4, 16], type=row_counts, help="batch: the batch sizes (e.g. 4,16)")
     parser.add_argument("--batch-baselines", default="generate_static_compiled",
                         help="batch: transformers' runs beside its eager batched generate (none: '')")  # fmt: skip
+    parser.add_argument("--batch-profile", default="",
+                        help="batch: these runs once more under cProfile (e.g. auto)")  # fmt: skip
     parser.add_argument("--profile", default="auto,prompt_lookup",
                         help="profile: the bench's decoders of these methods (compiled or not)")  # fmt: skip
     parser.add_argument("--draft-head", default="smollm2-135m",
@@ -489,7 +510,8 @@ def main() -> None:
     if "batch" in sections and prompts:
         compiled = [m for m in args.batch_compiled.split(",") if m]
         guarded(log, "batch", lambda: batch(log, model, tokenizer, prompts, min(args.new_tokens, 64), compiled,
-                                            args.batch_rows, args.batch_baselines.split(",")))  # fmt: skip
+                                            args.batch_rows, args.batch_baselines.split(","),
+                                            tuple(args.batch_profile.split(","))))  # fmt: skip
 
 
 def row_counts(text: str) -> list[int]:
