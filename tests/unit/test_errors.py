@@ -79,6 +79,11 @@ def test_tokenizer_model_mismatch(model):
         (["run", "/dev/null", "-o", "out.jsonl"], "prompts file /dev/null is not a regular file"),
         (["generate", "hi", "--compile-buckets"], "compile_buckets is for a CUDA device's captured graphs"),
         (["bench", "--compile-buckets", "--n", "1"], "compile_buckets is for a CUDA device's captured graphs"),
+        (["serve", "--compile-buckets"], "compile_buckets is for a CUDA device's captured graphs"),
+        (
+            ["run", "README.md", "-o", "/tmp/forerun-refused.jsonl", "--compile-buckets"],
+            "compile_buckets is for a CUDA device's captured graphs",
+        ),  # fmt: skip
         (["train-head", "--out", "head", "--unroll", "0"], "--unroll in 1..8"),
         (["train-head", "--out", "head", "--unroll", "1000000000000"], "--unroll in 1..8"),
         (["train-head", "--out", "head", "--dtype", "fp16"], "--dtype bf16 or fp32"),

@@ -53,3 +53,15 @@ def test_a_server_whose_graphs_cannot_be_warmed_still_starts(monkeypatch, caplog
         assert "no graphs captured before serving" in caplog.text and "window of 1024" in caplog.text
     finally:
         service.shutdown()
+
+
+def test_serve_compile_buckets_reaches_every_decoder_of_the_server():
+    """`forerun serve --compile-buckets` (a card's: a CPU refuses it at the command line) reaches every Decoder the
+    server makes, its own method's and one a request asks for."""
+    config = ServerConfig("tiny", "prompt_lookup", warm_up_tokens=0, compile_buckets=True)
+    service = Service(tiny_model("llama", "sdpa"), None, config)
+    try:
+        own, asked = service.pool.get("prompt_lookup", {}), service.pool.get("trie", {"branch_length": 4})
+        assert own.engine_config.compile_buckets and asked.engine_config.compile_buckets
+    finally:
+        service.shutdown()

@@ -8,6 +8,7 @@ import typer
 from rich.markup import escape
 
 from forerun.cli.common import (
+    COMPILE,
     DEVICE,
     DRAFT,
     DTYPE,
@@ -60,6 +61,7 @@ def run_file(
     dtype: str = DTYPE,
     quantize: str = QUANTIZE,
     pack: str = PACK,
+    compile_buckets: bool = COMPILE,
 ) -> None:
     """Decode a JSONL file of prompts, --batch-size rows at once; rerun to resume. Under torchrun each rank takes a
     shard."""
@@ -78,9 +80,8 @@ def run_file(
     defaults = {"max_new_tokens": max_new_tokens, "chat": chat} | sampling(do_sample, temperature, top_p, top_k)
     if seed is not None:
         defaults["seed"] = seed
-    spec = run_spec(
-        model, method, knob, device, dtype, threads, draft_model, max_tree_nodes, quantize, draft_head, pack=pack
-    )
+    spec = run_spec(model, method, knob, device, dtype, threads, draft_model, max_tree_nodes, quantize, draft_head,
+                    compile_buckets, pack)  # fmt: skip
     records, problems = read_records(source, defaults)
     shard = join_shard(spec.device)
     if shard.rank == 0:  # every rank reads the same file: one report

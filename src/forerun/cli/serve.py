@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 
 from forerun.cli.common import (
+    COMPILE,
     DEVICE,
     DRAFT,
     DTYPE,
@@ -73,6 +74,7 @@ def serve(
     dtype: str = DTYPE,
     quantize: str = QUANTIZE,
     pack: str = PACK,
+    compile_buckets: bool = COMPILE,
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (completions, chat, streaming, /metrics)."""
     import uvicorn
@@ -92,9 +94,8 @@ def serve(
             "--port must be in [1, 65535], --max-tokens-limit, --max-queue and --max-batch >= 1, --prefix-cache, "
             "--prefill-chunk and --warm-up-tokens >= 0 and --timeout a positive number"
         )
-    spec = run_spec(
-        model, method, knob, device, dtype, threads, draft_model, max_tree_nodes, quantize, draft_head, pack=pack
-    )
+    spec = run_spec(model, method, knob, device, dtype, threads, draft_model, max_tree_nodes, quantize, draft_head,
+                    compile_buckets, pack)  # fmt: skip
     config = ServerConfig(
         model_name=model,
         method=spec.method,
@@ -112,6 +113,7 @@ def serve(
         warm_up_tokens=warm_up_tokens,
         request_methods=parse_request_methods(request_methods),
         max_tree_nodes=spec.max_tree_nodes,
+        compile_buckets=spec.compile_buckets,
     )
     lm, tokenizer, draft = spec.load()
     with console.status("preparing the server (latency curves measured once per model, dtype and device; graphs)"):

@@ -48,6 +48,9 @@ class ServerConfig:
     """Texts (prompt and answer) of up to this many tokens find the static cache's graphs captured before the first
     request (a GPU's: every bucket, for single rows and for the batch's rows; `Decoder.warm_up`), capped at the
     model's context; 0: each graph is captured at its first use, in some request's time."""
+    compile_buckets: bool = False
+    """A CUDA device's tree sizes compiled before their graphs are captured (`serve --compile-buckets`): shorter
+    steps, minutes of compiling in the warm-up at start, once per process."""
     max_tree_nodes: int | None = None
     """Most tokens any request's forward may carry (`serve --max-tree-nodes`); None: what the curve affords."""
     request_methods: tuple[str, ...] | None = None

@@ -54,7 +54,7 @@ class Service:
         )
         self.pool = DecoderPool(
             model, tokenizer, config.method, config.knobs, draft_model, PrefixCache(config.prefix_cache_tokens),
-            config.max_tree_nodes, config.draft_head,
+            config.max_tree_nodes, config.draft_head, config.compile_buckets,
         )  # fmt: skip
         self.pool.get(config.method, {})  # a bad method or knob fails now
         self.cache_decoder = load_trie_cache(self.pool, config.cache_path)
