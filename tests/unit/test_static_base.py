@@ -201,6 +201,25 @@ def test_compiled_buckets_give_the_eager_buckets_tokens():
     assert result.stats.tokens_per_forward > 1
 
 
+def test_a_longer_text_on_compiled_buckets_compiles_nothing_new():
+    """A text longer than the cache holds makes a larger one; the slot count is a symbolic size from the first
+    program on, so nothing compiles again (two programs had, in the first step of the longer text's request), and
+    the tokens are plain generate's."""
+    from torch._dynamo.utils import counters
+
+    model = model_of("llama", "sdpa")
+    decoder = forerun.Decoder(model, None, "prompt_lookup", max_tree_nodes=4, adaptive=False, draft_len=3,
+                              max_branches=1)  # fmt: skip
+    decoder.base = StaticBase(model, buckets=(1, 4), compiled=True)
+    decoder.generate(prompts(3)[0], NEW_TOKENS, eos_token_id=[])
+    short, before = decoder.base.length, counters["stats"]["unique_graphs"]
+    long = prompts(1, length=470)[0]  # with its answer past 512 slots, inside the context (512)
+    result = decoder.generate(long, NEW_TOKENS, eos_token_id=[])
+    expected = model.generate(long, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert decoder.base.length > short and counters["stats"]["unique_graphs"] == before
+    assert torch.equal(result.sequences, expected)
+
+
 def test_one_row_of_a_list_takes_the_static_base():
     """generate([prompt]) and batch_size=1 decode on the single row's static base (a batch takes its sibling):
     the same tokens as generate(prompt)."""

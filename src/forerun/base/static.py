@@ -311,7 +311,7 @@ class StaticBase:
         self.slots.point(places, prefix + self.offsets[:size], contiguous=not placed)
         relative = self.columns - prefix  # [R, length]: column j holds node j - prefix, or the prefix where < 0
         in_tree = (relative >= 0) & (relative < size)
-        where = relative.clamp(0, size - 1)[:, None, :].expand(rows, size, self.length)
+        where = relative.clamp(0, size - 1)[:, None, :].expand(rows, size, -1)
         visible = ancestry.gather(2, where) & in_tree[:, None, :]  # [R, B, length]
         visible = visible | (relative < 0)[:, None, :]
         logits, features = self.call(ids, prefix + depths, visible[:, None])
@@ -349,6 +349,10 @@ class StaticBase:
             # the layers allocate at their first forward: eagerly, so that no program traces it (a variant guarded
             # on an empty cache and on each sibling's place count took the shared program past dynamo's 8)
             self.bucket_forward(size, step.inputs, placed)
+        if self.compiled:  # the slot count as a symbolic size from the first program: a longer text's larger cache
+            # compiled two programs again, in that request's first step (~15 s each on a card's host, cold)
+            for tensor in (self.columns, *(t for layer in self.cache.layers for t in (layer.keys, layer.values))):
+                torch._dynamo.maybe_mark_dynamic(tensor, tensor.dim() - 2 if tensor.dim() > 1 else 0)
         if self.graphs:
             error = capture(step, self.step_forward)
             if error is not None:
