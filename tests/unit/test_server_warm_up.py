@@ -55,13 +55,16 @@ def test_a_server_whose_graphs_cannot_be_warmed_still_starts(monkeypatch, caplog
         service.shutdown()
 
 
-def test_serve_compile_buckets_reaches_every_decoder_of_the_server():
-    """`forerun serve --compile-buckets` (a card's: a CPU refuses it at the command line) reaches every Decoder the
-    server makes, its own method's and one a request asks for."""
+def test_serve_compile_buckets_compiles_the_servers_own_method_only():
+    """`forerun serve --compile-buckets` (a card's: a CPU refuses it at the command line) reaches the Decoders of
+    the server's own method, with its knobs or a request's; a method a request names runs on captured graphs, since
+    compiling in a request's time (minutes on a card) would hold every other stream."""
     config = ServerConfig("tiny", "prompt_lookup", warm_up_tokens=0, compile_buckets=True)
     service = Service(tiny_model("llama", "sdpa"), None, config)
     try:
-        own, asked = service.pool.get("prompt_lookup", {}), service.pool.get("trie", {"branch_length": 4})
-        assert own.engine_config.compile_buckets and asked.engine_config.compile_buckets
+        own, tuned = service.pool.get("prompt_lookup", {}), service.pool.get("prompt_lookup", {"draft_len": 3})
+        other = service.pool.get("trie", {})
+        assert own.engine_config.compile_buckets and tuned.engine_config.compile_buckets
+        assert not other.engine_config.compile_buckets
     finally:
         service.shutdown()

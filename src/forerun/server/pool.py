@@ -60,7 +60,8 @@ class DecoderPool:
     ) -> None:
         self.model, self.tokenizer, self.draft_model = model, tokenizer, draft_model
         self.compile_buckets = compile_buckets
-        """Every Decoder of the server compiles its tree sizes before capturing them (a CUDA device's)."""
+        """The server's own method compiles its tree sizes before capturing them (a CUDA device's), in the warm-up.
+        A method a request names does not: compiling in a request's time would hold every stream for minutes."""
         self.head = None if draft_head is None else load_head(draft_head, model)
         """The EAGLE-3 head, read once and shared by every Decoder that drafts with it."""
         self.max_tree_nodes = max_tree_nodes
@@ -85,7 +86,7 @@ class DecoderPool:
             draft["draft_head"] = self.head
         return Decoder(
             self.model, self.tokenizer, method, prefix_cache=self.prefixes, max_tree_nodes=self.max_tree_nodes,
-            compile_buckets=self.compile_buckets, **draft, **knobs
+            compile_buckets=self.compile_buckets and method == self.method, **draft, **knobs
         )  # fmt: skip
 
     def get(self, method: str, knobs: dict) -> Decoder:
