@@ -60,8 +60,9 @@ class DecoderPool:
     ) -> None:
         self.model, self.tokenizer, self.draft_model = model, tokenizer, draft_model
         self.compile_buckets = compile_buckets
-        """The server's own method compiles its tree sizes before capturing them (a CUDA device's), in the warm-up.
-        A method a request names does not: compiling in a request's time would hold every stream for minutes."""
+        """The server's own Decoder (its method and knobs) compiles its tree sizes before capturing them (a CUDA
+        device's), in the warm-up. One a request asks for (another method, other knobs) does not: compiling in a
+        request's time would hold every stream for minutes."""
         self.head = None if draft_head is None else load_head(draft_head, model)
         """The EAGLE-3 head, read once and shared by every Decoder that drafts with it."""
         self.max_tree_nodes = max_tree_nodes
@@ -73,7 +74,7 @@ class DecoderPool:
         self.private: OrderedDict[tuple, Decoder] = OrderedDict()
         self.lock = threading.Lock()
 
-    def build(self, method: str, knobs: dict) -> Decoder:
+    def build(self, method: str, knobs: dict, compiled: bool = False) -> Decoder:
         plan = plan_method(method, knobs, next(self.model.parameters()).device.type, head=self.head is not None)
         draft = {}
         if plan.needs_draft():
@@ -86,7 +87,7 @@ class DecoderPool:
             draft["draft_head"] = self.head
         return Decoder(
             self.model, self.tokenizer, method, prefix_cache=self.prefixes, max_tree_nodes=self.max_tree_nodes,
-            compile_buckets=self.compile_buckets and method == self.method, **draft, **knobs
+            compile_buckets=compiled, **draft, **knobs
         )  # fmt: skip
 
     def get(self, method: str, knobs: dict) -> Decoder:
@@ -94,7 +95,8 @@ class DecoderPool:
         with self.lock:
             if not knobs or (method == self.method and knobs == self.knobs):
                 if method not in self.shared:
-                    self.shared[method] = self.build(method, self.knobs if method == self.method else {})
+                    own = method == self.method
+                    self.shared[method] = self.build(method, self.knobs if own else {}, own and self.compile_buckets)
                 return self.shared[method]
             key = (method, tuple(sorted((k, repr(v)) for k, v in knobs.items())))
             if key not in self.private:
