@@ -514,7 +514,7 @@ def main() -> None:
         compiled = [m for m in args.batch_compiled.split(",") if m]
         guarded(log, "batch", lambda: batch(log, model, tokenizer, prompts, min(args.new_tokens, 64), compiled,
                                             args.batch_rows, args.batch_baselines.split(","),
-                                            tuple(args.batch_profile.split(","))))  # fmt: skip
+                                            tuple(m for m in args.batch_profile.split(",") if m)))  # fmt: skip
 
 
 def row_counts(text: str) -> list[int]:

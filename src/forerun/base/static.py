@@ -123,13 +123,16 @@ class StaticBase:
         self.features = tuple(features)
         if graph_features(model, self.features) != self.features:
             raise ValueError(f"features are read from layers 0..{self.layers - 2}, got {list(features)}")
-        self.compiled = compiled or program is not None
-        self.program = program if program is not None or not compiled else compiled_copy(StaticBase.bucket_forward)
+        if program is None and compiled:
+            program = compiled_copy(StaticBase.bucket_forward)
+        self.program, self.compiled = program, program is not None
         self.step_forward: Callable[[int, torch.Tensor, bool], Outputs] = (
-            MethodType(self.program, self) if self.program is not None else self.bucket_forward
+            self.bucket_forward if program is None else MethodType(program, self)
         )
-        self.rows_program = self.program if places > 1 else None
-        """The compiled forward this base's siblings share (made at the first sibling of a single row's base)."""
+        # one program for every row count: a base per count compiling its own made a 16-row server's warm-up
+        # compile ~26 programs (the GPU benchmark's; 8 this way), each tens of seconds on a card's host
+        self.rows_program = program if places > 1 or program is None else compiled_copy(StaticBase.bucket_forward)
+        """The compiled forward this base's siblings share (a single row's base keeps its own apart)."""
         self.buckets = tuple(sorted({int(b) for b in buckets}))
         if not self.buckets or self.buckets[0] != 1:
             raise ValueError(f"buckets must include 1, got {list(buckets)}")
@@ -157,10 +160,6 @@ class StaticBase:
         if places == self.places:
             return self
         if places not in self.siblings:
-            # one program for every row count: a base per count compiling its own made a 16-row server's warm-up
-            # compile ~26 programs (the GPU benchmark's; 8 this way), each tens of seconds on a card's host
-            if self.compiled and self.rows_program is None:
-                self.rows_program = compiled_copy(StaticBase.bucket_forward)
             self.siblings[places] = StaticBase(
                 self.model, self.buckets, self.graphs, self.compiled, places, self.features, self.rows_program
             )
@@ -345,14 +344,17 @@ class StaticBase:
         started = time.perf_counter()
         scratch = self.length - self.largest
         step = new_step(rows, size, placed, scratch, self.device, idle=self.graphs or self.compiled)
-        if self.compiled and not self.cache.layers[0].is_initialized:
-            # the layers allocate at their first forward: eagerly, so that no program traces it (a variant guarded
-            # on an empty cache and on each sibling's place count took the shared program past dynamo's 8)
-            self.bucket_forward(size, step.inputs, placed)
-        if self.compiled:  # the slot count as a symbolic size from the first program: a longer text's larger cache
-            # compiled two programs again, in that request's first step (~15 s each on a card's host, cold)
-            for tensor in (self.columns, *(t for layer in self.cache.layers for t in (layer.keys, layer.values))):
-                torch._dynamo.maybe_mark_dynamic(tensor, tensor.dim() - 2 if tensor.dim() > 1 else 0)
+        if self.compiled:
+            if not self.cache.layers[0].is_initialized:  # the layers allocate at their first forward: eagerly, so
+                # that no program traces it (a variant guarded on an empty cache and on each sibling's place count
+                # took the shared program past dynamo's 8)
+                self.bucket_forward(size, step.inputs, placed)
+            # the slot count as a symbolic size from the first program: a longer text's larger cache compiled two
+            # programs again, in that request's first step (~15 s each on a card's host, cold)
+            torch._dynamo.maybe_mark_dynamic(self.columns, 0)
+            for layer in self.cache.layers:
+                torch._dynamo.maybe_mark_dynamic(layer.keys, 2)  # [places, heads, slots, head_dim]
+                torch._dynamo.maybe_mark_dynamic(layer.values, 2)
         if self.graphs:
             error = capture(step, self.step_forward)
             if error is not None:
