@@ -35,21 +35,20 @@ from __future__ import annotations
 
 import copy
 import time
-from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
 
-from forerun.base.rows import DynamicRows, SharedRows, static_rows
+from forerun.base.rows import DynamicRows, SharedRows
 from forerun.checks import is_count
 from forerun.costmodel import BatchPolicy, Budget, Selection
 from forerun.drafters.base import Drafter
-from forerun.engine import decode, tree_in_prefill, tree_support
+from forerun.engine import tree_in_prefill, tree_support
 from forerun.kvcache import plain_layers
 from forerun.row import RowJob, RowRun, costly
-from forerun.stats import GenerationStats
 from forerun.taps import LayerTaps, feature_layers
 from forerun.tree import TokenTree, merge
 
@@ -130,9 +129,23 @@ class Batch:
         a row among several costs a fraction of a forward; alone, it costs a whole one. A row that is finished at
         once (its first token was EOS, max_new_tokens=1) leaves at the next `step`.
         """
-        row = self.feed(self.begin(job, budget), draft=draft)
-        assert row is not None  # no chunk size: the whole prompt in one forward
-        return row
+        return self.add_many([job], budget, draft)[0]
+
+    @torch.inference_mode()
+    def add_many(self, jobs: Sequence[RowJob], budget: Budget | None = None, draft: bool | None = None) -> list[RowRun]:
+        """`add` of several rows at once, their prompts fed side by side where the rows' cache can (`feed_together`:
+        a static base's places, where sixteen prompts cost a card about one's forwards); returns them in order."""
+        if not self.shared.side_by_side:  # one by one: each row's prefill stores its text in the prefix cache
+            return [self.feed_together([self.begin(job, budget)], draft)[0] for job in jobs]  # for the next to find
+        joinings: list[Joining] = []
+        try:
+            for job in jobs:
+                joinings.append(self.begin(job, budget))
+        except Exception:
+            for joining in joinings:  # their places and drafters are let go: nothing of theirs was fed
+                self.abandon(joining)
+            raise
+        return self.feed_together(joinings, draft)
 
     def begin(self, job: RowJob, budget: Budget | None = None) -> Joining:
         """Start a row's prefill: its drafters see the prompt, its cache is seeded from the prefix cache; nothing
@@ -154,31 +167,55 @@ class Batch:
         positions (fp32: the same text as a one-forward prefill, as the prefix cache's seeded prefills are)."""
         if chunk is not None and not is_count(chunk, 1):
             raise ValueError(f"chunk must be a whole number of tokens >= 1 (None: the rest at once), got {chunk!r}")
-        row, own = joining.row, joining.own
-        ctx, job, budget = row.ctx, row.job, row.budget
-        prompt_len = job.input_ids.shape[1]
-        lead = ctx.tokens[joining.fed : -1]  # what is still to be fed before the first tree
+        lead = joining.row.ctx.tokens[joining.fed : -1]  # what is still to be fed before the first tree
         if chunk is not None and len(lead) > chunk:
             part = lead[:chunk]
             joining.fed += len(part)
             # the part's last token stands as a lone root: a causal chain, no mask; its logits are not needed
-            self.shared.feed(own, TokenTree.rooted_at(part[-1]), joining.fed - 1, part[:-1])
+            self.shared.feed(joining.own, TokenTree.rooted_at(part[-1]), joining.fed - 1, part[:-1])
             joining.chunks += 1
             return None
-        t0 = time.perf_counter()
-        drafting = tree_in_prefill(not self.rows if draft is None else draft, len(lead))
-        # A prefill that verifies no tree needs no proposals (a row joining others: proposing there was wasted work)
-        selection = budget.choose(row.root, row.propose(drafting), len(lead), drafting)
-        tree = selection.tree
+        return self.feed_together([joining], draft)[0]
+
+    @torch.inference_mode()
+    def feed_together(self, joinings: Sequence[Joining], draft: bool | None = None) -> list[RowRun]:
+        """The rest of each joining row's prompt with its first token (and tree, when `draft`; default: only for
+        a lone row joining an empty batch), in the same forwards where the rows' cache can (`SharedRows.
+        feed_many`), and splice them in, in order. Rows whose drafters read layers the base does not return (their
+        hooks would see every row's forward at once) are fed one by one."""
+        draft = not self.rows and len(joinings) == 1 if draft is None else draft
+        if len(joinings) > 1 and any(self.hooked(joining) for joining in joinings):
+            return [row for joining in joinings for row in self.feed_together([joining], draft)]
+        chosen = []
+        for joining in joinings:
+            t0, lead = time.perf_counter(), joining.row.ctx.tokens[joining.fed : -1]
+            drafting = tree_in_prefill(draft, len(lead))
+            # A prefill that verifies no tree needs no proposals (a row joining others: proposing there was wasted)
+            row = joining.row
+            selection = row.budget.choose(row.root, row.propose(drafting), len(lead), drafting)
+            chosen.append((selection, lead, joining.begun_s + time.perf_counter() - t0))
         t1 = time.perf_counter()
-        with LayerTaps(self.model, feature_layers(job.drafters), read=self.shared.features) as taps:
-            fed = self.shared.feed(own, tree, prompt_len - 1, lead)
-        propose_s, forward_s = joining.begun_s + t1 - t0, time.perf_counter() - t1
-        path = row.commit(selection, fed.logits, propose_s, forward_s, taps.take(fed.features), len(lead), fed.choices)
-        self.rows.insert(self.shared.admit(own, prompt_len - 1, path, job.prefixes, ctx.tokens), row)
-        row.stats.prefill_seconds = time.perf_counter() - row.started
-        row.stats.prefill_chunks = joining.chunks + 1
-        return row
+        taps = [LayerTaps(self.model, feature_layers(j.row.job.drafters), read=self.shared.features) for j in joinings]
+        with ExitStack() as hooks:
+            for tap in taps:
+                hooks.enter_context(tap)
+            fed = self.shared.feed_many([
+                (j.own, selection.tree, j.row.job.input_ids.shape[1] - 1, lead)
+                for j, (selection, lead, _) in zip(joinings, chosen, strict=True)
+            ])  # fmt: skip
+        forward_s = time.perf_counter() - t1
+        for joining, (selection, lead, propose_s), out, tap in zip(joinings, chosen, fed, taps, strict=True):
+            row, prefix_len = joining.row, joining.row.job.input_ids.shape[1] - 1
+            tapped = tap.take(out.features)
+            path = row.commit(selection, out.logits, propose_s, forward_s, tapped, len(lead), out.choices)
+            self.rows.insert(self.shared.admit(joining.own, prefix_len, path, row.job.prefixes, row.ctx.tokens), row)
+            row.stats.prefill_seconds = time.perf_counter() - row.started
+            row.stats.prefill_chunks = joining.chunks + 1
+        return [joining.row for joining in joinings]
+
+    def hooked(self, joining: Joining) -> bool:
+        """Whether the row's drafters read layers through hooks (not the ones the base's forwards return)."""
+        return feature_layers(joining.row.job.drafters) not in ((), self.shared.features)
 
     def abandon(self, joining: Joining) -> None:
         """Drop a row whose prefill had begun (its request went away): its drafters finish, nothing is kept."""
@@ -332,63 +369,6 @@ class Batch:
         for row in leaving:
             row.finish()
         self.rows = [row for row in self.rows if id(row) not in gone]
-
-
-def decode_batch(
-    model: torch.nn.Module, jobs: Sequence[RowJob], budget: Budget, width: int | None = None
-) -> list[GenerationStats]:
-    """Decode every job; tokens land in each job's transcript, per-row stats are returned in job order.
-
-    `width`: at most this many rows at once (default: all); see `decode_rows`.
-    """
-    stats: list[GenerationStats | None] = [None] * len(jobs)
-    for index, row_stats in decode_rows(model, jobs, budget, width):
-        stats[index] = row_stats
-    return stats  # type: ignore[return-value]
-
-
-def decode_rows(
-    model: torch.nn.Module, jobs: Sequence[RowJob], budget: Budget, width: int | None = None, base=None
-) -> Iterator[tuple[int, GenerationStats]]:
-    """Decode the jobs, at most `width` rows at once, yielding (job index, stats) as each row finishes.
-
-    A finished row's place goes to the next waiting job at the next step boundary (continuous batching, as the
-    server's), so a batch never idles behind its slowest row while work waits: with 8 prompts and width 4, rows
-    5-8 join as rows 1-4 finish, whenever that is. Once nothing waits the batch is closed (`Batch.closed`): it ends
-    with its slowest row, and drafts are weighed by each row's steps left.
-
-    Models whose cache cannot hold ragged rows (sliding windows, linear attention) or that cannot take a tree
-    mask decode the rows one after another with the single-row engine (which falls back to plain decoding where
-    it must): still exact, just not batched. `base`: the single row's static base (`forerun.base.static.StaticBase`, a
-    GPU's captured steps): a row decoded alone (one job, or `width` 1) takes it, and a batch its sibling of
-    `width` places (`forerun.base.rows.StaticRows`).
-
-    Example (a list of 8 prompts through 4 rows; `forerun run --batch-size 4` does this):
-        >>> for index, stats in decode_rows(model, jobs, budget, width=4):   # doctest: +SKIP
-        ...     print(index, jobs[index].transcript.sources)
-    """
-    if width is not None and width < 1:
-        raise ValueError(f"width must be >= 1, got {width}")
-    alone = len(jobs) == 1 or width == 1
-    if not batchable(model) or (alone and base is not None):  # one row at a time: the single-row engine's base
-        for index, job in enumerate(jobs):
-            yield index, decode(model, job, budget, True, base)
-        return
-    width = min(len(jobs), len(jobs) if width is None else width)
-    waiting = deque(enumerate(jobs))
-    longest = max(job.input_ids.shape[1] + job.max_new_tokens for job in jobs) + budget.max_nodes
-    batch = Batch(model, budget, shared=static_rows(base, width, longest))
-    index_of: dict[int, int] = {}
-    alone = min(width, len(jobs)) == 1  # only a row that decodes alone drafts at its prefill (`Batch.add`)
-    while waiting or batch.rows:
-        while waiting and len(batch.rows) < width:
-            index, job = waiting.popleft()
-            index_of[id(batch.add(job, draft=alone))] = index
-        batch.closed = not waiting
-        for row in batch.step():
-            if row.error is not None:
-                raise row.error
-            yield index_of.pop(id(row)), row.stats
 
 
 def row_features(

@@ -23,7 +23,8 @@ from transformers import (
 )
 
 from forerun.assembly import check_vocabulary, make_base, make_budget, prepare_draft, prepare_head, price_costly
-from forerun.batch import batchable, decode_rows, fork
+from forerun.batch import batchable, fork
+from forerun.batched import decode_rows
 from forerun.checks import check_batch_size, is_count, row_seeds
 from forerun.config import EngineConfig
 from forerun.costmodel import Budget, LatencyCurve

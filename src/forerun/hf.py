@@ -14,7 +14,8 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList, MaxLengthCriteria, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from forerun.batch import decode_batch, fork
+from forerun.batch import fork
+from forerun.batched import decode_batch
 from forerun.decoder import Decoder
 from forerun.defaults import DEFAULT_METHOD
 from forerun.noise import GumbelNoise

@@ -12,7 +12,8 @@ import torch
 from transformers import MaxLengthCriteria, StoppingCriteriaList
 
 import forerun
-from forerun.batch import Batch, RowJob, decode_batch
+from forerun.batch import Batch, RowJob
+from forerun.batched import decode_batch
 from forerun.costmodel import CostModel, LatencyCurve, StaticBudget, best_shared_count
 from forerun.noise import GumbelNoise
 from forerun.rowcache import RowCache

@@ -163,6 +163,30 @@ def test_chunked_prefill_gives_the_growing_cache_logits():
     assert not torch.allclose(wrong.logits, want.logits, atol=1e-3)
 
 
+@torch.inference_mode()
+def test_prompts_fed_side_by_side_give_each_its_own_logits():
+    """Three places' prompts (10, 3 and 6 tokens; buckets of 4) fed in the same forwards: 3 forwards (the longest
+    prompt's), not 6 one by one, and each place's tree gets the logits its own growing-cache prefill gives."""
+    model = model_of("llama", "eager")
+    texts = [list(range(3, 13)), [40, 41, 42], list(range(50, 56))]
+    trees = [TokenTree.rooted_at(text[-1]) for text in texts]
+    trees[2].add(0, 20)
+    base = StaticBase(model, buckets=(1, 2, 4), places=3)
+    assert base.begin(32) is None
+    forwards = []
+    run = base.run
+    base.run = lambda fed, placed, wait=False: forwards.append((sorted(fed), placed)) or run(fed, placed, wait)
+    got = base.forward_places({p: (trees[p], len(text) - 1, text[:-1]) for p, text in enumerate(texts)})
+    assert forwards == [([0, 1, 2], False), ([0, 2], False), ([0], False)]
+    for place, text in enumerate(texts):
+        dynamic = DynamicBase(model)
+        assert dynamic.begin(32) is None
+        want = dynamic.forward(trees[place], len(text) - 1, text[:-1])
+        assert got[place].logits.shape == want.logits.shape
+        assert torch.allclose(got[place].logits, want.logits, atol=1e-5), place
+        assert got[place].choices == want.logits.argmax(-1).tolist()
+
+
 def test_sampling_with_a_seed_repeats_and_matches_the_growing_cache():
     model = model_of("qwen2", "sdpa")
     prompt = prompts(1)[0]

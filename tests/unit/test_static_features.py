@@ -138,3 +138,15 @@ def test_a_head_reading_the_last_layer_is_hooked_on_a_cpu_static_base():
     assert decoder.base.features == ()
     result = decoder.generate(prompts(3)[0], NEW_TOKENS, eos_token_id=[])
     assert torch.equal(result.sequences, reference("llama", 0)) and result.stats.candidates > 0
+
+
+def test_rows_whose_head_is_hooked_are_fed_one_by_one():
+    """A batch whose head reads the last layer (hooked on a CPU): the rows' prompts go in one at a time (a hook
+    would see every row's forward at once), each in its own place, and every row is generate's."""
+    model = model_of("llama")
+    decoder = forerun.Decoder(model, None, "eagle3", draft_head=random_head(model), latency=CURVE, static_cache=True)
+    results = decoder.generate(prompts(3), NEW_TOKENS, eos_token_id=[])
+    for index, result in enumerate(results):
+        assert torch.equal(result.sequences, reference("llama", index)), index
+    assert any(placed for _, _, placed in decoder.base.siblings[3].steps)  # the second and third, alone in place
+    assert sum(result.stats.candidates for result in results) > 0

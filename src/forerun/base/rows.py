@@ -49,6 +49,9 @@ class SharedRows(Protocol):
 
     features: tuple[int, ...]
     """Decoder layers whose outputs its forwards return; `Batch` hooks no others (`forerun.taps`)."""
+    side_by_side: bool
+    """Whether `feed_many` feeds its rows in the same forwards (else one by one: rows joining together are then
+    begun and fed one after another, so that each finds the text the one before it stored)."""
 
     @property
     def slots(self) -> int:
@@ -61,6 +64,10 @@ class SharedRows(Protocol):
 
     def feed(self, own: object, tree: TokenTree, prefix_len: int, lead: Sequence[int]) -> TreeLogits:
         """A joining row's forward: `lead` then `tree` after `prefix_len` tokens (the lead's included)."""
+        ...
+
+    def feed_many(self, fed: Sequence[tuple[object, TokenTree, int, Sequence[int]]]) -> list[TreeLogits]:
+        """`feed` of several joining rows, each (own, tree, prefix_len, lead); in the same forwards where it can."""
         ...
 
     def admit(self, own: object, prefix_len: int, path: list[int], prefixes: Prefixes | None, tokens: list[int]) -> int:
@@ -98,6 +105,7 @@ class DynamicRows:
     """Rows on one growing `DynamicCache` (`RowCache`), each tree padded to the step's widest (module docstring)."""
 
     features: tuple[int, ...] = ()  # hooks read them: every forward here runs the model's modules
+    side_by_side = False
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
@@ -116,6 +124,11 @@ class DynamicRows:
 
     def feed(self, own: DynamicCache, tree: TokenTree, prefix_len: int, lead: Sequence[int]) -> TreeLogits:
         return TreeLogits(forward_tree(self.head, own, tree, prefix_len, lead, self.attention))
+
+    def feed_many(self, fed: Sequence[tuple[DynamicCache, TokenTree, int, Sequence[int]]]) -> list[TreeLogits]:
+        # one after another: each prompt has a cache of its own until it is admitted, and a CPU's forward costs its
+        # arithmetic, which side by side saves nothing
+        return [self.feed(*row) for row in fed]
 
     def admit(
         self, own: DynamicCache, prefix_len: int, path: list[int], prefixes: Prefixes | None, tokens: list[int]
@@ -194,6 +207,8 @@ class StaticRows:
     """Rows at places of a `StaticBase` (module docstring). Rows keep to the lowest places: where the ones left
     fit a smaller row bucket, the last are moved down (`settle`), so a shrinking batch feeds fewer rows."""
 
+    side_by_side = True
+
     def __init__(self, base: StaticBase) -> None:
         self.base = base
         self.held: list[int] = []
@@ -219,6 +234,10 @@ class StaticRows:
 
     def feed(self, own: int, tree: TokenTree, prefix_len: int, lead: Sequence[int]) -> TreeLogits:
         return self.base.forward(tree, prefix_len, lead, place=own)
+
+    def feed_many(self, fed: Sequence[tuple[int, TokenTree, int, Sequence[int]]]) -> list[TreeLogits]:
+        out = self.base.forward_places({own: (tree, prefix_len, lead) for own, tree, prefix_len, lead in fed})
+        return [out[own] for own, *_ in fed]
 
     def admit(self, own: int, prefix_len: int, path: list[int], prefixes: Prefixes | None, tokens: list[int]) -> int:
         self.base.commit(prefix_len, path, place=own)

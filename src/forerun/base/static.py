@@ -51,8 +51,9 @@ from transformers.cache_utils import Cache
 from forerun.base import static_timing
 from forerun.base.bucket_steps import BucketStep, Outputs, capture, compiled_copy, new_step
 from forerun.base.dynamic import TreeLogits
+from forerun.base.prompt_feed import Fed, feed_places
 from forerun.base.slots import SlotLayer, Slots
-from forerun.base.step_inputs import behind, fill_host
+from forerun.base.step_inputs import fill_host
 from forerun.costmodel import LatencyCurve
 from forerun.kvcache import UnsupportedCacheError, check_tree_cache
 from forerun.prefixcache import Prefixes
@@ -154,6 +155,8 @@ class StaticBase:
         self.capture_error: str | None = None
         """Why a capture failed (that bucket then runs eagerly), if one did."""
         self.siblings: dict[int, StaticBase] = {}
+        self.supported = -1
+        """The longest text `begin` found this model can verify trees for (-1: none checked yet)."""
 
     def sibling(self, places: int) -> StaticBase:
         """A base like this one holding `places` rows (a batch's), made once per count and kept."""
@@ -184,9 +187,11 @@ class StaticBase:
         raise ValueError(f"{rows} rows exceed this base's {self.places} places")
 
     def begin(self, max_len: int) -> str | None:
-        reason = static_support(self.model, max_len)
-        if reason is not None:
-            return reason
+        if max_len > self.supported:  # what serves a text serves any shorter one (a window only limits length)
+            reason = static_support(self.model, max_len)
+            if reason is not None:
+                return reason
+            self.supported = max_len  # checking builds a cache of every layer: ~2 ms a row on a card's host
         needed = max_len + self.largest  # the last `largest` slots are the warm-ups' scratch region
         if needed > self.length:
             self.allocate(LENGTH_STEP * math.ceil(needed / LENGTH_STEP))
@@ -230,29 +235,15 @@ class StaticBase:
 
     def forward(self, tree: TokenTree, prefix_len: int, lead: Sequence[int], place: int = 0) -> TreeLogits:
         """The tree's logits and argmaxes after `prefix_len` committed tokens of `place`, of which `lead` (a
-        prefill's prompt) is fed first. The lead goes through the buckets too: in chunks of the largest, then its
-        rest with the tree in one. An eager forward of a shape seen once costs a card its launches and a fresh
-        attention plan per prompt length, many steps' worth (the benchmarks page, GPU); only a tree wider than
-        every bucket runs one.
-        """
-        n = len(tree)
-        if n > self.largest:
-            return self.prefill(tree, prefix_len, lead, place)
-        start, lead, read = prefix_len - len(lead), list(lead), []
-        while len(lead) + n > self.largest:  # the prompt's head: no logits wanted, nothing copied back
-            chunk, lead = lead[: self.largest], lead[self.largest :]
-            fed = {place: (behind(chunk[:-1], TokenTree.rooted_at(chunk[-1])), start)}
-            features = self.run(fed, place != 0, wait=True)[2]
-            if features is not None:  # its own copy: the next replay rewrites the graph's
-                read.append(features[0, : len(chunk)].clone())
-            start += len(chunk)
-        logits, choices, features = self.run({place: (behind(lead, tree), start)}, place != 0)
-        first = len(lead)  # the tree's nodes follow the lead's
-        if features is not None:
-            features = torch.cat([*read, features[0, : first + n]])[None]
-        return TreeLogits(  # the step's one copy to the host: the choices
-            logits[0, first : first + n].clone(), choices[0, first : first + n].tolist(), features
-        )
+        prefill's prompt) is fed first, through the buckets (`forerun.base.prompt_feed`): in chunks of the
+        largest, then its rest with the tree in one. An eager forward of a shape seen once costs a card its
+        launches and a fresh attention plan per prompt length, many steps' worth (the benchmarks page, GPU); only
+        a tree wider than every bucket runs one."""
+        return feed_places(self, {place: (tree, prefix_len, lead)})[place]
+
+    def forward_places(self, items: Fed) -> dict[int, TreeLogits]:
+        """`forward` of several places at once (rows joining together), in the same forwards (`feed_places`)."""
+        return feed_places(self, items)
 
     def forward_rows(self, fed: Mapping[int, tuple[TokenTree, int]]) -> tuple[torch.Tensor, list[list[int]]]:
         """One forward of a batch's rows, `fed` {place: (tree, prefix_len)}: logits [R, B, vocab] (row r: place
