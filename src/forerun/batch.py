@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from forerun.base.dynamic import TreeLogits
 from forerun.base.rows import DynamicRows, SharedRows
 from forerun.checks import is_count
 from forerun.costmodel import BatchPolicy, Budget, Selection
@@ -181,37 +182,72 @@ class Batch:
     def feed_together(self, joinings: Sequence[Joining], draft: bool | None = None) -> list[RowRun]:
         """The rest of each joining row's prompt with its first token (and tree, when `draft`; default: only for
         a lone row joining an empty batch), in the same forwards where the rows' cache can (`SharedRows.
-        feed_many`), and splice them in, in order. Rows whose drafters read layers the base does not return (their
-        hooks would see every row's forward at once) are fed one by one."""
+        feed_many`), and splice them in, in order; the first row's failure is raised (`feed_apart` keeps the rest)."""
+        joined = self.feed_apart(joinings, draft)
+        for outcome in joined:
+            if isinstance(outcome, Exception):
+                raise outcome
+        return joined  # type: ignore[return-value]
+
+    @torch.inference_mode()
+    def feed_apart(self, joinings: Sequence[Joining], draft: bool | None = None) -> list[RowRun | Exception]:
+        """`feed_together`, where a row whose first choice or commit fails gets its error in its stead and the
+        others join (the caller abandons it: a server fails that request only); a failed forward is raised. Rows
+        whose drafters read layers the base does not return (their hooks would see every row's forward at once)
+        are fed one by one."""
         draft = not self.rows and len(joinings) == 1 if draft is None else draft
         if len(joinings) > 1 and any(self.hooked(joining) for joining in joinings):
-            return [row for joining in joinings for row in self.feed_together([joining], draft)]
-        chosen = []
+            return [outcome for joining in joinings for outcome in self.feed_apart([joining], draft)]
+        outcomes: list[RowRun | Exception | tuple[Selection, list[int], float]] = []
         for joining in joinings:
-            t0, lead = time.perf_counter(), joining.row.ctx.tokens[joining.fed : -1]
-            drafting = tree_in_prefill(draft, len(lead))
-            # A prefill that verifies no tree needs no proposals (a row joining others: proposing there was wasted)
-            row = joining.row
-            selection = row.budget.choose(row.root, row.propose(drafting), len(lead), drafting)
-            chosen.append((selection, lead, joining.begun_s + time.perf_counter() - t0))
+            try:
+                outcomes.append(self.first_choice(joining, draft))
+            except Exception as error:  # noqa: BLE001 - one request's failure must not end its neighbours
+                outcomes.append(error)
+        live = [i for i, outcome in enumerate(outcomes) if isinstance(outcome, tuple)]
         t1 = time.perf_counter()
-        taps = [LayerTaps(self.model, feature_layers(j.row.job.drafters), read=self.shared.features) for j in joinings]
+        taps = [LayerTaps(self.model, feature_layers(joinings[i].row.job.drafters), self.shared.features) for i in live]
         with ExitStack() as hooks:
             for tap in taps:
                 hooks.enter_context(tap)
             fed = self.shared.feed_many([
-                (j.own, selection.tree, j.row.job.input_ids.shape[1] - 1, lead)
-                for j, (selection, lead, _) in zip(joinings, chosen, strict=True)
+                (joinings[i].own, outcomes[i][0].tree, joinings[i].row.job.input_ids.shape[1] - 1, outcomes[i][1])
+                for i in live
             ])  # fmt: skip
         forward_s = time.perf_counter() - t1
-        for joining, (selection, lead, propose_s), out, tap in zip(joinings, chosen, fed, taps, strict=True):
-            row, prefix_len = joining.row, joining.row.job.input_ids.shape[1] - 1
-            tapped = tap.take(out.features)
-            path = row.commit(selection, out.logits, propose_s, forward_s, tapped, len(lead), out.choices)
-            self.rows.insert(self.shared.admit(joining.own, prefix_len, path, row.job.prefixes, row.ctx.tokens), row)
-            row.stats.prefill_seconds = time.perf_counter() - row.started
-            row.stats.prefill_chunks = joining.chunks + 1
-        return [joining.row for joining in joinings]
+        for i, out, tap in zip(live, fed, taps, strict=True):
+            try:
+                outcomes[i] = self.join(joinings[i], *outcomes[i], out, tap.take(out.features), forward_s)
+            except Exception as error:  # noqa: BLE001
+                outcomes[i] = error
+        return outcomes  # type: ignore[return-value]
+
+    def first_choice(self, joining: Joining, draft: bool) -> tuple[Selection, list[int], float]:
+        """A joining row's first tree (its root alone unless `draft`), the prompt still to feed before it, and the
+        seconds the row has spent proposing."""
+        t0, row, lead = time.perf_counter(), joining.row, joining.row.ctx.tokens[joining.fed : -1]
+        drafting = tree_in_prefill(draft, len(lead))
+        # A prefill that verifies no tree needs no proposals (a row joining others: proposing there was wasted work)
+        selection = row.budget.choose(row.root, row.propose(drafting), len(lead), drafting)
+        return selection, lead, joining.begun_s + time.perf_counter() - t0
+
+    def join(
+        self,
+        joining: Joining,
+        selection: Selection,
+        lead: list[int],
+        propose_s: float,
+        out: TreeLogits,
+        tapped: torch.Tensor | None,
+        forward_s: float,
+    ) -> RowRun:
+        """Commit a fed row's first tree and take it into the batch."""
+        row, prefix_len = joining.row, joining.row.job.input_ids.shape[1] - 1
+        path = row.commit(selection, out.logits, propose_s, forward_s, tapped, len(lead), out.choices)
+        self.rows.insert(self.shared.admit(joining.own, prefix_len, path, row.job.prefixes, row.ctx.tokens), row)
+        row.stats.prefill_seconds = time.perf_counter() - row.started
+        row.stats.prefill_chunks = joining.chunks + 1
+        return row
 
     def hooked(self, joining: Joining) -> bool:
         """Whether the row's drafters read layers through hooks (not the ones the base's forwards return)."""

@@ -364,3 +364,61 @@ def test_concurrent_clients_of_a_server_with_the_shipped_head_get_exact_answers(
     counter = 'forerun_generated_tokens_total{method="eagle3"}'
     generated = [line for line in metrics.splitlines() if line.startswith(counter)]
     assert generated and float(generated[0].split()[-1]) >= 4 * 8  # the rows decoded with the head's method
+
+
+def test_requests_arriving_together_join_a_static_base_side_by_side():
+    """Four requests wait while the worker is busy preparing the first: their prompts (of 9 to 24 tokens, each
+    rest within a chunk) are fed in the same forwards, one call for the four, and each answer is plain generate's.
+    One of them fails as it joins (its streamer raises at its first token): it alone gets the error."""
+    model = tiny_model("llama", "sdpa")
+    curve = LatencyCurve((1, 8, 64), (1.0, 1.2, 3.0))
+    decoder = forerun.Decoder(model, None, "prompt_lookup", latency=curve, static_cache=True)
+    worker = BatchWorker(model, decoder.batch_budget(), max_batch=4, prefill_chunk=32, base=decoder.base)
+    together, feed_apart = [], worker.batch.feed_apart
+    worker.batch.feed_apart = lambda joinings, *a, **k: together.append(len(joinings)) or feed_apart(joinings, *a, **k)
+    queued = threading.Event()
+
+    class Breaks:  # the prompt goes in, the first token does not
+        def __init__(self) -> None:
+            self.puts = 0
+
+        def put(self, ids) -> None:
+            self.puts += 1
+            if self.puts > 1:
+                raise RuntimeError("this client's stream broke")
+
+        def end(self) -> None:
+            pass
+
+    texts = [p[:, :length] for p, length in zip(prompts(4, length=24), (9, 24, 17, 12), strict=True)]
+
+    def prepare(prompt, first: bool, streamer=None):
+        def build():
+            if first:
+                queued.wait(10)  # the others are queued while the worker prepares this one
+            return decoder.prepare(
+                GenerationRequest(prompt[0].tolist(), 12, eos_token_id=(), streamer=streamer)
+            ), decoder
+
+        return build
+
+    async def all_four():
+        futures = [
+            asyncio.ensure_future(worker.run(prepare(text, i == 0, Breaks() if i == 2 else None), threading.Event()))
+            for i, text in enumerate(texts)
+        ]
+        while len(worker.waiting) + len(worker.joining) < 3:
+            await asyncio.sleep(0.001)
+        queued.set()
+        return await asyncio.gather(*futures, return_exceptions=True)
+
+    try:
+        results = asyncio.run(all_four())
+    finally:
+        worker.shutdown()
+    assert together == [4], together
+    assert isinstance(results[2], RuntimeError) and "stream broke" in str(results[2])
+    for index in (0, 1, 3):
+        reference = model.generate(texts[index], max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert torch.equal(results[index].sequences, reference), index
+    assert not worker.joining and not worker.batch.rows

@@ -263,7 +263,9 @@ class BatchWorker:
     def prefill(self) -> None:
         """Feed one joining request (the one with the least prompt left: a short prompt need not wait for a long
         one's whole prefill) a chunk of its prompt, or the rest of it and its first token (it then joins the batch);
-        a request gone meanwhile is dropped between chunks."""
+        a request gone meanwhile is dropped between chunks. Where the rows' cache feeds side by side (a static
+        base's places), every request whose rest fits in a chunk joins in the same forwards (a burst of requests
+        costs a card about one prefill's forwards, not one per request)."""
         if not self.joining:
             return
         place = min(range(len(self.joining)), key=lambda i: self.joining[i][0].left)
@@ -273,6 +275,11 @@ class BatchWorker:
             self.batch.abandon(joining)
             self.settle(admission, error=Abandoned())
             return
+        if self.batch.shared.side_by_side and self.fits(joining):
+            group = [(j, a) for j, a in self.joining if self.fits(j) and not a.cancel.is_set()]
+            if len(group) > 1:
+                self.prefill_together(group)
+                return
         with self.wake:  # a lone row drafts at its prefill too
             alone = not self.batch.rows and len(self.joining) == 1 and not self.waiting
         try:
@@ -285,6 +292,26 @@ class BatchWorker:
         if row is not None:
             del self.joining[place]
             self.members[id(row)] = admission
+
+    def fits(self, joining: Joining) -> bool:
+        """Whether the rest of a joining request's prompt goes in its next feed (no chunk of it left over)."""
+        return self.prefill_chunk is None or joining.left - 1 <= self.prefill_chunk
+
+    def prefill_together(self, group: list[tuple[Joining, Admission]]) -> None:
+        """Feed the rest of every request of `group` in the same forwards; a request whose row fails is failed
+        alone (a failed forward fails the group, as a failed step fails its rows)."""
+        try:
+            outcomes = self.batch.feed_apart([joining for joining, _ in group], draft=False)
+        except Exception as error:  # noqa: BLE001
+            outcomes = [error] * len(group)
+        fed = {id(joining) for joining, _ in group}
+        self.joining = [(j, a) for j, a in self.joining if id(j) not in fed]
+        for (joining, admission), outcome in zip(group, outcomes, strict=True):
+            if isinstance(outcome, Exception):
+                self.batch.abandon(joining)
+                self.settle(admission, error=outcome)
+            else:
+                self.members[id(outcome)] = admission
 
     def loop(self) -> None:
         while True:
