@@ -13,6 +13,7 @@ Sections (each writes its records to `--out` as JSON lines as it goes, so a run 
   draft with `--draft-head` (the shipped `smollm2-135m` by default).
 - `batch`: `generate([...])` of 1 / 4 / 16 rows (the static base's places) against transformers' batched
   generate, eager and static-cache compiled; `--batch-profile auto` runs `auto`'s batch once more under cProfile.
+- `warm`: compiled buckets' warm-up for `max(--batch-rows)` rows, program by program (`gpu_warm.py`).
 - `profile` (after `bench`, on its warm decoders): where a step's time goes (cProfile over 3 prompts, and the
   card's kernels and the host's CUDA calls per forward under torch.profiler over one).
 
@@ -400,13 +401,16 @@ def batch_of(
         record |= {"static_seconds": round(hf_static_s, 3), "static_compile_s": round(compile_s, 1)}
     log("batch", rows=rows, baseline="generate", **record)
     lists = [t.tolist() for t in texts]
+    # warmed on the texts reversed (the same shapes): a warm run of the very texts would leave their answers in the
+    # trie, to be drafted whole in the timed run
+    unseen = [t.flip(0).tolist() for t in texts]
     for label, method, fused in [(m, m, False) for m in ("plain", "auto")] + [(f"{m} (compiled)", m, True)
                                                                              for m in compiled]:  # fmt: skip
         if log.late(45):
             return
         decoder = Decoder(model, tokenizer, method, static_cache=True, compile_buckets=fused)
         capture_s = decoder.warm_up(width + new_tokens, batch_size=rows)
-        _, warm_s = sync_time(lambda d=decoder: d.generate(lists, new_tokens, eos_token_id=[]))
+        _, warm_s = sync_time(lambda d=decoder: d.generate(unseen, new_tokens, eos_token_id=[]))
         freeze_start_up()
         results, took = sync_time(lambda d=decoder: d.generate(lists, new_tokens, eos_token_id=[]))
         same = sum(r.new_tokens == hf_out[i, width:].tolist() for i, r in enumerate(results))
@@ -445,7 +449,7 @@ def log_slow_collections(log: Log, threshold_s: float = 0.05) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("sections", help="comma-separated: smoke, curve, steps, bench, batch, profile")
+    parser.add_argument("sections", help="comma-separated: smoke, curve, steps, bench, batch, profile, warm")
     parser.add_argument("--model", default="random-1b", help="random-1b, random-tiny (a check), or a .gguf file")
     parser.add_argument("--prompts", type=Path, help="JSON list of {id, dataset, ids}")
     parser.add_argument("--new-tokens", type=int, default=128)
@@ -483,7 +487,7 @@ def main() -> None:
     sections = args.sections.split(",")
     if "smoke" in sections:
         guarded(log, "smoke", lambda: smoke(log))
-    if not {"curve", "bench", "batch", "steps", "profile"} & set(sections):
+    if not {"curve", "bench", "batch", "steps", "profile", "warm"} & set(sections):
         return
     if args.model in ("random-1b", "random-tiny"):
         model, tokenizer = random_1b(args.model == "random-tiny", args.attention)
@@ -498,6 +502,10 @@ def main() -> None:
         guarded(log, "curve", lambda: curve(log, model, label))
     if "steps" in sections:
         guarded(log, "steps", lambda: steps(log, model, label))
+    if "warm" in sections:
+        from gpu_warm import warm_programs
+
+        guarded(log, "warm", lambda: warm_programs(log, model, max(args.batch_rows)))
     prompts = json.loads(args.prompts.read_text()) if args.prompts else []
     decoders: dict[str, Decoder] = {}
     if "bench" in sections and prompts:

@@ -4,7 +4,7 @@ written where the base says.
 A forward feeds R rows. Row r of it belongs to place `Slots.places[r]` and writes its n nodes at the slots
 `Slots.current[r, :n]` of that place. The buffer is read back either as its first R places (`contiguous`: a
 batch's step, where rows are places 0..R-1 and no copy is made) or as the fed places gathered (a joining row's
-prompt, fed alone into its own place while the others wait).
+prompt, fed alone into its own place while the others wait; rows joining together are fed as a batch's step).
 
 Example (two places of 8 slots; one row fed at place 1, its 2 nodes at slots 3 and 4):
     >>> slots = Slots(layers=1, places=2, length=8)

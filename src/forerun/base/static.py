@@ -10,7 +10,8 @@ the forward once as a CUDA graph, and replay it.
   in place; slots past the committed length are never visible, so nothing is cleared.
 - **Rows.** A batch's rows are places 0..R-1 of one forward (`forward_rows`), R a row bucket (`ROW_BUCKETS`),
   each row at its own prefix length (no left padding, no holes); places no row holds are fed a padding root. A
-  joining row's prompt is fed alone into its own place (`forward(..., place=p)`), the others waiting.
+  joining row's prompt is fed into its own place (`forward(..., place=p)`), the others waiting; rows joining
+  together are fed side by side, every place's chunk in the same forward (`forward_places`, `prompt_feed`).
 - **Buckets.** A tree of n nodes is fed as the smallest bucket B >= n (`BUCKETS`); the padding nodes repeat the
   root, see only the prefix and themselves, and write into slots that the next forward overwrites. The latency
   curve is measured per bucket (`measure_curve`), so the cost model prices a tree at its bucket's cost and fills it.

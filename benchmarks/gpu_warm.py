@@ -1,0 +1,43 @@
+"""gpu_check's `warm` section: compiled buckets' warm-up for a batch, program by program, as
+`Decoder.warm_up(max_len, batch_size=rows)` makes them (the single row's buckets, then every (rows, nodes) of the
+batch's places and its one-place prompt forwards). Each record: the (rows, nodes, placed) made, its seconds and
+dynamo's count of compiled graphs so far; the section stops at the call's deadline, keeping what it timed (a
+16-row warm-up had not finished in 4 minutes on an H200)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from forerun import Decoder
+from forerun.costmodel import LatencyCurve
+
+FLAT = LatencyCurve((1, 64), (1.0, 1.0))
+"""A given curve: the Decoder measures none (measuring would compile the buckets before the section times them)."""
+
+
+def warm_programs(log, model, rows: int, max_len: int = 512) -> None:
+    from torch._dynamo.utils import counters
+
+    decoder = Decoder(model, None, "plain", latency=FLAT, static_cache=True, compile_buckets=True)
+    base = decoder.base
+    places = base.sibling(rows)
+    plan = [(base, (1, size, False)) for size in base.buckets]
+    plan += [(places, (count, size, False)) for count in places.row_buckets for size in places.buckets]
+    plan += [(places, (1, size, True)) for size in places.buckets]
+    started = time.perf_counter()
+    with torch.inference_mode():
+        for each in (base, places):
+            each.begin(max_len + decoder.budget.max_nodes)
+        for each, key in plan:
+            if log.late(30):
+                log("warm", note="deadline: stopped", done_s=round(time.perf_counter() - started, 1))
+                return
+            took = time.perf_counter()
+            each.prepare(*key)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            log("warm", places=each.places, key=list(key), seconds=round(time.perf_counter() - took, 1),
+                graphs=counters["stats"].get("unique_graphs", 0))  # fmt: skip
+    log("warm", note="done", seconds=round(time.perf_counter() - started, 1), programs=len(plan))
