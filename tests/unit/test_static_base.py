@@ -225,10 +225,10 @@ def test_compiled_buckets_give_the_eager_buckets_tokens():
     assert result.stats.tokens_per_forward > 1
 
 
-def test_a_longer_text_on_compiled_buckets_compiles_nothing_new():
-    """A text longer than the cache holds makes a larger one; the slot count is a symbolic size from the first
-    program on, so nothing compiles again (two programs had, in the first step of the longer text's request), and
-    the tokens are plain generate's."""
+def test_a_longer_text_on_compiled_buckets_compiles_once_more_and_stays_exact():
+    """A text longer than the cache holds makes a larger one: its programs compile once more (the slot count is a
+    static size until a second one is seen: marked symbolic from the start, every program compiled 2-3x slower),
+    and the tokens are plain generate's."""
     from torch._dynamo.utils import counters
 
     model = model_of("llama", "sdpa")
@@ -240,7 +240,7 @@ def test_a_longer_text_on_compiled_buckets_compiles_nothing_new():
     long = prompts(1, length=470)[0]  # with its answer past 512 slots, inside the context (512)
     result = decoder.generate(long, NEW_TOKENS, eos_token_id=[])
     expected = model.generate(long, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
-    assert decoder.base.length > short and counters["stats"]["unique_graphs"] == before
+    assert decoder.base.length > short and 0 < counters["stats"]["unique_graphs"] - before <= 2
     assert torch.equal(result.sequences, expected)
 
 

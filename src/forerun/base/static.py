@@ -336,17 +336,14 @@ class StaticBase:
         started = time.perf_counter()
         scratch = self.length - self.largest
         step = new_step(rows, size, placed, scratch, self.device, idle=self.graphs or self.compiled)
-        if self.compiled:
-            if not self.cache.layers[0].is_initialized:  # the layers allocate at their first forward: eagerly, so
-                # that no program traces it (a variant guarded on an empty cache and on each sibling's place count
-                # took the shared program past dynamo's 8)
-                self.bucket_forward(size, step.inputs, placed)
-            # the slot count as a symbolic size from the first program: a longer text's larger cache compiled two
-            # programs again, in that request's first step (~15 s each on a card's host, cold)
-            torch._dynamo.maybe_mark_dynamic(self.columns, 0)
-            for layer in self.cache.layers:
-                torch._dynamo.maybe_mark_dynamic(layer.keys, 2)  # [places, heads, slots, head_dim]
-                torch._dynamo.maybe_mark_dynamic(layer.values, 2)
+        # The slot count stays a static size: marked symbolic from the first program on, each program took 2-3x
+        # as long to compile (a 30-layer llama on this CPU: a single row's two programs 297 s against 109 s), and a
+        # warm-up compiles ~8. A text longer than the warm-up's cache compiles again, once (dynamo then makes the
+        # slot count symbolic itself); `Decoder.warm_up(max_len)` sizes the cache for the longest expected.
+        if self.compiled and not self.cache.layers[0].is_initialized:
+            # the layers allocate at their first forward: eagerly, so that no program traces it (a variant guarded
+            # on an empty cache and on each sibling's place count took the shared program past dynamo's 8)
+            self.bucket_forward(size, step.inputs, placed)
         if self.graphs:
             error = capture(step, self.step_forward)
             if error is not None:
