@@ -41,3 +41,31 @@ def warm_programs(log, model, rows: int, max_len: int = 512) -> None:
             log("warm", places=each.places, key=list(key), seconds=round(time.perf_counter() - took, 1),
                 graphs=counters["stats"].get("unique_graphs", 0))  # fmt: skip
     log("warm", note="done", seconds=round(time.perf_counter() - started, 1), programs=len(plan))
+
+
+def main() -> None:
+    """Standalone (gpu_check's `warm` section does the same): python benchmarks/gpu_warm.py --model .gpu/x.gguf"""
+    import argparse
+    import time as clock
+    from pathlib import Path
+
+    from gpu_check import DEVICE, Log, random_1b
+
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default="random-tiny", help="random-1b, random-tiny (a check), or a .gguf file")
+    parser.add_argument("--rows", type=int, default=16, help="the batch's places")
+    parser.add_argument("--dtype", default="bf16")
+    parser.add_argument("--budget-s", type=float, default=300.0, help="stop starting new programs after this long")
+    parser.add_argument("--out", type=Path, default=Path("gpu_warm.jsonl"))
+    args = parser.parse_args()
+    if args.model in ("random-1b", "random-tiny"):
+        model, _ = random_1b(args.model == "random-tiny")
+    else:
+        from forerun.models import load_model
+
+        model, _ = load_model(args.model, dtype=args.dtype, device=str(DEVICE))
+    warm_programs(Log(args.out, clock.monotonic() + args.budget_s), model, args.rows)
+
+
+if __name__ == "__main__":
+    main()
