@@ -300,19 +300,19 @@ class Batch:
         layers = feature_layers(d for row in rows for d in row.job.drafters)
         with LayerTaps(self.model, layers, read=self.shared.features) as taps:
             trees = [selection.tree for selection in selections]
-            logits, choices, returned = self.shared.forward(prefix_lens, trees, nodes)  # [rows, nodes, vocab]
+            out = self.shared.forward(prefix_lens, trees, nodes)
         forward_s = time.perf_counter() - t1
-        tapped = taps.take(returned, arrange=self.shared.in_row_order)  # [rows, nodes, F]
+        tapped = taps.take(out.features, arrange=self.shared.in_row_order)  # [rows, nodes, F]
         # 4. verify and 5. commit, per row; then keep each row's accepted path in the shared cache
         kept = [
             self.commit_apart(
                 row,
                 selection,
-                logits[b, : len(selection.tree)],
+                out.row(b, len(selection.tree)),
                 (t1 - t0) / len(rows),
                 forward_s,
                 row_features(tapped, b, len(selection.tree), layers, row.job.drafters),
-                None if choices is None else choices[b][: len(selection.tree)],
+                None if out.choices is None else out.choices[b][: len(selection.tree)],
             )
             for b, (row, selection) in enumerate(zip(rows, selections, strict=True))
         ]

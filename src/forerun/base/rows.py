@@ -14,14 +14,15 @@ Example (what `Batch` does with either):
     >>> own, cached = rows.open(job.prefixes, tokens, max_len=600)             # doctest: +SKIP
     >>> first = rows.feed(own, tree, prefix_len=len(tokens) - 1, lead=tokens[:-1])   # the prefill  # doctest: +SKIP
     >>> index = rows.admit(own, len(tokens) - 1, [0, 1], job.prefixes, tokens)       # it joins  # doctest: +SKIP
-    >>> logits, choices, features = rows.forward([prefix_len], [tree], nodes=len(tree))  # doctest: +SKIP
-    >>> logits.shape                                                           # doctest: +SKIP
-    torch.Size([1, 5, 49152])
+    >>> out = rows.forward([prefix_len], [tree], nodes=len(tree))               # doctest: +SKIP
+    >>> out.row(0, len(tree)).shape                                            # doctest: +SKIP
+    torch.Size([5, 49152])
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -39,9 +40,22 @@ Leaving = tuple[int, Prefixes | None, list[int], int]
 """A row that leaves: its index among the rows, and where its text (tokens, `length` of them cached) is kept."""
 
 
-RowsLogits = tuple[torch.Tensor, list[list[int]] | None, torch.Tensor | None]
-"""A batch forward's logits [rows, nodes, vocab], every node's argmax (None: the verifier takes them) and the
-`features` layers' outputs [rows, nodes, F] (None: hooks read them), in row order."""
+@dataclass(frozen=True)
+class RowsLogits:
+    """A batch forward's outputs: `logits` [forward rows, nodes, vocab] in which row b is `logits[at[b]]` (a static
+    base's place order: gathered into row order they were a copy of rows x nodes x vocab floats a step, 200 MB
+    for 16 rows of 64 nodes in fp32; read before the next forward, which may rewrite them), every node's argmax
+    in row order (None: the verifier takes them) and the `features` layers' outputs [rows, nodes, F] in row order
+    (None: hooks read them)."""
+
+    logits: torch.Tensor
+    at: Sequence[int]
+    choices: list[list[int]] | None
+    features: torch.Tensor | None
+
+    def row(self, b: int, nodes: int) -> torch.Tensor:
+        """Row b's logits [nodes, vocab]."""
+        return self.logits[self.at[b], :nodes]
 
 
 class SharedRows(Protocol):
@@ -153,7 +167,7 @@ class DynamicRows:
             past_key_values=self.cache.cache,
             use_cache=True,
         )  # [rows, nodes, vocab]
-        return logits, host_choices(logits), None
+        return RowsLogits(logits, range(len(trees)), host_choices(logits), None)
 
     def in_row_order(self, tapped: torch.Tensor | None) -> torch.Tensor | None:
         return tapped
@@ -271,7 +285,7 @@ class StaticRows:
         logits, choices, features = self.base.run(fed, placed=False)
         every = choices[:, :nodes].tolist()  # the step's one copy to the host
         features = None if features is None else self.in_row_order(features)[:, :nodes]
-        return self.in_row_order(logits)[:, :nodes], [every[place] for place in self.held], features
+        return RowsLogits(logits, tuple(self.held), [every[place] for place in self.held], features)
 
     def in_row_order(self, tapped: torch.Tensor | None) -> torch.Tensor | None:
         if tapped is None:

@@ -1,0 +1,135 @@
+"""Host work per step of a batch on the static base: what a card's captured forward leaves to Python.
+
+On a GPU a 16-row step of a small model is a ~4-5 ms captured forward; what the rows' drafters, the cost model's
+ranking, the verifier and the commits cost between forwards is then as large as the forward itself, and it is
+Python, so this CPU measures it as well as a card's host would (scaled by their single-thread speeds). Each run
+decodes `--rows` prompts on the static base's eager buckets and reports, per step, the wall time minus the time
+inside the bucketed forwards (`StaticBase.run`): the host work. Choices are made on a card-like latency curve
+(`--curve`, default the H200's measured one-row curve, batches priced at a quarter more per row doubling) with
+`reproducible=True`, so every step drafts where the curve says it pays, as on a card, whatever this CPU's own
+timings: the figures are host work per step at the card's choices, plus tokens per forward.
+
+Usage:
+    .venv/bin/python benchmarks/batch_host.py --rows 16 --methods plain,auto --threads 2 --rounds 2 \
+        --out benchmarks/results/batch-host-epyc.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+import forerun
+from forerun.bench.datasets import load_dataset
+from forerun.costmodel import LatencyCurve
+from forerun.models import load_model
+
+H200_MS = {1: 3.421, 2: 3.927, 4: 4.019, 8: 4.071, 16: 4.189, 32: 4.265, 64: 4.453}
+"""SmolLM2-135M's one-row step by bucket on an H200, bf16, captured (`benchmarks/results/gpu-h200-run6.jsonl`)."""
+DATASETS = ("gsm8k", "humaneval", "mbpp", "typehints")
+
+
+def card_curve(ms: dict[int, float], row_step: float = 0.25) -> LatencyCurve:
+    """`ms` as the one-row curve; a batch of 2^i rows costs (1 + row_step * i) times it (a card's regime: rows
+    share the weights' reading, each reads its own cache)."""
+    sizes = tuple(sorted(ms))
+
+    def scaled(k: float) -> LatencyCurve:
+        return LatencyCurve(sizes, tuple(ms[s] * k / 1000 for s in sizes))
+
+    return scaled(1.0).with_batches([(2**i, scaled(1 + row_step * i)) for i in range(1, 7)])
+
+
+def chat_ids(tokenizer, n: int) -> list[list[int]]:
+    """`n` prompts per dataset, chat-templated, as token ids."""
+    out = []
+    for name in DATASETS:
+        for prompt in load_dataset(name, n):
+            ids = tokenizer.apply_chat_template(list(prompt.messages), add_generation_prompt=True, tokenize=True)
+            out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    return out
+
+
+def timed_run(decoder: forerun.Decoder, prompts: list[list[int]], new_tokens: int) -> dict:
+    """Decode `prompts` as one batch; wall seconds, seconds inside the bucketed forwards, forwards, tokens."""
+    inside = [0.0, 0]
+    bases = [decoder.base, *decoder.base.siblings.values()]
+    originals = [base.run for base in bases]
+
+    def wrap(run):
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return run(*args, **kwargs)
+            finally:
+                inside[0] += time.perf_counter() - started
+                inside[1] += 1
+
+        return timed
+
+    for base, run in zip(bases, originals, strict=True):
+        base.run = wrap(run)
+    try:
+        started = time.perf_counter()
+        results = decoder.generate(prompts, new_tokens, eos_token_id=[])
+        wall = time.perf_counter() - started
+    finally:
+        for base in bases:
+            del base.run  # the instance attribute goes; the method shows again
+    steps = [r.stats.forwards for r in results]
+    texts = [r.sequences[0, r.prompt_len :].tolist() for r in results]
+    tokens = sum(len(text) for text in texts)
+    return {"wall_s": wall, "forward_s": inside[0], "forwards": inside[1], "row_forwards": sum(steps),
+            "tokens": tokens, "texts": texts}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--rows", type=int, default=16)
+    parser.add_argument("--methods", default="plain,auto")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model, tokenizer = load_model(args.model, dtype="fp32")
+    pool = chat_ids(tokenizer, max(1, -(-args.rows // len(DATASETS))))
+    prompts, warm = pool[: args.rows], [list(reversed(p)) for p in pool[: args.rows]]  # same shapes, other answers
+    curve = card_curve(H200_MS)
+    decoders = {m: forerun.Decoder(model, tokenizer, m, static_cache=True, reproducible=True, latency=curve)
+                for m in args.methods.split(",")}  # fmt: skip
+    for decoder in decoders.values():
+        decoder.generate(warm, args.new_tokens, eos_token_id=[])
+    gc.collect()
+    gc.freeze()
+    rows, texts = [], {}
+    for round_ in range(args.rounds):
+        for method, decoder in decoders.items():  # interleaved
+            run = timed_run(decoder, prompts, args.new_tokens)
+            host = run["wall_s"] - run["forward_s"]
+            row = {"round": round_, "method": method, "rows": args.rows, "steps": run["forwards"],
+                   "host_ms_per_step": round(1000 * host / max(run["forwards"], 1), 3),
+                   "tokens_per_forward": round(run["tokens"] / max(run["row_forwards"], 1), 2),
+                   "wall_s": round(run["wall_s"], 2), "forward_s": round(run["forward_s"], 2)}  # fmt: skip
+            texts.setdefault(method, run["texts"])
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    first = next(iter(texts.values()))
+    same = {m: sum(a == b for a, b in zip(t, first, strict=True)) for m, t in texts.items()}
+    env = {"cpu": platform.processor() or platform.machine(), "threads": args.threads, "torch": torch.__version__,
+           "same_as_first_method": same}  # fmt: skip
+    print(json.dumps(env))
+    if args.out:
+        args.out.write_text(json.dumps({"env": env, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
