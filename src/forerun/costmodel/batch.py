@@ -188,10 +188,16 @@ def best_shared_count(
     weights = [1.0] * rows if weights is None else list(weights)
     best, best_rate = 0, sum(weights) / curve.batch_cost(rows, 1)
     longest = max((len(c) for c, w in zip(chances, weights, strict=True) if w > 0), default=0)
+    if cap is not None:
+        longest = min(longest, cap - 1)
+    # the gain at k, summed over rows as each row's k-th chance adds to it: one pass over the chances, not k
+    added = [0.0] * (longest + 1)
+    for c, w in zip(chances, weights, strict=True):
+        for k, chance in enumerate(c[:longest], 1):
+            added[k] += w * chance
+    gain = sum(weights)
     for k in range(1, longest + 1):
-        if cap is not None and 1 + k > cap:
-            break
-        gain = sum(w * (1.0 + sum(c[:k])) for c, w in zip(chances, weights, strict=True))
+        gain += added[k]
         rate = gain / (curve.batch_cost(rows, 1 + k) * draft_penalty)
         if rate > best_rate:
             best, best_rate = k, rate

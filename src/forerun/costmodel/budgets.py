@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from forerun.costmodel.calibration import MAX_GROUPS, Calibration, FedCheck
+from forerun.costmodel.calibration import MAX_GROUPS, MAX_PROBABILITY, Calibration, FedCheck
 from forerun.costmodel.choice import Ranking, Selection, best_prefix, support_keys
 from forerun.costmodel.curve import LatencyCurve
 from forerun.costmodel.switch import DraftSwitch
@@ -193,12 +193,8 @@ class CostModel:
     def raw_chances(self, tree: TokenTree, keys: Sequence[tuple[str, float] | None]) -> list[float]:
         """Per node of the merged `tree`: P(accepted | parent accepted), calibrated in the cell of its `keys`
         (who proposed it, who disputes it: `support_keys`); probes and the root get 0 and 1."""
-        p = [0.0] * len(tree)
+        p = self.calibration.probabilities(tree.depths, keys)
         p[0] = 1.0
-        for node in range(1, len(tree)):
-            key = keys[node]
-            if key is not None:
-                p[node] = self.calibration.probability(key[0], tree.depths[node], key[1])
         return p
 
     def chances(
@@ -211,11 +207,23 @@ class CostModel:
         mere presence of a poor one).
         """
         raw = self.raw_chances(tree, keys) if raw is None else raw
-        p = [1.0] + [x if keys[i] is None else self.fed_check.adjust(keys[i][0], x) for i, x in enumerate(raw) if i]
+        factors: dict[str, float] = {}  # per source, worked out once
+        p = [1.0] * len(tree)
+        for node in range(1, len(tree)):
+            key = keys[node]
+            if key is None:
+                p[node] = raw[node]
+                continue
+            factor = factors.get(key[0])
+            if factor is None:
+                factor = factors[key[0]] = self.fed_check.factor(key[0])
+            p[node] = min(MAX_PROBABILITY, raw[node] * factor)
         siblings: dict[int, list[int]] = {}
         for node in range(1, len(tree)):
             siblings.setdefault(tree.parents[node], []).append(node)
         for group in siblings.values():
+            if len(group) == 1:  # an only child keeps its chance (at most MAX_PROBABILITY < 1)
+                continue
             left = 1.0
             for node in sorted(group, key=lambda n: -p[n]):
                 p[node] = min(p[node], left)

@@ -51,6 +51,7 @@ class LatencyCurve:
         # Every whole size up to the largest, looked up: the cost model prices every prefix of every step, and on a
         # GPU's 64-size curve a scan per price was a fifth of `auto`'s host time between forwards.
         object.__setattr__(self, "table", tuple(self.interpolated(n) for n in range(sizes[-1] + 1)))
+        object.__setattr__(self, "row_tables", {})  # rows -> the same table for a batch of that many rows
 
     def cost(self, n: int) -> float:
         """Seconds for a forward of `n` tokens."""
@@ -79,6 +80,15 @@ class LatencyCurve:
             return self.cost(nodes)
         if not self.batched:
             return self.cost(rows * nodes)
+        table = self.row_tables.get(rows)
+        if table is None:  # a batch prices every count of every step at its row count: looked up too
+            table = self.row_tables[rows] = tuple(self.rows_cost(rows, n) for n in range(len(self.table)))
+        if type(nodes) is int and 0 <= nodes < len(table):
+            return table[nodes]
+        return self.rows_cost(rows, nodes)
+
+    def rows_cost(self, rows: int, nodes: int) -> float:
+        """`batch_cost` of two rows or more on batched curves, worked out from the measured row counts."""
         measured = [(1, self), *self.batched]
         for (low, lower), (high, higher) in zip(measured, measured[1:], strict=False):
             if rows <= high:

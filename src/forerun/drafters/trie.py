@@ -175,11 +175,21 @@ class TokenTrie:
                         heapq.heappush(heap, (-probability * share, order, child, token, parent_index, depth, score))
 
             push_children(node, 0, 1.0, 1)
-            while heap and len(tree) <= length:
+            # a trie's children are distinct tokens: nothing to fuse, so nodes are appended without `add`'s checks
+            tokens, parents, depths, scores = tree.tokens, tree.parents, tree.depths, tree.scores
+            children = tree.children
+            while heap and len(tokens) <= length:
                 negative, _, child, token, parent_index, depth, score = heapq.heappop(heap)
-                index = tree.add(parent_index, token, "candidate", source, score)
+                index = len(tokens)
+                children[(parent_index, token)] = index
+                tokens.append(token)
+                parents.append(parent_index)
+                depths.append(depth)
+                scores.append(score)
                 if depth < config.branch_length and token not in eos:
                     push_children(child, index, -negative, depth + 1)
+            tree.roles.extend(["candidate"] * (len(tokens) - 1))
+            tree.sources.extend([source] * (len(tokens) - 1))
         return tree
 
     def __len__(self) -> int:
