@@ -56,8 +56,10 @@ def chat_ids(tokenizer, n: int) -> list[list[int]]:
     return out
 
 
-def timed_run(decoder: forerun.Decoder, prompts: list[list[int]], new_tokens: int) -> dict:
-    """Decode `prompts` as one batch; wall seconds, seconds inside the bucketed forwards, forwards, tokens."""
+def timed_run(decoder: forerun.Decoder, prompts: list[list[int]], new_tokens: int, sync=None) -> dict:
+    """Decode `prompts` as one batch; wall seconds, seconds inside the bucketed forwards, forwards, tokens.
+    `sync`: called inside each forward's timing (a card's `torch.cuda.synchronize`: a replay only launches, and
+    the step's copy to the host would wait for it outside)."""
     inside, held = [0.0, 0], [None]
     bases = [decoder.base, *decoder.base.siblings.values()]
     originals = [base.run for base in bases]
@@ -70,6 +72,8 @@ def timed_run(decoder: forerun.Decoder, prompts: list[list[int]], new_tokens: in
                 # nodes: 200 MB of logits, ~10 ms to free), which a card's graphs never allocate
                 held[0] = None
                 held[0] = run(*args, **kwargs)
+                if sync is not None:
+                    sync()
                 return held[0]
             finally:
                 inside[0] += time.perf_counter() - started

@@ -422,6 +422,14 @@ def batch_of(
             warm_s=round(warm_s, 1), tokens=sum(len(r.new_tokens) for r in results), **speed,
             forwards=sum(r.stats.forwards for r in results) / rows, same_as_generate=f"{same}/{rows}",
             graphs=len(sibling.steps) if sibling is not None else None)  # fmt: skip
+        if not fused:  # once more, each forward waited for: what the host spends between a step's forwards
+            from batch_host import timed_run
+
+            run = timed_run(decoder, lists, new_tokens, sync=lambda: synchronize(DEVICE))
+            steps = max(run["forwards"], 1)
+            log("batch_host", rows=rows, method=label, forwards=run["forwards"],
+                forward_ms_per_step=round(1e3 * run["forward_s"] / steps, 3),
+                host_ms_per_step=round(1e3 * (run["wall_s"] - run["forward_s"]) / steps, 3))  # fmt: skip
         if label in profiled:  # once more under cProfile: where a batched step's host time goes
             import cProfile
 
