@@ -23,18 +23,14 @@ Example (max_query_length=1, branch_length=2): inserting [1, 2, 3] and [1, 2, 4]
 from __future__ import annotations
 
 import heapq
-import os
 import threading
 from pathlib import Path
-
-import torch
 
 from forerun.config import TrieConfig
 from forerun.drafters.base import DraftContext, MethodSpec, StepOutcome
 from forerun.drafters.tenants import TenantState
+from forerun.drafters.trie_file import FORMAT, VERSION  # noqa: F401 - the file format names it
 from forerun.tree import TokenTree
-
-FORMAT, VERSION = "forerun-trie", "1"
 
 
 class Node:
@@ -196,62 +192,21 @@ class TokenTrie:
         return self.nodes
 
     def save(self, path: str | Path, config: TrieConfig | None = None) -> None:
-        """Write the trie (output counts only) with safetensors: parents, tokens and counts in BFS order."""
-        from safetensors.torch import save_file
+        """Write the trie (output counts only) with safetensors (`forerun.drafters.trie_file`)."""
+        from forerun.drafters.trie_file import write_trie
 
         with self.lock:
-            parents, tokens, counts = [], [], []
-            queue = [(self.top, -1)]
-            while queue:
-                node, index = queue.pop()
-                for token, child in node.children.items():
-                    if child.count <= 0:
-                        continue
-                    parents.append(index)
-                    tokens.append(token)
-                    counts.append(child.count)
-                    queue.append((child, len(tokens) - 1))
-        metadata = {"format": FORMAT, "version": VERSION, "max_nodes": str(self.max_nodes)}
-        if config is not None:
-            metadata["config"] = repr(config)
-        # Written beside the target, then renamed over it: a kill mid-save leaves the old file, never half a file.
-        temporary = Path(f"{path}.tmp-{os.getpid()}")
-        save_file(
-            {
-                "parents": torch.tensor(parents, dtype=torch.int64),
-                "tokens": torch.tensor(tokens, dtype=torch.int64),
-                "counts": torch.tensor(counts, dtype=torch.float64),
-            },
-            str(temporary),
-            metadata=metadata,
-        )
-        os.replace(temporary, path)
+            write_trie(self.top, self.max_nodes, path, config)
 
     @classmethod
     def load(cls, path: str | Path, max_nodes: int | None = None, vocab: int | None = None) -> TokenTrie:
         """Read a file written by `save`; anything else raises ValueError naming the file and what is wrong (the
-        caller's trie is untouched). Every value is checked before it is used: a count that is not finite and
-        non-negative (an infinite count broke every later request), a token id outside [0, `vocab`), more nodes
-        than the budget, a node before its parent or a token twice under one parent."""
-        from safetensors import safe_open
+        caller's trie is untouched). Every value is checked before it is used (`trie_file.read_trie`), and the
+        structure as it is built: a node before its parent or a token twice under one parent."""
+        from forerun.drafters.trie_file import read_trie
 
-        try:
-            with safe_open(str(path), framework="pt") as handle:
-                metadata = handle.metadata() or {}
-                if metadata.get("format") != FORMAT:
-                    raise ValueError(f"{path} is not a forerun trie file (format {metadata.get('format')!r})")
-                if metadata.get("version") != VERSION:
-                    raise ValueError(f"{path} has trie format version {metadata.get('version')!r}; expected {VERSION}")
-                arrays = {name: handle.get_tensor(name) for name in ("parents", "tokens", "counts")}
-                stored_max = metadata.get("max_nodes", "200000")
-        except (FileNotFoundError, ValueError):
-            raise
-        except Exception as error:  # safetensors raises its own error types for truncated/corrupt files
-            raise ValueError(f"cannot read trie file {path}: {error}") from error
-        stored_budget = check_stored_budget(path, stored_max)  # checked even where the caller names its own
-        budget = max_nodes or stored_budget
-        parents, tokens, counts = check_arrays(path, arrays, vocab)
-        trie = cls(budget)
+        stored_budget, parents, tokens, counts = read_trie(path, vocab)
+        trie = cls(max_nodes or stored_budget)
         nodes: list[Node] = []
         for index, (parent, token, count) in enumerate(zip(parents, tokens, counts, strict=True)):
             if not -1 <= parent < len(nodes):
@@ -265,38 +220,6 @@ class TokenTrie:
             nodes.append(node)
         trie.nodes = len(nodes)
         return trie
-
-
-MAX_FILE_NODES = 10_000_000
-"""The most nodes a trie file may hold: the `max_nodes` knob's ceiling."""
-
-
-def check_stored_budget(path: str | Path, stored: str) -> int:
-    """The node budget a trie file names in its metadata, checked like the `max_nodes` knob."""
-    if not stored.isdigit() or not 16 <= int(stored) <= 10_000_000:
-        raise ValueError(f"{path}: corrupt trie (max_nodes {stored[:20]!r} is not an integer in [16, 10000000])")
-    return int(stored)
-
-
-def check_arrays(
-    path: str | Path, arrays: dict[str, torch.Tensor], vocab: int | None
-) -> tuple[list[int], list[int], list[float]]:
-    """The file's parents, tokens and counts as lists, each checked (`TokenTrie.load`)."""
-    parents, tokens, counts = arrays["parents"], arrays["tokens"], arrays["counts"]
-    if any(a.dim() != 1 for a in arrays.values()) or not len(parents) == len(tokens) == len(counts):
-        raise ValueError(f"{path}: inconsistent trie arrays (shapes {[list(a.shape) for a in arrays.values()]})")
-    if parents.is_floating_point() or tokens.is_floating_point() or parents.dtype == torch.bool:
-        raise ValueError(f"{path}: corrupt trie (parents and tokens must be integers)")
-    if len(tokens) > MAX_FILE_NODES:  # over the budget but under this, the trie prunes itself as it learns
-        raise ValueError(f"{path}: {len(tokens)} nodes, more than any trie holds ({MAX_FILE_NODES})")
-    counts = counts.double()
-    if len(counts) and not (bool(torch.isfinite(counts).all()) and float(counts.min()) >= 0):
-        raise ValueError(f"{path}: corrupt trie (counts must be finite and >= 0)")
-    if len(tokens) and (int(tokens.min()) < 0 or (vocab is not None and int(tokens.max()) >= vocab)):
-        limit = f"[0, {vocab})" if vocab is not None else ">= 0"
-        raise ValueError(f"{path}: token id {int(tokens.max()) if int(tokens.min()) >= 0 else int(tokens.min())} "
-                         f"outside the model's vocabulary ({limit})")  # fmt: skip
-    return parents.tolist(), tokens.tolist(), counts.tolist()
 
 
 def decay(node: Node) -> None:
