@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import forerun
-from forerun.base.rows import StaticRows
+from forerun.base.rows import RowsLogits, StaticRows
 from forerun.base.static import StaticBase
 from forerun.batch import batchable
 from forerun.costmodel import LatencyCurve
@@ -145,6 +145,33 @@ def test_sampled_rows_repeat_with_their_seeds_and_match_the_growing_cache():
         texts.append([out.sequences for out in outs])
     for first, again, dynamic in zip(*texts, strict=True):
         assert torch.equal(first, again) and torch.equal(first, dynamic)
+
+
+def sampled_rows(static: bool, logits_of_row=None) -> list[torch.Tensor]:
+    """Four sampled requests of different lengths through two rows: rows leave at different steps and the waiting
+    ones take the freed places, so row b is not always place b (`RowsLogits.at`). `logits_of_row`: a replacement
+    for `RowsLogits.row` (the negative control)."""
+    model = model_of("qwen2", "sdpa")
+    news = (5, 16, 9, 12)
+    requests = [
+        forerun.GenerationRequest(p[0].tolist(), new, eos_token_id=(), do_sample=True, seed=7 + i,
+                                  generation={"temperature": 1.3})
+        for i, (p, new) in enumerate(zip(prompts(4, length=18), news, strict=True))
+    ]  # fmt: skip
+    decoder = forerun.Decoder(model, None, "prompt_lookup", latency=CURVE, static_cache=static)
+    with pytest.MonkeyPatch.context() as patch:
+        if logits_of_row is not None:
+            patch.setattr(RowsLogits, "row", logits_of_row)
+        return [out.sequences for out in decoder.generate(requests, batch_size=2)]
+
+
+def test_sampled_rows_read_their_own_places_logits_after_rows_leave():
+    """Sampling reads each row's logits (greedy reads only the copied argmaxes): rows on places draw what the
+    growing cache's rows draw, seed for seed; reading row b's logits at place b instead is caught."""
+    dynamic = sampled_rows(False)
+    assert all(torch.equal(a, b) for a, b in zip(sampled_rows(True), dynamic, strict=True))
+    by_index = sampled_rows(True, lambda out, b, nodes: out.logits[b, :nodes])
+    assert not all(torch.equal(a, b) for a, b in zip(by_index, dynamic, strict=True))
 
 
 def test_compiled_rows_give_the_eager_rows_tokens():
