@@ -146,7 +146,20 @@ class TokenTree:
             parent = mapped.get(self.parents[old])
             if parent is None:
                 raise ValueError(f"node {old} is kept without its parent {self.parents[old]}")
-            mapped[old] = tree.add(parent, self.tokens[old], self.roles[old], self.sources[old], self.scores[old])
+            role, token = self.roles[old], self.tokens[old]
+            if role == "candidate" and (parent, token) in tree.children:  # fused already: `add` reuses it
+                mapped[old] = tree.add(parent, token, role, self.sources[old], self.scores[old])
+                continue
+            # this tree's nodes are valid and distinct: appended without `add`'s checks (a step's every row)
+            mapped[old] = len(tree.tokens)
+            if role == "candidate":
+                tree.children[(parent, token)] = len(tree.tokens)
+            tree.tokens.append(token)
+            tree.parents.append(parent)
+            tree.depths.append(tree.depths[parent] + 1)
+            tree.roles.append(role)
+            tree.sources.append(self.sources[old])
+            tree.scores.append(self.scores[old])
         return tree, mapped
 
     def candidate_children(self, node: int) -> list[int]:

@@ -117,10 +117,12 @@ class Calibration:
     def record(self, source: str, depth: int, score: float, accepted: bool) -> None:
         level = (source, 0 if depth <= 1 else 1)
         self.request_hits[level] = self.request_hits.get(level, 0.0) * REQUEST_DECAY + accepted
-        predicted = self.request_predicted.get(level, 0.0) * REQUEST_DECAY
-        self.request_predicted[level] = predicted + self.estimate(source, depth, score)
         key = self.cell(source, depth, score)
-        hits, trials = self.hits.get(key, 0.0) + accepted, self.trials.get(key, 0.0) + 1.0
+        prior = min(max(score, 0.0), 1.0) if math.isfinite(score) else 0.0
+        hits, trials = self.hits.get(key, 0.0), self.trials.get(key, 0.0)
+        predicted = self.request_predicted.get(level, 0.0) * REQUEST_DECAY
+        self.request_predicted[level] = predicted + (hits + PRIOR_WEIGHT * prior) / (trials + PRIOR_WEIGHT)  # estimate
+        hits, trials = hits + accepted, trials + 1.0
         if trials > WINDOW:
             hits, trials = hits / 2, trials / 2
         self.hits[key], self.trials[key] = hits, trials
