@@ -561,3 +561,13 @@ def test_a_measurement_shows_its_progress_unless_transformers_bars_are_off(capsy
         assert "forerun:" not in capsys.readouterr().err
     finally:
         (hf_logging.enable_progress_bar if was_on else hf_logging.disable_progress_bar)()
+
+
+def test_a_shared_count_stays_within_its_cap():
+    """Every row's candidates pay on a flat curve; a cap of n nodes (the root one of them) leaves n - 1."""
+    from forerun.costmodel import best_shared_count
+
+    flat = LatencyCurve((1, 64), (1.0, 1.0))
+    chances = [[0.9] * 10] * 4
+    assert best_shared_count(chances, flat) == 10
+    assert [best_shared_count(chances, flat, cap) for cap in (0, 1, 2, 5, 64)] == [0, 0, 1, 4, 10]

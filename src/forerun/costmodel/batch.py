@@ -189,7 +189,7 @@ def best_shared_count(
     best, best_rate = 0, sum(weights) / curve.batch_cost(rows, 1)
     longest = max((len(c) for c, w in zip(chances, weights, strict=True) if w > 0), default=0)
     if cap is not None:
-        longest = min(longest, cap - 1)
+        longest = max(0, min(longest, cap - 1))  # a cap of one node (the root) leaves no candidate
     # the gain at k, summed over rows as each row's k-th chance adds to it: one pass over the chances, not k
     added = [0.0] * (longest + 1)
     for c, w in zip(chances, weights, strict=True):
