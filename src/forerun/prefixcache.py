@@ -33,6 +33,7 @@ Example (a second prompt with the same 4-token head as a stored one reuses 4 ent
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -92,8 +93,21 @@ class PrefixCache:
         """Fill the empty `cache` with the KV of the longest head of `tokens[:-1]` stored under `salt` (the last
         token, the root of the first tree, is always fed); return how many tokens it holds now (0: nothing
         reused)."""
-        if not self.max_tokens or len(tokens) <= MIN_REUSE or not plain_layers(cache) or cache.get_seq_length():
+        if not plain_layers(cache) or cache.get_seq_length():
             return 0
+        best, length = self.find(tokens, len(cache.layers) or None, salt)
+        if best is None:
+            return 0
+        for index, (keys, values) in enumerate(zip(best.keys, best.values, strict=True)):
+            cache.update(keys[:, :, :length], values[:, :, :length], index)  # a copy (the layer concatenates)
+        return length
+
+    def find(self, tokens: list[int], layers: int | None = None, salt: str = "") -> tuple[Entry | None, int]:
+        """The entry stored under `salt` that shares the longest head with `tokens[:-1]`, and that head's length;
+        (None, 0) where none shares `MIN_REUSE` tokens or more (or its layer count is not `layers`). The entry
+        found becomes the most recently used; its `keys` and `values` are read, never written."""
+        if not self.max_tokens or len(tokens) <= MIN_REUSE:
+            return None, 0
         wanted = torch.tensor(tokens[:-1])
         with self.lock:
             best, length = None, 0
@@ -103,22 +117,28 @@ class PrefixCache:
                 shared = shared_head(entry.tokens, wanted)
                 if shared > length:
                     best, length = entry, shared
-            if best is None or length < MIN_REUSE or len(best.keys) != (len(cache.layers) or len(best.keys)):
-                return 0
+            if best is None or length < MIN_REUSE or (layers is not None and len(best.keys) != layers):
+                return None, 0
             self.entries.remove(best)
             self.entries.append(best)  # most recently used
-        for index, (keys, values) in enumerate(zip(best.keys, best.values, strict=True)):
-            cache.update(keys[:, :, :length], values[:, :, :length], index)  # a copy (the layer concatenates)
-        return length
+        return best, length
 
     def store(self, tokens: list[int], cache: DynamicCache, length: int, salt: str = "") -> None:
         """Keep the first `length` entries of `cache` (the KV of `tokens[:length]`, batch row 0) for later requests
-        with the same `salt`.
+        with the same `salt` (`keep`)."""
+        whole = plain_layers(cache) and bool(cache.layers) and all(layer.is_initialized for layer in cache.layers)
+        length = min(length, cache.get_seq_length() if whole else 0)
+        self.keep(tokens, [(layer.keys, layer.values) for layer in cache.layers] if whole else [], length, salt)
+
+    def keep(
+        self, tokens: list[int], layers: Sequence[tuple[torch.Tensor, torch.Tensor]], length: int, salt: str = ""
+    ) -> None:
+        """Keep the KV of `tokens[:length]`: per layer (keys, values) [rows, kv_heads, >= length, head_dim], of
+        which row 0's first `length` positions are copied; for later requests with the same `salt`.
 
         An entry that is a head of the new one is replaced by it; a new one that is a head of a held entry adds
         nothing (both under the same salt)."""
-        whole = plain_layers(cache) and bool(cache.layers) and all(layer.is_initialized for layer in cache.layers)
-        length = min(length, len(tokens), cache.get_seq_length() if whole else 0)
+        length = min(length, len(tokens)) if layers else 0
         if not self.max_tokens or length < MIN_REUSE or length > self.max_tokens:
             return
         held = torch.tensor(tokens[:length])
@@ -128,8 +148,8 @@ class PrefixCache:
                     self.entries.remove(entry)
                     self.entries.append(entry)
                     return
-        keys = [layer.keys[:1, :, :length].clone() for layer in cache.layers]
-        values = [layer.values[:1, :, :length].clone() for layer in cache.layers]
+        keys = [keys[:1, :, :length].clone() for keys, _ in layers]
+        values = [values[:1, :, :length].clone() for _, values in layers]
         with self.lock:
             self.entries = [e for e in self.entries if e.salt != salt or shared_head(e.tokens, held) < len(e.tokens)]
             self.entries.append(Entry(held, keys, values, salt))
@@ -164,6 +184,12 @@ class PrefixScope:
 
     def store(self, tokens: list[int], cache: DynamicCache, length: int) -> None:
         self.cache.store(tokens, cache, length, self.salt)
+
+    def find(self, tokens: list[int], layers: int | None = None) -> tuple[Entry | None, int]:
+        return self.cache.find(tokens, layers, self.salt)
+
+    def keep(self, tokens: list[int], layers: Sequence[tuple[torch.Tensor, torch.Tensor]], length: int) -> None:
+        self.cache.keep(tokens, layers, length, self.salt)
 
 
 Prefixes = PrefixCache | PrefixScope

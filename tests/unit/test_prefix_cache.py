@@ -98,13 +98,15 @@ def conversation(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["growing", "static"])
 @pytest.mark.parametrize("method", ["plain", "prompt_lookup", "auto"])
 @pytest.mark.parametrize(
     ("family", "impl"), [("llama", "sdpa"), ("llama", "eager"), ("qwen3", "sdpa"), ("gpt2", "eager"), ("opt", "sdpa")]
 )
-def test_shared_heads_and_next_turns_equal_plain_generate(family, impl, method):
+def test_shared_heads_and_next_turns_equal_plain_generate(family, impl, method, static):
+    """On the growing cache (a CPU's) and on the static base (a GPU's buckets and slots; eager here)."""
     model = model_of(family, impl)
-    decoder = forerun.Decoder(model, None, method, latency=CURVE)
+    decoder = forerun.Decoder(model, None, method, latency=CURVE, static_cache=static)
     for seed in range(3):
         system, message = conversation(seed)
         prompt = torch.cat([system, message], dim=1)
@@ -122,11 +124,12 @@ def test_shared_heads_and_next_turns_equal_plain_generate(family, impl, method):
         assert result.stats.cached_prompt_tokens in (prompt.shape[1] + NEW - 1, prompt.shape[1] + NEW)
 
 
-def test_a_corrupted_entry_changes_the_text():
+@pytest.mark.parametrize("static", [False, True], ids=["growing", "static"])
+def test_a_corrupted_entry_changes_the_text(static):
     """The control: the seeded keys and values are what the model attends to (a cache nobody read would pass the
     equality test above by itself)."""
     model = model_of("llama", "sdpa")
-    decoder = forerun.Decoder(model, None, "plain", latency=CURVE)
+    decoder = forerun.Decoder(model, None, "plain", latency=CURVE, static_cache=static)
     system, message = conversation(0)
     prompt = torch.cat([system, message], dim=1)
     first = decoder.generate(prompt, NEW, eos_token_id=[])
@@ -139,10 +142,12 @@ def test_a_corrupted_entry_changes_the_text():
     assert not torch.equal(again.sequences, first.sequences)
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["growing", "static"])
 @pytest.mark.parametrize("method", ["plain", "auto"])
-def test_batch_rows_reuse_heads_and_leave_their_text(method):
+def test_batch_rows_reuse_heads_and_leave_their_text(method, static):
+    """Rows on the growing cache, or at places of the static base (a row seeded at place 1 reads its own)."""
     model = model_of("llama", "sdpa")
-    decoder = forerun.Decoder(model, None, method, latency=CURVE)
+    decoder = forerun.Decoder(model, None, method, latency=CURVE, static_cache=static)
     rows = [torch.cat(conversation(seed), dim=1) for seed in range(4)]
     expected = [
         model.generate(row, max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0) for row in rows
@@ -150,14 +155,18 @@ def test_batch_rows_reuse_heads_and_leave_their_text(method):
     results = decoder.generate([row[0].tolist() for row in rows], NEW, eos_token_id=[], batch_size=2)
     for index, (result, reference) in enumerate(zip(results, expected, strict=True)):
         assert torch.equal(result.sequences, reference), (method, index)
-    # row 0 found nothing; every later row found the system prompt (rows 0-1 stored theirs at their prefill)
-    assert [r.stats.cached_prompt_tokens for r in results] == [0, 16, 16, 16]
+    # row 0 found nothing; every later row found the system prompt (rows 0-1 stored theirs at their prefill); on
+    # the static base rows 0-1 read their prompts side by side, in the same forwards: neither finds the other's
+    assert [r.stats.cached_prompt_tokens for r in results] == [0, 0 if static else 16, 16, 16]
     # each finished row left its whole text: a next turn of row 2 reuses prompt and answer
     follow_up = torch.cat([results[2].sequences, torch.tensor([[5, 6, 7, 8]])], dim=1)
     reference = model.generate(follow_up, max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
     again = decoder.generate([follow_up[0].tolist(), rows[3][0].tolist()], NEW, eos_token_id=[])
     assert torch.equal(again[0].sequences, reference)
     assert again[0].stats.cached_prompt_tokens in (rows[2].shape[1] + NEW - 1, rows[2].shape[1] + NEW)
+    # row 3 again, second in the batch: its whole prompt but the root from what it left
+    assert torch.equal(again[1].sequences, expected[3])
+    assert again[1].stats.cached_prompt_tokens == rows[3].shape[1] - 1
 
 
 def test_decoders_can_share_one_prefix_cache_or_have_none():
@@ -175,11 +184,12 @@ def test_decoders_can_share_one_prefix_cache_or_have_none():
     assert off.generate(prompt, 4, eos_token_id=[]).stats.cached_prompt_tokens == 0
 
 
-def test_salted_requests_share_entries_only_with_the_same_salt():
+@pytest.mark.parametrize("static", [False, True], ids=["growing", "static"])
+def test_salted_requests_share_entries_only_with_the_same_salt(static):
     """A tenant's text is reused for its own later prompts and never seeds another salt's or an unsalted prompt
     (whose first token would come sooner: a timing channel); the text stays plain generate's throughout."""
     model = model_of("llama", "sdpa")
-    decoder = forerun.Decoder(model, None, "prompt_lookup", latency=CURVE)
+    decoder = forerun.Decoder(model, None, "prompt_lookup", latency=CURVE, static_cache=static)
     prompt = torch.cat(conversation(0), dim=1)
     expected = model.generate(prompt, max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
 
@@ -202,3 +212,27 @@ def test_salted_requests_share_entries_only_with_the_same_salt():
     assert job.prefixes.salt == "tenant-d"
     with pytest.raises(ValueError, match="cache_salt must be a string"):
         decoder.generate(prompt, NEW, cache_salt=7)
+
+
+def test_the_static_base_seeds_only_entries_of_its_own_shape():
+    """An entry whose keys and values differ in width, or in heads or dtype from the cache's layers (another
+    model's, sharing a prefix cache by mistake), is not copied into a place: the prompt is read in full."""
+    from forerun.base.place_prefixes import fits
+    from forerun.prefixcache import Entry
+
+    model = model_of("llama", "sdpa")
+    decoder = forerun.Decoder(model, None, "plain", latency=CURVE, static_cache=True)
+    prompt = torch.cat(conversation(0), dim=1)
+    decoder.generate(prompt, 4, eos_token_id=[])  # its layers are allocated now
+    layers, (entry,) = decoder.base.cache.layers, decoder.prefixes.entries
+    assert fits(layers, entry)
+    tokens = entry.tokens
+    for keys, values in (
+        ([k[..., :2] for k in entry.keys], [v[..., :2] for v in entry.values]),  # another head width
+        ([k.double() for k in entry.keys], [v.double() for v in entry.values]),  # another dtype
+        (entry.keys, [v[..., :2] for v in entry.values]),  # keys and values of separate widths
+    ):
+        assert not fits(layers, Entry(tokens, keys, values))
+    decoder.prefixes.entries = [Entry(tokens, entry.keys, [v[..., :2] for v in entry.values])]
+    again = decoder.generate(prompt, 4, eos_token_id=[])
+    assert again.stats.cached_prompt_tokens == 0

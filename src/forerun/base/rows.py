@@ -4,8 +4,9 @@ on one of these, whatever the device).
 - `DynamicRows`: one growing `DynamicCache` whose slots need not line up (`forerun.rowcache.RowCache`); a joining
   row's prompt is read into a cache of its own and spliced in; the prefix cache serves both. The CPU's.
 - `StaticRows`: a `StaticBase` with a place per row: every row at its own prefix length in its own place (no
-  padding, no holes), a joining row's prompt fed into its place through the same buckets, one graph per (rows,
-  bucket) on a GPU and the step's argmaxes in one copy. The GPU's.
+  padding, no holes), a joining row's prompt fed into its place through the same buckets after the head the
+  prefix cache holds (`forerun.base.place_prefixes`), one graph per (rows, bucket) on a GPU and the step's
+  argmaxes in one copy. The GPU's.
 
 Both give each row the logits its single run would see (fp32: the same tokens, the tests check it).
 
@@ -29,6 +30,7 @@ import torch
 from transformers import DynamicCache
 
 from forerun.base.dynamic import TreeLogits, forward_tree, host_choices
+from forerun.base.place_prefixes import seed_place, store_place
 from forerun.base.static import StaticBase
 from forerun.head import LogitsHead
 from forerun.kvcache import keep_accepted
@@ -244,7 +246,7 @@ class StaticRows:
         if not free:
             raise ValueError(f"all {self.base.places} places of the static cache are taken")
         self.joining.add(free[0])
-        return free[0], 0  # the prefix cache holds DynamicCache layers: the prompt is read in full
+        return free[0], seed_place(self.base, prefixes, tokens, free[0])
 
     def feed(self, own: int, tree: TokenTree, prefix_len: int, lead: Sequence[int]) -> TreeLogits:
         return self.base.forward(tree, prefix_len, lead, place=own)
@@ -255,6 +257,7 @@ class StaticRows:
 
     def admit(self, own: int, prefix_len: int, path: list[int], prefixes: Prefixes | None, tokens: list[int]) -> int:
         self.base.commit(prefix_len, path, place=own)
+        store_place(self.base, prefixes, tokens, prefix_len + len(path), own)  # its prompt, for rows joining later
         self.joining.discard(own)
         self.held.append(own)
         self.lengths[own] = prefix_len + len(path)
@@ -301,6 +304,8 @@ class StaticRows:
         pass  # each row's slots are its own: nothing to squeeze
 
     def remove(self, leaving: Sequence[Leaving]) -> None:
+        for index, prefixes, tokens, length in leaving:  # what it read (prompt, answer) for its next turn
+            store_place(self.base, prefixes, tokens, length, self.held[index])
         gone = {index for index, *_ in leaving}
         for index in gone:
             self.lengths.pop(self.held[index], None)

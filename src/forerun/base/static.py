@@ -52,6 +52,7 @@ from transformers.cache_utils import Cache
 from forerun.base import static_timing
 from forerun.base.bucket_steps import BucketStep, Outputs, capture, compiled_copy, new_step
 from forerun.base.dynamic import TreeLogits
+from forerun.base.place_prefixes import seed_place, store_place
 from forerun.base.prompt_feed import Fed, feed_places
 from forerun.base.slots import SlotLayer, Slots
 from forerun.base.step_inputs import fill_host
@@ -229,10 +230,10 @@ class StaticBase:
         return time.perf_counter() - started
 
     def seed(self, prefixes: Prefixes | None, tokens: list[int]) -> int:
-        return 0  # the prefix cache holds DynamicCache layers; this base prefills in full
+        return seed_place(self, prefixes, tokens, 0)
 
     def store(self, prefixes: Prefixes | None, tokens: list[int], length: int) -> None:
-        pass
+        store_place(self, prefixes, tokens, length, 0)
 
     def forward(self, tree: TokenTree, prefix_len: int, lead: Sequence[int], place: int = 0) -> TreeLogits:
         """The tree's logits and argmaxes after `prefix_len` committed tokens of `place`, of which `lead` (a
