@@ -409,7 +409,7 @@ def batch_of(
         if log.late(45):
             return
         decoder = Decoder(model, tokenizer, method, static_cache=True, compile_buckets=fused)
-        capture_s = decoder.warm_up(width + new_tokens, batch_size=rows)
+        capture_s = decoder.warm_up(width + new_tokens, batch_size=rows, single=rows == 1)  # as a server warms
         _, warm_s = sync_time(lambda d=decoder: d.generate(unseen, new_tokens, eos_token_id=[]))
         freeze_start_up()
         results, took = sync_time(lambda d=decoder: d.generate(lists, new_tokens, eos_token_id=[]))

@@ -1,8 +1,8 @@
-"""gpu_check's `warm` section: compiled buckets' warm-up for a batch, program by program, as
-`Decoder.warm_up(max_len, batch_size=rows)` makes them (the single row's buckets, then every (rows, nodes) of the
-batch's places and its one-place prompt forwards). Each record: the (rows, nodes, placed) made, its seconds and
-dynamo's count of compiled graphs so far; the section stops at the call's deadline, keeping what it timed (a
-16-row warm-up had not finished in 4 minutes on an H200)."""
+"""gpu_check's `warm` section: compiled buckets' warm-up for a batch, program by program, as a batched server's
+`Decoder.warm_up(max_len, batch_size=rows, single=False)` makes them: every (rows, nodes) of the batch's places and
+its one-place prompt forwards (a lone request's buckets are not warmed there). Each record: the (rows, nodes,
+placed) made, its seconds and dynamo's count of compiled graphs so far; the section stops at the call's deadline,
+keeping what it timed (a 16-row warm-up had not finished in 4 minutes on an H200)."""
 
 from __future__ import annotations
 
@@ -23,13 +23,11 @@ def warm_programs(log, model, rows: int, max_len: int = 512) -> None:
     decoder = Decoder(model, None, "plain", latency=FLAT, static_cache=True, compile_buckets=True)
     base = decoder.base
     places = base.sibling(rows)
-    plan = [(base, (1, size, False)) for size in base.buckets]
-    plan += [(places, (count, size, False)) for count in places.row_buckets for size in places.buckets]
+    plan = [(places, (count, size, False)) for count in places.row_buckets for size in places.buckets]
     plan += [(places, (1, size, True)) for size in places.buckets]
     started = time.perf_counter()
     with torch.inference_mode():
-        for each in (base, places):
-            each.begin(max_len + decoder.budget.max_nodes)
+        places.begin(max_len + decoder.budget.max_nodes)
         for each, key in plan:
             if log.late(30):
                 log("warm", note="deadline: stopped", done_s=round(time.perf_counter() - started, 1))

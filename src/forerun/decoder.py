@@ -169,14 +169,15 @@ class Decoder:
                 return drafter
         raise ValueError(f"method {self.method!r} keeps no trie to save or load; use a method with 'trie' in it")
 
-    def warm_up(self, max_len: int = 2048, batch_size: int = 1) -> float:
+    def warm_up(self, max_len: int = 2048, batch_size: int = 1, single: bool = True) -> float:
         """Capture the static cache's graphs now (compiled first, with compile_buckets) for texts of up to `max_len`
         tokens (prompt + new tokens), so that no request pays for them, and a trained head's own graphs; returns the
         seconds spent (0.0 without a static cache, a CPU's default). A longer request later allocates a larger
         cache and captures again.
         `batch_size` > 1: also the graphs of batches of up to that many rows (every row count they are padded
         to, and a joining row's prompt fed into its place): `generate_each(..., batch_size=)` and a server's
-        continuous batch of that many rows.
+        continuous batch of that many rows. `single=False` (with `batch_size` > 1): only those, not a lone
+        request's own (`generate(prompt)`); a server whose every request joins its batch never replays them.
 
         Example:
             >>> decoder = Decoder(model, tokenizer, "auto")                    # doctest: +SKIP
@@ -186,17 +187,21 @@ class Decoder:
             raise ValueError(f"warm_up's max_len must be a positive number of tokens, got {max_len!r:.40}")
         if not is_count(batch_size, 1):
             raise ValueError(f"warm_up's batch_size must be a positive number of rows, got {batch_size!r:.40}")
+        batched = batch_size > 1 and batchable(self.model)
+        single = single or not batched  # a warm-up warms something
         context = getattr(self.model.config, "max_position_embeddings", None)
         if context is not None and max_len > context:
             raise ValueError(f"warm_up's max_len={max_len} exceeds the model's context ({context} tokens)")
         if self.base is None:
             return 0.0
         longest = max_len + self.budget.max_nodes
+        seconds = 0.0
         with torch.inference_mode():
-            seconds = self.base.warm(longest)
-            warmed = [d for d in self.drafters if callable(getattr(d, "warm", None))]  # a trained head's graphs
-            seconds += sum(drafter.warm(longest) for drafter in warmed)
-            if batch_size > 1 and batchable(self.model):  # the places `generate_each` and a server's batch take
+            if single:
+                seconds += self.base.warm(longest)
+                warmed = [d for d in self.drafters if callable(getattr(d, "warm", None))]  # a trained head's graphs
+                seconds += sum(drafter.warm(longest) for drafter in warmed)  # (a batch's rows run heads eagerly)
+            if batched:  # the places `generate_each` and a server's batch take
                 rows = self.base.sibling(batch_size)
                 seconds += rows.warm(longest, rows.row_buckets, placed=True)
         return seconds

@@ -1,5 +1,6 @@
-"""A server captures its graphs before its first request: the server's own method, single rows and its batch's
-rows, for texts of `warm_up_tokens` (capped at the model's context); 0 leaves each capture to its first use."""
+"""A server captures its graphs before its first request: the server's own method, its batch's rows (single rows
+where it does not batch), for texts of `warm_up_tokens` (capped at the model's context); 0 leaves each capture to
+its first use."""
 
 from __future__ import annotations
 
@@ -23,15 +24,16 @@ def test_the_server_warms_its_own_method_for_its_batch_before_serving(config, ex
     calls = []
     original = forerun.Decoder.warm_up
 
-    def spy(self, max_len=2048, batch_size=1):
-        calls.append((self.method, max_len, batch_size))
-        return original(self, max_len, batch_size) + 1.5  # a CPU has no static cache: 0.0 seconds of its own
+    def spy(self, max_len=2048, batch_size=1, single=True):
+        calls.append((self.method, max_len, batch_size, single))
+        return original(self, max_len, batch_size, single) + 1.5  # a CPU has no static cache: 0.0 seconds of its own
 
     monkeypatch.setattr(forerun.Decoder, "warm_up", spy)
     service = Service(model, None, config)
     try:
         context = model.config.max_position_embeddings
-        want = [("prompt_lookup", context if n == "context" else n, rows) for n, rows in expected]
+        # a batched server's requests all join its batch: only its rows' graphs
+        want = [("prompt_lookup", context if n == "context" else n, rows, rows == 1) for n, rows in expected]
         assert calls == want
         assert service.warm_up_s == (1.5 if expected else 0.0)
     finally:
@@ -43,7 +45,7 @@ def test_a_server_whose_graphs_cannot_be_warmed_still_starts(monkeypatch, caplog
     server starts anyway, each graph then captured at its first use, and says why."""
     model = tiny_model("llama", "sdpa")
 
-    def refused(self, max_len=2048, batch_size=1):
+    def refused(self, max_len=2048, batch_size=1, single=True):
         raise ValueError("this model cannot verify trees on the static cache: a window of 1024 tokens")
 
     monkeypatch.setattr(forerun.Decoder, "warm_up", refused)

@@ -314,6 +314,18 @@ def test_warm_up_for_a_batch_size_makes_every_step_its_rows_take():
     for bad in (0, -1, 2.5, True):
         with pytest.raises(ValueError, match="warm_up's batch_size"):
             decoder.warm_up(200, batch_size=bad)
+    assert set(decoder.base.steps) == {(1, s, False) for s in buckets}  # a lone request's own, beside
+
+
+def test_a_batch_only_warm_up_leaves_a_lone_requests_graphs_to_their_first_use():
+    """warm_up(..., batch_size=3, single=False), as a batched server's: only the rows' steps; batch_size 1 warms
+    a lone request's whatever `single` says."""
+    model = model_of("llama", "sdpa")
+    decoder = forerun.Decoder(model, None, "prompt_lookup", latency=CURVE, static_cache=True)
+    decoder.warm_up(200, batch_size=3, single=False)
+    assert decoder.base.steps == {} and len(decoder.base.siblings[3].steps) == 4 * len(decoder.base.buckets)
+    decoder.warm_up(200, batch_size=1, single=False)
+    assert set(decoder.base.steps) == {(1, s, False) for s in decoder.base.buckets}
 
 
 @torch.inference_mode()

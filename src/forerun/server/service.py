@@ -68,15 +68,16 @@ class Service:
         """Requests refused because the queue was full."""
 
     def warm_up(self, model) -> float:
-        """Capture the server's own method's graphs now, for single rows and its batch (`ServerConfig
-        .warm_up_tokens`), so that no client waits for a capture."""
+        """Capture the server's own method's graphs now, for its batch's rows (or single rows, unbatched;
+        `ServerConfig.warm_up_tokens`), so that no client waits for a capture."""
         if self.config.warm_up_tokens == 0:
             return 0.0
         context = getattr(model.config, "max_position_embeddings", None) or self.config.warm_up_tokens
         rows = self.config.max_batch if self.config.max_batch > 1 and batchable(model) else 1
         decoder = self.pool.get(self.config.method, {})
         try:
-            return decoder.warm_up(min(self.config.warm_up_tokens, context), batch_size=rows)
+            # a batched server's requests all join its batch: a lone request's own graphs would never replay
+            return decoder.warm_up(min(self.config.warm_up_tokens, context), batch_size=rows, single=rows == 1)
         except ValueError as error:  # e.g. a sliding window shorter than the texts: those take the growing cache
             logger.warning("forerun: no graphs captured before serving (%s); each at its first use", error)
             return 0.0
