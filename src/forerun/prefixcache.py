@@ -179,6 +179,10 @@ class PrefixScope:
     cache: PrefixCache
     salt: str = ""
 
+    @property
+    def max_tokens(self) -> int:
+        return self.cache.max_tokens
+
     def seed(self, cache: DynamicCache, tokens: list[int]) -> int:
         return self.cache.seed(cache, tokens, self.salt)
 

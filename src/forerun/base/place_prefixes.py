@@ -46,8 +46,8 @@ def seed_place(base: StaticBase, prefixes: Prefixes | None, tokens: list[int], p
 
 def store_place(base: StaticBase, prefixes: Prefixes | None, tokens: list[int], length: int, place: int) -> None:
     """Keep what `place` has read, the keys and values of `tokens[:length]`, for later prompts."""
-    if prefixes is None or base.cache is None or not base.cache.layers[0].is_initialized:
-        return
+    if prefixes is None or not prefixes.max_tokens or base.cache is None or not base.cache.layers[0].is_initialized:
+        return  # (the slices below cost a card's host ~60 small operators: not made for a cache that is off)
     rows = [(layer.keys[place : place + 1], layer.values[place : place + 1]) for layer in base.cache.layers]
     prefixes.keep(tokens, rows, min(length, base.length))
 
