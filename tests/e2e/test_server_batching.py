@@ -422,3 +422,34 @@ def test_requests_arriving_together_join_a_static_base_side_by_side():
         reference = model.generate(texts[index], max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
         assert torch.equal(results[index].sequences, reference), index
     assert not worker.joining and not worker.batch.rows
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_a_next_turn_in_the_worker_reads_only_its_new_message(static):
+    """A conversation's second turn through a server's batch worker, after its first: the first turn's prompt and
+    answer come from the prefix cache (on the static base copied into the row's place, the row begun outside
+    inference mode as the worker begins it), the new message is read a chunk at a time, and both answers are plain
+    generate's."""
+    model = tiny_model("llama", "sdpa")
+    curve = LatencyCurve((1, 8, 64), (1.0, 1.2, 3.0))
+    decoder = forerun.Decoder(model, None, "prompt_lookup", latency=curve, static_cache=static)
+    worker = BatchWorker(model, decoder.batch_budget(), max_batch=4, prefill_chunk=5, base=decoder.base)
+    first = prompts(1, length=24)[0]
+
+    def request(prompt):
+        def build():
+            return decoder.prepare(GenerationRequest(prompt[0].tolist(), 12, eos_token_id=())), decoder
+
+        return build
+
+    try:
+        one = asyncio.run(worker.run(request(first), threading.Event()))
+        follow_up = torch.cat([one.sequences, torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]])], dim=1)
+        two = asyncio.run(worker.run(request(follow_up), threading.Event()))
+    finally:
+        worker.shutdown()
+    for prompt, result in ((first, one), (follow_up, two)):
+        reference = model.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert torch.equal(result.sequences, reference)
+    assert one.stats.cached_prompt_tokens == 0 and two.stats.cached_prompt_tokens >= first.shape[1] + 11
+    assert two.stats.prefill_chunks == 2  # 8 new tokens and the answer's last, the root apart: a chunk of 5, the rest

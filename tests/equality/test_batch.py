@@ -12,6 +12,7 @@ import torch
 from transformers import MaxLengthCriteria, StoppingCriteriaList
 
 import forerun
+from forerun.base.rows import static_rows
 from forerun.batch import Batch, RowJob
 from forerun.batched import decode_batch
 from forerun.costmodel import CostModel, LatencyCurve, StaticBudget, best_shared_count
@@ -234,15 +235,21 @@ def test_rows_join_a_running_batch_and_leave_on_their_own():
         assert torch.equal(job.transcript.sequence, single("llama", "sdpa", index, None)), index
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["growing", "static"])
 @pytest.mark.parametrize(("family", "impl"), [("llama", "sdpa"), ("gpt2", "eager"), ("qwen2", "eager")])
-def test_a_prompt_fed_in_chunks_joins_while_the_running_row_steps(family, impl):
+def test_a_prompt_fed_in_chunks_joins_while_the_running_row_steps(family, impl, static):
     """`begin` + `feed(chunk=5)`: the 24-token prompt goes in 4 causal chunks of 5 and a last forward of 3 with
     its first token; the running row steps between chunks (as the server interleaves them); both rows, and a
-    prompt whose head came from the prefix cache before its chunks, equal their single runs."""
+    prompt whose head came from the prefix cache before its chunks, equal their single runs. On the growing cache
+    and on the static base's places (a GPU's server batch)."""
     model = model_of(family, impl)
-    decoder = forerun.Decoder(model, None, "prompt_lookup", latency=CURVE)
+    decoder = forerun.Decoder(model, None, "prompt_lookup", latency=CURVE, static_cache=static)
+
+    def new_batch() -> Batch:
+        return Batch(model, decoder.budget, shared=static_rows(decoder.base, 3, 128) if static else None)
+
     rows = ragged_prompts()
-    batch = Batch(model, decoder.budget)
+    batch = new_batch()
     running, long = jobs_for(model, [rows[1], rows[0]], [forerun.batch.fork(decoder.drafters) for _ in range(2)])
     batch.add(running)
     joining = batch.begin(long)
@@ -263,10 +270,10 @@ def test_a_prompt_fed_in_chunks_joins_while_the_running_row_steps(family, impl):
     prefixes = forerun.prefixcache.PrefixCache()
     seed_job = jobs_for(model, [rows[0][:, :8]], [[]], max_new=1)[0]
     seed_job.prefixes = prefixes
-    Batch(model, decoder.budget).add(seed_job)
+    new_batch().add(seed_job)
     (again,) = jobs_for(model, [rows[0]], [forerun.batch.fork(decoder.drafters)])
     again.prefixes = prefixes
-    batch = Batch(model, decoder.budget)
+    batch = new_batch()
     joining = batch.begin(again)
     assert joining.fed == 8 and joining.left == 16
     while (row := batch.feed(joining, chunk=5)) is None:

@@ -20,12 +20,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
+
 from forerun.prefixcache import Entry, Prefixes
 
 if TYPE_CHECKING:
     from forerun.base.static import StaticBase
 
 
+@torch.inference_mode()  # the cache's tensors are inference tensors; a server's batch begins a row outside the mode
 def seed_place(base: StaticBase, prefixes: Prefixes | None, tokens: list[int], place: int) -> int:
     """Copy the keys and values of the longest stored head of `tokens[:-1]` (the root is always fed) into
     `place`'s first slots; returns how many tokens they cover (0: nothing stored fits). The base is begun
