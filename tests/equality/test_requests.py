@@ -108,7 +108,9 @@ def test_logprobs_equal_the_log_softmax_of_plain_generate_logits(model):
             assert entry.logprob == pytest.approx(float(row[token]), abs=1e-4)
             assert [t for t, _ in entry.top] == row.topk(3).indices.tolist()
             assert [v for _, v in entry.top] == pytest.approx(row.topk(3).values.tolist(), abs=1e-4)
-    sampled = forerun.Decoder(model, None, "trie").generate(prompt, 6, do_sample=True, seed=1, logprobs=0)
+    sampled = forerun.Decoder(model, None, "trie").generate(
+        prompt, 6, do_sample=True, seed=1, logprobs=0, eos_token_id=[]
+    )  # no end of text: six tokens whatever the seed draws
     assert len(sampled.logprobs) == 6 and all(entry.top == () and entry.logprob <= 0 for entry in sampled.logprobs)
     assert forerun.Decoder(model, None, "plain").generate(prompt, 4).logprobs is None
 
