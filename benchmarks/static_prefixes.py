@@ -52,7 +52,7 @@ def turns(decoders: dict[str, forerun.Decoder], tokenizer, count: int, new_token
         answer = tokenizer.decode(first, skip_special_tokens=True)
         history = histories.get(prompt.conversation or "", [])
         histories[prompt.conversation or ""] = [*history, *prompt.messages, {"role": "assistant", "content": answer}]
-        print(json.dumps(records[-2]), json.dumps(records[-1]), sep="\n", flush=True)
+        print(*(json.dumps(record) for record in records[-len(decoders) :]), sep="\n", flush=True)
     return records
 
 
