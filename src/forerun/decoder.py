@@ -187,6 +187,8 @@ class Decoder:
             raise ValueError(f"warm_up's max_len must be a positive number of tokens, got {max_len!r:.40}")
         if not is_count(batch_size, 1):
             raise ValueError(f"warm_up's batch_size must be a positive number of rows, got {batch_size!r:.40}")
+        if not isinstance(single, bool):
+            raise ValueError(f"warm_up's single must be true or false, got {single!r:.40}")
         batched = batch_size > 1 and batchable(self.model)
         single = single or not batched  # a warm-up warms something
         context = getattr(self.model.config, "max_position_embeddings", None)

@@ -326,6 +326,9 @@ def test_a_batch_only_warm_up_leaves_a_lone_requests_graphs_to_their_first_use()
     assert decoder.base.steps == {} and len(decoder.base.siblings[3].steps) == 4 * len(decoder.base.buckets)
     decoder.warm_up(200, batch_size=1, single=False)
     assert set(decoder.base.steps) == {(1, s, False) for s in decoder.base.buckets}
+    for bad in ("no", 0, None):
+        with pytest.raises(ValueError, match="warm_up's single must be true or false"):
+            decoder.warm_up(200, batch_size=3, single=bad)
 
 
 @torch.inference_mode()
