@@ -12,11 +12,14 @@
 #        SECTIONS=curve,bench bash benchmarks/gpu_check.sh 2   (only those)
 #        SECTIONS=bench bash benchmarks/gpu_check.sh 2 --compiled plain,auto   (more options: gpu_check.py --help)
 #        bash benchmarks/gpu_check.sh 3   (undrafted steps of the random 1B-class model: eager, compiled, forerun)
+#        bash benchmarks/gpu_check.sh 4   (SmolLM2-135M: sampled steps drawn at once against the walk, after a
+#          phase 2 joined the model; benchmarks/sampled_steps.py)
 #        SECTIONS=bench bash benchmarks/gpu_check.sh 2 --methods plain,eagle3,auto,eagle3+prompt_lookup+trie \
 #          --baselines generate_static_compiled   (the shipped head on graphs; chat prompts: gpu_prompts.py --datasets)
 set -uo pipefail
 OUT=${OUT:-bench-results/gpu}
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)  # absolute: a phase may run from benchmarks/
 cp .gpu/smollm2.part0* /tmp/ 2>/dev/null
 if [ -d .whl ]; then  # a later phase finds the wheels the first one installed (the machine keeps /tmp while warm)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -29,6 +32,9 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 case "${1:-1}" in
   1) python3 benchmarks/gpu_check.py smoke,curve --model random-1b --budget-s "${BUDGET_S:-200}" --out "$OUT/gpu_phase1.jsonl" ;;
   3) python3 benchmarks/gpu_check.py steps --model random-1b --budget-s 150 --out "$OUT/gpu_phase3.jsonl" ;;
+  4) echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  /tmp/smollm2.gguf" | sha256sum -c || exit 1
+     (cd benchmarks && timeout "${BUDGET_S:-300}" python3 sampled_steps.py --model /tmp/smollm2.gguf \
+       --prompts ../.gpu/prompts.json --device cuda --rows 1,16 --out "$OUT/sampled_steps.json" "${@:2}") ;;
   2) cat /tmp/smollm2.part0* > /tmp/smollm2.gguf
      echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  /tmp/smollm2.gguf" | sha256sum -c || exit 1
      python3 benchmarks/gpu_check.py "${SECTIONS:-smoke,curve,bench,batch}" --model /tmp/smollm2.gguf \

@@ -47,6 +47,7 @@ from forerun.base.rows import DynamicRows, SharedRows
 from forerun.checks import is_count
 from forerun.costmodel import BatchPolicy, Budget, Selection
 from forerun.drafters.base import Drafter
+from forerun.draws import to_host
 from forerun.engine import tree_in_prefill, tree_support
 from forerun.kvcache import plain_layers
 from forerun.row import RowJob, RowRun, costly
@@ -303,7 +304,12 @@ class Batch:
             out = self.shared.forward(prefix_lens, trees, nodes)
         forward_s = time.perf_counter() - t1
         tapped = taps.take(out.features, arrange=self.shared.in_row_order)  # [rows, nodes, F]
-        # 4. verify and 5. commit, per row; then keep each row's accepted path in the shared cache
+        # 4. verify and 5. commit, per row (sampled rows' draws made together: one copy); then keep each row's
+        # accepted path in the shared cache
+        drawn = to_host([
+            row.draws(selection.tree, out.row(b, len(selection.tree))) if row.error is None else None
+            for b, (row, selection) in enumerate(zip(rows, selections, strict=True))
+        ])  # fmt: skip
         kept = [
             self.commit_apart(
                 row,
@@ -313,6 +319,7 @@ class Batch:
                 forward_s,
                 row_features(tapped, b, len(selection.tree), layers, row.job.drafters),
                 None if out.choices is None else out.choices[b][: len(selection.tree)],
+                drawn[b],
             )
             for b, (row, selection) in enumerate(zip(rows, selections, strict=True))
         ]
@@ -384,12 +391,13 @@ class Batch:
         forward_s: float,
         tapped: torch.Tensor | None = None,
         choices: list[int] | None = None,
+        drawn: list[int] | None = None,
     ) -> list[int]:
         """`RowRun.commit`, where a failure ends only this row (its root stays in the cache until it leaves)."""
         if row.error is not None:
             return [0]
         try:
-            return row.commit(selection, logits, propose_s, forward_s, tapped, choices=choices)
+            return row.commit(selection, logits, propose_s, forward_s, tapped, choices=choices, drawn=drawn)
         except Exception as error:  # noqa: BLE001
             row.error = error
             return [0]

@@ -34,6 +34,7 @@ from transformers import LogitsProcessorList
 from forerun.costmodel import Budget, Selection
 from forerun.costmodel.switch import held
 from forerun.drafters.base import DraftContext, Drafter, StepOutcome
+from forerun.draws import drawn as drawn_at_once
 from forerun.prefixcache import Prefixes
 from forerun.stats import GenerationStats
 from forerun.taps import committed_features
@@ -142,11 +143,34 @@ class RowRun:
             self.costly_seconds += time.perf_counter() - started
         return trees
 
-    def verify(self, tree: TokenTree, logits: torch.Tensor, choices: list[int] | None = None) -> Verdict:
+    def verify(
+        self,
+        tree: TokenTree,
+        logits: torch.Tensor,
+        choices: list[int] | None = None,
+        drawn: list[int] | None = None,
+    ) -> Verdict:
         """The longest path of `tree` the target agrees with, on the tree's `logits` [nodes, vocab] (`choices`:
-        every node's argmax, where the base copied them to the host at once)."""
+        every node's argmax, where the base copied them to the host at once; `drawn`: every node's sampled draw,
+        where the caller made them at once, else made here where this row draws at once: `draws`)."""
         job = self.job
-        return verify(tree, NodeScores(logits, job.processor, job.transcript, tree, choices), job.sampling)
+        scores = NodeScores(logits, job.processor, job.transcript, tree, choices)
+        if drawn is None and (made := self.draws(tree, logits)) is not None:
+            drawn = made.tolist()  # the step's one copy of the draws
+        scores.drawn = drawn
+        return verify(tree, scores, job.sampling)
+
+    def draws(self, tree: TokenTree, logits: torch.Tensor) -> torch.Tensor | None:
+        """Every node's sampled draw [nodes], left on the device, where this row draws at once
+        (`Sampling.draws_at_once`, and processors that act row by row: `forerun.draws`); else None, and None where
+        its processors fail here (its walk then fails the row alone: a batch makes every row's draws together)."""
+        job = self.job
+        if job.sampling is None or not job.sampling.draws_at_once(logits):
+            return None
+        try:
+            return drawn_at_once(NodeScores(logits, job.processor, job.transcript, tree), job.sampling.noise)
+        except Exception:  # noqa: BLE001 - one request's failure must not end its neighbours
+            return None
 
     def accept(
         self,
@@ -236,11 +260,12 @@ class RowRun:
         tapped: torch.Tensor | None = None,
         lead: int = 0,
         choices: list[int] | None = None,
+        drawn: list[int] | None = None,
     ) -> list[int]:
         """`verify` then `accept`: the kept path (root first). `tapped`: the row's features off the forward,
         [1, lead + nodes, F] (`forerun.taps`), of which its drafters are handed the committed positions'.
-        `choices`: every node's argmax, where the base computed them."""
-        verdict = self.verify(selection.tree, logits, choices)
+        `choices`: every node's argmax, where the base computed them; `drawn`: `verify`'s."""
+        verdict = self.verify(selection.tree, logits, choices, drawn)
         features = committed_features(tapped, lead, [0, *verdict.accepted_nodes])
         return self.accept(selection, verdict, logits, propose_s, forward_s, features, choices)
 

@@ -93,6 +93,9 @@ class NodeScores:
     choices: list[int] | None = None
     """Each node's raw argmax, where the base copied them to the host at once (used when nothing processes the
     logits: one transfer per step instead of one sync per walked node on an accelerator)."""
+    drawn: list[int] | None = None
+    """Each node's sampled draw, where they were made at once on the device and copied in one transfer
+    (`forerun.draws`); None: the walk draws node by node."""
 
     def scores(self, node: int) -> torch.Tensor:
         row = self.logits[node : node + 1].float()  # [1, vocab]
@@ -115,10 +118,20 @@ class Sampling:
 
     noise: GumbelNoise
     verifier: Callable = verify_sampled
-    """The lossless verifier; a parameter so tests can show that a biased one is caught."""
+    """The lossless verifier of the walk node by node; a parameter so tests can show that a biased one is caught."""
+    at_once: bool | None = None
+    """Draw at every node at once on the device (`forerun.draws`), the same tokens in one copy to the host: None
+    where the logits are on an accelerator (there a walk pays a host sync per node; on a CPU, where a walk scores
+    only the nodes it walks, scoring them all costs more)."""
+
+    def draws_at_once(self, logits: torch.Tensor) -> bool:
+        """Whether a step with these logits draws at every node at once."""
+        return self.at_once if self.at_once is not None else logits.device.type != "cpu"
 
 
 def verify(tree: TokenTree, scores: NodeScores, sampling: Sampling | None) -> Verdict:
     if sampling is None:
         return verify_greedy(tree, scores.argmax)
+    if scores.drawn is not None:  # the same draws, made at once: the walk is the greedy one over them
+        return verify_greedy(tree, scores.drawn.__getitem__)
     return sampling.verifier(tree, scores.scores, sampling.noise, scores.committed.length)

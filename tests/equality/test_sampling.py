@@ -268,3 +268,45 @@ def test_a_draft_model_guesses_the_target_draws():
     decoder = forerun.Decoder(model, None, "draft_model", draft_model=model, **knobs)
     stats = decoder.generate(PROMPT, 24, do_sample=True, seed=3, temperature=1.3, eos_token_id=[]).stats
     assert stats.accepted == stats.candidates >= 18, stats  # 6 forwards of 3 drafts + a bonus
+
+
+@pytest.mark.parametrize("setting", ["T1.3-top_k5", "rep1.3"])
+def test_draws_made_at_once_write_the_walks_text_alone_and_in_a_batch(setting, monkeypatch):
+    """Drawing at every node at once (an accelerator's way, `Sampling.at_once`, forced here on the CPU) writes the
+    walk's text with every method, a row alone and the rows of a batch; the draws were made at once (counted), a
+    batch's in one copy per step for all its rows."""
+    from forerun import batch as batch_module
+    from forerun import row as row_module
+    from forerun.batched import decode_batch
+
+    model, second = peaked_model(), torch.tensor([[3, 9, 4, 9, 4, 9]])
+    processors = transformers_processors(model, SETTINGS[setting])
+    made, copied = Counter(), Counter()
+    drawn, to_host = row_module.drawn, batch_module.to_host
+    monkeypatch.setattr(row_module, "drawn", lambda *a: made.update([(out := drawn(*a)) is not None]) or out)
+    monkeypatch.setattr(
+        batch_module, "to_host", lambda rows: copied.update([sum(r is not None for r in rows)]) or to_host(rows)
+    )
+
+    def job(prompt: torch.Tensor, drafters, seed: int, at_once: bool) -> RowJob:
+        transcript = Transcript(prompt.clone(), StoppingCriteriaList([MaxLengthCriteria(prompt.shape[1] + 12)]))
+        return RowJob(
+            prompt, transcript, drafters, frozenset(), 12, processors, Sampling(GumbelNoise(seed), at_once=at_once)
+        )
+
+    for method in SEEDED:
+        texts = {}
+        for at_once in (False, True):
+            decoder = decoder_for(method)
+            alone = [job(prompt, decoder.drafters, seed, at_once) for seed in (0, 1) for prompt in (PROMPT, second)]
+            for one in alone:
+                decode(model, one, decoder.budget, decoder.engine_config.draft_in_prefill)
+            rows = [
+                job(prompt, forerun.batch.fork(decoder.drafters), seed, at_once)
+                for seed, prompt in ((2, PROMPT), (3, second))
+            ]
+            decode_batch(model, rows, decoder.budget)
+            texts[at_once] = [one.transcript.sequence.tolist() for one in alone + rows]
+        assert texts[True] == texts[False], method
+    assert made[True] > 0 and made[False] == 0
+    assert copied[2] > 0  # a batch step's two sampled rows: one copy

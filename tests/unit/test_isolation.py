@@ -159,3 +159,46 @@ def test_salted_state_is_bounded_and_the_oldest_salt_goes_first():
     state.get("a")  # used again: "b" is now the least recently used
     state.get("d")
     assert list(state.salted) == ["c", "a", "d"] and state.get("b") == []
+
+
+class Fuse:
+    """A temperature that divides like 0.7 until its `at`-th use, then explodes (a processor failing mid-request)."""
+
+    def __init__(self, at: int) -> None:
+        self.uses, self.at = 0, at
+
+    def __rtruediv__(self, scores: torch.Tensor) -> torch.Tensor:
+        self.uses += 1
+        if self.uses >= self.at:
+            raise RuntimeError("processor exploded")
+        return scores / 0.7
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_a_sampled_row_whose_processor_fails_among_rows_drawn_at_once_ends_alone(static, monkeypatch):
+    """Rows drawn at once (as on a card) make their draws together; one row's processor failing there ends that row
+    alone, and the others write what they write without it."""
+    monkeypatch.setattr(forerun.verify.Sampling, "draws_at_once", lambda self, logits: True)
+    model = model_of("llama")
+    decoder = forerun.Decoder(model, None, "prompt_lookup", latency=CURVE, static_cache=static)
+
+    def run(hostile: bool) -> list:
+        batch = Batch(model, decoder.budget, shared=static_rows(decoder.base, 4, 24 + NEW_TOKENS + 16))
+        jobs = []
+        for seed, prompt in enumerate([*prompts(3), prompts(1, seed=9)[0]][: 4 if hostile else 3]):
+            request = GenerationRequest(prompt, NEW_TOKENS, eos_token_id=(), do_sample=True, seed=seed,
+                                        generation={"temperature": 0.7})  # fmt: skip
+            jobs.append(decoder.prepare(request).job)
+            if seed == 3:
+                next(p for p in jobs[-1].processor if hasattr(p, "temperature")).temperature = Fuse(at=4)
+            batch.add(jobs[-1])
+        finished = []
+        while batch.rows:
+            finished += batch.step()
+        return [(job.transcript.sequence, next(r.error for r in finished if r.job is job)) for job in jobs]
+
+    alone, beside = run(False), run(True)
+    assert isinstance(beside[3][1], RuntimeError) and "exploded" in str(beside[3][1])
+    for (text, error), (text_beside, error_beside) in zip(alone, beside[:3], strict=True):
+        assert error is None and error_beside is None
+        assert torch.equal(text, text_beside)

@@ -16,6 +16,7 @@ from forerun.base.dynamic import DynamicBase
 from forerun.base.static import StaticBase
 from forerun.costmodel import LatencyCurve
 from forerun.tree import TokenTree
+from forerun.verify import Sampling
 
 from helpers import OracleDrafter, RandomDrafter
 from tiny_models import FAMILIES, VOCAB, prompts, tiny_model
@@ -187,13 +188,19 @@ def test_prompts_fed_side_by_side_give_each_its_own_logits():
         assert got[place].choices == want.logits.argmax(-1).tolist()
 
 
-def test_sampling_with_a_seed_repeats_and_matches_the_growing_cache():
+@pytest.mark.parametrize("at_once", [False, True])
+def test_sampling_with_a_seed_repeats_and_matches_the_growing_cache(at_once, monkeypatch):
+    """`at_once`: the static base's rows draw at every node at once, as on a card (`Sampling.at_once`); the
+    growing cache's walk writes the same text."""
     model = model_of("qwen2", "sdpa")
     prompt = prompts(1)[0]
     texts = []
     for static in (True, True, False):
-        decoder = forerun.Decoder(model, None, "prompt_lookup", latency=CURVE, static_cache=static)
-        out = decoder.generate(prompt, 24, do_sample=True, seed=3, temperature=1.2, eos_token_id=[])
+        with monkeypatch.context() as patch:
+            if at_once and static:
+                patch.setattr(Sampling, "draws_at_once", lambda self, logits: True)
+            decoder = forerun.Decoder(model, None, "prompt_lookup", latency=CURVE, static_cache=static)
+            out = decoder.generate(prompt, 24, do_sample=True, seed=3, temperature=1.2, eos_token_id=[])
         texts.append(out.sequences)
     assert torch.equal(texts[0], texts[1]) and torch.equal(texts[0], texts[2])
 

@@ -15,6 +15,7 @@ from forerun.base.static import StaticBase
 from forerun.batch import batchable
 from forerun.costmodel import LatencyCurve
 from forerun.tree import TokenTree
+from forerun.verify import Sampling
 
 from helpers import OracleDrafter
 from tiny_models import FAMILIES, GROUPED, VOCAB, prompts, register_grouped, tiny_model
@@ -147,10 +148,11 @@ def test_sampled_rows_repeat_with_their_seeds_and_match_the_growing_cache():
         assert torch.equal(first, again) and torch.equal(first, dynamic)
 
 
-def sampled_rows(static: bool, logits_of_row=None) -> list[torch.Tensor]:
+def sampled_rows(static: bool, logits_of_row=None, at_once: bool = False) -> list[torch.Tensor]:
     """Four sampled requests of different lengths through two rows: rows leave at different steps and the waiting
     ones take the freed places, so row b is not always place b (`RowsLogits.at`). `logits_of_row`: a replacement
-    for `RowsLogits.row` (the negative control)."""
+    for `RowsLogits.row` (the negative control); `at_once`: every node drawn at once, as on a card
+    (`Sampling.at_once`)."""
     model = model_of("qwen2", "sdpa")
     news = (5, 16, 9, 12)
     requests = [
@@ -162,15 +164,19 @@ def sampled_rows(static: bool, logits_of_row=None) -> list[torch.Tensor]:
     with pytest.MonkeyPatch.context() as patch:
         if logits_of_row is not None:
             patch.setattr(RowsLogits, "row", logits_of_row)
+        if at_once:
+            patch.setattr(Sampling, "draws_at_once", lambda self, logits: True)
         return [out.sequences for out in decoder.generate(requests, batch_size=2)]
 
 
-def test_sampled_rows_read_their_own_places_logits_after_rows_leave():
+@pytest.mark.parametrize("at_once", [False, True])
+def test_sampled_rows_read_their_own_places_logits_after_rows_leave(at_once):
     """Sampling reads each row's logits (greedy reads only the copied argmaxes): rows on places draw what the
-    growing cache's rows draw, seed for seed; reading row b's logits at place b instead is caught."""
+    growing cache's rows draw, seed for seed, walking or drawn at once; reading row b's logits at place b instead
+    is caught."""
     dynamic = sampled_rows(False)
-    assert all(torch.equal(a, b) for a, b in zip(sampled_rows(True), dynamic, strict=True))
-    by_index = sampled_rows(True, lambda out, b, nodes: out.logits[b, :nodes])
+    assert all(torch.equal(a, b) for a, b in zip(sampled_rows(True, at_once=at_once), dynamic, strict=True))
+    by_index = sampled_rows(True, lambda out, b, nodes: out.logits[b, :nodes], at_once)
     assert not all(torch.equal(a, b) for a, b in zip(by_index, dynamic, strict=True))
 
 

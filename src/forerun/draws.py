@@ -1,0 +1,176 @@
+"""Every node's sampled draw at once, on the device, in one copy to the host (an accelerator's sampled step).
+
+Lazily (`forerun.verify.NodeScores`), a sampled walk processes and draws node by node along the walked path: on a
+CPU that is cheapest (only the walked nodes are scored), but on a card each walked node costs the processors'
+launches and a host sync for its token. Here every node is scored in one go instead: the processors run once over
+all nodes, or once per depth level where they read the prefix (all nodes at depth d have prefixes of the same
+length: the committed text and d path tokens), the noise of each node's position is added, and the argmaxes
+travel to the host in one copy (a batch: one copy for all its sampled rows, `Batch.step`).
+
+The draws are the lazy walk's, bit for bit: every processor here acts on each row of scores alone, so scoring
+nodes as rows of one call computes each node exactly as alone (tested on hand-made logits with every kind), and
+the noise and the argmax are elementwise and row-wise. A processor not known to act row by row (a
+`prefix_allowed_tokens_fn`, whose rule is given the row's batch index; anything of the caller's own) leaves the
+row on the lazy walk: `drawn` returns None (`grouping`).
+
+Example (temperature and top-p, which read no prefix: one call for the whole tree):
+    >>> from forerun.transcript import Transcript
+    >>> tree = TokenTree.rooted_at(3); _ = tree.add(0, 5); _ = tree.add(1, 2)
+    >>> processor = LogitsProcessorList([TemperatureLogitsWarper(0.7), TopPLogitsWarper(0.9)])
+    >>> scores = NodeScores(torch.randn(3, 8), processor, Transcript(torch.tensor([[1, 2, 3]]), []), tree)
+    >>> draws = drawn(scores, GumbelNoise(seed=4))                     # [3] on the logits' device
+    >>> walked = [GumbelNoise(seed=4).draw(scores.scores(i), 3 + tree.depths[i]) for i in range(3)]
+    >>> draws.tolist() == walked                                      # the lazy walk's draws, node by node
+    True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from itertools import islice
+from typing import Literal
+
+import torch
+from transformers import (
+    LogitNormalization,
+    LogitsProcessorList,
+    MinLengthLogitsProcessor,
+    MinNewTokensLengthLogitsProcessor,
+    MinPLogitsWarper,
+    NoBadWordsLogitsProcessor,
+    NoRepeatNGramLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
+    SuppressTokensAtBeginLogitsProcessor,
+    SuppressTokensLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    TypicalLogitsWarper,
+)
+from transformers.generation.logits_process import (
+    EpsilonLogitsWarper,
+    EtaLogitsWarper,
+    ExponentialDecayLengthPenalty,
+    ForcedBOSTokenLogitsProcessor,
+    ForcedEOSTokenLogitsProcessor,
+    InfNanRemoveLogitsProcessor,
+)
+
+from forerun.noise import GumbelNoise
+from forerun.tree import TokenTree
+from forerun.verify import NodeScores
+
+PREFIX_FREE = (
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    MinPLogitsWarper,
+    TypicalLogitsWarper,
+    EpsilonLogitsWarper,
+    EtaLogitsWarper,
+    LogitNormalization,
+    InfNanRemoveLogitsProcessor,
+    SuppressTokensLogitsProcessor,
+)
+"""Processors that read neither the prefix nor its length, each row of scores on its own: every node in one call."""
+
+ROW_WISE = (
+    RepetitionPenaltyLogitsProcessor,
+    NoRepeatNGramLogitsProcessor,
+    SequenceBiasLogitsProcessor,
+    NoBadWordsLogitsProcessor,
+    MinLengthLogitsProcessor,
+    MinNewTokensLengthLogitsProcessor,
+    ForcedBOSTokenLogitsProcessor,
+    ForcedEOSTokenLogitsProcessor,
+    SuppressTokensAtBeginLogitsProcessor,
+    ExponentialDecayLengthPenalty,
+)
+"""Processors that read each row's own prefix (its tokens or its length) and nothing of other rows: one call per
+depth level, each node's row its own prefix."""
+
+
+def grouping(processor: LogitsProcessorList | None) -> Literal["tree", "levels"] | None:
+    """How the nodes are scored: "tree", every node in one call; "levels", one call per depth level; None, the
+    processors are not known to act row by row (the lazy walk). Exact classes only: a subclass may read more than
+    its parent.
+
+    Example:
+        >>> grouping(LogitsProcessorList([TemperatureLogitsWarper(0.7), RepetitionPenaltyLogitsProcessor(1.2)]))
+        'levels'
+    """
+    kinds = [type(p) for p in processor or ()]
+    if all(kind in PREFIX_FREE for kind in kinds):
+        return "tree"
+    if all(kind in PREFIX_FREE or kind in ROW_WISE for kind in kinds):
+        return "levels"
+    return None
+
+
+def drawn(scores: NodeScores, noise: GumbelNoise) -> torch.Tensor | None:
+    """Every node's draw [nodes] int64, on the logits' device (nothing copied to the host), or None where the
+    processors leave the row on the lazy walk (`grouping`). Node i draws at position committed + depth[i]."""
+    processed = scored(scores)
+    if processed is None:
+        return None
+    depths = scores.tree.depths
+    levels = sorted(set(depths))
+    first, device = scores.committed.length, processed.device
+    rows = noise.rows([first + depth for depth in levels], processed.shape[-1], device)  # [levels, vocab] float64
+    level_of = {depth: i for i, depth in enumerate(levels)}
+    index = torch.tensor([level_of[depth] for depth in depths], device=device)
+    return (processed.double() + rows[index]).argmax(-1)
+
+
+def scored(scores: NodeScores) -> torch.Tensor | None:
+    """Every node's processed scores [nodes, vocab] float32, each row what `scores.scores(node)` gives, or None
+    where the processors leave the row on the lazy walk (`grouping`)."""
+    group = grouping(scores.processor)
+    if group is None:
+        return None
+    tree, logits = scores.tree, scores.logits
+    n, device = len(tree), logits.device
+    processed = logits[:n].float()  # [nodes, vocab]
+    if scores.processor and group == "tree":  # they read no prefix: the root stands for each node's
+        return scores.processor(torch.full((n, 1), tree.tokens[0], device=device), processed)
+    if scores.processor:
+        processed = processed.clone()  # written level by level: the base's logits stay as they are
+        sequence = scores.committed.sequence.to(device)  # [1, committed]: one copy for every level
+        for nodes in by_depth(tree):
+            index = torch.tensor(nodes, device=device)
+            processed[index] = scores.processor(prefixes_of(tree, nodes, sequence), processed[index])
+    return processed
+
+
+def by_depth(tree: TokenTree) -> list[list[int]]:
+    """The tree's nodes grouped by depth, shallowest first."""
+    levels: dict[int, list[int]] = {}
+    for node, depth in enumerate(tree.depths):
+        levels.setdefault(depth, []).append(node)
+    return [levels[depth] for depth in sorted(levels)]
+
+
+def prefixes_of(tree: TokenTree, nodes: list[int], sequence: torch.Tensor) -> torch.Tensor:
+    """[len(nodes), committed + d]: each node's prefix (the committed text, then its path's tokens), for nodes all
+    at depth d."""
+    paths = [[tree.tokens[i] for i in tree.path_to(node)[1:]] for node in nodes]
+    if not paths[0]:
+        return sequence.expand(len(nodes), -1)
+    tail = torch.tensor(paths, dtype=sequence.dtype, device=sequence.device)
+    return torch.cat([sequence.expand(len(nodes), -1), tail], dim=1)
+
+
+def to_host(draws: Sequence[torch.Tensor | None]) -> list[list[int] | None]:
+    """Several rows' draws (`drawn`'s, or None) copied to the host in one transfer: a batch's step syncs once for
+    all its sampled rows.
+
+    Example:
+        >>> to_host([torch.tensor([4, 2]), None, torch.tensor([7])])
+        [[4, 2], None, [7]]
+    """
+    present = [row for row in draws if row is not None]
+    if not present:
+        return [None] * len(draws)
+    flat = iter(torch.cat(present).tolist())
+    return [None if row is None else list(islice(flat, len(row))) for row in draws]
