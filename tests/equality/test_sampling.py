@@ -282,8 +282,8 @@ def test_draws_made_at_once_write_the_walks_text_alone_and_in_a_batch(setting, m
     model, second = peaked_model(), torch.tensor([[3, 9, 4, 9, 4, 9]])
     processors = transformers_processors(model, SETTINGS[setting])
     made, copied = Counter(), Counter()
-    drawn, to_host = row_module.drawn, batch_module.to_host
-    monkeypatch.setattr(row_module, "drawn", lambda *a: made.update([(out := drawn(*a)) is not None]) or out)
+    drawn, to_host = row_module.drawn_at_once, batch_module.to_host
+    monkeypatch.setattr(row_module, "drawn_at_once", lambda *a: made.update([(out := drawn(*a)) is not None]) or out)
     monkeypatch.setattr(
         batch_module, "to_host", lambda rows: copied.update([sum(r is not None for r in rows)]) or to_host(rows)
     )
