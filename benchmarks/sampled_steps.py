@@ -82,18 +82,20 @@ def equality(device: str, vocab: int, trees: int = 100, nodes: int = 64) -> dict
     return out
 
 
-def jobs_of(decoder: forerun.Decoder, prompts: list[list[int]], new_tokens: int, at_once: bool) -> list:
-    """Each prompt as a sampled row (seed = its index), drawing at once or walking."""
+def jobs_of(decoder: forerun.Decoder, prompts: list[list[int]], new_tokens: int, at_once: bool, seed: int) -> list:
+    """Each prompt as a sampled row (seed: `seed` + its index), drawing at once or walking."""
     jobs = []
-    for seed, ids in enumerate(prompts):
-        job = decoder.prepare(forerun.GenerationRequest.of(ids, new_tokens, seed=seed, **SETTINGS)).job
+    for index, ids in enumerate(prompts):
+        request = forerun.GenerationRequest.of(ids, new_tokens, seed=seed + index, **SETTINGS)
+        job = decoder.prepare(request).job
         jobs.append(replace(job, sampling=replace(job.sampling, at_once=at_once)))
     return jobs
 
 
-def timed_decode(decoder: forerun.Decoder, prompts: list[list[int]], rows: int, new_tokens: int, at_once: bool):
+def timed_decode(decoder: forerun.Decoder, prompts: list[list[int]], rows: int, new_tokens: int, at_once: bool,
+                 seed: int) -> tuple[list[list[int]], float, int]:  # fmt: skip
     """The prompts decoded `rows` at a time (1: one by one, on the single row's base): texts, seconds, forwards."""
-    jobs = jobs_of(decoder, prompts, new_tokens, at_once)
+    jobs = jobs_of(decoder, prompts, new_tokens, at_once, seed)
     if decoder.model.device.type == "cuda":
         torch.cuda.synchronize()
     started, forwards = time.perf_counter(), 0
@@ -105,30 +107,34 @@ def timed_decode(decoder: forerun.Decoder, prompts: list[list[int]], rows: int, 
             for _, stats in decode_rows(decoder.model, jobs, decoder.budget, rows, decoder.base):
                 forwards += stats.forwards
     seconds = time.perf_counter() - started
-    texts = [job.transcript.sequence[0].tolist() for job in jobs]
+    texts = [job.transcript.sequence[0, len(ids) :].tolist() for job, ids in zip(jobs, prompts, strict=True)]
     return texts, seconds, forwards
 
 
 def decode_runs(model, tokenizer, prompts: list[list[int]], rows: int, method: str, new_tokens: int) -> dict:
-    """The walk and at once, interleaved over two timed rounds after a warm one (graphs captured there)."""
-    decoder = forerun.Decoder(model, tokenizer, method)
+    """The walk and at once, each on a Decoder of its own (their tries learn the same texts), warmed on the prompts
+    reversed (same shapes, other answers: graphs captured there), then two timed rounds interleaved, each round's
+    seeds its own."""
     group = (prompts * rows)[: max(rows, len(prompts))]
-    seconds, texts, forwards = {False: 0.0, True: 0.0}, {}, {}
-    for round_ in range(3):
-        for at_once in (False, True):
-            got, took, steps = timed_decode(decoder, group, rows, new_tokens, at_once)
-            if round_:
-                seconds[at_once] += took
-            texts.setdefault(at_once, got)
-            forwards[at_once] = steps
-    tokens = sum(len(t) for t in texts[True]) - sum(len(p) for p in group)
+    decoders = {at_once: forerun.Decoder(model, tokenizer, method) for at_once in (False, True)}
+    for at_once, decoder in decoders.items():
+        timed_decode(decoder, [list(reversed(p)) for p in group], rows, new_tokens, at_once, 0)
+    seconds, forwards = {False: 0.0, True: 0.0}, {False: 0, True: 0}
+    texts: dict[bool, list] = {False: [], True: []}
+    for round_ in (1, 2):
+        for at_once, decoder in decoders.items():
+            got, took, steps = timed_decode(decoder, group, rows, new_tokens, at_once, 1000 * round_)
+            seconds[at_once] += took
+            forwards[at_once] += steps
+            texts[at_once] += got
+    tokens = sum(len(text) for text in texts[True])
     return {
         "rows": rows,
         "method": method,
-        "tok_s_walk": round(2 * tokens / seconds[False], 2),
-        "tok_s_at_once": round(2 * tokens / seconds[True], 2),
+        "tok_s_walk": round(tokens / seconds[False], 2),
+        "tok_s_at_once": round(tokens / seconds[True], 2),
         "at_once_vs_walk": round(seconds[False] / seconds[True], 3),
-        "tokens_per_forward": round(tokens / max(forwards[True], 1), 2),
+        "tokens_per_forward": round(tokens / max(forwards[True], 1), 2),  # a row's tokens per forward it took part in
         "same_texts": texts[True] == texts[False],
     }
 
