@@ -43,7 +43,7 @@ import torch
 from transformers import DynamicCache
 
 from forerun.base.dynamic import TreeLogits
-from forerun.base.rows import DynamicRows, SharedRows
+from forerun.base.rows import DynamicRows, RowsLogits, SharedRows
 from forerun.checks import is_count
 from forerun.costmodel import BatchPolicy, Budget, Selection
 from forerun.drafters.base import Drafter
@@ -51,7 +51,7 @@ from forerun.draws import to_host
 from forerun.engine import tree_in_prefill, tree_support
 from forerun.kvcache import plain_layers
 from forerun.row import RowJob, RowRun, costly
-from forerun.taps import LayerTaps, feature_layers
+from forerun.taps import LayerTaps, feature_layers, row_features
 from forerun.tree import TokenTree, merge
 
 
@@ -304,25 +304,8 @@ class Batch:
             out = self.shared.forward(prefix_lens, trees, nodes)
         forward_s = time.perf_counter() - t1
         tapped = taps.take(out.features, arrange=self.shared.in_row_order)  # [rows, nodes, F]
-        # 4. verify and 5. commit, per row (sampled rows' draws made together: one copy); then keep each row's
-        # accepted path in the shared cache
-        drawn = to_host([
-            row.draws(selection.tree, out.row(b, len(selection.tree))) if row.error is None else None
-            for b, (row, selection) in enumerate(zip(rows, selections, strict=True))
-        ])  # fmt: skip
-        kept = [
-            self.commit_apart(
-                row,
-                selection,
-                out.row(b, len(selection.tree)),
-                (t1 - t0) / len(rows),
-                forward_s,
-                row_features(tapped, b, len(selection.tree), layers, row.job.drafters),
-                None if out.choices is None else out.choices[b][: len(selection.tree)],
-                drawn[b],
-            )
-            for b, (row, selection) in enumerate(zip(rows, selections, strict=True))
-        ]
+        # 4. verify and 5. commit, per row; then keep each row's accepted path in the shared cache
+        kept = self.commit_rows(selections, out, (t1 - t0) / len(rows), forward_s, tapped, layers)
         self.shared.keep(prefix_lens, kept, nodes)
         self.policy.learn(budgets, selections, kept, nodes, forward_s)
         self.policy.record(budgets, drafting, kept, time.perf_counter() - t0)
@@ -332,6 +315,39 @@ class Batch:
         else:
             self.shared.compact()
         return finished_early + finished
+
+    def commit_rows(
+        self,
+        selections: Sequence[Selection],
+        out: RowsLogits,
+        propose_s: float,
+        forward_s: float,
+        tapped: torch.Tensor | None,
+        layers: tuple[int, ...],
+    ) -> list[list[int]]:
+        """Verify and commit every row on the step's outputs (`out`; `tapped`: the `layers`' features [rows, nodes,
+        F]); a failure ends its own row alone (`commit_apart`). Sampled rows' draws at every node are made first,
+        together, in one copy to the host (`forerun.draws`; None for the rows that walk). Returns each row's kept
+        path."""
+        rows = self.rows
+        logits = [out.row(b, len(selection.tree)) for b, selection in enumerate(selections)]
+        drawn = to_host([
+            row.draws(selection.tree, row_logits) if row.error is None else None
+            for row, selection, row_logits in zip(rows, selections, logits, strict=True)
+        ])  # fmt: skip
+        return [
+            self.commit_apart(
+                row,
+                selection,
+                logits[b],
+                propose_s,
+                forward_s,
+                row_features(tapped, b, len(selection.tree), layers, row.job.drafters),
+                None if out.choices is None else out.choices[b][: len(selection.tree)],
+                drawn[b],
+            )
+            for b, (row, selection) in enumerate(zip(rows, selections, strict=True))
+        ]
 
     def without_costly(self, rows: list[RowRun], proposals: list[list[TokenTree]]) -> None:
         """What the batch would have fed had the rows' costly drafters (trained heads) not drafted this step, for
@@ -413,13 +429,3 @@ class Batch:
         for row in leaving:
             row.finish()
         self.rows = [row for row in self.rows if id(row) not in gone]
-
-
-def row_features(
-    tapped: torch.Tensor | None, b: int, nodes: int, layers: tuple[int, ...], drafters: Sequence[Drafter]
-) -> torch.Tensor | None:
-    """Row `b`'s tapped features [1, nodes, F] of the batch's [rows, padded nodes, F], for a row whose drafters read
-    those very `layers` (None for the others: a head that reads other layers is handed nothing)."""
-    if tapped is None or feature_layers(drafters) != layers:
-        return None
-    return tapped[b : b + 1, :nodes]

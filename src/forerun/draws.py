@@ -114,13 +114,11 @@ def drawn(scores: NodeScores, noise: GumbelNoise) -> torch.Tensor | None:
     processed = scored(scores)
     if processed is None:
         return None
-    depths = scores.tree.depths
-    levels = sorted(set(depths))
-    first, device = scores.committed.length, processed.device
-    rows = noise.rows([first + depth for depth in levels], processed.shape[-1], device)  # [levels, vocab] float64
-    level_of = {depth: i for i, depth in enumerate(levels)}
-    index = torch.tensor([level_of[depth] for depth in depths], device=device)
-    return (processed.double() + rows[index]).argmax(-1)
+    first = scores.committed.length
+    # [nodes, vocab] float64, stacked from the noise's rows where they are (an index copied to a card would wait
+    # for the forward: a sync of its own)
+    noise_rows = noise.rows([first + depth for depth in scores.tree.depths], processed.shape[-1], processed.device)
+    return (processed.double() + noise_rows).argmax(-1)
 
 
 def scored(scores: NodeScores) -> torch.Tensor | None:

@@ -90,3 +90,13 @@ def committed_features(features: torch.Tensor | None, lead: int, kept: list[int]
         return None  # the last of several forwards (a prompt fed in chunks) holds only the prompt's tail
     rows = torch.tensor(list(range(lead)) + [lead + node for node in kept], device=features.device)
     return features[0].index_select(0, rows)
+
+
+def row_features(
+    tapped: torch.Tensor | None, b: int, nodes: int, layers: tuple[int, ...], drafters: Iterable[object]
+) -> torch.Tensor | None:
+    """Row `b`'s tapped features [1, nodes, F] of the batch's [rows, padded nodes, F], for a row whose drafters read
+    those very `layers` (None for the others: a head that reads other layers is handed nothing)."""
+    if tapped is None or feature_layers(drafters) != layers:
+        return None
+    return tapped[b : b + 1, :nodes]
