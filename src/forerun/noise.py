@@ -14,9 +14,10 @@ draw, not merely a draw from its own distribution.
 
 Each G_t[i] comes from a counter-based hash, `position_seed(position_seed(seed, t), i)` (splitmix64; the top 53
 bits a uniform in (0, 1)), computed elementwise in 64-bit integers where the scores are: no generator and no state,
-and on a card no vocabulary of noise drawn on the host and copied over for every position a step reaches. The
-integer steps are exact on every device; the two float64 logarithms after them may differ by an ulp between
-devices, so a draw on a card equals the CPU's except at a float64 near-tie of two perturbed scores.
+and on a card no vocabulary of noise drawn on the host and copied over for every position a step reaches (nor
+the positions' seeds: they are hashed there too, from an arange). The integer steps are exact on every device; the
+two float64 logarithms after them may differ by an ulp between devices, so a draw on a card equals the CPU's
+except at a float64 near-tie of two perturbed scores.
 
 Example:
     >>> noise = GumbelNoise(seed=7)
@@ -61,6 +62,13 @@ def shifted(words: torch.Tensor, bits: int) -> torch.Tensor:
     return (words >> bits) & ((1 << (64 - bits)) - 1)
 
 
+def mixed(z: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finalizer, elementwise on int64 words (products wrap modulo 2^64 as in the Python hash)."""
+    z = (z ^ shifted(z, 30)) * MIX1
+    z = (z ^ shifted(z, 27)) * MIX2
+    return z ^ shifted(z, 31)
+
+
 def hashed(seeds: torch.Tensor, size: int) -> torch.Tensor:
     """[P, size] int64: element i of row p is `position_seed(seeds[p], i)`, computed elementwise on the seeds'
     device.
@@ -70,10 +78,19 @@ def hashed(seeds: torch.Tensor, size: int) -> torch.Tensor:
         tensor(True)
     """
     index = torch.arange(1, size + 1, dtype=torch.int64, device=seeds.device)
-    z = seeds[:, None] + index * GOLDEN
-    z = (z ^ shifted(z, 30)) * MIX1
-    z = (z ^ shifted(z, 27)) * MIX2
-    return z ^ shifted(z, 31)
+    return mixed(seeds[:, None] + index * GOLDEN)
+
+
+def span_seeds(seed: int, first: int, last: int, device: torch.device) -> torch.Tensor:
+    """[last - first + 1] int64: `position_seed(seed, p)` for p = first..last, made on `device` from an arange (no
+    list of seeds copied over: on a card a blocking copy after a launched forward waits for it).
+
+    Example:
+        >>> span_seeds(7, 3, 4, torch.device("cpu")).tolist() == [signed(position_seed(7, p)) for p in (3, 4)]
+        True
+    """
+    positions = torch.arange(first + 1, last + 2, dtype=torch.int64, device=device)
+    return mixed(positions * GOLDEN + signed(seed))
 
 
 def gumbel_rows(seeds: torch.Tensor, size: int) -> torch.Tensor:
@@ -81,6 +98,22 @@ def gumbel_rows(seeds: torch.Tensor, size: int) -> torch.Tensor:
     top 53 bits a uniform u in (0, 1) (half a step off 0 and 1: every token can be drawn), then -log(-log u)."""
     uniform = (shifted(hashed(seeds, size), 11).double() + 0.5) * 2.0**-53
     return -torch.log(-torch.log(uniform))
+
+
+def runs(positions: list[int]) -> list[tuple[int, int]]:
+    """Sorted `positions` as runs of consecutive ones, (first, last) each.
+
+    Example:
+        >>> runs([3, 4, 5, 9, 11, 12])
+        [(3, 5), (9, 9), (11, 12)]
+    """
+    out: list[tuple[int, int]] = []
+    for p in positions:
+        if out and out[-1][1] == p - 1:
+            out[-1] = (out[-1][0], p)
+        else:
+            out.append((p, p))
+    return out
 
 
 class GumbelNoise:
@@ -105,18 +138,18 @@ class GumbelNoise:
         return self.rows([position], size, device)[0]
 
     def rows(self, positions: list[int], size: int, device: torch.device | str = "cpu") -> torch.Tensor:
-        """The noise of each of `positions` [P, size] (float64, on `device`), the positions not kept computed in
-        one go."""
+        """The noise of each of `positions` [P, size] (float64, on `device`), each run of consecutive positions not
+        kept computed in one go, seeds and all, on `device` (nothing is copied over)."""
         device = torch.device(device)
         missing = sorted({p for p in positions if (p, size, device) not in self.kept})
         made = {}
-        if missing:
-            seeds = torch.tensor([signed(position_seed(self.seed, p)) for p in missing], device=device)
-            made = dict(zip(missing, gumbel_rows(seeds, size), strict=True))
-            for position, row in made.items():
-                if len(self.kept) >= KEEP:
-                    del self.kept[next(iter(self.kept))]  # the oldest: positions only move forward
-                self.kept[(position, size, device)] = row
+        for first, last in runs(missing):  # hashed where the noise goes (a step's new positions: one run)
+            noise = gumbel_rows(span_seeds(self.seed, first, last, device), size)
+            made.update((p, noise[p - first]) for p in range(first, last + 1))
+        for position, row in made.items():
+            if len(self.kept) >= KEEP:
+                del self.kept[next(iter(self.kept))]  # the oldest: positions only move forward
+            self.kept[(position, size, device)] = row
         rows = [made[p] if p in made else self.kept[(p, size, device)] for p in positions]
         return torch.stack(rows)
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 from scipy.stats import chisquare
 
-from forerun.noise import KEEP, GumbelNoise, hashed, position_seed, signed
+import forerun.noise as noise_module
+from forerun.noise import KEEP, GumbelNoise, hashed, position_seed, signed, span_seeds
 
 
 def test_the_words_are_splitmix64_in_python_integers():
@@ -17,6 +18,25 @@ def test_the_words_are_splitmix64_in_python_integers():
     words = hashed(torch.tensor([signed(s) for s in seeds]), 40)
     for row, seed in enumerate(seeds):
         assert words[row].tolist() == [signed(position_seed(seed, i)) for i in range(40)], seed
+
+
+def test_a_runs_seeds_are_hashed_where_the_noise_goes_from_an_arange(monkeypatch):
+    """The positions' seeds are splitmix64 of the run's seed at every position (big seeds and positions too), made
+    where the noise is from an arange: no list of seeds is built on the host (on a card its blocking copy would
+    wait for the forward just launched)."""
+    for seed in (0, 7, (1 << 63) + 5, (1 << 64) - 1):
+        want = [signed(position_seed(seed, p)) for p in range(1_000_000, 1_000_040)]
+        assert span_seeds(seed, 1_000_000, 1_000_039, torch.device("cpu")).tolist() == want, seed
+    made = GumbelNoise(seed=11).rows([3, 4, 5, 9, 12, 11], 64)  # three runs
+
+    def no_host_lists(*args, **kwargs):
+        raise AssertionError("a tensor built from a host list")
+
+    monkeypatch.setattr(noise_module.torch, "tensor", no_host_lists)
+    assert torch.equal(GumbelNoise(seed=11).rows([3, 4, 5, 9, 12, 11], 64), made)
+    monkeypatch.undo()
+    for row, position in zip(made, (3, 4, 5, 9, 12, 11), strict=True):
+        assert torch.equal(row, GumbelNoise(seed=11).at(position, 64))
 
 
 def test_uniforms_are_uniform_and_positions_independent():
