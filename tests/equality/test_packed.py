@@ -14,7 +14,8 @@ from test_low_precision import CURVE, reference
 from typer.testing import CliRunner
 
 import forerun
-from forerun.base.packed import PackedLinear, check_pack, dense_matrix, pack_weights, packable, packed
+from forerun.base import packed as packed_module
+from forerun.base.packed import PackedLinear, bf16_kernels, check_pack, dense_matrix, pack_weights, packable, packed
 from forerun.base.weights import looked_up, quantizable, quantize_weights, read_bytes, weights_kind
 from forerun.cli import app
 from forerun.exactness import first_divergence
@@ -24,6 +25,11 @@ from forerun.runspec import RunSpec
 from tiny_models import prompts, tiny_model
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+BF16_LAID_OUT = pytest.mark.skipif(
+    not bf16_kernels(), reason="oneDNN has no bf16 kernels on this CPU (no AVX-512 BW/VL/DQ): bf16 is not laid out"
+)
+LAID_OUT = [dtype for dtype in DTYPES if dtype == "fp32" or bf16_kernels()]
+"""The dtypes this CPU lays out (fp32 on any; bf16 where oneDNN has bf16 kernels)."""
 
 
 @functools.lru_cache(maxsize=8)
@@ -66,7 +72,7 @@ def model_with_rows(family: str, dtype: str, attention: str = "sdpa") -> torch.n
 def test_a_few_rows_computed_as_more_change_no_token(family, attention):
     """Layers computing 1-3 rows as 4-5: forerun writes what plain generate of the same model writes (fp32, every
     token; bf16, up to ties), the steps of every size going through them."""
-    for dtype in DTYPES:
+    for dtype in LAID_OUT:
         model = model_with_rows(family, dtype, attention)
         decoder = forerun.Decoder(model, None, "auto", latency=CURVE)
         for prompt in prompts(3):
@@ -79,6 +85,7 @@ def test_a_few_rows_computed_as_more_change_no_token(family, attention):
                 assert divergence is None or divergence.is_tie, (family, divergence)
 
 
+@BF16_LAID_OUT
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_bf16_on_packed_weights_differs_from_generate_only_at_ties(family):
     model = packed_model(family, "bf16")
@@ -91,7 +98,7 @@ def test_bf16_on_packed_weights_differs_from_generate_only_at_ties(family):
 
 
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("dtype", ["fp32", pytest.param("bf16", marks=BF16_LAID_OUT)])
 def test_a_packed_layer_multiplies_as_f_linear_and_keeps_one_copy_of_its_matrix(dtype, bias):
     torch.manual_seed(0)
     dense = torch.nn.Linear(96, 160, bias=bias).to(DTYPES[dtype])
@@ -146,6 +153,12 @@ def test_pack_is_refused_where_it_cannot_run_with_the_reason():
     with pytest.raises(ValueError, match="takes fp32 or bf16 weights, got torch.float16"):
         check_pack(True, "cpu", torch.float16)
     check_pack(False, "cuda", torch.float16)  # not asked: nothing to refuse
+    with pytest.MonkeyPatch.context() as patch:  # a CPU without oneDNN's bf16 kernels (AVX2): refused up front
+        patch.setattr(packed_module, "bf16_kernels", lambda: False)
+        with pytest.raises(ValueError, match="pack=True in bf16 needs oneDNN's bf16 kernels, which this CPU lacks"):
+            check_pack(True, "cpu", torch.bfloat16)
+        check_pack(True, "cpu", torch.float32)
+        assert not packable("cpu", torch.bfloat16)
     assert not packable("cuda", torch.float32) and not packable("cpu", torch.float16)
     with pytest.raises(ValueError, match="takes fp32 or bf16 weights"):
         forerun.load_model("smollm2-135m", dtype="fp16", pack=True)

@@ -77,7 +77,13 @@ def packable(device: torch.device | str, dtype: torch.dtype) -> bool:
         return False
     if torch.backends.cpu.get_cpu_capability() != "AVX512":
         return False
-    return dtype == torch.float32 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return dtype == torch.float32 or bf16_kernels()
+
+
+def bf16_kernels() -> bool:
+    """Whether oneDNN has bf16 kernels on this CPU (AVX-512 BW/VL/DQ, or AVX-NE-CONVERT): without them a bf16
+    matrix cannot be laid out at all."""
+    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def check_pack(pack: bool, device: torch.device | str, dtype: torch.dtype) -> None:
@@ -91,6 +97,12 @@ def check_pack(pack: bool, device: torch.device | str, dtype: torch.dtype) -> No
         raise ValueError(f"pack=True takes fp32 or bf16 weights, got {dtype}")
     if not torch.backends.mkldnn.is_available():
         raise ValueError("pack=True needs PyTorch built with oneDNN (mkldnn); this build has none")
+    if dtype == torch.bfloat16 and not bf16_kernels():
+        capability = torch.backends.cpu.get_cpu_capability()
+        raise ValueError(
+            f"pack=True in bf16 needs oneDNN's bf16 kernels, which this CPU lacks ({capability}, no AVX-512 BW/VL/DQ"
+            " or AVX-NE-CONVERT): use fp32, or pack=False"
+        )
 
 
 def pack_weights(model: torch.nn.Module) -> int:
