@@ -47,8 +47,8 @@ from forerun.base.rows import DynamicRows, RowsLogits, SharedRows
 from forerun.checks import is_count
 from forerun.costmodel import BatchPolicy, Budget, Selection
 from forerun.drafters.base import Drafter
-from forerun.draws import to_host
 from forerun.engine import tree_in_prefill, tree_support
+from forerun.host_copy import to_host
 from forerun.kvcache import plain_layers
 from forerun.row import RowJob, RowRun, costly
 from forerun.taps import LayerTaps, feature_layers, row_features
@@ -244,7 +244,8 @@ class Batch:
     ) -> RowRun:
         """Commit a fed row's first tree and take it into the batch."""
         row, prefix_len = joining.row, joining.row.job.input_ids.shape[1] - 1
-        path = row.commit(selection, out.logits, propose_s, forward_s, tapped, len(lead), out.choices)
+        choices, drawn = row.on_host(selection.tree, out.logits, out.argmax)
+        path = row.commit(selection, out.logits, propose_s, forward_s, tapped, len(lead), choices, drawn)
         self.rows.insert(self.shared.admit(joining.own, prefix_len, path, row.job.prefixes, row.ctx.tokens), row)
         row.stats.prefill_seconds = time.perf_counter() - row.started
         row.stats.prefill_chunks = joining.chunks + 1
@@ -326,14 +327,15 @@ class Batch:
         layers: tuple[int, ...],
     ) -> list[list[int]]:
         """Verify and commit every row on the step's outputs (`out`; `tapped`: the `layers`' features [rows, nodes,
-        F]); a failure ends its own row alone (`commit_apart`). Sampled rows' draws at every node are made first,
-        together, in one copy to the host (`forerun.draws`; None for the rows that walk). Returns each row's kept
-        path."""
+        F]); a failure ends its own row alone (`commit_apart`). Sampled rows' draws at every node are made first
+        (`forerun.draws`; None for the rows that walk), then copied to the host with the base's argmaxes in one
+        transfer: the step's one wait for the card. Returns each row's kept path."""
         rows = self.rows
         logits = [out.row(b, len(selection.tree)) for b, selection in enumerate(selections)]
-        drawn = to_host([
-            row.draws(selection.tree, row_logits) if row.error is None else None
-            for row, selection, row_logits in zip(rows, selections, logits, strict=True)
+        argmax, *drawn = to_host([
+            out.argmax,
+            *(row.draws(selection.tree, row_logits) if row.error is None else None
+              for row, selection, row_logits in zip(rows, selections, logits, strict=True)),
         ])  # fmt: skip
         return [
             self.commit_apart(
@@ -343,7 +345,7 @@ class Batch:
                 propose_s,
                 forward_s,
                 row_features(tapped, b, len(selection.tree), layers, row.job.drafters),
-                None if out.choices is None else out.choices[b][: len(selection.tree)],
+                None if argmax is None else argmax[out.at[b]][: len(selection.tree)],
                 drawn[b],
             )
             for b, (row, selection) in enumerate(zip(rows, selections, strict=True))

@@ -5,7 +5,8 @@ CPU that is cheapest (only the walked nodes are scored), but on a card each walk
 launches and a host sync for its token. Here every node is scored in one go instead: the processors run once over
 all nodes, or once per depth level where they read the prefix (all nodes at depth d have prefixes of the same
 length: the committed text and d path tokens), the noise of each node's position is added, and the argmaxes
-travel to the host in one copy (a batch: one copy for all its sampled rows, `Batch.step`).
+travel to the host in one copy with the base's argmaxes (a batch: one copy for all its rows,
+`forerun.host_copy`).
 
 The draws are the lazy walk's, bit for bit: every processor here acts on each row of scores alone, so scoring
 nodes as rows of one call computes each node exactly as alone (tested on hand-made logits with every kind), and
@@ -26,8 +27,6 @@ Example (temperature and top-p, which read no prefix: one call for the whole tre
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from itertools import islice
 from typing import Literal
 
 import torch
@@ -134,9 +133,11 @@ def scored(scores: NodeScores) -> torch.Tensor | None:
         return scores.processor(torch.full((n, 1), tree.tokens[0], device=device), processed)
     if scores.processor:
         processed = processed.clone()  # written level by level: the base's logits stay as they are
-        sequence = scores.committed.sequence.to(device)  # [1, committed]: one copy for every level
+        # [1, committed]: one copy for every level. Copies to a card here are non-blocking: a blocking one waits
+        # for the forward just launched (pageable memory is staged at once: the host list may go)
+        sequence = scores.committed.sequence.to(device, non_blocking=True)
         for nodes in by_depth(tree):
-            index = torch.tensor(nodes, device=device)
+            index = torch.tensor(nodes).to(device, non_blocking=True)
             processed[index] = scores.processor(prefixes_of(tree, nodes, sequence), processed[index])
     return processed
 
@@ -155,20 +156,5 @@ def prefixes_of(tree: TokenTree, nodes: list[int], sequence: torch.Tensor) -> to
     paths = [[tree.tokens[i] for i in tree.path_to(node)[1:]] for node in nodes]
     if not paths[0]:
         return sequence.expand(len(nodes), -1)
-    tail = torch.tensor(paths, dtype=sequence.dtype, device=sequence.device)
+    tail = torch.tensor(paths, dtype=sequence.dtype).to(sequence.device, non_blocking=True)
     return torch.cat([sequence.expand(len(nodes), -1), tail], dim=1)
-
-
-def to_host(draws: Sequence[torch.Tensor | None]) -> list[list[int] | None]:
-    """Several rows' draws (`drawn`'s, or None) copied to the host in one transfer: a batch's step syncs once for
-    all its sampled rows.
-
-    Example:
-        >>> to_host([torch.tensor([4, 2]), None, torch.tensor([7])])
-        [[4, 2], None, [7]]
-    """
-    present = [row for row in draws if row is not None]
-    if not present:
-        return [None] * len(draws)
-    flat = iter(torch.cat(present).tolist())
-    return [None if row is None else list(islice(flat, len(row))) for row in draws]

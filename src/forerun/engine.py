@@ -68,13 +68,14 @@ def decode(
             selection = budget.choose(row.root, row.propose(drafts), len(lead), drafts)
             t1 = time.perf_counter()
             fed = base.forward(selection.tree, row.prefix_len, lead)  # one call of the unmodified model
-            verdict = row.verify(selection.tree, fed.logits, fed.choices)
+            choices, drawn = row.on_host(selection.tree, fed.logits, fed.argmax)  # the step's one copy
+            verdict = row.verify(selection.tree, fed.logits, choices, drawn)
             if not lead:  # what this forward cost against the curve (a prefill is not on it)
                 budget.timed(len(selection.tree), time.perf_counter() - t1)
             kept = [0, *verdict.accepted_nodes]
             base.commit(row.prefix_len, kept)
             features = committed_features(taps.take(fed.features), len(lead), kept)
-            row.accept(selection, verdict, fed.logits, t1 - t0, time.perf_counter() - t1, features, fed.choices)
+            row.accept(selection, verdict, fed.logits, t1 - t0, time.perf_counter() - t1, features, choices)
             lead = []
     base.store(job.prefixes, row.ctx.tokens, row.prefix_len)  # the cache holds prompt + accepted
     return row.finish()

@@ -35,6 +35,7 @@ from forerun.costmodel import Budget, Selection
 from forerun.costmodel.switch import held
 from forerun.drafters.base import DraftContext, Drafter, StepOutcome
 from forerun.draws import drawn as drawn_at_once
+from forerun.host_copy import to_host
 from forerun.prefixcache import Prefixes
 from forerun.stats import GenerationStats
 from forerun.taps import committed_features
@@ -151,14 +152,20 @@ class RowRun:
         drawn: list[int] | None = None,
     ) -> Verdict:
         """The longest path of `tree` the target agrees with, on the tree's `logits` [nodes, vocab] (`choices`:
-        every node's argmax, where the base copied them to the host at once; `drawn`: every node's sampled draw,
-        where the caller made them at once, else made here where this row draws at once: `draws`)."""
+        every node's argmax, where the base computed them at once; `drawn`: every node's sampled draw, where this
+        row draws at once; both on the host: `on_host`)."""
         job = self.job
         scores = NodeScores(logits, job.processor, job.transcript, tree, choices)
-        if drawn is None and (made := self.draws(tree, logits)) is not None:
-            drawn = made.tolist()  # the step's one copy of the draws
         scores.drawn = drawn
         return verify(tree, scores, job.sampling)
+
+    def on_host(
+        self, tree: TokenTree, logits: torch.Tensor, argmax: torch.Tensor | None
+    ) -> tuple[list[int] | None, list[int] | None]:
+        """The base's `argmax` at every node (None: none) and this row's draws at every node (None: it walks,
+        `draws`), copied to the host in one transfer: on a card the step waits once, after the draws' kernels."""
+        choices, drawn = to_host([argmax, self.draws(tree, logits)])
+        return choices, drawn  # type: ignore[return-value]
 
     def draws(self, tree: TokenTree, logits: torch.Tensor) -> torch.Tensor | None:
         """Every node's sampled draw [nodes], left on the device, where this row draws at once

@@ -28,6 +28,7 @@ from transformers.generation.logits_process import (
 )
 
 from forerun import draws
+from forerun.host_copy import to_host
 from forerun.noise import GumbelNoise
 from forerun.transcript import Transcript
 from forerun.tree import TokenTree
@@ -132,6 +133,9 @@ def test_processors_not_known_to_act_row_by_row_walk():
         )
 
 
-def test_rows_draws_travel_in_one_copy_and_keep_their_rows():
-    assert draws.to_host([None, None]) == [None, None]
-    assert draws.to_host([torch.tensor([3]), None, torch.tensor([5, 6, 7])]) == [[3], None, [5, 6, 7]]
+def test_rows_draws_travel_with_the_argmaxes_in_one_copy_and_keep_their_rows():
+    assert to_host([None, None]) == [None, None]
+    assert to_host([torch.tensor([3]), None, torch.tensor([5, 6, 7])]) == [[3], None, [5, 6, 7]]
+    argmax = torch.arange(12).reshape(3, 4)[:, :3]  # a view of the base's outputs, as a step slices them
+    assert to_host([argmax, torch.tensor([8, 9])]) == [argmax.tolist(), [8, 9]]
+    assert to_host([torch.zeros(2, 0, dtype=torch.long), None]) == [[[], []], None]

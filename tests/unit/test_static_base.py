@@ -7,9 +7,12 @@ by benchmarks/gpu_check.py.
 from __future__ import annotations
 
 import functools
+import traceback
+from collections import Counter
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import forerun
 from forerun.base.dynamic import DynamicBase
@@ -101,7 +104,7 @@ def test_negative_control_a_base_that_skips_the_gather_is_caught():
 @torch.inference_mode()
 def test_a_padded_bucket_gives_the_tree_its_own_logits():
     """A 3-node tree fed as bucket 4, then a commit of the root and node 2 (a second branch), then a 2-node tree:
-    the logits at real nodes match the growing cache's, and `choices` are their argmaxes."""
+    the logits at real nodes match the growing cache's, and `argmax` holds their argmaxes."""
     model = model_of("llama", "eager")
     prompt = prompts(1)[0][0].tolist()
     static, dynamic = StaticBase(model, graphs=False), DynamicBase(model)
@@ -121,7 +124,7 @@ def test_a_padded_bucket_gives_the_tree_its_own_logits():
     for got, want in zip(outputs["StaticBase"], outputs["DynamicBase"], strict=True):
         assert got.logits.shape == want.logits.shape
         assert torch.allclose(got.logits, want.logits, atol=1e-5)
-        assert got.choices == got.logits.argmax(-1).tolist()
+        assert got.argmax.tolist() == got.logits.argmax(-1).tolist()
 
 
 class NoEagerPrefill(StaticBase):
@@ -157,7 +160,7 @@ def test_chunked_prefill_gives_the_growing_cache_logits():
     got, want = (base.begin(32) or base.forward(tree, 12, prompt[:-1]) for base in (static, dynamic))
     assert got.logits.shape == want.logits.shape == (2, VOCAB)
     assert torch.allclose(got.logits, want.logits, atol=1e-5)
-    assert got.choices == want.logits.argmax(-1).tolist()
+    assert got.argmax.tolist() == want.logits.argmax(-1).tolist()
     shifted = StaticBase(model, buckets=(1, 2, 4))
     assert shifted.begin(32) is None
     wrong = shifted.forward(tree, 13, [0, *prompt[:-1]])  # one more token in front: other positions, other logits
@@ -176,7 +179,7 @@ def test_prompts_fed_side_by_side_give_each_its_own_logits():
     assert base.begin(32) is None
     forwards = []
     run = base.run
-    base.run = lambda fed, placed, wait=False: forwards.append((sorted(fed), placed)) or run(fed, placed, wait)
+    base.run = lambda fed, placed: forwards.append((sorted(fed), placed)) or run(fed, placed)
     got = base.forward_places({p: (trees[p], len(text) - 1, text[:-1]) for p, text in enumerate(texts)})
     assert forwards == [([0, 1, 2], False), ([0, 2], False), ([0], False)]
     for place, text in enumerate(texts):
@@ -185,7 +188,7 @@ def test_prompts_fed_side_by_side_give_each_its_own_logits():
         want = dynamic.forward(trees[place], len(text) - 1, text[:-1])
         assert got[place].logits.shape == want.logits.shape
         assert torch.allclose(got[place].logits, want.logits, atol=1e-5), place
-        assert got[place].choices == want.logits.argmax(-1).tolist()
+        assert got[place].argmax.tolist() == want.logits.argmax(-1).tolist()
 
 
 @pytest.mark.parametrize("at_once", [False, True])
@@ -356,3 +359,53 @@ def test_compiled_buckets_of_two_models_are_never_shared():
         want, got = (base.begin(64) or base.forward(tree, len(prompt) - 1, prompt[:-1]) for base in (eager, compiled))
         tolerance = 1e-4 if model.dtype == torch.float32 else 0.1  # inductor rounds bf16 otherwise than eager
         assert torch.allclose(got.logits.float(), want.logits.float(), atol=tolerance), model.dtype
+
+
+class HostReads(TorchDispatchMode):
+    """Counts what a decode reads back to the host: `tolist` calls by caller, and scalar reads (`int(t)`,
+    `t.item()`: `aten._local_scalar_dense`) made inside the step loop (`decode`, `Batch.step`, a row's join)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tolist: Counter = Counter()
+        self.scalars_in_steps = 0
+
+    def __enter__(self):
+        original = self.original = torch.Tensor.tolist
+
+        def counted(tensor: torch.Tensor):
+            self.tolist[traceback.extract_stack(limit=2)[0].name] += 1
+            return original(tensor)
+
+        torch.Tensor.tolist = counted
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self.original
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            frames = {frame.name for frame in traceback.extract_stack()}
+            self.scalars_in_steps += bool(frames & {"decode", "step", "feed_apart"})
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_sampled_step_reads_the_host_once_argmaxes_and_draws_together(monkeypatch):
+    """On the static base, drawing at once (a card's way), each forward's argmaxes and every row's draws come back
+    in one copy (`forerun.host_copy.to_host`), and nothing else in the step loop reads a tensor on the host: one
+    wait for the card a step, alone and in a batch (a copy of the argmaxes, then of the draws, was two)."""
+    model = model_of("qwen2", "sdpa")
+    monkeypatch.setattr(Sampling, "draws_at_once", lambda self, logits: True)
+    decoder = forerun.Decoder(model, None, "prompt_lookup", latency=CURVE, static_cache=True)
+    one, two = prompts(1)[0][0].tolist(), prompts(2, length=17)[1][0].tolist()
+    options = {"do_sample": True, "seed": 3, "temperature": 1.2, "top_k": 5, "eos_token_id": []}
+    decoder.generate([one, two], 24, **options)  # its graphs' shapes, once
+    for batch in ([one], [one, two]):
+        with HostReads() as reads:
+            results = decoder.generate(batch, 24, **options)
+        # each row's first forward copies at its join, then every step of the batch once for all rows
+        copies = len(batch) + max(result.stats.forwards for result in results) - 1
+        in_loop = {caller: n for caller, n in reads.tolist.items() if caller not in ("begin", "finished_result")}
+        assert in_loop == {"to_host": copies}, (len(batch), reads.tolist)
+        assert reads.scalars_in_steps == 0

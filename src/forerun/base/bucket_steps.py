@@ -49,6 +49,9 @@ class BucketStep:
     host: torch.Tensor
     idle: np.ndarray
     """A place no row holds, filled once: a padding root in the scratch slots."""
+    copied: torch.cuda.Event | None = None
+    """Recorded after each copy out of `host` (a card): the next fill waits for it alone, not for the forward.
+    A step copies its outputs to the host long after, so on the usual path it has passed when asked."""
     graph: torch.cuda.CUDAGraph | None = None
     logits: torch.Tensor | None = None
     choices: torch.Tensor | None = None
@@ -64,6 +67,8 @@ def new_step(rows: int, size: int, placed: bool, scratch: int, device: torch.dev
     padding = np.zeros(count, dtype=np.int64)
     fill_host(padding[1:], IDLE, scratch, size)
     step = BucketStep(rows, size, placed, torch.zeros(rows, count, dtype=torch.long, device=device), host, padding)
+    if device.type == "cuda":
+        step.copied = torch.cuda.Event()
     if idle:
         host.numpy()[:] = padding
         host.numpy()[:, 0] = np.arange(rows)

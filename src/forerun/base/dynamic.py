@@ -33,9 +33,10 @@ class TreeLogits:
 
     logits: torch.Tensor
     """[len(tree), vocab], on the model's device: the raw scores at every node."""
-    choices: list[int] | None = None
-    """The argmax of each node's logits, copied to the host in one transfer (where the base computed it on the
-    device); None: the verifier takes argmaxes itself, node by node along the walked path."""
+    argmax: torch.Tensor | None = None
+    """[len(tree)] int64 on the device: each node's argmax, where the base computes them there (an accelerator),
+    left for the step to copy to the host with its draws in one transfer (`forerun.host_copy`); None: the verifier
+    takes argmaxes itself, node by node along the walked path."""
     features: torch.Tensor | None = None
     """[1, lead + len(tree), F]: the outputs of the base's `features` layers at every position fed (the lead's
     first), where the base reads them itself; None: the step loop's hooks read them (`forerun.taps`)."""
@@ -95,7 +96,7 @@ class DynamicBase:
 
     def forward(self, tree: TokenTree, prefix_len: int, lead: Sequence[int]) -> TreeLogits:
         logits = forward_tree(self.head, self.cache, tree, prefix_len, lead, self.attention)
-        return TreeLogits(logits, host_choices(logits))
+        return TreeLogits(logits, device_argmax(logits))
 
     def commit(self, prefix_len: int, kept_nodes: list[int]) -> None:
         keep_accepted(self.cache, prefix_len, kept_nodes)
@@ -105,10 +106,10 @@ class DynamicBase:
             prefixes.store(tokens, self.cache, length)
 
 
-def host_choices(logits: torch.Tensor) -> list | None:
-    """Every node's argmax (of logits [..., vocab]) copied to the host at once on an accelerator, where that beats
-    a host sync per walked node; None on a CPU (the verifier takes the argmaxes it walks)."""
-    return None if logits.device.type == "cpu" else logits.argmax(-1).tolist()
+def device_argmax(logits: torch.Tensor) -> torch.Tensor | None:
+    """Every node's argmax (of logits [..., vocab]) on an accelerator, for the step's one copy to the host (that
+    beats a host sync per walked node); None on a CPU (the verifier takes the argmaxes it walks)."""
+    return None if logits.device.type == "cpu" else logits.argmax(-1)
 
 
 def forward_tree(

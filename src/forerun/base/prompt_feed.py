@@ -60,15 +60,15 @@ def feed_places(base: StaticBase, items: Fed) -> dict[int, TreeLogits]:
                 del pending[place]
         # a lone place at 0 is the base's own row (its graphs); elsewhere it is fed alone at its place
         placed = alone and next(iter(fed)) != 0
-        logits, choices, features = base.run(fed, placed, wait=bool(pending))
-        every = choices.tolist() if final else None  # the forward's one copy to the host
+        logits, choices, features = base.run(fed, placed)
         for place, tree_start in final.items():
             row, n = 0 if alone else place, len(items[place][0])
             got = None
             if features is not None:
                 got = torch.cat([*read.pop(place), features[row, : tree_start + n]])[None]
             stop = tree_start + n
-            out[place] = TreeLogits(logits[row, tree_start:stop].clone(), every[row][tree_start:stop], got)
+            # their own copies, on the device: a later forward of the feed replays the graph that wrote them
+            out[place] = TreeLogits(logits[row, tree_start:stop].clone(), choices[row, tree_start:stop].clone(), got)
         if features is not None:  # their own copies: the next replay rewrites the graph's
             for place in pending:
                 read[place].append(features[0 if alone else place, : len(fed[place][0])].clone())

@@ -29,7 +29,7 @@ from typing import Protocol
 import torch
 from transformers import DynamicCache
 
-from forerun.base.dynamic import TreeLogits, forward_tree, host_choices
+from forerun.base.dynamic import TreeLogits, device_argmax, forward_tree
 from forerun.base.place_prefixes import seed_place, store_place
 from forerun.base.static import StaticBase
 from forerun.head import LogitsHead
@@ -47,12 +47,13 @@ class RowsLogits:
     """A batch forward's outputs: `logits` [forward rows, nodes, vocab] in which row b is `logits[at[b]]` (a static
     base's place order: gathered into row order they were a copy of rows x nodes x vocab floats a step, 200 MB
     for 16 rows of 64 nodes in fp32; read before the next forward, which may rewrite them), every node's argmax
-    in row order (None: the verifier takes them) and the `features` layers' outputs [rows, nodes, F] in row order
-    (None: hooks read them)."""
+    [forward rows, nodes] on the device in the same order (None: the verifier takes them; the step copies them
+    to the host with its draws, `forerun.host_copy`) and the `features` layers' outputs [rows, nodes, F] in row
+    order (None: hooks read them)."""
 
     logits: torch.Tensor
     at: Sequence[int]
-    choices: list[list[int]] | None
+    argmax: torch.Tensor | None
     features: torch.Tensor | None
 
     def row(self, b: int, nodes: int) -> torch.Tensor:
@@ -169,7 +170,7 @@ class DynamicRows:
             past_key_values=self.cache.cache,
             use_cache=True,
         )  # [rows, nodes, vocab]
-        return RowsLogits(logits, range(len(trees)), host_choices(logits), None)
+        return RowsLogits(logits, range(len(trees)), device_argmax(logits), None)
 
     def in_row_order(self, tapped: torch.Tensor | None) -> torch.Tensor | None:
         return tapped
@@ -286,14 +287,14 @@ class StaticRows:
     def forward(self, prefix_lens: Sequence[int], trees: Sequence[TokenTree], nodes: int) -> RowsLogits:
         fed = {place: (tree, prefix_len) for place, tree, prefix_len in zip(self.held, trees, prefix_lens, strict=True)}
         logits, choices, features = self.base.run(fed, placed=False)
-        every = choices[:, :nodes].tolist()  # the step's one copy to the host
         features = None if features is None else self.in_row_order(features)[:, :nodes]
-        return RowsLogits(logits, tuple(self.held), [every[place] for place in self.held], features)
+        return RowsLogits(logits, tuple(self.held), choices[:, :nodes], features)
 
     def in_row_order(self, tapped: torch.Tensor | None) -> torch.Tensor | None:
         if tapped is None:
             return None
-        return tapped.index_select(0, torch.tensor(self.held, device=tapped.device))  # a copy: no replay rewrites it
+        held = torch.tensor(self.held).to(tapped.device, non_blocking=True)  # a blocking copy waits for the forward
+        return tapped.index_select(0, held)  # a copy: no replay rewrites it
 
     def keep(self, prefix_lens: Sequence[int], kept: Sequence[list[int]], nodes: int) -> None:
         self.base.commit_rows(list(zip(self.held, prefix_lens, kept, strict=True)))

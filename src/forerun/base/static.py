@@ -33,8 +33,8 @@ Example (a GPU):
     >>> base = StaticBase(model)                                         # doctest: +SKIP
     >>> base.begin(max_len=600)                                          # None: trees can be verified  # doctest: +SKIP
     >>> out = base.forward(tree, prefix_len=300, lead=())                # 5 nodes fed as bucket 8  # doctest: +SKIP
-    >>> out.logits.shape, len(out.choices)                               # doctest: +SKIP
-    (torch.Size([5, 49152]), 5)
+    >>> out.logits.shape, out.argmax.shape                               # doctest: +SKIP
+    (torch.Size([5, 49152]), torch.Size([5]))
 """
 
 from __future__ import annotations
@@ -254,15 +254,17 @@ class StaticBase:
         rows, nodes = max(fed) + 1, max(len(tree) for tree, _ in fed.values())
         return logits[:rows, :nodes].clone(), choices[:rows, :nodes].tolist()
 
-    def run(self, fed: Mapping[int, tuple[TokenTree, int]], placed: bool, wait: bool = False) -> Outputs:
+    def run(self, fed: Mapping[int, tuple[TokenTree, int]], placed: bool) -> Outputs:
         """One bucketed forward of `fed` {place: (tree of at most `largest` nodes, prefix_len)}: logits [R, B,
-        vocab], argmaxes [R, B] and the `features` [R, B, F], on the device. Row r is place r; `placed`: one
-        place fed alone, row 0 (the other places are neither fed nor read). `wait`: the input copy returns only
-        once done, so the pinned host buffer may be refilled at once (a prefill's chunks; a step's next fill
-        follows its copy-back)."""
+        vocab], argmaxes [R, B] and the `features` [R, B, F], on the device, none of it copied to the host (the
+        step does that once, `forerun.host_copy`). Row r is place r; `placed`: one place fed alone, row 0 (the
+        other places are neither fed nor read). The inputs travel in a non-blocking copy from a pinned buffer,
+        which is refilled only once that copy has been made (`BucketStep.copied`), whatever ran since."""
         size = self.bucket(max(len(tree) for tree, _ in fed.values()))
         rows = 1 if placed else self.row_bucket(max(fed) + 1)
         step = self.steps.get((rows, size, placed)) or self.prepare(rows, size, placed)
+        if step.copied is not None:
+            step.copied.synchronize()
         host = step.host.numpy()
         for r, place in enumerate(fed if placed else range(rows)):
             if place in fed:
@@ -271,7 +273,9 @@ class StaticBase:
             else:
                 host[r] = step.idle
                 host[r, 0] = place
-        step.inputs.copy_(step.host, non_blocking=not wait)
+        step.inputs.copy_(step.host, non_blocking=True)
+        if step.copied is not None:
+            step.copied.record()
         if step.graph is not None:
             step.graph.replay()
             return step.logits, step.choices, step.features
@@ -290,7 +294,7 @@ class StaticBase:
         self.slots.point(torch.tensor([place], device=self.device), current, contiguous=place == 0)
         logits, features = self.call(ids, positions, visible.to(self.device))
         logits = logits[0, -n:]  # its own tensor: no graph rewrites it
-        return TreeLogits(logits, logits.argmax(-1).tolist(), features)
+        return TreeLogits(logits, logits.argmax(-1), features)
 
     def bucket_forward(self, size: int, inputs: torch.Tensor, placed: bool = False) -> Outputs:
         """The forward of one (rows, bucket) from its input buffer (module docstring): logits [R, B, vocab],
@@ -381,9 +385,14 @@ class StaticBase:
         moved = [(p, start, nodes) for p, start, nodes in kept if nodes != list(range(len(nodes)))]
         if not moved:
             return
-        places = torch.tensor([p for p, _, nodes in moved for _ in nodes], device=self.device)
-        source = torch.tensor([start + i for _, start, nodes in moved for i in nodes], device=self.device)
-        target = torch.tensor([start + i for _, start, nodes in moved for i in range(len(nodes))], device=self.device)
+        index = torch.tensor(
+            [
+                [p for p, _, nodes in moved for _ in nodes],
+                [start + i for _, start, nodes in moved for i in nodes],
+                [start + i for _, start, nodes in moved for i in range(len(nodes))],
+            ]
+        ).to(self.device, non_blocking=True)  # one copy, and the host goes on (the gathers queue behind it)
+        places, source, target = index
         if self.slots.kv is not None:  # every layer's keys and values in one gather
             self.slots.kv[:, :, places, :, target] = self.slots.kv[:, :, places, :, source]
             return

@@ -44,7 +44,8 @@ def measure_curve(base: StaticBase, context: int = 256, repeats: int = 3) -> Lat
     def seconds_of(size: int) -> float:
         synchronize(base.device)
         started = time.perf_counter()
-        base.forward(chain(tokens[context:], size), context, ())
+        out = base.forward(chain(tokens[context:], size), context, ())
+        out.argmax.tolist()  # the step's one copy to the host: a step ends when its tokens are there
         return time.perf_counter() - started
 
     what = f"timing steps of {len(base.buckets)} tree sizes (first rounds capture their graphs; once per device)"
