@@ -255,13 +255,18 @@ def test_a_joining_prompt_whose_client_went_away_is_dropped_between_chunks():
     worker = BatchWorker(model, decoder.batch_budget(), max_batch=4, prefill_chunk=5)
     fed, abandoned = [], []
     feed, abandon = worker.batch.feed, worker.batch.abandon
-    worker.batch.feed = lambda joining, *a, **k: fed.append(id(joining.row.job)) or feed(joining, *a, **k)
+
+    def feeding(joining, *args, **kwargs):
+        fed.append(id(joining.row.job))
+        if joining.row.job.transcript.streamer is None:  # the long prompt's first chunk is fed in this call, so
+            began.set()  # the running request's next step (on this thread, after it) is what cancels it
+        return feed(joining, *args, **kwargs)
+
+    worker.batch.feed = feeding
     worker.batch.abandon = lambda joining: abandoned.append(id(joining.row.job)) or abandon(joining)
 
-    def prepare(prompt, streamer, mark=None):
+    def prepare(prompt, streamer):
         def build():
-            if mark is not None:
-                mark.set()
             return decoder.prepare(
                 GenerationRequest(prompt[0].tolist(), 16, eos_token_id=(), streamer=streamer)
             ), decoder
@@ -272,7 +277,7 @@ def test_a_joining_prompt_whose_client_went_away_is_dropped_between_chunks():
         first = asyncio.ensure_future(worker.run(prepare(short, Leaver()), threading.Event()))
         while not stepping.is_set():
             await asyncio.sleep(0.001)
-        second = asyncio.ensure_future(worker.run(prepare(long, None, began), gone))
+        second = asyncio.ensure_future(worker.run(prepare(long, None), gone))
         return await asyncio.gather(first, second, return_exceptions=True)
 
     try:
