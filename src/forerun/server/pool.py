@@ -24,7 +24,8 @@ from typing import Any
 
 from forerun.base.rows import static_rows
 from forerun.base.static import StaticBase
-from forerun.batch import Batch, Joining
+from forerun.batch import Batch
+from forerun.batch_join import Joining
 from forerun.checks import is_count
 from forerun.decoder import Decoder, GenerationResult
 from forerun.drafters.eagle3 import load_head
