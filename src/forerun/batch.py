@@ -47,7 +47,7 @@ from forerun.drafters.base import Drafter
 from forerun.engine import tree_support
 from forerun.host_copy import to_host
 from forerun.kvcache import plain_layers
-from forerun.row import RowRun, costly
+from forerun.row import RowJob, RowRun, costly  # noqa: F401 - RowJob re-exported
 from forerun.taps import LayerTaps, feature_layers, row_features
 from forerun.tree import TokenTree, merge
 
