@@ -36,8 +36,13 @@ docs: setup
 	$(BIN)/python docs/make_index.py
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir site
 
+# The tests run in one process per core (pytest-xdist; at most 4: each loads the real model): most of them drive tiny
+# models on one thread, so a single process left the second core of a 2-core machine idle. worksteal: a worker that
+# runs dry takes tests queued for the other (the statistical tests take minutes each).
+PYTEST := $(BIN)/python -m pytest -q -p no:cacheprovider -n auto --maxprocesses 4 --dist worksteal
+
 test: setup lint docs
-	$(BIN)/python -m pytest -q -p no:cacheprovider --doctest-modules src/forerun tests
+	$(PYTEST) --doctest-modules src/forerun tests
 
 # A few minutes' check while working: the unit tests (tests/unit: no real model) and an equality slice of
 # tests/equality (three families, every method; batches and sampling's negative controls). tests/e2e (the real
@@ -45,8 +50,8 @@ test: setup lint docs
 FAST_SLICE := tests/equality/test_equality_families.py tests/equality/test_batch.py tests/equality/test_sampling.py
 
 test-fast: setup lint
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not real_model" tests/unit
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not real_model" $(FAST_SLICE) \
+	$(PYTEST) -m "not real_model" tests/unit
+	$(PYTEST) -m "not real_model" $(FAST_SLICE) \
 		-k "llama or gpt2 or qwen3 or hand or negative or control"
 
 bench: setup

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import sys
 from pathlib import Path
 
@@ -12,10 +13,19 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 
+def cores_per_worker(config: pytest.Config) -> int:
+    """The cores each test process may use: all of them alone, a share under pytest-xdist's workers (two
+    processes each running two threads on two cores would wait on each other's spinning threads)."""
+    workers = getattr(config, "workerinput", {}).get("workercount", 1)
+    return max(1, len(os.sched_getaffinity(0)) // workers)
+
+
 @pytest.fixture(autouse=True)
 def torch_threads(request):
-    """Tiny models run fastest on one thread (no pool spin-up); the real model uses both cores."""
-    torch.set_num_threads(2 if request.node.get_closest_marker("real_model") else 1)
+    """Tiny models run fastest on one thread (no pool spin-up); the real model uses two cores where this process
+    has them."""
+    real = request.node.get_closest_marker("real_model") is not None
+    torch.set_num_threads(min(2, cores_per_worker(request.config)) if real else 1)
 
 
 @pytest.fixture(autouse=True)
