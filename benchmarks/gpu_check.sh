@@ -14,6 +14,8 @@
 #        bash benchmarks/gpu_check.sh 3   (undrafted steps of the random 1B-class model: eager, compiled, forerun)
 #        bash benchmarks/gpu_check.sh 4   (SmolLM2-135M: sampled steps drawn at once against the walk, after a
 #          phase 2 joined the model; benchmarks/sampled_steps.py)
+#        bash benchmarks/gpu_check.sh 5   (SmolLM2-135M: a draft model's forwards on slots against a growing cache,
+#          after a phase 2 joined the model; benchmarks/draft_slots.py)
 #        SECTIONS=bench bash benchmarks/gpu_check.sh 2 --methods plain,eagle3,auto,eagle3+prompt_lookup+trie \
 #          --baselines generate_static_compiled   (the shipped head on graphs; chat prompts: gpu_prompts.py --datasets)
 set -uo pipefail
@@ -35,6 +37,9 @@ case "${1:-1}" in
   4) echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  /tmp/smollm2.gguf" | sha256sum -c || exit 1
      (cd benchmarks && timeout "${BUDGET_S:-300}" python3 sampled_steps.py --model /tmp/smollm2.gguf \
        --prompts ../.gpu/prompts.json --device cuda --rows 1,16 --out "$OUT/sampled_steps.json" "${@:2}") ;;
+  5) echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  /tmp/smollm2.gguf" | sha256sum -c || exit 1
+     timeout "${BUDGET_S:-200}" python3 benchmarks/draft_slots.py --model /tmp/smollm2.gguf --prompts .gpu/prompts.json \
+       --device cuda --budget-s "$(( ${BUDGET_S:-200} - 60 ))" --out "$OUT/draft_slots.jsonl" "${@:2}" ;;
   2) cat /tmp/smollm2.part0* > /tmp/smollm2.gguf
      echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  /tmp/smollm2.gguf" | sha256sum -c || exit 1
      python3 benchmarks/gpu_check.py "${SECTIONS:-smoke,curve,bench,batch}" --model /tmp/smollm2.gguf \

@@ -13,6 +13,7 @@ import torch
 import forerun
 from forerun.config import DraftModelConfig
 from forerun.drafters.base import DraftContext
+from forerun.drafters.draft_cache import GrowingDraftCache, SlotDraftCache
 from forerun.drafters.draft_model import DraftModelDrafter, check_same_vocabulary, self_draft
 
 from tiny_models import VOCAB, prompts, tiny_model
@@ -77,11 +78,12 @@ def test_rollback_under_forced_rejections(knobs):
     assert 0.05 < sum(rates) / len(rates) < 0.95, rates  # both acceptances and rejections happened
 
 
-def test_draft_cache_rolls_back_to_exactly_the_shared_prefix():
+@pytest.mark.parametrize("slots", [False, True], ids=["growing", "slots"])
+def test_draft_cache_rolls_back_to_exactly_the_shared_prefix(slots):
     """After a rejection the cache holds the shared prefix only, and its logits equal a fresh draft run's."""
     target = model_of("llama")
     drafter = DraftModelDrafter(
-        DraftModelConfig(gamma=4, confidence=0.0, schedule="fixed", tree_width=1), target, VOCAB
+        DraftModelConfig(gamma=4, confidence=0.0, schedule="fixed", tree_width=1), target, VOCAB, slots=slots
     )
     tokens = prompts(1)[0][0].tolist()
     ctx = DraftContext(list(tokens), len(tokens), 16, frozenset())
@@ -92,9 +94,11 @@ def test_draft_cache_rolls_back_to_exactly_the_shared_prefix():
     # The target takes the first draft token, then says something else: a rejection after one token.
     other = (drafted[1] + 1) % VOCAB
     ctx.tokens.extend([drafted[0], other])
-    logits = drafter.catch_up(ctx.tokens, torch.device("cpu"))
+    logits = drafter.catch_up(ctx.tokens)
     assert drafter.cached == ctx.tokens
-    assert drafter.cache.get_seq_length() == len(ctx.tokens)
+    assert isinstance(drafter.store, SlotDraftCache if slots else GrowingDraftCache)
+    if not slots:
+        assert drafter.store.length == len(ctx.tokens)
     with torch.inference_mode():
         fresh = target(torch.tensor([ctx.tokens])).logits[0, -1]
     torch.testing.assert_close(logits, fresh, rtol=1e-4, atol=1e-4)
@@ -111,7 +115,8 @@ def test_lookup_inside_the_draft_keeps_greedy_equality(target_family, draft_fami
         assert torch.equal(result.sequences, reference(target_family, impl, index)), (index,)
 
 
-def test_lookup_inside_the_draft_drafts_the_same_tokens_with_fewer_draft_forwards():
+@pytest.mark.parametrize("slots", [False, True], ids=["growing", "slots"])
+def test_lookup_inside_the_draft_drafts_the_same_tokens_with_fewer_draft_forwards(slots):
     """Guesses only save draft forwards: the draft's choices, hence the tree, are those of plain drafting.
     Guesses that have not paid lately are only watched (no wider forward) until they would have paid again.
 
@@ -127,7 +132,7 @@ def test_lookup_inside_the_draft_drafts_the_same_tokens_with_fewer_draft_forward
         config = DraftModelConfig(
             gamma=10, confidence=0.0, schedule="fixed", tree_width=1, lookup=8 if lookup == "watched" else lookup
         )
-        drafter = DraftModelDrafter(config, draft, VOCAB)
+        drafter = DraftModelDrafter(config, draft, VOCAB, slots=slots)
         if lookup == "watched":  # guesses have not paid lately: they are only watched, and learned from
             drafter.guess_rate = 0.0
         calls: list[int] = []
@@ -138,8 +143,8 @@ def test_lookup_inside_the_draft_drafts_the_same_tokens_with_fewer_draft_forward
         forwards[lookup] = list(calls)  # the proposal's forwards only
         # the target takes 2 drafted tokens and says another third: the cache keeps exactly the shared prefix
         ctx.tokens.extend([expected[0], expected[1], (expected[2] + 1) % VOCAB])
-        logits = drafter.catch_up(ctx.tokens, torch.device("cpu"))
-        assert drafter.cached == ctx.tokens and drafter.cache.get_seq_length() == len(ctx.tokens)
+        logits = drafter.catch_up(ctx.tokens)
+        assert drafter.cached == ctx.tokens
         with torch.inference_mode():
             fresh = draft(torch.tensor([ctx.tokens])).logits[0, -1]
         torch.testing.assert_close(logits, fresh, rtol=1e-4, atol=1e-4)
@@ -154,9 +159,9 @@ def test_lookup_inside_the_draft_drafts_the_same_tokens_with_fewer_draft_forward
 def counting(forward, calls: list[int]):
     """`forward` that also records how many tokens each call feeds."""
 
-    def wrapped(ids, device, keep=None):
+    def wrapped(ids, keep=None):
         calls.append(len(ids))
-        return forward(ids, device, keep)
+        return forward(ids, keep)
 
     return wrapped
 
@@ -284,7 +289,7 @@ def test_missing_or_misplaced_draft_model_is_a_clear_error():
 def test_the_draft_models_forwards_keep_off_cudnn_on_a_card(monkeypatch):
     """Every forward of the draft model runs inside `planless_attention` with its inputs' device (a card would
     otherwise plan cuDNN's attention for every new cache length; `forerun.attention.planless_attention`)."""
-    from forerun.drafters import draft_model as module
+    from forerun.drafters import draft_cache as module
 
     asked, real = [], module.planless_attention
     monkeypatch.setattr(module, "planless_attention", lambda device: asked.append(device) or real(device))

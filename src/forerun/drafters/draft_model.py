@@ -22,6 +22,9 @@ Guesses are fed only while they pay (`lookup_min_hits`); otherwise they are only
 Example (lookup 4): drafted "return", the text before had "return a + b", so the draft is fed
 "return a + b" at once; it chooses "a", "+", "b" from the rows it already has, then feeds its next choice.
 
+Where the draft's keys and values live is `forerun.drafters.draft_cache`'s: a growing cache with eager forwards on
+a CPU, a static base of the draft's own on a card (each forward a captured graph, as the target's are).
+
 `self_draft(model, k)` builds the no-second-model variant: the target's first k decoder layers and its own LM
 head, sharing the target's weights (no copy).
 """
@@ -29,36 +32,41 @@ head, sharing the target's weights (no copy).
 from __future__ import annotations
 
 import copy
+import time
 
 import torch
 from torch import nn
-from transformers import DynamicCache
 
-from forerun.attention import planless_attention
 from forerun.config import DraftModelConfig, PromptLookupConfig
 from forerun.drafters.base import DraftContext, MethodSpec, StepOutcome, cut_at_eos
+from forerun.drafters.draft_cache import SLOTS_AHEAD, DraftCache, GrowingDraftCache, SlotDraftCache, slot_pool
 from forerun.drafters.prompt_lookup import PromptLookupDrafter
 from forerun.head import LogitsHead
-from forerun.kvcache import roomy_cache
 from forerun.tree import TokenTree
 
 
 class DraftModelDrafter:
-    """Drafts with `draft` (a causal LM sharing the target's token ids); `vocab` = the target's output rows."""
+    """Drafts with `draft` (a causal LM sharing the target's token ids); `vocab` = the target's output rows.
+    `slots`: the draft's forwards on a static base of its own, captured graphs on a card (None: where the draft
+    sits on a CUDA card; `forerun.drafters.draft_cache`)."""
 
     name = "draft_model"
 
-    def __init__(self, config: DraftModelConfig, draft: nn.Module, vocab: int) -> None:
+    def __init__(self, config: DraftModelConfig, draft: nn.Module, vocab: int, slots: bool | None = None) -> None:
         self.config, self.draft, self.vocab = config, draft, vocab
         self.gamma = config.gamma
         """The current draft length; the schedule moves it and it carries over to the next request."""
-        self.cache: DynamicCache | None = None
+        self.pool = slot_pool(draft, slots)
+        """Static bases the requests' draft caches take (shared by the drafters forked for a batch's rows); None:
+        each request's draft cache grows."""
+        self.store: DraftCache | None = None
+        """This request's draft keys and values, and the forwards over them."""
         self.cached: list[int] = []
-        """The token ids whose keys/values are in `self.cache`, in order."""
+        """The token ids whose keys/values `store` holds, in order."""
         self.drafted = 0
         self.head = LogitsHead(draft)
-        """The draft's forwards (its first decides how the logits of a few positions are computed: guesses checked
-        in one draft forward need several)."""
+        """The growing cache's logits (its first forward decides how the logits of a few positions are computed:
+        guesses checked in one draft forward need several)."""
         self.lookup = (
             PromptLookupDrafter(PromptLookupConfig(draft_len=config.lookup, max_branches=1)) if config.lookup else None
         )
@@ -67,20 +75,64 @@ class DraftModelDrafter:
         """Running mean of guessed tokens the draft confirmed per guess; guesses are fed while it is high enough
         (it starts at the bar: guessing starts on, and carries over to the next request)."""
 
+    def __copy__(self) -> DraftModelDrafter:
+        """A view for one more concurrent request (`forerun.batch.fork`): the draft model, its pool of slot caches
+        and the schedule's state are shared; the draft cache and the guesses' index are its own (a shared index
+        was read and extended with every row's text, and guessed from other rows' text)."""
+        twin = object.__new__(type(self))
+        twin.__dict__.update(self.__dict__)
+        twin.store, twin.cached = None, []
+        twin.lookup = copy.copy(self.lookup)
+        return twin
+
     def start(self, ctx: DraftContext) -> None:
-        self.cache = roomy_cache(self.draft.config)  # written in place: the draft runs a forward per guess
+        self.release()
+        self.store = SlotDraftCache(self.pool.take()) if self.pool is not None else self.growing()
         self.cached = []
+        self.make_room(len(ctx.tokens))
         if self.lookup is not None:
             self.lookup.start(ctx)
+
+    def growing(self) -> GrowingDraftCache:
+        return GrowingDraftCache(self.draft, self.head)
+
+    def make_room(self, length: int) -> None:
+        """Room in the draft cache for `length` tokens; where making it dropped what was held, it is fed again (a
+        slot cache that grew), and where slots cannot hold such a text, the rest of the request grows a cache."""
+        try:
+            kept = self.store.reserve(length)
+        except ValueError:  # e.g. a draft whose sliding window is shorter than the text: exact in a growing cache
+            self.release()
+            self.store, kept = self.growing(), False
+        if not kept:
+            self.cached = []
+
+    def release(self) -> None:
+        """Hand a slot cache back to the pool (its graphs serve the next request)."""
+        if isinstance(self.store, SlotDraftCache):
+            self.pool.give(self.store.base)
+        self.store = None
+
+    def warm(self, max_len: int) -> float:
+        """Capture the slot cache's graphs now for texts of up to `max_len` tokens (`Decoder.warm_up`); returns the
+        seconds spent (0.0 where the draft's cache grows)."""
+        if self.pool is None:
+            return 0.0
+        started, base = time.perf_counter(), self.pool.take()
+        try:
+            base.warm(max_len + SLOTS_AHEAD)
+        finally:
+            self.pool.give(base)
+        return time.perf_counter() - started
 
     def propose(self, ctx: DraftContext) -> TokenTree:
         tree = TokenTree.rooted_at(ctx.tokens[-1])
         room = min(self.gamma, ctx.budget - self.config.tree_width)
         if room < 1:
             return tree
-        device = next(self.draft.parameters()).device
+        self.make_room(len(ctx.tokens) + room + self.config.lookup + 1)
         # rows[i]: the draft's logits after `sequence` + guess[:i], already computed (no forward needed).
-        rows = [self.catch_up(ctx.tokens, device)]
+        rows = [self.catch_up(ctx.tokens)]
         # guess: the prompt-lookup guess not yet confirmed by the draft's choices; fed: its tokens were fed to the
         # draft beyond `sequence` (else it is only watched, to learn whether guesses pay).
         guess: list[int] = []
@@ -92,21 +144,21 @@ class DraftModelDrafter:
             probs = torch.softmax(scores, dim=-1)
             if ctx.noise is not None:  # sampled: guess the target's draw at this position (the same noise)
                 scores = ctx.noise.perturbed(scores, len(sequence))
-            token = int(scores.argmax())
-            node = tree.add(parent, token, source=self.name, score=float(probs[token]))
+            token, chance, best = choice_of(scores, probs)
+            node = tree.add(parent, token, source=self.name, score=chance)
             if step == 0 and self.config.tree_width > 1:  # leaves: the draft's next choices, verified for free
                 for alternative in scores.topk(self.config.tree_width).indices[1:].tolist():
                     tree.add(0, alternative, source=self.name, score=float(probs[alternative]))
             parent = node
             drafted.append(token)
             sequence.append(token)
-            if token in ctx.eos_token_ids or step == room - 1 or float(probs.max()) < self.config.confidence:
+            if token in ctx.eos_token_ids or step == room - 1 or best < self.config.confidence:
                 break
             if guess and guess[0] == token:  # the draft's own choice confirms the guess
                 guess.pop(0)
                 hits += 1
                 if not fed:  # a guess only watched: the draft still needs this token's forward
-                    rows = self.forward([token], device)
+                    rows = self.forward([token])
                 continue  # a fed guess: the next logits are already in rows
             if fed and guess:  # the draft chose otherwise: drop the guessed keys/values before feeding anew
                 self.drop_last(len(guess))
@@ -115,7 +167,7 @@ class DraftModelDrafter:
             guess = self.guess_after(sequence, ctx, room - step - 2)
             hits, watching = 0, bool(guess)
             fed = watching and self.guess_rate >= self.config.lookup_min_hits
-            rows = self.forward([token, *guess] if fed else [token], device)
+            rows = self.forward([token, *guess] if fed else [token])
         if watching:
             self.learn(hits)
         self.drafted = len(cut_at_eos(drafted, ctx.eos_token_ids))
@@ -132,33 +184,29 @@ class DraftModelDrafter:
         found = self.lookup.continuations(sequence, ctx.eos_token_ids)
         return found[0][1][:room] if found else []
 
-    def catch_up(self, tokens: list[int], device: torch.device) -> torch.Tensor:
+    def catch_up(self, tokens: list[int]) -> torch.Tensor:
         """Crop the cache to what it shares with `tokens` (never the last token), feed the rest; last logits."""
         shared = 0
         limit = min(len(self.cached), len(tokens) - 1)
         while shared < limit and self.cached[shared] == tokens[shared]:
             shared += 1
         self.drop_last(len(self.cached) - shared)
-        return self.forward(tokens[shared:], device, keep=1)[0]
+        return self.forward(tokens[shared:], keep=1)[0]
 
     def drop_last(self, count: int) -> None:
         """Forget the last `count` cached tokens (rejected guesses: nothing else is recomputed)."""
         if count > 0:
-            self.cache.crop(-count)  # negative: drop that many from the end
+            self.store.crop(len(self.cached) - count)
             del self.cached[-count:]
 
     @torch.inference_mode()
-    def forward(self, tokens: list[int], device: torch.device, keep: int | None = None) -> list[torch.Tensor]:
+    def forward(self, tokens: list[int], keep: int | None = None) -> list[torch.Tensor]:
         """Feed `tokens` after the cached ones; the logits [vocab of the target] at the last `keep` of them
         (all of them by default), in order."""
         keep = len(tokens) if keep is None else keep
-        start = len(self.cached)
-        ids = torch.tensor([tokens], dtype=torch.long, device=device)
-        positions = torch.arange(start, start + len(tokens), device=device).unsqueeze(0)
-        with planless_attention(ids.device):  # a new cache length every step: no plan per shape on a card
-            logits = self.head(keep, input_ids=ids, position_ids=positions, past_key_values=self.cache, use_cache=True)
+        logits = self.store.feed(tokens, len(self.cached), keep)
         self.cached.extend(tokens)
-        return [fit_rows(row.float(), self.vocab) for row in logits[0, -keep:]]
+        return [fit_rows(row.float(), self.vocab) for row in logits[-keep:]]
 
     def scores(self, logits: torch.Tensor, sequence: list[int], ctx: DraftContext) -> torch.Tensor:
         """The draft's next-token scores after the target's processors, applied with the draft's own prefix."""
@@ -181,9 +229,23 @@ class DraftModelDrafter:
         self.gamma = max(1, min(self.gamma, self.config.max_gamma))
 
     def finish(self, ctx: DraftContext) -> None:
-        self.cache, self.cached = None, []  # the draft's cache is per request: free it now
+        self.release()  # the draft's cache is per request: freed, or its slots handed back
+        self.cached = []
         if self.lookup is not None:
             self.lookup.finish(ctx)
+
+
+def choice_of(scores: torch.Tensor, probs: torch.Tensor) -> tuple[int, float, float]:
+    """The draft's choice at one position: argmax of `scores` [vocab], its probability and the largest one under
+    `probs` [vocab], read in one copy to the host (on a card, three reads would each wait for it).
+
+    Example:
+        >>> choice_of(torch.tensor([0.0, 2.0, 1.0]), torch.tensor([0.2, 0.5, 0.3]))
+        (1, 0.5, 0.5)
+    """
+    token = scores.argmax()
+    got = torch.stack([token.to(probs.dtype), probs[token], probs.max()]).tolist()
+    return int(got[0]), got[1], got[2]
 
 
 def fit_rows(logits: torch.Tensor, vocab: int) -> torch.Tensor:
