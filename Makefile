@@ -45,14 +45,15 @@ test: setup lint docs
 	$(PYTEST) --doctest-modules src/forerun tests
 
 # A few minutes' check while working: the unit tests (tests/unit: no real model) and an equality slice of
-# tests/equality (three families, every method; batches and sampling's negative controls). tests/e2e (the real
-# model, the server, the CLI) runs in `make test`, which CI runs.
+# tests/equality (three families, every method; batches, sampling's negative controls and its seeds: a draw read
+# at another position's noise fails there). tests/e2e (the real model, the server, the CLI) runs in `make test`,
+# which CI runs.
 FAST_SLICE := tests/equality/test_equality_families.py tests/equality/test_batch.py tests/equality/test_sampling.py
 
 test-fast: setup lint
 	$(PYTEST) -m "not real_model" tests/unit
 	$(PYTEST) -m "not real_model" $(FAST_SLICE) \
-		-k "llama or gpt2 or qwen3 or hand or negative or control"
+		-k "llama or gpt2 or qwen3 or hand or negative or control or seed"
 
 bench: setup
 	$(BIN)/forerun bench --quick --threads 1 --out bench-results/quick
