@@ -27,6 +27,7 @@ import torch
 
 import forerun
 from forerun.drafters.draft_model import DraftModelDrafter, self_draft
+from forerun.methods import plan_method
 
 
 def synced(device: torch.device):
@@ -37,10 +38,10 @@ def decoders(model, tokenizer, layers: int, gamma: int) -> dict[str, forerun.Dec
     """plain, and draft_model with the target's first `layers` layers in a growing cache and on slots."""
     made = {"plain": forerun.Decoder(model, tokenizer, "plain")}
     knobs = dict(self_draft_layers=layers, gamma=gamma)
-    template = forerun.Decoder(model, tokenizer, "draft_model", **knobs)
+    config = plan_method("draft_model", knobs, next(model.parameters()).device.type).configs[0]  # as a Decoder's
     draft, vocab = self_draft(model, layers), model.get_output_embeddings().weight.shape[0]
     for label, slots in (("draft_model (growing)", False), ("draft_model (slots)", True)):
-        drafter = DraftModelDrafter(template.plan.configs[0], draft, vocab, slots=slots)
+        drafter = DraftModelDrafter(config, draft, vocab, slots=slots)
         made[label] = forerun.Decoder(model, tokenizer, "draft_model", drafters=[drafter], **knobs)
     return made
 
@@ -61,7 +62,7 @@ def run(args: argparse.Namespace) -> None:
     prompts = prompts[: args.n] if args.n else prompts
     made = decoders(model, tokenizer, args.layers, args.gamma)
     longest = max(len(p["ids"]) for p in prompts) + args.new_tokens
-    out = open(args.out, "w") if args.out else None  # noqa: SIM115 - lines written as they come
+    out = open(args.out, "w") if args.out else None  # lines written as they come
 
     def log(**record: object) -> None:
         line = json.dumps(record)

@@ -97,11 +97,14 @@ class SlotDraftCache:
     def reserve(self, length: int) -> bool:
         """Raises ValueError where the draft cannot verify trees on slots for a text this long (a sliding window
         shorter than the text): the drafter goes on in a growing cache."""
-        held = self.base.length
-        reason = self.base.begin(length + SLOTS_AHEAD)  # allocates only when the slots held fall short
+        base = self.base
+        if length <= base.supported and length + base.largest <= base.length:
+            return True  # checked and held already: no check of the model again every step
+        held = base.length
+        reason = base.begin(length + SLOTS_AHEAD)  # allocates only when the slots held fall short
         if reason is not None:
             raise ValueError(f"the draft model cannot run on slots: {reason}")
-        return self.base.length == held
+        return base.length == held
 
     def feed(self, tokens: Sequence[int], start: int, keep: int) -> torch.Tensor:
         tokens = list(tokens)

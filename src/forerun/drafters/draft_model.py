@@ -206,7 +206,7 @@ class DraftModelDrafter:
         keep = len(tokens) if keep is None else keep
         logits = self.store.feed(tokens, len(self.cached), keep)
         self.cached.extend(tokens)
-        return [fit_rows(row.float(), self.vocab) for row in logits[-keep:]]
+        return [fit_rows(row.float(), self.vocab) for row in logits]
 
     def scores(self, logits: torch.Tensor, sequence: list[int], ctx: DraftContext) -> torch.Tensor:
         """The draft's next-token scores after the target's processors, applied with the draft's own prefix."""
