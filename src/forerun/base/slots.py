@@ -17,6 +17,8 @@ Example (two places of 8 slots; one row fed at place 1, its 2 nodes at slots 3 a
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from transformers.cache_utils import StaticLayer
 
@@ -79,3 +81,45 @@ class SlotLayer(StaticLayer):
         if self.slots.contiguous:
             return self.keys[:rows], self.values[:rows]
         return self.keys.index_select(0, places), self.values.index_select(0, places)
+
+
+def gather_paths(slots: Slots, layers: Sequence[StaticLayer], kept: Sequence[tuple[int, int, list[int]]],
+                 device: torch.device) -> None:  # fmt: skip
+    """Each (place, prefix_len, kept nodes): the kept nodes' keys and values, written at slots prefix_len + node,
+    gathered to slots prefix_len, prefix_len + 1, ... of their place; every place and layer in one gather where
+    `slots.kv` holds them all (a path already in place moves nothing).
+
+    Example (place 1 kept nodes 0 and 2 of a tree fed after 3 tokens: slot 5 moves to slot 4):
+        >>> slots = Slots(layers=1, places=2, length=8)
+        >>> slots.kv = torch.arange(16.0).view(1, 1, 2, 1, 8, 1).repeat(1, 2, 1, 1, 1, 1)
+        >>> gather_paths(slots, [], [(1, 3, [0, 2])], torch.device("cpu"))
+        >>> slots.kv[0, 0, 1, 0, :, 0].tolist()
+        [8.0, 9.0, 10.0, 11.0, 13.0, 13.0, 14.0, 15.0]
+    """
+    moved = [(p, start, nodes) for p, start, nodes in kept if nodes != list(range(len(nodes)))]
+    if not moved:
+        return
+    index = torch.tensor(
+        [
+            [p for p, _, nodes in moved for _ in nodes],
+            [start + i for _, start, nodes in moved for i in nodes],
+            [start + i for _, start, nodes in moved for i in range(len(nodes))],
+        ]
+    ).to(device, non_blocking=True)  # one copy, and the host goes on (the gathers queue behind it)
+    places, source, target = index
+    if slots.kv is not None:  # every layer's keys and values in one gather
+        slots.kv[:, :, places, :, target] = slots.kv[:, :, places, :, source]
+        return
+    for layer in layers:
+        layer.keys[places, :, target] = layer.keys[places, :, source]
+        layer.values[places, :, target] = layer.values[places, :, source]
+
+
+def copy_place(slots: Slots, layers: Sequence[StaticLayer], source: int, target: int, length: int) -> None:
+    """Copy place `source`'s first `length` slots to place `target`, in every layer."""
+    if slots.kv is not None:
+        slots.kv[:, :, target, :, :length] = slots.kv[:, :, source, :, :length]
+        return
+    for layer in layers:
+        layer.keys[target, :, :length] = layer.keys[source, :, :length]
+        layer.values[target, :, :length] = layer.values[source, :, :length]

@@ -54,7 +54,7 @@ from forerun.base.bucket_steps import BucketStep, Outputs, capture, compiled_cop
 from forerun.base.dynamic import TreeLogits
 from forerun.base.place_prefixes import seed_place, store_place
 from forerun.base.prompt_feed import Fed, feed_places
-from forerun.base.slots import SlotLayer, Slots
+from forerun.base.slots import SlotLayer, Slots, copy_place, gather_paths
 from forerun.base.step_inputs import fill_host
 from forerun.costmodel import LatencyCurve
 from forerun.kvcache import UnsupportedCacheError, check_tree_cache
@@ -382,29 +382,8 @@ class StaticBase:
     def commit_rows(self, kept: Sequence[tuple[int, int, list[int]]]) -> None:
         """Each (place, prefix_len, kept nodes): keep the path, gathered to the front of the place's new slots,
         all places in one gather (a path already in place moves nothing)."""
-        moved = [(p, start, nodes) for p, start, nodes in kept if nodes != list(range(len(nodes)))]
-        if not moved:
-            return
-        index = torch.tensor(
-            [
-                [p for p, _, nodes in moved for _ in nodes],
-                [start + i for _, start, nodes in moved for i in nodes],
-                [start + i for _, start, nodes in moved for i in range(len(nodes))],
-            ]
-        ).to(self.device, non_blocking=True)  # one copy, and the host goes on (the gathers queue behind it)
-        places, source, target = index
-        if self.slots.kv is not None:  # every layer's keys and values in one gather
-            self.slots.kv[:, :, places, :, target] = self.slots.kv[:, :, places, :, source]
-            return
-        for layer in self.cache.layers:
-            layer.keys[places, :, target] = layer.keys[places, :, source]
-            layer.values[places, :, target] = layer.values[places, :, source]
+        gather_paths(self.slots, self.cache.layers, kept, self.device)
 
     def move(self, source: int, target: int, length: int) -> None:
         """Copy place `source`'s first `length` slots to place `target` (a batch packing its rows to the front)."""
-        if self.slots.kv is not None:
-            self.slots.kv[:, :, target, :, :length] = self.slots.kv[:, :, source, :, :length]
-            return
-        for layer in self.cache.layers:
-            layer.keys[target, :, :length] = layer.keys[source, :, :length]
-            layer.values[target, :, :length] = layer.values[source, :, :length]
+        copy_place(self.slots, self.cache.layers, source, target, length)
