@@ -25,19 +25,20 @@ from transformers import (
 from forerun.assembly import check_vocabulary, make_base, make_budget, prepare_draft, prepare_head, price_costly
 from forerun.batch import batchable, fork
 from forerun.batched import decode_rows
-from forerun.checks import check_batch_size, is_count, row_seeds
+from forerun.checks import check_batch_size, is_count
 from forerun.config import EngineConfig
 from forerun.costmodel import Budget, LatencyCurve
 from forerun.defaults import DEFAULT_METHOD
 from forerun.drafters.base import Drafter
+from forerun.drafters.draft_model import DraftModelDrafter
 from forerun.drafters.prediction import PredictionDrafter
 from forerun.engine import decode
 from forerun.latency import DEFAULT_CACHE_DIR, batches_of, curve_for
 from forerun.methods import MethodPlan, plan_method
 from forerun.noise import GumbelNoise
 from forerun.prefixcache import PrefixCache, Prefixes
-from forerun.preparation import Prepared, as_request, eos_ids_of, finished_result, request_criteria, seeded
-from forerun.prompts import check_context, check_kinds, encode_prediction, encode_prompt
+from forerun.preparation import Prepared, as_request, eos_ids_of, finished_result, request_criteria, requests_of, seeded
+from forerun.prompts import check_context, encode_prediction, encode_prompt
 from forerun.request import GenerationRequest, Prompt, is_batch
 from forerun.result import GenerationResult
 from forerun.row import RowJob
@@ -171,13 +172,14 @@ class Decoder:
 
     def warm_up(self, max_len: int = 2048, batch_size: int = 1, single: bool = True) -> float:
         """Capture the static cache's graphs now (compiled first, with compile_buckets) for texts of up to `max_len`
-        tokens (prompt + new tokens), so that no request pays for them, and a trained head's own graphs; returns the
-        seconds spent (0.0 without a static cache, a CPU's default). A longer request later allocates a larger
-        cache and captures again.
+        tokens (prompt + new tokens), so that no request pays for them, and a trained head's or a draft model's own
+        graphs; returns the seconds spent (0.0 without a static cache, a CPU's default). A longer request later
+        allocates a larger cache and captures again.
         `batch_size` > 1: also the graphs of batches of up to that many rows (every row count they are padded
-        to, and a joining row's prompt fed into its place): `generate_each(..., batch_size=)` and a server's
-        continuous batch of that many rows. `single=False` (with `batch_size` > 1): only those, not a lone
-        request's own (`generate(prompt)`); a server whose every request joins its batch never replays them.
+        to, a joining row's prompt fed into its place, and a draft model's slot cache for each row):
+        `generate_each(..., batch_size=)` and a server's continuous batch of that many rows. `single=False` (with
+        `batch_size` > 1): only those, not a lone request's own (`generate(prompt)`); a server whose every request
+        joins its batch never replays them.
 
         Example:
             >>> decoder = Decoder(model, tokenizer, "auto")                    # doctest: +SKIP
@@ -206,6 +208,8 @@ class Decoder:
             if batched:  # the places `generate_each` and a server's batch take
                 rows = self.base.sibling(batch_size)
                 seconds += rows.warm(longest, rows.row_buckets, placed=True)
+                drafts = [d for d in self.drafters if isinstance(d, DraftModelDrafter)]  # a slot cache per row
+                seconds += sum(drafter.warm(longest, rows=batch_size) for drafter in drafts)
         return seconds
 
     def encode(self, prompt: Prompt, chat: bool = False) -> torch.Tensor:
@@ -284,7 +288,7 @@ class Decoder:
             ...     print(i, result.text)
         """
         check_batch_size(batch_size)
-        requests = self.requests_of(prompts, max_new_tokens, options)
+        requests = requests_of(prompts, max_new_tokens, options)
         prefixes = {}  # one scoped view per salt
         rows = []
         for i, request in enumerate(requests):
@@ -301,34 +305,6 @@ class Decoder:
                     yield index, self.result(rows[index], stats)
 
         return finished()
-
-    def requests_of(
-        self, prompts: Sequence[Prompt | GenerationRequest] | torch.Tensor, max_new_tokens: int, options: dict
-    ) -> list[GenerationRequest]:
-        """A batch's requests: the given ones, or one per prompt with the shared options (row i seeded seed + i)."""
-        if isinstance(prompts, torch.Tensor):
-            prompts = list(prompts)
-        prompts = list(prompts)
-        if not prompts:
-            raise ValueError("the batch of prompts is empty")
-        if all(isinstance(p, GenerationRequest) for p in prompts):
-            if options:
-                raise ValueError(f"give each GenerationRequest its own settings, not {sorted(options)}")
-            return prompts  # type: ignore[return-value]
-        if options.get("streamer") is not None:
-            raise ValueError("streamer= follows one prompt; give each row its own GenerationRequest with a streamer")
-        if options.get("prediction") is not None:
-            raise ValueError("prediction= goes with one prompt; give each row its own GenerationRequest")
-        check_kinds(prompts, bool(options.get("chat")))
-        seeds = row_seeds(options.pop("seed", None), len(prompts))
-        GenerationRequest.of("-", max_new_tokens, **options)  # the shared settings, checked once before any prompt
-        requests = []
-        for i, prompt in enumerate(prompts):
-            try:
-                requests.append(as_request(prompt, max_new_tokens, {**options, "seed": seeds[i] if seeds else None}))
-            except ValueError as error:
-                raise ValueError(f"prompt {i}: {error}") from None
-        return requests
 
     def check_prompt(self, prompt: Prompt, max_new_tokens: int = 256, chat: bool = False) -> torch.Tensor:
         """The prompt's input_ids [1, L] if `generate` would take it with `max_new_tokens`; otherwise the

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 from transformers import EosTokenCriteria, LogitsProcessorList, MaxLengthCriteria, StoppingCriteriaList
 
+from forerun.checks import row_seeds
+from forerun.prompts import check_kinds
 from forerun.request import GenerationRequest, Prompt
 from forerun.result import GenerationResult
 from forerun.row import RowJob
@@ -145,3 +147,37 @@ def pad_token_of(model: torch.nn.Module) -> int | None:
 def processors_only(model, input_ids, logits_processor, stopping_criteria, generation_config, **kwargs):
     """A `custom_generate` that decodes nothing: it returns the processors and criteria transformers prepared."""
     return logits_processor, stopping_criteria
+
+
+def requests_of(
+    prompts: Sequence[Prompt | GenerationRequest] | torch.Tensor, max_new_tokens: int, options: dict
+) -> list[GenerationRequest]:
+    """A batch's requests: the given ones, or one per prompt with the shared options (row i seeded seed + i).
+
+    Example:
+        >>> [(r.prompt, r.seed) for r in requests_of(["a", "b"], 8, {"seed": 3})]
+        [('a', 3), ('b', 4)]
+    """
+    if isinstance(prompts, torch.Tensor):
+        prompts = list(prompts)
+    prompts = list(prompts)
+    if not prompts:
+        raise ValueError("the batch of prompts is empty")
+    if all(isinstance(p, GenerationRequest) for p in prompts):
+        if options:
+            raise ValueError(f"give each GenerationRequest its own settings, not {sorted(options)}")
+        return prompts  # type: ignore[return-value]
+    if options.get("streamer") is not None:
+        raise ValueError("streamer= follows one prompt; give each row its own GenerationRequest with a streamer")
+    if options.get("prediction") is not None:
+        raise ValueError("prediction= goes with one prompt; give each row its own GenerationRequest")
+    check_kinds(prompts, bool(options.get("chat")))
+    seeds = row_seeds(options.pop("seed", None), len(prompts))
+    GenerationRequest.of("-", max_new_tokens, **options)  # the shared settings, checked once before any prompt
+    requests = []
+    for i, prompt in enumerate(prompts):
+        try:
+            requests.append(as_request(prompt, max_new_tokens, {**options, "seed": seeds[i] if seeds else None}))
+        except ValueError as error:
+            raise ValueError(f"prompt {i}: {error}") from None
+    return requests

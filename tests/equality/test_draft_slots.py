@@ -115,6 +115,22 @@ def test_warm_up_makes_the_drafts_buckets_before_the_first_request():
     assert drafter.pool.free == [base]  # the warmed base served the request
 
 
+def test_warm_up_for_a_batch_makes_a_draft_base_for_each_row():
+    """Each row of a batch drafts on a base of its own: a warm-up for 3 rows makes and warms 3, and a 3-row batch
+    after it takes those, no new one (on a card a new base captures its graphs inside the request)."""
+    target = model_of("llama")
+    decoder, drafter = on_slots(target, model_of("llama", seed=1), static_target=True, gamma=3)
+    decoder.warm_up(128, batch_size=3, single=False)
+    warmed = list(drafter.pool.free)
+    assert len({id(base) for base in warmed}) == 3
+    assert all({size for _, size, _ in base.steps} == set(base.buckets) for base in warmed)
+    rows = prompts(3)
+    results = decoder.generate(rows, 16, eos_token_id=[])
+    for prompt, result in zip(rows, results, strict=True):
+        assert torch.equal(result.sequences, reference(target, prompt, 16))
+    assert {id(base) for base in drafter.pool.free} == {id(base) for base in warmed}
+
+
 def test_a_seeded_sample_is_the_same_whether_the_draft_grows_or_sits_on_slots():
     target, draft = model_of("llama"), model_of("llama", seed=1)
     slotted, _ = on_slots(target, draft, gamma=3)

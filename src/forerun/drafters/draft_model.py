@@ -113,16 +113,20 @@ class DraftModelDrafter:
             self.pool.give(self.store.base)
         self.store = None
 
-    def warm(self, max_len: int) -> float:
-        """Capture the slot cache's graphs now for texts of up to `max_len` tokens (`Decoder.warm_up`); returns the
+    def warm(self, max_len: int, rows: int = 1) -> float:
+        """Capture the slot caches' graphs now for texts of up to `max_len` tokens (`Decoder.warm_up`): `rows`
+        of them, one for each row of a batch drafting at once (each row drafts on a base of its own); returns the
         seconds spent (0.0 where the draft's cache grows)."""
         if self.pool is None:
             return 0.0
-        started, base = time.perf_counter(), self.pool.take()
+        started = time.perf_counter()
+        bases = [self.pool.take() for _ in range(rows)]  # held together: each take is another base
         try:
-            base.warm(max_len + SLOTS_AHEAD)
+            for base in bases:
+                base.warm(max_len + SLOTS_AHEAD)
         finally:
-            self.pool.give(base)
+            for base in bases:
+                self.pool.give(base)
         return time.perf_counter() - started
 
     def propose(self, ctx: DraftContext) -> TokenTree:
