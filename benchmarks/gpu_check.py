@@ -283,161 +283,6 @@ def bench(
     return decoders
 
 
-def profile(log: Log, model, tokenizer, prompts: list[dict], new_tokens: int, decoders: dict[str, Decoder]) -> None:
-    """Where a step's time goes, for each decoder (the bench's, already warm), over the first 3 prompts:
-    - cProfile: the forerun and transformers functions with the most cumulative time, ms per forward (a wait for
-      the card shows in the call that waits: the step's one copy, `tolist`);
-    - torch.profiler over one prompt: the card's kernels and the host's CUDA calls by total time, per forward (what
-      the card runs per step and how often the host launches, copies or waits)."""
-    import cProfile
-
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
-
-    for label, decoder in decoders.items():
-        if log.late(30):
-            log("profile", note="deadline: stopped early")
-            return
-        profiler, forwards = cProfile.Profile(), 0
-        for prompt in prompts[:3]:
-            ids = torch.tensor([prompt["ids"]], device=DEVICE)
-            profiler.enable()
-            forwards += decoder.generate(ids, new_tokens).stats.forwards
-            profiler.disable()
-        log("profile", method=label, forwards=forwards, top=top_functions(profiler, forwards, "forward"))
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE.type == "cuda" else [])
-        ids = torch.tensor([prompts[0]["ids"]], device=DEVICE)
-        with torch_profile(activities=activities) as traced:
-            forwards = decoder.generate(ids, new_tokens).stats.forwards
-        events = [e for e in traced.key_averages() if e.count > 0]
-        device_us = lambda e: getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)  # noqa: E731
-        kernels = sorted((e for e in events if device_us(e) > 0), key=lambda e: -device_us(e))[:25]
-        host = sorted(events, key=lambda e: -e.cpu_time_total)[:25]
-        log("profile", method=label, forwards=forwards, kernels=[
-            {"name": e.key[:90], "device_ms_per_forward": round(device_us(e) / 1e3 / forwards, 4),
-             "calls_per_forward": round(e.count / forwards, 2)} for e in kernels
-        ], host_calls=[
-            {"name": e.key[:90], "cpu_ms_per_forward": round(e.cpu_time_total / 1e3 / forwards, 4),
-             "calls_per_forward": round(e.count / forwards, 2)} for e in host
-        ])  # fmt: skip
-
-
-def top_functions(profiler, per: int, unit: str, limit: int = 40) -> list[dict]:
-    """The forerun and transformers functions (and builtins) with the most cumulative time in `profiler`
-    (cProfile), in ms per `unit` (`per` of them ran)."""
-    import pstats
-
-    rows = sorted(pstats.Stats(profiler).stats.items(), key=lambda item: -item[1][3])
-    return [
-        {"function": f"{Path(file).name}:{line}({name})", f"ms_per_{unit}": round(1e3 * cumulative / per, 3),
-         f"own_ms_per_{unit}": round(1e3 * own / per, 3), f"calls_per_{unit}": round(calls / per, 2)}
-        for (file, line, name), (_, calls, own, cumulative, _) in rows
-        if "forerun" in file or "transformers" in file or "{" in name
-    ][:limit]  # fmt: skip
-
-
-def batch(
-    log: Log,
-    model,
-    tokenizer,
-    prompts: list[dict],
-    new_tokens: int,
-    compiled: list[str],
-    sizes: list[int],
-    baselines: list[str],
-    profiled: tuple[str, ...] = (),
-) -> None:
-    """`generate([...])` of r rows (on the static base's places, graphs per (rows, bucket)) against transformers'
-    batched generate of the same left-padded rows, eager and (in `baselines`) with its static cache (compiled;
-    warmed per row count). `compiled`: these methods also with compiled buckets. Each forerun row is compared with
-    the eager batched generate's row (bf16: a padded batch may differ at ties, so this is reported, not asserted).
-
-    As a served process is (`forerun serve`, `forerun run`): every decoder warmed for its batch size before it is
-    timed (each (rows, nodes) graph captured once: rows leave at different steps, so a cold run captures in its
-    timed pass), and every timed run, transformers' too, starts with the heap frozen
-    (`forerun.cli.common.freeze_start_up`: compiling leaves millions of objects that each full collection walks)."""
-    for rows in sizes:
-        if log.late(60):
-            return
-        texts = [torch.tensor(p["ids"]) for p in (prompts * rows)[:rows]]  # as many rows as asked, prompts repeated
-        batch_of(log, model, tokenizer, texts, new_tokens, compiled, baselines, profiled)
-
-
-def batch_of(
-    log: Log,
-    model,
-    tokenizer,
-    texts: list[torch.Tensor],
-    new_tokens: int,
-    compiled: list[str],
-    baselines: list[str],
-    profiled: tuple[str, ...] = (),
-) -> None:
-    from forerun.cli.common import freeze_start_up
-
-    rows, width = len(texts), max(len(t) for t in texts)
-    pad = next(
-        (
-            t
-            for t in (getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None))
-            if t is not None
-        ),
-        0,
-    )
-    ids = torch.stack([torch.cat([torch.full((width - len(t),), pad), t]) for t in texts]).to(DEVICE)
-    mask = (torch.arange(width)[None] >= torch.tensor([width - len(t) for t in texts])[:, None]).long().to(DEVICE)
-
-    def run_hf(**options):
-        return hf_generate(model, ids, new_tokens, attention_mask=mask, pad_token_id=pad, eos_token_id=None, **options)
-
-    run_hf()
-    freeze_start_up()
-    hf_out, hf_s = sync_time(run_hf)
-    record = {"seconds": round(hf_s, 3)}
-    if "generate_static_compiled" in baselines:
-        _, compile_s = sync_time(lambda: run_hf(cache_implementation="static"))
-        freeze_start_up()
-        _, hf_static_s = sync_time(lambda: run_hf(cache_implementation="static"))
-        record |= {"static_seconds": round(hf_static_s, 3), "static_compile_s": round(compile_s, 1)}
-    log("batch", rows=rows, baseline="generate", **record)
-    lists = [t.tolist() for t in texts]
-    # warmed on the texts reversed (the same shapes): a warm run of the very texts would leave their answers in the
-    # trie, to be drafted whole in the timed run
-    unseen = [t.flip(0).tolist() for t in texts]
-    for label, method, fused in [(m, m, False) for m in ("plain", "auto")] + [(f"{m} (compiled)", m, True)
-                                                                             for m in compiled]:  # fmt: skip
-        if log.late(45):
-            return
-        decoder = Decoder(model, tokenizer, method, static_cache=True, compile_buckets=fused)
-        capture_s = decoder.warm_up(width + new_tokens, batch_size=rows, single=rows == 1)  # as a server warms
-        _, warm_s = sync_time(lambda d=decoder: d.generate(unseen, new_tokens, eos_token_id=[]))
-        freeze_start_up()
-        results, took = sync_time(lambda d=decoder: d.generate(lists, new_tokens, eos_token_id=[]))
-        same = sum(r.new_tokens == hf_out[i, width:].tolist() for i, r in enumerate(results))
-        sibling = decoder.base.siblings.get(rows) if decoder.base is not None and rows > 1 else decoder.base
-        speed = {"vs_generate": round(hf_s / took, 3)}
-        if "static_seconds" in record:
-            speed["vs_static_generate"] = round(record["static_seconds"] / took, 3)
-        log("batch", rows=rows, method=label, seconds=round(took, 3), capture_s=round(capture_s, 1),
-            warm_s=round(warm_s, 1), tokens=sum(len(r.new_tokens) for r in results), **speed,
-            forwards=sum(r.stats.forwards for r in results) / rows, same_as_generate=f"{same}/{rows}",
-            graphs=len(sibling.steps) if sibling is not None else None)  # fmt: skip
-        if not fused:  # once more, each forward waited for: what the host spends between a step's forwards
-            from batch_host import timed_run
-
-            run = timed_run(decoder, lists, new_tokens, sync=lambda: synchronize(DEVICE))
-            steps = max(run["forwards"], 1)
-            log("batch_host", rows=rows, method=label, forwards=run["forwards"],
-                forward_ms_per_step=round(1e3 * run["forward_s"] / steps, 3),
-                host_ms_per_step=round(1e3 * (run["wall_s"] - run["forward_s"]) / steps, 3))  # fmt: skip
-        if label in profiled:  # once more under cProfile: where a batched step's host time goes
-            import cProfile
-
-            profiler = cProfile.Profile()
-            profiler.runcall(lambda d=decoder: d.generate(lists, new_tokens, eos_token_id=[]))
-            log("batch_profile", rows=rows, method=label, top=top_functions(profiler, 1, "run", limit=60))
-
-
 def log_slow_collections(log: Log, threshold_s: float = 0.05) -> None:
     """Record every garbage collection longer than `threshold_s` (its generation and seconds): compiling leaves
     millions of objects behind, and one full collection among them may hold a step (a suspect for one compiled
@@ -523,10 +368,14 @@ def main() -> None:
                                                    compiled, baselines, args.draft_head))  # fmt: skip
         decoders.update(made or {})
     if "profile" in sections and prompts:
+        from gpu_profile import profile
+
         wanted = [m for m in args.profile.split(",") if m]
         chosen = {label: d for label, d in decoders.items() if not wanted or label.split(" ")[0] in wanted}
         guarded(log, "profile", lambda: profile(log, model, tokenizer, prompts, args.new_tokens, chosen))
     if "batch" in sections and prompts:
+        from gpu_batch import batch
+
         compiled = [m for m in args.batch_compiled.split(",") if m]
         guarded(log, "batch", lambda: batch(log, model, tokenizer, prompts, min(args.new_tokens, 64), compiled,
                                             args.batch_rows, args.batch_baselines.split(","),

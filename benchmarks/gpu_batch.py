@@ -1,0 +1,116 @@
+"""The GPU check's `batch` section: `generate([...])` of a few row counts against transformers' batched generate
+(`gpu_check.py batch`).
+
+Usage: python benchmarks/gpu_check.py batch --model .gpu/smollm2.gguf --prompts .gpu/prompts.json --batch-rows 4,16
+"""
+
+from __future__ import annotations
+
+import torch
+from gpu_check import DEVICE, Log, hf_generate, sync_time
+from gpu_profile import top_functions
+
+from forerun import Decoder
+from forerun.latency import synchronize
+
+
+def batch(
+    log: Log,
+    model,
+    tokenizer,
+    prompts: list[dict],
+    new_tokens: int,
+    compiled: list[str],
+    sizes: list[int],
+    baselines: list[str],
+    profiled: tuple[str, ...] = (),
+) -> None:
+    """`generate([...])` of r rows (on the static base's places, graphs per (rows, bucket)) against transformers'
+    batched generate of the same left-padded rows, eager and (in `baselines`) with its static cache (compiled;
+    warmed per row count). `compiled`: these methods also with compiled buckets. Each forerun row is compared with
+    the eager batched generate's row (bf16: a padded batch may differ at ties, so this is reported, not asserted).
+
+    As a served process is (`forerun serve`, `forerun run`): every decoder warmed for its batch size before it is
+    timed (each (rows, nodes) graph captured once: rows leave at different steps, so a cold run captures in its
+    timed pass), and every timed run, transformers' too, starts with the heap frozen
+    (`forerun.cli.common.freeze_start_up`: compiling leaves millions of objects that each full collection walks)."""
+    for rows in sizes:
+        if log.late(60):
+            return
+        texts = [torch.tensor(p["ids"]) for p in (prompts * rows)[:rows]]  # as many rows as asked, prompts repeated
+        batch_of(log, model, tokenizer, texts, new_tokens, compiled, baselines, profiled)
+
+
+def batch_of(
+    log: Log,
+    model,
+    tokenizer,
+    texts: list[torch.Tensor],
+    new_tokens: int,
+    compiled: list[str],
+    baselines: list[str],
+    profiled: tuple[str, ...] = (),
+) -> None:
+    from forerun.cli.common import freeze_start_up
+
+    rows, width = len(texts), max(len(t) for t in texts)
+    pad = next(
+        (
+            t
+            for t in (getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None))
+            if t is not None
+        ),
+        0,
+    )
+    ids = torch.stack([torch.cat([torch.full((width - len(t),), pad), t]) for t in texts]).to(DEVICE)
+    mask = (torch.arange(width)[None] >= torch.tensor([width - len(t) for t in texts])[:, None]).long().to(DEVICE)
+
+    def run_hf(**options):
+        return hf_generate(model, ids, new_tokens, attention_mask=mask, pad_token_id=pad, eos_token_id=None, **options)
+
+    run_hf()
+    freeze_start_up()
+    hf_out, hf_s = sync_time(run_hf)
+    record = {"seconds": round(hf_s, 3)}
+    if "generate_static_compiled" in baselines:
+        _, compile_s = sync_time(lambda: run_hf(cache_implementation="static"))
+        freeze_start_up()
+        _, hf_static_s = sync_time(lambda: run_hf(cache_implementation="static"))
+        record |= {"static_seconds": round(hf_static_s, 3), "static_compile_s": round(compile_s, 1)}
+    log("batch", rows=rows, baseline="generate", **record)
+    lists = [t.tolist() for t in texts]
+    # warmed on the texts reversed (the same shapes): a warm run of the very texts would leave their answers in the
+    # trie, to be drafted whole in the timed run
+    unseen = [t.flip(0).tolist() for t in texts]
+    for label, method, fused in [(m, m, False) for m in ("plain", "auto")] + [(f"{m} (compiled)", m, True)
+                                                                             for m in compiled]:  # fmt: skip
+        if log.late(45):
+            return
+        decoder = Decoder(model, tokenizer, method, static_cache=True, compile_buckets=fused)
+        capture_s = decoder.warm_up(width + new_tokens, batch_size=rows, single=rows == 1)  # as a server warms
+        _, warm_s = sync_time(lambda d=decoder: d.generate(unseen, new_tokens, eos_token_id=[]))
+        freeze_start_up()
+        results, took = sync_time(lambda d=decoder: d.generate(lists, new_tokens, eos_token_id=[]))
+        same = sum(r.new_tokens == hf_out[i, width:].tolist() for i, r in enumerate(results))
+        sibling = decoder.base.siblings.get(rows) if decoder.base is not None and rows > 1 else decoder.base
+        speed = {"vs_generate": round(hf_s / took, 3)}
+        if "static_seconds" in record:
+            speed["vs_static_generate"] = round(record["static_seconds"] / took, 3)
+        log("batch", rows=rows, method=label, seconds=round(took, 3), capture_s=round(capture_s, 1),
+            warm_s=round(warm_s, 1), tokens=sum(len(r.new_tokens) for r in results), **speed,
+            forwards=sum(r.stats.forwards for r in results) / rows, same_as_generate=f"{same}/{rows}",
+            graphs=len(sibling.steps) if sibling is not None else None)  # fmt: skip
+        if not fused:  # once more, each forward waited for: what the host spends between a step's forwards
+            from batch_host import timed_run
+
+            run = timed_run(decoder, lists, new_tokens, sync=lambda: synchronize(DEVICE))
+            steps = max(run["forwards"], 1)
+            log("batch_host", rows=rows, method=label, forwards=run["forwards"],
+                forward_ms_per_step=round(1e3 * run["forward_s"] / steps, 3),
+                host_ms_per_step=round(1e3 * (run["wall_s"] - run["forward_s"]) / steps, 3))  # fmt: skip
+        if label in profiled:  # once more under cProfile: where a batched step's host time goes
+            import cProfile
+
+            profiler = cProfile.Profile()
+            profiler.runcall(lambda d=decoder: d.generate(lists, new_tokens, eos_token_id=[]))
+            log("batch_profile", rows=rows, method=label, top=top_functions(profiler, 1, "run", limit=60))
