@@ -1,12 +1,19 @@
 """The GPU check's `batch` section: `generate([...])` of a few row counts against transformers' batched generate
 (`gpu_check.py batch`).
 
-Usage: python benchmarks/gpu_check.py batch --model .gpu/smollm2.gguf --prompts .gpu/prompts.json --batch-rows 4,16
+Usage (the same as `gpu_check.py batch`, with its options):
+    python benchmarks/gpu_batch.py --model .gpu/smollm2.gguf --prompts .gpu/prompts.json --batch-rows 4,16
 """
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling gpu_check, wherever it is run from
+
 from gpu_check import DEVICE, Log, hf_generate, sync_time
 from gpu_profile import top_functions
 
@@ -114,3 +121,15 @@ def batch_of(
             profiler = cProfile.Profile()
             profiler.runcall(lambda d=decoder: d.generate(lists, new_tokens, eos_token_id=[]))
             log("batch_profile", rows=rows, method=label, top=top_functions(profiler, 1, "run", limit=60))
+
+
+def main() -> None:
+    """`gpu_check.py batch ...`: this section alone, with gpu_check's options."""
+    import gpu_check
+
+    sys.argv.insert(1, "batch")
+    gpu_check.main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,13 +1,18 @@
 """The GPU check's `profile` section: where a step's time goes on the card (`gpu_check.py profile`).
 
-Usage: python benchmarks/gpu_check.py bench,profile --model .gpu/smollm2.gguf --prompts .gpu/prompts.json
+Usage (the same as `gpu_check.py bench,profile`, with its options: the profile reads the bench's warm decoders):
+    python benchmarks/gpu_profile.py --model .gpu/smollm2.gguf --prompts .gpu/prompts.json
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling gpu_check, wherever it is run from
+
 from gpu_check import DEVICE, Log
 
 from forerun import Decoder
@@ -64,3 +69,15 @@ def top_functions(profiler, per: int, unit: str, limit: int = 40) -> list[dict]:
         for (file, line, name), (_, calls, own, cumulative, _) in rows
         if "forerun" in file or "transformers" in file or "{" in name
     ][:limit]  # fmt: skip
+
+
+def main() -> None:
+    """`gpu_check.py bench,profile ...`: the bench, then where its decoders' steps spend their time."""
+    import gpu_check
+
+    sys.argv.insert(1, "bench,profile")
+    gpu_check.main()
+
+
+if __name__ == "__main__":
+    main()
