@@ -60,6 +60,9 @@ FAMILIES: dict[str, dict] = {
     ),
 }
 
+NO_SDPA = frozenset({"gemma2", "gptj"})
+"""Families transformers has no sdpa attention for: eager only."""
+
 
 GROUPED = [f for f, c in FAMILIES.items() if c.get("num_key_value_heads", 0) not in (0, c.get("num_attention_heads"))]
 """Families whose query heads share key/value heads (the ones forerun's grouped attention reads in place)."""

@@ -22,9 +22,8 @@ from forerun.transcript import Transcript
 from forerun.verify import Sampling
 
 from helpers import OracleDrafter, RandomDrafter
-from tiny_models import FAMILIES, VOCAB, prompts, tiny_model
+from tiny_models import FAMILIES, NO_SDPA, VOCAB, prompts, tiny_model
 
-NO_SDPA = {"gemma2", "gptj"}
 CASES = [(f, impl) for f in FAMILIES for impl in ("eager", "sdpa") if not (impl == "sdpa" and f in NO_SDPA)]
 NEW_TOKENS = 32
 CURVE = LatencyCurve((1, 2, 4, 8, 16, 32, 64, 128), (1.0, 1.0, 1.0, 1.1, 1.3, 1.7, 2.6, 4.4))

@@ -22,9 +22,8 @@ from forerun.tree import TokenTree
 from forerun.verify import Sampling
 
 from helpers import OracleDrafter, RandomDrafter
-from tiny_models import FAMILIES, VOCAB, prompts, tiny_model
+from tiny_models import FAMILIES, NO_SDPA, VOCAB, prompts, tiny_model
 
-NO_SDPA = {"gemma2", "gptj"}
 CASES = [(f, impl) for f in FAMILIES for impl in ("eager", "sdpa") if not (impl == "sdpa" and f in NO_SDPA)]
 SLIDING = {"mistral", "gemma2"}
 """Families whose layers keep a sliding window (larger than these texts: the slots serve them as full attention)."""

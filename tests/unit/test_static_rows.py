@@ -18,9 +18,8 @@ from forerun.tree import TokenTree
 from forerun.verify import Sampling
 
 from helpers import OracleDrafter
-from tiny_models import FAMILIES, GROUPED, VOCAB, prompts, register_grouped, tiny_model
+from tiny_models import FAMILIES, GROUPED, NO_SDPA, VOCAB, prompts, register_grouped, tiny_model
 
-NO_SDPA = {"gemma2", "gptj"}
 CASES = [(f, impl) for f in FAMILIES for impl in ("eager", "sdpa") if not (impl == "sdpa" and f in NO_SDPA)]
 CASES += [(f, register_grouped()) for f in GROUPED if f not in NO_SDPA]  # grouped heads read in place
 NEW_TOKENS = 24
