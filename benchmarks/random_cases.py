@@ -51,9 +51,7 @@ def main() -> None:
         case = draw_case(rng)
         try:
             verdicts = run_case(case)
-        except ValueError as error:  # a family that has no such attention implementation
-            if "attention implementation" in str(error):
-                continue
+        except ValueError as error:  # recorded, and the search goes on (draws are eager where sdpa is missing)
             failures.append({"case": case, "error": str(error)[:300]})
             continue
         cases, rows, sampled = cases + 1, rows + len(verdicts), sampled + bool(case["sampled"])
