@@ -20,7 +20,8 @@ positions rank, rank + N, ... and appends to its own part file `OUT.partR-of-N`;
 torch.distributed barrier: gloo on CPU, nccl on GPU), rank 0 merges the parts into OUT in input order.
 
 Example:
-    >>> record = parse_record('{"id": 7, "prompt": "Hi", "temperature": 0.5}', 3, {"max_new_tokens": 64})
+    >>> line = '{"id": 7, "prompt": "Hi", "do_sample": true, "temperature": 0.5}'
+    >>> record = parse_record(line, 3, {"max_new_tokens": 64})
     >>> record.ident, record.settings["max_new_tokens"], record.settings["temperature"]
     ('7', 64, 0.5)
     >>> parse_record('{"id": 1, "prompt": "Hi", "colour": "red"}', 4, {})
@@ -58,8 +59,8 @@ class Record:
 
     def request(self) -> GenerationRequest:
         """The record's `GenerationRequest`. A sampled record draws from seed + its position among the input's
-        records, whichever records are left to do; sampling settings without do_sample are ignored (as transformers
-        ignores them)."""
+        records, whichever records are left to do; the command's sampling settings do not act on a record that turns
+        sampling off (`"do_sample": false`)."""
         settings = dict(self.settings)
         max_new_tokens, chat = settings.pop("max_new_tokens"), settings.pop("chat", False)
         stop, seed = settings.pop("stop", None), settings.pop("seed", None)
@@ -114,15 +115,15 @@ def parse_record(line: str, number: int, defaults: dict, position: int = 0) -> R
             raise ValueError(f"line {number}: '{flag}' must be true or false, got {json.dumps(row[flag])[:40]}")
     check_types(row, number)
     settings = {**defaults, **{k: row[k] for k in SETTINGS if k in row}}
+    check_sampled(row, bool(settings.get("do_sample")), number)
     if "messages" in row:
         settings["chat"] = True
     return Record(str(ident), position, prompt, settings)
 
 
 def check_types(row: dict, number: int) -> None:
-    """Each setting of the record has its JSON type (null: the command's). Ranges are the decoder's to check; types
-    are checked here, for every record, since sampling settings are ignored without do_sample and a typo there
-    would otherwise pass unnoticed."""
+    """Each setting of the record has its JSON type (null: the command's), checked here with the line's number;
+    ranges are the decoder's to check."""
 
     def bad(name: str, what: str) -> ValueError:
         return ValueError(f"line {number}: '{name}' must be {what}, got {json.dumps(row[name])[:40]}")
@@ -142,6 +143,31 @@ def check_types(row: dict, number: int) -> None:
         isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))
     ):
         raise bad("stop", "a string or a list of strings")
+
+
+SAMPLING_ONLY = ("temperature", "top_p", "top_k", "min_p", "seed")
+"""Settings that act only on sampled decoding (a repetition penalty acts on greedy decoding too)."""
+
+
+def check_sampled(row: dict, do_sample: bool, number: int) -> None:
+    """A ValueError naming the record's sampling settings where it decodes greedily (neither it nor the command
+    sets do_sample): greedy decoding would ignore them and the user would never learn why nothing changed, so they
+    are refused as `forerun generate --temperature` without `--sample` and `generate(temperature=...)` are.
+
+    Example:
+        >>> check_sampled({"temperature": 0.7}, False, 3)
+        Traceback (most recent call last):
+        ...
+        ValueError: line 3: 'temperature' given without "do_sample": true: greedy decoding takes the likeliest token \
+(add "do_sample": true to the record, or --sample to the command)
+    """
+    given = [name for name in SAMPLING_ONLY if row.get(name) is not None]
+    if given and not do_sample:
+        names = ", ".join(f"'{name}'" for name in given)
+        raise ValueError(
+            f'line {number}: {names} given without "do_sample": true: greedy decoding takes the likeliest token '
+            '(add "do_sample": true to the record, or --sample to the command)'
+        )
 
 
 def read_records(path: str | Path, defaults: dict) -> tuple[list[Record], list[str]]:

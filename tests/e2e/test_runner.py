@@ -73,7 +73,7 @@ def test_records_parse_with_line_numbers_and_each_has_its_own_request(tmp_path):
         ('{"id": 1, "prompt": "  "}', "non-empty"),
         ('{"id": 1, "messages": [{"role": "user"}]}', "messages"),
         ("[1, 2]", "JSON object"),
-        # ignored without do_sample, but a typo must not pass unnoticed; JSON's 1e309 is Python's inf
+        # a type error names its line before anything else; JSON's 1e309 is Python's inf
         (
             '{"id": 1, "prompt": "x", "temperature": "hot"}',
             "line 9: 'temperature' must be a finite number, got \"hot\"",
@@ -83,10 +83,20 @@ def test_records_parse_with_line_numbers_and_each_has_its_own_request(tmp_path):
         ('{"id": 1, "prompt": "x", "top_k": 2.5}', "'top_k' must be an integer"),
         ('{"id": 1, "prompt": "x", "seed": true}', "'seed' must be an integer"),
         ('{"id": 1, "prompt": "x", "stop": 5}', "'stop' must be a string or a list of strings"),
+        # greedy decoding would ignore them: refused, as `--temperature` without `--sample` is
+        ('{"id": 1, "prompt": "x", "temperature": 0.7}', "line 9: 'temperature' given without \"do_sample\": true"),
+        ('{"id": 1, "prompt": "x", "do_sample": false, "top_k": 5, "seed": 3}', "'top_k', 'seed' given without"),
     ]:
         with pytest.raises(ValueError, match=message):
             parse_record(bad, 9, {})
-    assert parse_record('{"id": 1, "prompt": "x", "temperature": null, "top_k": 5}', 9, {}).settings["top_k"] == 5
+    sampled = '{"id": 1, "prompt": "x", "do_sample": true, "temperature": null, "top_k": 5}'
+    assert parse_record(sampled, 9, {}).settings["top_k"] == 5
+    # the command's --sample is the record's default; a record may still turn it off (the command's settings idle)
+    assert parse_record('{"id": 1, "prompt": "x", "top_p": 0.9}', 9, {"do_sample": True}).settings["top_p"] == 0.9
+    command = {"do_sample": True, "temperature": 0.7, "max_new_tokens": 4}
+    greedy = parse_record('{"id": 1, "prompt": "x", "do_sample": false}', 9, command)
+    assert greedy.request().generation == {} and not greedy.request().do_sample
+    assert parse_record('{"id": 1, "prompt": "x", "repetition_penalty": 1.2}', 9, {}).settings["repetition_penalty"]
 
 
 def test_hostile_lines_are_reported_by_number_and_a_byte_order_mark_is_read(tmp_path):
