@@ -11,7 +11,7 @@ import torch
 from test_low_precision import CURVE, real_model_ties, reference
 
 import forerun
-from forerun.base.weights import check_quantize, quantize_weights, weights_kind
+from forerun.base.weights import check_quantize, dense, quantize_weights, weights_kind
 from forerun.drafters.eagle3 import load_head
 from forerun.drafters.eagle3.runner import HeadRunner
 from forerun.exactness import first_divergence
@@ -90,6 +90,23 @@ def test_int4_weights_are_their_own_curve_and_bad_settings_are_refused():
         check_quantize("int4", "cuda", torch.bfloat16)
     with pytest.raises(ValueError, match="quantize must be one of"):
         forerun.load_model("smollm2-135m", quantize="int2")
+
+
+@pytest.mark.parametrize("bits", ["int4", "int8"])
+def test_linear_subclasses_with_their_own_product_stay_dense(bits):
+    """Falcon's layers are `FalconLinear`s computing `input @ weight.T`, which a quantized weight does not
+    implement: they keep dense weights (a 4-bit one had failed the first forward), its output matrix is quantized,
+    the model reads as quantized, and forerun's first differences from its plain generate are ties."""
+    model = int4_model("falcon", bits)
+    attention = model.transformer.h[0].self_attention
+    assert type(attention.query_key_value).__name__ == "FalconLinear" and dense(attention.query_key_value.weight)
+    assert not dense(model.lm_head.weight) and weights_kind(model) == bits
+    decoder = forerun.Decoder(model, None, "prompt_lookup", latency=CURVE)
+    for prompt in prompts(2):
+        expected, logits = reference(model, prompt)
+        divergence = first_divergence(expected, decoder.generate(prompt, 24, eos_token_id=[]).new_tokens, logits,
+                                      model.dtype)  # fmt: skip
+        assert divergence is None or divergence.is_tie, (bits, divergence)
 
 
 @pytest.mark.real_model

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from forerun.base.kernels import plain_linear
 from forerun.measured import read_json, write_json
 
 logger = logging.getLogger(__name__)
@@ -186,7 +187,7 @@ def keep_codes(model: torch.nn.Module, path: Path | str, index: Path | None = No
     names = get_tensor_name_map(arch, model.config.num_hidden_layers)
     kept, left = [], []
     for module_name, module in model.named_modules():
-        if not isinstance(module, torch.nn.Linear):
+        if not plain_linear(module):
             continue
         tensor_name = f"{names.get_name(module_name)}.weight"
         place = places.tensors.get(tensor_name)

@@ -19,6 +19,8 @@ import torch.nn.functional as F
 from torchao.quantization.quant_primitives import MappingType, choose_qparams_affine, quantize_affine
 from torchao.utils import TorchAOBaseTensor
 
+from forerun.base.kernels import plain_linear
+
 aten = torch.ops.aten
 
 
@@ -68,8 +70,9 @@ def _linear(func, types, args, kwargs):
 
 
 def quantize_int8(model: torch.nn.Module) -> torch.nn.Module:
-    """Give every dense linear layer of `model` (bf16) 8-bit weights, in place."""
+    """Give every dense linear layer of `model` (bf16) 8-bit weights, in place (`plain_linear` ones: a subclass's
+    own product is not the int8 kernel's)."""
     for module in model.modules():
-        if isinstance(module, torch.nn.Linear) and type(module.weight) in (torch.Tensor, torch.nn.Parameter):
+        if plain_linear(module) and type(module.weight) in (torch.Tensor, torch.nn.Parameter):
             module.weight = torch.nn.Parameter(Int8RowTensor.from_hp(module.weight.detach()), requires_grad=False)
     return model

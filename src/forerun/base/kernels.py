@@ -69,13 +69,20 @@ def direct_kernels(model: torch.nn.Module) -> int:
     return replace_linears(model, direct)
 
 
+def plain_linear(module: torch.nn.Module) -> bool:
+    """Whether `module` is a `torch.nn.Linear` itself, whose forward is `F.linear`: what quantized weights implement.
+    A subclass may compute its product its own way (Falcon's `FalconLinear`: `input @ weight.T`), which a quantized
+    weight does not support: such layers keep dense weights."""
+    return type(module) is torch.nn.Linear
+
+
 def replace_linears(model: torch.nn.Module, build: Callable[[torch.nn.Linear], torch.nn.Module | None]) -> int:
     """Replace, in place, every plain `torch.nn.Linear` of `model` for which `build` returns a module by that
     module (None: kept); returns how many were replaced."""
     swaps = []
     for parent in model.modules():
         for name, child in parent.named_children():
-            if type(child) is torch.nn.Linear and (layer := build(child)) is not None:
+            if plain_linear(child) and (layer := build(child)) is not None:
                 swaps.append((parent, name, layer))
     for parent, name, layer in swaps:
         setattr(parent, name, layer)

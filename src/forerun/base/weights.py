@@ -19,7 +19,7 @@ import importlib.util
 
 import torch
 
-from forerun.base.kernels import direct_kernels
+from forerun.base.kernels import direct_kernels, plain_linear
 from forerun.defaults import QUANTIZATIONS
 
 GROUP_SIZE = 32
@@ -48,8 +48,8 @@ def quantizable() -> bool:
 
 
 def quantize_weights(model: torch.nn.Module, quantize: str) -> torch.nn.Module:
-    """Quantize `model`'s dense linear layers in place (for int4, those whose input width is a multiple of
-    GROUP_SIZE and whose output count a multiple of INT4_ROWS);
+    """Quantize `model`'s dense linear layers in place (`plain_linear` ones; for int4, those whose input width is a
+    multiple of GROUP_SIZE and whose output count a multiple of INT4_ROWS);
     layers already holding quantized weights (a GGUF file's kept codes: `forerun.base.gguf_codes`) stay as they are.
     Every quantized layer then calls its kernel directly (`forerun.base.kernels`: the same numbers, less Python)."""
     if quantize == "int8":
@@ -61,7 +61,7 @@ def quantize_weights(model: torch.nn.Module, quantize: str) -> torch.nn.Module:
         from torchao.quantization import quantize_
 
         config = PrototypeInt4WeightOnlyConfig(group_size=GROUP_SIZE, set_inductor_config=False)
-        quantize_(model, config, filter_fn=lambda module, _: isinstance(module, torch.nn.Linear) and int4_fits(module))
+        quantize_(model, config, filter_fn=lambda module, _: plain_linear(module) and int4_fits(module))
     direct_kernels(model)
     return model
 
@@ -115,9 +115,9 @@ def kind_of(layer: torch.nn.Linear) -> str:
 
 
 def weights_kind(model: torch.nn.Module) -> str | None:
-    """'int4' or 'int8' where the model's linear layers hold quantized weights, else None (part of a latency
-    curve's key)."""
+    """'int4' or 'int8' where the model's linear layers hold quantized weights (any of them: some may stay dense,
+    `quantize_weights`), else None (part of a latency curve's key)."""
     for module in model.modules():
-        if isinstance(module, torch.nn.Linear):
-            return None if dense(module.weight) else kind_of(module)
+        if isinstance(module, torch.nn.Linear) and not dense(module.weight):
+            return kind_of(module)
     return None
