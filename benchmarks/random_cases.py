@@ -1,4 +1,4 @@
-"""fp32 exactness under random cases: tiny models of every family, every method, single rows and batches.
+"""Exactness under random cases: tiny models of every family, every method, single rows and batches.
 
 Each case draws a family, an attention implementation, a method (a draft model of another family on slots or a
 growing cache among them), the growing or the static base, 1-3 rows, a prompt length, a number of new tokens and
@@ -10,6 +10,9 @@ greedy or sampled decoding, decodes with a fresh Decoder and compares every row:
 - sampled (temperature 0.8, top-p 0.9, a seed; row i of a batch seeded seed + i), with forerun's undrafted
   decoding of that row alone and its seed: a seed fixes the text whatever drafts it (docs/exactness.md), so a
   difference is reported with its position (a draw at another position's noise, a wrong walk).
+- in bf16 or with 4-bit weights (`--dtypes fp32,bf16,int4`: each case draws one; those decode greedily), with
+  plain generate of the same model: a first difference must be a tie (`forerun.exactness`: within 2 ulps on
+  generate's logits or on one forward's); `not at a tie` counts those that are not.
 
 Usage:
     .venv/bin/python benchmarks/random_cases.py --seed 0 --budget-s 600 --out benchmarks/results/random-cases.json
@@ -25,6 +28,7 @@ import platform
 import random
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -39,6 +43,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--budget-s", type=float, default=300.0)
     parser.add_argument("--case", type=json.loads, help="run this one case (a reported case's JSON) and print it")
+    parser.add_argument("--dtypes", default="fp32", help="drawn per case among these: fp32,bf16,int4")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -47,21 +52,26 @@ def main() -> None:
         return
     rng, deadline = random.Random(args.seed), time.monotonic() + args.budget_s
     cases, rows, sampled, differences, failures = 0, 0, 0, [], []
+    tally: Counter[str] = Counter()  # per dtype: cases, rows, rows differing, of them not at a tie
     while time.monotonic() < deadline:
-        case = draw_case(rng)
+        case = draw_case(rng, tuple(args.dtypes.split(",")))
         try:
             verdicts = run_case(case)
-        except ValueError as error:  # recorded, and the search goes on (draws are eager where sdpa is missing)
-            failures.append({"case": case, "error": str(error)[:300]})
+        except Exception as error:  # noqa: BLE001 - recorded, and the search goes on to find the others
+            failures.append({"case": case, "error": f"{type(error).__name__}: {str(error)[:300]}"})
+            print(json.dumps(failures[-1]), flush=True)
             continue
         cases, rows, sampled = cases + 1, rows + len(verdicts), sampled + bool(case["sampled"])
+        dtype = case.get("dtype", "fp32")
+        tally.update({f"{dtype} cases": 1, f"{dtype} rows": len(verdicts)})
         for row, verdict in enumerate(verdicts):
             if not verdict["identical"]:
                 differences.append({"case": case, "row": row} | verdict)
+                tally.update({f"{dtype} rows differing": 1, f"{dtype} not at a tie": not verdict.get("tie", False)})
                 print(json.dumps(differences[-1]), flush=True)
-    summary = {"cases": cases, "rows": rows, "differences": differences, "failures": failures,
-               "sampled_cases": sampled, "largest_ulps": max((d.get("ulps", 0) for d in differences), default=None),
-               "seed": args.seed,
+    summary = {"cases": cases, "rows": rows, "by_dtype": dict(sorted(tally.items())), "differences": differences,
+               "failures": failures, "sampled_cases": sampled,
+               "largest_ulps": max((d.get("ulps", 0) for d in differences), default=None), "seed": args.seed,
                "cpu": platform.processor() or platform.machine(), "torch": torch.__version__}  # fmt: skip
     print(json.dumps({k: v for k, v in summary.items() if k != "differences"}))
     if args.out:

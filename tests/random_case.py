@@ -17,7 +17,7 @@ import torch
 import forerun
 from forerun.config import DraftModelConfig
 from forerun.drafters.draft_model import DraftModelDrafter
-from forerun.exactness import first_divergence
+from forerun.exactness import first_divergence, judged_by_one_forward
 
 from tiny_models import FAMILIES, NO_SDPA, VOCAB, prompts, tiny_model
 
@@ -25,8 +25,10 @@ METHODS = ("plain", "prompt_lookup", "trie", "jacobi", "prompt_lookup+trie", "au
 SAMPLING = {"do_sample": True, "temperature": 0.8, "top_p": 0.9}
 
 
-def draw_case(rng: random.Random) -> dict:
-    """One random case's settings (JSON-able, so a reported case can be run again with `--case`)."""
+def draw_case(rng: random.Random, dtypes: tuple[str, ...] = ("fp32",)) -> dict:
+    """One random case's settings (JSON-able, so a reported case can be run again with `--case`). With more than
+    one of `dtypes` ("fp32", "bf16", "int4": 4-bit weights, bf16 activations) each case draws one, last (the fp32
+    draws stay those of one dtype); a low-precision case decodes greedily."""
     case = {"family": rng.choice(sorted(FAMILIES)), "attention": rng.choice(["sdpa", "eager"]),
             "method": rng.choice(METHODS), "static": rng.random() < 0.5, "rows": rng.choice([1, 1, 2, 3]),
             "new": rng.choice([8, 20, 33]), "length": rng.choice([3, 10, 24, 40]),
@@ -35,21 +37,37 @@ def draw_case(rng: random.Random) -> dict:
         case["attention"] = "eager"
     if case["method"] == "draft_model":
         case |= {"draft": rng.choice(sorted(FAMILIES)), "slots": rng.random() < 0.5}
+    if len(dtypes) > 1 and (dtype := rng.choice(dtypes)) != "fp32":
+        case |= {"dtype": dtype, "sampled": False}  # a seed's text is judged exactly: fp32 only
     return case
+
+
+def in_dtype(model: torch.nn.Module, dtype: str) -> torch.nn.Module:
+    """`model` (fp32) in `dtype`: bf16, or int4 weights with bf16 activations (`forerun.base.weights`)."""
+    if dtype == "fp32":
+        return model
+    model = model.to(torch.bfloat16)
+    if dtype == "int4":
+        from forerun.base.weights import quantize_weights
+
+        quantize_weights(model, "int4")
+    return model
 
 
 def decoder_for(case: dict, target: torch.nn.Module) -> forerun.Decoder:
     if case["method"] != "draft_model":
         return forerun.Decoder(target, None, case["method"], static_cache=case["static"])
     draft = tiny_model(case["draft"], "eager" if case["draft"] in NO_SDPA else "sdpa", 1)
+    draft = in_dtype(draft, case.get("dtype", "fp32"))
     drafter = DraftModelDrafter(DraftModelConfig(confidence=0.0, gamma=3), draft, VOCAB, slots=case["slots"])
     return forerun.Decoder(target, None, "draft_model", draft_model=draft, drafters=[drafter], gamma=3,
                            static_cache=case["static"])  # fmt: skip
 
 
 def run_case(case: dict) -> list[dict]:
-    """Each row's verdict: identical, or its first difference (greedy: with generate's margin in ulps)."""
-    target = tiny_model(case["family"], case["attention"], 0)
+    """Each row's verdict: identical, or its first difference (greedy: with generate's margin in ulps; in low
+    precision also whether it is a tie on generate's logits or on one forward's, `forerun.exactness`)."""
+    target = in_dtype(tiny_model(case["family"], case["attention"], 0), case.get("dtype", "fp32"))
     rows = prompts(case["rows"], length=case["length"], seed=case["prompt_seed"])
     options = dict(SAMPLING, seed=case["prompt_seed"]) if case.get("sampled") else {}
     decoder = decoder_for(case, target)
@@ -69,8 +87,13 @@ def run_case(case: dict) -> list[dict]:
             continue
         reference = target.generate(prompt, max_new_tokens=case["new"], do_sample=False, eos_token_id=None,
                                     pad_token_id=0, output_logits=True, return_dict_in_generate=True)  # fmt: skip
-        found = first_divergence(reference.sequences[0, start:].tolist(), text,
-                                 [logits[0] for logits in reference.logits], torch.float32)  # fmt: skip
-        verdicts.append({"identical": True} if found is None else
-                        {"identical": False, "position": found.position, "ulps": round(found.ulps, 2)})  # fmt: skip
+        expected = reference.sequences[0, start:].tolist()
+        found = first_divergence(expected, text, [logits[0] for logits in reference.logits], target.dtype)
+        if found is None:
+            verdicts.append({"identical": True})
+            continue
+        verdict = {"identical": False, "position": found.position, "ulps": round(found.ulps, 2)}
+        if target.dtype != torch.float32:
+            verdict["tie"] = found.is_tie or judged_by_one_forward(target, prompt, expected, found).is_tie
+        verdicts.append(verdict)
     return verdicts

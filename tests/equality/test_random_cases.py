@@ -1,6 +1,7 @@
-"""Random cases (family, attention, method, base, rows, lengths, greedy or seeded sampling) on the tiny models: every
-greedy row is plain generate's text, or first differs at a tie of a few ulps; every sampled row is its own seed's
-undrafted text (`random_case`; `benchmarks/random_cases.py` searches thousands of them).
+"""Random cases (family, attention, method, base, rows, lengths, greedy or seeded sampling; fp32, bf16 or 4-bit
+weights) on the tiny models: every greedy row is plain generate's text, or first differs at a tie of a few ulps;
+every sampled row is its own seed's undrafted text (`random_case`; `benchmarks/random_cases.py` searches thousands
+of them).
 
 fp32 rounds too: a tree's or a padded batch's forward sums in other orders than a 1-token forward, so a near-tie of
 generate's two best logits can flip (one found in ~36,000 rows: 3 ulps, docs/exactness.md). A logic error moves
@@ -13,7 +14,7 @@ import random
 
 import pytest
 import torch
-from random_case import draw_case, run_case
+from random_case import draw_case, in_dtype, run_case
 
 from tiny_models import prompts, tiny_model
 
@@ -25,9 +26,9 @@ FLIPPED = {"family": "mixtral", "attention": "eager", "method": "draft_model", "
 """The one case the searches found differing (on an AVX-512 EPYC): row 0 takes generate's second token at 3 ulps."""
 
 
-def cases(seed: int, count: int) -> list[dict]:
+def cases(seed: int, count: int, dtypes: tuple[str, ...] = ("fp32",)) -> list[dict]:
     rng = random.Random(seed)
-    return [draw_case(rng) for _ in range(count)]
+    return [draw_case(rng, dtypes) for _ in range(count)]
 
 
 def check(case: dict) -> None:
@@ -35,12 +36,23 @@ def check(case: dict) -> None:
         if verdict["identical"]:
             continue
         assert not case.get("sampled"), (case, row, verdict)  # a seed fixes a sampled text exactly
-        assert verdict["ulps"] <= FP32_TIE_ULPS, (case, row, verdict)
+        if "dtype" in case:  # bf16 or 4-bit weights: a first difference is a tie (forerun.exactness)
+            assert verdict["tie"], (case, row, verdict)
+        else:
+            assert verdict["ulps"] <= FP32_TIE_ULPS, (case, row, verdict)
 
 
 @pytest.mark.parametrize("seed", range(4))
 def test_random_cases_keep_generates_text(seed):
     for case in cases(2026 + seed, 15):
+        check(case)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_random_low_precision_cases_differ_from_generate_only_at_ties(seed):
+    """bf16 and 4-bit weights (bf16 activations): every first difference from plain generate of the same model is a
+    tie. Falcon is among the draws (its linear layers stay dense under quantization, its output matrix does not)."""
+    for case in cases(4026 + seed, 20, ("bf16", "int4")):
         check(case)
 
 
@@ -64,3 +76,24 @@ def test_negative_control_a_second_choice_is_far_from_a_tie():
         found = first_divergence(text, [*text[:3], second], [logits[0] for logits in out.logits], torch.float32)
         margins.append(found.ulps)
     assert sorted(margins)[len(margins) // 2] > 1000 * FP32_TIE_ULPS, margins
+
+
+def test_negative_control_a_second_choice_in_low_precision_is_rarely_a_tie():
+    """The same control in bf16 and with 4-bit weights, whose ulps are 2^16 times wider: generate's runner-up at each
+    of the first 8 positions of the drawn texts lies ~20 ulps below its choice (median), and within the 2-ulp tie
+    bound in under a fifth of the positions, so a verifier that took it would fail the cases above."""
+    from forerun.exactness import TIE_ULPS, first_divergence
+
+    margins = []
+    for case in cases(7, 8, ("bf16", "int4")):
+        model = in_dtype(tiny_model(case["family"], case["attention"], 0), case["dtype"])
+        prompt = prompts(1, length=case["length"], seed=case["prompt_seed"])[0]
+        out = model.generate(prompt, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0,
+                             output_logits=True, return_dict_in_generate=True)  # fmt: skip
+        text, logits = out.sequences[0, prompt.shape[1] :].tolist(), [step[0] for step in out.logits]
+        for position in range(8):
+            best = logits[position].topk(2).indices.tolist()
+            other = best[1] if best[0] == text[position] else best[0]
+            found = first_divergence(text, [*text[:position], other], logits, model.dtype)
+            margins.append(0.0 if found is None else found.ulps)
+    assert sorted(margins)[len(margins) // 2] > 4 * TIE_ULPS and sum(m <= TIE_ULPS for m in margins) < len(margins) / 5
