@@ -25,10 +25,11 @@ METHODS = ("plain", "prompt_lookup", "trie", "jacobi", "prompt_lookup+trie", "au
 SAMPLING = {"do_sample": True, "temperature": 0.8, "top_p": 0.9}
 
 
-def draw_case(rng: random.Random, dtypes: tuple[str, ...] = ("fp32",)) -> dict:
+def draw_case(rng: random.Random, dtypes: tuple[str, ...] = ("fp32",), follow_ups: bool = False) -> dict:
     """One random case's settings (JSON-able, so a reported case can be run again with `--case`). With more than
-    one of `dtypes` ("fp32", "bf16", "int4": 4-bit weights, bf16 activations) each case draws one, last (the fp32
-    draws stay those of one dtype); a low-precision case decodes greedily."""
+    one of `dtypes` ("fp32", "bf16", "int4": 4-bit weights, bf16 activations) each case draws one, and with
+    `follow_ups` whether a second turn follows (`run_case`), both last: the draws before stay those of fp32 alone.
+    A low-precision case decodes greedily."""
     case = {"family": rng.choice(sorted(FAMILIES)), "attention": rng.choice(["sdpa", "eager"]),
             "method": rng.choice(METHODS), "static": rng.random() < 0.5, "rows": rng.choice([1, 1, 2, 3]),
             "new": rng.choice([8, 20, 33]), "length": rng.choice([3, 10, 24, 40]),
@@ -39,6 +40,8 @@ def draw_case(rng: random.Random, dtypes: tuple[str, ...] = ("fp32",)) -> dict:
         case |= {"draft": rng.choice(sorted(FAMILIES)), "slots": rng.random() < 0.5}
     if len(dtypes) > 1 and (dtype := rng.choice(dtypes)) != "fp32":
         case |= {"dtype": dtype, "sampled": False}  # a seed's text is judged exactly: fp32 only
+    if follow_ups:
+        case["follow"] = rng.random() < 0.5
     return case
 
 
@@ -66,34 +69,51 @@ def decoder_for(case: dict, target: torch.nn.Module) -> forerun.Decoder:
 
 def run_case(case: dict) -> list[dict]:
     """Each row's verdict: identical, or its first difference (greedy: with generate's margin in ulps; in low
-    precision also whether it is a tie on generate's logits or on one forward's, `forerun.exactness`)."""
+    precision also whether it is a tie on generate's logits or on one forward's, `forerun.exactness`). A case with
+    `follow` then decodes, on the same Decoder, each row's text so far with 4 more tokens: a conversation's next
+    turn, whose head the prefix cache serves; those rows' verdicts are marked `follow`."""
     target = in_dtype(tiny_model(case["family"], case["attention"], 0), case.get("dtype", "fp32"))
     rows = prompts(case["rows"], length=case["length"], seed=case["prompt_seed"])
     options = dict(SAMPLING, seed=case["prompt_seed"]) if case.get("sampled") else {}
     decoder = decoder_for(case, target)
-    if len(rows) == 1:
-        outputs = [decoder.generate(rows[0], case["new"], eos_token_id=[], **options).sequences]
-    else:
-        outputs = [result.sequences for result in decoder.generate(rows, case["new"], eos_token_id=[], **options)]
-    verdicts = []
-    for i, (prompt, output) in enumerate(zip(rows, outputs, strict=True)):
-        start, text = prompt.shape[1], output[0, prompt.shape[1] :].tolist()
-        if options:  # the row alone, undrafted, with its own seed
-            own = options | {"seed": options["seed"] + i}
-            alone = forerun.Decoder(target, None, "plain").generate(prompt, case["new"], eos_token_id=[], **own)
-            expected = alone.sequences[0, start:].tolist()
-            differs = next((k for k, (a, b) in enumerate(zip(expected, text, strict=True)) if a != b), None)
-            verdicts.append({"identical": True} if differs is None else {"identical": False, "position": differs})
-            continue
-        reference = target.generate(prompt, max_new_tokens=case["new"], do_sample=False, eos_token_id=None,
-                                    pad_token_id=0, output_logits=True, return_dict_in_generate=True)  # fmt: skip
-        expected = reference.sequences[0, start:].tolist()
-        found = first_divergence(expected, text, [logits[0] for logits in reference.logits], target.dtype)
-        if found is None:
-            verdicts.append({"identical": True})
-            continue
-        verdict = {"identical": False, "position": found.position, "ulps": round(found.ulps, 2)}
-        if target.dtype != torch.float32:
-            verdict["tie"] = found.is_tie or judged_by_one_forward(target, prompt, expected, found).is_tie
-        verdicts.append(verdict)
+    outputs = decode(decoder, rows, case["new"], options)
+    verdicts = [judge(target, prompt, output, case["new"], options, i) for i, (prompt, output) in
+                enumerate(zip(rows, outputs, strict=True))]  # fmt: skip
+    if case.get("follow"):
+        more = prompts(case["rows"], length=4, seed=case["prompt_seed"] + 1)
+        rows = [torch.cat([output, extra], dim=1) for output, extra in zip(outputs, more, strict=True)]
+        outputs = decode(decoder, rows, case["new"], options)
+        verdicts += [judge(target, prompt, output, case["new"], options, i) | {"follow": True} for i, (prompt, output)
+                     in enumerate(zip(rows, outputs, strict=True))]  # fmt: skip
     return verdicts
+
+
+def decode(decoder: forerun.Decoder, rows: list[torch.Tensor], new: int, options: dict) -> list[torch.Tensor]:
+    """Each row's prompt and new tokens [1, P + new], the rows decoded as one batch (a single row alone)."""
+    if len(rows) == 1:
+        return [decoder.generate(rows[0], new, eos_token_id=[], **options).sequences]
+    return [result.sequences for result in decoder.generate(rows, new, eos_token_id=[], **options)]
+
+
+def judge(target: torch.nn.Module, prompt: torch.Tensor, output: torch.Tensor, new: int, options: dict, i: int) -> dict:
+    """Row `i`'s verdict on its `output`: against the row alone, undrafted, with its own seed (sampled), or plain
+    generate (greedy)."""
+    start, text = prompt.shape[1], output[0, prompt.shape[1] :].tolist()
+    if options:  # the row alone, undrafted, with its own seed
+        own = options | {"seed": options["seed"] + i}
+        alone = forerun.Decoder(target, None, "plain").generate(prompt, new, eos_token_id=[], **own)
+        expected = alone.sequences[0, start:].tolist()
+        differs = next((k for k, (a, b) in enumerate(zip(expected, text, strict=True)) if a != b), None)
+        return {"identical": True} if differs is None else {"identical": False, "position": differs}
+    # every prompt token is text: a follow-up's may equal the pad id, which generate would mask out unless told
+    reference = target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new, do_sample=False,
+                                eos_token_id=None, pad_token_id=0, output_logits=True,
+                                return_dict_in_generate=True)  # fmt: skip
+    expected = reference.sequences[0, start:].tolist()
+    found = first_divergence(expected, text, [logits[0] for logits in reference.logits], target.dtype)
+    if found is None:
+        return {"identical": True}
+    verdict = {"identical": False, "position": found.position, "ulps": round(found.ulps, 2)}
+    if target.dtype != torch.float32:
+        verdict["tie"] = found.is_tie or judged_by_one_forward(target, prompt, expected, found).is_tie
+    return verdict

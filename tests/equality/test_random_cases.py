@@ -26,9 +26,9 @@ FLIPPED = {"family": "mixtral", "attention": "eager", "method": "draft_model", "
 """The one case the searches found differing (on an AVX-512 EPYC): row 0 takes generate's second token at 3 ulps."""
 
 
-def cases(seed: int, count: int, dtypes: tuple[str, ...] = ("fp32",)) -> list[dict]:
+def cases(seed: int, count: int, dtypes: tuple[str, ...] = ("fp32",), follow_ups: bool = False) -> list[dict]:
     rng = random.Random(seed)
-    return [draw_case(rng, dtypes) for _ in range(count)]
+    return [draw_case(rng, dtypes, follow_ups) for _ in range(count)]
 
 
 def check(case: dict) -> None:
@@ -53,6 +53,16 @@ def test_random_low_precision_cases_differ_from_generate_only_at_ties(seed):
     """bf16 and 4-bit weights (bf16 activations): every first difference from plain generate of the same model is a
     tie. Falcon is among the draws (its linear layers stay dense under quantization, its output matrix does not)."""
     for case in cases(4026 + seed, 20, ("bf16", "int4")):
+        check(case)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_random_second_turns_keep_generates_text(seed):
+    """Half the cases decode a second turn on the same Decoder (each row's text so far and 4 more tokens: the prefix
+    cache serves its head, on either base, in batches): judged as the first turn, in every dtype."""
+    drawn = cases(5026 + seed, 15, ("fp32", "bf16", "int4"), follow_ups=True)
+    assert any(case["follow"] for case in drawn)
+    for case in drawn:
         check(case)
 
 
