@@ -67,6 +67,7 @@ def main() -> None:
         cases, rows, sampled = cases + 1, rows + len(verdicts), sampled + bool(case["sampled"])
         dtype = case.get("dtype", "fp32")
         tally.update({f"{dtype} cases": 1, f"{dtype} rows": len(verdicts)})
+        tally.update({f"{dtype} second turns": case.get("follow", 0)})
         for row, verdict in enumerate(verdicts):
             if not verdict["identical"]:
                 differences.append({"case": case, "row": row} | verdict)
