@@ -49,6 +49,14 @@ def reference(model, prompt, new_tokens=NEW_TOKENS, stop_at_eos=False):
     return out.sequences[0, prompt.shape[1] :].tolist(), [row[0] for row in out.logits]
 
 
+def against_generate(decoder, model, prompt, new_tokens=NEW_TOKENS):
+    """forerun's result for `prompt` and its first difference from plain greedy generate (None: none), judged on
+    generate's own logits (`forerun.exactness`)."""
+    expected, logits = reference(model, prompt, new_tokens)
+    result = decoder.generate(prompt, new_tokens, eos_token_id=[])
+    return result, first_divergence(expected, result.new_tokens, logits, model.dtype)
+
+
 def test_ulp_of_each_dtype():
     assert ulp(1.0, torch.bfloat16) == 2**-7 and ulp(3.0, torch.bfloat16) == 2**-6
     assert ulp(1.0, torch.float16) == 2**-10 and ulp(-40.0, torch.float32) == 32 * 2**-23
@@ -78,9 +86,7 @@ def test_first_differences_are_ties_with_attention_in_fp32(family, dtype):
     decoder = forerun.Decoder(model, None, "auto", latency=CURVE)
     drafted = 0
     for prompt in prompts(3):
-        expected, logits = reference(model, prompt)
-        result = decoder.generate(prompt, NEW_TOKENS, eos_token_id=[])
-        divergence = first_divergence(expected, result.new_tokens, logits, model.dtype)
+        result, divergence = against_generate(decoder, model, prompt)
         assert divergence is None or divergence.is_tie, (family, dtype, divergence)
         drafted += result.stats.accepted
     assert drafted > 0

@@ -8,13 +8,12 @@ import functools
 
 import pytest
 import torch
-from test_low_precision import CURVE, real_model_ties, reference
+from test_low_precision import CURVE, against_generate, real_model_ties
 
 import forerun
 from forerun.base.weights import check_quantize, dense, quantize_weights, weights_kind
 from forerun.drafters.eagle3 import load_head
 from forerun.drafters.eagle3.runner import HeadRunner
-from forerun.exactness import first_divergence
 from forerun.latency import curve_settings
 
 from eagle3_heads import write_head
@@ -35,9 +34,7 @@ def test_quantized_first_differences_are_ties(family, method, bits):
     decoder = forerun.Decoder(model, None, method, latency=CURVE)
     drafted = 0
     for prompt in prompts(3):
-        expected, logits = reference(model, prompt)
-        result = decoder.generate(prompt, 40, eos_token_id=[])
-        divergence = first_divergence(expected, result.new_tokens, logits, model.dtype)
+        result, divergence = against_generate(decoder, model, prompt, 40)
         assert divergence is None or divergence.is_tie, (family, method, divergence)
         drafted += result.stats.accepted
     assert drafted > 0  # trees were verified on the 4-bit weights
@@ -68,9 +65,7 @@ def test_a_head_over_quantized_weights_is_quantized_alike_and_drafts(bits, tmp_p
     decoder = forerun.Decoder(model, None, "eagle3", draft_head=head, adaptive=False)
     candidates = 0
     for prompt in prompts(2):
-        expected, logits = reference(model, prompt)
-        result = decoder.generate(prompt, 40, eos_token_id=[])
-        divergence = first_divergence(expected, result.new_tokens, logits, model.dtype)
+        result, divergence = against_generate(decoder, model, prompt, 40)
         assert divergence is None or divergence.is_tie, (bits, divergence)
         candidates += result.stats.candidates
     assert candidates > 0  # the quantized head drafted: trees were verified
@@ -103,9 +98,7 @@ def test_linear_subclasses_with_their_own_product_stay_dense(bits):
     assert not dense(model.lm_head.weight) and weights_kind(model) == bits
     decoder = forerun.Decoder(model, None, "prompt_lookup", latency=CURVE)
     for prompt in prompts(2):
-        expected, logits = reference(model, prompt)
-        divergence = first_divergence(expected, decoder.generate(prompt, 24, eos_token_id=[]).new_tokens, logits,
-                                      model.dtype)  # fmt: skip
+        _, divergence = against_generate(decoder, model, prompt, 24)
         assert divergence is None or divergence.is_tie, (bits, divergence)
 
 
@@ -169,9 +162,7 @@ def test_compiled_buckets_on_4_bit_weights_differ_only_at_ties():
     decoder.base = StaticBase(model, buckets=(1, 4), compiled=True)
     drafted = 0
     for prompt in prompts(2):
-        expected, logits = reference(model, prompt)
-        result = decoder.generate(prompt, 40, eos_token_id=[])
-        divergence = first_divergence(expected, result.new_tokens, logits, model.dtype)
+        result, divergence = against_generate(decoder, model, prompt, 40)
         assert divergence is None or divergence.is_tie, divergence
         drafted += result.stats.accepted
     assert decoder.base.steps.keys() == {(1, 1, False), (1, 4, False)} and drafted > 0
