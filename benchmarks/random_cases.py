@@ -15,6 +15,8 @@ greedy or sampled decoding, decodes with a fresh Decoder and compares every row:
   generate's logits or on one forward's); `not at a tie` counts those that are not.
 - with `--follow-ups`, half the cases then decode each row's text so far with 4 more tokens on the same Decoder
   (a conversation's next turn: the prefix cache serves its head), judged alike.
+- with `--stops`, half the cases end at an end-of-text token (a batch's rows at different steps, leaving it one by
+  one): each row must end where the reference ends.
 
 Usage:
     .venv/bin/python benchmarks/random_cases.py --seed 0 --budget-s 600 --out benchmarks/results/random-cases.json
@@ -47,6 +49,7 @@ def main() -> None:
     parser.add_argument("--case", type=json.loads, help="run this one case (a reported case's JSON) and print it")
     parser.add_argument("--dtypes", default="fp32", help="drawn per case among these: fp32,bf16,int4")
     parser.add_argument("--follow-ups", action="store_true", help="half the cases decode a second turn too")
+    parser.add_argument("--stops", action="store_true", help="half the cases stop at an end-of-text token")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -57,7 +60,7 @@ def main() -> None:
     cases, rows, sampled, differences, failures = 0, 0, 0, [], []
     tally: Counter[str] = Counter()  # per dtype: cases, rows, rows differing, of them not at a tie
     while time.monotonic() < deadline:
-        case = draw_case(rng, tuple(args.dtypes.split(",")), args.follow_ups)
+        case = draw_case(rng, tuple(args.dtypes.split(",")), args.follow_ups, args.stops)
         try:
             verdicts = run_case(case)
         except Exception as error:  # noqa: BLE001 - recorded, and the search goes on to find the others

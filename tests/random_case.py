@@ -10,6 +10,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import random
 
 import torch
@@ -25,11 +26,14 @@ METHODS = ("plain", "prompt_lookup", "trie", "jacobi", "prompt_lookup+trie", "au
 SAMPLING = {"do_sample": True, "temperature": 0.8, "top_p": 0.9}
 
 
-def draw_case(rng: random.Random, dtypes: tuple[str, ...] = ("fp32",), follow_ups: bool = False) -> dict:
+def draw_case(
+    rng: random.Random, dtypes: tuple[str, ...] = ("fp32",), follow_ups: bool = False, stops: bool = False
+) -> dict:
     """One random case's settings (JSON-able, so a reported case can be run again with `--case`). With more than
-    one of `dtypes` ("fp32", "bf16", "int4": 4-bit weights, bf16 activations) each case draws one, and with
-    `follow_ups` whether a second turn follows (`run_case`), both last: the draws before stay those of fp32 alone.
-    A low-precision case decodes greedily."""
+    one of `dtypes` ("fp32", "bf16", "int4": 4-bit weights, bf16 activations) each case draws one, with
+    `follow_ups` whether a second turn follows (`run_case`), and with `stops` where an end-of-text token falls (half
+    the cases: `end_of_text`; a batch's rows then end at different steps), all last: the draws before stay those
+    of fp32 alone. A low-precision case decodes greedily."""
     case = {"family": rng.choice(sorted(FAMILIES)), "attention": rng.choice(["sdpa", "eager"]),
             "method": rng.choice(METHODS), "static": rng.random() < 0.5, "rows": rng.choice([1, 1, 2, 3]),
             "new": rng.choice([8, 20, 33]), "length": rng.choice([3, 10, 24, 40]),
@@ -42,6 +46,8 @@ def draw_case(rng: random.Random, dtypes: tuple[str, ...] = ("fp32",), follow_up
         case |= {"dtype": dtype, "sampled": False}  # a seed's text is judged exactly: fp32 only
     if follow_ups:
         case["follow"] = rng.random() < 0.5
+    if stops and rng.random() < 0.5:
+        case["eos_at"] = rng.randrange(case["new"])  # the end-of-text token: the one generate writes there (row 0)
     return case
 
 
@@ -76,41 +82,59 @@ def run_case(case: dict) -> list[dict]:
     rows = prompts(case["rows"], length=case["length"], seed=case["prompt_seed"])
     options = dict(SAMPLING, seed=case["prompt_seed"]) if case.get("sampled") else {}
     decoder = decoder_for(case, target)
-    outputs = decode(decoder, rows, case["new"], options)
-    verdicts = [judge(target, prompt, output, case["new"], options, i) for i, (prompt, output) in
+    if "eos_at" in case and "eos" not in case:
+        case = case | {"eos": end_of_text(target, rows[0], case["eos_at"])}
+    eos = [case["eos"]] if "eos" in case else []
+    outputs = decode(decoder, rows, case["new"], options | {"eos_token_id": eos})
+    verdicts = [judge(target, prompt, output, case, options, i) for i, (prompt, output) in
                 enumerate(zip(rows, outputs, strict=True))]  # fmt: skip
     if case.get("follow"):
         more = prompts(case["rows"], length=4, seed=case["prompt_seed"] + 1)
         rows = [torch.cat([output, extra], dim=1) for output, extra in zip(outputs, more, strict=True)]
-        outputs = decode(decoder, rows, case["new"], options)
-        verdicts += [judge(target, prompt, output, case["new"], options, i) | {"follow": True} for i, (prompt, output)
+        outputs = decode(decoder, rows, case["new"], options | {"eos_token_id": eos})
+        verdicts += [judge(target, prompt, output, case, options, i) | {"follow": True} for i, (prompt, output)
                      in enumerate(zip(rows, outputs, strict=True))]  # fmt: skip
     return verdicts
 
 
+def end_of_text(target: torch.nn.Module, prompt: torch.Tensor, position: int) -> int:
+    """The token plain greedy generate writes at new-token `position` after `prompt`: as the case's end-of-text
+    token, row 0 ends there or sooner, and the other rows wherever they write it."""
+    out = target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=position + 1, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)  # fmt: skip
+    return int(out[0, -1])
+
+
 def decode(decoder: forerun.Decoder, rows: list[torch.Tensor], new: int, options: dict) -> list[torch.Tensor]:
-    """Each row's prompt and new tokens [1, P + new], the rows decoded as one batch (a single row alone)."""
+    """Each row's prompt and new tokens [1, P + new] (ending at its end-of-text token, if any), the rows decoded as
+    one batch (a single row alone)."""
     if len(rows) == 1:
-        return [decoder.generate(rows[0], new, eos_token_id=[], **options).sequences]
-    return [result.sequences for result in decoder.generate(rows, new, eos_token_id=[], **options)]
+        return [decoder.generate(rows[0], new, **options).sequences]
+    return [result.sequences[:, : result.prompt_len + len(result.new_tokens)]
+            for result in decoder.generate(rows, new, **options)]  # fmt: skip
 
 
-def judge(target: torch.nn.Module, prompt: torch.Tensor, output: torch.Tensor, new: int, options: dict, i: int) -> dict:
+def judge(target: torch.nn.Module, prompt: torch.Tensor, output: torch.Tensor, case: dict, options: dict, i: int):
     """Row `i`'s verdict on its `output`: against the row alone, undrafted, with its own seed (sampled), or plain
-    generate (greedy)."""
-    start, text = prompt.shape[1], output[0, prompt.shape[1] :].tolist()
+    generate (greedy). Where the case has an end-of-text token, both texts must end at it, and at the same place."""
+    start, text, new = prompt.shape[1], output[0, prompt.shape[1] :].tolist(), case["new"]
+    eos = case.get("eos")
     if options:  # the row alone, undrafted, with its own seed
-        own = options | {"seed": options["seed"] + i}
-        alone = forerun.Decoder(target, None, "plain").generate(prompt, new, eos_token_id=[], **own)
-        expected = alone.sequences[0, start:].tolist()
-        differs = next((k for k, (a, b) in enumerate(zip(expected, text, strict=True)) if a != b), None)
+        own = options | {"seed": options["seed"] + i, "eos_token_id": [] if eos is None else [eos]}
+        alone = forerun.Decoder(target, None, "plain").generate(prompt, new, **own)
+        expected = alone.new_tokens
+        differs = next((k for k, (a, b) in enumerate(zip(expected, text, strict=False)) if a != b), None)
+        if differs is None and len(expected) != len(text):
+            differs = min(len(expected), len(text))  # one ended where the other went on
         return {"identical": True} if differs is None else {"identical": False, "position": differs}
     # every prompt token is text: a follow-up's may equal the pad id, which generate would mask out unless told
     reference = target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new, do_sample=False,
-                                eos_token_id=None, pad_token_id=0, output_logits=True,
+                                eos_token_id=eos, pad_token_id=0, output_logits=True,
                                 return_dict_in_generate=True)  # fmt: skip
     expected = reference.sequences[0, start:].tolist()
     found = first_divergence(expected, text, [logits[0] for logits in reference.logits], target.dtype)
+    if found is None and len(expected) != len(text):  # the same tokens, but one ended early: no rounding does that
+        return {"identical": False, "position": min(len(expected), len(text)), "ulps": math.inf, "tie": False}
     if found is None:
         return {"identical": True}
     verdict = {"identical": False, "position": found.position, "ulps": round(found.ulps, 2)}

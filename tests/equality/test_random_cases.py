@@ -26,9 +26,11 @@ FLIPPED = {"family": "mixtral", "attention": "eager", "method": "draft_model", "
 """The one case the searches found differing (on an AVX-512 EPYC): row 0 takes generate's second token at 3 ulps."""
 
 
-def cases(seed: int, count: int, dtypes: tuple[str, ...] = ("fp32",), follow_ups: bool = False) -> list[dict]:
+def cases(
+    seed: int, count: int, dtypes: tuple[str, ...] = ("fp32",), follow_ups: bool = False, stops: bool = False
+) -> list[dict]:
     rng = random.Random(seed)
-    return [draw_case(rng, dtypes, follow_ups) for _ in range(count)]
+    return [draw_case(rng, dtypes, follow_ups, stops) for _ in range(count)]
 
 
 def check(case: dict) -> None:
@@ -64,6 +66,31 @@ def test_random_second_turns_keep_generates_text(seed):
     assert any(case["follow"] for case in drawn)
     for case in drawn:
         check(case)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_random_rows_end_where_generate_ends(seed):
+    """Half the cases end at an end-of-text token (the one generate writes at a drawn position of row 0), so a
+    batch's rows leave it at different steps, on either base, with second turns: every row ends where the
+    reference does, with the same text."""
+    drawn = cases(6026 + seed, 15, ("fp32", "bf16", "int4"), follow_ups=True, stops=True)
+    assert any("eos_at" in case for case in drawn)
+    for case in drawn:
+        check(case)
+
+
+def test_negative_control_a_row_that_ends_early_is_caught():
+    """A row cut one token short of generate's text (a row that left its batch a step early) is a difference no
+    rounding explains, greedy or sampled."""
+    from random_case import judge
+
+    case = {"family": "llama", "attention": "sdpa", "new": 8, "rows": 1}
+    model, prompt = tiny_model("llama", "sdpa", 0), prompts(1, length=10, seed=3)[0]
+    full = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)  # fmt: skip
+    assert judge(model, prompt, full, case, {}, 0) == {"identical": True}
+    short = judge(model, prompt, full[:, :-1], case, {}, 0)
+    assert short["position"] == 7 and not short["identical"] and not short["tie"]
 
 
 def test_the_case_found_flipping_is_a_tie():
