@@ -24,6 +24,11 @@ in the searches: 3)."""
 FLIPPED = {"family": "mixtral", "attention": "eager", "method": "draft_model", "static": False, "rows": 2, "new": 33,
            "length": 3, "prompt_seed": 335, "draft": "phi3", "slots": False}  # fmt: skip
 """The one case the searches found differing (on an AVX-512 EPYC): row 0 takes generate's second token at 3 ulps."""
+ROUTED = frozenset({"mixtral"})
+"""Families whose tokens go to experts chosen by a router: in low precision a router's near-tie can go the other way
+under another forward's rounding, and another expert moves the output logits past a tie (5 ulps, once in ~33,000
+low-precision rows of the searches; docs/exactness.md). Other machines round other near-ties."""
+ROUTED_ULPS = 8.0
 
 
 def cases(
@@ -39,7 +44,8 @@ def check(case: dict) -> None:
             continue
         assert not case.get("sampled"), (case, row, verdict)  # a seed fixes a sampled text exactly
         if "dtype" in case:  # bf16 or 4-bit weights: a first difference is a tie (forerun.exactness)
-            assert verdict["tie"], (case, row, verdict)
+            routed = case["family"] in ROUTED and verdict["ulps"] <= ROUTED_ULPS
+            assert verdict["tie"] or routed, (case, row, verdict)
         else:
             assert verdict["ulps"] <= FP32_TIE_ULPS, (case, row, verdict)
 
