@@ -86,8 +86,8 @@ def test_random_rows_end_where_generate_ends(seed):
 
 
 def test_negative_control_a_row_that_ends_early_is_caught():
-    """A row cut one token short of generate's text (a row that left its batch a step early) is a difference no
-    rounding explains, greedy or sampled."""
+    """A row cut one token short of generate's text (a row that left its batch a step early) is caught: a difference
+    no rounding explains, judged beyond any tie."""
     from random_case import judge
 
     case = {"family": "llama", "attention": "sdpa", "new": 8, "rows": 1}
