@@ -69,8 +69,8 @@ def main() -> None:
             continue
         cases, rows, sampled = cases + 1, rows + len(verdicts), sampled + bool(case["sampled"])
         dtype = case.get("dtype", "fp32")
-        tally.update({f"{dtype} cases": 1, f"{dtype} rows": len(verdicts)})
-        tally.update({f"{dtype} second turns": case.get("follow", 0)})
+        tally.update({f"{dtype} cases": 1, f"{dtype} rows": len(verdicts),
+                      f"{dtype} second turns": case.get("follow", 0)})  # fmt: skip
         for row, verdict in enumerate(verdicts):
             if not verdict["identical"]:
                 differences.append({"case": case, "row": row} | verdict)

@@ -84,25 +84,32 @@ def run_case(case: dict) -> list[dict]:
     decoder = decoder_for(case, target)
     if "eos_at" in case and "eos" not in case:
         case = case | {"eos": end_of_text(target, rows[0], case["eos_at"])}
-    eos = [case["eos"]] if "eos" in case else []
-    outputs = decode(decoder, rows, case["new"], options | {"eos_token_id": eos})
-    verdicts = [judge(target, prompt, output, case, options, i) for i, (prompt, output) in
-                enumerate(zip(rows, outputs, strict=True))]  # fmt: skip
+    settings = options | {"eos_token_id": [case["eos"]] if "eos" in case else []}
+
+    def turn(rows: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[dict]]:
+        outputs = decode(decoder, rows, case["new"], settings)
+        return outputs, [judge(target, prompt, output, case, options, i)
+                         for i, (prompt, output) in enumerate(zip(rows, outputs, strict=True))]  # fmt: skip
+
+    outputs, verdicts = turn(rows)
     if case.get("follow"):
         more = prompts(case["rows"], length=4, seed=case["prompt_seed"] + 1)
-        rows = [torch.cat([output, extra], dim=1) for output, extra in zip(outputs, more, strict=True)]
-        outputs = decode(decoder, rows, case["new"], options | {"eos_token_id": eos})
-        verdicts += [judge(target, prompt, output, case, options, i) | {"follow": True} for i, (prompt, output)
-                     in enumerate(zip(rows, outputs, strict=True))]  # fmt: skip
+        _, second = turn([torch.cat([output, extra], dim=1) for output, extra in zip(outputs, more, strict=True)])
+        verdicts += [verdict | {"follow": True} for verdict in second]
     return verdicts
+
+
+def plain_greedy(target: torch.nn.Module, prompt: torch.Tensor, new: int, eos: int | None = None, **extra):
+    """`target.generate`, greedy, reading every prompt token as text: a second turn's prompt may hold a token equal
+    to the pad id, which generate masks out unless told."""
+    return target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new, do_sample=False,
+                           eos_token_id=eos, pad_token_id=0, **extra)  # fmt: skip
 
 
 def end_of_text(target: torch.nn.Module, prompt: torch.Tensor, position: int) -> int:
     """The token plain greedy generate writes at new-token `position` after `prompt`: as the case's end-of-text
     token, row 0 ends there or sooner, and the other rows wherever they write it."""
-    out = target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=position + 1, do_sample=False,
-                          eos_token_id=None, pad_token_id=0)  # fmt: skip
-    return int(out[0, -1])
+    return int(plain_greedy(target, prompt, position + 1)[0, -1])
 
 
 def decode(decoder: forerun.Decoder, rows: list[torch.Tensor], new: int, options: dict) -> list[torch.Tensor]:
@@ -110,8 +117,7 @@ def decode(decoder: forerun.Decoder, rows: list[torch.Tensor], new: int, options
     one batch (a single row alone)."""
     if len(rows) == 1:
         return [decoder.generate(rows[0], new, **options).sequences]
-    return [result.sequences[:, : result.prompt_len + len(result.new_tokens)]
-            for result in decoder.generate(rows, new, **options)]  # fmt: skip
+    return [result.sequences for result in decoder.generate(rows, new, **options)]
 
 
 def judge(target: torch.nn.Module, prompt: torch.Tensor, output: torch.Tensor, case: dict, options: dict, i: int):
@@ -127,10 +133,7 @@ def judge(target: torch.nn.Module, prompt: torch.Tensor, output: torch.Tensor, c
         if differs is None and len(expected) != len(text):
             differs = min(len(expected), len(text))  # one ended where the other went on
         return {"identical": True} if differs is None else {"identical": False, "position": differs}
-    # every prompt token is text: a follow-up's may equal the pad id, which generate would mask out unless told
-    reference = target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new, do_sample=False,
-                                eos_token_id=eos, pad_token_id=0, output_logits=True,
-                                return_dict_in_generate=True)  # fmt: skip
+    reference = plain_greedy(target, prompt, new, eos, output_logits=True, return_dict_in_generate=True)
     expected = reference.sequences[0, start:].tolist()
     found = first_divergence(expected, text, [logits[0] for logits in reference.logits], target.dtype)
     if found is None and len(expected) != len(text):  # the same tokens, but one ended early: no rounding does that

@@ -70,10 +70,7 @@ def test_first_differences_are_ties(family, dtype, method):
     decoder = forerun.Decoder(model, None, method, latency=CURVE)
     drafted = 0
     for prompt in prompts(3):
-        expected, logits = reference(model, prompt)
-        result = decoder.generate(prompt, NEW_TOKENS, eos_token_id=[])
-        got = result.new_tokens
-        divergence = first_divergence(expected, got, logits, model.dtype)
+        result, divergence = against_generate(decoder, model, prompt)
         assert divergence is None or divergence.is_tie, (family, dtype, method, divergence)
         drafted += result.stats.accepted
     assert drafted > 0  # trees were verified: the test exercised tree forwards, not only 1-token steps

@@ -88,12 +88,11 @@ def test_random_rows_end_where_generate_ends(seed):
 def test_negative_control_a_row_that_ends_early_is_caught():
     """A row cut one token short of generate's text (a row that left its batch a step early) is caught: a difference
     no rounding explains, judged beyond any tie."""
-    from random_case import judge
+    from random_case import judge, plain_greedy
 
     case = {"family": "llama", "attention": "sdpa", "new": 8, "rows": 1}
     model, prompt = tiny_model("llama", "sdpa", 0), prompts(1, length=10, seed=3)[0]
-    full = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8, do_sample=False,
-                          eos_token_id=None, pad_token_id=0)  # fmt: skip
+    full = plain_greedy(model, prompt, 8)
     assert judge(model, prompt, full, case, {}, 0) == {"identical": True}
     short = judge(model, prompt, full[:, :-1], case, {}, 0)
     assert short["position"] == 7 and not short["identical"] and not short["tie"]
