@@ -357,10 +357,12 @@ class Decoder:
         streamer: object | None = None,
         processor: LogitsProcessorList | None = None,
         sampling: Sampling | None = None,
+        keep_logits: bool = False,
     ) -> tuple[Transcript, GenerationStats]:
         """One row with criteria and processors built elsewhere (`model.generate(custom_generate=...)`, `forerun.hf`).
-        The streamer has already seen the prompt; it gets the new tokens as they are committed, then `end()`."""
-        transcript = Transcript(input_ids, stopping, streamer)
+        The streamer has already seen the prompt; it gets the new tokens as they are committed, then `end()`.
+        `keep_logits`: the transcript keeps each new token's raw logits (the drop-in's scores and logits)."""
+        transcript = Transcript(input_ids, stopping, streamer, keep_logits=keep_logits)
         job = RowJob(input_ids, transcript, self.drafters, eos, max_new_tokens, processor, sampling, self.prefixes)
         stats = decode(self.model, job, self.budget, self.engine_config.draft_in_prefill, self.base)
         return transcript, stats

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, MaxLengthCriteria, StoppingCriteriaList
+from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from forerun.batch import fork
 from forerun.batched import decode_batch
 from forerun.decoder import Decoder
 from forerun.defaults import DEFAULT_METHOD
+from forerun.hf_rows import PaddedRowProcessors, step_scores
 from forerun.noise import GumbelNoise
 from forerun.preparation import eos_ids_of
 from forerun.row import RowJob
@@ -89,11 +91,10 @@ def custom_generate(
     is drawn from `forerun_generator`, else torch's global generator (so `torch.manual_seed` makes runs repeat, as
     with plain generate).
     """
+    check_generation_config(generation_config)
     if forerun_streamer is not None:
         streamer = forerun_streamer
         streamer.put(input_ids.cpu())
-    if generation_config.num_beams not in (None, 1):
-        raise ValueError(f"forerun does not do beam search (num_beams={generation_config.num_beams})")
     decoder = forerun_decoder
 
     def sampling() -> Sampling | None:
@@ -107,22 +108,72 @@ def custom_generate(
         return batch_custom_generate(
             model, input_ids, mask, logits_processor, stopping_criteria, generation_config, decoder, sampling
         )
+    processor = PaddedRowProcessors(logits_processor, input_ids[:, :0], row=0)
+    eos = eos_ids_of(model, generation_config.eos_token_id)
+    max_new_tokens = generation_config.max_length - input_ids.shape[1]
+    keep = wants_scores(generation_config)
     transcript, stats = decoder.decode(
-        input_ids,
-        stopping_criteria,
-        eos_ids_of(model, generation_config.eos_token_id),
-        generation_config.max_length - input_ids.shape[1],
-        streamer,
-        logits_processor,
-        sampling(),
+        input_ids, stopping_criteria, eos, max_new_tokens, streamer, processor, sampling(), keep_logits=keep
     )
-    if generation_config.return_dict_in_generate:
-        output = GenerateDecoderOnlyOutput(sequences=transcript.sequence)
-        output.forerun_stats = stats
-        output.forerun_sources = transcript.sources
-        output.forerun_transcript = transcript
-        return output
-    return transcript.sequence
+    if not generation_config.return_dict_in_generate:
+        return transcript.sequence
+    output = dict_output(transcript.sequence, [transcript], [processor], generation_config, eos)
+    output.forerun_stats = stats
+    output.forerun_sources = transcript.sources
+    output.forerun_transcript = transcript
+    return output
+
+
+UNSUPPORTED_OUTPUTS = {"output_attentions": "attentions", "output_hidden_states": "hidden states"}
+
+
+def check_generation_config(config: GenerationConfig) -> None:
+    """Refuse what forerun does not do, naming it, rather than decode something else: beam search, contrastive
+    search, DoLa and the other decoding modes (forerun decodes greedily or samples), and per-step attentions or
+    hidden states (its forwards verify trees of guesses; scores and logits it returns)."""
+    if config.num_beams not in (None, 1):
+        raise ValueError(f"forerun does not do beam search (num_beams={config.num_beams})")
+    mode = config.get_generation_mode()
+    if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE, GenerationMode.ASSISTED_GENERATION):
+        raise ValueError(
+            f"forerun decodes greedily or samples; this generation config asks for {mode.value.replace('_', ' ')} "
+            "(call model.generate without custom_generate for it)"
+        )
+    if config.return_dict_in_generate:
+        for flag, what in UNSUPPORTED_OUTPUTS.items():
+            if getattr(config, flag, False):
+                raise ValueError(
+                    f"forerun's drop-in does not return {what} ({flag}=True): its forwards verify trees of guesses, "
+                    "not one token each (output_scores and output_logits it returns)"
+                )
+
+
+def wants_scores(config: GenerationConfig) -> bool:
+    """Whether the call returns per-step scores or logits (kept per new token while decoding)."""
+    return bool(config.return_dict_in_generate and (config.output_scores or config.output_logits))
+
+
+def dict_output(
+    sequences: torch.Tensor,
+    transcripts: list[Transcript],
+    processors: list[LogitsProcessorList],
+    config: GenerationConfig,
+    eos: frozenset[int],
+) -> GenerateDecoderOnlyOutput:
+    """`return_dict_in_generate=True`'s output: the sequences, and `scores` / `logits` where asked."""
+    output = GenerateDecoderOnlyOutput(sequences=sequences)
+    if wants_scores(config):
+        scores, logits = step_scores(transcripts, processors, pad_id_of(config, eos))
+        output.scores = scores if config.output_scores else None
+        output.logits = logits if config.output_logits else None
+    return output
+
+
+def pad_id_of(config: GenerationConfig, eos: frozenset[int]) -> int:
+    """The token a finished row is padded with: the config's pad id, else an EOS id, else 0."""
+    if config.pad_token_id is not None:
+        return int(config.pad_token_id)
+    return min(eos) if eos else 0
 
 
 def batch_custom_generate(
@@ -133,7 +184,7 @@ def batch_custom_generate(
     finished earlier filled with the pad token.
 
     Per row, the stopping criteria are transformers' own except the length, which counts from the row's own
-    prompt; the logits processors see the row's own tokens (its padding is not text).
+    prompt; the logits processors see each row as plain batched generate shows it to them (`PaddedRowProcessors`).
     """
     rows, padded_len = input_ids.shape
     if mask is None:
@@ -141,7 +192,7 @@ def batch_custom_generate(
     max_new_tokens = generation_config.max_length - padded_len
     eos = eos_ids_of(model, generation_config.eos_token_id)
     kept = StoppingCriteriaList(c for c in stopping_criteria if not isinstance(c, MaxLengthCriteria))
-    jobs, pads = [], []
+    jobs, pads, processors = [], [], []
     for row in range(rows):
         real = mask[row].bool()
         pad = int((~real).sum())
@@ -151,20 +202,20 @@ def batch_custom_generate(
             raise ValueError(f"row {row} of the batch is all padding")
         ids = input_ids[row : row + 1, pad:]
         criteria = StoppingCriteriaList([MaxLengthCriteria(max_length=ids.shape[1] + max_new_tokens), *kept])
-        transcript = Transcript(ids, criteria)
-        jobs.append(RowJob(ids, transcript, fork(decoder.drafters), eos, max_new_tokens, logits_processor, sampling()))
+        transcript = Transcript(ids, criteria, keep_logits=wants_scores(generation_config))
+        processor = PaddedRowProcessors(logits_processor, input_ids[row : row + 1, :pad], row)
+        jobs.append(RowJob(ids, transcript, fork(decoder.drafters), eos, max_new_tokens, processor, sampling()))
         pads.append(pad)
+        processors.append(processor)
     stats = decode_batch(model, jobs, decoder.batch_budget() if len(jobs) > 1 else decoder.budget)
     longest = max(job.transcript.sequence.shape[1] + pad for job, pad in zip(jobs, pads, strict=True))
-    pad_id = generation_config.pad_token_id
-    if pad_id is None:
-        pad_id = min(eos) if eos else 0
-    sequences = input_ids.new_full((rows, longest), int(pad_id))
+    sequences = input_ids.new_full((rows, longest), pad_id_of(generation_config, eos))
     for row, (job, pad) in enumerate(zip(jobs, pads, strict=True)):
         sequences[row, :pad] = input_ids[row, :pad]
         sequences[row, pad : pad + job.transcript.sequence.shape[1]] = job.transcript.sequence[0]
     if generation_config.return_dict_in_generate:
-        output = GenerateDecoderOnlyOutput(sequences=sequences)
+        transcripts = [job.transcript for job in jobs]
+        output = dict_output(sequences, transcripts, processors, generation_config, eos)
         output.forerun_stats = stats
         output.forerun_sources = [job.transcript.sources for job in jobs]
         return output

@@ -196,7 +196,7 @@ class RowRun:
         self.prefix_len += len(path)
         sources = [tree.sources[i] for i in verdict.accepted_nodes] + ["model"]
         tokens = [tree.tokens[i] for i in verdict.accepted_nodes] + [verdict.bonus_token]
-        new_tokens = transcript.extend(tokens, sources, logits[path] if transcript.logprobs_top is not None else None)
+        new_tokens = transcript.extend(tokens, sources, logits[path] if transcript.wants_logits else None)
         self.ctx.tokens.extend(new_tokens)
         started = time.perf_counter()
         for drafter, node_map in zip(self.job.drafters, selection.node_maps, strict=True):

@@ -36,6 +36,10 @@ class Transcript:
     logprobs_top: int | None = None
     """None: no log-probabilities; k >= 0: each new token's log-probability and the k likeliest alternatives."""
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    keep_logits: bool = False
+    """True: keep each new token's raw logits row in `logits` (`output_logits`/`output_scores` of the drop-in)."""
+    logits: list[torch.Tensor] = field(default_factory=list, repr=False)
+    """Per new token, where `keep_logits`: the raw logits [vocab] it was chosen from, in fp32 on the model's device."""
 
     limits: tuple[float, frozenset[int]] | None = field(init=False, default=None)
     """The stopping criteria as a length and EOS ids where that is all they are (`simple_limits`)."""
@@ -55,6 +59,11 @@ class Transcript:
         return self.held
 
     @property
+    def wants_logits(self) -> bool:
+        """Whether `extend` needs the rows the new tokens were chosen from."""
+        return self.keep_logits or self.logprobs_top is not None
+
+    @property
     def length(self) -> int:
         """Prompt and new tokens so far (without joining them)."""
         return self.held.shape[1] + len(self.pending)
@@ -66,6 +75,8 @@ class Transcript:
         """
         taken = self.take(tokens, sources) if self.limits is not None else self.take_checked(tokens, sources)
         entries = []
+        if self.keep_logits and rows is not None and taken:
+            self.logits.extend(rows[: len(taken)].float().unbind(0))
         if self.logprobs_top is not None and rows is not None and taken:
             entries = token_logprobs(rows, taken, self.logprobs_top)
             self.logprobs.extend(entries)
