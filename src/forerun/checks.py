@@ -66,6 +66,27 @@ def check_sampling(settings: dict[str, object]) -> None:
                 raise ValueError(f"{name} must be an integer in [0, 1000000], got {value!r}")
 
 
+DECODED_MODES = ("greedy_search", "sample", "assisted_generation")
+"""transformers' generation modes forerun decodes (assisted generation's output is greedy's or sampling's)."""
+
+
+def check_decoding_mode(config) -> None:
+    """Refuse a transformers `GenerationConfig` that asks for a way of decoding forerun does not do (beam search,
+    contrastive search, DoLa...), naming it, rather than decode greedily without a word.
+
+    Example:
+        >>> from transformers import GenerationConfig
+        >>> check_decoding_mode(GenerationConfig(num_beams=2))
+        Traceback (most recent call last):
+        ...
+        ValueError: forerun decodes greedily or samples; these settings ask for beam search (num_beams=2)
+    """
+    mode = config.get_generation_mode().value
+    if mode not in DECODED_MODES:
+        beams = f" (num_beams={config.num_beams})" if config.num_beams not in (None, 1) else ""
+        raise ValueError(f"forerun decodes greedily or samples; these settings ask for {mode.replace('_', ' ')}{beams}")
+
+
 def check_seed(seed: object) -> None:
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED):
         raise ValueError(f"seed must be an integer in [0, 2**63 - 1], got {seed!r}")

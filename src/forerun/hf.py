@@ -12,11 +12,15 @@ from __future__ import annotations
 
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, MaxLengthCriteria, StoppingCriteriaList
-from transformers.generation.configuration_utils import GenerationMode
+from transformers.generation.logits_process import (
+    ClassifierFreeGuidanceLogitsProcessor,
+    UnbatchedClassifierFreeGuidanceLogitsProcessor,
+)
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from forerun.batch import fork
 from forerun.batched import decode_batch
+from forerun.checks import check_decoding_mode
 from forerun.decoder import Decoder
 from forerun.defaults import DEFAULT_METHOD
 from forerun.hf_rows import PaddedRowProcessors, step_scores
@@ -91,7 +95,7 @@ def custom_generate(
     is drawn from `forerun_generator`, else torch's global generator (so `torch.manual_seed` makes runs repeat, as
     with plain generate).
     """
-    check_generation_config(generation_config)
+    check_generation_config(generation_config, logits_processor)
     if forerun_streamer is not None:
         streamer = forerun_streamer
         streamer.put(input_ids.cpu())
@@ -124,21 +128,19 @@ def custom_generate(
     return output
 
 
+GUIDANCE = (ClassifierFreeGuidanceLogitsProcessor, UnbatchedClassifierFreeGuidanceLogitsProcessor)
 UNSUPPORTED_OUTPUTS = {"output_attentions": "attentions", "output_hidden_states": "hidden states"}
 
 
-def check_generation_config(config: GenerationConfig) -> None:
+def check_generation_config(config: GenerationConfig, processors: LogitsProcessorList | None) -> None:
     """Refuse what forerun does not do, naming it, rather than decode something else: beam search, contrastive
-    search, DoLa and the other decoding modes (forerun decodes greedily or samples), and per-step attentions or
-    hidden states (its forwards verify trees of guesses; scores and logits it returns)."""
-    if config.num_beams not in (None, 1):
-        raise ValueError(f"forerun does not do beam search (num_beams={config.num_beams})")
-    mode = config.get_generation_mode()
-    if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE, GenerationMode.ASSISTED_GENERATION):
-        raise ValueError(
-            f"forerun decodes greedily or samples; this generation config asks for {mode.value.replace('_', ' ')} "
-            "(call model.generate without custom_generate for it)"
-        )
+    search, DoLa and the other decoding modes (forerun decodes greedily or samples), per-step attentions or
+    hidden states (its forwards verify trees of guesses; scores and logits it returns), and scores under
+    classifier-free guidance (its processor runs the model on a cache of its own, fed once per position: the
+    walk feeds it the committed tokens in order, but scores computed afterwards would feed it again)."""
+    check_decoding_mode(config)
+    if wants_scores(config) and any(isinstance(p, GUIDANCE) for p in processors or ()):
+        raise ValueError("forerun's drop-in returns no scores or logits under guidance_scale (classifier-free)")
     if config.return_dict_in_generate:
         for flag, what in UNSUPPORTED_OUTPUTS.items():
             if getattr(config, flag, False):

@@ -98,14 +98,13 @@ def transformers_processors(
     if request.eos_token_id is not None:
         eos = request.eos_token_id
         extra["eos_token_id"] = list(eos) if not isinstance(eos, int) else eos
+    settings = {"pad_token_id": pad_token_of(model), **extra, **request.generation}  # the request's pad id wins
     return model.generate(
         input_ids.to(model.device),
         max_new_tokens=request.max_new_tokens,
         do_sample=request.do_sample,
         custom_generate=processors_only,
-        pad_token_id=pad_token_of(model),
-        **extra,
-        **request.generation,
+        **settings,
     )
 
 

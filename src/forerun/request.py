@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import GenerationConfig
 
-from forerun.checks import check_logprobs, check_sampling, check_seed, check_stops
+from forerun.checks import check_decoding_mode, check_logprobs, check_sampling, check_seed, check_stops
 
 Prompt = str | Sequence[dict] | Sequence[int] | torch.Tensor
 """Text, chat messages ([{"role": ..., "content": ...}]), token ids, or input_ids [1, L]."""
@@ -79,9 +79,11 @@ class GenerationRequest:
         check_generation_kwargs(self.generation)
         if self.processed:
             try:
-                GenerationConfig(do_sample=self.do_sample, **self.generation).validate(strict=True)
+                config = GenerationConfig(do_sample=self.do_sample, **self.generation)
+                config.validate(strict=True)
             except (TypeError, ValueError) as error:
                 raise ValueError(f"invalid generation settings {self.generation}: {error}") from error
+            check_decoding_mode(config)
         check_hooks(self.prediction, self.cancel, self.streamer)
         if isinstance(self.prediction, list):
             set_field("prediction", tuple(self.prediction))
@@ -106,8 +108,21 @@ class GenerationRequest:
         return self.do_sample or bool(self.generation)
 
 
+NOT_REQUEST_SETTINGS = {
+    "stop_strings": "stop=[...] (the answer's text ends before the first)",
+    "num_return_sequences": "a batch of the prompt n times, each with its own seed",
+    "return_dict_in_generate": "the GenerationResult (sequences, text, stats, logprobs)",
+    "output_scores": "logprobs=k",
+    "output_logits": "logprobs=k",
+    "output_attentions": "model.generate without forerun",
+    "output_hidden_states": "model.generate without forerun",
+}
+"""transformers settings that shape generate's return value, not the answer: each request has its own way."""
+
+
 def check_generation_kwargs(generation_kwargs: Mapping[str, object]) -> None:
-    """Unknown names are refused (a method knob passed here by mistake is named as such); values range-checked."""
+    """Unknown names are refused (a method knob passed here by mistake is named as such), and the settings that
+    shape generate's return value (`NOT_REQUEST_SETTINGS`, each with what to use instead); values range-checked."""
     defaults = GenerationConfig()
     unknown = sorted(name for name in generation_kwargs if not hasattr(defaults, name))
     if unknown:
@@ -115,6 +130,11 @@ def check_generation_kwargs(generation_kwargs: Mapping[str, object]) -> None:
             f"unknown generation argument(s) {unknown}; method knobs belong to Decoder(...) "
             "(or knobs={...} in forerun.generate)"
         )
+    for name, instead in NOT_REQUEST_SETTINGS.items():
+        value = generation_kwargs.get(name)
+        if value is None or value is False or (name == "num_return_sequences" and value == 1 and value is not True):
+            continue
+        raise ValueError(f"{name} is not a setting of a forerun request; use {instead}")
     check_sampling(dict(generation_kwargs))
 
 

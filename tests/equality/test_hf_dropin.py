@@ -154,6 +154,7 @@ def test_dropin_returns_scores_and_logits_as_generate_does(model, batched):
         (dict(num_beams=2), "beam search"),
         (dict(output_attentions=True, return_dict_in_generate=True), "attentions"),
         (dict(output_hidden_states=True, return_dict_in_generate=True), "hidden states"),
+        (dict(guidance_scale=2.0, output_scores=True, return_dict_in_generate=True), "guidance_scale"),
     ],
 )
 def test_dropin_refuses_what_it_would_not_do_naming_it(model, config, named):

@@ -42,6 +42,12 @@ def plain(model, prompt, new_tokens=30, **kwargs):
         ({"stop": 5}, "stop must be a string or a list of strings"),
         ({"logprobs": 21}, "logprobs must be an integer in \\[0, 20\\]"),
         ({"window": 3}, "unknown generation argument\\(s\\) \\['window'\\]; method knobs"),
+        # ways of decoding forerun does not do, and settings of generate's return value: named, never ignored
+        ({"num_beams": 2}, "these settings ask for beam search \\(num_beams=2\\)"),
+        ({"dola_layers": "low"}, "these settings ask for dola generation"),
+        ({"do_sample": True, "num_return_sequences": 2}, "num_return_sequences is not a setting of a forerun request"),
+        ({"stop_strings": ["a"]}, "stop_strings is not a setting of a forerun request; use stop="),
+        ({"return_dict_in_generate": True, "output_scores": True}, "is not a setting of a forerun request"),
     ],
 )
 def test_hostile_generation_values_raise_value_errors(model, kwargs, message):
@@ -70,6 +76,22 @@ def test_one_call_form_takes_generation_arguments_and_keeps_knobs_apart(model):
     assert torch.equal(sampled.sequences, again.sequences) and len(sampled.new_tokens) == 8
     greedy = forerun.generate(model, prompt, "prompt_lookup", 30, knobs={"draft_len": 4}, eos_token_id=[])
     assert torch.equal(greedy.sequences, plain(model, prompt))
+
+
+@pytest.mark.parametrize("method", ["prompt_lookup", "auto"])
+def test_classifier_free_guidance_equals_generate(model, method):
+    """Its processor runs the model on a cache of its own, fed once per scored position: exact only while the walk
+    scores the committed tokens in order (not at every node at once)."""
+    prompt = prompts(1)[0]
+    got = forerun.Decoder(model, None, method).generate(prompt, 30, guidance_scale=2.0, eos_token_id=[])
+    assert torch.equal(got.sequences, plain(model, prompt, guidance_scale=2.0))
+    assert got.stats.tokens_per_forward > 1.2  # drafts were accepted: the walk went past the root
+
+
+def test_a_requests_own_pad_id_is_taken(model):
+    prompt = prompts(1)[0]
+    got = forerun.Decoder(model, None, "prompt_lookup").generate(prompt, 30, pad_token_id=3, eos_token_id=[])
+    assert torch.equal(got.sequences, plain(model, prompt))
 
 
 class TinyTokenizer:
