@@ -20,7 +20,12 @@ from __future__ import annotations
 import copy
 
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList, RepetitionPenaltyLogitsProcessor
+from transformers import (
+    LogitsProcessor,
+    LogitsProcessorList,
+    PrefixConstrainedLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+)
 
 from forerun.transcript import Transcript
 
@@ -43,12 +48,18 @@ class PaddedRowProcessors(LogitsProcessorList):
 
 def row_copy(processor: LogitsProcessor, row: int) -> LogitsProcessor:
     """`processor` for row `row` alone: its per-row entries taken for that row (the repetition penalty's padding
-    lengths, which transformers gives a batch as a tensor [rows]); a processor holding nothing per row as it is."""
+    lengths, which transformers gives a batch as a tensor [rows]; a `prefix_allowed_tokens_fn`'s batch index); a
+    processor holding nothing per row as it is."""
     if isinstance(processor, RepetitionPenaltyLogitsProcessor) and isinstance(
         processor.prompt_ignore_length, torch.Tensor
     ):
         own = copy.copy(processor)
         own.prompt_ignore_length = int(processor.prompt_ignore_length[row])
+        return own
+    if type(processor) is PrefixConstrainedLogitsProcessor and processor._num_beams == 1:
+        own = copy.copy(processor)
+        rule = processor._prefix_allowed_tokens_fn
+        own._prefix_allowed_tokens_fn = lambda _, tokens: rule(row, tokens)  # the row's index in the batch, as there
         return own
     return processor
 

@@ -6,7 +6,7 @@ from transformers.generation.streamers import BaseStreamer
 
 import forerun
 
-from tiny_models import prompts, tiny_model
+from tiny_models import VOCAB, prompts, tiny_model
 
 
 class Collect(BaseStreamer):
@@ -114,6 +114,20 @@ def test_a_padded_batchs_processors_act_on_each_row_as_in_plain_batched_generate
     expected = model.generate(ids, **common, **processing)
     got = model.generate(
         ids, **common, **processing, custom_generate=forerun.hf_generate, forerun_method="prompt_lookup"
+    )
+    assert torch.equal(got, expected)
+
+
+def test_a_padded_batchs_prefix_rule_is_told_each_rows_index(model):
+    ids, mask, eos = left_padded(model)
+
+    def allowed(batch_id, tokens):  # row r writes only tokens t with t % 3 == r, unless it repeats its last token
+        return [t for t in range(VOCAB) if t % 3 == batch_id or t == int(tokens[-1])]
+
+    common = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=eos)
+    expected = model.generate(ids, **common, prefix_allowed_tokens_fn=allowed)
+    got = model.generate(
+        ids, **common, prefix_allowed_tokens_fn=allowed, custom_generate=forerun.hf_generate, forerun_method="auto"
     )
     assert torch.equal(got, expected)
 
