@@ -136,6 +136,14 @@ def price_costly(drafters: Sequence[object], budget: Budget, cache_dir: str | Pa
                 drafter.price(cache_dir)
 
 
+def check_causal(model: torch.nn.Module) -> None:
+    """forerun decodes causal (decoder-only) language models; an encoder-decoder (T5, BART) is refused by name."""
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        raise ValueError(
+            f"{type(model).__name__} is an encoder-decoder model; forerun decodes causal (decoder-only) language models"
+        )
+
+
 def check_vocabulary(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase | None) -> None:
     """A tokenizer whose ids exceed the model's embedding rows belongs to another model."""
     if tokenizer is None:

@@ -22,7 +22,15 @@ from transformers import (
     StoppingCriteriaList,
 )
 
-from forerun.assembly import check_vocabulary, make_base, make_budget, prepare_draft, prepare_head, price_costly
+from forerun.assembly import (
+    check_causal,
+    check_vocabulary,
+    make_base,
+    make_budget,
+    prepare_draft,
+    prepare_head,
+    price_costly,
+)
 from forerun.batch import batchable, fork
 from forerun.batched import decode_rows
 from forerun.checks import check_batch_size, is_count
@@ -99,6 +107,7 @@ class Decoder:
     ) -> None:
         if latency is not None and not isinstance(latency, LatencyCurve):
             raise ValueError(f"latency must be a forerun.LatencyCurve or None, got {latency!r:.40}")
+        check_causal(model)
         self.model, self.tokenizer = model, tokenizer
         self.prefixes = prefix_cache if isinstance(prefix_cache, PrefixCache) else PrefixCache(prefix_cache or 0)
         device_type = next(model.parameters()).device.type

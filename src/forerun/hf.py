@@ -96,6 +96,8 @@ def custom_generate(
     with plain generate).
     """
     check_generation_config(generation_config, logits_processor)
+    if model_kwargs.get("inputs_embeds") is not None or input_ids.shape[1] == 0:
+        raise ValueError("forerun reads the prompt as token ids (input_ids); inputs_embeds is not supported")
     if forerun_streamer is not None:
         streamer = forerun_streamer
         streamer.put(input_ids.cpu())

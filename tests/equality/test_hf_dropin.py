@@ -174,3 +174,11 @@ def test_dropin_returns_scores_and_logits_as_generate_does(model, batched):
 def test_dropin_refuses_what_it_would_not_do_naming_it(model, config, named):
     with pytest.raises(ValueError, match=named):
         model.generate(prompts(1)[0], max_new_tokens=4, pad_token_id=0, custom_generate=forerun.hf_generate, **config)
+
+
+def test_dropin_refuses_a_prompt_given_as_embeddings(model):
+    prompt = prompts(1)[0]
+    embeds = model.get_input_embeddings()(prompt)  # a soft prompt need not be any ids' embeddings: never ignored
+    for given in (dict(inputs_embeds=embeds), dict(input_ids=prompt, inputs_embeds=embeds)):
+        with pytest.raises(ValueError, match="inputs_embeds is not supported"):
+            model.generate(**given, max_new_tokens=4, pad_token_id=0, custom_generate=forerun.hf_generate)

@@ -54,6 +54,18 @@ def test_unknown_method_and_knobs(model):
         forerun.generate(model, [5, 6], "prompt_lookup", 5, max_tree_nodes=0)
 
 
+def test_an_encoder_decoder_model_is_named():
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    t5 = T5ForConditionalGeneration(
+        T5Config(vocab_size=96, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=4, decoder_start_token_id=0)
+    )
+    with pytest.raises(ValueError, match="T5ForConditionalGeneration is an encoder-decoder model; forerun decodes"):
+        forerun.Decoder(t5, None, "plain")
+    with pytest.raises(ValueError, match="is an encoder-decoder model"):
+        t5.generate(torch.tensor([[5, 6]]), max_new_tokens=3, custom_generate=forerun.hf_generate)
+
+
 def test_token_ids_outside_vocabulary(model):
     with pytest.raises(ValueError, match=f"outside the model's vocabulary \\[0, {VOCAB}\\)"):
         forerun.generate(model, [5, VOCAB + 3], "plain", 5)
