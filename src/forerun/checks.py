@@ -92,6 +92,16 @@ def check_seed(seed: object) -> None:
         raise ValueError(f"seed must be an integer in [0, 2**63 - 1], got {seed!r}")
 
 
+def check_warm_up(max_len: object, batch_size: object, single: object) -> None:
+    """`Decoder.warm_up`'s arguments: a positive token count, a positive row count, a boolean."""
+    if not is_count(max_len, 1):
+        raise ValueError(f"warm_up's max_len must be a positive number of tokens, got {max_len!r:.40}")
+    if not is_count(batch_size, 1):
+        raise ValueError(f"warm_up's batch_size must be a positive number of rows, got {batch_size!r:.40}")
+    if not isinstance(single, bool):
+        raise ValueError(f"warm_up's single must be true or false, got {single!r:.40}")
+
+
 def check_batch_size(batch_size: object) -> None:
     """None (every prompt at once) or a positive integer."""
     if batch_size is not None and not is_count(batch_size, 1):

@@ -12,6 +12,7 @@ Example:
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -33,7 +34,7 @@ from forerun.assembly import (
 )
 from forerun.batch import batchable, fork
 from forerun.batched import decode_rows
-from forerun.checks import check_batch_size, is_count
+from forerun.checks import check_batch_size, check_warm_up
 from forerun.config import EngineConfig
 from forerun.costmodel import Budget, LatencyCurve
 from forerun.defaults import DEFAULT_METHOD
@@ -108,6 +109,8 @@ class Decoder:
         if latency is not None and not isinstance(latency, LatencyCurve):
             raise ValueError(f"latency must be a forerun.LatencyCurve or None, got {latency!r:.40}")
         check_causal(model)
+        self.lock = threading.RLock()
+        """Held while a call decodes: calls from several threads take turns (batch requests to decode them together)."""
         self.model, self.tokenizer = model, tokenizer
         self.prefixes = prefix_cache if isinstance(prefix_cache, PrefixCache) else PrefixCache(prefix_cache or 0)
         device_type = next(model.parameters()).device.type
@@ -161,7 +164,8 @@ class Decoder:
     def save_cache(self, path: str) -> None:
         """Save the cross-request state (the trie of method 'trie') with safetensors."""
         drafter = self.trie_drafter()
-        drafter.trie.save(path, drafter.config)
+        with self.lock:
+            drafter.trie.save(path, drafter.config)
 
     def load_cache(self, path: str) -> None:
         """Replace the trie with one saved by `save_cache`; a bad file raises ValueError and changes nothing."""
@@ -169,15 +173,14 @@ class Decoder:
 
         drafter = self.trie_drafter()
         vocab = self.model.get_output_embeddings().weight.shape[0]
-        drafter.trie = TokenTrie.load(path, drafter.config.max_nodes, vocab)
+        trie = TokenTrie.load(path, drafter.config.max_nodes, vocab)
+        with self.lock:
+            drafter.trie = trie
 
     def trie_drafter(self):
-        from forerun.drafters.trie import TrieDrafter
+        from forerun.drafters.trie import trie_drafter_of
 
-        for drafter in self.drafters:
-            if isinstance(drafter, TrieDrafter):
-                return drafter
-        raise ValueError(f"method {self.method!r} keeps no trie to save or load; use a method with 'trie' in it")
+        return trie_drafter_of(self.drafters, self.method)
 
     def warm_up(self, max_len: int = 2048, batch_size: int = 1, single: bool = True) -> float:
         """Capture the static cache's graphs now (compiled first, with compile_buckets) for texts of up to `max_len`
@@ -194,12 +197,7 @@ class Decoder:
             >>> decoder = Decoder(model, tokenizer, "auto")                    # doctest: +SKIP
             >>> decoder.warm_up(1024, batch_size=8)                            # seconds, once  # doctest: +SKIP
         """
-        if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
-            raise ValueError(f"warm_up's max_len must be a positive number of tokens, got {max_len!r:.40}")
-        if not is_count(batch_size, 1):
-            raise ValueError(f"warm_up's batch_size must be a positive number of rows, got {batch_size!r:.40}")
-        if not isinstance(single, bool):
-            raise ValueError(f"warm_up's single must be true or false, got {single!r:.40}")
+        check_warm_up(max_len, batch_size, single)
         batched = batch_size > 1 and batchable(self.model)
         single = single or not batched  # a warm-up warms something
         context = getattr(self.model.config, "max_position_embeddings", None)
@@ -209,7 +207,7 @@ class Decoder:
             return 0.0
         longest = max_len + self.budget.max_nodes
         seconds = 0.0
-        with torch.inference_mode():
+        with self.lock, torch.inference_mode():
             if single:
                 seconds += self.base.warm(longest)
                 warmed = [d for d in self.drafters if callable(getattr(d, "warm", None))]  # a trained head's graphs
@@ -250,8 +248,9 @@ class Decoder:
         check_batch_size(batch_size)
         if is_batch(prompt):
             return self.generate_batch(prompt, max_new_tokens, batch_size=batch_size, **options)
-        prepared = self.prepare(as_request(prompt, max_new_tokens, options), fork_drafters=False)
-        with torch.inference_mode():
+        request = as_request(prompt, max_new_tokens, options)
+        with self.lock, torch.inference_mode():
+            prepared = self.prepare(request, fork_drafters=False)
             stats = decode(self.model, prepared.job, self.budget, self.engine_config.draft_in_prefill, self.base)
         return self.result(prepared, stats)
 
@@ -302,14 +301,15 @@ class Decoder:
         rows = []
         for i, request in enumerate(requests):
             try:
-                rows.append(self.prepare(request, prefixes=prefixes))
+                with self.lock:
+                    rows.append(self.prepare(request, prefixes=prefixes))
             except ValueError as error:
                 raise ValueError(f"prompt {i}: {error}") from None
         budget = self.batch_budget() if len(rows) > 1 and batch_size != 1 else self.budget
         jobs = [row.job for row in rows]
 
         def finished() -> Iterator[tuple[int, GenerationResult]]:
-            with torch.inference_mode():
+            with self.lock, torch.inference_mode():  # held until the last row is done (or the iterator closed)
                 for index, stats in decode_rows(self.model, jobs, budget, batch_size, self.base):
                     yield index, self.result(rows[index], stats)
 
@@ -373,7 +373,8 @@ class Decoder:
         `keep_logits`: the transcript keeps each new token's raw logits (the drop-in's scores and logits)."""
         transcript = Transcript(input_ids, stopping, streamer, keep_logits=keep_logits)
         job = RowJob(input_ids, transcript, self.drafters, eos, max_new_tokens, processor, sampling, self.prefixes)
-        stats = decode(self.model, job, self.budget, self.engine_config.draft_in_prefill, self.base)
+        with self.lock:
+            stats = decode(self.model, job, self.budget, self.engine_config.draft_in_prefill, self.base)
         return transcript, stats
 
     def result(self, prepared: Prepared, stats: GenerationStats) -> GenerationResult:

@@ -111,9 +111,10 @@ def custom_generate(
     if input_ids.shape[0] != 1 or (isinstance(mask, torch.Tensor) and not bool(mask.all())):
         if streamer is not None:
             raise ValueError("forerun streams one sequence; a batch cannot take a streamer")
-        return batch_custom_generate(
-            model, input_ids, mask, logits_processor, stopping_criteria, generation_config, decoder, sampling
-        )
+        with decoder.lock:  # its drafters' forks and budget, while other threads' calls wait
+            return batch_custom_generate(
+                model, input_ids, mask, logits_processor, stopping_criteria, generation_config, decoder, sampling
+            )
     processor = PaddedRowProcessors(logits_processor, input_ids[:, :0], row=0)
     eos = eos_ids_of(model, generation_config.eos_token_id)
     max_new_tokens = generation_config.max_length - input_ids.shape[1]

@@ -346,3 +346,12 @@ METHOD = MethodSpec(
     style="bold magenta",
     saves_state=True,
 )
+
+
+def trie_drafter_of(drafters: list, method: str) -> TrieDrafter:
+    """The trie drafter among a Decoder's `drafters` (whose trie `save_cache` / `load_cache` move), or a ValueError
+    naming `method` when it keeps none."""
+    for drafter in drafters:
+        if isinstance(drafter, TrieDrafter):
+            return drafter
+    raise ValueError(f"method {method!r} keeps no trie to save or load; use a method with 'trie' in it")
