@@ -60,7 +60,37 @@ FAMILIES: dict[str, dict] = {
     ),
 }
 
-NO_SDPA = frozenset({"gemma2", "gptj"})
+MORE_FAMILIES: dict[str, dict] = {
+    **{name: LLAMA_LIKE for name in ("cohere", "olmo", "starcoder2", "smollm3", "glm", "glm4", "exaone4")},
+    **{name: LLAMA_LIKE for name in ("ernie4_5", "seed_oss", "apertus", "arcee")},
+    "gemma3_text": {**LLAMA_LIKE, "head_dim": 16, "sliding_window": 4096},
+    "nemotron": {**LLAMA_LIKE, "head_dim": 16},
+    "phi": dict(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=512
+    ),
+    "gpt_bigcode": dict(n_embd=64, n_layer=2, n_head=4, n_positions=512),
+    "codegen": dict(n_embd=64, n_layer=2, n_head=4, n_positions=512, n_ctx=512, rotary_dim=8),
+    "qwen2_moe": {
+        **LLAMA_LIKE,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 32,
+    },
+    "qwen3_moe": {
+        **LLAMA_LIKE,
+        "head_dim": 16,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+    },
+    "olmoe": {**LLAMA_LIKE, "num_experts": 4, "num_experts_per_tok": 2},
+    "granitemoe": {**LLAMA_LIKE, "num_local_experts": 4, "num_experts_per_tok": 2},
+    "gpt_oss": {**LLAMA_LIKE, "head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 4096},
+}
+"""More families, checked with `auto` alone and batched (`tests/equality/test_more_families.py`)."""
+
+NO_SDPA = frozenset({"gemma2", "gptj", "codegen", "gpt_oss"})
 """Families transformers has no sdpa attention for: eager only."""
 
 
@@ -78,7 +108,7 @@ def register_grouped() -> str:
 
 def tiny_model(family: str, attn_implementation: str = "sdpa", seed: int = 0, **config: object) -> torch.nn.Module:
     """A seeded random model of `family` in fp32, eval mode (`config`: settings over the family's own)."""
-    config = AutoConfig.for_model(family, **COMMON, **(FAMILIES[family] | config))
+    config = AutoConfig.for_model(family, **COMMON, **((FAMILIES | MORE_FAMILIES)[family] | config))
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=torch.float32)
     return model.eval()

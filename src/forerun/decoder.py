@@ -54,6 +54,7 @@ from forerun.row import RowJob
 from forerun.stats import GenerationStats
 from forerun.taps import feature_layers
 from forerun.transcript import Transcript
+from forerun.tree import tree_support
 from forerun.verify import Sampling
 
 logger = logging.getLogger(__name__)
@@ -130,7 +131,7 @@ class Decoder:
         read = feature_layers(drafters) if drafters is not None else getattr(self.draft_head, "aux_layers", ())
         self.base = make_base(model, self.engine_config, device_type, read)
         self.latency, self.latency_cache = latency, latency_cache
-        drafting = bool(self.plan.specs) if drafters is None else bool(drafters)
+        drafting = (bool(self.plan.specs) if drafters is None else bool(drafters)) and tree_support(model) is None
         self.budget = make_budget(model, self.plan, self.engine_config, latency, latency_cache, self.base, drafting)
         if drafters is None and self.budget.curve is not None and self.budget.curve.flat:
             # Extra tokens cost little here: the drafters propose wide trees, the cost model cuts each step's

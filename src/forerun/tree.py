@@ -272,9 +272,31 @@ TREE_ATTENTION = ("eager", "sdpa", SDPA_FP32, SDPA_GROUPED)
 def tree_support(model: torch.nn.Module) -> str | None:
     """None if `model` can verify trees, else the reason it cannot (the caller falls back to plain)."""
     impl = getattr(model.config, "_attn_implementation", None) or "eager"
+    if alibi_from_mask(model.config):
+        return (
+            f"{type(model).__name__} builds its ALiBi position biases from where keys sit, not from position ids: "
+            "a tree's nodes sit side by side at other depths"
+        )
     if impl not in TREE_ATTENTION:
         return (
             f"{type(model).__name__} uses attn_implementation={impl!r}, which cannot take a tree attention mask; "
             f"load it with one of {TREE_ATTENTION}"
         )
     return None
+
+
+def alibi_from_mask(config: object) -> bool:
+    """Whether a model computes its ALiBi biases from where keys sit (their index in the cache, or their count of
+    ones in a 2-D attention mask), not from `position_ids`: Bloom, MPT with `alibi` (its default) and Falcon with
+    `alibi=True` (falcon-rw). A tree's nodes sit side by side while their positions are their depths, so such a
+    model cannot verify trees.
+
+    Example:
+        >>> from transformers import FalconConfig
+        >>> alibi_from_mask(FalconConfig(alibi=True)), alibi_from_mask(FalconConfig())
+        (True, False)
+    """
+    model_type = getattr(config, "model_type", None)
+    if model_type == "mpt":
+        return bool(getattr(getattr(config, "attn_config", None), "alibi", False))
+    return model_type == "bloom" or (model_type == "falcon" and bool(getattr(config, "alibi", False)))

@@ -56,6 +56,39 @@ def test_a_sliding_window_shorter_than_the_text_falls_back():
     assert "MistralForCausalLM" in reason and "sliding window of 16 tokens" in reason
 
 
+ALIBI = {
+    "bloom": dict(hidden_size=64, n_layer=2, n_head=4),
+    "falcon": {**FAMILIES["falcon"], "alibi": True},  # falcon-rw
+    "mpt": dict(d_model=64, n_layers=2, n_heads=4, max_seq_len=512),  # ALiBi by default
+}
+
+
+@pytest.mark.parametrize("family", sorted(ALIBI))
+def test_alibi_models_fall_back_alone_batched_and_through_the_dropin(family):
+    """Bloom, MPT and Falcon with ALiBi build their position biases from where keys sit, not from position ids:
+    a tree's 4-D mask raised inside Bloom's and Falcon's forward (already while measuring the latency curve), and
+    MPT's trees gave other tokens than generate. They decode plainly, exactly."""
+    config = AutoConfig.for_model(family, **COMMON, **ALIBI[family])
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    texts = prompts(3)
+    decoder = forerun.Decoder(model, None, "auto")
+    result = decoder.generate(texts[0], 40, eos_token_id=[])
+    assert torch.equal(result.sequences, plain(model, texts[0]))
+    assert "ALiBi" in result.stats.fallback_reason and type(model).__name__ in result.stats.fallback_reason
+    batch = decoder.generate(texts, 40, eos_token_id=[])
+    assert all(torch.equal(r.sequences, plain(model, p)) for r, p in zip(batch, texts, strict=True))
+    dropin = model.generate(
+        texts[1],
+        max_new_tokens=40,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+        custom_generate=forerun.hf_generate,
+    )
+    assert torch.equal(dropin, plain(model, texts[1]))
+
+
 def test_keep_accepted_on_a_hand_worked_example():
     """Prefix p0 p1, tree n0..n4 in the cache; the accepted path is nodes [0, 3, 4]: the cache becomes
     p0 p1 n0 n3 n4 in every layer, keys and values alike."""
