@@ -13,7 +13,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from transformers import EosTokenCriteria, LogitsProcessorList, MaxLengthCriteria, StoppingCriteriaList
+from transformers import (
+    EosTokenCriteria,
+    GenerationConfig,
+    LogitsProcessorList,
+    MaxLengthCriteria,
+    StoppingCriteriaList,
+    StopStringCriteria,
+)
 
 from forerun.checks import row_seeds
 from forerun.prompts import check_kinds
@@ -82,30 +89,63 @@ def request_criteria(
         criteria.append(StopStrings(tokenizer, list(request.stop), prompt_len))
     if request.cancel is not None:
         criteria.append(Cancelled(request.cancel))
-    if not request.processed:
+    if not request.processed and not config_processes(model.generation_config):
         return None, criteria
-    processor, theirs = transformers_processors(model, ids, request)
+    processor, theirs = transformers_processors(model, ids, request, tokenizer)
     criteria.extend(c for c in theirs if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria)))
-    return processor, criteria
+    return processor or None, criteria
+
+
+GREEDY_INERT = frozenset(
+    {"transformers_version", "bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id", "use_cache"}
+    | {"output_attentions", "output_hidden_states", "max_length", "max_new_tokens", "cache_implementation"}
+    | {"do_sample", "temperature", "top_k", "top_p", "min_p", "typical_p"}  # sampling's: a request samples or not
+)
+"""Settings of a model's generation config that build no processor or criterion for a greedy request (the ids,
+lengths forerun sets itself, and the sampling warpers, which only a sampled request gets)."""
+
+
+def config_processes(config: GenerationConfig) -> bool:
+    """Whether a model's own generation config makes `model.generate(do_sample=False)` process the logits or stop
+    by more than length and EOS (a `repetition_penalty` or `no_repeat_ngram_size` an instruct model ships with,
+    `stop_strings`...): then every request is prepared as generate prepares it, greedy ones too.
+
+    Example:
+        >>> config_processes(GenerationConfig(eos_token_id=2, temperature=0.7, top_p=0.8))
+        False
+        >>> config_processes(GenerationConfig(repetition_penalty=1.05))
+        True
+    """
+    return bool(set(config.to_diff_dict()) - GREEDY_INERT)
 
 
 def transformers_processors(
-    model: torch.nn.Module, input_ids: torch.Tensor, request: GenerationRequest
+    model: torch.nn.Module, input_ids: torch.Tensor, request: GenerationRequest, tokenizer=None
 ) -> tuple[LogitsProcessorList, StoppingCriteriaList]:
     """The logits processors and stopping criteria `model.generate` builds for this prompt alone (temperature,
-    top-p, penalties...), taken from its `custom_generate` hook before any forward runs."""
+    top-p, penalties, the model's own generation config...), taken from its `custom_generate` hook before any
+    forward runs (`tokenizer`: for stop strings the model's generation config may carry, which stop as generate
+    stops: after the token that completes one)."""
     extra = {}
     if request.eos_token_id is not None:
         eos = request.eos_token_id
         extra["eos_token_id"] = list(eos) if not isinstance(eos, int) else eos
     settings = {"pad_token_id": pad_token_of(model), **extra, **request.generation}  # the request's pad id wins
-    return model.generate(
+    stops = model.generation_config.stop_strings
+    if stops:  # transformers hands a callable custom_generate no tokenizer: the criterion is built here
+        if tokenizer is None:
+            raise ValueError("the model's generation config sets stop_strings: give the Decoder its tokenizer")
+        settings["stop_strings"] = None
+    processor, criteria = model.generate(
         input_ids.to(model.device),
         max_new_tokens=request.max_new_tokens,
         do_sample=request.do_sample,
         custom_generate=processors_only,
         **settings,
     )
+    if stops:
+        criteria.append(StopStringCriteria(tokenizer, [stops] if isinstance(stops, str) else list(stops)))
+    return processor, criteria
 
 
 def finished_result(tokenizer, prepared: Prepared, stats: GenerationStats) -> GenerationResult:

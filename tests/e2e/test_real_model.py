@@ -189,6 +189,26 @@ def answer(output: str) -> list[str]:
     return [line for line in lines if line.strip() and "it/s]" not in line and "s/it]" not in line]
 
 
+def test_stop_strings_in_the_models_generation_config_stop_as_generate_stops(smollm2):
+    model, tokenizer = smollm2
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Count from 1 to 20, one number per line."}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )["input_ids"]
+    model.generation_config.stop_strings = ["7"]
+    try:
+        expected = model.generate(ids, max_new_tokens=60, do_sample=False, tokenizer=tokenizer)
+        result = forerun.Decoder(model, tokenizer, "auto").generate(ids, 60)
+        with pytest.raises(ValueError, match="sets stop_strings: give the Decoder its tokenizer"):
+            forerun.Decoder(model, None, "auto").generate(ids, 60)
+    finally:
+        model.generation_config.stop_strings = None
+    assert torch.equal(result.sequences, expected)
+    assert result.text.endswith("7") and len(result.new_tokens) < 60 and result.finish_reason == "stop"
+
+
 def test_missing_embedded_model_names_the_install_command(monkeypatch):
     from forerun import models
 

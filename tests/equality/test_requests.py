@@ -88,6 +88,23 @@ def test_classifier_free_guidance_equals_generate(model, method):
     assert got.stats.tokens_per_forward > 1.2  # drafts were accepted: the walk went past the root
 
 
+def test_the_models_own_generation_config_is_taken_as_generate_takes_it():
+    """An instruct model may ship a repetition penalty (Qwen2.5's 1.05) or an n-gram ban in its generation config:
+    `model.generate(do_sample=False)` applies them, so greedy requests do too, alone, batched and sampled."""
+    model = tiny_model("llama")
+    model.generation_config.repetition_penalty = 1.3
+    model.generation_config.no_repeat_ngram_size = 3
+    texts = prompts(3)
+    expected = [plain(model, p) for p in texts]
+    assert not torch.equal(expected[0], plain(model, texts[0], repetition_penalty=1.0, no_repeat_ngram_size=0))
+    decoder = forerun.Decoder(model, None, "prompt_lookup", latency=CURVE)
+    assert torch.equal(decoder.generate(texts[0], 30, eos_token_id=[]).sequences, expected[0])
+    batched = decoder.generate(texts, 30, eos_token_id=[])
+    assert all(torch.equal(r.sequences, want) for r, want in zip(batched, expected, strict=True))
+    sampled = decoder.generate(texts[0], 30, eos_token_id=[], do_sample=True, seed=1, top_k=1)  # top-k 1: greedy
+    assert torch.equal(sampled.sequences, expected[0])
+
+
 def test_a_requests_own_pad_id_is_taken(model):
     prompt = prompts(1)[0]
     got = forerun.Decoder(model, None, "prompt_lookup").generate(prompt, 30, pad_token_id=3, eos_token_id=[])
