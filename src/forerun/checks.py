@@ -70,9 +70,10 @@ DECODED_MODES = ("greedy_search", "sample", "assisted_generation")
 """transformers' generation modes forerun decodes (assisted generation's output is greedy's or sampling's)."""
 
 
-def check_decoding_mode(config) -> None:
+def check_decoding_mode(config, settings: str = "these settings") -> None:
     """Refuse a transformers `GenerationConfig` that asks for a way of decoding forerun does not do (beam search,
-    contrastive search, DoLa...), naming it, rather than decode greedily without a word.
+    contrastive search, DoLa...), naming it, rather than decode greedily without a word (`settings`: where the
+    config came from, for the message).
 
     Example:
         >>> from transformers import GenerationConfig
@@ -84,7 +85,7 @@ def check_decoding_mode(config) -> None:
     mode = config.get_generation_mode().value
     if mode not in DECODED_MODES:
         beams = f" (num_beams={config.num_beams})" if config.num_beams not in (None, 1) else ""
-        raise ValueError(f"forerun decodes greedily or samples; these settings ask for {mode.replace('_', ' ')}{beams}")
+        raise ValueError(f"forerun decodes greedily or samples; {settings} ask for {mode.replace('_', ' ')}{beams}")
 
 
 def check_seed(seed: object) -> None:

@@ -58,6 +58,7 @@ def hf_generate(
     `forerun_generator`, else torch's global generator (so `torch.manual_seed` makes runs repeat, as with plain
     generate, and what forerun drafts never changes the text).
     """
+    check_generation_config(generation_config, logits_processor)  # before a Decoder is made for nothing
     decoder = forerun_decoder or Decoder(model, None, forerun_method, **(forerun_knobs or {}))
     return custom_generate(
         model,

@@ -22,7 +22,7 @@ from transformers import (
     StopStringCriteria,
 )
 
-from forerun.checks import row_seeds
+from forerun.checks import check_decoding_mode, row_seeds
 from forerun.prompts import check_kinds
 from forerun.request import GenerationRequest, Prompt
 from forerun.result import GenerationResult
@@ -116,7 +116,7 @@ def config_processes(config: GenerationConfig) -> bool:
         >>> config_processes(GenerationConfig(repetition_penalty=1.05))
         True
     """
-    return bool(set(config.to_diff_dict()) - GREEDY_INERT)
+    return any(not key.startswith("_") and key not in GREEDY_INERT for key in config.to_diff_dict())
 
 
 def transformers_processors(
@@ -184,7 +184,9 @@ def pad_token_of(model: torch.nn.Module) -> int | None:
 
 
 def processors_only(model, input_ids, logits_processor, stopping_criteria, generation_config, **kwargs):
-    """A `custom_generate` that decodes nothing: it returns the processors and criteria transformers prepared."""
+    """A `custom_generate` that decodes nothing: it returns the processors and criteria transformers prepared,
+    once the request's settings over the model's generation config ask for a way of decoding forerun does."""
+    check_decoding_mode(generation_config, "the model's generation config with this request's settings")
     return logits_processor, stopping_criteria
 
 

@@ -11,6 +11,7 @@ import forerun
 from forerun.costmodel import LatencyCurve
 from forerun.drafters.base import DraftContext
 from forerun.drafters.prediction import PredictionDrafter
+from forerun.preparation import config_processes
 
 from tiny_models import VOCAB, prompts, tiny_model
 
@@ -92,6 +93,7 @@ def test_the_models_own_generation_config_is_taken_as_generate_takes_it():
     """An instruct model may ship a repetition penalty (Qwen2.5's 1.05) or an n-gram ban in its generation config:
     `model.generate(do_sample=False)` applies them, so greedy requests do too, alone, batched and sampled."""
     model = tiny_model("llama")
+    assert not config_processes(model.generation_config)  # ids and `_from_model_config` build nothing
     model.generation_config.repetition_penalty = 1.3
     model.generation_config.no_repeat_ngram_size = 3
     texts = prompts(3)
@@ -103,6 +105,10 @@ def test_the_models_own_generation_config_is_taken_as_generate_takes_it():
     assert all(torch.equal(r.sequences, want) for r, want in zip(batched, expected, strict=True))
     sampled = decoder.generate(texts[0], 30, eos_token_id=[], do_sample=True, seed=1, top_k=1)  # top-k 1: greedy
     assert torch.equal(sampled.sequences, expected[0])
+    model.generation_config.num_beams = 2  # generate would beam search: refused, not decoded greedily
+    with pytest.raises(ValueError, match="the model's generation config with this request's settings ask for beam"):
+        decoder.generate(texts[0], 30)
+    assert torch.equal(decoder.generate(texts[0], 30, eos_token_id=[], num_beams=1).sequences, expected[0])
 
 
 def test_a_requests_own_pad_id_is_taken(model):
