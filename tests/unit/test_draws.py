@@ -28,6 +28,7 @@ from transformers.generation.logits_process import (
 )
 
 from forerun import draws
+from forerun.hf_rows import PaddedRowProcessors
 from forerun.host_copy import to_host
 from forerun.noise import GumbelNoise
 from forerun.transcript import Transcript
@@ -61,6 +62,17 @@ PROCESSORS = {
         SequenceBiasLogitsProcessor({(9, 4): -8.0, (4,): 3.0}),
         MinNewTokensLengthLogitsProcessor(4, 3, [12]),
     ],
+    # the drop-in's view of a padded batch's row 1 (2 pads): lengths from the padded prompt, its own padding skipped
+    "padded_row": PaddedRowProcessors(
+        LogitsProcessorList(
+            [
+                RepetitionPenaltyLogitsProcessor(4.0, prompt_ignore_length=torch.tensor([0, 2])),
+                MinNewTokensLengthLogitsProcessor(7, 3, [12]),
+            ]
+        ),
+        torch.tensor([[0, 0]]),
+        row=1,
+    ),
 }
 
 
@@ -68,7 +80,9 @@ def scored(processor: list, seed: int) -> NodeScores:
     generator = torch.Generator().manual_seed(seed)
     logits = torch.randn(len(tree()), VOCAB, generator=generator) * 3
     transcript = Transcript(torch.tensor(PREFIX), [])
-    return NodeScores(logits, LogitsProcessorList(processor) or None, transcript, tree())
+    if not isinstance(processor, PaddedRowProcessors):
+        processor = LogitsProcessorList(processor) or None
+    return NodeScores(logits, processor, transcript, tree())
 
 
 def walked(scores: NodeScores, noise: GumbelNoise) -> list[int]:
