@@ -71,3 +71,11 @@ PROMPTS = [
     "Explain what a hash table is, in three sentences.",
     "List the planets of the solar system in order from the sun.",
 ]
+
+
+def chat_ids(tokenizer, text: str):
+    """input_ids [1, L] of `text` as one user message in the tokenizer's chat template, ready for an answer."""
+    messages = [{"role": "user", "content": text}]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)[
+        "input_ids"
+    ]

@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 import forerun
 from forerun.cli import app
 
-from helpers import PROMPTS
+from helpers import PROMPTS, chat_ids
 
 pytestmark = pytest.mark.real_model
 
@@ -21,9 +21,7 @@ def references(smollm2):
     model, tokenizer = smollm2
     out = []
     for text in PROMPTS:
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt", return_dict=True
-        )["input_ids"]
+        ids = chat_ids(tokenizer, text)
         out.append((ids, model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)))
     return out
 
@@ -191,12 +189,7 @@ def answer(output: str) -> list[str]:
 
 def test_stop_strings_in_the_models_generation_config_stop_as_generate_stops(smollm2):
     model, tokenizer = smollm2
-    ids = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "Count from 1 to 20, one number per line."}],
-        add_generation_prompt=True,
-        return_tensors="pt",
-        return_dict=True,
-    )["input_ids"]
+    ids = chat_ids(tokenizer, "Count from 1 to 20, one number per line.")
     model.generation_config.stop_strings = ["7"]
     try:
         expected = model.generate(ids, max_new_tokens=60, do_sample=False, tokenizer=tokenizer)

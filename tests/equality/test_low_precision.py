@@ -28,6 +28,7 @@ from forerun.transcript import Transcript
 from forerun.tree import TokenTree
 from forerun.verify import Sampling, Verdict
 
+from helpers import chat_ids
 from tiny_models import VOCAB, prompts, tiny_model
 
 NEW_TOKENS = 40
@@ -241,12 +242,7 @@ def test_the_noise_floor_readings_refuse_a_made_up_divergence():
     from forerun.exactness import Divergence
 
     model, tokenizer = forerun.load_model("smollm2-135m", dtype=torch.bfloat16)
-    ids = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "Name three colours."}],
-        add_generation_prompt=True,
-        return_tensors="pt",
-        return_dict=True,
-    )["input_ids"]
+    ids = chat_ids(tokenizer, "Name three colours.")
     assert not plain_batch_flips(model, tokenizer, ids, Divergence(3, 1, 0, 9.0, 40.0))
     expected, _ = reference(model, ids, 4, stop_at_eos=True)
     made_up = Divergence(3, expected[3], 0, 9.0, 40.0)
