@@ -120,6 +120,20 @@ def drawn(scores: NodeScores, noise: GumbelNoise) -> torch.Tensor | None:
     return (processed.double() + noise_rows).argmax(-1)
 
 
+def chosen(scores: NodeScores) -> torch.Tensor | None:
+    """Every node's greedy choice [nodes] int64 (the argmax of its processed scores), on the logits' device, or
+    None where the processors leave the row on the lazy walk (`grouping`): a greedy row with logits processors (a
+    repetition penalty) on an accelerator, which would otherwise wait for the card at every walked node."""
+    processed = scored(scores)
+    return None if processed is None else processed.argmax(-1)
+
+
+def choose_at_once(logits: torch.Tensor) -> bool:
+    """Whether a greedy row whose logits are processed chooses at every node at once: on an accelerator (on a CPU
+    the walk, which processes only the nodes it walks, costs less)."""
+    return logits.device.type != "cpu"
+
+
 def scored(scores: NodeScores) -> torch.Tensor | None:
     """Every node's processed scores [nodes, vocab] float32, each row what `scores.scores(node)` gives, or None
     where the processors leave the row on the lazy walk (`grouping`)."""

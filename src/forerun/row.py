@@ -34,6 +34,8 @@ from transformers import LogitsProcessorList
 from forerun.costmodel import Budget, Selection
 from forerun.costmodel.switch import held
 from forerun.drafters.base import DraftContext, Drafter, StepOutcome
+from forerun.draws import choose_at_once
+from forerun.draws import chosen as chosen_at_once
 from forerun.draws import drawn as drawn_at_once
 from forerun.host_copy import to_host
 from forerun.prefixcache import Prefixes
@@ -169,13 +171,18 @@ class RowRun:
 
     def draws(self, tree: TokenTree, logits: torch.Tensor) -> torch.Tensor | None:
         """Every node's sampled draw [nodes], left on the device, where this row draws at once
-        (`Sampling.draws_at_once`, and processors that act row by row: `forerun.draws`); else None, and None where
+        (`Sampling.draws_at_once`, and processors that act row by row: `forerun.draws`), or its greedy choice where
+        a greedy row's logits are processed on an accelerator (`draws.choose_at_once`); else None, and None where
         its processors fail here (its walk then fails the row alone: a batch makes every row's draws together)."""
         job = self.job
-        if job.sampling is None or not job.sampling.draws_at_once(logits):
+        greedy = job.sampling is None
+        if greedy and not (job.processor and choose_at_once(logits)):
             return None
+        if not greedy and not job.sampling.draws_at_once(logits):
+            return None
+        scores = NodeScores(logits, job.processor, job.transcript, tree)
         try:
-            return drawn_at_once(NodeScores(logits, job.processor, job.transcript, tree), job.sampling.noise)
+            return chosen_at_once(scores) if greedy else drawn_at_once(scores, job.sampling.noise)
         except Exception:  # noqa: BLE001 - one request's failure must not end its neighbours
             return None
 

@@ -130,8 +130,9 @@ class Sampling:
 
 
 def verify(tree: TokenTree, scores: NodeScores, sampling: Sampling | None) -> Verdict:
+    if scores.drawn is not None:  # the same choices or draws, made at once: the walk is the greedy one over them
+        return verify_greedy(tree, scores.drawn.__getitem__)
     if sampling is None:
         return verify_greedy(tree, scores.argmax)
-    if scores.drawn is not None:  # the same draws, made at once: the walk is the greedy one over them
         return verify_greedy(tree, scores.drawn.__getitem__)
     return sampling.verifier(tree, scores.scores, sampling.noise, scores.committed.length)

@@ -111,6 +111,23 @@ def test_the_models_own_generation_config_is_taken_as_generate_takes_it():
     assert torch.equal(decoder.generate(texts[0], 30, eos_token_id=[], num_beams=1).sequences, expected[0])
 
 
+def test_greedy_rows_with_processors_choose_at_once_as_on_a_card(model, monkeypatch):
+    """On a card a greedy row whose logits are processed (a repetition penalty) takes every node's choice in one
+    copy, not a host sync per walked node; forced here on the CPU, alone and batched: generate's text."""
+    from forerun import draws, row
+
+    made = []
+    monkeypatch.setattr(row, "choose_at_once", lambda logits: True)
+    monkeypatch.setattr(row, "chosen_at_once", lambda scores: made.append(1) or draws.chosen(scores))
+    texts = prompts(3)
+    expected = [plain(model, p, repetition_penalty=1.3) for p in texts]
+    decoder = forerun.Decoder(model, None, "prompt_lookup", latency=CURVE)
+    alone = decoder.generate(texts[0], 30, eos_token_id=[], repetition_penalty=1.3)
+    assert torch.equal(alone.sequences, expected[0]) and len(made) == alone.stats.forwards
+    batched = decoder.generate(texts, 30, eos_token_id=[], repetition_penalty=1.3)
+    assert all(torch.equal(r.sequences, want) for r, want in zip(batched, expected, strict=True))
+
+
 def test_a_requests_own_pad_id_is_taken(model):
     prompt = prompts(1)[0]
     got = forerun.Decoder(model, None, "prompt_lookup").generate(prompt, 30, pad_token_id=3, eos_token_id=[])

@@ -106,6 +106,15 @@ def test_draws_at_once_equal_the_walk_at_every_node(kind):
 
 
 @pytest.mark.parametrize("kind", PROCESSORS)
+def test_greedy_choices_at_once_equal_the_walks_argmax_at_every_node(kind):
+    for seed in range(40):
+        scores = scored(PROCESSORS[kind], seed)
+        at_once = draws.chosen(scores)
+        assert at_once is not None and at_once.dtype == torch.int64
+        assert at_once.tolist() == [scores.argmax(node) for node in range(len(scores.tree))], (kind, seed)
+
+
+@pytest.mark.parametrize("kind", PROCESSORS)
 def test_the_base_logits_are_left_as_they_were(kind):
     scores = scored(PROCESSORS[kind], 0)
     before = scores.logits.clone()
