@@ -74,7 +74,7 @@ def completion(**fields):
             "audio",
         ),
         (chat, {"messages": [{"role": "assistant", "tool_calls": [{"id": "x"}]}]}, "messages[0].tool_calls", "tool"),
-        (chat, {"messages": [{"role": "user", "content": "  "}]}, "messages", "messages are empty"),
+        (chat, {"messages": [{"role": "user", "content": "  "}]}, "messages", "every message's content is empty"),
     ],
 )
 def test_each_refusal_is_a_400_naming_the_field(make, fields, param, fragment):

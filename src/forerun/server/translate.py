@@ -180,7 +180,7 @@ def chat_messages(body: ChatRequest) -> list[dict]:
         checked(f"{where}.content", content)
         messages.append({"role": message.role, "content": content})
     if all(not m["content"].strip() for m in messages):
-        raise refuse("messages", "messages are empty")
+        raise refuse("messages", "every message's content is empty or only whitespace: there is nothing to answer")
     return messages
 
 
