@@ -1,4 +1,5 @@
-"""More model families: `auto` alone and a batch of three equal plain greedy `model.generate`, eager and sdpa.
+"""More model families: `auto` alone and a batch of three equal plain greedy `model.generate`, eager and sdpa, on
+the growing cache and on the static one (a card's default).
 
 (The methods one by one, sampling and the rest run on the families of `tiny_models.FAMILIES`.)"""
 
@@ -17,12 +18,13 @@ CURVE = LatencyCurve((1, 2, 4, 8, 16, 32, 64), (1.0, 1.0, 1.0, 1.2, 1.4, 1.9, 2.
 """A flat curve: the cost model feeds trees often."""
 
 
+@pytest.mark.parametrize("static", [False, True])
 @pytest.mark.parametrize(("family", "impl"), CASES)
-def test_auto_alone_and_batched_equals_generate(family, impl):
+def test_auto_alone_and_batched_equals_generate(family, impl, static):
     model = tiny_model(family, impl)
     texts = prompts(3, length=30)
     expected = [model.generate(p, max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=0) for p in texts]
-    decoder = forerun.Decoder(model, None, "auto", latency=CURVE)
+    decoder = forerun.Decoder(model, None, "auto", latency=CURVE, static_cache=static)
     alone = [decoder.generate(p, 40, eos_token_id=[]) for p in texts]
     assert all(torch.equal(r.sequences, want) for r, want in zip(alone, expected, strict=True))
     assert all(r.stats.fallback_reason is None for r in alone)
