@@ -17,6 +17,7 @@ greedy or sampled decoding, decodes with a fresh Decoder and compares every row:
   (a conversation's next turn: the prefix cache serves its head), judged alike.
 - with `--stops`, half the cases end at an end-of-text token (a batch's rows at different steps, leaving it one by
   one): each row must end where the reference ends.
+- with `--more-families`, targets and drafts are drawn among `tiny_models.MORE_FAMILIES` too.
 
 Usage:
     .venv/bin/python benchmarks/random_cases.py --seed 0 --budget-s 600 --out benchmarks/results/random-cases.json
@@ -41,6 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from random_case import draw_case, run_case  # noqa: E402
 
+from tiny_models import FAMILIES, MORE_FAMILIES  # noqa: E402
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -50,6 +53,7 @@ def main() -> None:
     parser.add_argument("--dtypes", default="fp32", help="drawn per case among these: fp32,bf16,int4")
     parser.add_argument("--follow-ups", action="store_true", help="half the cases decode a second turn too")
     parser.add_argument("--stops", action="store_true", help="half the cases stop at an end-of-text token")
+    parser.add_argument("--more-families", action="store_true", help="draw among tiny_models.MORE_FAMILIES too")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -57,10 +61,11 @@ def main() -> None:
         print(json.dumps({"case": args.case, "rows": run_case(args.case)}))
         return
     rng, deadline = random.Random(args.seed), time.monotonic() + args.budget_s
+    families = tuple(sorted(FAMILIES | MORE_FAMILIES if args.more_families else FAMILIES))
     cases, rows, sampled, differences, failures = 0, 0, 0, [], []
     tally: Counter[str] = Counter()  # per dtype: cases, rows, rows differing, of them not at a tie
     while time.monotonic() < deadline:
-        case = draw_case(rng, tuple(args.dtypes.split(",")), args.follow_ups, args.stops)
+        case = draw_case(rng, tuple(args.dtypes.split(",")), args.follow_ups, args.stops, families)
         try:
             verdicts = run_case(case)
         except Exception as error:  # noqa: BLE001 - recorded, and the search goes on to find the others

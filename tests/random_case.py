@@ -27,21 +27,26 @@ SAMPLING = {"do_sample": True, "temperature": 0.8, "top_p": 0.9}
 
 
 def draw_case(
-    rng: random.Random, dtypes: tuple[str, ...] = ("fp32",), follow_ups: bool = False, stops: bool = False
+    rng: random.Random,
+    dtypes: tuple[str, ...] = ("fp32",),
+    follow_ups: bool = False,
+    stops: bool = False,
+    families: tuple[str, ...] = tuple(sorted(FAMILIES)),
 ) -> dict:
     """One random case's settings (JSON-able, so a reported case can be run again with `--case`). With more than
     one of `dtypes` ("fp32", "bf16", "int4": 4-bit weights, bf16 activations) each case draws one, with
     `follow_ups` whether a second turn follows (`run_case`), and with `stops` where an end-of-text token falls (half
     the cases: `end_of_text`; a batch's rows then end at different steps), all last: the draws before stay those
-    of fp32 alone. A low-precision case decodes greedily."""
-    case = {"family": rng.choice(sorted(FAMILIES)), "attention": rng.choice(["sdpa", "eager"]),
+    of fp32 alone. A low-precision case decodes greedily. `families`: the targets' and drafts' families drawn
+    among (`tiny_models.FAMILIES`, or with `MORE_FAMILIES` too)."""
+    case = {"family": rng.choice(families), "attention": rng.choice(["sdpa", "eager"]),
             "method": rng.choice(METHODS), "static": rng.random() < 0.5, "rows": rng.choice([1, 1, 2, 3]),
             "new": rng.choice([8, 20, 33]), "length": rng.choice([3, 10, 24, 40]),
             "prompt_seed": rng.randrange(1000), "sampled": rng.random() < 0.3}  # fmt: skip
     if case["family"] in NO_SDPA:
         case["attention"] = "eager"
     if case["method"] == "draft_model":
-        case |= {"draft": rng.choice(sorted(FAMILIES)), "slots": rng.random() < 0.5}
+        case |= {"draft": rng.choice(families), "slots": rng.random() < 0.5}
     if len(dtypes) > 1 and (dtype := rng.choice(dtypes)) != "fp32":
         case |= {"dtype": dtype, "sampled": False}  # a seed's text is judged exactly: fp32 only
     if follow_ups:
