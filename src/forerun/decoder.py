@@ -300,12 +300,12 @@ class Decoder:
         requests = requests_of(prompts, max_new_tokens, options)
         prefixes = {}  # one scoped view per salt
         rows = []
-        for i, request in enumerate(requests):
-            try:
-                with self.lock:
+        with self.lock:
+            for i, request in enumerate(requests):
+                try:
                     rows.append(self.prepare(request, prefixes=prefixes))
-            except ValueError as error:
-                raise ValueError(f"prompt {i}: {error}") from None
+                except ValueError as error:
+                    raise ValueError(f"prompt {i}: {error}") from None
         budget = self.batch_budget() if len(rows) > 1 and batch_size != 1 else self.budget
         jobs = [row.job for row in rows]
 

@@ -59,6 +59,8 @@ def hf_generate(
     generate, and what forerun drafts never changes the text).
     """
     check_generation_config(generation_config, logits_processor)  # before a Decoder is made for nothing
+    if model_kwargs.get("inputs_embeds") is not None or input_ids.shape[1] == 0:
+        raise ValueError("forerun reads the prompt as token ids (input_ids); inputs_embeds is not supported")
     decoder = forerun_decoder or Decoder(model, None, forerun_method, **(forerun_knobs or {}))
     return custom_generate(
         model,
@@ -88,17 +90,8 @@ def custom_generate(
     forerun_generator: torch.Generator | None = None,
     **model_kwargs: object,
 ):
-    """forerun as transformers' `custom_generate`: decode with the processors and criteria transformers built.
-
-    Streaming: transformers 5.23 forwards only the callable's own new keyword arguments, so `streamer=` never
-    reaches a custom_generate callable (it only receives the prompt). Pass `forerun_streamer=` instead: it gets the
-    prompt, then the new tokens as they are committed, then `end()`. Each sequence's noise seed (`forerun.noise`)
-    is drawn from `forerun_generator`, else torch's global generator (so `torch.manual_seed` makes runs repeat, as
-    with plain generate).
-    """
-    check_generation_config(generation_config, logits_processor)
-    if model_kwargs.get("inputs_embeds") is not None or input_ids.shape[1] == 0:
-        raise ValueError("forerun reads the prompt as token ids (input_ids); inputs_embeds is not supported")
+    """`hf_generate`'s decoding, once it has checked the call and has a Decoder: decode with the processors and
+    criteria transformers built (streaming and sampling: `hf_generate`)."""
     if forerun_streamer is not None:
         streamer = forerun_streamer
         streamer.put(input_ids.cpu())

@@ -272,7 +272,7 @@ TREE_ATTENTION = ("eager", "sdpa", SDPA_FP32, SDPA_GROUPED)
 def tree_support(model: torch.nn.Module) -> str | None:
     """None if `model` can verify trees, else the reason it cannot (the caller falls back to plain)."""
     impl = getattr(model.config, "_attn_implementation", None) or "eager"
-    if alibi_from_mask(model.config):
+    if alibi_by_key_place(model.config):
         return (
             f"{type(model).__name__} builds its ALiBi position biases from where keys sit, not from position ids: "
             "a tree's nodes sit side by side at other depths"
@@ -285,7 +285,7 @@ def tree_support(model: torch.nn.Module) -> str | None:
     return None
 
 
-def alibi_from_mask(config: object) -> bool:
+def alibi_by_key_place(config: object) -> bool:
     """Whether a model computes its ALiBi biases from where keys sit (their index in the cache, or their count of
     ones in a 2-D attention mask), not from `position_ids`: Bloom, MPT with `alibi` (its default) and Falcon with
     `alibi=True` (falcon-rw). A tree's nodes sit side by side while their positions are their depths, so such a
@@ -293,7 +293,7 @@ def alibi_from_mask(config: object) -> bool:
 
     Example:
         >>> from transformers import FalconConfig
-        >>> alibi_from_mask(FalconConfig(alibi=True)), alibi_from_mask(FalconConfig())
+        >>> alibi_by_key_place(FalconConfig(alibi=True)), alibi_by_key_place(FalconConfig())
         (True, False)
     """
     model_type = getattr(config, "model_type", None)
