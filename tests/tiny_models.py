@@ -60,6 +60,27 @@ FAMILIES: dict[str, dict] = {
     ),
 }
 
+MLA = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    kv_lora_rank=16,
+    q_lora_rank=32,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=8,
+    v_head_dim=8,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    n_group=1,
+    topk_group=1,
+    first_k_dense_replace=1,
+    max_position_embeddings=512,
+)
+"""Multi-head latent attention (DeepSeek-V3, GLM-4.7-Flash): keys and values from a low-rank projection."""
+
 MORE_FAMILIES: dict[str, dict] = {
     **{name: LLAMA_LIKE for name in ("cohere", "olmo", "starcoder2", "smollm3", "glm", "glm4", "exaone4")},
     **{name: LLAMA_LIKE for name in ("ernie4_5", "seed_oss", "apertus", "arcee")},
@@ -87,8 +108,62 @@ MORE_FAMILIES: dict[str, dict] = {
     "olmoe": {**LLAMA_LIKE, "num_experts": 4, "num_experts_per_tok": 2},
     "granitemoe": {**LLAMA_LIKE, "num_local_experts": 4, "num_experts_per_tok": 2},
     "gpt_oss": {**LLAMA_LIKE, "head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 4096},
+    "deepseek_v3": MLA,
+    "glm4_moe_lite": MLA,
 }
 """More families, checked with `auto` alone and batched (`tests/equality/test_more_families.py`)."""
+
+
+SSM = dict(mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=1)
+LINEAR = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16)
+STATEFUL_FAMILIES: dict[str, dict] = {
+    "jamba": {
+        **LLAMA_LIKE,
+        "attn_layer_period": 2,
+        "attn_layer_offset": 1,
+        "expert_layer_period": 2,
+        "expert_layer_offset": 1,
+        "num_experts": 2,
+        "mamba_d_state": 8,
+        "mamba_dt_rank": 8,
+        "use_mamba_kernels": False,
+    },
+    "bamba": {**LLAMA_LIKE, "attn_layer_indices": [1], **SSM, "mamba_chunk_size": 16},
+    "granitemoehybrid": {
+        **LLAMA_LIKE,
+        "layer_types": ["mamba", "attention"],
+        **SSM,
+        "mamba_chunk_size": 16,
+        "num_local_experts": 2,
+        "num_experts_per_tok": 1,
+    },
+    "nemotron_h": {**LLAMA_LIKE, "head_dim": 16, "hybrid_override_pattern": "M*", **SSM, "mamba_chunk_size": 16},
+    "qwen3_next": {
+        **LLAMA_LIKE,
+        "head_dim": 16,
+        "layer_types": ["linear_attention", "full_attention"],
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 32,
+        **LINEAR,
+    },
+    "qwen3_5_text": {**LLAMA_LIKE, "head_dim": 16, "layer_types": ["linear_attention", "full_attention"], **LINEAR},
+    "olmo_hybrid": LLAMA_LIKE,
+    "recurrent_gemma": dict(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=16,
+        lru_width=64,
+        block_types=["recurrent", "attention"],
+        attention_window_size=512,
+    ),
+}
+"""Hybrid models whose recurrent states (state-space or linear-attention layers) cannot step back to a rejected
+guess: they decode one token per forward (`tests/equality/test_stateful_families.py`)."""
 
 NO_SDPA = frozenset({"gemma2", "gptj", "codegen", "gpt_oss"})
 """Families transformers has no sdpa attention for: eager only."""
@@ -108,7 +183,7 @@ def register_grouped() -> str:
 
 def tiny_model(family: str, attn_implementation: str = "sdpa", seed: int = 0, **config: object) -> torch.nn.Module:
     """A seeded random model of `family` in fp32, eval mode (`config`: settings over the family's own)."""
-    config = AutoConfig.for_model(family, **COMMON, **((FAMILIES | MORE_FAMILIES)[family] | config))
+    config = AutoConfig.for_model(family, **COMMON, **((FAMILIES | MORE_FAMILIES | STATEFUL_FAMILIES)[family] | config))
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=torch.float32)
     return model.eval()

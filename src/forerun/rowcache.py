@@ -42,9 +42,9 @@ class RowCache:
             ours, new = layer_tensors(mine), layer_tensors(theirs)
             if ours is None and new is None:
                 continue
-            like = (ours or new)[0]
-            ours = ours or (like.new_zeros(rows, like.shape[1], slots, like.shape[3]),) * 2
-            new = new or (like.new_zeros(1, like.shape[1], length, like.shape[3]),) * 2
+            # keys and values may differ in width (multi-head latent attention: DeepSeek-V3's 192 and 128)
+            ours = ours or tuple(empty_like_rows(tensor, rows, slots) for tensor in new)
+            new = new or tuple(empty_like_rows(tensor, 1, length) for tensor in ours)
             keys = torch.cat([left_pad(ours[0], size), left_pad(new[0], size)], dim=0)
             values = torch.cat([left_pad(ours[1], size), left_pad(new[1], size)], dim=0)
             set_layer(mine, keys, values)
@@ -102,10 +102,9 @@ class RowCache:
             if layer_tensors(layer) is None:
                 continue
             keys, values = layer.keys, layer.values  # [rows, heads, slots + nodes, dim]
-            where = index.to(keys.device)[:, None, :, None].expand(keys.shape[0], keys.shape[1], longest, keys.shape[3])
             # Gather first (a copy), then write over the tree's slots and cut: no copy of the whole cache.
-            keys[:, :, slots : slots + longest] = keys.gather(2, where)
-            values[:, :, slots : slots + longest] = values.gather(2, where)
+            keys[:, :, slots : slots + longest] = gather_slots(keys, index)
+            values[:, :, slots : slots + longest] = gather_slots(values, index)
             layer.keys, layer.values = keys[:, :, : slots + longest], values[:, :, : slots + longest]
         filled = torch.arange(longest)[None] < torch.tensor([len(path) for path in kept])[:, None]
         self.visible = torch.cat([self.visible, filled], dim=1)
@@ -155,10 +154,16 @@ class RowCache:
         for layer in self.cache.layers:
             if layer_tensors(layer) is None:
                 continue
-            keys = layer.keys
-            where = index.to(keys.device)[:, None, :, None].expand(rows, keys.shape[1], size, keys.shape[3])
-            set_layer(layer, keys.gather(2, where), layer.values.gather(2, where))
+            set_layer(layer, gather_slots(layer.keys, index), gather_slots(layer.values, index))
         self.visible = visible
+
+
+def gather_slots(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """tensor [rows, heads, slots, dim] at slots index [rows, n] of each row: [rows, heads, n, dim]. Keys and values
+    are gathered each by its own width (multi-head latent attention: DeepSeek-V3's keys are wider than values)."""
+    rows, heads, _, dim = tensor.shape
+    where = index.to(tensor.device)[:, None, :, None].expand(rows, heads, index.shape[1], dim)
+    return tensor.gather(2, where)
 
 
 def layer_tensors(layer) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -171,6 +176,11 @@ def set_layer(layer, keys: torch.Tensor, values: torch.Tensor) -> None:
     if not layer.is_initialized:
         layer.lazy_initialization(keys, values)
     layer.keys, layer.values = keys, values
+
+
+def empty_like_rows(tensor: torch.Tensor, rows: int, slots: int) -> torch.Tensor:
+    """Zeros shaped as `tensor` [rows', heads, slots', dim] but with `rows` rows and `slots` slots."""
+    return tensor.new_zeros(rows, tensor.shape[1], slots, tensor.shape[3])
 
 
 def left_pad(tensor: torch.Tensor, size: int, dim: int = 2) -> torch.Tensor:
