@@ -24,6 +24,7 @@ from forerun.base.weights import weights_kind
 from forerun.config import EngineConfig
 from forerun.costmodel import Budget, CostModel, DraftSwitch, ForwardTimes, LatencyCurve, StaticBudget
 from forerun.costmodel.switch import FIRST_PROBE_STEPS
+from forerun.forward_inputs import check_cache_input, stateful
 from forerun.latency import curve_for
 from forerun.methods import MethodPlan
 
@@ -52,9 +53,22 @@ def prepare_draft(
             "or the knob self_draft_layers=K (the target's own first K layers)"
         )
     if isinstance(draft, str):
-        return load_draft(draft, model, tokenizer)
-    check_same_vocabulary(model, draft, tokenizer, draft_tokenizer)
+        draft = load_draft(draft, model, tokenizer)
+    else:
+        check_same_vocabulary(model, draft, tokenizer, draft_tokenizer)
+    check_draft_model(draft)
     return draft
+
+
+def check_draft_model(draft: torch.nn.Module) -> None:
+    """A draft model drafts on a cache it rolls back to the target's accepted text: a causal model taking a
+    transformers cache, without recurrent states (those cannot step back)."""
+    check_causal(draft, "draft model ")
+    if stateful(draft):
+        raise ValueError(
+            f"draft model {type(draft).__name__} keeps recurrent states (state-space or linear-attention layers), "
+            "which cannot step back to the target's accepted text; give a transformer draft model"
+        )
 
 
 def prepare_head(
@@ -136,12 +150,19 @@ def price_costly(drafters: Sequence[object], budget: Budget, cache_dir: str | Pa
                 drafter.price(cache_dir)
 
 
-def check_causal(model: torch.nn.Module) -> None:
-    """forerun decodes causal (decoder-only) language models; an encoder-decoder (T5, BART) is refused by name."""
+def check_causal(model: torch.nn.Module, role: str = "") -> None:
+    """forerun decodes causal (decoder-only) language models that take a transformers cache; an encoder-decoder
+    (T5, BART) or a model keeping a state of its own (Mamba, RWKV) is refused by name (`role`: e.g. "draft model
+    ", naming which of the models it is)."""
     if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
         raise ValueError(
-            f"{type(model).__name__} is an encoder-decoder model; forerun decodes causal (decoder-only) language models"
+            f"{role}{type(model).__name__} is an encoder-decoder model; forerun decodes causal (decoder-only) "
+            "language models"
         )
+    try:
+        check_cache_input(model)
+    except ValueError as error:
+        raise ValueError(f"{role}{error}") from None
 
 
 def check_vocabulary(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase | None) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
 
 
 class UnsupportedCacheError(ValueError):
@@ -64,6 +64,9 @@ def keep_accepted(cache: DynamicCache, prefix_len: int, kept_nodes: list[int]) -
     new_len = prefix_len + len(kept_nodes)
     contiguous = kept_nodes == list(range(len(kept_nodes)))
     index = None if contiguous else torch.tensor(kept_nodes, dtype=torch.long) + prefix_len
+    if not all(addressable(layer) for layer in cache.layers):
+        keep_everything(cache, new_len)
+        return
     for layer in cache.layers:
         if not layer.is_initialized:
             continue
@@ -77,6 +80,23 @@ def keep_accepted(cache: DynamicCache, prefix_len: int, kept_nodes: list[int]) -
         layer.values = values[..., :new_len, :]
         if isinstance(layer, DynamicSlidingWindowLayer):
             layer.cumulative_length = new_len
+
+
+def addressable(layer: object) -> bool:
+    """Whether a cache layer holds one entry per token, which `keep_accepted` can gather and crop (not a recurrent
+    or convolution state, not a layer kind of a model's own)."""
+    return isinstance(layer, DynamicLayer) and not isinstance(layer, LinearAttentionCacheLayerMixin)
+
+
+def keep_everything(cache: DynamicCache, new_len: int) -> None:
+    """Commit a step that drops nothing on a cache with layers that cannot drop entries (a recurrent state has
+    advanced through every token fed): plain decoding's one token, or a chain accepted whole. Raises
+    UnsupportedCacheError where the step fed more than it keeps (the caller decoded trees it cannot verify)."""
+    for index, layer in enumerate(cache.layers):
+        if isinstance(layer, DynamicLayer) and layer.is_initialized and layer.get_seq_length() != new_len:
+            raise UnsupportedCacheError(
+                f"cache layer {index} ({type(layer).__name__}) cannot drop the rejected tokens of a step"
+            )
 
 
 ROOM = 64

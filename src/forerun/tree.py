@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from forerun.attention import SDPA_FP32, SDPA_GROUPED
+from forerun.forward_inputs import positional_support, stateful
 
 Role = Literal["root", "candidate", "probe"]
 
@@ -272,11 +273,18 @@ TREE_ATTENTION = ("eager", "sdpa", SDPA_FP32, SDPA_GROUPED)
 def tree_support(model: torch.nn.Module) -> str | None:
     """None if `model` can verify trees, else the reason it cannot (the caller falls back to plain)."""
     impl = getattr(model.config, "_attn_implementation", None) or "eager"
+    if stateful(model):
+        return (
+            f"{type(model).__name__} keeps recurrent states (state-space or linear-attention layers), which cannot "
+            "step back to a rejected guess: one token per forward"
+        )
     if alibi_by_key_place(model.config):
         return (
             f"{type(model).__name__} builds its ALiBi position biases from where keys sit, not from position ids: "
             "a tree's nodes sit side by side at other depths"
         )
+    if (reason := positional_support(model)) is not None:
+        return reason
     if impl not in TREE_ATTENTION:
         return (
             f"{type(model).__name__} uses attn_implementation={impl!r}, which cannot take a tree attention mask; "

@@ -1,0 +1,81 @@
+"""What a model's forward takes and keeps, read from its class: a cache forerun can feed, position ids, a recurrent
+state.
+
+forerun feeds every step after a cache it passes as `past_key_values`, each token at the position it gives in
+`position_ids`, and rolls the cache back to the accepted guesses. A model outside that contract either cannot be
+decoded at all (a state of its own: Mamba's `cache_params`, RWKV's `state`), or only one token per forward
+(a recurrent state cannot step back to a rejected guess: Jamba, Bamba, Granite 4, Qwen3-Next, Qwen3.5; positions
+taken from the cache length: TrOCR's decoder).
+
+Example:
+    >>> from transformers import LlamaConfig, LlamaForCausalLM
+    >>> model = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+    ...                                      num_attention_heads=2, vocab_size=32))
+    >>> check_cache_input(model), {"past_key_values", "position_ids"} <= forward_parameters(model), stateful(model)
+    (None, True, False)
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+OWN_STATE = ("cache_params", "state", "cache")
+"""Forward arguments in which models keep a state of their own instead of a transformers cache."""
+
+
+def forward_parameters(model: torch.nn.Module) -> set[str] | None:
+    """The named arguments of the forward of `model` (of the model a PEFT wrapper or `torch.compile` holds), or
+    None where it names none (a wrapper taking `*args, **kwargs`: nothing can be told)."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    inner = getattr(inner, "_orig_mod", inner)
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    try:
+        parameters = inspect.signature(inner.forward).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    named = {parameter.name for parameter in parameters if parameter.kind not in variadic}
+    return named or None
+
+
+def check_cache_input(model: torch.nn.Module) -> None:
+    """Raise ValueError naming the model when its forward takes no `past_key_values` (forerun could not give it
+    the text before each step's tokens: it would decode other text)."""
+    named = forward_parameters(model)
+    if named is None or "past_key_values" in named:
+        return None
+    own = next((name for name in OWN_STATE if name in named), None)
+    kept = f" (it keeps a state of its own in `{own}`)" if own else ""
+    raise ValueError(
+        f"{type(model).__name__}.forward takes no past_key_values{kept}: forerun feeds each step after a cache "
+        "it passes there, so it cannot decode this model (plain model.generate can)"
+    )
+
+
+def stateful(model: torch.nn.Module) -> bool:
+    """Whether `model` keeps recurrent states (state-space or linear-attention layers) besides or instead of
+    per-token keys and values: transformers' own flag (`_is_stateful`, which its assisted generation refuses), or a
+    linear-attention layer in the cache its config lays out."""
+    if getattr(model, "_is_stateful", False):
+        return True
+    try:
+        layers = DynamicCache(config=model.config).layers
+    except (TypeError, ValueError, AttributeError):  # a config transformers lays no cache out for
+        return False
+    return any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in layers)
+
+
+def positional_support(model: torch.nn.Module) -> str | None:
+    """None if a tree's nodes can be told their positions, else why not: a model whose forward takes no
+    `position_ids` counts positions from its cache's length, where a tree's nodes sit side by side at other
+    depths (TrOCR's decoder)."""
+    named = forward_parameters(model)
+    if named is None or "position_ids" in named:
+        return None
+    return (
+        f"{type(model).__name__}.forward takes no position_ids: it counts positions from its cache's length, and "
+        "a tree's nodes sit side by side at other depths"
+    )
