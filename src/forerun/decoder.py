@@ -42,6 +42,7 @@ from forerun.drafters.base import Drafter
 from forerun.drafters.draft_model import DraftModelDrafter
 from forerun.drafters.prediction import PredictionDrafter
 from forerun.engine import decode
+from forerun.feed_probe import check_feed
 from forerun.latency import DEFAULT_CACHE_DIR, batches_of, curve_for
 from forerun.methods import MethodPlan, plan_method
 from forerun.noise import GumbelNoise
@@ -132,6 +133,7 @@ class Decoder:
         self.base = make_base(model, self.engine_config, device_type, read)
         self.latency, self.latency_cache = latency, latency_cache
         drafting = (bool(self.plan.specs) if drafters is None else bool(drafters)) and tree_support(model) is None
+        check_feed(model, trees=drafting)
         self.budget = make_budget(model, self.plan, self.engine_config, latency, latency_cache, self.base, drafting)
         if drafters is None and self.budget.curve is not None and self.budget.curve.flat:
             # Extra tokens cost little here: the drafters propose wide trees, the cost model cuts each step's
