@@ -81,6 +81,9 @@ MLA = dict(
 )
 """Multi-head latent attention (DeepSeek-V3, GLM-4.7-Flash): keys and values from a low-rank projection."""
 
+MOE = dict(num_experts=4, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+"""A small mixture of experts, under the names the families' configs use."""
+
 MORE_FAMILIES: dict[str, dict] = {
     **{name: LLAMA_LIKE for name in ("cohere", "olmo", "starcoder2", "smollm3", "glm", "glm4", "exaone4")},
     **{name: LLAMA_LIKE for name in ("ernie4_5", "seed_oss", "apertus", "arcee")},
@@ -110,6 +113,29 @@ MORE_FAMILIES: dict[str, dict] = {
     "gpt_oss": {**LLAMA_LIKE, "head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 4096},
     "deepseek_v3": MLA,
     "glm4_moe_lite": MLA,
+    "cohere2": {**LLAMA_LIKE, "sliding_window": 4096},
+    "glm4_moe": {
+        **LLAMA_LIKE,
+        "head_dim": 16,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "first_k_dense_replace": 1,
+        "n_group": 1,
+        "topk_group": 1,
+    },
+    "llama4_text": {
+        **LLAMA_LIKE,
+        "head_dim": 16,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 1,
+        "intermediate_size_mlp": 96,
+    },
+    "ministral3": {**LLAMA_LIKE, "head_dim": 16},
+    "minimax_m2": {**LLAMA_LIKE, "head_dim": 16, **MOE},
+    "olmo3": {**LLAMA_LIKE, "sliding_window": 4096},
+    "phimoe": {**LLAMA_LIKE, **MOE, "sliding_window": None},
+    "ernie4_5_moe": {**LLAMA_LIKE, **MOE, "moe_num_experts": 4, "moe_k": 2},
 }
 """More families, checked with `auto` alone and batched (`tests/equality/test_more_families.py`)."""
 
@@ -150,6 +176,7 @@ STATEFUL_FAMILIES: dict[str, dict] = {
     },
     "qwen3_5_text": {**LLAMA_LIKE, "head_dim": 16, "layer_types": ["linear_attention", "full_attention"], **LINEAR},
     "olmo_hybrid": LLAMA_LIKE,
+    "lfm2": {**LLAMA_LIKE, "full_attn_idxs": [1]},
     "recurrent_gemma": dict(
         hidden_size=64,
         intermediate_size=96,
@@ -162,8 +189,8 @@ STATEFUL_FAMILIES: dict[str, dict] = {
         attention_window_size=512,
     ),
 }
-"""Hybrid models whose recurrent states (state-space or linear-attention layers) cannot step back to a rejected
-guess: they decode one token per forward (`tests/equality/test_stateful_families.py`)."""
+"""Hybrid models whose recurrent or convolution states (state-space, linear-attention or short-convolution layers)
+cannot step back to a rejected guess: they decode one token per forward (`tests/equality/test_stateful_families.py`)."""
 
 NO_SDPA = frozenset({"gemma2", "gptj", "codegen", "gpt_oss"})
 """Families transformers has no sdpa attention for: eager only."""

@@ -66,7 +66,8 @@ def check_draft_model(draft: torch.nn.Module) -> None:
     check_causal(draft, "draft model ")
     if stateful(draft):
         raise ValueError(
-            f"draft model {type(draft).__name__} keeps recurrent states (state-space or linear-attention layers), "
+            f"draft model {type(draft).__name__} keeps recurrent states (state-space, linear-attention or convolution "
+            "layers), "
             "which cannot step back to the target's accepted text; give a transformer draft model"
         )
 

@@ -29,8 +29,9 @@ TESTED_FAMILIES = frozenset(
     # (one token per forward), and the ALiBi and position fallbacks of the tests
     "llama mistral mixtral qwen2 qwen3 gemma gemma2 phi3 stablelm olmo2 granite gpt2 gptj opt gpt_neox falcon "
     "cohere olmo starcoder2 smollm3 glm glm4 exaone4 ernie4_5 seed_oss apertus arcee gemma3_text nemotron phi "
-    "gpt_bigcode codegen qwen2_moe qwen3_moe olmoe granitemoe gpt_oss deepseek_v3 glm4_moe_lite jamba bamba "
-    "granitemoehybrid nemotron_h qwen3_next qwen3_5_text olmo_hybrid recurrent_gemma bloom mpt trocr".split()
+    "gpt_bigcode codegen qwen2_moe qwen3_moe olmoe granitemoe gpt_oss deepseek_v3 glm4_moe_lite cohere2 glm4_moe "
+    "llama4_text ministral3 minimax_m2 olmo3 phimoe ernie4_5_moe jamba bamba granitemoehybrid nemotron_h qwen3_next "
+    "qwen3_5_text olmo_hybrid recurrent_gemma lfm2 bloom mpt trocr".split()
 )
 """Model types (`config.model_type`) whose decoding the tests compare with `model.generate`: not probed."""
 
@@ -71,7 +72,8 @@ def check_feed(model: torch.nn.Module, trees: bool) -> None:
 def own_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
     """The model's own forward over `ids`, as plain generate's first step runs it: [len(ids), vocab] in fp32."""
     device = next(model.parameters()).device
-    inputs = {"input_ids": torch.tensor([ids], device=device), "attention_mask": torch.ones(1, len(ids), device=device)}
+    mask = torch.ones(1, len(ids), dtype=torch.long, device=device)
+    inputs = {"input_ids": torch.tensor([ids], device=device), "attention_mask": mask}
     if "position_ids" in (forward_parameters(model) or ()):
         inputs["position_ids"] = torch.arange(len(ids), device=device)[None]
     return model(**inputs, use_cache=False).logits[0].float()

@@ -56,9 +56,9 @@ def check_cache_input(model: torch.nn.Module) -> None:
 
 
 def stateful(model: torch.nn.Module) -> bool:
-    """Whether `model` keeps recurrent states (state-space or linear-attention layers) besides or instead of
-    per-token keys and values: transformers' own flag (`_is_stateful`, which its assisted generation refuses), or a
-    linear-attention layer in the cache its config lays out."""
+    """Whether `model` keeps recurrent or convolution states (state-space, linear-attention or short-convolution
+    layers) besides or instead of per-token keys and values: transformers' own flag (`_is_stateful`, which its
+    assisted generation refuses), or such a layer in the cache its config lays out (LFM2's convolutions)."""
     if getattr(model, "_is_stateful", False):
         return True
     try:

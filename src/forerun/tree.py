@@ -275,8 +275,8 @@ def tree_support(model: torch.nn.Module) -> str | None:
     impl = getattr(model.config, "_attn_implementation", None) or "eager"
     if stateful(model):
         return (
-            f"{type(model).__name__} keeps recurrent states (state-space or linear-attention layers), which cannot "
-            "step back to a rejected guess: one token per forward"
+            f"{type(model).__name__} keeps recurrent or convolution states (state-space, linear-attention or "
+            "short-convolution layers), which cannot step back to a rejected guess: one token per forward"
         )
     if alibi_by_key_place(model.config):
         return (
