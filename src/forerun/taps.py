@@ -13,6 +13,7 @@ Example:
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
@@ -46,8 +47,10 @@ class LayerTaps:
         self.blocks = [blocks[i] for i in layers] if layers else []
         self.outputs: list[torch.Tensor | None] = [None] * len(layers)
         self.handles: list[torch.utils.hooks.RemovableHandle] = []
+        self.thread = threading.get_ident()
 
     def __enter__(self) -> LayerTaps:
+        self.thread = threading.get_ident()  # the request's forwards run in the thread that decodes it
         for index, block in enumerate(self.blocks):
             self.handles.append(block.register_forward_hook(self.keeper(index)))
         return self
@@ -59,7 +62,10 @@ class LayerTaps:
 
     def keeper(self, index: int):
         def keep(module, args, output) -> None:
-            self.outputs[index] = output[0] if isinstance(output, tuple) else output
+            # Another thread may run the same model meanwhile (another Decoder, plain generate): its forwards
+            # run these hooks too, and their hidden states are not this request's.
+            if threading.get_ident() == self.thread:
+                self.outputs[index] = output[0] if isinstance(output, tuple) else output
 
         return keep
 
