@@ -132,7 +132,10 @@ class Decoder:
         read = feature_layers(drafters) if drafters is not None else getattr(self.draft_head, "aux_layers", ())
         self.base = make_base(model, self.engine_config, device_type, read)
         self.latency, self.latency_cache = latency, latency_cache
-        drafting = (bool(self.plan.specs) if drafters is None else bool(drafters)) and tree_support(model) is None
+        drafting = bool(self.plan.specs) if drafters is None else bool(drafters)
+        if drafting and (reason := tree_support(model)) is not None:
+            logger.warning("forerun: %s decodes one token per forward, without drafts: %s", self.method, reason)
+            drafting = False
         check_feed(model, trees=drafting)
         self.budget = make_budget(model, self.plan, self.engine_config, latency, latency_cache, self.base, drafting)
         if drafters is None and self.budget.curve is not None and self.budget.curve.flat:

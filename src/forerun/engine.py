@@ -98,8 +98,11 @@ def fallback_if_unsupported(
         reason = base.begin(max_len)
     if not drafters:
         return base, list(drafters), None
-    reason = tree_support(model) or reason
+    model_reason = tree_support(model)
+    reason = model_reason or reason
     if reason is None:
         return base, list(drafters), None
-    logger.warning("forerun: falling back to plain decoding: %s", reason)
+    # the model's own reason the Decoder told once, when it was built; a request's own (its length) is told here
+    level = logging.DEBUG if model_reason else logging.WARNING
+    logger.log(level, "forerun: falling back to plain decoding: %s", reason)
     return base, [], reason

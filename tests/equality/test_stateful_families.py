@@ -107,3 +107,17 @@ def test_wrappers_are_read_through_to_the_model_they_hold():
     bare = torch.nn.Module()
     bare.forward = lambda *args, **kwargs: None
     assert forward_parameters(bare) is None
+
+
+def test_the_reason_is_told_once_per_decoder_not_per_request(caplog):
+    """A server on a hybrid model had logged the same warning for every request."""
+    model = tiny_model("qwen3_5_text")
+    with caplog.at_level("WARNING", logger="forerun"):
+        decoder = forerun.Decoder(model, None, "auto", latency_cache=None)
+        built = [record.getMessage() for record in caplog.records if record.name.startswith("forerun")]
+        caplog.clear()
+        for text in prompts(3):
+            decoder.generate(text, 8, eos_token_id=[])
+        decoder.generate(prompts(2), 8, eos_token_id=[])
+    assert len(built) == 1 and "auto decodes one token per forward" in built[0] and "Qwen3_5ForCausalLM" in built[0]
+    assert [record.getMessage() for record in caplog.records if record.name.startswith("forerun")] == []
