@@ -8,6 +8,7 @@ Example:
 from __future__ import annotations
 
 import importlib.util
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +23,8 @@ from forerun.converted import index_for, load_gguf
 from forerun.defaults import DEFAULT_MODEL
 from forerun.fetch import DEFAULT_MODELS_DIR, FETCHABLE
 from forerun.measured import DEFAULT_CACHE_DIR
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -121,7 +124,8 @@ def load_model(
     layer's weights kept in 4 bits, groups of 32, on the CPU (`forerun.base.weights`); a GGUF file's Q4_0/Q4_1
     codes are kept as they are (`forerun.base.gguf_codes`). `quantize="int8"`: 8 bits, one scale per row.
     `attn_implementation="auto"`: sdpa with grouped key/value heads read in place, computed in fp32 for bf16/fp16
-    weights on the CPU (`forerun.attention`); any name transformers takes. `pack`: dense linear layers laid out once
+    weights on the CPU (`forerun.attention`), eager for families transformers has no sdpa for; any name
+    transformers takes. `pack`: dense linear layers laid out once
     for oneDNN's kernels (`forerun.base.packed`); None: where measured faster (a CPU with AVX-512, fp32 or bf16),
     False: transformers' own layers, as plain `from_pretrained` gives them. Laid-out layers compute a product of a
     few rows as more rows where this CPU measured that faster (`forerun.base.packed_rows`, kept under `cache_dir`).
@@ -136,30 +140,48 @@ def load_model(
     dtype = as_dtype(dtype)
     check_quantize(quantize, device, dtype)
     check_pack(bool(pack), device, dtype)
-    attn_implementation = pick_attention(attn_implementation, device, dtype)
-    location, gguf_file = resolve(name)
-    if gguf_file:
-        gguf = Path(location) / gguf_file
-        model, tokenizer = load_gguf(
-            gguf, dtype, attn_implementation, cache_dir, lambda: convert_gguf(gguf, dtype, attn_implementation)
-        )
-    else:
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(location, local_files_only=True)
-            model = AutoModelForCausalLM.from_pretrained(
-                location, local_files_only=True, dtype=dtype, attn_implementation=attn_implementation
-            )
-        except OSError as error:
-            raise FileNotFoundError(f"cannot load {name!r} offline: {error}") from error
+    attention = pick_attention(attn_implementation, device, dtype)
+    model, tokenizer = read_model(name, dtype, attention, cache_dir, eager_if_no_sdpa=attn_implementation == "auto")
     model.to(device).eval()
     if quantize is not None:
+        location, gguf_file = resolve(name)
         if gguf_file and quantize == "int4":  # the file's own Q4_0/Q4_1 codes, not quantized a second time
+            gguf = Path(location) / gguf_file
             keep_codes(model, gguf, index_for(gguf, dtype, cache_dir))
         quantize_weights(model, quantize)
     if packable(device, dtype) if pack is None else pack:
         pack_weights(model)
         lay_out_rows(model, cache_dir)  # a few rows computed as more where this CPU does that faster
     return model, tokenizer
+
+
+def read_model(
+    name: str, dtype: torch.dtype, attention: str, cache_dir: Path | str | None, eager_if_no_sdpa: bool
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """`load_model`'s reading of (model, tokenizer) with `attention`; `eager_if_no_sdpa`: eager attention where
+    transformers has no sdpa for the model's family (GPT-J, Gemma 2, gpt-oss), rather than its ValueError."""
+    location, gguf_file = resolve(name)
+
+    def read(attention: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+        if gguf_file:
+            gguf = Path(location) / gguf_file
+            return load_gguf(gguf, dtype, attention, cache_dir, lambda: convert_gguf(gguf, dtype, attention))
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(location, local_files_only=True)
+            model = AutoModelForCausalLM.from_pretrained(
+                location, local_files_only=True, dtype=dtype, attn_implementation=attention
+            )
+        except OSError as error:
+            raise FileNotFoundError(f"cannot load {name!r} offline: {error}") from error
+        return model, tokenizer
+
+    try:
+        return read(attention)
+    except ValueError as error:
+        if not eager_if_no_sdpa or "scaled_dot_product_attention" not in str(error):
+            raise
+        logger.info("forerun: %s has no sdpa attention in transformers; eager attention", name)
+        return read("eager")
 
 
 def convert_gguf(
