@@ -61,12 +61,9 @@ FAMILIES: dict[str, dict] = {
 }
 
 MLA = dict(
-    hidden_size=64,
-    intermediate_size=96,
-    moe_intermediate_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=4,
+    LLAMA_LIKE,
     num_key_value_heads=4,
+    moe_intermediate_size=32,
     kv_lora_rank=16,
     q_lora_rank=32,
     qk_nope_head_dim=8,
@@ -77,7 +74,6 @@ MLA = dict(
     n_group=1,
     topk_group=1,
     first_k_dense_replace=1,
-    max_position_embeddings=512,
 )
 """Multi-head latent attention (DeepSeek-V3, GLM-4.7-Flash): keys and values from a low-rank projection."""
 
