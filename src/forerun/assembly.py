@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from forerun.base.chain import ChainBase
 from forerun.base.static import StaticBase, graph_features, static_support
 from forerun.base.weights import weights_kind
 from forerun.config import EngineConfig
@@ -113,11 +114,13 @@ def make_budget(
     config: EngineConfig,
     latency: LatencyCurve | None,
     latency_cache: str | Path | None,
-    base: StaticBase | None,
+    base: StaticBase | ChainBase | None,
     drafting: bool,
+    chain: bool = False,
 ) -> Budget:
     """The cost model (model-free methods and combinations, or adaptive=True) or a static node budget;
-    `drafting`: whether there are drafters at all (without any, nothing is left to weigh)."""
+    `drafting`: whether there are drafters at all (without any, nothing is left to weigh); `chain`: it feeds one
+    chain a step (`forerun.base.chain`)."""
     adaptive = plan.adaptive if config.adaptive is None else config.adaptive
     if config.max_tree_nodes is not None and config.max_tree_nodes < plan.min_budget():
         raise ValueError(
@@ -125,8 +128,9 @@ def make_budget(
             f"(the Jacobi window's W x (N-1) probes and the root), but max_tree_nodes={config.max_tree_nodes}"
         )
     if not (adaptive and drafting):
-        return StaticBudget(config.max_tree_nodes or (plan.static_budget() if plan.specs else 16))
-    curve = latency if latency is not None else curve_for(model, latency_cache, base=base)
+        return StaticBudget(config.max_tree_nodes or (plan.static_budget() if plan.specs else 16), chain)
+    static = base if isinstance(base, StaticBase) else None
+    curve = latency if latency is not None else curve_for(model, latency_cache, base=static)
     cap = config.max_tree_nodes or max(curve.default_cap(), plan.min_budget())
     # a measured curve is corrected by what this run's forwards take (unless choices must be reproducible); a
     # given one is the price as it is
@@ -137,7 +141,12 @@ def make_budget(
     # costly drafters (a trained head's forwards) are weighed against rates without them: measured, or priced on
     # the curve where choices must be reproducible
     return CostModel(
-        curve, cap, times=times, reproducible=reproducible, switch=DraftSwitch(probing=FIRST_PROBE_STEPS, paired=True)
+        curve,
+        cap,
+        times=times,
+        reproducible=reproducible,
+        switch=DraftSwitch(probing=FIRST_PROBE_STEPS, paired=True),
+        chain=chain,
     )
 
 

@@ -32,6 +32,7 @@ from forerun.assembly import (
     prepare_head,
     price_costly,
 )
+from forerun.base.chain import ChainBase, chain_support
 from forerun.batch import batchable, fork
 from forerun.batched import decode_rows
 from forerun.checks import check_batch_size, check_warm_up
@@ -43,6 +44,7 @@ from forerun.drafters.draft_model import DraftModelDrafter
 from forerun.drafters.prediction import PredictionDrafter
 from forerun.engine import decode
 from forerun.feed_probe import check_feed
+from forerun.forward_inputs import stateful
 from forerun.latency import DEFAULT_CACHE_DIR, batches_of, curve_for
 from forerun.methods import MethodPlan, plan_method
 from forerun.noise import GumbelNoise
@@ -134,10 +136,16 @@ class Decoder:
         self.latency, self.latency_cache = latency, latency_cache
         drafting = bool(self.plan.specs) if drafters is None else bool(drafters)
         if drafting and (reason := tree_support(model)) is not None:
-            logger.warning("forerun: %s decodes one token per forward, without drafts: %s", self.method, reason)
-            drafting = False
-        check_feed(model, trees=drafting)
-        self.budget = make_budget(model, self.plan, self.engine_config, latency, latency_cache, self.base, drafting)
+            if stateful(model) and (reason := chain_support(model)) is None:
+                self.base = ChainBase(model)  # its guesses verified one chain at a time (`forerun.base.chain`)
+            else:
+                logger.warning("forerun: %s decodes one token per forward, without drafts: %s", self.method, reason)
+                drafting = False
+        chains = isinstance(self.base, ChainBase)
+        check_feed(model, trees=drafting and not chains)
+        self.budget = make_budget(
+            model, self.plan, self.engine_config, latency, latency_cache, self.base, drafting, chains
+        )
         if drafters is None and self.budget.curve is not None and self.budget.curve.flat:
             # Extra tokens cost little here: the drafters propose wide trees, the cost model cuts each step's
             # (bf16 on a CPU with bf16 units, SmolLM2 greedy: 1.91x -> 2.03x plain generate in forwards' cost)
@@ -209,7 +217,7 @@ class Decoder:
         context = getattr(self.model.config, "max_position_embeddings", None)
         if context is not None and max_len > context:
             raise ValueError(f"warm_up's max_len={max_len} exceeds the model's context ({context} tokens)")
-        if self.base is None:
+        if self.base is None or isinstance(self.base, ChainBase):  # nothing captured there
             return 0.0
         longest = max_len + self.budget.max_nodes
         seconds = 0.0

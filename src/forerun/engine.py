@@ -59,22 +59,24 @@ def decode(
     base, drafters, reason = fallback_if_unsupported(model, base, job.drafters, max_len)
     row = RowRun.begin(replace(job, drafters=drafters), budget)
     row.stats.fallback_reason = reason
+    chains = getattr(base, "chains", False)  # no chain at the prefill: one accepted in part would read it twice
     row.stats.cached_prompt_tokens = base.seed(job.prefixes, row.ctx.tokens)
     lead = row.ctx.tokens[row.stats.cached_prompt_tokens : -1]
     with LayerTaps(model, feature_layers(drafters), read=base.features) as taps:
         while not row.done:
             t0 = time.perf_counter()
-            drafts = row.stats.forwards > 0 or tree_in_prefill(draft_in_prefill, len(lead))
-            selection = budget.choose(row.root, row.propose(drafts), len(lead), drafts)
+            drafts = row.stats.forwards > 0 or tree_in_prefill(draft_in_prefill and not chains, len(lead))
+            again = len(getattr(base, "pending", ()))  # accepted tokens a chain base feeds again first
+            selection = budget.choose(row.root, row.propose(drafts), len(lead) + again, drafts)
             t1 = time.perf_counter()
             fed = base.forward(selection.tree, row.prefix_len, lead)  # one call of the unmodified model
             choices, drawn = row.on_host(selection.tree, fed.logits, fed.argmax)  # the step's one copy
             verdict = row.verify(selection.tree, fed.logits, choices, drawn)
-            if not lead:  # what this forward cost against the curve (a prefill is not on it)
+            if not lead and not again:  # what this forward cost against the curve (a prefill is not on it)
                 budget.timed(len(selection.tree), time.perf_counter() - t1)
             kept = [0, *verdict.accepted_nodes]
-            base.commit(row.prefix_len, kept)
-            features = committed_features(taps.take(fed.features), len(lead), kept)
+            row.stats.fed_again += base.commit(row.prefix_len, kept) or 0
+            features = committed_features(taps.take(fed.features), len(lead) + again, kept)
             row.accept(selection, verdict, fed.logits, t1 - t0, time.perf_counter() - t1, features, choices)
             lead = []
     base.store(job.prefixes, row.ctx.tokens, row.prefix_len)  # the cache holds prompt + accepted
@@ -98,7 +100,7 @@ def fallback_if_unsupported(
         reason = base.begin(max_len)
     if not drafters:
         return base, list(drafters), None
-    model_reason = tree_support(model)
+    model_reason = None if getattr(base, "chains", False) else tree_support(model)  # chains need no tree mask
     reason = model_reason or reason
     if reason is None:
         return base, list(drafters), None

@@ -24,12 +24,13 @@ import torch
 from transformers import DynamicCache
 
 from forerun.attention import sdpa_like
+from forerun.base.chain import copy_states, put_back
 from forerun.base.kernels import KernelLinear
 from forerun.base.packed import packed, row_table
 from forerun.base.weights import weights_kind
 from forerun.costmodel import LatencyCurve
 from forerun.head import LogitsHead
-from forerun.kvcache import roomy_cache
+from forerun.kvcache import plain_layers, roomy_cache
 from forerun.measured import (
     DEFAULT_CACHE_DIR,
     config_shape,
@@ -174,17 +175,22 @@ def time_one(head: LogitsHead, cache: DynamicCache, ids: torch.Tensor, rows: int
     attention = getattr(model.config, "_attn_implementation", None) or "eager"
     positions = torch.arange(context, context + n, device=device).expand(rows, n)
     masked = {}
-    if rows > 1 or n > 1:  # as decoding feeds them: a tree's 4-D mask, or the root alone without one
+    chained = not plain_layers(cache)  # recurrent states: a chain, its states copied first (`forerun.base.chain`)
+    if (rows > 1 or n > 1) and not chained:  # as decoding feeds them: a tree's 4-D mask, or the root alone
         visible = torch.ones(rows, 1, n, context + n, dtype=torch.bool)
         visible[..., context:] = torch.ones(n, n, dtype=torch.bool).tril()
         masked["attention_mask"] = as_attention_mask(visible, attention, model.dtype).to(device)
     synchronize(device)
     started = time.perf_counter()
+    copies = copy_states(cache) if chained else None
     head(input_ids=ids[:, context : context + n], past_key_values=cache, position_ids=positions, use_cache=True,
          **masked)  # fmt: skip
     synchronize(device)
     seconds = time.perf_counter() - started
-    cache.crop(-n)  # back to the context (negative: drop the last n)
+    if copies is not None:
+        put_back(cache, copies, context)
+    else:
+        cache.crop(-n)  # back to the context (negative: drop the last n)
     return seconds
 
 

@@ -57,6 +57,9 @@ class GenerationStats:
     total_seconds: float = 0.0
     fallback_reason: str | None = None
     """Why tree decoding was turned off for this run (the text is still exact), or None."""
+    fed_again: int = 0
+    """Accepted tokens fed a second time, in front of the next step's: a partly accepted chain's head on a model
+    with recurrent states (`forerun.base.chain`)."""
 
     def record_step(
         self,
@@ -146,4 +149,6 @@ class GenerationStats:
             )
         if self.cached_prompt_tokens:
             line += f"; {self.cached_prompt_tokens} prompt tokens from the prefix cache"
+        if self.fed_again:
+            line += f"; {self.fed_again} accepted tokens fed again (chains accepted in part)"
         return line

@@ -190,6 +190,43 @@ class TokenTree:
         return torch.from_numpy(matrix)
 
 
+def is_chain(tree: TokenTree) -> bool:
+    """Whether `tree` is its root and one line of candidates (each node the child of the one before it).
+
+    Example:
+        >>> tree = TokenTree.rooted_at(5)
+        >>> _ = tree.add_chain(0, [7, 9])
+        >>> is_chain(tree), (tree.add(0, 4) and is_chain(tree))
+        (True, False)
+    """
+    return all(parent == node - 1 and role == "candidate" for node, (parent, role)
+               in enumerate(zip(tree.parents[1:], tree.roles[1:], strict=True), start=1))  # fmt: skip
+
+
+def best_chain(tree: TokenTree, worth: Sequence[float]) -> list[int]:
+    """The line of candidates from the root of `tree` that goes, at every node, to the child of the highest
+    `worth` (per node; the first child where equal): its nodes, root excluded, in order.
+
+    Example (root 5 with children 7 and 4, and 9 under 7; worth 0.3 for 7, 0.5 for 4):
+        >>> tree = TokenTree.rooted_at(5)
+        >>> _ = tree.add_chain(0, [7, 9]), tree.add(0, 4)
+        >>> best_chain(tree, [1.0, 0.3, 0.2, 0.5]), best_chain(tree, [1.0, 0.5, 0.2, 0.3])
+        ([3], [1, 2])
+    """
+    best: dict[int, int] = {}
+    for node in range(1, len(tree)):
+        if tree.roles[node] != "candidate":
+            continue
+        parent = tree.parents[node]
+        if parent not in best or worth[node] > worth[best[parent]]:
+            best[parent] = node
+    chain, node = [], 0
+    while node in best:
+        node = best[node]
+        chain.append(node)
+    return chain
+
+
 def merge(root: int, trees: Sequence[TokenTree], budget: int | None = None) -> tuple[TokenTree, list[dict[int, int]]]:
     """Graft `trees` (all rooted at `root`) in order under one root, fusing shared prefixes, while fewer than
     `budget` nodes (None: all). Returns the merged tree and, per input tree, {its node: merged node}.

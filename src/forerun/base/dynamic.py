@@ -62,8 +62,9 @@ class TreeBase(Protocol):
         tokens (the lead's included)."""
         ...
 
-    def commit(self, prefix_len: int, kept_nodes: list[int]) -> None:
-        """Keep the cache's first `prefix_len` entries and tree nodes `kept_nodes` after them, in that order."""
+    def commit(self, prefix_len: int, kept_nodes: list[int]) -> int | None:
+        """Keep the cache's first `prefix_len` entries and tree nodes `kept_nodes` after them, in that order;
+        returns how many of them wait to be fed again with the next step's (`forerun.base.chain`; None: 0)."""
         ...
 
     def store(self, prefixes: Prefixes | None, tokens: list[int], length: int) -> None:

@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from forerun.costmodel.calibration import MAX_GROUPS, MAX_PROBABILITY, Calibration, FedCheck
-from forerun.costmodel.choice import Ranking, Selection, best_prefix, support_keys
+from forerun.costmodel.choice import Ranking, Selection, best_prefix, chain_selection, support_keys
 from forerun.costmodel.curve import LatencyCurve
 from forerun.costmodel.switch import DraftSwitch
-from forerun.tree import TokenTree, merge
+from forerun.tree import TokenTree, best_chain, merge
 
 PROPOSAL_COST = 2.0
 """A row in a batch proposes at most as many nodes as the batch could feed per row for this many times the cost of
@@ -137,6 +137,9 @@ class StaticBudget:
     """What it feeds follows the knobs alone."""
     switch = None
     """Every drafter drafts every step, as its knobs ask."""
+    chain: bool = False
+    """Feed one chain of the proposals (the first drafter's first line): a model with recurrent states
+    (`forerun.base.chain`)."""
 
     def priced_step(self, fed: int, drafter_seconds: float, rows: int = 1) -> float:
         """Never asked (no switch); a forward a step."""
@@ -144,6 +147,10 @@ class StaticBudget:
 
     def choose(self, root: int, proposals: Sequence[TokenTree], lead: int = 0, drafts: bool = True) -> Selection:
         """`drafts=False`: feed the root alone this step."""
+        if self.chain and drafts:
+            merged, maps = merge(root, proposals)
+            first = [-node for node in range(len(merged))]  # the earliest child: the first proposal's line
+            return chain_selection(merged, maps, best_chain(merged, first)[: self.max_nodes - 1])
         tree, node_maps = merge(root, proposals, self.max_nodes if drafts else 1)
         return Selection(tree, node_maps)
 
@@ -189,6 +196,9 @@ class CostModel:
     (`priced_step`); None: they always draft."""
     selective = True
     """Drafters propose whatever might pay; this model picks."""
+    chain: bool = False
+    """Feed one chain, the likeliest line of the proposals, and price the forward that feeds a partly accepted
+    chain's head again: a model with recurrent states (`forerun.base.chain`)."""
 
     def raw_chances(self, tree: TokenTree, keys: Sequence[tuple[str, float] | None]) -> list[float]:
         """Per node of the merged `tree`: P(accepted | parent accepted), calibrated in the cell of its `keys`
@@ -247,8 +257,11 @@ class CostModel:
                 reach[node] = reach[parent] * p[node]
         # Zero-chance candidates stay in the list, last: on a non-monotone curve they may pad a forward to a
         # cheaper size (here 4 tokens cost less than 3).
-        candidates = [n for n in range(1, len(merged)) if verifiable[n]]
-        candidates.sort(key=lambda n: (-reach[n], n))  # a child never precedes its parent
+        if self.chain:
+            candidates = best_chain(merged, reach)
+        else:
+            candidates = [n for n in range(1, len(merged)) if verifiable[n]]
+            candidates.sort(key=lambda n: (-reach[n], n))  # a child never precedes its parent
         return Ranking(merged, node_maps, candidates, [reach[n] for n in candidates], keys, raw)
 
     def choose(self, root: int, proposals: Sequence[TokenTree], lead: int = 0, drafts: bool = True) -> Selection:
@@ -262,10 +275,10 @@ class CostModel:
             [m for n, m in node_map.items() if proposal.roles[n] == "probe"]
             for proposal, node_map in zip(proposals, node_maps, strict=True)
         ]
-        offered = [i for i, probes in enumerate(probes_of) if probes][:MAX_GROUPS]
+        offered = [] if self.chain else [i for i, probes in enumerate(probes_of) if probes][:MAX_GROUPS]
         groups = [(sum(merged.scores[m] for m in probes_of[i]), len(probes_of[i])) for i in offered]
         penalty = self.times.penalty if self.times is not None and not self.reproducible else 1.0
-        choice = best_prefix(ranking.chances, self.curve, lead, self.max_nodes, groups, penalty)
+        choice = best_prefix(ranking.chances, self.curve, lead, self.max_nodes, groups, penalty, self.chain)
         probes = [m for g in choice.groups for m in probes_of[offered[g]]]
         return ranking.select(choice.nodes, probes, choice.expected_accepted, choice.padding)
 
@@ -310,7 +323,7 @@ class CostModel:
         calibration = Calibration(hits=self.calibration.hits, trials=self.calibration.trials)
         weighed = switch if self.switch is not None else None
         return CostModel(
-            self.curve, self.max_nodes, calibration, self.fed_check, None, self.reproducible, switch=weighed
+            self.curve, self.max_nodes, calibration, self.fed_check, None, self.reproducible, weighed, self.chain
         )
 
     def proposal_nodes(self, rows: int) -> int:

@@ -1,0 +1,124 @@
+"""Chains on a hybrid with recurrent states: what verifying guesses costs and gains there, at a real model's shape.
+
+No hybrid model ships offline (Qwen3.5, Qwen3-Next, Granite 4, Nemotron-H are hub downloads), so this builds a
+randomly initialised Qwen3.5 text model (three gated-delta-net layers to one full-attention layer, as Qwen3.5 lays
+them out) of a small real model's width, and sets how often a guess is right itself: the guesses are a predicted
+output (`prediction=`, OpenAI's predicted outputs: an edit that keeps most of a text) built from the model's own
+greedy answer with every k-th token changed. Random weights say nothing of how often prompt lookup or a trie would
+be right on a real hybrid: that is why the guesses are made here. What it measures is the mechanism: the chain's
+forward (states copied first), the head of a partly accepted chain fed again with the next step, and the cost
+model's pricing of both on this device's measured curve. Every output is compared with plain `generate`.
+
+Usage:
+    .venv/bin/python benchmarks/hybrid_chains.py --threads 1 --out benchmarks/results/hybrid-chains-epyc.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import forerun
+
+SHAPE = dict(
+    hidden_size=640,
+    intermediate_size=2048,
+    num_hidden_layers=16,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=128,
+    linear_num_key_heads=8,
+    linear_num_value_heads=16,
+    linear_key_head_dim=64,
+    linear_value_head_dim=64,
+    vocab_size=49152,
+    max_position_embeddings=4096,
+)
+"""About 170M parameters (SmolLM2-135M's vocabulary and scale), every fourth layer full attention."""
+
+
+def hybrid(seed: int = 0) -> torch.nn.Module:
+    config = AutoConfig.for_model("qwen3_5_text", **SHAPE)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+def edited(answer: list[int], every: int | None, vocab: int) -> list[int]:
+    """`answer` with every `every`-th token replaced by another (None: unchanged)."""
+    if every is None:
+        return list(answer)
+    return [(t + 1) % vocab if i % every == every - 1 else t for i, t in enumerate(answer)]
+
+
+def timed(make) -> tuple[float, object]:
+    started = time.perf_counter()
+    out = make()
+    return time.perf_counter() - started, out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--prompts", type=int, default=3)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--every", default="0,16,8,4", help="every k-th predicted token wrong (0: none)")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model = hybrid()
+    vocab = model.config.vocab_size
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, vocab, (1, 48), generator=generator) for _ in range(args.prompts)]
+    decoder = forerun.Decoder(model, None, "prompt_lookup", latency_cache=None)  # the curve measured now
+    plain = forerun.Decoder(model, None, "plain")
+    curve = decoder.budget.curve
+    print("curve (relative to 1 token):", {n: round(curve.relative(n), 2) for n in (2, 4, 8, 16)}, flush=True)
+    options = dict(max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    everies = [None if int(k) == 0 else int(k) for k in args.every.split(",")]
+    rows = []
+    for round_, prompt in enumerate(prompts):
+        seconds, want = timed(lambda p=prompt: model.generate(p, **options))
+        answer = want[0, prompt.shape[1] :].tolist()
+        rows.append({"prompt": round_, "method": "generate", "seconds": seconds, "same": True})
+        seconds, result = timed(lambda p=prompt: plain.generate(p, args.new_tokens, eos_token_id=[]))
+        rows.append({"prompt": round_, "method": "forerun plain", "seconds": seconds,
+                     "same": torch.equal(result.sequences, want), "tokens_per_forward": 1.0})  # fmt: skip
+        for every in everies:
+            prediction = edited(answer, every, vocab)
+            seconds, result = timed(
+                lambda p=prompt, q=prediction: decoder.generate(p, args.new_tokens, eos_token_id=[], prediction=q)
+            )
+            stats = result.stats
+            rows.append({"prompt": round_, "method": f"prediction, every {every or 'none'} wrong",
+                         "seconds": seconds, "same": torch.equal(result.sequences, want),
+                         "tokens_per_forward": round(stats.tokens_per_forward, 2), "fed_again": stats.fed_again,
+                         "fed_per_forward": round(stats.mean_fed, 2)})  # fmt: skip
+        for row in rows[-2 - len(everies) :]:
+            print(json.dumps(row), flush=True)
+    summary = {}
+    for method in dict.fromkeys(row["method"] for row in rows):
+        mine = [row for row in rows if row["method"] == method]
+        base = [row for row in rows if row["method"] == "generate"]
+        ratios = [b["seconds"] / m["seconds"] for m, b in zip(mine, base, strict=True)]
+        summary[method] = {
+            "tok_s": round(args.new_tokens * len(mine) / sum(row["seconds"] for row in mine), 1),
+            "vs_generate": round(statistics.geometric_mean(ratios), 2),
+            "tokens_per_forward": mine[0].get("tokens_per_forward"),
+            "all_same": all(row["same"] for row in mine),
+        }
+        print(method, summary[method], flush=True)
+    env = {"cpu": platform.processor() or platform.machine(), "threads": args.threads, "torch": torch.__version__,
+           "shape": SHAPE, "curve": {n: round(curve.relative(n), 3) for n in (2, 4, 8, 16)}}  # fmt: skip
+    if args.out:
+        args.out.write_text(json.dumps({"env": env, "summary": summary, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+"""Guesses verified as one chain on a model with recurrent states (Qwen3.5, Qwen3-Next, Granite 4, Nemotron-H,
+Bamba, Jamba, LFM2, OLMo hybrid).
+
+Such a model's cache holds, beside per-token keys and values, recurrent or convolution states that a forward
+advances through every token it is fed: a tree's side branches would all flow into one state, and a rejected
+guess cannot be taken out of it. A chain can be verified all the same. Before a step that feeds a guess, the states
+are copied; where the target rejects part of the chain, they are put back, the attention layers are cut back to
+the text before the step, and the accepted tokens are fed again in front of the next step's tokens (as a prompt's
+are at the prefill; their logits are not computed). Where the whole chain is accepted the states are already
+right. The cost model prices those tokens (`CostModel.chain`), so a chain is fed only where it pays with them.
+
+    step:         [p0 .. p{L-1} | r g1 g2 g3]      states copied before it
+    g2 rejected:  states put back, keys cut to L   [p0 .. p{L-1}]        r g1 pending, t (the target's) the root
+    next step:    [p0 .. p{L-1} | r g1 t h1 h2]    r g1 fed again before the next chain
+
+Example:
+    >>> base = ChainBase(model)                                            # doctest: +SKIP
+    >>> base.begin(max_len=512)                                            # doctest: +SKIP
+    >>> out = base.forward(chain, prefix_len=11, lead=())                  # root and 3 guesses   # doctest: +SKIP
+    >>> base.commit(11, [0, 1])                                            # root and guess 1 kept  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
+
+from forerun.base.dynamic import TreeLogits, device_argmax
+from forerun.head import LogitsHead
+from forerun.kvcache import keep_everything, roomy_cache
+from forerun.tree import TokenTree, is_chain
+
+StateCopy = list[tuple[dict, dict, dict] | None]
+"""Per cache layer: copies of its convolution and recurrent states and their flags (None: a layer without any)."""
+
+
+def copy_states(cache: DynamicCache) -> StateCopy:
+    """Copies of every recurrent and convolution state in `cache` (they are updated in place by the next forward)."""
+    copies: StateCopy = []
+    for layer in cache.layers:
+        if not isinstance(layer, LinearAttentionCacheLayerMixin):
+            copies.append(None)
+            continue
+        flags = {
+            name: dict(getattr(layer, name))
+            for name in ("has_previous_state", "is_conv_states_initialized", "is_recurrent_states_initialized")
+        }
+        conv = {i: None if t is None else t.clone() for i, t in layer.conv_states.items()}
+        recurrent = {i: None if t is None else t.clone() for i, t in layer.recurrent_states.items()}
+        copies.append((conv, recurrent, flags))
+    return copies
+
+
+def put_back(cache: DynamicCache, copies: StateCopy, length: int) -> None:
+    """Restore the states `copy_states` took and cut every attention layer back to its first `length` entries."""
+    for layer, copied in zip(cache.layers, copies, strict=True):
+        if copied is not None:
+            conv, recurrent, flags = copied
+            layer.conv_states.update({i: None if t is None else t.clone() for i, t in conv.items()})
+            layer.recurrent_states.update({i: None if t is None else t.clone() for i, t in recurrent.items()})
+            for name, values in flags.items():
+                getattr(layer, name).update(values)
+        if isinstance(layer, DynamicLayer) and layer.is_initialized:
+            layer.keys, layer.values = layer.keys[..., :length, :], layer.values[..., :length, :]
+            if isinstance(layer, DynamicSlidingWindowLayer):
+                layer.cumulative_length = length
+
+
+def chain_cache_reason(cache: DynamicCache, max_len: int, model_name: str) -> str | None:
+    """None where every layer of `cache` is per-token keys and values that can be cut (a sliding window only while
+    the text stays inside it) or recurrent and convolution states that can be copied; else why not."""
+    for index, layer in enumerate(cache.layers):
+        if isinstance(layer, DynamicSlidingWindowLayer) and max_len >= layer.sliding_window - 1:
+            return f"{model_name}: layer {index} has a sliding window shorter than the text ({max_len} tokens)"
+        if not isinstance(layer, (DynamicLayer, LinearAttentionCacheLayerMixin)):
+            return f"{model_name}: cache layer {index} is {type(layer).__name__}, which forerun cannot roll back"
+    return None
+
+
+class ChainBase:
+    """The growing cache of a model with recurrent states; each step feeds the root and at most one chain of
+    guesses (`forerun.tree.is_chain`), causally (no tree mask)."""
+
+    features: tuple[int, ...] = ()  # hooks read them: every forward here runs the model's modules
+    chains = True
+    """Trees must be chains (the engine and the budget read this)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.head = LogitsHead(model)
+        self.cache = roomy_cache(model.config)
+        self.copies: StateCopy | None = None
+        self.fed: list[int] = []
+        self.start = 0
+        """Where the last forward's tokens (`fed`) began: the text the copied states had read."""
+        self.pending: list[int] = []
+        """Accepted tokens the cache does not hold (a partly accepted chain's head), fed before the next step's."""
+
+    def begin(self, max_len: int) -> str | None:
+        self.cache = roomy_cache(self.model.config)
+        self.copies, self.pending = None, []
+        return chain_cache_reason(self.cache, max_len, type(self.model).__name__)
+
+    def seed(self, prefixes: object, tokens: list[int]) -> int:
+        return 0  # the prefix cache keeps keys and values only, not states
+
+    def forward(self, tree: TokenTree, prefix_len: int, lead: Sequence[int]) -> TreeLogits:
+        if not is_chain(tree):
+            raise ValueError(f"a model with recurrent states verifies chains only; got a tree of {len(tree)} nodes")
+        self.fed, self.pending = [*self.pending, *lead, *tree.tokens], []
+        self.start = prefix_len + len(tree) - len(self.fed)
+        self.copies = copy_states(self.cache) if len(tree) > 1 else None
+        device = next(self.model.parameters()).device
+        logits = self.head(
+            len(tree),
+            input_ids=torch.tensor([self.fed], device=device),
+            position_ids=torch.arange(self.start, prefix_len + len(tree), device=device)[None],
+            past_key_values=self.cache,
+            use_cache=True,
+        )[0, -len(tree) :]
+        return TreeLogits(logits, device_argmax(logits))
+
+    def commit(self, prefix_len: int, kept_nodes: list[int]) -> int:
+        """Keep the root and the accepted guesses (`kept_nodes`: [0, 1, .., j], a chain's head); returns how many
+        tokens wait to be fed again with the next step's (0: the chain was accepted whole, or none was fed)."""
+        kept = prefix_len - self.start + len(kept_nodes)  # tokens of this forward that stay
+        if self.copies is None or kept == len(self.fed):
+            keep_everything(self.cache, prefix_len + len(kept_nodes))
+            return 0
+        put_back(self.cache, self.copies, self.start)
+        self.copies, self.pending = None, self.fed[:kept]
+        return kept
+
+    def store(self, prefixes: object, tokens: list[int], length: int) -> None:
+        pass  # see `seed`
+
+
+def chain_support(model: torch.nn.Module) -> str | None:
+    """None where `model` (with recurrent states) verifies chains exactly on a `ChainBase`, else why not: its cache
+    holds something that cannot be copied or cut, or a chain's logits there differ from the model's own forward over
+    the same tokens (beyond `feed_probe.TOLERANCE`; a state-space model whose multi-token forward is another
+    computation than its one-token step). The probe, over 12 tokens: a prefill of 5, a chain of 4 with its last
+    guess rejected (the states put back), a chain of 2 after the 3 accepted fed again, accepted whole, and a chain of
+    2 after it, each against one plain forward over the text."""
+    from forerun.base.weights import weights_kind  # noqa: PLC0415 - the probe's helpers, only where it runs
+    from forerun.feed_probe import TOLERANCE, own_logits, probe_ids, share_of_spread  # noqa: PLC0415
+
+    name = type(model).__name__
+    ids = probe_ids(model)
+    ids = [*ids, *ids[:2]]
+    base = ChainBase(model)
+    if (reason := base.begin(len(ids))) is not None:
+        return reason
+    try:
+        with torch.inference_mode():
+            base.forward(TokenTree.rooted_at(ids[4]), 4, ids[:4])
+            base.commit(4, [0])
+            first = base.forward(chain_of([*ids[5:8], ids[9]]), 5, ()).logits[:3]
+            base.commit(5, [0, 1, 2])
+            second = base.forward(chain_of(ids[8:10]), 8, ()).logits
+            base.commit(8, [0, 1])
+            third = base.forward(chain_of(ids[10:12]), 10, ()).logits
+            want = own_logits(model, ids)
+    except Exception as error:  # noqa: BLE001 - any failure means: not this way
+        return f"{name} failed a chain forward ({type(error).__name__}: {error})"
+    share = max(share_of_spread(got, want[at : at + len(got)]) for got, at in ((first, 5), (second, 8), (third, 10)))
+    allowed = TOLERANCE["exact" if model.dtype == torch.float32 and weights_kind(model) is None else "rounded"]
+    if share > allowed:
+        return (
+            f"{name} gives a chain of guesses after its states other logits than one forward over the same text "
+            f"({share:.2g} of their spread): one token per forward"
+        )
+    return None
+
+
+def chain_of(tokens: Sequence[int]) -> TokenTree:
+    """The tree of `tokens[0]` and the rest as one line of candidates."""
+    tree = TokenTree.rooted_at(tokens[0])
+    tree.add_chain(0, list(tokens[1:]))
+    return tree
