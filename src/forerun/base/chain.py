@@ -55,12 +55,13 @@ def copy_states(cache: DynamicCache) -> StateCopy:
 
 
 def put_back(cache: DynamicCache, copies: StateCopy, length: int) -> None:
-    """Restore the states `copy_states` took and cut every attention layer back to its first `length` entries."""
+    """Restore the states `copy_states` took (handing `copies` over: the model writes into them next) and cut every
+    attention layer back to its first `length` entries."""
     for layer, copied in zip(cache.layers, copies, strict=True):
         if copied is not None:
             conv, recurrent, flags = copied
-            layer.conv_states.update({i: None if t is None else t.clone() for i, t in conv.items()})
-            layer.recurrent_states.update({i: None if t is None else t.clone() for i, t in recurrent.items()})
+            layer.conv_states.update(conv)  # the copies themselves: they are not used again
+            layer.recurrent_states.update(recurrent)
             for name, values in flags.items():
                 getattr(layer, name).update(values)
         if isinstance(layer, DynamicLayer) and layer.is_initialized:
