@@ -16,6 +16,8 @@
 #          phase 2 joined the model; benchmarks/sampled_steps.py)
 #        bash benchmarks/gpu_check.sh 5   (SmolLM2-135M: a draft model's forwards on slots against a growing cache,
 #          after a phase 2 joined the model; benchmarks/draft_slots.py)
+#        bash benchmarks/gpu_check.sh 6   (a random Qwen3.5-shaped hybrid: chains on a card, guesses set by a
+#          prediction; benchmarks/hybrid_chains.py)
 #        SECTIONS=bench bash benchmarks/gpu_check.sh 2 --methods plain,eagle3,auto,eagle3+prompt_lookup+trie \
 #          --baselines generate_static_compiled   (the shipped head on graphs; chat prompts: gpu_prompts.py --datasets)
 set -uo pipefail
@@ -40,6 +42,8 @@ case "${1:-1}" in
   5) echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  /tmp/smollm2.gguf" | sha256sum -c || exit 1
      timeout "${BUDGET_S:-200}" python3 benchmarks/draft_slots.py --model /tmp/smollm2.gguf --prompts .gpu/prompts.json \
        --device cuda --budget-s "$(( ${BUDGET_S:-200} - 60 ))" --out "$OUT/draft_slots.jsonl" "${@:2}" ;;
+  6) timeout "${BUDGET_S:-150}" python3 benchmarks/hybrid_chains.py --device cuda --dtype bf16 --prompts 3 \
+       --out "$OUT/hybrid_chains.json" "${@:2}" ;;
   2) cat /tmp/smollm2.part0* > /tmp/smollm2.gguf
      echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  /tmp/smollm2.gguf" | sha256sum -c || exit 1
      python3 benchmarks/gpu_check.py "${SECTIONS:-smoke,curve,bench,batch}" --model /tmp/smollm2.gguf \

@@ -11,6 +11,7 @@ model's pricing of both on this device's measured curve. Every output is compare
 
 Usage:
     .venv/bin/python benchmarks/hybrid_chains.py --threads 1 --out benchmarks/results/hybrid-chains-epyc.json
+    python3 benchmarks/hybrid_chains.py --device cuda --dtype bf16 --out "$OUT/hybrid_chains.json"   # a card
 """
 
 from __future__ import annotations
@@ -44,10 +45,10 @@ SHAPE = dict(
 """About 170M parameters (SmolLM2-135M's vocabulary and scale), every fourth layer full attention."""
 
 
-def hybrid(seed: int = 0) -> torch.nn.Module:
+def hybrid(seed: int = 0, dtype: torch.dtype = torch.float32, device: str = "cpu") -> torch.nn.Module:
     config = AutoConfig.for_model("qwen3_5_text", **SHAPE)
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_config(config, dtype=dtype).to(device).eval()
 
 
 def edited(answer: list[int], every: int | None, vocab: int) -> list[int]:
@@ -58,8 +59,11 @@ def edited(answer: list[int], every: int | None, vocab: int) -> list[int]:
 
 
 def timed(make) -> tuple[float, object]:
+    """Seconds of `make()` (a card's work waited for) and its result."""
     started = time.perf_counter()
     out = make()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     return time.perf_counter() - started, out
 
 
@@ -69,13 +73,15 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--every", default="0,16,8,4", help="every k-th predicted token wrong (0: none)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    model = hybrid()
+    model = hybrid(dtype=torch.float32 if args.dtype == "fp32" else torch.bfloat16, device=args.device)
     vocab = model.config.vocab_size
     generator = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, vocab, (1, 48), generator=generator) for _ in range(args.prompts)]
+    prompts = [torch.randint(3, vocab, (1, 48), generator=generator).to(args.device) for _ in range(args.prompts)]
     decoder = forerun.Decoder(model, None, "prompt_lookup", latency_cache=None)  # the curve measured now
     plain = forerun.Decoder(model, None, "plain")
     curve = decoder.budget.curve
@@ -89,7 +95,7 @@ def main() -> None:
         rows.append({"prompt": round_, "method": "generate", "seconds": seconds, "same": True})
         seconds, result = timed(lambda p=prompt: plain.generate(p, args.new_tokens, eos_token_id=[]))
         rows.append({"prompt": round_, "method": "forerun plain", "seconds": seconds,
-                     "same": torch.equal(result.sequences, want), "tokens_per_forward": 1.0})  # fmt: skip
+                     "same": torch.equal(result.sequences.cpu(), want.cpu()), "tokens_per_forward": 1.0})  # fmt: skip
         for every in everies:
             prediction = edited(answer, every, vocab)
             seconds, result = timed(
@@ -97,7 +103,7 @@ def main() -> None:
             )
             stats = result.stats
             rows.append({"prompt": round_, "method": f"prediction, every {every or 'none'} wrong",
-                         "seconds": seconds, "same": torch.equal(result.sequences, want),
+                         "seconds": seconds, "same": torch.equal(result.sequences.cpu(), want.cpu()),
                          "tokens_per_forward": round(stats.tokens_per_forward, 2), "fed_again": stats.fed_again,
                          "fed_per_forward": round(stats.mean_fed, 2)})  # fmt: skip
         for row in rows[-2 - len(everies) :]:
@@ -114,7 +120,8 @@ def main() -> None:
             "all_same": all(row["same"] for row in mine),
         }
         print(method, summary[method], flush=True)
-    env = {"cpu": platform.processor() or platform.machine(), "threads": args.threads, "torch": torch.__version__,
+    device = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or platform.machine()
+    env = {"device": device, "dtype": args.dtype, "threads": args.threads, "torch": torch.__version__,
            "shape": SHAPE, "curve": {n: round(curve.relative(n), 3) for n in (2, 4, 8, 16)}}  # fmt: skip
     if args.out:
         args.out.write_text(json.dumps({"env": env, "summary": summary, "rows": rows}, indent=1))

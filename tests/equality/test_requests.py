@@ -9,9 +9,10 @@ import torch
 
 import forerun
 from forerun.costmodel import LatencyCurve
-from forerun.drafters.base import DraftContext
+from forerun.drafters.base import DraftContext, StepOutcome
 from forerun.drafters.prediction import PredictionDrafter
 from forerun.preparation import config_processes
+from forerun.verify import Verdict
 
 from tiny_models import VOCAB, prompts, tiny_model
 
@@ -203,3 +204,25 @@ def test_prediction_drafter_resynchronises_by_ngram():
     assert drafter.propose(ctx).tokens == [13, 14, 15, 16]
     ctx.tokens += [14, 15, 16]
     assert drafter.propose(ctx).tokens == [16]  # the prediction is used up
+
+
+def test_prediction_drafter_proposes_the_text_after_a_replaced_token():
+    """A renamed word: the answer writes 99 where the prediction has 12. The lookup finds 99 only further off (a
+    coincidence), and had jumped there; now the text after 12 is proposed first, the lookup's beside it, and the
+    branch the answer takes moves the cursor."""
+    drafter = PredictionDrafter([10, 11, 12, 13, 14, 15, 16, 17, 99, 18, 19])
+    ctx = DraftContext([1, 2], 2, 64, frozenset())
+    drafter.start(ctx)
+    tree = drafter.propose(ctx)
+    fed = {node: node for node in range(len(tree))}
+    ctx.tokens += [10, 11, 99]  # 10 and 11 accepted, then the answer's own 99 where 12 was proposed
+    drafter.observe(ctx, StepOutcome(tree, Verdict([1, 2], 99), torch.zeros(1), [10, 11, 99], fed))
+    tree = drafter.propose(ctx)
+    assert tree.tokens[:2] == [99, 13] and tree.parents[1] == 0  # the text after 12 first
+    lookup = [node for node in range(1, len(tree)) if tree.parents[node] == 0 and tree.tokens[node] == 18]
+    assert len(lookup) == 1 and tree.scores[1] > tree.scores[lookup[0]]  # the lookup's jump beside it
+    ctx.tokens += [13, 14, 7]  # the answer follows the first branch for two tokens
+    fed = {node: node for node in range(len(tree))}
+    drafter.observe(ctx, StepOutcome(tree, Verdict([1, 2], 7), torch.zeros(1), [13, 14, 7], fed))
+    assert drafter.cursor == 5 and drafter.replaced == 5
+    assert drafter.propose(ctx).tokens == [7, 16, 17, 99, 18, 19]  # 7 replaced 15 (found nowhere): what follows 15

@@ -4,8 +4,10 @@ The usual case is an edit: "rename this function and add type hints" with the or
 Most of the answer is the prediction verbatim, with local changes. The drafter keeps a cursor into the prediction
 (where the answer is aligned with it) and proposes what follows the cursor. After a change, it re-synchronises:
 the answer's last n tokens (n = 4 down to 1) are looked up in the prediction, preferring the first occurrence at or
-after the cursor, then any occurrence. Nothing in the answer depends on the prediction: every token is still the
-model's own choice, verified like any other draft.
+after the cursor, then any occurrence. Where the answer has just written another token than the prediction's at the
+cursor, it may have replaced that one token (a renamed word): the text after it is proposed too, as a second
+branch, first where the lookup found only the last token somewhere further off. Nothing in the answer depends on
+the prediction: every token is still the model's own choice, verified like any other draft.
 
 It is a per-request drafter (the prediction belongs to one request), added in front of the method's own drafters;
 it is not a method of the registry. Its source name is "prediction": `accepted_by["prediction"]` counts the
@@ -25,6 +27,9 @@ from forerun.tree import TokenTree
 MAX_NGRAM = 4
 DRAFT_LEN = 48
 """Most tokens proposed per step (the cost model feeds what pays)."""
+NEAR = 4
+"""A lookup of the last token alone that lands further than this from the cursor is likelier a coincidence than
+the answer skipping ahead: the replaced-token branch is then the likelier one."""
 
 
 class PredictionDrafter:
@@ -35,7 +40,10 @@ class PredictionDrafter:
         self.cursor = 0
         """Position in the prediction of the next token we expect the answer to take from it."""
         self.output_start = 0
-        self.proposed_at: int | None = None
+        self.proposed_at: list[tuple[int, list[int]]] = []
+        """This step's branches: (position in the prediction they copy from, their nodes in the proposed tree)."""
+        self.replaced: int | None = None
+        """The prediction's position the answer wrote another token for at the last step (None: it did not)."""
         self.index: dict[tuple[int, ...], list[int]] = defaultdict(list)
         """n-gram of the prediction -> positions right after it, in order."""
         for n in range(1, MAX_NGRAM + 1):
@@ -43,7 +51,7 @@ class PredictionDrafter:
                 self.index[tuple(self.prediction[end - n : end])].append(end)
 
     def start(self, ctx: DraftContext) -> None:
-        self.cursor, self.output_start, self.proposed_at = 0, ctx.prompt_len, None
+        self.cursor, self.output_start, self.proposed_at, self.replaced = 0, ctx.prompt_len, [], None
 
     def locate(self, tokens: list[int]) -> tuple[int, int] | None:
         """(position in the prediction to copy from, match length) for the text so far, or None."""
@@ -58,24 +66,42 @@ class PredictionDrafter:
         return None
 
     def propose(self, ctx: DraftContext) -> TokenTree:
+        """The prediction after where the answer is found in it; and after a token the answer replaced, the
+        prediction after that token (`branches`)."""
         tree = TokenTree.rooted_at(ctx.tokens[-1])
-        found = self.locate(ctx.tokens)
-        self.proposed_at = None
-        if found is None:
-            return tree
-        position, n = found
-        draft = cut_at_eos(
-            self.prediction[position : position + min(self.draft_len, ctx.budget - 1)], ctx.eos_token_ids
-        )
-        tree.add_chain(0, draft, "candidate", self.name, [n / (n + 1)] + [0.9] * (len(draft) - 1))
-        self.proposed_at = position
+        self.proposed_at = []
+        length = min(self.draft_len, ctx.budget - 1)
+        for position, score in self.branches(ctx.tokens):
+            draft = cut_at_eos(self.prediction[position : position + length], ctx.eos_token_ids)
+            if draft:
+                nodes = tree.add_chain(0, draft, "candidate", self.name, [score] + [0.9] * (len(draft) - 1))
+                self.proposed_at.append((position, nodes))
         return tree
 
+    def branches(self, tokens: list[int]) -> list[tuple[int, float]]:
+        """(position to copy from, chance of its first token) for each branch, likelier first."""
+        found = self.locate(tokens)
+        looked = [(found[0], found[1] / (found[1] + 1))] if found is not None else []
+        after = None if self.replaced is None else self.replaced + 1
+        if after is None or after >= len(self.prediction) or (found is not None and found[0] == after):
+            return looked
+        if found is not None and (found[1] > 1 or abs(found[0] - after) <= NEAR):
+            return [*looked, (after, 0.3)]
+        return [(after, 0.6), *looked]
+
     def observe(self, ctx: DraftContext, outcome: StepOutcome) -> None:
-        if self.proposed_at is not None:
-            mine = set(outcome.node_map.values())
-            taken = sum(node in mine for node in outcome.verdict.accepted_nodes)
-            self.cursor = self.proposed_at + taken
+        accepted = set(outcome.verdict.accepted_nodes)
+        self.replaced = None
+        best = None  # (taken, position, nodes)
+        for position, nodes in self.proposed_at:
+            taken = sum(outcome.node_map.get(node) in accepted for node in nodes)
+            if best is None or taken > best[0]:
+                best = (taken, position, nodes)
+        if best is not None:
+            taken, position, nodes = best
+            self.cursor = position + taken
+            if taken < len(nodes) and outcome.node_map.get(nodes[taken]) is not None:
+                self.replaced = self.cursor  # its token there was fed, and the answer wrote another
 
     def finish(self, ctx: DraftContext) -> None:
         pass
