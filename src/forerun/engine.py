@@ -67,6 +67,8 @@ def decode(
             t0 = time.perf_counter()
             drafts = row.stats.forwards > 0 or tree_in_prefill(draft_in_prefill and not chains, len(lead))
             again = len(getattr(base, "pending", ()))  # accepted tokens a chain base feeds again first
+            # each chain accepted in part puts the states back before them: past a tree's worth, read them plainly
+            drafts = drafts and again < budget.max_nodes
             selection = budget.choose(row.root, row.propose(drafts), len(lead) + again, drafts)
             t1 = time.perf_counter()
             fed = base.forward(selection.tree, row.prefix_len, lead)  # one call of the unmodified model

@@ -58,8 +58,9 @@ class GenerationStats:
     fallback_reason: str | None = None
     """Why tree decoding was turned off for this run (the text is still exact), or None."""
     fed_again: int = 0
-    """Accepted tokens fed a second time, in front of the next step's: a partly accepted chain's head on a model
-    with recurrent states (`forerun.base.chain`)."""
+    """Accepted tokens fed again, in front of the next step's: a partly accepted chain's head on a model with
+    recurrent states (`forerun.base.chain`), and what was fed again before it where that chain too was accepted in
+    part (a token may count more than once)."""
 
     def record_step(
         self,

@@ -6,13 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+import forerun
 from forerun.base.chain import ChainBase, chain_of, chain_support, copy_states, put_back
 from forerun.costmodel import CostModel, LatencyCurve, StaticBudget
 from forerun.feed_probe import own_logits, share_of_spread
 from forerun.latency import measure_curve
 from forerun.tree import TokenTree, is_chain
 
-from tiny_models import tiny_model
+from tiny_models import prompts, tiny_model
 
 FLAT = LatencyCurve((1, 64), (10.0, 10.5))
 STEEP = LatencyCurve((1, 2, 4, 8), (10.0, 16.0, 20.0, 24.0))
@@ -105,3 +106,23 @@ def test_a_hybrids_latency_curve_is_timed_on_chains():
     """Timing forwards cropped the cache back after each (linear-attention layers cannot be cropped): it raised."""
     curve = measure_curve(tiny_model("qwen3_next"), sizes=(1, 2, 4), context=16, repeats=1)
     assert curve.sizes == (1, 2, 4) and all(s > 0 for s in curve.seconds)
+
+
+def test_tokens_fed_again_are_read_plainly_past_a_trees_worth():
+    """Each chain accepted in part puts the states back before what it fed again, so a run of such chains feeds a
+    growing head again every step; once that head reaches the budget's nodes a step feeds it with the root alone."""
+    model = tiny_model("qwen3_next")
+    text = prompts(1, length=24)[0]
+    want = model.generate(text, max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=0)
+    answer = want[0, 24:].tolist()
+    wrong = [t if i % 3 != 2 else 3 + (t - 2) % 90 for i, t in enumerate(answer)]  # every chain fails at its 3rd
+    decoder = forerun.Decoder(model, None, "prompt_lookup", latency=FLAT, latency_cache=None, max_tree_nodes=6)
+    heads, forward = [], decoder.base.forward
+    decoder.base.forward = lambda tree, *args: (
+        heads.append((len(decoder.base.pending), len(tree))) or forward(tree, *args)
+    )
+    result = decoder.generate(text, 40, eos_token_id=[], prediction=wrong)
+    assert torch.equal(result.sequences, want)
+    assert max(head for head, _ in heads) <= 6 + 6  # at most a budget's worth, then one chain's head more
+    assert any(head >= 6 and nodes == 1 for head, nodes in heads)  # read plainly
+    assert result.stats.fed_again > 0

@@ -44,8 +44,9 @@ def best_prefix(
     tokens, its probe count). `cap`: most nodes per forward, root included (the lead not counted).
     `draft_penalty`: scales the cost of every forward of more than one token (`ForwardTimes.penalty`: how much
     dearer such forwards measured, against the curve, than 1-token ones). `refeed`: the candidates are one chain on
-    a model with recurrent states (`forerun.base.chain`), where the head of a chain not accepted whole is fed again
-    with the next step (priced as k more tokens in a 1-token forward), and a step is never padded.
+    a model with recurrent states (`forerun.base.chain`), where the lead (tokens fed again) and the head of a chain not
+    accepted whole are fed again with the next step (priced as lead + k more tokens in a 1-token forward), and a
+    step is never padded.
 
     Example (1 token 10 ms, 2: 11 ms, 4: 16 ms; a chain of chances 0.9, 0.5, 0.2):
         >>> curve = LatencyCurve((1, 2, 4), (0.010, 0.011, 0.016))
@@ -80,8 +81,8 @@ def best_prefix(
             nodes = 1 + k + size
             if (k or subset) and (cap is None or nodes <= cap):
                 seconds, size = cost(nodes)
-                if refeed and k:  # not accepted whole: its accepted head is fed again with the next step
-                    seconds += (1.0 - chances[k - 1]) * (price(1 + k) - price(1))
+                if refeed and k:  # not accepted whole: the lead and the chain's head are fed again next step
+                    seconds += (1.0 - chances[k - 1]) * (price(lead + 1 + k) - price(1))
                 rate = (1.0 + expected + value) / seconds
                 if rate > best_rate:
                     best, best_rate = Choice(k, lead + size, expected, subset, size - nodes), rate
