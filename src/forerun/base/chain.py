@@ -31,6 +31,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, Li
 from forerun.base.dynamic import TreeLogits, device_argmax
 from forerun.head import LogitsHead
 from forerun.kvcache import keep_everything, roomy_cache
+from forerun.prefixcache import Prefixes
 from forerun.tree import TokenTree, is_chain
 
 StateCopy = list[tuple[dict, dict, dict] | None]
@@ -105,7 +106,7 @@ class ChainBase:
         self.copies, self.pending = None, []
         return chain_cache_reason(self.cache, max_len, type(self.model).__name__)
 
-    def seed(self, prefixes: object, tokens: list[int]) -> int:
+    def seed(self, prefixes: Prefixes | None, tokens: list[int]) -> int:
         return 0  # the prefix cache keeps keys and values only, not states
 
     def forward(self, tree: TokenTree, prefix_len: int, lead: Sequence[int]) -> TreeLogits:
@@ -135,7 +136,7 @@ class ChainBase:
         self.copies, self.pending = None, self.fed[:kept]
         return kept
 
-    def store(self, prefixes: object, tokens: list[int], length: int) -> None:
+    def store(self, prefixes: Prefixes | None, tokens: list[int], length: int) -> None:
         pass  # see `seed`
 
 

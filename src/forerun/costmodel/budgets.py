@@ -197,8 +197,8 @@ class CostModel:
     selective = True
     """Drafters propose whatever might pay; this model picks."""
     chain: bool = False
-    """Feed one chain, the likeliest line of the proposals, and price the forward that feeds a partly accepted
-    chain's head again: a model with recurrent states (`forerun.base.chain`)."""
+    """Feed one chain, the likeliest line of the proposals, and price feeding a partly accepted chain's head again
+    with the next step: a model with recurrent states (`forerun.base.chain`)."""
 
     def raw_chances(self, tree: TokenTree, keys: Sequence[tuple[str, float] | None]) -> list[float]:
         """Per node of the merged `tree`: P(accepted | parent accepted), calibrated in the cell of its `keys`
