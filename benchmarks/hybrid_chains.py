@@ -8,9 +8,12 @@ greedy answer with every k-th token changed. Random weights say nothing of how o
 be right on a real hybrid: that is why the guesses are made here. What it measures is the mechanism: the chain's
 forward (states copied first), the head of a partly accepted chain fed again with the next step, and the cost
 model's pricing of both on this device's measured curve. Every output is compared with plain `generate`.
+`--turn`: also a conversation's next turn (the first turn's prompt and answer, then a new message), its prefill
+with the prefix cache holding the first turn's whole cache, states included, and without.
 
 Usage:
     .venv/bin/python benchmarks/hybrid_chains.py --threads 1 --out benchmarks/results/hybrid-chains-epyc.json
+    .venv/bin/python benchmarks/hybrid_chains.py --threads 1 --every "" --prompts 0 --turn 400   # a next turn
     python3 benchmarks/hybrid_chains.py --device cuda --dtype bf16 --out "$OUT/hybrid_chains.json"   # a card
 """
 
@@ -67,12 +70,33 @@ def timed(make) -> tuple[float, object]:
     return time.perf_counter() - started, out
 
 
+def next_turn(model: torch.nn.Module, first: int, answer: int = 64, message: int = 16) -> dict:
+    """Seconds to the first token of a second turn (`first` prompt tokens, `answer`, then `message` new ones), with
+    the prefix cache holding the first turn and without; and whether both wrote the same text."""
+    vocab, device = model.config.vocab_size, next(model.parameters()).device
+    generator = torch.Generator().manual_seed(2)
+    prompt = torch.randint(3, vocab, (1, first), generator=generator).to(device)
+    out = {}
+    for cached in (True, False):
+        decoder = forerun.Decoder(model, None, "plain", prefix_cache=4096 if cached else 0)
+        turn = decoder.generate(prompt, answer, eos_token_id=[]).sequences
+        following = torch.cat([turn, torch.randint(3, vocab, (1, message), generator=generator).to(device)], 1)
+        second = decoder.generate(following, 1, eos_token_id=[])
+        out[cached] = (second.stats.prefill_seconds, second.stats.cached_prompt_tokens, second.sequences)
+        generator.manual_seed(2)
+        torch.randint(3, vocab, (1, first), generator=generator)  # the same message for the other decoder
+    return {"first_turn_tokens": first + answer, "prefill_s_cached": round(out[True][0], 3),
+            "prefill_s_read_again": round(out[False][0], 3), "cached_tokens": out[True][1],
+            "same": torch.equal(out[True][2], out[False][2])}  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--prompts", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--every", default="0,16,8,4", help="every k-th predicted token wrong (0: none)")
+    parser.add_argument("--turn", type=int, default=0, help="a next turn after a first prompt of this many tokens")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
     parser.add_argument("--out", type=Path)
@@ -87,7 +111,7 @@ def main() -> None:
     curve = decoder.budget.curve
     print("curve (relative to 1 token):", {n: round(curve.relative(n), 2) for n in (2, 4, 8, 16)}, flush=True)
     options = dict(max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
-    everies = [None if int(k) == 0 else int(k) for k in args.every.split(",")]
+    everies = [None if int(k) == 0 else int(k) for k in args.every.split(",") if k]
     rows = []
     for round_, prompt in enumerate(prompts):
         seconds, want = timed(lambda p=prompt: model.generate(p, **options))
@@ -109,6 +133,9 @@ def main() -> None:
         for row in rows[-2 - len(everies) :]:
             print(json.dumps(row), flush=True)
     summary = {}
+    if args.turn:
+        summary["next turn"] = next_turn(model, args.turn)
+        print("next turn", summary["next turn"], flush=True)
     for method in dict.fromkeys(row["method"] for row in rows):
         mine = [row for row in rows if row["method"] == method]
         base = [row for row in rows if row["method"] == "generate"]

@@ -135,12 +135,14 @@ class Decoder:
         self.base = make_base(model, self.engine_config, device_type, read)
         self.latency, self.latency_cache = latency, latency_cache
         drafting = bool(self.plan.specs) if drafters is None else bool(drafters)
-        if drafting and (reason := tree_support(model)) is not None:
-            if stateful(model) and (reason := chain_support(model)) is None:
-                self.base = ChainBase(model)  # its guesses verified one chain at a time (`forerun.base.chain`)
-            else:
-                logger.warning("forerun: %s decodes one token per forward, without drafts: %s", self.method, reason)
-                drafting = False
+        if stateful(model):  # guesses verified one chain at a time, the prefix cache keeping states too
+            if (reason := chain_support(model)) is None:
+                self.base = ChainBase(model)
+        else:
+            reason = tree_support(model)
+        if drafting and reason is not None:
+            logger.warning("forerun: %s decodes one token per forward, without drafts: %s", self.method, reason)
+            drafting = False
         chains = isinstance(self.base, ChainBase)
         check_feed(model, trees=drafting and not chains)
         self.budget = make_budget(

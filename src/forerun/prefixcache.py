@@ -10,8 +10,10 @@ prefill computes, up to floating-point rounding (a 24-token forward and a 300-to
 order), the same order of difference as verifying a tree instead of one token: fp32 output stays token for token
 plain generate's (tested), low precision up to ties.
 
-Only caches whose every layer is a plain full-attention `DynamicLayer` are seeded or stored (sliding windows,
-linear attention and recurrent states are not per-token prefixes): others decode as before.
+Only caches whose every layer is a plain full-attention `DynamicLayer` are seeded with a head of any length (sliding
+windows, linear attention and recurrent states are not per-token prefixes). A hybrid with recurrent states
+(`forerun.base.chain`) keeps its whole cache, states included, as one `Entry.states`: it seeds a prompt that
+begins with all of that entry's text (a conversation's next turn), never a shorter head of it.
 
 Isolation: a reused head makes a prompt's first token come sooner, so whoever can time answers can tell whether
 someone sent the same head before. Entries carry a salt (a request's `cache_salt`, vLLM's name for it): a prompt
@@ -55,6 +57,9 @@ class Entry:
     values: list[torch.Tensor]
     salt: str = ""
     """Only requests with the same salt are seeded from this entry."""
+    states: DynamicCache | None = None
+    """A hybrid's whole cache after `tokens` (recurrent states included; `keys` and `values` empty): it seeds only
+    prompts that begin with all of `tokens` (`find_whole`)."""
 
 
 def shared_head(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -112,7 +117,7 @@ class PrefixCache:
         with self.lock:
             best, length = None, 0
             for entry in self.entries:
-                if entry.salt != salt:
+                if entry.salt != salt or entry.states is not None:
                     continue
                 shared = shared_head(entry.tokens, wanted)
                 if shared > length:
@@ -122,6 +127,37 @@ class PrefixCache:
             self.entries.remove(best)
             self.entries.append(best)  # most recently used
         return best, length
+
+    def find_whole(self, tokens: list[int], salt: str = "") -> Entry | None:
+        """The longest entry with `states` stored under `salt` whose every token heads `tokens[:-1]` (at least
+        `MIN_REUSE` of them), made the most recently used; None where there is none."""
+        if not self.max_tokens or len(tokens) <= MIN_REUSE:
+            return None
+        wanted = torch.tensor(tokens[:-1])
+        with self.lock:
+            whole = [e for e in self.entries if e.states is not None and e.salt == salt and len(e.tokens) >= MIN_REUSE]
+            whole = [e for e in whole if shared_head(e.tokens, wanted) == len(e.tokens)]
+            if not whole:
+                return None
+            best = max(whole, key=lambda entry: len(entry.tokens))
+            self.entries.remove(best)
+            self.entries.append(best)
+        return best
+
+    def keep_whole(self, tokens: list[int], cache: DynamicCache, salt: str = "") -> None:
+        """Keep `cache` (a hybrid's, recurrent states included, after exactly `tokens`), as it is: the caller hands
+        over a copy. Entries with states it begins with (a conversation's earlier turns) are dropped."""
+        if not self.max_tokens or not MIN_REUSE <= len(tokens) <= self.max_tokens:
+            return
+        held = torch.tensor(tokens)
+        with self.lock:
+            self.entries = [
+                e for e in self.entries
+                if e.salt != salt or e.states is None or shared_head(e.tokens, held) < len(e.tokens)
+            ]  # fmt: skip
+            self.entries.append(Entry(held, [], [], salt, cache))
+            while self.held_tokens > self.max_tokens:
+                self.entries.pop(0)
 
     def store(self, tokens: list[int], cache: DynamicCache, length: int, salt: str = "") -> None:
         """Keep the first `length` entries of `cache` (the KV of `tokens[:length]`, batch row 0) for later requests
@@ -144,14 +180,17 @@ class PrefixCache:
         held = torch.tensor(tokens[:length])
         with self.lock:
             for entry in self.entries:
-                if entry.salt == salt and shared_head(entry.tokens, held) == length:  # already held in full
+                if entry.salt == salt and entry.states is None and shared_head(entry.tokens, held) == length:
                     self.entries.remove(entry)
                     self.entries.append(entry)
                     return
         keys = [keys[:1, :, :length].clone() for keys, _ in layers]
         values = [values[:1, :, :length].clone() for _, values in layers]
         with self.lock:
-            self.entries = [e for e in self.entries if e.salt != salt or shared_head(e.tokens, held) < len(e.tokens)]
+            self.entries = [
+                e for e in self.entries
+                if e.salt != salt or e.states is not None or shared_head(e.tokens, held) < len(e.tokens)
+            ]  # fmt: skip
             self.entries.append(Entry(held, keys, values, salt))
             while self.held_tokens > self.max_tokens:
                 self.entries.pop(0)
@@ -194,6 +233,12 @@ class PrefixScope:
 
     def keep(self, tokens: list[int], layers: Sequence[tuple[torch.Tensor, torch.Tensor]], length: int) -> None:
         self.cache.keep(tokens, layers, length, self.salt)
+
+    def find_whole(self, tokens: list[int]) -> Entry | None:
+        return self.cache.find_whole(tokens, self.salt)
+
+    def keep_whole(self, tokens: list[int], cache: DynamicCache) -> None:
+        self.cache.keep_whole(tokens, cache, self.salt)
 
 
 Prefixes = PrefixCache | PrefixScope

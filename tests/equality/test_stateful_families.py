@@ -167,3 +167,25 @@ def test_the_reason_is_told_once_per_decoder_not_per_request(caplog):
         decoder.generate(prompts(2), 8, eos_token_id=[])
     assert len(built) == 1 and "auto decodes one token per forward" in built[0] and "RecurrentGemma" in built[0]
     assert [record.getMessage() for record in caplog.records if record.name.startswith("forerun")] == []
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "lfm2"])
+def test_a_hybrids_next_turn_starts_from_the_cache_of_the_last(family):
+    """A conversation's next turn begins with all of the last turn (prompt and answer): a hybrid's whole cache,
+    recurrent states included, is kept after a request and seeds a prompt that begins with all of its text (it had
+    read the whole conversation again every turn). Another salt's prompt, or one that shares only part of the text,
+    is read from the start."""
+    model = tiny_model(family)
+    decoder = forerun.Decoder(model, None, "auto", latency=CURVE, latency_cache=None)
+    first = decoder.generate(prompts(1, length=24)[0], 24, eos_token_id=[])
+    following = torch.cat([first.sequences, torch.tensor([[5, 6, 7, 8, 9]])], dim=1)  # the next user message
+    second = decoder.generate(following, 24, eos_token_id=[], logprobs=1)
+    assert torch.equal(second.sequences, plain(model, following))
+    read = forerun.Decoder(model, None, "plain", prefix_cache=0).generate(following, 24, eos_token_id=[], logprobs=1)
+    assert max(abs(a.logprob - b.logprob) for a, b in zip(second.logprobs, read.logprobs, strict=True)) < 1e-5
+    assert second.stats.cached_prompt_tokens >= 24 + 24 - 1 - second.stats.fed_again  # all that was cached
+    assert decoder.generate(following, 24, eos_token_id=[], cache_salt="other").stats.cached_prompt_tokens == 0
+    changed = following.clone()
+    changed[0, 30] = 3 + (int(changed[0, 30]) - 2) % 90  # shares only 30 tokens with the stored text
+    third = decoder.generate(changed, 24, eos_token_id=[])
+    assert torch.equal(third.sequences, plain(model, changed)) and third.stats.cached_prompt_tokens == 0

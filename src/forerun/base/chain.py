@@ -22,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 
 import torch
@@ -107,7 +108,12 @@ class ChainBase:
         return chain_cache_reason(self.cache, max_len, type(self.model).__name__)
 
     def seed(self, prefixes: Prefixes | None, tokens: list[int]) -> int:
-        return 0  # the prefix cache keeps keys and values only, not states
+        """Start from a copy of a stored cache whose whole text heads `tokens` (a conversation's earlier turn)."""
+        entry = prefixes.find_whole(tokens) if prefixes is not None else None
+        if entry is None:
+            return 0
+        self.cache = copy.deepcopy(entry.states)
+        return len(entry.tokens)
 
     def forward(self, tree: TokenTree, prefix_len: int, lead: Sequence[int]) -> TreeLogits:
         if not is_chain(tree):
@@ -137,7 +143,11 @@ class ChainBase:
         return kept
 
     def store(self, prefixes: Prefixes | None, tokens: list[int], length: int) -> None:
-        pass  # see `seed`
+        """Leave a copy of the cache, states included, for prompts that begin with all the text it read (of the
+        `length` tokens committed, those not waiting to be fed again)."""
+        held = length - len(self.pending)
+        if prefixes is not None and prefixes.max_tokens and held == self.cache.get_seq_length():
+            prefixes.keep_whole(tokens[:held], copy.deepcopy(self.cache))
 
 
 def chain_support(model: torch.nn.Module) -> str | None:
