@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from forerun.base.chain import ChainBase
+from forerun.base.chain import ChainBase, chain_support
 from forerun.base.static import StaticBase, graph_features, static_support
 from forerun.base.weights import weights_kind
 from forerun.config import EngineConfig
@@ -28,6 +28,7 @@ from forerun.costmodel.switch import FIRST_PROBE_STEPS
 from forerun.forward_inputs import check_cache_input, stateful
 from forerun.latency import curve_for
 from forerun.methods import MethodPlan
+from forerun.tree import tree_support
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +107,16 @@ def make_base(
     if read and not features:
         logger.info("forerun: the head reads the target's last layer: it drafts only where no graph replays")
     return StaticBase(model, compiled=config.compile_buckets, features=features)
+
+
+def verifying_base(model: torch.nn.Module, base: StaticBase | None) -> tuple[StaticBase | ChainBase | None, str | None]:
+    """The base a single row's guesses are verified on, and why none can be (None: they can): a model with
+    recurrent states verifies chains on a `ChainBase` where `chain_support` finds them exact (its prefix cache then
+    keeps states too); others verify trees on `base` where `tree_support` allows."""
+    if not stateful(model):
+        return base, tree_support(model)
+    reason = chain_support(model)
+    return (ChainBase(model) if reason is None else base), reason
 
 
 def make_budget(

@@ -31,8 +31,9 @@ from forerun.assembly import (
     prepare_draft,
     prepare_head,
     price_costly,
+    verifying_base,
 )
-from forerun.base.chain import ChainBase, chain_support
+from forerun.base.chain import ChainBase
 from forerun.batch import batchable, fork
 from forerun.batched import decode_rows
 from forerun.checks import check_batch_size, check_warm_up
@@ -44,7 +45,6 @@ from forerun.drafters.draft_model import DraftModelDrafter
 from forerun.drafters.prediction import PredictionDrafter
 from forerun.engine import decode
 from forerun.feed_probe import check_feed
-from forerun.forward_inputs import stateful
 from forerun.latency import DEFAULT_CACHE_DIR, batches_of, curve_for
 from forerun.methods import MethodPlan, plan_method
 from forerun.noise import GumbelNoise
@@ -57,7 +57,6 @@ from forerun.row import RowJob
 from forerun.stats import GenerationStats
 from forerun.taps import feature_layers
 from forerun.transcript import Transcript
-from forerun.tree import tree_support
 from forerun.verify import Sampling
 
 logger = logging.getLogger(__name__)
@@ -135,11 +134,7 @@ class Decoder:
         self.base = make_base(model, self.engine_config, device_type, read)
         self.latency, self.latency_cache = latency, latency_cache
         drafting = bool(self.plan.specs) if drafters is None else bool(drafters)
-        if stateful(model):  # guesses verified one chain at a time, the prefix cache keeping states too
-            if (reason := chain_support(model)) is None:
-                self.base = ChainBase(model)
-        else:
-            reason = tree_support(model)
+        self.base, reason = verifying_base(model, self.base)
         if drafting and reason is not None:
             logger.warning("forerun: %s decodes one token per forward, without drafts: %s", self.method, reason)
             drafting = False
