@@ -248,7 +248,8 @@ def plot_histograms(records: list[Record], path: Path, title: str = "") -> None:
         for k, v in r.accepted_hist.items():
             hists[r.method][int(k)] += v
     methods = [m for m in hists if sum(hists[m].values()) and any(k > 0 for k in hists[m])] or list(hists)
-    fig, axes = plt.subplots(1, max(1, len(methods)), figsize=(3.2 * max(1, len(methods)), 3), squeeze=False)
+    width = 3.2 * max(1, len(methods))
+    fig, axes = plt.subplots(1, max(1, len(methods)), figsize=(width, 3), squeeze=False, layout="constrained")
     for ax, method in zip(axes[0], methods, strict=False):
         counts = hists[method]
         xs = sorted(counts)
@@ -257,7 +258,6 @@ def plot_histograms(records: list[Record], path: Path, title: str = "") -> None:
         ax.set_title(short_label(method, 28), fontsize=9)
         ax.set_xlabel("accepted draft tokens per step")
     axes[0][0].set_ylabel("share of steps")
-    fig.suptitle(title, fontsize=8)
-    fig.tight_layout()
+    fig.suptitle(textwrap.fill(title, int(width * 15)), fontsize=8)  # one method's panel is narrower than the title
     fig.savefig(path, dpi=110)
     plt.close(fig)
