@@ -76,10 +76,14 @@ def keep_accepted(cache: DynamicCache, prefix_len: int, kept_nodes: list[int]) -
             # Gather first (index_select copies), then overwrite: sources and targets may overlap.
             keys[..., prefix_len:new_len, :] = keys.index_select(-2, index)
             values[..., prefix_len:new_len, :] = values.index_select(-2, index)
-        layer.keys = keys[..., :new_len, :]
-        layer.values = values[..., :new_len, :]
-        if isinstance(layer, DynamicSlidingWindowLayer):
-            layer.cumulative_length = new_len
+        cut(layer, new_len)
+
+
+def cut(layer: DynamicLayer, length: int) -> None:
+    """Keep a per-token layer's first `length` entries (views: nothing is copied)."""
+    layer.keys, layer.values = layer.keys[..., :length, :], layer.values[..., :length, :]
+    if isinstance(layer, DynamicSlidingWindowLayer):
+        layer.cumulative_length = length
 
 
 def addressable(layer: object) -> bool:

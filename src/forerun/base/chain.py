@@ -31,7 +31,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, Li
 
 from forerun.base.dynamic import TreeLogits, device_argmax
 from forerun.head import LogitsHead
-from forerun.kvcache import keep_everything, roomy_cache
+from forerun.kvcache import cut, keep_everything, roomy_cache
 from forerun.prefixcache import Prefixes
 from forerun.tree import TokenTree, is_chain
 
@@ -67,9 +67,7 @@ def put_back(cache: DynamicCache, copies: StateCopy, length: int) -> None:
             for name, values in flags.items():
                 getattr(layer, name).update(values)
         if isinstance(layer, DynamicLayer) and layer.is_initialized:
-            layer.keys, layer.values = layer.keys[..., :length, :], layer.values[..., :length, :]
-            if isinstance(layer, DynamicSlidingWindowLayer):
-                layer.cumulative_length = length
+            cut(layer, length)
 
 
 def chain_cache_reason(cache: DynamicCache, max_len: int, model_name: str) -> str | None:
