@@ -24,7 +24,7 @@ identical to plain generate, as the equality tests across the model families che
 
 Example:
     >>> head = LogitsHead(model)                                          # doctest: +SKIP
-    >>> head(input_ids=prompt, past_key_values=cache).shape               # the prefill decides  # doctest: +SKIP
+    >>> head(input_ids=prompt, cache=cache).shape                         # the prefill decides  # doctest: +SKIP
     torch.Size([1, 12, 49152])
     >>> sorted(head.tall_sizes)                                           # measured on this CPU  # doctest: +SKIP
     [7, 9, 10, 11, 12, 13, 14, 15, 16]
@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from forerun.base.weights import dense
+from forerun.forward_inputs import cache_argument
 from forerun.measured import DEFAULT_CACHE_DIR, device_name, read_json, settings_digest, write_json
 
 TALL_MAX_POSITIONS = 16
@@ -66,6 +67,8 @@ class LogitsHead:
         computation); None: those measured faster on this device (`tall_sizes_for`, stored under `cache_dir`;
         `cache_dir=None` measures without reading or writing a file)."""
         self.model = model
+        self.cache_name = cache_argument(model) or "past_key_values"
+        """What the model's forward calls its cache (`cache` from transformers 5.24 on): callers pass `cache=`."""
         self.keeps_logits = bool(last_logits(model, 1))
         self.decided = False
         self.body: torch.nn.Module | None = None
@@ -84,9 +87,12 @@ class LogitsHead:
 
     def __call__(self, keep: int | None = None, **inputs: object) -> torch.Tensor:
         """The logits of one forward of `inputs` (the model's keyword arguments, `input_ids` [rows, n] among
-        them): [rows, n, vocab], or the last `keep` positions' [rows, keep, vocab] where the model takes
-        `logits_to_keep` (others return all n: callers take the last positions they need)."""
+        them; its cache as `cache`, whatever the installed transformers calls it): [rows, n, vocab], or the last
+        `keep` positions' [rows, keep, vocab] where the model takes `logits_to_keep` (others return all n: callers
+        take the last positions they need)."""
         kept = {"logits_to_keep": keep} if keep is not None and self.keeps_logits else {}
+        if "cache" in inputs and self.cache_name != "cache":
+            inputs[self.cache_name] = inputs.pop("cache")
         if not self.decided:
             return self.decide(inputs, kept)
         rows, n = inputs["input_ids"].shape  # type: ignore[union-attr]

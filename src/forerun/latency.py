@@ -161,7 +161,7 @@ def time_forwards(
     ids = torch.randint(0, vocab, (rows, context + max(sizes)), generator=generator).to(device)
     cache = roomy_cache(model.config)  # the growing cache decoding runs on (`forerun.base.dynamic.DynamicBase`)
     head = LogitsHead(model)  # forwards as decoding runs them: this prefill decides how their logits are computed
-    head(1, input_ids=ids[:, :context], past_key_values=cache, use_cache=True)
+    head(1, input_ids=ids[:, :context], cache=cache, use_cache=True)
     shape = f"{rows} rows x " if rows > 1 else ""
     what = f"timing forwards of {shape}{sizes[0]}-{sizes[-1]} tokens (once per model, dtype, device and threads)"
     cost = fastest(sizes, lambda n: time_one(head, cache, ids, rows, n, context), repeats, what)
@@ -185,7 +185,7 @@ def time_one(head: LogitsHead, cache: DynamicCache, ids: torch.Tensor, rows: int
     started = time.perf_counter()
     if chained and n > 1:
         copies = copy_states(cache)  # a chain's step copies the states first: timed
-    head(input_ids=ids[:, context : context + n], past_key_values=cache, position_ids=positions, use_cache=True,
+    head(input_ids=ids[:, context : context + n], cache=cache, position_ids=positions, use_cache=True,
          **masked)  # fmt: skip
     synchronize(device)
     seconds = time.perf_counter() - started

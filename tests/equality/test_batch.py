@@ -16,6 +16,7 @@ from forerun.base.rows import static_rows
 from forerun.batch import Batch, RowJob
 from forerun.batched import decode_batch
 from forerun.costmodel import CostModel, LatencyCurve, StaticBudget, best_shared_count
+from forerun.forward_inputs import cache_argument
 from forerun.noise import GumbelNoise
 from forerun.rowcache import RowCache
 from forerun.transcript import Transcript
@@ -454,7 +455,7 @@ def test_a_narrower_batch_refills_finished_rows_with_waiting_prompts(family, imp
 
     def spy(_, args, kwargs):  # (rows, prefill?): a joining row's prefill runs alone on a fresh cache
         input_ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
-        rows_fed.append((input_ids.shape[0], kwargs["past_key_values"].get_seq_length() == 0))
+        rows_fed.append((input_ids.shape[0], kwargs[cache_argument(model)].get_seq_length() == 0))
 
     # on the body: every forward runs it, also those whose logits forerun computes itself (forerun.head)
     hook = model.base_model.register_forward_pre_hook(spy, with_kwargs=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import forerun
@@ -18,6 +19,7 @@ from forerun.attention import (
     row_starts,
     sdpa_in_fp32,
 )
+from forerun.forward_inputs import cache_argument
 from forerun.latency import curve_settings
 from forerun.tree import tree_support
 
@@ -148,14 +150,15 @@ def test_a_tree_mask_reaches_the_fp32_kernel():
     model = tiny_model("llama", SDPA_FP32).to(torch.bfloat16)
     ids = torch.arange(3, 13)[None]
     with torch.inference_mode():
-        cache = model(ids[:, :6], use_cache=True).past_key_values
+        cache = DynamicCache(config=model.config)
+        model(ids[:, :6], use_cache=True, **{cache_argument(model): cache})
         causal = torch.ones(1, 1, 4, 10, dtype=torch.bool).tril(6)
         alone = causal.clone()
         alone[..., 6:] = torch.eye(4, dtype=torch.bool)
         positions = torch.arange(6, 10)[None]
-        a = model(ids[:, 6:], past_key_values=cache, attention_mask=causal, position_ids=positions).logits
+        a = model(ids[:, 6:], **{cache_argument(model): cache}, attention_mask=causal, position_ids=positions).logits
         cache.crop(-4)
-        b = model(ids[:, 6:], past_key_values=cache, attention_mask=alone, position_ids=positions).logits
+        b = model(ids[:, 6:], **{cache_argument(model): cache}, attention_mask=alone, position_ids=positions).logits
     assert torch.equal(a[0, 0], b[0, 0]) and not torch.equal(a[0, 1:], b[0, 1:])
 
 
@@ -190,10 +193,13 @@ def test_a_tree_forward_of_a_grouped_model_reads_the_cache_without_copies(monkey
 
     ids = torch.arange(3, 13)[None]
     with torch.inference_mode():
-        cache = model(ids[:, :6], use_cache=True).past_key_values
+        cache = DynamicCache(config=model.config)
+        model(ids[:, :6], use_cache=True, **{cache_argument(model): cache})
         monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
         visible = torch.ones(1, 1, 4, 10, dtype=torch.bool).tril(6)
-        model(ids[:, 6:], past_key_values=cache, attention_mask=visible, position_ids=torch.arange(6, 10)[None])
+        model(
+            ids[:, 6:], **{cache_argument(model): cache}, attention_mask=visible, position_ids=torch.arange(6, 10)[None]
+        )
     assert calls == [(2, 2, True)] * 2  # per layer: one call on the 2 shared heads, the 4 queries' heads folded
 
 

@@ -9,6 +9,7 @@ import torch
 
 import forerun
 from forerun.costmodel import LatencyCurve
+from forerun.forward_inputs import cache_argument
 from forerun.kvcache import ROOM, RoomyLayer
 
 from tiny_models import prompts, tiny_model
@@ -23,7 +24,7 @@ def watched(model: torch.nn.Module, run: Callable[[], object]) -> tuple[object, 
     buffers, forwards = set(), []
 
     def seen(_module, _args, kwargs, _output):
-        layer = kwargs["past_key_values"].layers[0]
+        layer = kwargs[cache_argument(model)].layers[0]
         assert isinstance(layer, RoomyLayer)
         buffers.add(layer.keys.data_ptr())
         forwards.append(layer.keys.shape[-2])

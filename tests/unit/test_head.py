@@ -8,6 +8,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from forerun import head as head_module
+from forerun.forward_inputs import cache_argument
 from forerun.head import TALL_MAX_POSITIONS, LogitsHead, tall_sizes_for
 
 from tiny_models import COMMON, FAMILIES, tiny_model
@@ -31,11 +32,11 @@ def positions_logits(head: LogitsHead, model: torch.nn.Module, n: int) -> tuple[
     caches = []
     for _ in range(2):
         cache = DynamicCache(config=model.config)
-        model(input_ids=prompt, past_key_values=cache, use_cache=True)
+        model(input_ids=prompt, use_cache=True, **{cache_argument(model): cache})
         caches.append(cache)
     return (
-        head(input_ids=step, past_key_values=caches[0], use_cache=True),
-        model(input_ids=step, past_key_values=caches[1], use_cache=True).logits,
+        head(input_ids=step, cache=caches[0], use_cache=True),
+        model(input_ids=step, use_cache=True, **{cache_argument(model): caches[1]}).logits,
     )
 
 

@@ -99,10 +99,12 @@ class ChainBase:
         """Where the last forward's tokens (`fed`) began: the text the copied states had read."""
         self.pending: list[int] = []
         """Accepted tokens the cache does not hold (a partly accepted chain's head), fed before the next step's."""
+        self.held = 0
+        """Tokens the cache has read and keeps (a state-space model's cache has no keys to count them by)."""
 
     def begin(self, max_len: int) -> str | None:
         self.cache = roomy_cache(self.model.config)
-        self.copies, self.pending = None, []
+        self.copies, self.pending, self.held = None, [], 0
         return chain_cache_reason(self.cache, max_len, type(self.model).__name__)
 
     def seed(self, prefixes: Prefixes | None, tokens: list[int]) -> int:
@@ -111,7 +113,8 @@ class ChainBase:
         if entry is None:
             return 0
         self.cache = copy.deepcopy(entry.states)
-        return len(entry.tokens)
+        self.held = len(entry.tokens)
+        return self.held
 
     def forward(self, tree: TokenTree, prefix_len: int, lead: Sequence[int]) -> TreeLogits:
         if not is_chain(tree):
@@ -124,7 +127,7 @@ class ChainBase:
             len(tree),
             input_ids=torch.tensor([self.fed], device=device),
             position_ids=torch.arange(self.start, prefix_len + len(tree), device=device)[None],
-            past_key_values=self.cache,
+            cache=self.cache,
             use_cache=True,
         )[0, -len(tree) :]
         return TreeLogits(logits, device_argmax(logits))
@@ -135,16 +138,17 @@ class ChainBase:
         kept = prefix_len - self.start + len(kept_nodes)  # tokens of this forward that stay
         if self.copies is None or kept == len(self.fed):
             keep_everything(self.cache, prefix_len + len(kept_nodes))
+            self.held = prefix_len + len(kept_nodes)
             return 0
         put_back(self.cache, self.copies, self.start)
-        self.copies, self.pending = None, self.fed[:kept]
+        self.copies, self.pending, self.held = None, self.fed[:kept], self.start
         return kept
 
     def store(self, prefixes: Prefixes | None, tokens: list[int], length: int) -> None:
         """Leave a copy of the cache, states included, for prompts that begin with all the text it read (of the
         `length` tokens committed, those not waiting to be fed again)."""
         held = length - len(self.pending)
-        if prefixes is not None and prefixes.max_tokens and held == self.cache.get_seq_length():
+        if prefixes is not None and prefixes.max_tokens and held == self.held:
             prefixes.keep_whole(tokens[:held], copy.deepcopy(self.cache))
 
 

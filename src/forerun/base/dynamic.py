@@ -131,6 +131,6 @@ def forward_tree(
         input_ids=packed.input_ids,
         attention_mask=packed.attention_mask,
         position_ids=packed.position_ids,
-        past_key_values=cache,
+        cache=cache,
         use_cache=True,
     )[0, -len(tree) :]

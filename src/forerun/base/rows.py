@@ -167,7 +167,7 @@ class DynamicRows:
             input_ids=input_ids,
             attention_mask=mask,
             position_ids=position_ids,
-            past_key_values=self.cache.cache,
+            cache=self.cache.cache,
             use_cache=True,
         )  # [rows, nodes, vocab]
         return RowsLogits(logits, range(len(trees)), device_argmax(logits), None)

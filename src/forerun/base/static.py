@@ -57,6 +57,7 @@ from forerun.base.prompt_feed import Fed, feed_places
 from forerun.base.slots import SlotLayer, Slots, copy_place, gather_paths
 from forerun.base.step_inputs import fill_host
 from forerun.costmodel import LatencyCurve
+from forerun.forward_inputs import cache_argument
 from forerun.kvcache import UnsupportedCacheError, check_tree_cache
 from forerun.prefixcache import Prefixes
 from forerun.tree import TokenTree, attention_mask_4d, tree_support
@@ -122,6 +123,7 @@ class StaticBase:
         concatenated (`TreeLogits.features`): what an EAGLE-3 head reads. `program`: the compiled forward to use
         (`bucket_steps.compiled_copy`; a sibling gets its maker's, so every row count shares one)."""
         self.model = model
+        self.cache_name = cache_argument(model) or "past_key_values"
         self.layers = model.config.get_text_config(decoder=True).num_hidden_layers
         self.features = tuple(features)
         if graph_features(model, self.features) != self.features:
@@ -327,8 +329,8 @@ class StaticBase:
         # would otherwise hold every layer's hidden states at once
         selected = [i + 1 for i in self.features] if self.features else False
         out = self.model(
-            input_ids=ids, position_ids=positions, attention_mask=mask, past_key_values=self.cache, use_cache=True,
-            output_hidden_states=selected,
+            input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True, output_hidden_states=selected,
+            **{self.cache_name: self.cache},
         )  # fmt: skip
         if not self.features:
             return out.logits, None

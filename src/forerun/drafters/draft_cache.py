@@ -71,7 +71,7 @@ class GrowingDraftCache:
         ids = torch.tensor([list(tokens)], dtype=torch.long, device=device)
         positions = torch.arange(start, start + len(tokens), device=device).unsqueeze(0)
         with planless_attention(device):  # a new cache length every step: no plan per shape on a card
-            logits = self.head(keep, input_ids=ids, position_ids=positions, past_key_values=self.cache, use_cache=True)
+            logits = self.head(keep, input_ids=ids, position_ids=positions, cache=self.cache, use_cache=True)
         return logits[0, -keep:]
 
     def crop(self, length: int) -> None:
