@@ -173,6 +173,44 @@ STATEFUL_FAMILIES: dict[str, dict] = {
     "qwen3_5_text": {**LLAMA_LIKE, "head_dim": 16, "layer_types": ["linear_attention", "full_attention"], **LINEAR},
     "olmo_hybrid": LLAMA_LIKE,
     "lfm2": {**LLAMA_LIKE, "full_attn_idxs": [1]},
+    "falcon_h1": {
+        **LLAMA_LIKE,
+        "head_dim": 16,
+        "mamba_d_ssm": 64,
+        "mamba_n_heads": 4,
+        "mamba_d_head": 16,
+        "mamba_d_state": 8,
+        "mamba_n_groups": 1,
+        "mamba_chunk_size": 16,
+    },
+    "zamba": dict(
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        attention_hidden_size=128,
+        mamba_d_state=8,
+        mamba_dt_rank=8,
+        n_mamba_heads=2,
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        use_mamba_kernels=False,
+    ),
+    "zamba2": dict(
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        attention_head_dim=16,
+        mamba_d_state=8,
+        mamba_headdim=16,
+        n_mamba_heads=8,
+        mamba_ngroups=1,
+        hybrid_layer_ids=[1],
+        layers_block_type=["mamba", "hybrid"],
+    ),
     "recurrent_gemma": dict(
         hidden_size=64,
         intermediate_size=96,
@@ -186,7 +224,8 @@ STATEFUL_FAMILIES: dict[str, dict] = {
     ),
 }
 """Hybrid models whose recurrent or convolution states (state-space, linear-attention or short-convolution layers)
-cannot step back to a rejected guess: they decode one token per forward (`tests/equality/test_stateful_families.py`)."""
+cannot step back to a rejected guess: they verify one chain a step, or decode one token per forward where a chain
+is another computation (`tests/equality/test_stateful_families.py`)."""
 
 NO_SDPA = frozenset({"gemma2", "gptj", "codegen", "gpt_oss"})
 """Families transformers has no sdpa attention for: eager only."""

@@ -32,11 +32,11 @@ CHAIN_FAMILIES = sorted(set(STATEFUL_FAMILIES) - set(PLAIN_ONLY))
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 @pytest.mark.parametrize("family", CHAIN_FAMILIES)
 def test_a_hybrid_with_recurrent_states_verifies_chains_exactly(family, attention):
-    """Bamba, Granite 4, LFM2, Nemotron-H, OLMo hybrid, Qwen3.5, Qwen3-Next: their recurrent states cannot step
-    back to a rejected guess (transformers' assisted generation refuses them), so forerun decoded them one token per
-    forward. Now each step verifies one chain: the states are copied first, and where part of the chain is rejected
-    they are put back and the accepted head is fed again. Alone, batched (row by row) and through the drop-in,
-    the text is generate's, in fewer forwards; eager attention and sdpa."""
+    """Bamba, Falcon-H1, Granite 4, LFM2, Nemotron-H, OLMo hybrid, Qwen3.5, Qwen3-Next, Zamba, Zamba 2: their
+    recurrent states cannot step back to a rejected guess (transformers' assisted generation refuses them), so
+    forerun decoded them one token per forward. Now each step verifies one chain: the states are copied first,
+    and where part of the chain is rejected they are put back and the accepted head is fed again. Alone, batched
+    (row by row) and through the drop-in, the text is generate's, in fewer forwards; eager attention and sdpa."""
     model = tiny_model(family, attention)
     texts = prompts(3, length=24)
     expected = [plain(model, p) for p in texts]
