@@ -227,6 +227,14 @@ STATEFUL_FAMILIES: dict[str, dict] = {
 cannot step back to a rejected guess: they verify one chain a step, or decode one token per forward where a chain
 is another computation (`tests/equality/test_stateful_families.py`)."""
 
+STATE_SPACE_FAMILIES: dict[str, dict] = {
+    "mamba": dict(hidden_size=64, num_hidden_layers=2, state_size=8),
+    "falcon_mamba": dict(hidden_size=64, num_hidden_layers=2, state_size=8),
+    "mamba2": dict(hidden_size=64, num_hidden_layers=2, state_size=8, num_heads=8, head_dim=16, n_groups=1, expand=2),
+}
+"""State-space models without attention layers, whose transformers cache holds their states from transformers 5.24
+on (`tests/equality/test_stateful_families.py`)."""
+
 NO_SDPA = frozenset({"gemma2", "gptj", "codegen", "gpt_oss"})
 """Families transformers has no sdpa attention for: eager only."""
 

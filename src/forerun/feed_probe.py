@@ -25,13 +25,14 @@ from forerun.tree import TokenTree
 logger = logging.getLogger("forerun")
 
 TESTED_FAMILIES = frozenset(
-    # tests/tiny_models.py: FAMILIES (every method), MORE_FAMILIES (auto alone and batched), STATEFUL_FAMILIES
-    # (one token per forward), and the ALiBi and position fallbacks of the tests
+    # tests/tiny_models.py: FAMILIES (every method), MORE_FAMILIES (auto alone and batched), STATEFUL_FAMILIES and
+    # STATE_SPACE_FAMILIES (chains, or one token per forward), and the ALiBi and position fallbacks of the tests
     "llama mistral mixtral qwen2 qwen3 gemma gemma2 phi3 stablelm olmo2 granite gpt2 gptj opt gpt_neox falcon "
     "cohere olmo starcoder2 smollm3 glm glm4 exaone4 ernie4_5 seed_oss apertus arcee gemma3_text nemotron phi "
     "gpt_bigcode codegen qwen2_moe qwen3_moe olmoe granitemoe gpt_oss deepseek_v3 glm4_moe_lite cohere2 glm4_moe "
     "llama4_text ministral3 minimax_m2 olmo3 phimoe ernie4_5_moe jamba bamba granitemoehybrid nemotron_h qwen3_next "
-    "qwen3_5_text olmo_hybrid recurrent_gemma lfm2 bloom mpt trocr".split()
+    "qwen3_5_text olmo_hybrid recurrent_gemma lfm2 falcon_h1 zamba zamba2 mamba falcon_mamba mamba2 bloom mpt "
+    "trocr".split()
 )
 """Model types (`config.model_type`) whose decoding the tests compare with `model.generate`: not probed."""
 

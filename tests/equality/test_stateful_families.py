@@ -12,7 +12,7 @@ import forerun
 from forerun.costmodel import LatencyCurve
 from forerun.forward_inputs import cache_argument, forward_parameters
 
-from tiny_models import COMMON, STATEFUL_FAMILIES, prompts, tiny_model
+from tiny_models import COMMON, STATE_SPACE_FAMILIES, STATEFUL_FAMILIES, prompts, tiny_model
 
 CURVE = LatencyCurve((1, 2, 4, 8, 16, 32, 64), (1.0, 1.0, 1.0, 1.2, 1.4, 1.9, 2.9))
 """A flat curve: wherever trees can be verified, the cost model feeds them."""
@@ -92,17 +92,12 @@ def test_a_hybrid_whose_chains_differ_decodes_one_token_per_forward(family):
     assert all(torch.equal(r.sequences, plain(model, t)) for r, t in zip(batch, texts, strict=True))
 
 
-STATE_SPACE = {
-    "mamba": dict(hidden_size=64, num_hidden_layers=2, state_size=8),
-    "falcon_mamba": dict(hidden_size=64, num_hidden_layers=2, state_size=8),
-    "mamba2": dict(hidden_size=64, num_hidden_layers=2, state_size=8, num_heads=8, head_dim=16, n_groups=1, expand=2),
-}
 CHAIN_STATE_SPACE = {"mamba2"}
 """Whose forward over a chain after its states is its one-token step's computation (the others' reference scan
 over several tokens rounds otherwise: they decode one token per forward)."""
 
 
-@pytest.mark.parametrize("family", sorted(STATE_SPACE))
+@pytest.mark.parametrize("family", sorted(STATE_SPACE_FAMILIES))
 def test_a_state_space_model_decodes_exactly(family):
     """Mamba's family keeps its states in a transformers cache that it takes, from transformers 5.24 on, under the
     name every model takes it (`cache`): forerun decodes it, exactly (its cache holds no keys to count tokens by).
@@ -110,7 +105,8 @@ def test_a_state_space_model_decodes_exactly(family):
     Mamba's and Falcon-Mamba's several-token scan is another computation than their step, so one token per
     forward. Before 5.24 the state went in `cache_params`, which forerun cannot name: refused by name."""
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **COMMON, **STATE_SPACE[family])).eval()
+    config = AutoConfig.for_model(family, **COMMON, **STATE_SPACE_FAMILIES[family])
+    model = AutoModelForCausalLM.from_config(config).eval()
     if cache_argument(model) is None:
         with pytest.raises(ValueError, match=rf"{type(model).__name__}\.forward takes no transformers cache.*`cache_"):
             forerun.Decoder(model, None, "plain")
