@@ -13,7 +13,10 @@ plain generate's (tested), low precision up to ties.
 Only caches whose every layer is a plain full-attention `DynamicLayer` are seeded with a head of any length (sliding
 windows, linear attention and recurrent states are not per-token prefixes). A hybrid with recurrent states
 (`forerun.base.chain`) keeps its whole cache, states included, as one `Entry.states`: it seeds a prompt that
-begins with all of that entry's text (a conversation's next turn), never a shorter head of it.
+begins with all of that entry's text (a conversation's next turn), never a shorter head of it. Where a prompt
+shares a longer head with such an entry than any entry seeds (`states_head`: a system prompt two users sent), the
+hybrid reads that head alone first and keeps its cache there too, as a `shared` entry: later prompts that begin
+with it are seeded from it.
 
 Isolation: a reused head makes a prompt's first token come sooner, so whoever can time answers can tell whether
 someone sent the same head before. Entries carry a salt (a request's `cache_salt`, vLLM's name for it): a prompt
@@ -60,6 +63,9 @@ class Entry:
     states: DynamicCache | None = None
     """A hybrid's whole cache after `tokens` (recurrent states included; `keys` and `values` empty): it seeds only
     prompts that begin with all of `tokens` (`find_whole`)."""
+    shared: bool = False
+    """`states` after a head that several prompts began with: kept when a longer text it heads is (an earlier
+    turn of a conversation is dropped then)."""
 
 
 def shared_head(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -144,9 +150,22 @@ class PrefixCache:
             self.entries.append(best)
         return best
 
-    def keep_whole(self, tokens: list[int], cache: DynamicCache, salt: str = "") -> None:
+    def states_head(self, tokens: list[int], salt: str = "") -> int:
+        """The longest head `tokens[:-1]` shares with the text of an entry with states stored under `salt` (0 where
+        shorter than `MIN_REUSE`): where it is longer than what seeds `tokens`, a hybrid reads it alone and keeps
+        the cache there (`keep_whole(..., shared=True)`)."""
+        if not self.max_tokens or len(tokens) <= MIN_REUSE:
+            return 0
+        wanted = torch.tensor(tokens[:-1])
+        with self.lock:
+            heads = [shared_head(e.tokens, wanted) for e in self.entries if e.states is not None and e.salt == salt]
+        longest = max(heads, default=0)
+        return longest if longest >= MIN_REUSE else 0
+
+    def keep_whole(self, tokens: list[int], cache: DynamicCache, salt: str = "", shared: bool = False) -> None:
         """Keep `cache` (a hybrid's, recurrent states included, after exactly `tokens`), as it is: the caller hands
-        over a copy. Entries with states it begins with (a conversation's earlier turns) are dropped."""
+        over a copy. Entries with states it begins with (a conversation's earlier turns) are dropped, unless they
+        are `shared` heads; `shared`: `tokens` is a head other prompts began with too."""
         if not self.max_tokens or not MIN_REUSE <= len(tokens) <= self.max_tokens:
             return
         held = torch.tensor(tokens)
@@ -154,8 +173,9 @@ class PrefixCache:
             self.entries = [
                 e for e in self.entries
                 if e.salt != salt or e.states is None or shared_head(e.tokens, held) < len(e.tokens)
+                or (e.shared and len(e.tokens) < len(held))
             ]  # fmt: skip
-            self.entries.append(Entry(held, [], [], salt, cache))
+            self.entries.append(Entry(held, [], [], salt, cache, shared))
             while self.held_tokens > self.max_tokens:
                 self.entries.pop(0)
 
@@ -237,8 +257,11 @@ class PrefixScope:
     def find_whole(self, tokens: list[int]) -> Entry | None:
         return self.cache.find_whole(tokens, self.salt)
 
-    def keep_whole(self, tokens: list[int], cache: DynamicCache) -> None:
-        self.cache.keep_whole(tokens, cache, self.salt)
+    def states_head(self, tokens: list[int]) -> int:
+        return self.cache.states_head(tokens, self.salt)
+
+    def keep_whole(self, tokens: list[int], cache: DynamicCache, shared: bool = False) -> None:
+        self.cache.keep_whole(tokens, cache, self.salt, shared)
 
 
 Prefixes = PrefixCache | PrefixScope

@@ -139,6 +139,9 @@ class RowRun:
                 self.costly_seconds += time.perf_counter() - started
             else:
                 trees.append(TokenTree.rooted_at(self.root))
+        # guesses past the answer's end cannot be kept (and a chain base's states would read them)
+        left = self.job.max_new_tokens - len(self.job.transcript.sources)
+        trees = [tree.within_depth(max(0, left - 1)) for tree in trees]
         if self.weighs_costly and self.rows == 1:
             started = time.perf_counter()  # what the budget would feed without them, for the switch's comparison
             others = [tree for drafter, tree in zip(self.job.drafters, trees, strict=True) if not costly(drafter)]

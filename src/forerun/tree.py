@@ -163,6 +163,15 @@ class TokenTree:
             tree.scores.append(self.scores[old])
         return tree, mapped
 
+    def within_depth(self, depth: int) -> TokenTree:
+        """This tree without its nodes deeper than `depth` (itself where it has none): a step with n tokens left to
+        write verifies no guess past depth n - 1, which could not be kept.
+
+        Example: the module's example tree within depth 1 is root(5) with 7 and 8, without 9."""
+        if max(self.depths) <= depth:
+            return self
+        return self.subtree([node for node, at in enumerate(self.depths) if at <= depth])[0]
+
     def candidate_children(self, node: int) -> list[int]:
         """Candidate children of `node`, in insertion order."""
         return [i for i in range(node + 1, len(self)) if self.parents[i] == node and self.roles[i] == "candidate"]

@@ -224,3 +224,47 @@ def test_a_hybrids_next_turn_starts_from_the_cache_of_the_last(family):
     changed[0, 30] = 3 + (int(changed[0, 30]) - 2) % 90  # shares only 30 tokens with the stored text
     third = decoder.generate(changed, 24, eos_token_id=[])
     assert torch.equal(third.sequences, plain(model, changed)) and third.stats.cached_prompt_tokens == 0
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "nemotron_h"])
+def test_a_system_prompt_two_prompts_began_with_seeds_the_next(family):
+    """Prompts that share a system prompt but not their user message: a hybrid's cache can seed only a prompt that
+    begins with all of a stored text, so each was read from the start. The second prompt finds the head it shares
+    with the first, reads it alone and keeps the cache there; a third that begins with it is seeded from it, and
+    writes generate's text (logprobs within 1e-5 of reading it whole). Conversations still continue from their
+    whole last turn; another salt sees none of it."""
+    model = tiny_model(family)
+    system = prompts(1, length=40, seed=7)[0]
+    users = [torch.tensor([[5 + i, 6, 7 + i, 8, 9 + i]]) for i in range(4)]
+    texts = [torch.cat([system, user], dim=1) for user in users]
+    decoder = forerun.Decoder(model, None, "auto", latency=CURVE, latency_cache=None)
+    first, second = (decoder.generate(text, 16, eos_token_id=[]) for text in texts[:2])
+    assert first.stats.cached_prompt_tokens == second.stats.cached_prompt_tokens == 0
+    assert torch.equal(second.sequences, plain(model, texts[1], 16))
+    third = decoder.generate(texts[2], 16, eos_token_id=[], logprobs=1)
+    assert third.stats.cached_prompt_tokens == 40  # the system prompt
+    assert torch.equal(third.sequences, plain(model, texts[2], 16))
+    read = forerun.Decoder(model, None, "plain", prefix_cache=0).generate(texts[2], 16, eos_token_id=[], logprobs=1)
+    assert max(abs(a.logprob - b.logprob) for a, b in zip(third.logprobs, read.logprobs, strict=True)) < 1e-5
+    following = torch.cat([third.sequences, torch.tensor([[11, 12, 13, 14, 15]])], dim=1)
+    assert decoder.generate(following, 16, eos_token_id=[]).stats.cached_prompt_tokens > 45 + 8
+    assert decoder.generate(texts[3], 16, eos_token_id=[], cache_salt="other").stats.cached_prompt_tokens == 0
+    assert decoder.generate(texts[3], 16, eos_token_id=[]).stats.cached_prompt_tokens == 40
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "nemotron_h"])
+def test_an_answer_cut_inside_a_chain_leaves_no_states_behind(family):
+    """The last chain of an answer can be accepted past its end (`max_new_tokens` cuts it): the cache then read
+    tokens the text does not hold, and kept as the whole of that text its states would seed a next turn with
+    words nobody wrote (other logits, or a cache longer than the text). Such a cache is not kept."""
+    model = tiny_model(family)
+    text = prompts(1, length=24)[0]
+    answer = plain(model, text, 24)[0, 24:].tolist()
+    decoder = forerun.Decoder(model, None, "prompt_lookup", latency=CURVE, latency_cache=None)
+    cut = decoder.generate(text, 10, eos_token_id=[], prediction=answer)  # a chain of the whole answer, cut at 10
+    assert torch.equal(cut.sequences, plain(model, text, 10)) and cut.stats.forwards == 2
+    following = torch.cat([cut.sequences, torch.tensor([[5, 6, 7, 8, 9]])], dim=1)
+    second = decoder.generate(following, 16, eos_token_id=[], logprobs=1)
+    assert torch.equal(second.sequences, plain(model, following, 16))
+    read = forerun.Decoder(model, None, "plain", prefix_cache=0).generate(following, 16, eos_token_id=[], logprobs=1)
+    assert max(abs(a.logprob - b.logprob) for a, b in zip(second.logprobs, read.logprobs, strict=True)) < 1e-5

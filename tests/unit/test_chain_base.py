@@ -11,6 +11,7 @@ from forerun.base.chain import ChainBase, chain_of, chain_support, copy_states, 
 from forerun.costmodel import CostModel, LatencyCurve, StaticBudget
 from forerun.feed_probe import own_logits, share_of_spread
 from forerun.latency import measure_curve
+from forerun.prefixcache import PrefixCache
 from forerun.tree import TokenTree, is_chain
 
 from tiny_models import prompts, tiny_model
@@ -79,6 +80,25 @@ def test_the_base_puts_the_states_back_and_feeds_the_accepted_head_again():
         assert base.cache.get_seq_length() == 10
         with pytest.raises(ValueError, match="chains only"):
             base.forward(branching(), 10, ())
+
+
+def test_a_cache_that_read_past_its_text_is_not_kept():
+    """A chain accepted whole beyond where the text ends (a stop string cut the answer inside it): the states hold
+    tokens the text does not, so nothing is kept for prompts that begin with the text; where the text holds
+    every token read, the cache is kept."""
+    model = tiny_model("qwen3_next")
+    ids = [11, 7, 19, 5, 23, 13, 29, 17, 31, 37]
+    prefixes = PrefixCache(1000)
+    for text, kept in ((ids[:8], 0), (ids, 1)):
+        base = ChainBase(model)
+        base.begin(32)
+        with torch.inference_mode():
+            base.forward(TokenTree.rooted_at(ids[5]), 5, ids[:5])
+            base.commit(5, [0])
+            base.forward(chain_of(ids[6:10]), 6, ())
+            base.commit(6, [0, 1, 2, 3])  # 10 tokens read and kept
+        base.store(prefixes, text, 10)
+        assert len(prefixes.entries) == kept
 
 
 def test_copies_are_copies():

@@ -20,6 +20,13 @@ def test_hand_drawn_tree_nodes():
     assert tree.depths == [0, 1, 2, 1]
 
 
+def test_a_tree_within_a_depth_keeps_the_nodes_above_it():
+    tree = drawn_tree()
+    shallow = tree.within_depth(1)
+    assert shallow.tokens == [5, 7, 8] and shallow.parents == [-1, 0, 0] and shallow.children == {(0, 7): 1, (0, 8): 2}
+    assert tree.within_depth(2) is tree and tree.within_depth(0).tokens == [5]
+
+
 def test_mask_exact_matrix_and_invariants():
     tree = drawn_tree()
     expected = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 0, 1]], dtype=torch.bool)

@@ -32,7 +32,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, Li
 from forerun.base.dynamic import TreeLogits, device_argmax
 from forerun.head import LogitsHead
 from forerun.kvcache import cut, keep_everything, roomy_cache
-from forerun.prefixcache import Prefixes
+from forerun.prefixcache import MIN_REUSE, Prefixes
 from forerun.tree import TokenTree, is_chain
 
 StateCopy = list[tuple[dict, dict, dict] | None]
@@ -101,19 +101,28 @@ class ChainBase:
         """Accepted tokens the cache does not hold (a partly accepted chain's head), fed before the next step's."""
         self.held = 0
         """Tokens the cache has read and keeps (a state-space model's cache has no keys to count them by)."""
+        self.shared: list[int] | None = None
+        """A head of the prompt that an earlier text began with too, longer than what seeded it: the prefill reads
+        it alone first and keeps a copy of the cache after it (`snapshot`)."""
+        self.snapshot: tuple[list[int], DynamicCache] | None = None
 
     def begin(self, max_len: int) -> str | None:
         self.cache = roomy_cache(self.model.config)
-        self.copies, self.pending, self.held = None, [], 0
+        self.copies, self.pending, self.held, self.shared, self.snapshot = None, [], 0, None, None
         return chain_cache_reason(self.cache, max_len, type(self.model).__name__)
 
     def seed(self, prefixes: Prefixes | None, tokens: list[int]) -> int:
-        """Start from a copy of a stored cache whose whole text heads `tokens` (a conversation's earlier turn)."""
-        entry = prefixes.find_whole(tokens) if prefixes is not None else None
-        if entry is None:
+        """Start from a copy of a stored cache whose whole text heads `tokens` (a conversation's earlier turn); mark
+        a longer head `tokens` shares with a stored text (a system prompt) to be read alone and kept."""
+        if prefixes is None:
             return 0
-        self.cache = copy.deepcopy(entry.states)
-        self.held = len(entry.tokens)
+        entry = prefixes.find_whole(tokens)
+        if entry is not None:
+            self.cache = copy.deepcopy(entry.states)
+            self.held = len(entry.tokens)
+        head = prefixes.states_head(tokens)
+        if head >= self.held + MIN_REUSE:
+            self.shared = tokens[:head]
         return self.held
 
     def forward(self, tree: TokenTree, prefix_len: int, lead: Sequence[int]) -> TreeLogits:
@@ -121,6 +130,8 @@ class ChainBase:
             raise ValueError(f"a model with recurrent states verifies chains only; got a tree of {len(tree)} nodes")
         self.fed, self.pending = [*self.pending, *lead, *tree.tokens], []
         self.start = prefix_len + len(tree) - len(self.fed)
+        if self.shared is not None:
+            self.read_shared_head()
         self.copies = copy_states(self.cache) if len(tree) > 1 else None
         device = next(self.model.parameters()).device
         logits = self.head(
@@ -131,6 +142,24 @@ class ChainBase:
             use_cache=True,
         )[0, -len(tree) :]
         return TreeLogits(logits, device_argmax(logits))
+
+    def read_shared_head(self) -> None:
+        """Feed the tokens of the shared head that the prefill's are the first of, alone (only the last position's
+        logits computed), and keep a copy of the cache after them; the forward then feeds the rest."""
+        head, self.shared = self.shared, None
+        count = len(head) - self.start
+        if not 0 < count < len(self.fed):
+            return
+        device = next(self.model.parameters()).device
+        self.head(
+            1,
+            input_ids=torch.tensor([self.fed[:count]], device=device),
+            position_ids=torch.arange(self.start, len(head), device=device)[None],
+            cache=self.cache,
+            use_cache=True,
+        )
+        self.snapshot = (head, copy.deepcopy(self.cache))
+        self.fed, self.start = self.fed[count:], len(head)
 
     def commit(self, prefix_len: int, kept_nodes: list[int]) -> int:
         """Keep the root and the accepted guesses (`kept_nodes`: [0, 1, .., j], a chain's head); returns how many
@@ -146,9 +175,13 @@ class ChainBase:
 
     def store(self, prefixes: Prefixes | None, tokens: list[int], length: int) -> None:
         """Leave a copy of the cache, states included, for prompts that begin with all the text it read (of the
-        `length` tokens committed, those not waiting to be fed again)."""
+        `length` tokens committed, those not waiting to be fed again). Not where the cache read past `tokens` (a
+        last chain accepted beyond the answer's end): its states hold tokens the text does not."""
         held = length - len(self.pending)
-        if prefixes is not None and prefixes.max_tokens and held == self.held:
+        if prefixes is not None and self.snapshot is not None:
+            prefixes.keep_whole(*self.snapshot, shared=True)  # first: the whole text kept next would drop it
+        self.snapshot = None
+        if prefixes is not None and prefixes.max_tokens and held == self.held <= len(tokens):
             prefixes.keep_whole(tokens[:held], copy.deepcopy(self.cache))
 
 
