@@ -9,11 +9,14 @@ be right on a real hybrid: that is why the guesses are made here. What it measur
 forward (states copied first), the head of a partly accepted chain fed again with the next step, and the cost
 model's pricing of both on this device's measured curve. Every output is compared with plain `generate`.
 `--turn`: also a conversation's next turn (the first turn's prompt and answer, then a new message), its prefill
-with the prefix cache holding the first turn's whole cache, states included, and without.
+with the prefix cache holding the first turn's whole cache, states included, and without. `--shared`: a system
+prompt of that many tokens before three users' messages; the third's prefill with the prefix cache (the second
+kept the cache after the head it shared with the first) and without.
 
 Usage:
     .venv/bin/python benchmarks/hybrid_chains.py --threads 1 --out benchmarks/results/hybrid-chains-epyc.json
     .venv/bin/python benchmarks/hybrid_chains.py --threads 1 --every "" --prompts 0 --turn 400   # a next turn
+    .venv/bin/python benchmarks/hybrid_chains.py --threads 1 --every "" --prompts 0 --shared 400  # a system prompt
     python3 benchmarks/hybrid_chains.py --device cuda --dtype bf16 --out "$OUT/hybrid_chains.json"   # a card
 """
 
@@ -90,6 +93,24 @@ def next_turn(model: torch.nn.Module, first: int, answer: int = 64, message: int
             "same": torch.equal(out[True][2], out[False][2])}  # fmt: skip
 
 
+def shared_head(model: torch.nn.Module, system: int, message: int = 16, answer: int = 16) -> dict:
+    """Seconds of the third prompt's prefill (`system` shared tokens, then `message` of its own), with the prefix
+    cache (the second prompt kept the cache after the head it shared with the first) and without; the same text?"""
+    vocab, device = model.config.vocab_size, next(model.parameters()).device
+    generator = torch.Generator().manual_seed(3)
+    head = torch.randint(3, vocab, (1, system), generator=generator)
+    texts = [torch.cat([head, torch.randint(3, vocab, (1, message), generator=generator)], 1).to(device)
+             for _ in range(3)]  # fmt: skip
+    out = {}
+    for cached in (True, False):
+        decoder = forerun.Decoder(model, None, "plain", prefix_cache=4096 if cached else 0)
+        prefills = [decoder.generate(text, answer, eos_token_id=[]) for text in texts]
+        out[cached] = [(r.stats.prefill_seconds, r.stats.cached_prompt_tokens, r.sequences) for r in prefills]
+    return {"system_tokens": system, "prefill_s_cached": [round(r[0], 3) for r in out[True]],
+            "prefill_s_read_again": [round(r[0], 3) for r in out[False]], "cached_tokens": [r[1] for r in out[True]],
+            "same": all(torch.equal(a[2], b[2]) for a, b in zip(out[True], out[False], strict=True))}  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=1)
@@ -97,6 +118,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--every", default="0,16,8,4", help="every k-th predicted token wrong (0: none)")
     parser.add_argument("--turn", type=int, default=0, help="a next turn after a first prompt of this many tokens")
+    parser.add_argument("--shared", type=int, default=0, help="a system prompt of this many tokens, three users")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
     parser.add_argument("--out", type=Path)
@@ -136,6 +158,9 @@ def main() -> None:
     if args.turn:
         summary["next turn"] = next_turn(model, args.turn)
         print("next turn", summary["next turn"], flush=True)
+    if args.shared:
+        summary["shared head"] = shared_head(model, args.shared)
+        print("shared head", summary["shared head"], flush=True)
     for method in dict.fromkeys(row["method"] for row in rows):
         mine = [row for row in rows if row["method"] == method]
         base = [row for row in rows if row["method"] == "generate"]
