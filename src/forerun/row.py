@@ -124,6 +124,8 @@ class RowRun:
         where `with_costly=False` (a paused batch's rows): they keep what is written for the step they draft again.
         What a single row would feed without them is chosen here; a batch's rows, by the batch (`without_costly`)."""
         switch = self.budget.switch
+        left = self.job.max_new_tokens - len(self.job.transcript.sources)
+        self.ctx.left = left
         # about the switch alone: a step that verifies no tree (a long prompt's prefill) still lets them read
         self.costly_drafting = with_costly and (switch is None or switch.drafting())
         self.costly_seconds, self.alone, self.padded_alone = 0.0, None, 0
@@ -140,7 +142,6 @@ class RowRun:
             else:
                 trees.append(TokenTree.rooted_at(self.root))
         # guesses past the answer's end cannot be kept (and a chain base's states would read them)
-        left = self.job.max_new_tokens - len(self.job.transcript.sources)
         trees = [tree.within_depth(max(0, left - 1)) for tree in trees]
         if self.weighs_costly and self.rows == 1:
             started = time.perf_counter()  # what the budget would feed without them, for the switch's comparison

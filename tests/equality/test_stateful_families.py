@@ -22,6 +22,17 @@ def plain(model, prompt, new_tokens=24):
     return model.generate(prompt, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
 
 
+def assert_batched_and_dropin_equal(model, decoder, texts, expected) -> None:
+    """`texts` as one batch, and the second through the drop-in, write `expected` (generate's, 24 tokens)."""
+    batch = decoder.generate(texts, 24, eos_token_id=[])
+    assert all(torch.equal(r.sequences, want) for r, want in zip(batch, expected, strict=True))
+    dropin = model.generate(
+        texts[1], max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0,
+        custom_generate=forerun.hf_generate, forerun_method="prompt_lookup",
+    )  # fmt: skip
+    assert torch.equal(dropin, expected[1])
+
+
 PLAIN_ONLY = {"jamba": 0.00027, "recurrent_gemma": 0.04}
 """Hybrids whose chain of tokens after their states gives other logits than one forward over the text (this share
 of the logits' spread, measured; fp32's allowance is 1e-4): their multi-token forward is another computation than
@@ -51,13 +62,7 @@ def test_a_hybrid_with_recurrent_states_verifies_chains_exactly(family, attentio
     assert torch.equal(predicted.sequences, expected[0])
     stats = predicted.stats
     assert stats.accepted >= 12 and stats.fed_again >= 1 and stats.forwards < 14, stats.summary()
-    batch = decoder.generate(texts, 24, eos_token_id=[])
-    assert all(torch.equal(r.sequences, want) for r, want in zip(batch, expected, strict=True))
-    dropin = model.generate(
-        texts[1], max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0,
-        custom_generate=forerun.hf_generate, forerun_method="prompt_lookup",
-    )  # fmt: skip
-    assert torch.equal(dropin, expected[1])
+    assert_batched_and_dropin_equal(model, decoder, texts, expected)
 
 
 @pytest.mark.parametrize("family", ["qwen3_next", "lfm2"])
@@ -123,13 +128,7 @@ def test_a_state_space_model_decodes_exactly(family):
         assert predicted.stats.forwards < 14
     else:
         assert "one token per forward" in predicted.stats.fallback_reason and predicted.stats.forwards == 24
-    batch = decoder.generate(texts, 24, eos_token_id=[])
-    assert all(torch.equal(r.sequences, want) for r, want in zip(batch, expected, strict=True))
-    dropin = model.generate(
-        texts[1], max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0,
-        custom_generate=forerun.hf_generate, forerun_method="prompt_lookup",
-    )  # fmt: skip
-    assert torch.equal(dropin, expected[1])
+    assert_batched_and_dropin_equal(model, decoder, texts, expected)
 
 
 def test_a_model_keeping_a_state_of_its_own_is_refused_by_name():

@@ -38,6 +38,9 @@ class DraftContext:
     salt: str = ""
     """The request's tenant (`cache_salt`): state learned from requests (the trie, the n-gram pool) is read and
     written only under it (`forerun.drafters.tenants`); "" is the shared, unsalted state."""
+    left: int | None = None
+    """Tokens the answer may still take (None: not bounded): a guess deeper than `left - 1` could not be kept, and
+    is cut from a proposal in any case (`TokenTree.within_depth`)."""
 
 
 @dataclass(frozen=True)

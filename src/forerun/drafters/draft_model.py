@@ -132,7 +132,10 @@ class DraftModelDrafter:
     def propose(self, ctx: DraftContext) -> TokenTree:
         tree = TokenTree.rooted_at(ctx.tokens[-1])
         room = min(self.gamma, ctx.budget - self.config.tree_width)
+        if ctx.left is not None:  # a guess past the answer's end would be cut: its schedule would read a rejection
+            room = min(room, ctx.left - 1)
         if room < 1:
+            self.drafted = 0
             return tree
         self.make_room(len(ctx.tokens) + room + self.config.lookup + 1)
         # rows[i]: the draft's logits after `sequence` + guess[:i], already computed (no forward needed).
