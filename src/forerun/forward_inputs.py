@@ -21,6 +21,7 @@ from __future__ import annotations
 import inspect
 import re
 import typing
+from collections.abc import Mapping
 
 import torch
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, LinearAttentionCacheLayerMixin
@@ -32,17 +33,22 @@ CACHE_NAME = re.compile(r"(?<![\w.])(transformers\.cache_utils\.)?(Dynamic|Stati
 """A transformers cache's name in an annotation written as a string (a module with postponed annotations)."""
 
 
-def forward_parameters(model: torch.nn.Module) -> set[str] | None:
-    """The named arguments of the forward of `model` (of the model a PEFT wrapper or `torch.compile` holds), or
-    None where it names none (a wrapper taking `*args, **kwargs`: nothing can be told)."""
+def forward_signature(model: torch.nn.Module) -> Mapping[str, inspect.Parameter]:
+    """The parameters of the forward of `model` (of the model a PEFT wrapper or `torch.compile` holds); none where
+    its signature cannot be read."""
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     inner = getattr(inner, "_orig_mod", inner)
-    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
     try:
-        parameters = inspect.signature(inner.forward).parameters.values()
+        return inspect.signature(inner.forward).parameters
     except (TypeError, ValueError):
-        return None
-    named = {parameter.name for parameter in parameters if parameter.kind not in variadic}
+        return {}
+
+
+def forward_parameters(model: torch.nn.Module) -> set[str] | None:
+    """The named arguments of the forward of `model` (`forward_signature`), or None where it names none (a wrapper
+    taking `*args, **kwargs`: nothing can be told)."""
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    named = {parameter.name for parameter in forward_signature(model).values() if parameter.kind not in variadic}
     return named or None
 
 
@@ -51,12 +57,7 @@ def cache_argument(model: torch.nn.Module) -> str | None:
     it), `past_key_values` (earlier versions, and models of the hub's own code), or None where it takes none.
     A forward that names no arguments (a wrapper's `**kwargs`) is given `past_key_values`, which transformers'
     models take under either name."""
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    inner = getattr(inner, "_orig_mod", inner)
-    try:
-        parameters = inspect.signature(inner.forward).parameters
-    except (TypeError, ValueError):
-        return "past_key_values"
+    parameters = forward_signature(model)
     if "past_key_values" in parameters:
         return "past_key_values"
     cache = parameters.get("cache")
