@@ -25,6 +25,7 @@ from forerun.base.weights import weights_kind
 from forerun.config import EngineConfig
 from forerun.costmodel import Budget, CostModel, DraftSwitch, ForwardTimes, LatencyCurve, StaticBudget
 from forerun.costmodel.switch import FIRST_PROBE_STEPS
+from forerun.feed_probe import check_feed
 from forerun.forward_inputs import check_cache_input, stateful
 from forerun.latency import curve_for
 from forerun.methods import MethodPlan
@@ -112,9 +113,13 @@ def make_base(
 def verifying_base(model: torch.nn.Module, base: StaticBase | None) -> tuple[StaticBase | ChainBase | None, str | None]:
     """The base a single row's guesses are verified on, and why none can be (None: they can): a model with
     recurrent states verifies chains on a `ChainBase` where `chain_support` finds them exact (its prefix cache then
-    keeps states too); others verify trees on `base` where `tree_support` allows."""
+    keeps states too); others verify trees on `base` where `tree_support` allows and, for a family the tests do not
+    cover, where `feed_probe.check_feed` finds a tree's logits the model's own (it raises for a model whose steps
+    it finds wrong: no way of feeding it is exact)."""
     if not stateful(model):
-        return base, tree_support(model)
+        reason = tree_support(model)
+        return base, check_feed(model, trees=reason is None) or reason
+    check_feed(model, trees=False)
     reason = chain_support(model)
     return (ChainBase(model) if reason is None else base), reason
 

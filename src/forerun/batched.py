@@ -19,20 +19,25 @@ from forerun.stats import GenerationStats
 
 
 def decode_batch(
-    model: torch.nn.Module, jobs: Sequence[RowJob], budget: Budget, width: int | None = None
+    model: torch.nn.Module, jobs: Sequence[RowJob], budget: Budget, width: int | None = None, together: bool = True
 ) -> list[GenerationStats]:
     """Decode every job; tokens land in each job's transcript, per-row stats are returned in job order.
 
-    `width`: at most this many rows at once (default: all); see `decode_rows`.
+    `width`: at most this many rows at once (default: all); `together`: see `decode_rows`.
     """
     stats: list[GenerationStats | None] = [None] * len(jobs)
-    for index, row_stats in decode_rows(model, jobs, budget, width):
+    for index, row_stats in decode_rows(model, jobs, budget, width, together=together):
         stats[index] = row_stats
     return stats  # type: ignore[return-value]
 
 
 def decode_rows(
-    model: torch.nn.Module, jobs: Sequence[RowJob], budget: Budget, width: int | None = None, base=None
+    model: torch.nn.Module,
+    jobs: Sequence[RowJob],
+    budget: Budget,
+    width: int | None = None,
+    base=None,
+    together: bool = True,
 ) -> Iterator[tuple[int, GenerationStats]]:
     """Decode the jobs, at most `width` rows at once, yielding (job index, stats) as each row finishes.
 
@@ -43,9 +48,10 @@ def decode_rows(
 
     Models whose cache cannot hold ragged rows (sliding windows, linear attention) or that cannot take a tree
     mask decode the rows one after another with the single-row engine (which falls back to plain decoding where
-    it must): still exact, just not batched. `base`: the single row's static base (`forerun.base.static.StaticBase`, a
-    GPU's captured steps): a row decoded alone (one job, or `width` 1) takes it, and a batch its sibling of
-    `width` places (`forerun.base.rows.StaticRows`).
+    it must): still exact, just not batched; so do they where `together` is False (`Decoder.batches`: a model its
+    feed probe found to count positions its own way). `base`: the single row's static base
+    (`forerun.base.static.StaticBase`, a GPU's captured steps): a row decoded alone (one job, or `width` 1) takes
+    it, and a batch its sibling of `width` places (`forerun.base.rows.StaticRows`).
 
     Example (a list of 8 prompts through 4 rows; `forerun run --batch-size 4` does this):
         >>> for index, stats in decode_rows(model, jobs, budget, width=4):   # doctest: +SKIP
@@ -54,7 +60,7 @@ def decode_rows(
     if width is not None and width < 1:
         raise ValueError(f"width must be >= 1, got {width}")
     alone = len(jobs) == 1 or width == 1
-    if not batchable(model) or (alone and base is not None):  # one row at a time: the single-row engine's base
+    if not (together and batchable(model)) or (alone and base is not None):  # one row at a time: a single row's base
         for index, job in enumerate(jobs):
             yield index, decode(model, job, budget, True, base)
         return

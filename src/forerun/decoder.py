@@ -44,7 +44,6 @@ from forerun.drafters.base import Drafter
 from forerun.drafters.draft_model import DraftModelDrafter
 from forerun.drafters.prediction import PredictionDrafter
 from forerun.engine import decode
-from forerun.feed_probe import check_feed
 from forerun.latency import DEFAULT_CACHE_DIR, batches_of, curve_for
 from forerun.methods import MethodPlan, plan_method
 from forerun.noise import GumbelNoise
@@ -134,12 +133,12 @@ class Decoder:
         self.base = make_base(model, self.engine_config, device_type, read)
         self.latency, self.latency_cache = latency, latency_cache
         drafting = bool(self.plan.specs) if drafters is None else bool(drafters)
-        self.base, reason = verifying_base(model, self.base)
-        if drafting and reason is not None:
-            logger.warning("forerun: %s decodes one token per forward, without drafts: %s", self.method, reason)
+        self.base, self.fallback_reason = verifying_base(model, self.base)
+        """Why this model verifies no guesses (one token per forward), or None where it does."""
+        if drafting and self.fallback_reason is not None:
+            logger.warning("forerun: %s decodes one token per forward: %s", self.method, self.fallback_reason)
             drafting = False
         chains = isinstance(self.base, ChainBase)
-        check_feed(model, trees=drafting and not chains)
         self.budget = make_budget(
             model, self.plan, self.engine_config, latency, latency_cache, self.base, drafting, chains
         )
@@ -163,7 +162,7 @@ class Decoder:
         (`LatencyCurve.batch_cost`), measured the first time a batch runs and stored beside the curve. A curve given
         as `latency` is used as it is (without batched rows, a batch is priced as one row of as many tokens)."""
         budget = self.budget
-        measure = self.latency is None and batchable(self.model)
+        measure = self.latency is None and self.batches
         if budget.curve is not None and measure and not budget.curve.batched:
             # on the base the curve was measured on: a static base's batches are its siblings' steps
             if self.latency_cache is None:
@@ -209,7 +208,7 @@ class Decoder:
             >>> decoder.warm_up(1024, batch_size=8)                            # seconds, once  # doctest: +SKIP
         """
         check_warm_up(max_len, batch_size, single)
-        batched = batch_size > 1 and batchable(self.model)
+        batched = batch_size > 1 and self.batches
         single = single or not batched  # a warm-up warms something
         context = getattr(self.model.config, "max_position_embeddings", None)
         if context is not None and max_len > context:
@@ -321,7 +320,7 @@ class Decoder:
 
         def finished() -> Iterator[tuple[int, GenerationResult]]:
             with self.lock, torch.inference_mode():  # held until the last row is done (or the iterator closed)
-                for index, stats in decode_rows(self.model, jobs, budget, batch_size, self.base):
+                for index, stats in decode_rows(self.model, jobs, budget, batch_size, self.base, self.batches):
                     yield index, self.result(rows[index], stats)
 
         return finished()
@@ -352,11 +351,11 @@ class Decoder:
             scoped = self.prefixes.scoped(salt) if salt else self.prefixes
             if prefixes is not None:
                 prefixes[salt] = scoped
-        drafters = fork(self.drafters) if fork_drafters else list(self.drafters)
+        drafters = self.row_drafters(fork_drafters)
         prediction = None
         if request.prediction is not None:
             prediction = encode_prediction(self.model, self.tokenizer, request.prediction)
-            drafters = [PredictionDrafter(prediction), *drafters]
+            drafters = [PredictionDrafter(prediction), *drafters] if self.fallback_reason is None else []
         processor, criteria = request_criteria(self.model, self.tokenizer, ids, request, eos)
         sampling = Sampling(GumbelNoise.drawn(seeded(request.seed))) if request.do_sample else None
         if request.streamer is not None:
@@ -383,14 +382,33 @@ class Decoder:
         The streamer has already seen the prompt; it gets the new tokens as they are committed, then `end()`.
         `keep_logits`: the transcript keeps each new token's raw logits (the drop-in's scores and logits)."""
         transcript = Transcript(input_ids, stopping, streamer, keep_logits=keep_logits)
-        job = RowJob(input_ids, transcript, self.drafters, eos, max_new_tokens, processor, sampling, self.prefixes)
+        drafters = self.row_drafters(fork_drafters=False)
+        job = RowJob(input_ids, transcript, drafters, eos, max_new_tokens, processor, sampling, self.prefixes)
         with self.lock:
             stats = decode(self.model, job, self.budget, self.engine_config.draft_in_prefill, self.base)
-        return transcript, stats
+        return transcript, self.told(stats)
+
+    def row_drafters(self, fork_drafters: bool = True) -> list[Drafter]:
+        """A row's drafters (`prepare`'s `fork_drafters`): none where this model verifies no guesses."""
+        if self.fallback_reason is not None:
+            return []
+        return fork(self.drafters) if fork_drafters else list(self.drafters)
+
+    def told(self, stats: GenerationStats) -> GenerationStats:
+        """`stats` with why this model verified no guesses, where a request drafting would have drafted."""
+        if stats.fallback_reason is None and self.fallback_reason is not None and self.plan.specs:
+            stats.fallback_reason = self.fallback_reason
+        return stats
+
+    @property
+    def batches(self) -> bool:
+        """Whether rows decode together (`generate_each`, a server's continuous batch): where the model's cache can
+        hold ragged rows and its trees are verified (a row's positions are its own there too)."""
+        return self.fallback_reason is None and batchable(self.model)
 
     def result(self, prepared: Prepared, stats: GenerationStats) -> GenerationResult:
         """A finished row's GenerationResult."""
-        return finished_result(self.tokenizer, prepared, stats)
+        return finished_result(self.tokenizer, prepared, self.told(stats))
 
 
 def generate(

@@ -18,7 +18,6 @@ from transformers.generation.logits_process import (
 )
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from forerun.batch import fork
 from forerun.batched import decode_batch
 from forerun.checks import check_decoding_mode
 from forerun.decoder import Decoder
@@ -203,10 +202,11 @@ def batch_custom_generate(
         criteria = StoppingCriteriaList([MaxLengthCriteria(max_length=ids.shape[1] + max_new_tokens), *kept])
         transcript = Transcript(ids, criteria, keep_logits=wants_scores(generation_config))
         processor = PaddedRowProcessors(logits_processor, input_ids[row : row + 1, :pad], row)
-        jobs.append(RowJob(ids, transcript, fork(decoder.drafters), eos, max_new_tokens, processor, sampling()))
+        jobs.append(RowJob(ids, transcript, decoder.row_drafters(), eos, max_new_tokens, processor, sampling()))
         pads.append(pad)
         processors.append(processor)
-    stats = decode_batch(model, jobs, decoder.batch_budget() if len(jobs) > 1 else decoder.budget)
+    budget = decoder.batch_budget() if len(jobs) > 1 else decoder.budget
+    stats = [decoder.told(row) for row in decode_batch(model, jobs, budget, together=decoder.batches)]
     longest = max(job.transcript.sequence.shape[1] + pad for job, pad in zip(jobs, pads, strict=True))
     sequences = input_ids.new_full((rows, longest), pad_id_of(generation_config, eos))
     for row, (job, pad) in enumerate(zip(jobs, pads, strict=True)):

@@ -1,11 +1,14 @@
 """Models of families forerun's tests do not cover are probed once per Decoder: where forerun's feed gives other
-logits than the model's own forward, the Decoder refuses by name instead of writing other text than generate."""
+logits than the model's own forward a step at a time, the Decoder refuses by name instead of writing other text than
+generate; where only a tree's do, it decodes one token per forward and a batch's rows one after another."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, Cache, LlamaConfig, LlamaForCausalLM
 
 import forerun
 from forerun.costmodel import LatencyCurve
@@ -70,15 +73,33 @@ class OwnPositionsLlama(LlamaForCausalLM):
 
     config_class = OwnPositionsConfig
 
-    def forward(self, input_ids=None, position_ids=None, past_key_values=None, **kwargs):
-        return super().forward(input_ids=input_ids, past_key_values=past_key_values, **kwargs)
+    def forward(self, input_ids=None, position_ids=None, cache: Cache | None = None, **kwargs):
+        return super().forward(input_ids=input_ids, cache=cache, **kwargs)
 
 
-def test_a_model_that_misplaces_a_trees_nodes_is_refused_for_drafting_only():
+def test_a_model_that_misplaces_a_trees_nodes_decodes_one_token_per_forward(caplog):
     torch.manual_seed(0)
     model = OwnPositionsLlama(OwnPositionsConfig(**COMMON, **LLAMA_LIKE)).eval()
-    with pytest.raises(ValueError, match=r"tree's tokens other logits .* method='plain'"):
-        forerun.Decoder(model, None, "auto", latency=CURVE)
+    with caplog.at_level(logging.WARNING, logger="forerun"):
+        decoder = forerun.Decoder(model, None, "auto", latency=CURVE)
+    assert "auto decodes one token per forward: OwnPositionsLlama (own_positions_llama) gives a tree" in caplog.text
     text = prompts(1)[0]
-    result = forerun.Decoder(model, None, "plain").generate(text, 24, eos_token_id=[])
-    assert torch.equal(result.sequences, plain(model, text))
+    want = plain(model, text)
+    result = decoder.generate(text, 24, eos_token_id=[], prediction=want[0, 24:].tolist())  # not drafted either
+    assert torch.equal(result.sequences, want)
+    assert result.stats.forwards == 24 and "a tree's tokens other logits" in result.stats.fallback_reason
+
+
+def test_a_model_that_misplaces_a_trees_nodes_decodes_a_batchs_rows_one_after_another():
+    """Its positions come from the cache's length: in a shared cache, a shorter row's would be the longest's. The
+    tokens of this random model hardly tell (its logits are nearly flat); the logprobs do (~5e-4 apart)."""
+    torch.manual_seed(0)
+    model = OwnPositionsLlama(OwnPositionsConfig(**COMMON, **LLAMA_LIKE)).eval()
+    decoder = forerun.Decoder(model, None, "plain")
+    assert not decoder.batches
+    texts = [prompts(1, 10)[0], prompts(1, 24, seed=1)[0]]
+    together = decoder.generate(texts, 8, eos_token_id=[], logprobs=0)
+    for text, row in zip(texts, together, strict=True):
+        alone = decoder.generate(text, 8, eos_token_id=[], logprobs=0)
+        assert torch.equal(row.sequences, alone.sequences)
+        assert [t.logprob for t in row.logprobs] == pytest.approx([t.logprob for t in alone.logprobs], abs=1e-6)

@@ -19,7 +19,6 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from forerun.batch import batchable
 from forerun.decoder import Decoder, GenerationResult
 from forerun.prefixcache import PrefixCache
 from forerun.server.config import ServerConfig, load_trie_cache, sampling_defaults
@@ -73,8 +72,8 @@ class Service:
         if self.config.warm_up_tokens == 0:
             return 0.0
         context = getattr(model.config, "max_position_embeddings", None) or self.config.warm_up_tokens
-        rows = self.config.max_batch if self.config.max_batch > 1 and batchable(model) else 1
         decoder = self.pool.get(self.config.method, {})
+        rows = self.config.max_batch if self.config.max_batch > 1 and decoder.batches else 1
         try:
             # a batched server's requests all join its batch: a lone request's own graphs would never replay
             return decoder.warm_up(min(self.config.warm_up_tokens, context), batch_size=rows, single=rows == 1)
@@ -83,10 +82,10 @@ class Service:
             return 0.0
 
     def make_worker(self, model) -> Worker | BatchWorker:
-        if self.config.max_batch > 1 and batchable(model):
+        decoder = self.pool.get(self.config.method, {})
+        if self.config.max_batch > 1 and decoder.batches:
             # batch_budget: the curve's batched rows are measured now (once per model and device, then read from
             # disk), not while the first clients wait
-            decoder = self.pool.get(self.config.method, {})
             budget = decoder.batch_budget()
             return BatchWorker(model, budget, self.config.max_batch, self.config.prefill_chunk, decoder.base)
         return Worker()  # one at a time (also for models whose cache cannot hold ragged rows)
