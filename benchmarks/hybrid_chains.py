@@ -11,12 +11,16 @@ model's pricing of both on this device's measured curve. Every output is compare
 `--turn`: also a conversation's next turn (the first turn's prompt and answer, then a new message), its prefill
 with the prefix cache holding the first turn's whole cache, states included, and without. `--shared`: a system
 prompt of that many tokens before three users' messages; the third's prefill with the prefix cache (the second
-kept the cache after the head it shared with the first) and without.
+kept the cache after the head it shared with the first) and without. `--batch`: that many prompts at once (a
+comma list), one token per row a step in one batch, against the same prompts one after another (forerun and
+`generate` alone: what forerun did before a hybrid's rows could share a batch) and `generate` with the prompts
+left-padded into one batch; rounds interleaved.
 
 Usage:
     .venv/bin/python benchmarks/hybrid_chains.py --threads 1 --out benchmarks/results/hybrid-chains-epyc.json
     .venv/bin/python benchmarks/hybrid_chains.py --threads 1 --every "" --prompts 0 --turn 400   # a next turn
     .venv/bin/python benchmarks/hybrid_chains.py --threads 1 --every "" --prompts 0 --shared 400  # a system prompt
+    .venv/bin/python benchmarks/hybrid_chains.py --threads 2 --every "" --prompts 0 --batch 4,8   # batches
     python3 benchmarks/hybrid_chains.py --device cuda --dtype bf16 --out "$OUT/hybrid_chains.json"   # a card
 """
 
@@ -111,6 +115,40 @@ def shared_head(model: torch.nn.Module, system: int, message: int = 16, answer: 
             "same": all(torch.equal(a[2], b[2]) for a, b in zip(out[True], out[False], strict=True))}  # fmt: skip
 
 
+def batches(model: torch.nn.Module, size: int, new_tokens: int, rounds: int = 2) -> dict:
+    """Tokens per second of `size` ragged prompts (32-64 tokens, `new_tokens` each) in one forerun batch, one after
+    another (forerun, generate) and left-padded in one `generate` batch, best of `rounds` interleaved rounds; whether
+    forerun's rows are each prompt's own `generate` text."""
+    vocab, device = model.config.vocab_size, next(model.parameters()).device
+    generator = torch.Generator().manual_seed(4)
+    texts = [torch.randint(3, vocab, (1, 32 + (i * 11) % 33), generator=generator).to(device) for i in range(size)]
+    options = dict(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    decoder = forerun.Decoder(model, None, "auto")
+    longest = max(text.shape[1] for text in texts)
+    padded = torch.cat([torch.nn.functional.pad(t, (longest - t.shape[1], 0)) for t in texts])
+    mask = torch.cat([torch.nn.functional.pad(torch.ones_like(t), (longest - t.shape[1], 0)) for t in texts])
+    ways = {
+        "forerun batch": lambda: decoder.generate(texts, new_tokens, eos_token_id=[]),
+        "forerun one after another": lambda: [decoder.generate(t, new_tokens, eos_token_id=[]) for t in texts],
+        "generate one after another": lambda: [model.generate(t, **options) for t in texts],
+        "generate padded batch": lambda: model.generate(padded, attention_mask=mask, **options),
+    }
+    best, outs = dict.fromkeys(ways, float("inf")), {}
+    for _ in range(rounds):
+        for name, run in ways.items():
+            seconds, outs[name] = timed(run)
+            best[name] = min(best[name], seconds)
+    want = outs["generate one after another"]
+    same = all(torch.equal(r.sequences, w) for r, w in zip(outs["forerun batch"], want, strict=True))
+    padded_same = all(torch.equal(p[longest:], w[0, w.shape[1] - new_tokens :]) for p, w in zip(outs[
+        "generate padded batch"], want, strict=True))  # fmt: skip
+    alone = outs["forerun one after another"]
+    return {"rows": size, "new_tokens": new_tokens, "same": same, "padded_generate_same": padded_same,
+            "tok_s": {name: round(size * new_tokens / seconds, 1) for name, seconds in best.items()},
+            "alone_tokens_per_forward": round(sum(r.stats.new_tokens for r in alone) / sum(
+                r.stats.forwards for r in alone), 2)}  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=1)
@@ -119,6 +157,7 @@ def main() -> None:
     parser.add_argument("--every", default="0,16,8,4", help="every k-th predicted token wrong (0: none)")
     parser.add_argument("--turn", type=int, default=0, help="a next turn after a first prompt of this many tokens")
     parser.add_argument("--shared", type=int, default=0, help="a system prompt of this many tokens, three users")
+    parser.add_argument("--batch", default="", help="rows of one batch (a comma list) against one after another")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
     parser.add_argument("--out", type=Path)
@@ -161,6 +200,9 @@ def main() -> None:
     if args.shared:
         summary["shared head"] = shared_head(model, args.shared)
         print("shared head", summary["shared head"], flush=True)
+    for size in [int(k) for k in args.batch.split(",") if k]:
+        summary[f"batch {size}"] = batches(model, size, args.new_tokens)
+        print(f"batch {size}", summary[f"batch {size}"], flush=True)
     for method in dict.fromkeys(row["method"] for row in rows):
         mine = [row for row in rows if row["method"] == method]
         base = [row for row in rows if row["method"] == "generate"]

@@ -253,7 +253,7 @@ def register_grouped() -> str:
 
 def tiny_model(family: str, attn_implementation: str = "sdpa", seed: int = 0, **config: object) -> torch.nn.Module:
     """A seeded random model of `family` in fp32, eval mode (`config`: settings over the family's own)."""
-    config = AutoConfig.for_model(family, **COMMON, **((FAMILIES | MORE_FAMILIES | STATEFUL_FAMILIES)[family] | config))
+    config = AutoConfig.for_model(family, **(COMMON | (FAMILIES | MORE_FAMILIES | STATEFUL_FAMILIES)[family] | config))
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=torch.float32)
     return model.eval()

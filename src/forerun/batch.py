@@ -45,6 +45,7 @@ from forerun.batch_join import JoiningRows
 from forerun.costmodel import BatchPolicy, Budget, Selection
 from forerun.drafters.base import Drafter
 from forerun.engine import tree_support
+from forerun.forward_inputs import stateful
 from forerun.host_copy import to_host
 from forerun.kvcache import plain_layers
 from forerun.row import RowJob, RowRun, costly  # noqa: F401 - RowJob re-exported
@@ -82,6 +83,8 @@ class Batch(JoiningRows):
         self.model, self.budget = model, budget
         self.rows: list[RowRun] = []
         self.shared: SharedRows = DynamicRows(model) if shared is None else shared
+        self.one_token = stateful(model)
+        """A hybrid's rows: one token each a step, undrafted (`forerun.rowstates`)."""
         self.policy = BatchPolicy(closed)
         """How the rows draft together (`forerun.costmodel.batch`)."""
 

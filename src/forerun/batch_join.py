@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -28,6 +28,11 @@ from forerun.engine import tree_in_prefill
 from forerun.row import RowJob, RowRun
 from forerun.taps import LayerTaps, feature_layers
 from forerun.tree import TokenTree
+
+ONE_TOKEN = (
+    "a batch's rows of a model with recurrent states verify one token each a step (a state cannot step back to a "
+    "rejected guess; alone, a row verifies chains)"
+)
 
 
 @dataclass
@@ -59,6 +64,7 @@ class JoiningRows:
     rows: list[RowRun]
     shared: SharedRows
     policy: BatchPolicy
+    one_token: bool
 
     @torch.inference_mode()
     def add(self, job: RowJob, budget: Budget | None = None, draft: bool | None = None) -> RowRun:
@@ -94,7 +100,11 @@ class JoiningRows:
         """Start a row's prefill: its drafters see the prompt, its cache is seeded from the prefix cache; nothing
         is fed yet (`feed` does, in one forward or in chunks)."""
         budget = (budget or self.budget).for_row(self.policy.costly)
+        if self.one_token and job.drafters:  # a hybrid's rows: their states cannot step back to a rejected guess
+            job = replace(job, drafters=[])
         row = RowRun.begin(job, budget)
+        if self.one_token:
+            row.stats.fallback_reason = ONE_TOKEN
         max_len = job.input_ids.shape[1] + job.max_new_tokens + budget.max_nodes
         own, row.stats.cached_prompt_tokens = self.shared.open(job.prefixes, row.ctx.tokens, max_len)
         return Joining(row, own, row.stats.cached_prompt_tokens, begun_s=time.perf_counter() - row.started)

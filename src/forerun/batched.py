@@ -19,7 +19,11 @@ from forerun.stats import GenerationStats
 
 
 def decode_batch(
-    model: torch.nn.Module, jobs: Sequence[RowJob], budget: Budget, width: int | None = None, together: bool = True
+    model: torch.nn.Module,
+    jobs: Sequence[RowJob],
+    budget: Budget,
+    width: int | None = None,
+    together: bool | None = None,
 ) -> list[GenerationStats]:
     """Decode every job; tokens land in each job's transcript, per-row stats are returned in job order.
 
@@ -37,7 +41,7 @@ def decode_rows(
     budget: Budget,
     width: int | None = None,
     base=None,
-    together: bool = True,
+    together: bool | None = None,
 ) -> Iterator[tuple[int, GenerationStats]]:
     """Decode the jobs, at most `width` rows at once, yielding (job index, stats) as each row finishes.
 
@@ -48,8 +52,9 @@ def decode_rows(
 
     Models whose cache cannot hold ragged rows (sliding windows, linear attention) or that cannot take a tree
     mask decode the rows one after another with the single-row engine (which falls back to plain decoding where
-    it must): still exact, just not batched; so do they where `together` is False (`Decoder.batches`: a model its
-    feed probe found to count positions its own way). `base`: the single row's static base
+    it must): still exact, just not batched. `together`: whether the rows can decode together (`Decoder.batches`,
+    which probes what this cannot see: a hybrid's rows, a model that counts positions its own way; None: where
+    `batch.batchable` says so). `base`: the single row's static base
     (`forerun.base.static.StaticBase`, a GPU's captured steps): a row decoded alone (one job, or `width` 1) takes
     it, and a batch its sibling of `width` places (`forerun.base.rows.StaticRows`).
 
@@ -60,7 +65,8 @@ def decode_rows(
     if width is not None and width < 1:
         raise ValueError(f"width must be >= 1, got {width}")
     alone = len(jobs) == 1 or width == 1
-    if not (together and batchable(model)) or (alone and base is not None):  # one row at a time: a single row's base
+    together = batchable(model) if together is None else together
+    if not together or (alone and base is not None):  # one row at a time: a single row's base
         for index, job in enumerate(jobs):
             yield index, decode(model, job, budget, True, base)
         return

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterator, Sequence
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -44,6 +45,7 @@ from forerun.drafters.base import Drafter
 from forerun.drafters.draft_model import DraftModelDrafter
 from forerun.drafters.prediction import PredictionDrafter
 from forerun.engine import decode
+from forerun.forward_inputs import stateful
 from forerun.latency import DEFAULT_CACHE_DIR, batches_of, curve_for
 from forerun.methods import MethodPlan, plan_method
 from forerun.noise import GumbelNoise
@@ -53,6 +55,7 @@ from forerun.prompts import check_context, encode_prediction, encode_prompt
 from forerun.request import GenerationRequest, Prompt, is_batch
 from forerun.result import GenerationResult
 from forerun.row import RowJob
+from forerun.rowstates import state_rows_support
 from forerun.stats import GenerationStats
 from forerun.taps import feature_layers
 from forerun.transcript import Transcript
@@ -162,7 +165,7 @@ class Decoder:
         (`LatencyCurve.batch_cost`), measured the first time a batch runs and stored beside the curve. A curve given
         as `latency` is used as it is (without batched rows, a batch is priced as one row of as many tokens)."""
         budget = self.budget
-        measure = self.latency is None and self.batches
+        measure = self.latency is None and self.batches and not stateful(self.model)  # a hybrid's rows: no trees
         if budget.curve is not None and measure and not budget.curve.batched:
             # on the base the curve was measured on: a static base's batches are its siblings' steps
             if self.latency_cache is None:
@@ -400,11 +403,18 @@ class Decoder:
             stats.fallback_reason = self.fallback_reason
         return stats
 
-    @property
+    @cached_property
     def batches(self) -> bool:
         """Whether rows decode together (`generate_each`, a server's continuous batch): where the model's cache can
-        hold ragged rows and its trees are verified (a row's positions are its own there too)."""
-        return self.fallback_reason is None and batchable(self.model)
+        hold ragged rows and its trees are verified (a row's positions are its own there too); a hybrid's rows,
+        one token each a step, where a batch gives them their own logits (`rowstates.state_rows_support`, probed
+        at the first batch)."""
+        if not stateful(self.model):
+            return self.fallback_reason is None and batchable(self.model)
+        reason = state_rows_support(self.model)
+        if reason is not None:
+            logger.info("forerun: a batch's rows decode one after another: %s", reason)
+        return reason is None
 
     def result(self, prepared: Prepared, stats: GenerationStats) -> GenerationResult:
         """A finished row's GenerationResult."""

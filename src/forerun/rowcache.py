@@ -1,6 +1,7 @@
 """The KV cache a batch's rows share: one DynamicCache `[rows, kv_heads, slots, head_dim]` whose slots need not line
 up, and which slots each row may attend to (`RowCache.visible` `[rows, slots]`). See `forerun.batch` for the
-picture; holes are masked out for good and squeezed out once they would free half the slots (`compact`)."""
+picture; holes are masked out for good and squeezed out once they would free half the slots (`compact`). A hybrid's
+recurrent and convolution states are one row each, beside (`forerun.rowstates`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from transformers import DynamicCache
 
 from forerun.kvcache import roomy_cache
+from forerun.rowstates import append_states, has_states, keep_state_rows, row_cache, write_states
 
 COMPACT_SHARE = 0.5
 """Squeeze the holes out of the cache once they are more than this share of its slots (attention reads them all)."""
@@ -39,6 +41,8 @@ class RowCache:
         rows, slots = self.visible.shape
         size = max(slots, length)
         for mine, theirs in zip(self.cache.layers, row.layers, strict=True):
+            if has_states(mine):
+                append_states(mine, theirs)
             ours, new = layer_tensors(mine), layer_tensors(theirs)
             if ours is None and new is None:
                 continue
@@ -60,6 +64,8 @@ class RowCache:
             self.grow(length)
         slots = self.slots
         for mine, theirs in zip(self.cache.layers, row.layers, strict=True):
+            if has_states(mine):
+                write_states(mine, theirs, place)
             ours, new = layer_tensors(mine), layer_tensors(theirs)
             if ours is not None and new is not None:
                 ours[0][place, :, slots - length :] = new[0][0]
@@ -97,6 +103,8 @@ class RowCache:
         if nodes == 1:  # the roots alone: they already sit where they belong
             self.visible = torch.cat([self.visible, torch.ones(len(kept), 1, dtype=torch.bool)], dim=1)
             return
+        if any(has_states(layer) for layer in self.cache.layers):
+            raise ValueError(f"a hybrid's rows verify one token each a step (their states read all {nodes} fed)")
         index = torch.tensor([[slots + path[min(i, len(path) - 1)] for i in range(longest)] for path in kept])
         for layer in self.cache.layers:
             if layer_tensors(layer) is None:
@@ -115,6 +123,8 @@ class RowCache:
         self.vacant = []
         self.visible = self.visible.index_select(0, index)
         for layer in self.cache.layers:
+            if has_states(layer):
+                keep_state_rows(layer, index)
             if layer_tensors(layer) is not None:
                 set_layer(
                     layer,
@@ -127,6 +137,8 @@ class RowCache:
     def row(self, row: int) -> DynamicCache:
         """Row `row`'s visible slots alone, in order, as a one-row cache ([1, heads, visible, dim] per layer)."""
         where = self.visible[row].nonzero().flatten()
+        if any(has_states(layer) for layer in self.cache.layers):  # a hybrid's: its states too, its layers' kinds
+            return row_cache(self.cache, row, where)
         single = DynamicCache()
         for index, layer in enumerate(self.cache.layers):
             if layer_tensors(layer) is None:
@@ -167,7 +179,9 @@ def gather_slots(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 def layer_tensors(layer) -> tuple[torch.Tensor, torch.Tensor] | None:
-    if not layer.is_initialized or layer.keys is None or layer.keys.dim() != 4:
+    """A layer's keys and values [rows, heads, slots, dim]; None where it holds none (yet: or a layer of states)."""
+    keys = getattr(layer, "keys", None)
+    if not getattr(layer, "is_initialized", False) or keys is None or keys.dim() != 4:
         return None
     return layer.keys, layer.values
 

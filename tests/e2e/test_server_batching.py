@@ -458,3 +458,38 @@ def test_a_next_turn_in_the_worker_reads_only_its_new_message(static):
         assert torch.equal(result.sequences, reference)
     assert one.stats.cached_prompt_tokens == 0 and two.stats.cached_prompt_tokens >= first.shape[1] + 11
     assert two.stats.prefill_chunks == 2  # 8 new tokens and the answer's last, the root apart: a chunk of 5, the rest
+
+
+def test_a_hybrids_concurrent_clients_share_its_batch(smollm2):
+    """A hybrid (Qwen3.5's layout, random weights) served to 4 concurrent clients: they share the batch, one token
+    per row a step (its states a row each), and every answer is plain generate's for its prompt alone."""
+    _, tokenizer = smollm2
+    model = tiny_model("qwen3_5_text", vocab_size=len(tokenizer))
+    app = create_app(model, tokenizer, ServerConfig(MODEL, "auto", max_batch=4, max_tokens_limit=64))
+    server = LiveServer(app)
+    client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    widest, watching = [0], threading.Event()
+
+    def watch_batch() -> None:
+        while not watching.is_set():
+            widest[0] = max(widest[0], httpx.get(server.url + "/health").json()["running"])
+            time.sleep(0.02)
+
+    def ask(index: int) -> str:
+        messages = [{"role": "user", "content": QUESTIONS[index]}]
+        reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=48, temperature=0)
+        return reply.choices[0].message.content
+
+    watcher = threading.Thread(target=watch_batch)
+    watcher.start()
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(ask, range(4)))
+    finally:
+        watching.set()
+        watcher.join()
+        server.stop()
+    for question, answer in zip(QUESTIONS[:4], answers, strict=True):
+        messages = [{"role": "user", "content": question}]
+        assert answer == plain_text((model, tokenizer), messages=messages, max_new_tokens=48), question
+    assert widest[0] >= 2, "the requests never shared the batch"

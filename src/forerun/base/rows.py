@@ -22,6 +22,7 @@ Example (what `Batch` does with either):
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -32,6 +33,7 @@ from transformers import DynamicCache
 from forerun.base.dynamic import TreeLogits, device_argmax, forward_tree
 from forerun.base.place_prefixes import seed_place, store_place
 from forerun.base.static import StaticBase
+from forerun.forward_inputs import stateful
 from forerun.head import LogitsHead
 from forerun.kvcache import keep_accepted
 from forerun.prefixcache import Prefixes
@@ -126,6 +128,8 @@ class DynamicRows:
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
+        self.states = stateful(model)
+        """A hybrid's rows: states beside the keys (`forerun.rowstates`), one token per row a step."""
         self.cache = RowCache(model.config)
         self.attention = model.config._attn_implementation or "eager"
         self.head = LogitsHead(model)
@@ -137,7 +141,12 @@ class DynamicRows:
 
     def open(self, prefixes: Prefixes | None, tokens: list[int], max_len: int) -> tuple[DynamicCache, int]:
         own = DynamicCache(config=self.model.config)
-        return own, prefixes.seed(own, tokens) if prefixes is not None else 0
+        if prefixes is None:
+            return own, 0
+        if self.states:  # a hybrid's: a copy of a stored cache whose whole text heads the prompt (an earlier turn)
+            entry = prefixes.find_whole(tokens)
+            return (own, 0) if entry is None else (copy.deepcopy(entry.states), len(entry.tokens))
+        return own, prefixes.seed(own, tokens)
 
     def feed(self, own: DynamicCache, tree: TokenTree, prefix_len: int, lead: Sequence[int]) -> TreeLogits:
         return TreeLogits(forward_tree(self.head, own, tree, prefix_len, lead, self.attention))
@@ -184,8 +193,12 @@ class DynamicRows:
     def remove(self, leaving: Sequence[Leaving]) -> None:
         places = self.cache.places()
         for index, prefixes, tokens, length in leaving:
-            if prefixes is not None:  # what it read (prompt, answer) for its next turn
+            if prefixes is None:
+                continue
+            if not self.states:  # what it read (prompt, answer) for its next turn
                 prefixes.store(tokens, self.cache.row(places[index]), length)
+            elif length <= len(tokens):  # a hybrid's whole cache, states included (not where a stop cut the text)
+                prefixes.keep_whole(tokens[:length], self.cache.row(places[index]))
         if len(leaving) == len(places):
             self.cache = RowCache(self.model.config)
         else:  # their places are kept for rows that join before the next step (`RowCache.refill`)
@@ -321,7 +334,7 @@ class StaticRows:
 def static_rows(base: StaticBase | None, places: int, max_len: int) -> StaticRows | None:
     """Rows on `base`'s sibling of `places` places for texts of up to `max_len` tokens (it grows for longer ones),
     or None where there is no static base or it cannot serve them (then the batch takes the growing cache)."""
-    if base is None:
+    if not isinstance(base, StaticBase):  # none, or a hybrid's chain base: its batches take the growing cache
         return None
     sibling = base.sibling(places)
     return StaticRows(sibling) if sibling.begin(max_len) is None else None

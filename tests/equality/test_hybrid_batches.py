@@ -1,0 +1,131 @@
+"""A batch of a hybrid's rows (recurrent or convolution states beside attention layers) decodes together, one token
+per row a step: the attention layers' keys share the batch's cache as any model's, each row's states are its row
+of each state tensor. Every row writes generate's text; rows leave and join; a row that leaves keeps its whole cache
+for its next turn. Where a batch gives the rows other logits (the probe, `rowstates.state_rows_support`), they
+decode one after another."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import forerun
+from forerun.batch import Batch
+from forerun.costmodel import LatencyCurve
+from forerun.rowstates import state_rows_support
+
+from tiny_models import COMMON, STATE_SPACE_FAMILIES, STATEFUL_FAMILIES, prompts, tiny_model
+
+CURVE = LatencyCurve((1, 2, 4, 8, 16, 32, 64), (1.0, 1.0, 1.0, 1.2, 1.4, 1.9, 2.9))
+
+APART = {"recurrent_gemma": 0.036}
+"""Hybrids whose rows a batch gives other logits (this share of their spread, measured): one after another."""
+BATCHED = sorted(set(STATEFUL_FAMILIES) - set(APART))
+
+
+def plain(model, prompt, new_tokens):
+    return model.generate(prompt, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+
+
+def state_space(family: str) -> torch.nn.Module:
+    config = AutoConfig.for_model(family, **COMMON, **STATE_SPACE_FAMILIES[family])
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def ragged_requests(model) -> tuple[list[forerun.GenerationRequest], list[torch.Tensor]]:
+    """Five prompts of 10-30 tokens wanting 9-30 tokens each, and generate's texts for them."""
+    lengths, news = (10, 24, 17, 30, 12), (20, 9, 30, 14, 25)
+    texts = [prompts(1, length, seed=i)[0] for i, length in enumerate(lengths)]
+    requests = [forerun.GenerationRequest(text, new, eos_token_id=[]) for text, new in zip(texts, news, strict=True)]
+    return requests, [plain(model, text, new) for text, new in zip(texts, news, strict=True)]
+
+
+@pytest.mark.parametrize("family", [*BATCHED, "mamba2"])
+def test_a_hybrids_rows_decode_together_exactly(family):
+    """Five ragged requests through three rows: rows leave as they finish and the next joins into a vacant place
+    (its states written into that row), the cache's holes compacted; every row is generate's, sdpa."""
+    model = state_space(family) if family in STATE_SPACE_FAMILIES else tiny_model(family)
+    requests, expected = ragged_requests(model)
+    decoder = forerun.Decoder(model, None, "auto", latency=CURVE, latency_cache=None)
+    assert decoder.batches
+    results = dict(decoder.generate_each(requests, batch_size=3))
+    for index, want in enumerate(expected):
+        assert torch.equal(results[index].sequences, want), index
+        assert results[index].stats.forwards == requests[index].max_new_tokens  # one token each a step
+        assert "one token each a step" in results[index].stats.fallback_reason
+    alone = decoder.generate(requests[0].prompt, 20, eos_token_id=[])  # a lone row still verifies chains
+    assert torch.equal(alone.sequences, expected[0])
+    assert alone.stats.fallback_reason is None or family == "jamba"
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "jamba", "lfm2"])
+def test_a_hybrids_rows_decode_together_with_eager_attention(family):
+    model = tiny_model(family, attn_implementation="eager")
+    requests, expected = ragged_requests(model)
+    results = forerun.Decoder(model, None, "auto", latency=CURVE, latency_cache=None).generate(requests)
+    assert all(torch.equal(r.sequences, want) for r, want in zip(results, expected, strict=True))
+
+
+@pytest.mark.parametrize("family", [*APART, "mamba", "falcon_mamba"])
+def test_a_model_whose_batch_differs_decodes_its_rows_one_after_another(family):
+    """RecurrentGemma's batch gives its rows other logits; Mamba's layers read a 4-D mask as hidden states' padding
+    and fail: the probe finds both, and their rows are decoded one after another, exactly."""
+    model = state_space(family) if family in STATE_SPACE_FAMILIES else tiny_model(family)
+    reason = state_rows_support(model)
+    assert reason is not None and type(model).__name__ in reason
+    decoder = forerun.Decoder(model, None, "auto", latency=CURVE, latency_cache=None)
+    assert not decoder.batches
+    requests, expected = ragged_requests(model)
+    results = decoder.generate(requests[:3])
+    assert all(torch.equal(r.sequences, want) for r, want in zip(results, expected[:3], strict=True))
+
+
+def test_the_probe_finds_a_row_whose_states_went_elsewhere(monkeypatch):
+    """A negative control: a joining row written into a vacant place without its states (the left row's stay)."""
+    model = tiny_model("qwen3_5_text")
+    assert state_rows_support(model) is None
+    monkeypatch.setattr("forerun.rowcache.write_states", lambda mine, theirs, place: None)
+    assert "gives a batch's rows other logits than their own" in state_rows_support(model)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "nemotron_h"])
+def test_a_row_that_leaves_a_batch_seeds_its_next_turn(family):
+    """Each row leaves its whole cache (states included) to the prefix cache: a next turn, batched again, reads
+    only its new message, and writes generate's text with logprobs within 1e-5 of reading it whole; another salt
+    reads it all."""
+    model = tiny_model(family)
+    decoder = forerun.Decoder(model, None, "auto", latency=CURVE, latency_cache=None)
+    texts = [prompts(1, 20 + 4 * i, seed=i)[0] for i in range(3)]
+    first = decoder.generate(texts, 12, eos_token_id=[])
+    following = [torch.cat([r.sequences, torch.tensor([[5, 6, 7 + i]])], dim=1) for i, r in enumerate(first)]
+    second = decoder.generate(following, 12, eos_token_id=[], logprobs=1)
+    for text, result, turn in zip(texts, second, following, strict=True):
+        assert result.stats.cached_prompt_tokens == text.shape[1] + 11  # all it read: the last token never fed
+        assert torch.equal(result.sequences, plain(model, turn, 12))
+    read = forerun.Decoder(model, None, "plain", prefix_cache=0).generate(following[1], 12, eos_token_id=[], logprobs=1)
+    assert max(abs(a.logprob - b.logprob) for a, b in zip(second[1].logprobs, read.logprobs, strict=True)) < 1e-5
+    salted = decoder.generate(following, 12, eos_token_id=[], cache_salt="other")
+    assert [r.stats.cached_prompt_tokens for r in salted] == [0, 0, 0]
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "granitemoehybrid"])
+def test_a_hybrids_prompt_fed_in_chunks_joins_while_a_row_steps(family):
+    """A server's long prompt joins in chunks (a causal forward of its own cache each, the running row stepping in
+    between), then its states are appended: both rows write generate's text."""
+    model = tiny_model(family)
+    decoder = forerun.Decoder(model, None, "auto", latency=CURVE, latency_cache=None)
+    requests, expected = ragged_requests(model)
+    running, long = (decoder.prepare(request).job for request in (requests[0], requests[3]))  # 10 and 30 tokens
+    batch = Batch(model, decoder.budget)
+    batch.add(running)
+    joining, steps = batch.begin(long), 0
+    while (row := batch.feed(joining, chunk=7)) is None:
+        batch.step()
+        steps += 1
+    assert steps == 4 and row.stats.prefill_chunks == 5  # 29 tokens before the root: 4 chunks of 7, then 1
+    while batch.rows:
+        batch.step()
+    assert torch.equal(running.transcript.sequence, expected[0])
+    assert torch.equal(long.transcript.sequence, expected[3])
