@@ -129,3 +129,24 @@ def test_a_hybrids_prompt_fed_in_chunks_joins_while_a_row_steps(family):
         batch.step()
     assert torch.equal(running.transcript.sequence, expected[0])
     assert torch.equal(long.transcript.sequence, expected[3])
+
+
+def test_a_hybrids_sampled_rows_and_the_drop_ins_batch_are_each_rows_own():
+    """Seeded sampled rows write in a batch what each writes alone with its seed (the noise is per seed and
+    position); `model.generate` of a left-padded batch through the drop-in writes each row's generate text."""
+    model = tiny_model("qwen3_5_text")
+    decoder = forerun.Decoder(model, None, "auto", latency=CURVE, latency_cache=None)
+    texts = [prompts(1, length, seed=i)[0] for i, length in enumerate((10, 24, 17))]
+    sampled = dict(do_sample=True, seed=5, temperature=0.8, eos_token_id=[])
+    together = decoder.generate(texts, 20, **sampled)
+    assert all("one token each a step" in r.stats.fallback_reason for r in together)
+    for i, (text, row) in enumerate(zip(texts, together, strict=True)):
+        assert torch.equal(row.sequences, decoder.generate(text, 20, **{**sampled, "seed": 5 + i}).sequences)
+    padded = torch.cat([torch.nn.functional.pad(t, (24 - t.shape[1], 0)) for t in texts])
+    mask = torch.cat([torch.nn.functional.pad(torch.ones_like(t), (24 - t.shape[1], 0)) for t in texts])
+    out = model.generate(
+        padded, attention_mask=mask, max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0,
+        custom_generate=forerun.hf_generate, forerun_decoder=decoder,
+    )  # fmt: skip
+    for row, text in enumerate(texts):
+        assert torch.equal(out[row, 24 - text.shape[1] :], plain(model, text, 16)[0])
