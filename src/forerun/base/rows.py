@@ -29,6 +29,7 @@ from typing import Protocol
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from forerun.base.dynamic import TreeLogits, device_argmax, forward_tree
 from forerun.base.place_prefixes import seed_place, store_place
@@ -38,6 +39,7 @@ from forerun.head import LogitsHead
 from forerun.kvcache import keep_accepted
 from forerun.prefixcache import Prefixes
 from forerun.rowcache import RowCache
+from forerun.rowstates import has_states
 from forerun.tree import TokenTree, as_attention_mask
 
 Leaving = tuple[int, Prefixes | None, list[int], int]
@@ -131,6 +133,10 @@ class DynamicRows:
         self.states = stateful(model)
         """A hybrid's rows: states beside the keys (`forerun.rowstates`), one token per row a step."""
         self.cache = RowCache(model.config)
+        layers = self.cache.cache.layers  # none yet where the config lays none out: layers then come as they are fed
+        states_alone = [has_states(layer) and not isinstance(layer, DynamicLayer) for layer in layers]
+        self.attends = not (layers and all(states_alone))
+        """Whether any layer attends (not a state-space model's, whose layers all hold states alone: Mamba's)."""
         self.attention = model.config._attn_implementation or "eager"
         self.head = LogitsHead(model)
         """The batch's forwards (its first prefill decides how the logits of a few positions are computed)."""
@@ -174,7 +180,7 @@ class DynamicRows:
         input_ids, position_ids, mask = self.pack(prefix_lens, trees, nodes)
         logits = self.head(
             input_ids=input_ids,
-            attention_mask=mask,
+            attention_mask=mask if self.attends else None,  # a state-space model reads a mask as padding
             position_ids=position_ids,
             cache=self.cache.cache,
             use_cache=True,
