@@ -28,7 +28,7 @@ EXPORTS = {
     "LatencyCurve": "forerun.costmodel",
     "Decoder": "forerun.decoder",
     "GenerationResult": "forerun.decoder",
-    "generate": "forerun.decoder",
+    "generate": "forerun.oneshot",
     "hf_generate": "forerun.hf",
     "METHODS": "forerun.methods",
     "REGISTRY": "forerun.methods",
@@ -49,10 +49,11 @@ if TYPE_CHECKING:  # what type checkers and editors see (the same names, importe
         TrieConfig,
     )
     from forerun.costmodel import LatencyCurve
-    from forerun.decoder import Decoder, GenerationResult, generate
+    from forerun.decoder import Decoder, GenerationResult
     from forerun.hf import hf_generate
     from forerun.methods import METHODS, REGISTRY
     from forerun.models import load_model
+    from forerun.oneshot import generate
     from forerun.request import GenerationRequest
     from forerun.stats import GenerationStats
 

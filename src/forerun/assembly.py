@@ -22,6 +22,7 @@ from transformers import PreTrainedTokenizerBase
 from forerun.base.chain import ChainBase, chain_support
 from forerun.base.static import StaticBase, graph_features, static_support
 from forerun.base.weights import weights_kind
+from forerun.batch import batchable
 from forerun.config import EngineConfig
 from forerun.costmodel import Budget, CostModel, DraftSwitch, ForwardTimes, LatencyCurve, StaticBudget
 from forerun.costmodel.switch import FIRST_PROBE_STEPS
@@ -29,6 +30,7 @@ from forerun.feed_probe import check_feed
 from forerun.forward_inputs import check_cache_input, stateful
 from forerun.latency import curve_for
 from forerun.methods import MethodPlan
+from forerun.rowstates import state_rows_support
 from forerun.tree import tree_support
 
 logger = logging.getLogger(__name__)
@@ -201,3 +203,15 @@ def check_vocabulary(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase 
             f"tokenizer {type(tokenizer).__name__} has {len(tokenizer)} tokens but model {type(model).__name__} "
             f"embeds only {rows}: they do not belong together"
         )
+
+
+def rows_together(model: torch.nn.Module, fallback_reason: str | None) -> bool:
+    """Whether `model`'s rows decode together in a batch: where its cache holds ragged rows and its trees are
+    verified (`fallback_reason`, the Decoder's, is None: a row's positions are its own in a batch too); a hybrid's,
+    one token per row a step, where the probe finds each row's logits its own (`rowstates.state_rows_support`)."""
+    if not stateful(model):
+        return fallback_reason is None and batchable(model)
+    reason = state_rows_support(model)
+    if reason is not None:
+        logger.info("forerun: a batch's rows decode one after another: %s", reason)
+    return reason is None

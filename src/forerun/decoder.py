@@ -32,10 +32,11 @@ from forerun.assembly import (
     prepare_draft,
     prepare_head,
     price_costly,
+    rows_together,
     verifying_base,
 )
 from forerun.base.chain import ChainBase
-from forerun.batch import batchable, fork
+from forerun.batch import fork
 from forerun.batched import decode_rows
 from forerun.checks import check_batch_size, check_warm_up
 from forerun.config import EngineConfig
@@ -55,7 +56,6 @@ from forerun.prompts import check_context, encode_prediction, encode_prompt
 from forerun.request import GenerationRequest, Prompt, is_batch
 from forerun.result import GenerationResult
 from forerun.row import RowJob
-from forerun.rowstates import state_rows_support
 from forerun.stats import GenerationStats
 from forerun.taps import feature_layers
 from forerun.transcript import Transcript
@@ -399,7 +399,7 @@ class Decoder:
 
     def told(self, stats: GenerationStats) -> GenerationStats:
         """`stats` with why this model verified no guesses, where a request drafting would have drafted."""
-        if stats.fallback_reason is None and self.fallback_reason is not None and self.plan.specs:
+        if stats.fallback_reason is None and self.fallback_reason is not None and self.drafters:
             stats.fallback_reason = self.fallback_reason
         return stats
 
@@ -409,37 +409,8 @@ class Decoder:
         hold ragged rows and its trees are verified (a row's positions are its own there too); a hybrid's rows,
         one token each a step, where a batch gives them their own logits (`rowstates.state_rows_support`, probed
         at the first batch)."""
-        if not stateful(self.model):
-            return self.fallback_reason is None and batchable(self.model)
-        reason = state_rows_support(self.model)
-        if reason is not None:
-            logger.info("forerun: a batch's rows decode one after another: %s", reason)
-        return reason is None
+        return rows_together(self.model, self.fallback_reason)
 
     def result(self, prepared: Prepared, stats: GenerationStats) -> GenerationResult:
         """A finished row's GenerationResult."""
         return finished_result(self.tokenizer, prepared, self.told(stats))
-
-
-def generate(
-    model: torch.nn.Module,
-    input_ids: Prompt,
-    method: str = DEFAULT_METHOD,
-    max_new_tokens: int = 256,
-    *,
-    tokenizer: PreTrainedTokenizerBase | None = None,
-    knobs: dict[str, object] | None = None,
-    max_tree_nodes: int | None = None,
-    draft_model: torch.nn.Module | str | None = None,
-    **generation_kwargs: object,
-) -> GenerationResult:
-    """One call: `Decoder(model, tokenizer, method, **knobs).generate(input_ids, max_new_tokens, **generation_kwargs)`.
-
-    Method knobs go in `knobs` (e.g. `knobs={"draft_len": 8}`); every argument of `Decoder.generate` (chat, stop,
-    eos_token_id, streamer, do_sample, seed, temperature, top_p, ...) is passed through.
-
-    Example:
-        >>> forerun.generate(model, ids, "trie", 64, do_sample=True, temperature=0.7, seed=0)  # doctest: +SKIP
-    """
-    decoder = Decoder(model, tokenizer, method, max_tree_nodes=max_tree_nodes, draft_model=draft_model, **(knobs or {}))
-    return decoder.generate(input_ids, max_new_tokens, **generation_kwargs)
