@@ -37,6 +37,7 @@ Example (a second prompt with the same 4-token head as a stored one reuses 4 ent
 
 from __future__ import annotations
 
+import copy
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -150,6 +151,12 @@ class PrefixCache:
             self.entries.append(best)
         return best
 
+    def whole_copy(self, tokens: list[int], salt: str = "") -> tuple[DynamicCache | None, int]:
+        """A copy of the cache `find_whole` finds for `tokens` (entries are never written: the model writes into
+        what it is given) and how many tokens it holds; (None, 0) where none heads them."""
+        entry = self.find_whole(tokens, salt)
+        return (None, 0) if entry is None else (copy.deepcopy(entry.states), len(entry.tokens))
+
     def states_head(self, tokens: list[int], salt: str = "") -> int:
         """The longest head `tokens[:-1]` shares with the text of an entry with states stored under `salt` (0 where
         shorter than `MIN_REUSE`): where it is longer than what seeds `tokens`, a hybrid reads it alone and keeps
@@ -256,6 +263,9 @@ class PrefixScope:
 
     def find_whole(self, tokens: list[int]) -> Entry | None:
         return self.cache.find_whole(tokens, self.salt)
+
+    def whole_copy(self, tokens: list[int]) -> tuple[DynamicCache | None, int]:
+        return self.cache.whole_copy(tokens, self.salt)
 
     def states_head(self, tokens: list[int]) -> int:
         return self.cache.states_head(tokens, self.salt)

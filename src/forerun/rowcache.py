@@ -22,6 +22,8 @@ class RowCache:
 
     def __init__(self, config) -> None:
         self.cache = roomy_cache(config)  # new slots written in place: no copy of every row's cache each step
+        self.states = any(has_states(layer) for layer in self.cache.layers)
+        """A hybrid's: layers with recurrent states, a row each (`forerun.rowstates`); one token per row a step."""
         self.visible = torch.zeros(0, 0, dtype=torch.bool)  # [rows, slots]
         self.vacant: list[int] = []
         """Cache rows whose row left (`vacate`): a joining row is written into one in place (`add`), and those still
@@ -103,7 +105,7 @@ class RowCache:
         if nodes == 1:  # the roots alone: they already sit where they belong
             self.visible = torch.cat([self.visible, torch.ones(len(kept), 1, dtype=torch.bool)], dim=1)
             return
-        if any(has_states(layer) for layer in self.cache.layers):
+        if self.states:
             raise ValueError(f"a hybrid's rows verify one token each a step (their states read all {nodes} fed)")
         index = torch.tensor([[slots + path[min(i, len(path) - 1)] for i in range(longest)] for path in kept])
         for layer in self.cache.layers:
@@ -137,7 +139,7 @@ class RowCache:
     def row(self, row: int) -> DynamicCache:
         """Row `row`'s visible slots alone, in order, as a one-row cache ([1, heads, visible, dim] per layer)."""
         where = self.visible[row].nonzero().flatten()
-        if any(has_states(layer) for layer in self.cache.layers):  # a hybrid's: its states too, its layers' kinds
+        if self.states:  # a hybrid's: its states too, its layers' kinds
             return row_cache(self.cache, row, where)
         single = DynamicCache()
         for index, layer in enumerate(self.cache.layers):

@@ -116,10 +116,8 @@ class ChainBase:
         a longer head `tokens` shares with a stored text (a system prompt) to be read alone and kept."""
         if prefixes is None:
             return 0
-        entry = prefixes.find_whole(tokens)
-        if entry is not None:
-            self.cache = copy.deepcopy(entry.states)
-            self.held = len(entry.tokens)
+        seeded, self.held = prefixes.whole_copy(tokens)
+        self.cache = self.cache if seeded is None else seeded
         head = prefixes.states_head(tokens)
         if head >= self.held + MIN_REUSE:
             self.shared = tokens[:head]

@@ -22,7 +22,6 @@ Example (what `Batch` does with either):
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -34,7 +33,6 @@ from transformers.cache_utils import DynamicLayer
 from forerun.base.dynamic import TreeLogits, device_argmax, forward_tree
 from forerun.base.place_prefixes import seed_place, store_place
 from forerun.base.static import StaticBase
-from forerun.forward_inputs import stateful
 from forerun.head import LogitsHead
 from forerun.kvcache import keep_accepted
 from forerun.prefixcache import Prefixes
@@ -130,8 +128,6 @@ class DynamicRows:
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
-        self.states = stateful(model)
-        """A hybrid's rows: states beside the keys (`forerun.rowstates`), one token per row a step."""
         self.cache = RowCache(model.config)
         layers = self.cache.cache.layers  # none yet where the config lays none out: layers then come as they are fed
         states_alone = [has_states(layer) and not isinstance(layer, DynamicLayer) for layer in layers]
@@ -149,9 +145,9 @@ class DynamicRows:
         own = DynamicCache(config=self.model.config)
         if prefixes is None:
             return own, 0
-        if self.states:  # a hybrid's: a copy of a stored cache whose whole text heads the prompt (an earlier turn)
-            entry = prefixes.find_whole(tokens)
-            return (own, 0) if entry is None else (copy.deepcopy(entry.states), len(entry.tokens))
+        if self.cache.states:  # a hybrid's: a copy of a stored cache whose whole text heads the prompt (a turn)
+            seeded, held = prefixes.whole_copy(tokens)
+            return (own if seeded is None else seeded), held
         return own, prefixes.seed(own, tokens)
 
     def feed(self, own: DynamicCache, tree: TokenTree, prefix_len: int, lead: Sequence[int]) -> TreeLogits:
@@ -201,7 +197,7 @@ class DynamicRows:
         for index, prefixes, tokens, length in leaving:
             if prefixes is None:
                 continue
-            if not self.states:  # what it read (prompt, answer) for its next turn
+            if not self.cache.states:  # what it read (prompt, answer) for its next turn
                 prefixes.store(tokens, self.cache.row(places[index]), length)
             elif length <= len(tokens):  # a hybrid's whole cache, states included (not where a stop cut the text)
                 prefixes.keep_whole(tokens[:length], self.cache.row(places[index]))
