@@ -41,7 +41,7 @@ import torch
 from transformers import DynamicCache
 
 from forerun.base.rows import DynamicRows, RowsLogits, SharedRows
-from forerun.batch_join import JoiningRows
+from forerun.batch_join import ONE_TOKEN, JoiningRows
 from forerun.costmodel import BatchPolicy, Budget, Selection
 from forerun.drafters.base import Drafter
 from forerun.engine import tree_support
@@ -83,8 +83,9 @@ class Batch(JoiningRows):
         self.model, self.budget = model, budget
         self.rows: list[RowRun] = []
         self.shared: SharedRows = DynamicRows(model) if shared is None else shared
-        self.one_token = stateful(model)
-        """A hybrid's rows: one token each a step, undrafted (`forerun.rowstates`)."""
+        self.chains = stateful(model)
+        """A hybrid's rows: a row alone verifies chains (`forerun.base.lone_chain`), rows together one token each
+        a step (`forerun.rowstates`)."""
         self.policy = BatchPolicy(closed)
         """How the rows draft together (`forerun.costmodel.batch`)."""
 
@@ -102,7 +103,17 @@ class Batch(JoiningRows):
         """Each row's tree for this step (`forerun.costmodel.BatchPolicy.choose`)."""
         rows = self.rows
         roots, budgets = [row.root for row in rows], [row.budget for row in rows]
-        return self.policy.choose(roots, proposals, budgets, [row.steps_left() for row in rows])
+        return self.policy.choose(roots, proposals, budgets, [row.steps_left() for row in rows], self.shared.waiting)
+
+    def drafts(self, budgets: Sequence[Budget]) -> bool:
+        """Whether the rows propose this step: as the policy says; a hybrid's rows only alone, and not once more
+        tokens wait to be fed again than a tree's worth (they are then read plainly, as a single row's are)."""
+        if self.chains and (len(budgets) > 1 or self.shared.waiting >= budgets[0].max_nodes):
+            for row in self.rows:
+                if row.job.drafters and row.stats.fallback_reason is None and len(budgets) > 1:
+                    row.stats.fallback_reason = ONE_TOKEN
+            return False
+        return self.policy.drafting(budgets)
 
     @torch.inference_mode()
     def step(self) -> list[RowRun]:
@@ -120,7 +131,7 @@ class Batch(JoiningRows):
         t0 = time.perf_counter()
         self.shared.settle()
         self.policy.rebase(self.shared.slots)
-        drafting = self.policy.drafting(budgets)
+        drafting = self.drafts(budgets)
         if drafting:
             for row, cap in zip(rows, self.policy.proposal_caps(budgets), strict=True):
                 row.ctx.budget = cap
@@ -145,6 +156,8 @@ class Batch(JoiningRows):
         # 4. verify and 5. commit, per row; then keep each row's accepted path in the shared cache
         kept = self.commit_rows(selections, out, (t1 - t0) / len(rows), forward_s, tapped, layers)
         self.shared.keep(prefix_lens, kept, nodes)
+        if len(rows) == 1:
+            rows[0].stats.fed_again += self.shared.waiting  # a hybrid's chain accepted in part
         self.policy.learn(budgets, selections, kept, nodes, forward_s)
         self.policy.record(budgets, drafting, kept, time.perf_counter() - t0)
         finished = [row for row in rows if row.done]

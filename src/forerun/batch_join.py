@@ -30,8 +30,8 @@ from forerun.taps import LayerTaps, feature_layers
 from forerun.tree import TokenTree
 
 ONE_TOKEN = (
-    "a batch's rows of a model with recurrent states verify one token each a step (a state cannot step back to a "
-    "rejected guess; alone, a row verifies chains)"
+    "a batch's rows of a model with recurrent states verify one token each a step while other rows decode beside "
+    "them (a state cannot step back to a rejected guess; alone, a row verifies chains)"
 )
 
 
@@ -64,7 +64,7 @@ class JoiningRows:
     rows: list[RowRun]
     shared: SharedRows
     policy: BatchPolicy
-    one_token: bool
+    chains: bool
 
     @torch.inference_mode()
     def add(self, job: RowJob, budget: Budget | None = None, draft: bool | None = None) -> RowRun:
@@ -100,10 +100,10 @@ class JoiningRows:
         """Start a row's prefill: its drafters see the prompt, its cache is seeded from the prefix cache; nothing
         is fed yet (`feed` does, in one forward or in chunks)."""
         budget = (budget or self.budget).for_row(self.policy.costly)
-        if self.one_token and job.drafters:  # a hybrid's rows: their states cannot step back to a rejected guess
+        if self.chains and job.drafters and not budget.chain:  # a hybrid's whose trees are not cut to chains
             job = replace(job, drafters=[])
         row = RowRun.begin(job, budget)
-        if self.one_token:
+        if self.chains and not job.drafters and not budget.chain:
             row.stats.fallback_reason = ONE_TOKEN
         max_len = job.input_ids.shape[1] + job.max_new_tokens + budget.max_nodes
         own, row.stats.cached_prompt_tokens = self.shared.open(job.prefixes, row.ctx.tokens, max_len)
@@ -148,6 +148,7 @@ class JoiningRows:
         whose drafters read layers the base does not return (their hooks would see every row's forward at once)
         are fed one by one."""
         draft = not self.rows and len(joinings) == 1 if draft is None else draft
+        draft = draft and not self.chains  # a chain accepted in part would read the prompt's own cache twice
         if len(joinings) > 1 and any(self.hooked(joining) for joining in joinings):
             return [outcome for joining in joinings for outcome in self.feed_apart([joining], draft)]
         outcomes: list[RowRun | Exception | tuple[Selection, list[int], float]] = []

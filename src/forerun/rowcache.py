@@ -103,7 +103,7 @@ class RowCache:
         root first), gathered to the front of the new slots; the cache grows by the longest path."""
         slots, longest = self.slots, max(len(path) for path in kept)
         if nodes == 1:  # the roots alone: they already sit where they belong
-            self.visible = torch.cat([self.visible, torch.ones(len(kept), 1, dtype=torch.bool)], dim=1)
+            self.keep_all(1)
             return
         if self.states:
             raise ValueError(f"a hybrid's rows verify one token each a step (their states read all {nodes} fed)")
@@ -118,6 +118,10 @@ class RowCache:
             layer.keys, layer.values = keys[:, :, : slots + longest], values[:, :, : slots + longest]
         filled = torch.arange(longest)[None] < torch.tensor([len(path) for path in kept])[:, None]
         self.visible = torch.cat([self.visible, filled], dim=1)
+
+    def keep_all(self, fed: int) -> None:
+        """Every row keeps all `fed` slots the last forward wrote (roots alone; a lone hybrid row's chain)."""
+        self.visible = torch.cat([self.visible, torch.ones(self.visible.shape[0], fed, dtype=torch.bool)], dim=1)
 
     def drop(self, rows: Sequence[int]) -> None:
         """Keep only `rows` (indices, in order); slots no remaining row sees go, holes are compacted if many."""

@@ -462,7 +462,8 @@ def test_a_next_turn_in_the_worker_reads_only_its_new_message(static):
 
 def test_a_hybrids_concurrent_clients_share_its_batch(smollm2):
     """A hybrid (Qwen3.5's layout, random weights) served to 4 concurrent clients: they share the batch, one token
-    per row a step (its states a row each), and every answer is plain generate's for its prompt alone."""
+    per row a step (its states a row each), and every answer is plain generate's for its prompt alone. A request
+    alone in the batch then verifies chains of guesses."""
     _, tokenizer = smollm2
     model = tiny_model("qwen3_5_text", vocab_size=len(tokenizer))
     app = create_app(model, tokenizer, ServerConfig(MODEL, "auto", max_batch=4, max_tokens_limit=64))
@@ -480,11 +481,20 @@ def test_a_hybrids_concurrent_clients_share_its_batch(smollm2):
         reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=48, temperature=0)
         return reply.choices[0].message.content
 
+    def drafted() -> float:  # requests whose guesses were verified (their acceptance observed)
+        metrics = httpx.get(server.url + "/metrics").text
+        counts = [line for line in metrics.splitlines() if line.startswith("forerun_acceptance_count")]
+        return sum(float(line.split()[-1]) for line in counts)
+
     watcher = threading.Thread(target=watch_batch)
     watcher.start()
     try:
         with ThreadPoolExecutor(4) as pool:
             answers = list(pool.map(ask, range(4)))
+        watching.set()
+        before = drafted()
+        again = ask(0)  # alone: its chains are verified (the trie holds its answer)
+        assert drafted() == before + 1
     finally:
         watching.set()
         watcher.join()
@@ -492,4 +502,5 @@ def test_a_hybrids_concurrent_clients_share_its_batch(smollm2):
     for question, answer in zip(QUESTIONS[:4], answers, strict=True):
         messages = [{"role": "user", "content": question}]
         assert answer == plain_text((model, tokenizer), messages=messages, max_new_tokens=48), question
+    assert again == answers[0]
     assert widest[0] >= 2, "the requests never shared the batch"

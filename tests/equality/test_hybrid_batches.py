@@ -52,13 +52,15 @@ def test_a_hybrids_rows_decode_together_exactly(family):
     decoder = forerun.Decoder(model, None, "auto", latency=CURVE, latency_cache=None)
     assert decoder.batches
     results = dict(decoder.generate_each(requests, batch_size=3))
+    chains = family not in {"jamba", "mamba", "falcon_mamba"}  # whose chains' logits differ: one token a forward
     for index, want in enumerate(expected):
         assert torch.equal(results[index].sequences, want), index
-        assert results[index].stats.forwards == requests[index].max_new_tokens  # one token each a step
         assert "one token each a step" in results[index].stats.fallback_reason
+    # the last row decodes its tail alone, feeding chains of guesses where the model can
+    assert any(r.stats.fed_tokens > r.stats.forwards for r in results.values()) == chains
     alone = decoder.generate(requests[0].prompt, 20, eos_token_id=[])  # a lone row verifies chains where it can
     assert torch.equal(alone.sequences, expected[0])
-    assert (alone.stats.fallback_reason is None) == (family not in {"jamba", "mamba", "falcon_mamba"})
+    assert (alone.stats.fallback_reason is None) == chains
 
 
 @pytest.mark.parametrize("family", ["qwen3_5_text", "jamba", "lfm2"])
@@ -151,3 +153,56 @@ def test_a_hybrids_sampled_rows_and_the_drop_ins_batch_are_each_rows_own():
     )  # fmt: skip
     for row, text in enumerate(texts):
         assert torch.equal(out[row, 24 - text.shape[1] :], plain(model, text, 16)[0])
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "nemotron_h"])
+def test_a_lone_row_verifies_chains_and_feeds_its_waiting_tokens_before_a_row_joins(family):
+    """A row alone in a hybrid's batch feeds chains of guesses; where one is accepted in part its states are put
+    back and the accepted tokens wait. A row joining then finds them fed first (`DynamicRows.flush`), and both
+    rows, one token each a step, write generate's text."""
+    model = tiny_model(family)
+    decoder = forerun.Decoder(model, None, "prompt_lookup", latency=CURVE, latency_cache=None)
+    requests, expected = ragged_requests(model)
+    lone, joining = (decoder.prepare(request).job for request in (requests[2], requests[4]))  # 30 and 25 new
+    batch = Batch(model, decoder.budget)
+    row = batch.add(lone)
+    while not batch.shared.waiting:
+        assert batch.step() == [], "no chain was accepted in part"
+    assert row.stats.fed_tokens > row.stats.forwards and row.stats.fallback_reason is None
+    other = batch.add(joining)
+    assert batch.shared.waiting == 0 and len(batch.rows) == 2
+    while batch.rows:
+        batch.step()
+    assert torch.equal(lone.transcript.sequence, expected[2])
+    assert torch.equal(joining.transcript.sequence, expected[4])
+    assert "one token each a step" in other.stats.fallback_reason
+
+
+def test_a_lone_rows_whole_cache_seeds_its_next_turn_though_tokens_wait():
+    """A lone row that ends on a chain accepted in part (a prediction right for two tokens, then wrong, where the
+    target writes its EOS) leaves the cache for the text it did read: the next turn reads the rest, and writes
+    generate's text with logprobs within 1e-5 of reading it whole."""
+    model = tiny_model("qwen3_5_text")
+    decoder = forerun.Decoder(model, None, "plain", latency=CURVE, latency_cache=None)
+    text = prompts(1, 24, seed=3)[0]
+    answer = plain(model, text, 3)[0, 24:].tolist()
+    assert answer[2] not in answer[:2]
+    wrong = (answer[2] + 1) % model.config.vocab_size
+    request = forerun.GenerationRequest(text, 16, eos_token_id=[answer[2]], prediction=[*answer[:2], wrong])
+    first = decoder.prepare(request)
+    batch = Batch(model, decoder.budget)
+    row = batch.add(first.job)
+    while batch.rows:
+        batch.step()
+    assert row.stats.fed_again == 2 and row.stats.forwards == 2  # the prefill, then a chain of 3 accepted in part
+    turn = torch.cat([first.job.transcript.sequence, torch.tensor([[5, 6, 7]])], dim=1)
+    follow = decoder.prepare(forerun.GenerationRequest(turn, 12, eos_token_id=[], logprobs=1))
+    batch = Batch(model, decoder.budget)
+    row = batch.add(follow.job)
+    while batch.rows:
+        batch.step()
+    assert row.stats.cached_prompt_tokens == 24  # the prompt: the answer's first two tokens were never read
+    result = decoder.result(follow, row.stats)
+    assert torch.equal(result.sequences, plain(model, turn, 12))
+    read = forerun.Decoder(model, None, "plain", prefix_cache=0).generate(turn, 12, eos_token_id=[], logprobs=1)
+    assert max(abs(a.logprob - b.logprob) for a, b in zip(result.logprobs, read.logprobs, strict=True)) < 1e-5

@@ -30,7 +30,9 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from forerun.base.chain import chain_of
 from forerun.base.dynamic import TreeLogits, device_argmax, forward_tree
+from forerun.base.lone_chain import LoneChain
 from forerun.base.place_prefixes import seed_place, store_place
 from forerun.base.static import StaticBase
 from forerun.head import LogitsHead
@@ -99,6 +101,12 @@ class SharedRows(Protocol):
         """Before a forward: room left by rows that went is given back."""
         ...
 
+    @property
+    def waiting(self) -> int:
+        """Accepted tokens of a lone row that its next forward feeds again before its tree (a hybrid's chain
+        accepted in part: `forerun.base.lone_chain`); 0 elsewhere."""
+        ...
+
     def forward(self, prefix_lens: Sequence[int], trees: Sequence[TokenTree], nodes: int) -> RowsLogits:
         """One forward of every row's tree, in row order (`RowsLogits`)."""
         ...
@@ -136,10 +144,16 @@ class DynamicRows:
         self.attention = model.config._attn_implementation or "eager"
         self.head = LogitsHead(model)
         """The batch's forwards (its first prefill decides how the logits of a few positions are computed)."""
+        self.chain = LoneChain()
+        """A hybrid's lone row: its chains (`forerun.base.lone_chain`)."""
 
     @property
     def slots(self) -> int:
         return self.cache.slots
+
+    @property
+    def waiting(self) -> int:
+        return len(self.chain.pending)
 
     def open(self, prefixes: Prefixes | None, tokens: list[int], max_len: int) -> tuple[DynamicCache, int]:
         own = DynamicCache(config=self.model.config)
@@ -161,6 +175,7 @@ class DynamicRows:
     def admit(
         self, own: DynamicCache, prefix_len: int, path: list[int], prefixes: Prefixes | None, tokens: list[int]
     ) -> int:
+        self.flush()
         keep_accepted(own, prefix_len, path)
         if prefixes is not None:
             prefixes.store(tokens, own, prefix_len + len(path))
@@ -173,21 +188,44 @@ class DynamicRows:
         self.cache.settle()
 
     def forward(self, prefix_lens: Sequence[int], trees: Sequence[TokenTree], nodes: int) -> RowsLogits:
+        keep = None
+        if self.cache.states and len(trees) == 1 and (self.chain.pending or len(trees[0]) > 1):
+            keep = len(trees[0])  # a hybrid's lone row: its tokens waiting, then its chain
+            start, fed = self.chain.begin(self.cache.cache, prefix_lens[0], trees[0])
+            prefix_lens, trees, nodes = [start], [fed], len(fed)
+        elif self.chain.pending:
+            raise RuntimeError("a lone row's waiting tokens must be fed before other rows join (`flush`)")
+        logits = self.run(prefix_lens, trees, nodes, keep)[:, -(keep or nodes) :]  # [rows, nodes, vocab]
+        return RowsLogits(logits, range(len(trees)), device_argmax(logits), None)
+
+    def run(self, prefix_lens: Sequence[int], trees: Sequence[TokenTree], nodes: int, keep: int | None) -> torch.Tensor:
+        """The model's logits for the rows' trees (the last `keep` positions' at least; None: all)."""
         input_ids, position_ids, mask = self.pack(prefix_lens, trees, nodes)
-        logits = self.head(
+        return self.head(
+            keep,
             input_ids=input_ids,
             attention_mask=mask if self.attends else None,  # a state-space model reads a mask as padding
             position_ids=position_ids,
             cache=self.cache.cache,
             use_cache=True,
-        )  # [rows, nodes, vocab]
-        return RowsLogits(logits, range(len(trees)), device_argmax(logits), None)
+        )
+
+    def flush(self) -> None:
+        """Feed a lone row's waiting tokens alone (before another row joins: rows together feed one token each)."""
+        pending = self.chain.pending
+        if pending:
+            self.run([self.chain.start], [chain_of(pending)], len(pending), 1)
+            self.cache.keep_all(len(pending))
+            self.chain.pending, self.chain.start = [], self.chain.start + len(pending)
 
     def in_row_order(self, tapped: torch.Tensor | None) -> torch.Tensor | None:
-        return tapped
+        return tapped if tapped is None else tapped[:, self.chain.lead :]  # the tree's: not the tokens fed again
 
     def keep(self, prefix_lens: Sequence[int], kept: Sequence[list[int]], nodes: int) -> None:
-        self.cache.keep(kept, nodes)
+        if self.chain.fed:
+            self.cache.keep_all(self.chain.commit(self.cache.cache, self.cache.slots, len(kept[0])))
+        else:
+            self.cache.keep(kept, nodes)
 
     def compact(self) -> None:
         self.cache.compact()
@@ -200,9 +238,10 @@ class DynamicRows:
             if not self.cache.states:  # what it read (prompt, answer) for its next turn
                 prefixes.store(tokens, self.cache.row(places[index]), length)
             elif length <= len(tokens):  # a hybrid's whole cache, states included (not where a stop cut the text)
-                prefixes.keep_whole(tokens[:length], self.cache.row(places[index]))
+                held = length - self.waiting  # a lone row's: what its cache has read
+                prefixes.keep_whole(tokens[:held], self.cache.row(places[index]))
         if len(leaving) == len(places):
-            self.cache = RowCache(self.model.config)
+            self.cache, self.chain = RowCache(self.model.config), LoneChain()
         else:  # their places are kept for rows that join before the next step (`RowCache.refill`)
             self.cache.vacate([places[index] for index, *_ in leaving])
 
@@ -252,6 +291,8 @@ class StaticRows:
     @property
     def slots(self) -> int:
         return self.base.length
+
+    waiting = 0  # a static base's rows verify trees: nothing is fed again
 
     def open(self, prefixes: Prefixes | None, tokens: list[int], max_len: int) -> tuple[int, int]:
         reason = self.base.begin(max_len)

@@ -88,12 +88,14 @@ class BatchPolicy:
         proposals: Sequence[Sequence[TokenTree]],
         budgets: Sequence[Budget],
         steps_left: Sequence[float],
+        lead: int = 0,
     ) -> list[Selection]:
         """Each row's tree for this step: with cost models, one shared count of candidates (what is fed never
         changes what is written, greedy or sampled: `forerun.noise`, so timings may steer); with static budgets,
-        each row's share of its own node budget. `steps_left`: per row, what it has left to do (`weights`)."""
+        each row's share of its own node budget. `steps_left`: per row, what it has left to do (`weights`);
+        `lead`: tokens a lone row feeds again before its tree (a hybrid's, `forerun.base.lone_chain`)."""
         if len(budgets) == 1:
-            return [budgets[0].choose(roots[0], proposals[0])]
+            return [budgets[0].choose(roots[0], proposals[0], lead)]
         if all(isinstance(budget, CostModel) for budget in budgets):
             rankings = [budget.rank(root, p) for budget, root, p in zip(budgets, roots, proposals, strict=True)]
             correction = min(1.0, (self.accepted + BATCH_PRIOR) / (self.expected + BATCH_PRIOR))

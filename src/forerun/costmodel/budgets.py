@@ -34,6 +34,8 @@ class Budget(Protocol):
     timings (then a batch of its rows does not steer by timings either: `forerun.costmodel.batch`)."""
     switch: DraftSwitch | None
     """Whether a row's costly drafters draft this step (None: always)."""
+    chain: bool
+    """Whether it feeds one chain of the proposals (a model with recurrent states: `forerun.base.chain`)."""
 
     @property
     def curve(self) -> LatencyCurve | None: ...
