@@ -14,13 +14,16 @@ prompt of that many tokens before three users' messages; the third's prefill wit
 kept the cache after the head it shared with the first) and without. `--batch`: that many prompts at once (a
 comma list), one token per row a step in one batch, against the same prompts one after another (forerun and
 `generate` alone: what forerun did before a hybrid's rows could share a batch) and `generate` with the prompts
-left-padded into one batch; rounds interleaved.
+left-padded into one batch; rounds interleaved. `--lone`: each prediction also decoded as a batching server decodes
+its only request, a row alone in a `Batch` (chains, `forerun.base.lone_chain`), beside a single run, both without a
+prefix cache (before, such a row fed one token a step: `forerun plain`'s rate).
 
 Usage:
     .venv/bin/python benchmarks/hybrid_chains.py --threads 1 --out benchmarks/results/hybrid-chains-epyc.json
     .venv/bin/python benchmarks/hybrid_chains.py --threads 1 --every "" --prompts 0 --turn 400   # a next turn
     .venv/bin/python benchmarks/hybrid_chains.py --threads 1 --every "" --prompts 0 --shared 400  # a system prompt
     .venv/bin/python benchmarks/hybrid_chains.py --threads 2 --every "" --prompts 0 --batch 4,8   # batches
+    .venv/bin/python benchmarks/hybrid_chains.py --threads 1 --every 0,8,4 --lone    # a server's lone request
     python3 benchmarks/hybrid_chains.py --device cuda --dtype bf16 --out "$OUT/hybrid_chains.json"   # a card
 """
 
@@ -37,6 +40,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import forerun
+from forerun.batch import Batch
 
 SHAPE = dict(
     hidden_size=640,
@@ -149,6 +153,17 @@ def batches(model: torch.nn.Module, size: int, new_tokens: int, rounds: int = 2)
                 r.stats.forwards for r in alone), 2)}  # fmt: skip
 
 
+def alone_in_batch(decoder: forerun.Decoder, prompt: torch.Tensor, new_tokens: int, prediction: list[int]):
+    """The request decoded as a batching server decodes its only request: a row alone in a `Batch`."""
+    request = forerun.GenerationRequest(prompt, new_tokens, eos_token_id=[], prediction=prediction)
+    prepared = decoder.prepare(request)
+    batch = Batch(decoder.model, decoder.batch_budget())
+    row = batch.add(prepared.job)
+    while batch.rows:
+        batch.step()
+    return decoder.result(prepared, row.stats)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=1)
@@ -158,6 +173,7 @@ def main() -> None:
     parser.add_argument("--turn", type=int, default=0, help="a next turn after a first prompt of this many tokens")
     parser.add_argument("--shared", type=int, default=0, help="a system prompt of this many tokens, three users")
     parser.add_argument("--batch", default="", help="rows of one batch (a comma list) against one after another")
+    parser.add_argument("--lone", action="store_true", help="also alone in a batch (a server's only request)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
     parser.add_argument("--out", type=Path)
@@ -169,6 +185,7 @@ def main() -> None:
     prompts = [torch.randint(3, vocab, (1, 48), generator=generator).to(args.device) for _ in range(args.prompts)]
     decoder = forerun.Decoder(model, None, "prompt_lookup", latency_cache=None)  # the curve measured now
     plain = forerun.Decoder(model, None, "plain")
+    uncached = forerun.Decoder(model, None, "prompt_lookup", latency=decoder.budget.curve, prefix_cache=0)
     curve = decoder.budget.curve
     print("curve (relative to 1 token):", {n: round(curve.relative(n), 2) for n in (2, 4, 8, 16)}, flush=True)
     options = dict(max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
@@ -181,17 +198,20 @@ def main() -> None:
         seconds, result = timed(lambda p=prompt: plain.generate(p, args.new_tokens, eos_token_id=[]))
         rows.append({"prompt": round_, "method": "forerun plain", "seconds": seconds,
                      "same": torch.equal(result.sequences.cpu(), want.cpu()), "tokens_per_forward": 1.0})  # fmt: skip
+        ways = {"": lambda p, q: decoder.generate(p, args.new_tokens, eos_token_id=[], prediction=q)}
+        if args.lone:
+            ways[", single run"] = lambda p, q: uncached.generate(p, args.new_tokens, eos_token_id=[], prediction=q)
+            ways[", alone in a batch"] = lambda p, q: alone_in_batch(uncached, p, args.new_tokens, q)
         for every in everies:
             prediction = edited(answer, every, vocab)
-            seconds, result = timed(
-                lambda p=prompt, q=prediction: decoder.generate(p, args.new_tokens, eos_token_id=[], prediction=q)
-            )
-            stats = result.stats
-            rows.append({"prompt": round_, "method": f"prediction, every {every or 'none'} wrong",
-                         "seconds": seconds, "same": torch.equal(result.sequences.cpu(), want.cpu()),
-                         "tokens_per_forward": round(stats.tokens_per_forward, 2), "fed_again": stats.fed_again,
-                         "fed_per_forward": round(stats.mean_fed, 2)})  # fmt: skip
-        for row in rows[-2 - len(everies) :]:
+            for way, run in ways.items():
+                seconds, result = timed(lambda p=prompt, q=prediction, run=run: run(p, q))
+                stats = result.stats
+                rows.append({"prompt": round_, "method": f"prediction, every {every or 'none'} wrong{way}",
+                             "seconds": seconds, "same": torch.equal(result.sequences.cpu(), want.cpu()),
+                             "tokens_per_forward": round(stats.tokens_per_forward, 2), "fed_again": stats.fed_again,
+                             "fed_per_forward": round(stats.mean_fed, 2)})  # fmt: skip
+        for row in rows[-2 - len(everies) * len(ways) :]:
             print(json.dumps(row), flush=True)
     summary = {}
     if args.turn:
