@@ -206,3 +206,19 @@ def test_a_lone_rows_whole_cache_seeds_its_next_turn_though_tokens_wait():
     assert torch.equal(result.sequences, plain(model, turn, 12))
     read = forerun.Decoder(model, None, "plain", prefix_cache=0).generate(turn, 12, eos_token_id=[], logprobs=1)
     assert max(abs(a.logprob - b.logprob) for a, b in zip(result.logprobs, read.logprobs, strict=True)) < 1e-5
+
+
+def test_a_sampled_lone_row_in_a_batch_writes_its_seeds_text():
+    """A seeded sampled request alone in a batch (chains drafted, put back where accepted in part) writes what the
+    same request writes in a single run."""
+    model = tiny_model("qwen3_5_text")
+    decoder = forerun.Decoder(model, None, "prompt_lookup", latency=CURVE, latency_cache=None, prefix_cache=0)
+    text = prompts(1, 24, seed=5)[0]
+    request = forerun.GenerationRequest.of(text, 40, eos_token_id=[], do_sample=True, seed=11, temperature=0.7)
+    prepared = decoder.prepare(request)
+    batch = Batch(model, decoder.budget)
+    row = batch.add(prepared.job)
+    while batch.rows:
+        batch.step()
+    assert row.stats.fed_tokens > row.stats.forwards
+    assert torch.equal(decoder.result(prepared, row.stats).sequences, decoder.generate(request).sequences)
