@@ -108,10 +108,12 @@ class Batch(JoiningRows):
     def drafts(self, budgets: Sequence[Budget]) -> bool:
         """Whether the rows propose this step: as the policy says; a hybrid's rows only alone, and not once more
         tokens wait to be fed again than a tree's worth (they are then read plainly, as a single row's are)."""
-        if self.chains and (len(budgets) > 1 or self.shared.waiting >= budgets[0].max_nodes):
+        if self.chains and len(budgets) > 1:
             for row in self.rows:
-                if row.job.drafters and row.stats.fallback_reason is None and len(budgets) > 1:
+                if row.job.drafters and row.stats.fallback_reason is None:
                     row.stats.fallback_reason = ONE_TOKEN
+            return False
+        if self.chains and self.shared.waiting >= budgets[0].max_nodes:
             return False
         return self.policy.drafting(budgets)
 

@@ -100,7 +100,7 @@ class JoiningRows:
         """Start a row's prefill: its drafters see the prompt, its cache is seeded from the prefix cache; nothing
         is fed yet (`feed` does, in one forward or in chunks)."""
         budget = (budget or self.budget).for_row(self.policy.costly)
-        if self.chains and job.drafters and not budget.chain:  # a hybrid's whose trees are not cut to chains
+        if self.chains and job.drafters and not budget.chain:  # a hybrid whose chains are not exact: one token a step
             job = replace(job, drafters=[])
         row = RowRun.begin(job, budget)
         if self.chains and not job.drafters and not budget.chain:

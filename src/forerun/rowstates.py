@@ -5,7 +5,8 @@ that a forward advances through every token it is fed: `[rows, ...]` tensors wit
 need none of the slot bookkeeping the keys need (padding, holes, compaction): a row's states are its row of each
 tensor. A joining row's own cache is appended (or written into a vacant place), a leaving row's row is dropped,
 and a row's own states are sliced out for the prefix cache. A batch of such rows feeds one token per row a step:
-a rejected guess cannot be taken out of a state, and the rows' chains would have to be put back row by row.
+a rejected guess cannot be taken out of a state, and the rows' chains would have to be put back row by row (a row
+alone in its batch verifies chains: `forerun.base.lone_chain`).
 
     layer with states, 3 rows          conv_states[0] [3, channels, kernel]   recurrent_states[0] [3, heads, dk, dv]
     row 1 leaves, a row joins there    conv_states[0][1] = the new row's      recurrent_states[0][1] = the new row's

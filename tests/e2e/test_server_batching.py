@@ -504,3 +504,40 @@ def test_a_hybrids_concurrent_clients_share_its_batch(smollm2):
         assert answer == plain_text((model, tokenizer), messages=messages, max_new_tokens=48), question
     assert again == answers[0]
     assert widest[0] >= 2, "the requests never shared the batch"
+
+
+def test_a_hybrids_lone_stream_cut_off_and_requests_joining_it_keep_their_own_answers(smollm2):
+    """A hybrid server's lone streamed request (its chains put back where accepted in part) is joined by a second
+    request, then its client goes away mid-stream; the second answer, and a third asked alone after, are plain
+    generate's, and the batch empties."""
+    _, tokenizer = smollm2
+    model = tiny_model("qwen3_5_text", vocab_size=len(tokenizer))
+    app = create_app(model, tokenizer, ServerConfig(MODEL, "auto", max_batch=4, max_tokens_limit=256))
+    server = LiveServer(app)
+    client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+    def ask(index: int) -> str:
+        messages = [{"role": "user", "content": QUESTIONS[index]}]
+        return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=32, temperature=0)
+
+    try:
+        ask(0)  # the trie learns an answer: the stream below drafts from the start
+        messages = [{"role": "user", "content": QUESTIONS[0]}]
+        stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=256, stream=True)
+        chunks = iter(stream)
+        next(chunks), next(chunks)
+        with ThreadPoolExecutor(1) as pool:
+            joined = pool.submit(ask, 1)
+            time.sleep(0.3)
+            stream.close()  # the client goes away while the other request decodes beside it
+            second = joined.result().choices[0].message.content
+        third = ask(2).choices[0].message.content
+        deadline = time.monotonic() + 20
+        while httpx.get(server.url + "/health").json()["queue"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert httpx.get(server.url + "/health").json()["queue"] == 0
+    finally:
+        server.stop()
+    for index, answer in ((1, second), (2, third)):
+        messages = [{"role": "user", "content": QUESTIONS[index]}]
+        assert answer == plain_text((model, tokenizer), messages=messages, max_new_tokens=32), index

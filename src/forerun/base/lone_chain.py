@@ -17,7 +17,8 @@ Example:
     >>> from transformers import DynamicCache
     >>> chain = LoneChain()
     >>> tree = TokenTree.rooted_at(5)
-    >>> tree.add_chain(0, [6, 7])
+    >>> tree.add_chain(0, [6, 7])                                              # the guesses' nodes
+    [1, 2]
     >>> start, fed = chain.begin(DynamicCache(), prefix_len=11, tree=tree)
     >>> start, fed.tokens, chain.lead
     (11, [5, 6, 7], 0)
