@@ -44,14 +44,14 @@ PYTEST := $(BIN)/python -m pytest -q -p no:cacheprovider -n auto --maxprocesses 
 test: setup lint docs
 	$(PYTEST) --doctest-modules src/forerun tests
 
-# A few minutes' check while working: the unit tests (tests/unit: no real model) and an equality slice of
-# tests/equality (three families, every method; batches, sampling's negative controls and its seeds: a draw read
-# at another position's noise fails there). tests/e2e (the real model, the server, the CLI) runs in `make test`,
+# A few minutes' check while working: the doctests, the unit tests (tests/unit: no real model) and an equality
+# slice of tests/equality (three families, every method; batches, sampling's negative controls and its seeds: a
+# draw read at another position's noise fails there). tests/e2e (the real model, the server, the CLI) runs in `make test`,
 # which CI runs.
 FAST_SLICE := tests/equality/test_equality_families.py tests/equality/test_batch.py tests/equality/test_sampling.py
 
 test-fast: setup lint
-	$(PYTEST) -m "not real_model" tests/unit
+	$(PYTEST) -m "not real_model" --doctest-modules src/forerun tests/unit
 	$(PYTEST) -m "not real_model" $(FAST_SLICE) \
 		-k "llama or gpt2 or qwen3 or hand or negative or control or seed"
 
