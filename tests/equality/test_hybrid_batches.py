@@ -6,11 +6,14 @@ decode one after another."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import forerun
+from forerun.base.rows import DynamicRows
 from forerun.batch import Batch
 from forerun.costmodel import LatencyCurve
 from forerun.rowstates import state_rows_support
@@ -222,3 +225,63 @@ def test_a_sampled_lone_row_in_a_batch_writes_its_seeds_text():
         batch.step()
     assert row.stats.fed_tokens > row.stats.forwards
     assert torch.equal(decoder.result(prepared, row.stats).sequences, decoder.generate(request).sequences)
+
+
+def random_requests(rng: random.Random) -> list[forerun.GenerationRequest]:
+    """1-4 requests of 5-60 tokens (half repeating their own head, so that prompt lookup finds guesses), 1-30 new
+    tokens each, a third of them sampled with a seed."""
+    requests = []
+    for _ in range(rng.choice([1, 2, 3, 4])):
+        text = prompts(1, rng.choice([5, 12, 30]), seed=rng.randrange(1000))[0]
+        if rng.random() < 0.5:
+            text = torch.cat([text, text[:, : rng.randrange(1, text.shape[1] + 1)]], dim=1)
+        sampled = dict(do_sample=True, seed=rng.randrange(100), temperature=0.8) if rng.random() < 0.3 else {}
+        requests.append(forerun.GenerationRequest.of(text, rng.choice([1, 5, 17, 30]), eos_token_id=[], **sampled))
+    return requests
+
+
+def run_arrivals(rng: random.Random, model, decoder, requests) -> list:
+    """The requests joining one batch at random steps, as a server's arrive: whole, or in chunks of 3 or 7 tokens
+    between the running rows' steps. Returns them prepared, their rows' transcripts filled."""
+    batch, waiting, joined, joining = Batch(model, decoder.budget), [decoder.prepare(r) for r in requests], [], None
+    while waiting or batch.rows or joining:
+        if joining is None and waiting and (not batch.rows or rng.random() < 0.3):
+            prepared = waiting.pop(0)
+            if rng.random() < 0.5:
+                joining = (prepared, batch.begin(prepared.job))
+            else:
+                batch.add(prepared.job)
+                joined.append(prepared)
+        if joining is not None and batch.feed(joining[1], chunk=rng.choice([3, 7, None])) is not None:
+            joined.append(joining[0])
+            joining = None
+        if batch.rows:
+            batch.step()
+    return joined
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_arrivals_in_a_hybrids_batch_keep_each_rows_text(seed, monkeypatch):
+    """Random hybrids, methods and arrivals (rows joining a lone row's chains, whole or in chunks, leaving at their
+    own lengths, greedy and seeded sampling): every row is its own plain text, and some joins found tokens waiting
+    (the lone row's chains were accepted in part)."""
+    flushes, flush = [], DynamicRows.flush
+
+    def counted(rows: DynamicRows) -> None:
+        flushes.append(rows.waiting)
+        flush(rows)
+
+    monkeypatch.setattr(DynamicRows, "flush", counted)
+    rng = random.Random(seed)
+    for _ in range(12):
+        model = tiny_model(rng.choice(["qwen3_5_text", "nemotron_h", "granitemoehybrid", "lfm2", "falcon_h1"]))
+        method = rng.choice(["prompt_lookup", "auto", "jacobi", "trie"])
+        decoder = forerun.Decoder(model, None, method, latency=CURVE, latency_cache=None)
+        for prepared in run_arrivals(rng, model, decoder, random_requests(rng)):
+            request = prepared.request
+            if request.do_sample:  # its seed's undrafted text
+                want = forerun.Decoder(model, None, "plain").generate(request).sequences
+            else:
+                want = plain(model, request.prompt, request.max_new_tokens)
+            assert torch.equal(prepared.job.transcript.sequence, want), (method, request)
+    assert any(flushes)
