@@ -42,9 +42,20 @@ TESTED_FAMILIES = frozenset(
 PROBE_IDS = (11, 7, 19, 5, 23, 13, 29, 17, 31, 37)
 """The probe's text: ten token ids (any ids serve: the two feeds are compared on the same tokens)."""
 
-TOLERANCE = {"exact": 1e-4, "rounded": 5e-2}
+TOLERANCE = {"exact": 1e-4, "rounded": 5e-2, "rounded states": 1.5e-2}
 """The largest difference allowed, as a share of the logits' spread: fp32 feeds differ by ~1e-6 of it (rounding in
-another order), bf16 ones by ~6e-3 (SmolLM2-135M); a wrong position or mask moves logits by a large share."""
+another order), bf16 ones by ~6e-3 (SmolLM2-135M); a wrong position or mask moves logits by a large share. A model
+with recurrent states is held closer in low precision: a chain or a batch row computed another way than its forward
+moves logits by little (RecurrentGemma's: 3.5-4e-2 of the spread, in fp32 as in bf16) yet writes other text past
+ties; the hybrids tested differ by at most 5e-3 in bf16 (Jamba's chains)."""
+
+
+def allowed_share(model: torch.nn.Module, states: bool = False) -> float:
+    """The `TOLERANCE` `model`'s probes are held to: exact in fp32 with dense weights, rounded otherwise (closer for
+    the probes of a model's recurrent states, `states`)."""
+    if model.dtype == torch.float32 and weights_kind(model) is None:
+        return TOLERANCE["exact"]
+    return TOLERANCE["rounded states" if states else "rounded"]
 
 
 def check_feed(model: torch.nn.Module, trees: bool) -> str | None:
@@ -56,7 +67,7 @@ def check_feed(model: torch.nn.Module, trees: bool) -> str | None:
     if kind in TESTED_FAMILIES:
         return None
     logger.info("forerun: checking how %s takes a fed text (a family forerun's tests do not cover)", kind)
-    allowed = TOLERANCE["exact" if model.dtype == torch.float32 and weights_kind(model) is None else "rounded"]
+    allowed = allowed_share(model)
     with torch.inference_mode():
         share = steps_share(model)
         if share > allowed:

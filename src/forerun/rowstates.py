@@ -110,10 +110,9 @@ def state_rows_support(model: torch.nn.Module) -> str | None:
     forward, else why not. The probe, as a batch runs: three prompts of 6, 10 and 8 tokens prefilled alone and
     spliced in (attention layers left-padded, states appended), one step of every row; the second row leaves, a
     fourth joins into its place, and a second step; each row's logits against one plain forward over its text
-    (beyond `feed_probe.TOLERANCE`: a layer that reads a 4-D mask its own way, a state kept outside the cache)."""
+    (beyond `feed_probe.allowed_share`: a layer that reads a 4-D mask its own way, a state kept outside the cache)."""
     from forerun.base.rows import DynamicRows  # noqa: PLC0415 - the probe's parts, only where it runs
-    from forerun.base.weights import weights_kind  # noqa: PLC0415
-    from forerun.feed_probe import TOLERANCE, own_logits, probe_ids, share_of_spread  # noqa: PLC0415
+    from forerun.feed_probe import allowed_share, own_logits, probe_ids, share_of_spread  # noqa: PLC0415
     from forerun.tree import TokenTree  # noqa: PLC0415
 
     ids = probe_ids(model)
@@ -143,7 +142,7 @@ def state_rows_support(model: torch.nn.Module) -> str | None:
             step([texts[0], texts[3], texts[2]], ids[0])
     except Exception as error:  # noqa: BLE001 - any failure means: not this way
         return f"{type(model).__name__} failed a batch's forward ({type(error).__name__}: {error})"
-    allowed = TOLERANCE["exact" if model.dtype == torch.float32 and weights_kind(model) is None else "rounded"]
+    allowed = allowed_share(model, states=True)
     if max(shares) > allowed:
         share = max(shares)
         return f"{type(model).__name__} gives a batch's rows other logits than their own ({share:.2g} of their spread)"

@@ -186,12 +186,11 @@ class ChainBase:
 def chain_support(model: torch.nn.Module) -> str | None:
     """None where `model` (with recurrent states) verifies chains exactly on a `ChainBase`, else why not: its cache
     holds something that cannot be copied or cut, or a chain's logits there differ from the model's own forward over
-    the same tokens (beyond `feed_probe.TOLERANCE`; a state-space model whose multi-token forward is another
+    the same tokens (beyond `feed_probe.allowed_share`; a state-space model whose multi-token forward is another
     computation than its one-token step). The probe, over 12 tokens: a prefill of 5, a chain of 4 with its last
     guess rejected (the states put back), a chain of 2 after the 3 accepted fed again, accepted whole, and a chain of
     2 after it, each against one plain forward over the text."""
-    from forerun.base.weights import weights_kind  # noqa: PLC0415 - the probe's helpers, only where it runs
-    from forerun.feed_probe import TOLERANCE, own_logits, probe_ids, share_of_spread  # noqa: PLC0415
+    from forerun.feed_probe import allowed_share, own_logits, probe_ids, share_of_spread  # noqa: PLC0415 - probe's
 
     name = type(model).__name__
     ids = probe_ids(model)
@@ -212,7 +211,7 @@ def chain_support(model: torch.nn.Module) -> str | None:
     except Exception as error:  # noqa: BLE001 - any failure means: not this way
         return f"{name} failed a chain forward ({type(error).__name__}: {error})"
     share = max(share_of_spread(got, want[at : at + len(got)]) for got, at in ((first, 5), (second, 8), (third, 10)))
-    allowed = TOLERANCE["exact" if model.dtype == torch.float32 and weights_kind(model) is None else "rounded"]
+    allowed = allowed_share(model, states=True)
     if share > allowed:
         return (
             f"{name} gives a chain of guesses after its states other logits than one forward over the same text "
