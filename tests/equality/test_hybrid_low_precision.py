@@ -10,6 +10,7 @@ import functools
 
 import pytest
 import torch
+from test_hybrid_batches import state_space
 
 import forerun
 from forerun.base.chain import chain_support
@@ -19,7 +20,7 @@ from forerun.exactness import first_divergence
 from forerun.feed_probe import TOLERANCE
 from forerun.rowstates import state_rows_support
 
-from tiny_models import STATEFUL_FAMILIES, prompts, tiny_model
+from tiny_models import STATE_SPACE_FAMILIES, STATEFUL_FAMILIES, prompts, tiny_model
 
 CURVE = LatencyCurve((1, 2, 4, 8, 16, 32, 64), (1.0, 1.0, 1.0, 1.2, 1.4, 1.9, 2.9))
 NEW_TOKENS = 30
@@ -27,7 +28,7 @@ NEW_TOKENS = 30
 
 @functools.lru_cache(maxsize=4)
 def low(family: str, dtype: str) -> torch.nn.Module:
-    model = tiny_model(family).to(torch.bfloat16)
+    model = (state_space(family) if family in STATE_SPACE_FAMILIES else tiny_model(family)).to(torch.bfloat16)
     if dtype == "int4":
         quantize_weights(model, "int4")  # in place
     return model
@@ -51,13 +52,15 @@ def divergences(model: torch.nn.Module, decoder: forerun.Decoder) -> list:
     return found
 
 
-@pytest.mark.parametrize("family", sorted(STATEFUL_FAMILIES))
+@pytest.mark.parametrize("family", sorted(STATEFUL_FAMILIES) + sorted(STATE_SPACE_FAMILIES))
 def test_a_hybrid_in_bf16_differs_from_generate_only_at_ties(family):
+    """Falcon-Mamba's chains differ by 0.17 of the spread and decode one token per forward; Mamba's by 5e-3 in fp32
+    (one token per forward there), below rounding in bf16, where its chains are verified."""
     model = low(family, "bf16")
     decoder = forerun.Decoder(model, None, "auto", latency=CURVE, latency_cache=None)
     found = divergences(model, decoder)
     assert all(d is None or d.is_tie for d in found), found
-    assert (decoder.fallback_reason is None) == (family != "recurrent_gemma"), decoder.fallback_reason
+    assert (decoder.fallback_reason is None) == (family not in {"recurrent_gemma", "falcon_mamba"})
 
 
 @pytest.mark.parametrize("family", ["qwen3_5_text", "nemotron_h", "lfm2", "recurrent_gemma"])
