@@ -103,8 +103,9 @@ def make_base(
     if wanted is False or (wanted is None and device_type != "cuda"):
         return None
     reason = static_support(model)
-    if reason is not None:
-        logger.warning("forerun: no static cache for this model (%s); using the growing cache", reason)
+    if reason is not None:  # a warning where it was asked for; by default (a card's) the growing cache is the plan
+        level = logging.WARNING if wanted else logging.INFO
+        logger.log(level, "forerun: no static cache for this model (%s); using the growing cache", reason)
         return None
     features = graph_features(model, read)
     if read and not features:

@@ -322,7 +322,8 @@ def tree_support(model: torch.nn.Module) -> str | None:
     if stateful(model):
         return (
             f"{type(model).__name__} keeps recurrent or convolution states (state-space, linear-attention or "
-            "short-convolution layers), which cannot step back to a rejected guess: one token per forward"
+            "short-convolution layers), which cannot step back to a rejected guess: no trees (a chain of guesses a "
+            "step where its chains are exact, else one token per forward)"
         )
     if alibi_by_key_place(model.config):
         return (
