@@ -190,7 +190,7 @@ def chain_support(model: torch.nn.Module) -> str | None:
     computation than its one-token step). The probe, over 12 tokens: a prefill of 5, a chain of 4 with its last
     guess rejected (the states put back), a chain of 2 after the 3 accepted fed again, accepted whole, and a chain of
     2 after it, each against one plain forward over the text."""
-    from forerun.feed_probe import allowed_share, own_logits, probe_ids, share_of_spread  # noqa: PLC0415 - probe's
+    from forerun.feed_probe import allowed_share, own_logits, probe_ids, share_of_spread  # noqa: PLC0415 - where it runs
 
     name = type(model).__name__
     ids = probe_ids(model)
