@@ -23,7 +23,8 @@ class RowCache:
     def __init__(self, config) -> None:
         self.cache = roomy_cache(config)  # new slots written in place: no copy of every row's cache each step
         self.states = any(has_states(layer) for layer in self.cache.layers)
-        """A hybrid's: layers with recurrent states, a row each (`forerun.rowstates`); one token per row a step."""
+        """A hybrid's: layers with recurrent states, a row each (`forerun.rowstates`); rows together feed one token
+        each a step, a lone row chains (`forerun.base.lone_chain`)."""
         self.visible = torch.zeros(0, 0, dtype=torch.bool)  # [rows, slots]
         self.vacant: list[int] = []
         """Cache rows whose row left (`vacate`): a joining row is written into one in place (`add`), and those still

@@ -11,6 +11,7 @@ import functools
 import pytest
 import torch
 from test_hybrid_batches import state_space
+from test_low_precision import reference
 
 import forerun
 from forerun.base.chain import chain_support
@@ -45,9 +46,7 @@ def divergences(model: torch.nn.Module, decoder: forerun.Decoder) -> list:
     results += decoder.generate(texts(), NEW_TOKENS, eos_token_id=[])
     found = []
     for text, result in zip(texts() * 2, results, strict=True):
-        out = model.generate(text, max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
-                             return_dict_in_generate=True, eos_token_id=None, pad_token_id=0)  # fmt: skip
-        expected, logits = out.sequences[0, text.shape[1] :].tolist(), [row[0] for row in out.logits]
+        expected, logits = reference(model, text, NEW_TOKENS)
         found.append(first_divergence(expected, result.new_tokens, logits, model.dtype))
     return found
 
