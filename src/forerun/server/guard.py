@@ -105,7 +105,7 @@ class Guard:
         while more:  # read the whole body, counting as it comes (a chunked body declares no length)
             try:
                 message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 seconds = self.config.body_timeout_s
                 await self.reject(scope, send, 408, f"request body not received within {seconds:g} s", "timeout")
                 return
