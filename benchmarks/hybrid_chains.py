@@ -24,6 +24,7 @@ Usage:
     .venv/bin/python benchmarks/hybrid_chains.py --threads 1 --every "" --prompts 0 --shared 400  # a system prompt
     .venv/bin/python benchmarks/hybrid_chains.py --threads 2 --every "" --prompts 0 --batch 4,8   # batches
     .venv/bin/python benchmarks/hybrid_chains.py --threads 1 --every 0,8,4 --lone    # a server's lone request
+    .venv/bin/python benchmarks/hybrid_chains.py --threads 1 --family lfm2   # convolution windows, cut back
     python3 benchmarks/hybrid_chains.py --device cuda --dtype bf16 --out "$OUT/hybrid_chains.json"   # a card
 """
 
@@ -57,10 +58,23 @@ SHAPE = dict(
     max_position_embeddings=4096,
 )
 """About 170M parameters (SmolLM2-135M's vocabulary and scale), every fourth layer full attention."""
+LFM2_SHAPE = dict(
+    hidden_size=768,
+    intermediate_size=3072,  # 2048 after LFM2's own adjustment (two thirds, rounded to 256)
+    num_hidden_layers=16,
+    num_attention_heads=12,
+    num_key_value_heads=4,
+    full_attn_idxs=[2, 5, 8, 10, 12, 14],  # LFM2-350M's layout: 10 short convolutions, 6 attention layers
+    vocab_size=49152,
+    max_position_embeddings=4096,
+)
+"""About 150M parameters, laid out as LFM2-350M is (`--family lfm2`): its states are convolution windows only."""
 
 
-def hybrid(seed: int = 0, dtype: torch.dtype = torch.float32, device: str = "cpu") -> torch.nn.Module:
-    config = AutoConfig.for_model("qwen3_5_text", **SHAPE)
+def hybrid(
+    seed: int = 0, dtype: torch.dtype = torch.float32, device: str = "cpu", family: str = "qwen3_5_text"
+) -> torch.nn.Module:
+    config = AutoConfig.for_model(family, **(LFM2_SHAPE if family == "lfm2" else SHAPE))
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config, dtype=dtype).to(device).eval()
 
@@ -174,12 +188,14 @@ def main() -> None:
     parser.add_argument("--shared", type=int, default=0, help="a system prompt of this many tokens, three users")
     parser.add_argument("--batch", default="", help="rows of one batch (a comma list) against one after another")
     parser.add_argument("--lone", action="store_true", help="also alone in a batch (a server's only request)")
+    parser.add_argument("--family", default="qwen3_5_text", choices=("qwen3_5_text", "lfm2"), help="the shape")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    model = hybrid(dtype=torch.float32 if args.dtype == "fp32" else torch.bfloat16, device=args.device)
+    dtype = torch.float32 if args.dtype == "fp32" else torch.bfloat16
+    model = hybrid(dtype=dtype, device=args.device, family=args.family)
     vocab = model.config.vocab_size
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, vocab, (1, 48), generator=generator).to(args.device) for _ in range(args.prompts)]
@@ -235,8 +251,12 @@ def main() -> None:
         }
         print(method, summary[method], flush=True)
     device = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or platform.machine()
+    shape, relative = (
+        LFM2_SHAPE if args.family == "lfm2" else SHAPE,
+        {n: round(curve.relative(n), 3) for n in (2, 4, 8, 16)},
+    )
     env = {"device": device, "dtype": args.dtype, "threads": args.threads, "torch": torch.__version__,
-           "shape": SHAPE, "curve": {n: round(curve.relative(n), 3) for n in (2, 4, 8, 16)}}  # fmt: skip
+           "family": args.family, "shape": shape, "curve": relative}  # fmt: skip
     if args.out:
         args.out.write_text(json.dumps({"env": env, "summary": summary, "rows": rows}, indent=1))
 

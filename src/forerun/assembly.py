@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from forerun.base.chain import ChainBase, chain_support
+from forerun.base.chain import ChainBase, chain_support, crops_states
 from forerun.base.static import StaticBase, graph_features, static_support
 from forerun.base.weights import weights_kind
 from forerun.batch import batchable
@@ -166,6 +166,7 @@ def make_budget(
         reproducible=reproducible,
         switch=DraftSwitch(probing=FIRST_PROBE_STEPS, paired=True),
         chain=chain,
+        refeeds=not (chain and crops_states(model)),
     )
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import forerun
-from forerun.base.chain import ChainBase, chain_of, chain_support, copy_states, put_back
+from forerun.base.chain import ChainBase, chain_of, chain_support, copy_states, crops_states, put_back, state_layers
 from forerun.costmodel import CostModel, LatencyCurve, StaticBudget
 from forerun.feed_probe import own_logits, share_of_spread
 from forerun.latency import measure_curve
@@ -54,6 +54,19 @@ def test_the_head_of_a_partly_accepted_chain_is_priced_as_fed_again():
     assert CostModel(STEEP, 16, chain=True).choose(1, [guess]).tree.tokens == [1]
 
 
+def test_a_chain_whose_states_are_cut_back_is_priced_as_a_tree_but_never_padded():
+    """Where nothing is fed again (`refeeds=False`: convolution windows cut back), the 0.65 guess pays as it does in
+    a tree; the chain is still never padded to a cheaper size (padding would flow into the states)."""
+    guess = TokenTree.rooted_at(1)
+    guess.add(0, 2, source="t", score=0.65)
+    assert CostModel(STEEP, 16, chain=True, refeeds=False).choose(1, [guess]).tree.tokens == [1, 2]
+    jagged = LatencyCurve((1, 2, 3, 4, 5), (10.0, 15.0, 19.5, 16.0, 25.0))
+    sure = TokenTree.rooted_at(1)
+    sure.add_chain(0, [2, 3], source="t", scores=1.0)
+    assert CostModel(jagged, 16, chain=True, refeeds=False).choose(1, [sure]).tree.tokens == [1, 2, 3]
+    assert CostModel(STEEP, 16, chain=True, refeeds=False).for_row().refeeds  # a batch's lone row feeds again
+
+
 def test_a_fixed_budget_feeds_the_first_proposals_line():
     budget = StaticBudget(3, chain=True)
     selection = budget.choose(1, [branching()])
@@ -80,6 +93,35 @@ def test_the_base_puts_the_states_back_and_feeds_the_accepted_head_again():
         assert base.cache.get_seq_length() == 10
         with pytest.raises(ValueError, match="chains only"):
             base.forward(branching(), 10, ())
+
+
+def test_convolution_windows_are_cut_back_and_nothing_is_fed_again():
+    """LFM2's states are the last few inputs of each short convolution: a chain's are recorded, and where 2 of 4
+    are kept the windows are cut back to end at the second (and attention to 8 tokens); the next chain, fed with
+    nothing before it, gives the logits of one forward over the text. Cut one token further back, they do not."""
+    model = tiny_model("lfm2")
+    ids = [11, 7, 19, 5, 23, 13, 29, 17, 31, 37]
+    want = own_logits(model, ids)[8:]
+    assert crops_states(model) and not crops_states(tiny_model("qwen3_next"))
+    shares = []
+    for extra in (0, 1):
+        base = ChainBase(model)
+        base.begin(32)
+        with torch.inference_mode():
+            base.forward(TokenTree.rooted_at(ids[5]), 5, ids[:5])
+            base.commit(5, [0])
+            base.forward(chain_of([ids[6], ids[7], 3, 4]), 6, ())
+            assert base.recorded and base.copies is None
+            if extra:
+                base.fed.append(0)  # the windows cut as if one more token had been rejected: a wrong state
+            assert base.commit(6, [0, 1]) == 0 and base.pending == []
+            assert base.cache.get_seq_length() == 8
+            assert all(not layer.record_past for layer in state_layers(base.cache))
+            widths = {t.shape[-1] for layer in state_layers(base.cache) for t in layer.conv_states.values()}
+            assert widths == {model.config.conv_L_cache}
+            got = base.forward(chain_of(ids[8:]), 8, ()).logits
+        shares.append(share_of_spread(got, want))
+    assert shares[0] < 1e-5 < shares[1]
 
 
 def test_a_cache_that_read_past_its_text_is_not_kept():

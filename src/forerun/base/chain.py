@@ -13,6 +13,11 @@ right. The cost model prices those tokens (`CostModel.chain`), so a chain is fed
     g2 rejected:  states put back, keys cut to L   [p0 .. p{L-1}]        r g1 pending, t (the target's) the root
     next step:    [p0 .. p{L-1} | r g1 t h1 h2]    r g1 fed again before the next chain
 
+A model whose states are convolution windows only (LFM2: the last few inputs of each short convolution, no
+recurrent state) needs neither: transformers records a layer's inputs during a step (`activate_past_recording`)
+and cuts the window back to end at the last accepted token (`crop`), as keys and values are cut, so nothing is
+fed again (`croppable`; `CostModel.refeeds` is then off).
+
 Example:
     >>> base = ChainBase(model)                                            # doctest: +SKIP
     >>> base.begin(max_len=512)                                            # doctest: +SKIP
@@ -70,6 +75,35 @@ def put_back(cache: DynamicCache, copies: StateCopy, length: int) -> None:
             cut(layer, length)
 
 
+def state_layers(cache: DynamicCache) -> list[LinearAttentionCacheLayerMixin]:
+    return [layer for layer in cache.layers if isinstance(layer, LinearAttentionCacheLayerMixin)]
+
+
+def croppable(cache: DynamicCache) -> bool:
+    """Whether every state of `cache` is a convolution window that transformers can record and cut back (LFM2),
+    its layers set up by a first forward: then no rejected guess needs the states copied and put back."""
+    layers = state_layers(cache)
+    return bool(layers) and all(layer.is_croppable for layer in layers)
+
+
+def record(cache: DynamicCache) -> None:
+    """Have every convolution window keep the inputs the next forward feeds (`cut_back` drops them again)."""
+    for layer in state_layers(cache):
+        layer.activate_past_recording()
+
+
+def cut_back(cache: DynamicCache, rejected: int, length: int) -> None:
+    """After a `record`ed forward: every convolution window to end at the last token kept (`rejected` fed tokens
+    dropped, the window back to its kernel's width), recording off (a 1-token step then updates the window in
+    place, as plain decoding's does); every attention layer to its first `length` entries."""
+    for layer in cache.layers:
+        if isinstance(layer, LinearAttentionCacheLayerMixin):
+            layer.crop(-rejected)
+            layer.record_past = False
+        elif isinstance(layer, DynamicLayer) and layer.is_initialized:
+            cut(layer, length)
+
+
 def chain_cache_reason(cache: DynamicCache, max_len: int, model_name: str) -> str | None:
     """None where every layer of `cache` is per-token keys and values that can be cut (a sliding window only while
     the text stays inside it) or recurrent and convolution states that can be copied; else why not."""
@@ -94,6 +128,8 @@ class ChainBase:
         self.head = LogitsHead(model)
         self.cache = roomy_cache(model.config)
         self.copies: StateCopy | None = None
+        self.recorded = False
+        """Whether the last forward's convolution windows were recorded (`croppable`), to be cut back at commit."""
         self.fed: list[int] = []
         self.start = 0
         """Where the last forward's tokens (`fed`) began: the text the copied states had read."""
@@ -109,6 +145,7 @@ class ChainBase:
     def begin(self, max_len: int) -> str | None:
         self.cache = roomy_cache(self.model.config)
         self.copies, self.pending, self.held, self.shared, self.snapshot = None, [], 0, None, None
+        self.recorded = False
         return chain_cache_reason(self.cache, max_len, type(self.model).__name__)
 
     def seed(self, prefixes: Prefixes | None, tokens: list[int]) -> int:
@@ -130,7 +167,11 @@ class ChainBase:
         self.start = prefix_len + len(tree) - len(self.fed)
         if self.shared is not None:
             self.read_shared_head()
-        self.copies = copy_states(self.cache) if len(tree) > 1 else None
+        # a guess can be rejected: its convolution windows recorded, or every state copied
+        self.recorded = len(tree) > 1 and croppable(self.cache)
+        if self.recorded:
+            record(self.cache)
+        self.copies = copy_states(self.cache) if len(tree) > 1 and not self.recorded else None
         device = next(self.model.parameters()).device
         logits = self.head(
             len(tree),
@@ -163,6 +204,10 @@ class ChainBase:
         """Keep the root and the accepted guesses (`kept_nodes`: [0, 1, .., j], a chain's head); returns how many
         tokens wait to be fed again with the next step's (0: the chain was accepted whole, or none was fed)."""
         kept = prefix_len - self.start + len(kept_nodes)  # tokens of this forward that stay
+        if self.recorded:
+            cut_back(self.cache, len(self.fed) - kept, prefix_len + len(kept_nodes))
+            self.recorded, self.held = False, prefix_len + len(kept_nodes)
+            return 0
         if self.copies is None or kept == len(self.fed):
             keep_everything(self.cache, prefix_len + len(kept_nodes))
             self.held = prefix_len + len(kept_nodes)
@@ -218,6 +263,20 @@ def chain_support(model: torch.nn.Module) -> str | None:
             f"({share:.2g} of their spread): one token per forward"
         )
     return None
+
+
+def crops_states(model: torch.nn.Module) -> bool:
+    """Whether `model`'s chains cut their states back (`croppable`: convolution windows only) rather than copy and
+    put them back and feed the accepted tokens again; read off a 2-token prefill (the layers are set up by it)."""
+    from forerun.feed_probe import probe_ids  # noqa: PLC0415 - as in chain_support
+
+    ids = probe_ids(model)[:3]
+    base = ChainBase(model)
+    if base.begin(len(ids)) is not None:
+        return False
+    with torch.inference_mode():
+        base.forward(TokenTree.rooted_at(ids[2]), 2, ids[:2])
+    return croppable(base.cache)
 
 
 def chain_of(tokens: Sequence[int]) -> TokenTree:

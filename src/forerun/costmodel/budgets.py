@@ -201,6 +201,9 @@ class CostModel:
     chain: bool = False
     """Feed one chain, the likeliest line of the proposals, and price feeding a partly accepted chain's head again
     with the next step: a model with recurrent states (`forerun.base.chain`)."""
+    refeeds: bool = True
+    """With `chain`: whether a partly accepted chain's head is fed again (states copied and put back); False where
+    the states are cut back instead (convolution windows only: `forerun.base.chain.croppable`)."""
 
     def raw_chances(self, tree: TokenTree, keys: Sequence[tuple[str, float] | None]) -> list[float]:
         """Per node of the merged `tree`: P(accepted | parent accepted), calibrated in the cell of its `keys`
@@ -280,7 +283,8 @@ class CostModel:
         offered = [] if self.chain else [i for i, probes in enumerate(probes_of) if probes][:MAX_GROUPS]
         groups = [(sum(merged.scores[m] for m in probes_of[i]), len(probes_of[i])) for i in offered]
         penalty = self.times.penalty if self.times is not None and not self.reproducible else 1.0
-        choice = best_prefix(ranking.chances, self.curve, lead, self.max_nodes, groups, penalty, self.chain)
+        refeed = self.chain and self.refeeds
+        choice = best_prefix(ranking.chances, self.curve, lead, self.max_nodes, groups, penalty, refeed, self.chain)
         probes = [m for g in choice.groups for m in probes_of[offered[g]]]
         return ranking.select(choice.nodes, probes, choice.expected_accepted, choice.padding)
 
@@ -321,11 +325,20 @@ class CostModel:
         """A row's own budget: the same curve, long-run calibration and check of fed guesses, its own per-request
         correction (no forward timings: a batch times its forwards itself, `forerun.costmodel.batch`). Where this
         budget weighs costly drafters (it has a switch), the row's are weighed by `switch`, the batch's (its rows
-        share it: `BatchPolicy.costly`); without one they always draft."""
+        share it: `BatchPolicy.costly`); without one they always draft. A hybrid's row prices feeding a chain's head
+        again whatever its states (a batch's lone row copies and puts them back: `forerun.base.lone_chain`)."""
         calibration = Calibration(hits=self.calibration.hits, trials=self.calibration.trials)
         weighed = switch if self.switch is not None else None
         return CostModel(
-            self.curve, self.max_nodes, calibration, self.fed_check, None, self.reproducible, weighed, self.chain
+            self.curve,
+            self.max_nodes,
+            calibration,
+            self.fed_check,
+            None,
+            self.reproducible,
+            weighed,
+            self.chain,
+            True,
         )
 
     def proposal_nodes(self, rows: int) -> int:
