@@ -7,6 +7,7 @@ decode one after another."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -179,6 +180,32 @@ def test_a_lone_row_verifies_chains_and_feeds_its_waiting_tokens_before_a_row_jo
     assert torch.equal(lone.transcript.sequence, expected[2])
     assert torch.equal(joining.transcript.sequence, expected[4])
     assert "one token each a step" in other.stats.fallback_reason
+
+
+def test_an_lfm2_lone_row_cuts_its_windows_back_and_nothing_waits():
+    """LFM2's states are convolution windows: a lone row's chain accepted in part has them cut back, as its keys
+    are, so no token waits for the next forward, a row joins without a flush, and the lone row's next turn is
+    seeded with all it read. Every text is generate's."""
+    model = tiny_model("lfm2")
+    decoder = forerun.Decoder(model, None, "prompt_lookup", latency=CURVE, latency_cache=None)
+    requests, expected = ragged_requests(model)
+    answer = expected[2][0, requests[2].prompt.shape[1] :].tolist()
+    wrong = [t if i % 4 != 3 else 3 + (t - 2) % 90 for i, t in enumerate(answer)]
+    lone = decoder.prepare(replace(requests[2], prediction=wrong)).job
+    joining = decoder.prepare(requests[4]).job
+    batch = Batch(model, decoder.budget)
+    row = batch.add(lone)
+    for _ in range(4):  # chains accepted in part (every fourth guess wrong)
+        assert batch.step() == [] and batch.shared.waiting == 0
+    assert row.stats.fed_tokens > row.stats.forwards and row.stats.fed_again == 0
+    batch.add(joining)
+    while batch.rows:
+        batch.step()
+    assert torch.equal(lone.transcript.sequence, expected[2]) and torch.equal(joining.transcript.sequence, expected[4])
+    turn = torch.cat([lone.transcript.sequence, torch.tensor([[5, 6, 7]])], dim=1)
+    follow = decoder.generate(turn, 12, eos_token_id=[])
+    assert follow.stats.cached_prompt_tokens == expected[2].shape[1] - 1  # all it read: the last token never fed
+    assert torch.equal(follow.sequences, plain(model, turn, 12))
 
 
 def test_a_lone_rows_whole_cache_seeds_its_next_turn_though_tokens_wait():

@@ -64,7 +64,7 @@ def test_a_chain_whose_states_are_cut_back_is_priced_as_a_tree_but_never_padded(
     sure = TokenTree.rooted_at(1)
     sure.add_chain(0, [2, 3], source="t", scores=1.0)
     assert CostModel(jagged, 16, chain=True, refeeds=False).choose(1, [sure]).tree.tokens == [1, 2, 3]
-    assert CostModel(STEEP, 16, chain=True, refeeds=False).for_row().refeeds  # a batch's lone row feeds again
+    assert not CostModel(STEEP, 16, chain=True, refeeds=False).for_row().refeeds  # a batch's lone row: the same
 
 
 def test_a_fixed_budget_feeds_the_first_proposals_line():

@@ -6,7 +6,9 @@ taken out of a row's state, and padding a shorter row would advance its state to
 server's only request, the last row of `generate([...])`) pads for no one: it feeds its root and a chain of
 guesses, its states copied first. Where the target rejects part of the chain, the states are put back, the step's
 keys cut, and the accepted tokens wait (`pending`) to be fed again in front of the next step's. Before another row
-joins, they are fed alone (`DynamicRows.flush`); the rows then step one token each.
+joins, they are fed alone (`DynamicRows.flush`); the rows then step one token each. States that are convolution
+windows only (LFM2) are recorded through the step and cut back to the last accepted token instead, as the keys
+are: nothing waits (`forerun.base.chain.croppable`).
 
     lone row:      cache [p0 .. p{L-1}]   fed  r g1 g2 g3               states copied first
     g2 rejected:   states put back, keys cut to L; pending r g1; the target's t is the next root
@@ -33,7 +35,7 @@ from __future__ import annotations
 
 from transformers import DynamicCache
 
-from forerun.base.chain import StateCopy, chain_of, copy_states, put_back
+from forerun.base.chain import StateCopy, chain_of, copy_states, croppable, cut_back, put_back, record
 from forerun.tree import TokenTree, is_chain
 
 
@@ -50,6 +52,8 @@ class LoneChain:
         self.nodes = 0
         """How many of `fed` are the tree's (its tail)."""
         self.copies: StateCopy | None = None
+        self.recorded = False
+        """Whether the step's convolution windows are recorded (`croppable`), to be cut back at `commit`."""
 
     @property
     def lead(self) -> int:
@@ -63,14 +67,22 @@ class LoneChain:
             raise ValueError(f"a model with recurrent states verifies chains only; got a tree of {len(tree)} nodes")
         self.fed, self.nodes = [*self.pending, *tree.tokens], len(tree)
         self.start = prefix_len - len(self.pending)
-        self.copies = copy_states(cache) if len(tree) > 1 else None
+        self.recorded = len(tree) > 1 and croppable(cache)
+        if self.recorded:
+            record(cache)
+        self.copies = copy_states(cache) if len(tree) > 1 and not self.recorded else None
         return self.start, chain_of(self.fed)
 
     def commit(self, cache: DynamicCache, slots: int, path_len: int) -> int:
         """The tree's first `path_len` nodes were accepted: returns how many of the fed slots stay (all of them, or
-        none where the chain was accepted in part: its states put back, `cache`'s keys cut to `slots`)."""
+        none where the chain was accepted in part: its states put back, `cache`'s keys cut to `slots`; or, its
+        windows recorded, the accepted ones: the windows and keys cut back to them)."""
         kept = self.lead + path_len
         fed, copies, self.fed, self.copies = self.fed, self.copies, [], None
+        if self.recorded:
+            cut_back(cache, len(fed) - kept, slots + kept)
+            self.recorded, self.pending, self.start = False, [], self.start + kept
+            return kept
         if copies is None or kept == len(fed):
             self.pending, self.start = [], self.start + len(fed)
             return len(fed)

@@ -325,8 +325,7 @@ class CostModel:
         """A row's own budget: the same curve, long-run calibration and check of fed guesses, its own per-request
         correction (no forward timings: a batch times its forwards itself, `forerun.costmodel.batch`). Where this
         budget weighs costly drafters (it has a switch), the row's are weighed by `switch`, the batch's (its rows
-        share it: `BatchPolicy.costly`); without one they always draft. A hybrid's row prices feeding a chain's head
-        again whatever its states (a batch's lone row copies and puts them back: `forerun.base.lone_chain`)."""
+        share it: `BatchPolicy.costly`); without one they always draft."""
         calibration = Calibration(hits=self.calibration.hits, trials=self.calibration.trials)
         weighed = switch if self.switch is not None else None
         return CostModel(
@@ -338,7 +337,7 @@ class CostModel:
             self.reproducible,
             weighed,
             self.chain,
-            True,
+            self.refeeds,
         )
 
     def proposal_nodes(self, rows: int) -> int:
