@@ -76,6 +76,7 @@ def put_back(cache: DynamicCache, copies: StateCopy, length: int) -> None:
 
 
 def state_layers(cache: DynamicCache) -> list[LinearAttentionCacheLayerMixin]:
+    """The layers of `cache` that hold recurrent or convolution states (not per-token keys and values)."""
     return [layer for layer in cache.layers if isinstance(layer, LinearAttentionCacheLayerMixin)]
 
 
