@@ -17,7 +17,8 @@
 #        bash benchmarks/gpu_check.sh 5   (SmolLM2-135M: a draft model's forwards on slots against a growing cache,
 #          after a phase 2 joined the model; benchmarks/draft_slots.py)
 #        bash benchmarks/gpu_check.sh 6   (a random Qwen3.5-shaped hybrid: chains on a card, guesses set by a
-#          prediction; benchmarks/hybrid_chains.py)
+#          prediction; benchmarks/hybrid_chains.py; add --lone for a server's lone request, --family lfm2 for
+#          LFM2's shape, whose convolution windows are cut back)
 #        SECTIONS=bench bash benchmarks/gpu_check.sh 2 --methods plain,eagle3,auto,eagle3+prompt_lookup+trie \
 #          --baselines generate_static_compiled   (the shipped head on graphs; chat prompts: gpu_prompts.py --datasets)
 set -uo pipefail
