@@ -87,16 +87,24 @@ def croppable(cache: DynamicCache) -> bool:
     return bool(layers) and all(layer.is_croppable for layer in layers)
 
 
-def record(cache: DynamicCache) -> None:
-    """Have every convolution window keep the inputs the next forward feeds (`cut_back` drops them again)."""
-    for layer in state_layers(cache):
-        layer.activate_past_recording()
+def before_guesses(cache: DynamicCache, nodes: int) -> tuple[bool, StateCopy | None]:
+    """What lets a step of `nodes` tokens (a root, then guesses) be rolled back: its convolution windows recorded
+    through the forward (`croppable`; `cut_back` drops what was rejected): (True, None); else every state copied
+    (`put_back`): (False, copies). A root alone needs neither: (False, None)."""
+    if nodes <= 1:
+        return False, None
+    if croppable(cache):
+        for layer in state_layers(cache):
+            layer.activate_past_recording()
+        return True, None
+    return False, copy_states(cache)
 
 
 def cut_back(cache: DynamicCache, rejected: int, length: int) -> None:
-    """After a `record`ed forward: every convolution window to end at the last token kept (`rejected` fed tokens
-    dropped, the window back to its kernel's width), recording off (a 1-token step then updates the window in
-    place, as plain decoding's does); every attention layer to its first `length` entries."""
+    """After a forward whose windows were recorded (`before_guesses`): every convolution window to end at the last
+    token kept (`rejected` fed tokens dropped, the window back to its kernel's width), recording off (a 1-token step
+    then updates the window in place, as plain decoding's does); every attention layer to its first `length`
+    entries."""
     for layer in cache.layers:
         if isinstance(layer, LinearAttentionCacheLayerMixin):
             layer.crop(-rejected)
@@ -168,11 +176,7 @@ class ChainBase:
         self.start = prefix_len + len(tree) - len(self.fed)
         if self.shared is not None:
             self.read_shared_head()
-        # a guess can be rejected: its convolution windows recorded, or every state copied
-        self.recorded = len(tree) > 1 and croppable(self.cache)
-        if self.recorded:
-            record(self.cache)
-        self.copies = copy_states(self.cache) if len(tree) > 1 and not self.recorded else None
+        self.recorded, self.copies = before_guesses(self.cache, len(tree))
         device = next(self.model.parameters()).device
         logits = self.head(
             len(tree),

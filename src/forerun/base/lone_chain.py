@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from transformers import DynamicCache
 
-from forerun.base.chain import StateCopy, chain_of, copy_states, croppable, cut_back, put_back, record
+from forerun.base.chain import StateCopy, before_guesses, chain_of, cut_back, put_back
 from forerun.tree import TokenTree, is_chain
 
 
@@ -67,10 +67,7 @@ class LoneChain:
             raise ValueError(f"a model with recurrent states verifies chains only; got a tree of {len(tree)} nodes")
         self.fed, self.nodes = [*self.pending, *tree.tokens], len(tree)
         self.start = prefix_len - len(self.pending)
-        self.recorded = len(tree) > 1 and croppable(cache)
-        if self.recorded:
-            record(cache)
-        self.copies = copy_states(cache) if len(tree) > 1 and not self.recorded else None
+        self.recorded, self.copies = before_guesses(cache, len(tree))
         return self.start, chain_of(self.fed)
 
     def commit(self, cache: DynamicCache, slots: int, path_len: int) -> int:

@@ -36,7 +36,7 @@ def best_prefix(
     groups: Sequence[tuple[float, int]] = (),
     draft_penalty: float = 1.0,
     refeed: bool = False,
-    chain: bool | None = None,
+    chain: bool = False,
 ) -> Choice:
     """The k, and the probe groups, maximising (1 + chances[0] + ... + chances[k-1] + group values) / cost(tokens).
 
@@ -45,7 +45,7 @@ def best_prefix(
     tokens, its probe count). `cap`: most nodes per forward, root included (the lead not counted).
     `draft_penalty`: scales the cost of every forward of more than one token (`ForwardTimes.penalty`: how much
     dearer such forwards measured, against the curve, than 1-token ones). `chain`: the candidates are one chain on
-    a model with recurrent states (`forerun.base.chain`), and a step is never padded (default: `refeed`);
+    a model with recurrent states (`forerun.base.chain`), and a step is never padded (`refeed` implies it);
     `refeed`: such a chain's lead (tokens fed again) and its head, where it is not accepted whole, are fed again
     with the next step (priced as lead + k more tokens in a 1-token forward). A model whose states can be cut back
     (convolution windows only: LFM2) feeds nothing again: a chain without `refeed`.
@@ -57,14 +57,13 @@ def best_prefix(
         >>> best_prefix([0.9, 0.5, 0.2], curve, chain=True).nodes   # cut back, not fed again: as a tree's
         2
     """
-    chain = refeed if chain is None else chain
 
     def price(tokens: int) -> float:
         return curve.cost(tokens) * (draft_penalty if tokens > 1 else 1.0)
 
     # cheapest[n]: the cheapest forward of at least n nodes (lead not counted) within the cap, and its size
     cheapest: dict[int, tuple[float, int]] = {}
-    if cap is not None and not chain:
+    if cap is not None and not (chain or refeed):
         for n in range(cap, 0, -1):
             here = (price(lead + n), n)
             cheapest[n] = min(here, cheapest.get(n + 1, here))
