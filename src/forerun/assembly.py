@@ -26,6 +26,7 @@ from forerun.batch import batchable
 from forerun.config import EngineConfig
 from forerun.costmodel import Budget, CostModel, DraftSwitch, ForwardTimes, LatencyCurve, StaticBudget
 from forerun.costmodel.switch import FIRST_PROBE_STEPS
+from forerun.drafters.draft_model import DraftModelDrafter
 from forerun.feed_probe import check_feed
 from forerun.forward_inputs import check_cache_input, stateful
 from forerun.latency import curve_for
@@ -218,3 +219,23 @@ def rows_together(model: torch.nn.Module, fallback_reason: str | None) -> bool:
     if reason is not None:
         logger.info("forerun: a batch's rows decode one after another: %s", reason)
     return reason is None
+
+
+def warm_graphs(
+    base: StaticBase, drafters: Sequence[object], longest: int, batch_size: int, single: bool, batched: bool
+) -> float:
+    """Capture (and compile, where the base does) the graphs `Decoder.warm_up` promises, for texts of up to
+    `longest` cache slots; returns the seconds spent. `single`: a lone request's buckets, and a trained head's
+    graphs (a batch's rows run heads eagerly); `batched`: every row count a batch of `batch_size` rows is padded
+    to, at its places, and a draft model's slot cache for each row."""
+    seconds = 0.0
+    if single:
+        seconds += base.warm(longest)
+        warmed = [drafter for drafter in drafters if callable(getattr(drafter, "warm", None))]
+        seconds += sum(drafter.warm(longest) for drafter in warmed)
+    if batched:  # the places `generate_each` and a server's batch take
+        rows = base.sibling(batch_size)
+        seconds += rows.warm(longest, rows.row_buckets, placed=True)
+        drafts = [drafter for drafter in drafters if isinstance(drafter, DraftModelDrafter)]
+        seconds += sum(drafter.warm(longest, rows=batch_size) for drafter in drafts)
+    return seconds

@@ -93,10 +93,13 @@ def check_seed(seed: object) -> None:
         raise ValueError(f"seed must be an integer in [0, 2**63 - 1], got {seed!r}")
 
 
-def check_warm_up(max_len: object, batch_size: object, single: object) -> None:
-    """`Decoder.warm_up`'s arguments: a positive token count, a positive row count, a boolean."""
+def check_warm_up(max_len: object, batch_size: object, single: object, context: int | None = None) -> None:
+    """`Decoder.warm_up`'s arguments: a positive token count within the model's `context`, a positive row count,
+    a boolean."""
     if not is_count(max_len, 1):
         raise ValueError(f"warm_up's max_len must be a positive number of tokens, got {max_len!r:.40}")
+    if context is not None and max_len > context:
+        raise ValueError(f"warm_up's max_len={max_len} exceeds the model's context ({context} tokens)")
     if not is_count(batch_size, 1):
         raise ValueError(f"warm_up's batch_size must be a positive number of rows, got {batch_size!r:.40}")
     if not isinstance(single, bool):

@@ -34,6 +34,7 @@ from forerun.assembly import (
     price_costly,
     rows_together,
     verifying_base,
+    warm_graphs,
 )
 from forerun.base.chain import ChainBase
 from forerun.batch import fork
@@ -43,7 +44,6 @@ from forerun.config import EngineConfig
 from forerun.costmodel import Budget, LatencyCurve
 from forerun.defaults import DEFAULT_METHOD
 from forerun.drafters.base import Drafter
-from forerun.drafters.draft_model import DraftModelDrafter
 from forerun.drafters.prediction import PredictionDrafter
 from forerun.engine import decode
 from forerun.forward_inputs import stateful
@@ -210,27 +210,14 @@ class Decoder:
             >>> decoder = Decoder(model, tokenizer, "auto")                    # doctest: +SKIP
             >>> decoder.warm_up(1024, batch_size=8)                            # seconds, once  # doctest: +SKIP
         """
-        check_warm_up(max_len, batch_size, single)
-        batched = batch_size > 1 and self.batches
-        single = single or not batched  # a warm-up warms something
         context = getattr(self.model.config, "max_position_embeddings", None)
-        if context is not None and max_len > context:
-            raise ValueError(f"warm_up's max_len={max_len} exceeds the model's context ({context} tokens)")
+        check_warm_up(max_len, batch_size, single, context)
+        batched = batch_size > 1 and self.batches
         if self.base is None or isinstance(self.base, ChainBase):  # nothing captured there
             return 0.0
-        longest = max_len + self.budget.max_nodes
-        seconds = 0.0
         with self.lock, torch.inference_mode():
-            if single:
-                seconds += self.base.warm(longest)
-                warmed = [d for d in self.drafters if callable(getattr(d, "warm", None))]  # a trained head's graphs
-                seconds += sum(drafter.warm(longest) for drafter in warmed)  # (a batch's rows run heads eagerly)
-            if batched:  # the places `generate_each` and a server's batch take
-                rows = self.base.sibling(batch_size)
-                seconds += rows.warm(longest, rows.row_buckets, placed=True)
-                drafts = [d for d in self.drafters if isinstance(d, DraftModelDrafter)]  # a slot cache per row
-                seconds += sum(drafter.warm(longest, rows=batch_size) for drafter in drafts)
-        return seconds
+            longest = max_len + self.budget.max_nodes
+            return warm_graphs(self.base, self.drafters, longest, batch_size, single or not batched, batched)
 
     def encode(self, prompt: Prompt, chat: bool = False) -> torch.Tensor:
         """Prompt -> input_ids [1, L] on the host: a string (chat=True wraps it as one user message), messages, or
