@@ -215,6 +215,10 @@ def test_auth_details_error_shapes_and_schema(guarded):
     lower = httpx.get(url + "/v1/models", headers={"authorization": f"bearer {KEY}"})
     assert lower.status_code == 200
     assert httpx.get(url + "/v1/models", headers={"authorization": f"Bearer {KEY}x"}).status_code == 401
+    for header in (f"Basic {KEY}", f"Token {KEY}", KEY, f"Bearer{KEY}"):  # the key, but not as a bearer token
+        assert httpx.get(url + "/v1/models", headers={"authorization": header}).status_code == 401, header
+    for path in ("/healthz", "/health/", "/health/../v1/models", "/v1/models?/health"):  # only /health is open
+        assert httpx.get(url + path).status_code == 401, path
     for response, status in (
         (httpx.get(url + "/nope", headers={"authorization": f"Bearer {KEY}"}), 404),
         (httpx.get(url + "/v1/completions", headers={"authorization": f"Bearer {KEY}"}), 405),

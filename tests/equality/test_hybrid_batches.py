@@ -191,8 +191,8 @@ def test_an_lfm2_lone_row_cuts_its_windows_back_and_nothing_waits():
     requests, expected = ragged_requests(model)
     answer = expected[2][0, requests[2].prompt.shape[1] :].tolist()
     wrong = [t if i % 4 != 3 else 3 + (t - 2) % 90 for i, t in enumerate(answer)]
-    lone = decoder.prepare(replace(requests[2], prediction=wrong)).job
-    joining = decoder.prepare(requests[4]).job
+    prepared = decoder.prepare(replace(requests[2], prediction=wrong, logprobs=1))
+    lone, joining = prepared.job, decoder.prepare(requests[4]).job
     batch = Batch(model, decoder.budget)
     row = batch.add(lone)
     for _ in range(4):  # chains accepted in part (every fourth guess wrong)
@@ -202,6 +202,9 @@ def test_an_lfm2_lone_row_cuts_its_windows_back_and_nothing_waits():
     while batch.rows:
         batch.step()
     assert torch.equal(lone.transcript.sequence, expected[2]) and torch.equal(joining.transcript.sequence, expected[4])
+    read = forerun.Decoder(model, None, "plain", prefix_cache=0).generate(replace(requests[2], logprobs=1))
+    got = decoder.result(prepared, row.stats).logprobs  # windows cut back a token off would read another text
+    assert max(abs(a.logprob - b.logprob) for a, b in zip(got, read.logprobs, strict=True)) < 1e-5
     turn = torch.cat([lone.transcript.sequence, torch.tensor([[5, 6, 7]])], dim=1)
     follow = decoder.generate(turn, 12, eos_token_id=[])
     assert follow.stats.cached_prompt_tokens == expected[2].shape[1] - 1  # all it read: the last token never fed

@@ -12,7 +12,7 @@ import forerun
 from forerun.costmodel import LatencyCurve
 from forerun.forward_inputs import cache_argument, forward_parameters
 
-from tiny_models import COMMON, STATE_SPACE_FAMILIES, STATEFUL_FAMILIES, prompts, tiny_model
+from tiny_models import COMMON, STATE_SPACE_FAMILIES, STATEFUL_FAMILIES, VOCAB, prompts, tiny_model
 
 CURVE = LatencyCurve((1, 2, 4, 8, 16, 32, 64), (1.0, 1.0, 1.0, 1.2, 1.4, 1.9, 2.9))
 """A flat curve: wherever trees can be verified, the cost model feeds them."""
@@ -232,6 +232,44 @@ def test_a_hybrids_next_turn_starts_from_the_cache_of_the_last(family):
     assert torch.equal(third.sequences, plain(model, changed)) and third.stats.cached_prompt_tokens == 0
 
 
+@pytest.mark.parametrize("family", ["qwen3_next", "lfm2"])
+def test_a_turn_ending_on_a_chain_accepted_in_part_seeds_the_next_with_all_it_read(family):
+    """Every step a chain, every fourth guess wrong, the last one too: what the cache read when the answer ends
+    (LFM2: its windows cut back; others: the states put back, the accepted head waiting) seeds the next turn."""
+    model = tiny_model(family)
+    text = prompts(1, length=24)[0]
+    answer = plain(model, text, 24)[0, 24:].tolist()
+    wrong = [t if i % 4 != 3 else 3 + (t - 2) % 90 for i, t in enumerate(answer)]
+    decoder = forerun.Decoder(model, None, "prompt_lookup", latency=CURVE, latency_cache=None)
+    first = decoder.generate(text, 24, eos_token_id=[], prediction=wrong)
+    assert torch.equal(first.sequences, plain(model, text)) and first.stats.forwards < 24
+    waiting = len(decoder.base.pending)  # accepted tokens the cache had not read yet
+    assert waiting == 0 if family in CUT_BACK else first.stats.fed_again > 0
+    following = torch.cat([first.sequences, torch.tensor([[5, 6, 7, 8, 9]])], dim=1)
+    second = decoder.generate(following, 16, eos_token_id=[])
+    assert torch.equal(second.sequences, plain(model, following, 16))
+    assert second.stats.cached_prompt_tokens == 24 + 24 - 1 - waiting  # the answer's last token was never fed
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "lfm2"])
+def test_an_answer_ending_with_tokens_waiting_seeds_the_next_turn_with_what_was_read(family):
+    """A chain right for two tokens, then wrong, where the target writes its EOS: the answer ends there. Qwen3.5's
+    states were put back before the two accepted tokens (they wait to be fed), so the kept cache is the prompt's;
+    LFM2's windows were cut back after them, so it is the prompt and the two. The next turn reads the rest."""
+    model = tiny_model(family)
+    text = prompts(1, length=24, seed=3)[0]
+    answer = plain(model, text, 3)[0, 24:].tolist()
+    assert answer[2] not in answer[:2]
+    wrong = (answer[2] + 1) % model.config.vocab_size
+    decoder = forerun.Decoder(model, None, "plain", latency=CURVE, latency_cache=None)
+    first = decoder.generate(text, 16, eos_token_id=[answer[2]], prediction=[*answer[:2], wrong])
+    assert first.new_tokens == answer and first.stats.forwards == 2
+    following = torch.cat([first.sequences, torch.tensor([[5, 6, 7]])], dim=1)
+    second = decoder.generate(following, 12, eos_token_id=[])
+    assert torch.equal(second.sequences, plain(model, following, 12))
+    assert second.stats.cached_prompt_tokens == (26 if family in CUT_BACK else 24)
+
+
 @pytest.mark.parametrize("family", ["qwen3_5_text", "nemotron_h"])
 def test_a_system_prompt_two_prompts_began_with_seeds_the_next(family):
     """Prompts that share a system prompt but not their user message: a hybrid's cache can seed only a prompt that
@@ -258,17 +296,36 @@ def test_a_system_prompt_two_prompts_began_with_seeds_the_next(family):
     assert decoder.generate(texts[3], 16, eos_token_id=[]).stats.cached_prompt_tokens == 40
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_text", "nemotron_h"])
-def test_an_answer_cut_inside_a_chain_leaves_no_states_behind(family):
-    """The last chain of an answer can be accepted past its end (`max_new_tokens` cuts it): the cache then read
-    tokens the text does not hold, and kept as the whole of that text its states would seed a next turn with
-    words nobody wrote (other logits, or a cache longer than the text). Such a cache is not kept."""
+class LetterTokenizer:
+    """Token i decodes to chr(ord('a') + i % 26): enough for stop strings on a tiny model."""
+
+    def __len__(self) -> int:
+        return VOCAB
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return "".join(chr(ord("a") + int(i) % 26) for i in ids)
+
+
+@pytest.mark.parametrize("cut_by", ["max_new_tokens", "stop"])
+@pytest.mark.parametrize("family", ["qwen3_5_text", "nemotron_h", "lfm2"])
+def test_an_answer_cut_inside_a_chain_leaves_no_states_behind(family, cut_by):
+    """The last chain of an answer can be accepted past its end (a stop string completes inside it; a chain of
+    more than `max_new_tokens` is capped before it is fed): the cache then read tokens the text does not hold,
+    and kept as the whole of that text its states would seed a next turn with words nobody wrote (other logits,
+    or a cache longer than the text). Such a cache is not kept; the next turn writes generate's text."""
     model = tiny_model(family)
     text = prompts(1, length=24)[0]
     answer = plain(model, text, 24)[0, 24:].tolist()
-    decoder = forerun.Decoder(model, None, "prompt_lookup", latency=CURVE, latency_cache=None)
-    cut = decoder.generate(text, 10, eos_token_id=[], prediction=answer)  # a chain of the whole answer, cut at 10
-    assert torch.equal(cut.sequences, plain(model, text, 10)) and cut.stats.forwards == 2
+    decoder = forerun.Decoder(model, LetterTokenizer(), "prompt_lookup", latency=CURVE, latency_cache=None)
+    if cut_by == "stop":  # a chain of the whole answer; the stop string completes at its 9th token or before
+        words = LetterTokenizer().decode(answer)
+        stop, new_tokens = words[6:9], words.find(words[6:9]) + 3
+        cut = decoder.generate(text, 24, eos_token_id=[], prediction=answer, stop=stop)
+        assert decoder.base.held > text.shape[1] + new_tokens  # the cache read past the answer's end
+    else:
+        new_tokens = 10
+        cut = decoder.generate(text, new_tokens, eos_token_id=[], prediction=answer)
+    assert torch.equal(cut.sequences, plain(model, text, new_tokens)) and cut.stats.forwards == 2
     following = torch.cat([cut.sequences, torch.tensor([[5, 6, 7, 8, 9]])], dim=1)
     second = decoder.generate(following, 16, eos_token_id=[], logprobs=1)
     assert torch.equal(second.sequences, plain(model, following, 16))

@@ -9,7 +9,7 @@ import torch
 from rich.console import Console
 
 from forerun.chat import AnswerStream
-from forerun.stopping import HeldText
+from forerun.stopping import HeldText, first_stop
 
 pytestmark = pytest.mark.real_model
 
@@ -51,3 +51,12 @@ def test_held_text_holds_the_last_characters_a_stop_string_could_begin_with():
     assert done.release("abcE") == "ab" and done.release("abcE", final=True) == "cE"  # no stop came: all shown
     free = HeldText([])
     assert free.release("a") == "a" and free.release("ab") == "b" and free.release("ab", final=True) == ""
+
+
+def test_the_earliest_stop_string_ends_the_answer_whichever_is_listed_first():
+    """Two stop strings complete in the same text: the answer ends before the one that begins first, wherever
+    each sits in the list (one arriving later in the text must not let the earlier one through)."""
+    for stops in (["END", "\n\n"], ["\n\n", "END"]):
+        held = HeldText(stops)
+        assert held.release("one\n\ntwo END three", final=True) == "one", stops
+        assert first_stop("one END two\n\n", stops) == 4

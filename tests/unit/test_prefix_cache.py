@@ -214,6 +214,24 @@ def test_salted_requests_share_entries_only_with_the_same_salt(static):
         decoder.generate(prompt, NEW, cache_salt=7)
 
 
+def test_a_hybrids_whole_caches_keep_to_their_salt():
+    """A hybrid's kept caches (states included) under one salt are never found, measured against or dropped by
+    another salt's prompts: tenant b's conversation that begins with tenant a's text neither reads a's head
+    apart (a timing channel) nor evicts a's entry (one tenant slowing another)."""
+    prefixes = PrefixCache(max_tokens=100)
+    text = list(range(10, 20))
+    prefixes.keep_whole(text, filled(10), salt="a")
+    longer = [*text, 30, 31, 32]
+    assert prefixes.states_head(longer, salt="a") == len(text)
+    assert prefixes.states_head(longer, salt="b") == 0 and prefixes.states_head(longer) == 0
+    assert prefixes.find_whole(longer, salt="b") is None and prefixes.whole_copy(longer, salt="b") == (None, 0)
+    prefixes.keep_whole(longer, filled(13), salt="b")  # b's next turn, beginning with a's whole text
+    assert [(entry.salt, len(entry.tokens)) for entry in prefixes.entries] == [("a", 10), ("b", 13)]
+    prefixes.keep_whole(longer, filled(13), salt="a")  # a's own next turn replaces a's earlier one
+    assert [(entry.salt, len(entry.tokens)) for entry in prefixes.entries] == [("b", 13), ("a", 13)]
+    assert prefixes.find_whole([*longer, 40], salt="a").salt == "a"
+
+
 def test_the_static_base_seeds_only_entries_of_its_own_shape():
     """An entry whose keys and values differ in width, or in heads or dtype from the cache's layers (another
     model's, sharing a prefix cache by mistake), is not copied into a place: the prompt is read in full."""
