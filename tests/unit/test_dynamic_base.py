@@ -57,3 +57,17 @@ def test_a_draft_models_cache_grows_in_place_too():
     result, buffers, forwards = watched(draft, lambda: decoder.generate(prompt, NEW, eos_token_id=[]))
     assert torch.equal(result.sequences, expected)
     assert len(forwards) > 20 and len(buffers) <= 4, (len(forwards), len(buffers))
+
+
+def test_a_layer_whose_rows_were_cut_to_a_view_takes_new_entries_for_those_rows_only():
+    """Whoever replaces a layer's keys and values by a view of its buffer (its first rows, its first slots) gets
+    the next entries appended to exactly that view: the rows dropped stay dropped, the slots cut are written over."""
+    layer = RoomyLayer()
+    layer.update(torch.ones(3, 2, 5, 4), torch.ones(3, 2, 5, 4))
+    layer.keys, layer.values = layer.keys[:1], layer.values[:1]  # the first row alone, same address and strides
+    keys, values = layer.update(torch.full((1, 2, 1, 4), 7.0), torch.full((1, 2, 1, 4), 7.0))
+    assert keys.shape == values.shape == (1, 2, 6, 4)
+    assert keys[0, :, -1].eq(7).all() and keys[0, :, :5].eq(1).all()
+    layer.keys, layer.values = keys[:, :, :3], values[:, :, :3]  # cut back to 3 slots: written in place after them
+    keys, _ = layer.update(torch.full((1, 2, 1, 4), 9.0), torch.full((1, 2, 1, 4), 9.0))
+    assert keys.shape == (1, 2, 4, 4) and keys[0, :, 3].eq(9).all() and keys.data_ptr() == layer.buffers[0].data_ptr()
