@@ -571,3 +571,20 @@ def test_a_shared_count_stays_within_its_cap():
     chances = [[0.9] * 10] * 4
     assert best_shared_count(chances, flat) == 10
     assert [best_shared_count(chances, flat, cap) for cap in (0, 1, 2, 5, 64)] == [0, 0, 1, 4, 10]
+
+
+def test_a_probe_drafting_wins_resets_the_pause_to_its_first_length():
+    """Drafting loses (pauses of 32, then 64 plain steps), wins its third probe, then loses again: the pause after
+    that is 32 steps again, not the 128 a third loss in a row earns."""
+    import itertools
+
+    from forerun.costmodel.switch import PAUSE_STEPS, DraftSwitch
+
+    switch, modes = DraftSwitch(), ""
+    for step in range(300):
+        drafting = switch.drafting()
+        drafted_rate = 1.5 if 120 <= step < 126 else 1.2  # steps 120-125: the third probe
+        switch.record(drafting, drafted_rate if drafting else 1.3)
+        modes += "d" if drafting else "p"
+    pauses = [len(list(run)) for mode, run in itertools.groupby(modes) if mode == "p"]
+    assert pauses[:4] == [6, PAUSE_STEPS, 2 * PAUSE_STEPS, PAUSE_STEPS], modes
