@@ -39,6 +39,9 @@ def test_max_new_tokens_must_be_positive(model, bad):
 def test_prompt_longer_than_context(model):
     with pytest.raises(ValueError, match=r"exceeds the model context \(512 tokens\)"):
         forerun.generate(model, [5] * 510, "plain", 10)
+    with pytest.raises(ValueError, match=r"prompt \(510 tokens\) \+ max_new_tokens \(3\) exceeds"):
+        forerun.generate(model, [5] * 510, "plain", 3)  # one token past the context
+    assert len(forerun.generate(model, [5] * 510, "plain", 2).new_tokens) == 2  # the context exactly
 
 
 def test_unknown_method_and_knobs(model):
