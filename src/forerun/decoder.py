@@ -213,11 +213,12 @@ class Decoder:
         context = getattr(self.model.config, "max_position_embeddings", None)
         check_warm_up(max_len, batch_size, single, context)
         batched = batch_size > 1 and self.batches
+        single = single or not batched  # a warm-up warms something
         if self.base is None or isinstance(self.base, ChainBase):  # nothing captured there
             return 0.0
         with self.lock, torch.inference_mode():
             longest = max_len + self.budget.max_nodes
-            return warm_graphs(self.base, self.drafters, longest, batch_size, single or not batched, batched)
+            return warm_graphs(self.base, self.drafters, longest, batch_size, single, batched)
 
     def encode(self, prompt: Prompt, chat: bool = False) -> torch.Tensor:
         """Prompt -> input_ids [1, L] on the host: a string (chat=True wraps it as one user message), messages, or
