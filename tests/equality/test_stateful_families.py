@@ -234,8 +234,9 @@ def test_a_hybrids_next_turn_starts_from_the_cache_of_the_last(family):
 
 @pytest.mark.parametrize("family", ["qwen3_next", "lfm2"])
 def test_a_turn_ending_on_a_chain_accepted_in_part_seeds_the_next_with_all_it_read(family):
-    """Every step a chain, every fourth guess wrong, the last one too: what the cache read when the answer ends
-    (LFM2: its windows cut back; others: the states put back, the accepted head waiting) seeds the next turn."""
+    """Every step a chain, every fourth guess wrong: what the cache has read when the answer ends (LFM2: its
+    windows cut back after each chain, the last included; others: the states put back and accepted heads fed
+    again) seeds the next turn, and nothing more."""
     model = tiny_model(family)
     text = prompts(1, length=24)[0]
     answer = plain(model, text, 24)[0, 24:].tolist()
