@@ -267,3 +267,13 @@ def prompts(count: int, length: int = 24, seed: int = 0) -> list[torch.Tensor]:
         half = torch.randint(3, VOCAB, (1, length // 2), generator=generator)
         out.append(torch.cat([half, half[:, : length - length // 2]], dim=1))
     return out
+
+
+class LetterTokenizer:
+    """Token i decodes to chr(ord('a') + i % 26): enough for stop strings on a tiny model."""
+
+    def __len__(self) -> int:
+        return VOCAB
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return "".join(chr(ord("a") + int(i) % 26) for i in ids)

@@ -14,7 +14,7 @@ from forerun.drafters.prediction import PredictionDrafter
 from forerun.preparation import config_processes
 from forerun.verify import Verdict
 
-from tiny_models import VOCAB, prompts, tiny_model
+from tiny_models import LetterTokenizer, prompts, tiny_model
 
 CURVE = LatencyCurve((1, 8, 32), (1.0, 1.1, 1.5))
 
@@ -135,23 +135,13 @@ def test_a_requests_own_pad_id_is_taken(model):
     assert torch.equal(got.sequences, plain(model, prompt))
 
 
-class TinyTokenizer:
-    """Token i decodes to chr(ord('a') + i % 26): enough for stop strings on a tiny model."""
-
-    def __len__(self):
-        return VOCAB
-
-    def decode(self, ids, skip_special_tokens=False):
-        return "".join(chr(ord("a") + int(i) % 26) for i in ids)
-
-
 def test_stop_strings_are_cheap_and_stop_where_the_string_completes(model):
     prompt = prompts(1)[0]
     reference = plain(model, prompt)[0, prompt.shape[1] :].tolist()
-    text = TinyTokenizer().decode(reference)
+    text = LetterTokenizer().decode(reference)
     stop = text[10:13]  # a string the answer reaches at its 13th token (or earlier)
     end = text.find(stop) + len(stop)
-    decoder = forerun.Decoder(model, TinyTokenizer(), "prompt_lookup", latency=CURVE)
+    decoder = forerun.Decoder(model, LetterTokenizer(), "prompt_lookup", latency=CURVE)
     started = time.perf_counter()
     result = decoder.generate(prompt, 30, stop=["zzzz" * 1250, stop, *[f"q{i}" for i in range(2000)]], eos_token_id=[])
     assert time.perf_counter() - started < 30  # setting up 2,002 stop strings, one of 5,000 characters: no table

@@ -12,7 +12,7 @@ import forerun
 from forerun.costmodel import LatencyCurve
 from forerun.forward_inputs import cache_argument, forward_parameters
 
-from tiny_models import COMMON, STATE_SPACE_FAMILIES, STATEFUL_FAMILIES, VOCAB, prompts, tiny_model
+from tiny_models import COMMON, STATE_SPACE_FAMILIES, STATEFUL_FAMILIES, LetterTokenizer, prompts, tiny_model
 
 CURVE = LatencyCurve((1, 2, 4, 8, 16, 32, 64), (1.0, 1.0, 1.0, 1.2, 1.4, 1.9, 2.9))
 """A flat curve: wherever trees can be verified, the cost model feeds them."""
@@ -295,16 +295,6 @@ def test_a_system_prompt_two_prompts_began_with_seeds_the_next(family):
     assert decoder.generate(following, 16, eos_token_id=[]).stats.cached_prompt_tokens > 45 + 8
     assert decoder.generate(texts[3], 16, eos_token_id=[], cache_salt="other").stats.cached_prompt_tokens == 0
     assert decoder.generate(texts[3], 16, eos_token_id=[]).stats.cached_prompt_tokens == 40
-
-
-class LetterTokenizer:
-    """Token i decodes to chr(ord('a') + i % 26): enough for stop strings on a tiny model."""
-
-    def __len__(self) -> int:
-        return VOCAB
-
-    def decode(self, ids, skip_special_tokens: bool = False) -> str:
-        return "".join(chr(ord("a") + int(i) % 26) for i in ids)
 
 
 @pytest.mark.parametrize("cut_by", ["max_new_tokens", "stop"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from forerun.costmodel.calibration import MAX_GROUPS, MAX_PROBABILITY, Calibration, FedCheck
@@ -328,17 +328,7 @@ class CostModel:
         share it: `BatchPolicy.costly`); without one they always draft."""
         calibration = Calibration(hits=self.calibration.hits, trials=self.calibration.trials)
         weighed = switch if self.switch is not None else None
-        return CostModel(
-            self.curve,
-            self.max_nodes,
-            calibration,
-            self.fed_check,
-            None,
-            self.reproducible,
-            weighed,
-            self.chain,
-            self.refeeds,
-        )
+        return replace(self, calibration=calibration, times=None, switch=weighed)
 
     def proposal_nodes(self, rows: int) -> int:
         """Most nodes, root included, a row's drafters may propose in a batch of `rows` rows (`PROPOSAL_COST`).
