@@ -7,22 +7,25 @@ output (`prediction=`, OpenAI's predicted outputs: an edit that keeps most of a 
 greedy answer with every k-th token changed. Random weights say nothing of how often prompt lookup or a trie would
 be right on a real hybrid: that is why the guesses are made here. What it measures is the mechanism: the chain's
 forward (states copied first), the head of a partly accepted chain fed again with the next step, and the cost
-model's pricing of both on this device's measured curve. Every output is compared with plain `generate`.
-`--turn`: also a conversation's next turn (the first turn's prompt and answer, then a new message), its prefill
-with the prefix cache holding the first turn's whole cache, states included, and without. `--shared`: a system
-prompt of that many tokens before three users' messages; the third's prefill with the prefix cache (the second
-kept the cache after the head it shared with the first) and without. `--batch`: that many prompts at once (a
-comma list), one token per row a step in one batch, against the same prompts one after another (forerun and
-`generate` alone: what forerun did before a hybrid's rows could share a batch) and `generate` with the prompts
-left-padded into one batch; rounds interleaved. `--lone`: each prediction also decoded as a batching server decodes
-its only request, a row alone in a `Batch` (chains, `forerun.base.lone_chain`), beside a single run, both without a
-prefix cache (before, such a row fed one token a step: `forerun plain`'s rate).
+model's pricing of both on this device's measured curve. Every output is compared with plain `generate`. `--turn`:
+also a conversation's next turn (the first turn's prompt and answer, then a new message), its prefill with the
+prefix cache holding the first turn's whole cache, states included, and without. `--shared`: a system prompt of that
+many tokens before three users' messages; the third's prefill with the prefix cache (the second kept the cache after
+the head it shared with the first) and without. `--batch`: that many prompts at once (a comma list) in one batch
+with prompt lookup (LFM2's rows draft together, Qwen3.5's feed one token each), the same batch with one token per
+row a step (`plain`), the same prompts one after another (forerun and `generate` alone) and `generate` with the
+prompts left-padded into one batch; rounds interleaved; `--batch-every k`: also the batch with each row's answer
+predicted, every k-th token wrong. `--lone`: each prediction also decoded as a batching server decodes its only
+request, a row alone in a `Batch` (chains, `forerun.base.lone_chain`), beside a single run, both without a prefix
+cache (before, such a row fed one token a step: `forerun plain`'s rate).
 
 Usage:
     .venv/bin/python benchmarks/hybrid_chains.py --threads 1 --out benchmarks/results/hybrid-chains-epyc.json
     .venv/bin/python benchmarks/hybrid_chains.py --threads 1 --every "" --prompts 0 --turn 400   # a next turn
     .venv/bin/python benchmarks/hybrid_chains.py --threads 1 --every "" --prompts 0 --shared 400  # a system prompt
     .venv/bin/python benchmarks/hybrid_chains.py --threads 2 --every "" --prompts 0 --batch 4,8   # batches
+    .venv/bin/python benchmarks/hybrid_chains.py --threads 1 --every "" --prompts 0 --batch 4 --batch-every 8 \
+        --family lfm2   # a batch's rows predicted: chains together
     .venv/bin/python benchmarks/hybrid_chains.py --threads 1 --every 0,8,4 --lone    # a server's lone request
     .venv/bin/python benchmarks/hybrid_chains.py --threads 1 --family lfm2   # convolution windows, cut back
     python3 benchmarks/hybrid_chains.py --device cuda --dtype bf16 --out "$OUT/hybrid_chains.json"   # a card
@@ -133,38 +136,49 @@ def shared_head(model: torch.nn.Module, system: int, message: int = 16, answer: 
             "same": all(torch.equal(a[2], b[2]) for a, b in zip(out[True], out[False], strict=True))}  # fmt: skip
 
 
-def batches(model: torch.nn.Module, size: int, new_tokens: int, rounds: int = 2) -> dict:
-    """Tokens per second of `size` ragged prompts (32-64 tokens, `new_tokens` each) in one forerun batch, one after
-    another (forerun, generate) and left-padded in one `generate` batch, best of `rounds` interleaved rounds; whether
-    forerun's rows are each prompt's own `generate` text."""
+def batches(
+    model: torch.nn.Module, size: int, new_tokens: int, curve, every: int | None = None, rounds: int = 2
+) -> dict:
+    """Tokens per second of `size` ragged prompts (32-64 tokens, `new_tokens` each) in one forerun batch with prompt
+    lookup, the same batch with one token per row a step (`plain`: what a hybrid's batch fed before its rows could
+    draft together), one after another (forerun with prompt lookup, generate) and left-padded in one `generate`
+    batch, best of `rounds` interleaved rounds, every forerun decoder on `curve` without a prefix cache; whether
+    forerun's rows are each prompt's own `generate` text. `every`: also the batch with each row's answer predicted,
+    every `every`-th token wrong (0: none wrong)."""
     vocab, device = model.config.vocab_size, next(model.parameters()).device
     generator = torch.Generator().manual_seed(4)
     texts = [torch.randint(3, vocab, (1, 32 + (i * 11) % 33), generator=generator).to(device) for i in range(size)]
     options = dict(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
-    decoder = forerun.Decoder(model, None, "auto")
+    lookup, plain = (forerun.Decoder(model, None, m, latency=curve, prefix_cache=0) for m in ("prompt_lookup", "plain"))
     longest = max(text.shape[1] for text in texts)
     padded = torch.cat([torch.nn.functional.pad(t, (longest - t.shape[1], 0)) for t in texts])
     mask = torch.cat([torch.nn.functional.pad(torch.ones_like(t), (longest - t.shape[1], 0)) for t in texts])
+    want = [model.generate(t, **options) for t in texts]
+    predicted = [forerun.GenerationRequest(t, new_tokens, eos_token_id=[], prediction=edited(
+        w[0, t.shape[1] :].tolist(), every or None, vocab)) for t, w in zip(texts, want, strict=True)]  # fmt: skip
     ways = {
-        "forerun batch": lambda: decoder.generate(texts, new_tokens, eos_token_id=[]),
-        "forerun one after another": lambda: [decoder.generate(t, new_tokens, eos_token_id=[]) for t in texts],
+        "forerun batch": lambda: lookup.generate(texts, new_tokens, eos_token_id=[]),
+        "forerun batch, one token a row": lambda: plain.generate(texts, new_tokens, eos_token_id=[]),
+        "forerun one after another": lambda: [lookup.generate(t, new_tokens, eos_token_id=[]) for t in texts],
         "generate one after another": lambda: [model.generate(t, **options) for t in texts],
         "generate padded batch": lambda: model.generate(padded, attention_mask=mask, **options),
     }
+    if every is not None:
+        ways[f"forerun batch, predicted (every {every or 'none'} wrong)"] = lambda: lookup.generate(predicted)
     best, outs = dict.fromkeys(ways, float("inf")), {}
     for _ in range(rounds):
         for name, run in ways.items():
             seconds, outs[name] = timed(run)
             best[name] = min(best[name], seconds)
-    want = outs["generate one after another"]
-    same = all(torch.equal(r.sequences, w) for r, w in zip(outs["forerun batch"], want, strict=True))
+    same = {name: all(torch.equal(r.sequences, w) for r, w in zip(outs[name], want, strict=True))
+            for name in ways if name.startswith("forerun")}  # fmt: skip
     padded_same = all(torch.equal(p[longest:], w[0, w.shape[1] - new_tokens :]) for p, w in zip(outs[
         "generate padded batch"], want, strict=True))  # fmt: skip
-    alone = outs["forerun one after another"]
+    per_forward = {name: round(sum(r.stats.new_tokens for r in outs[name]) / sum(r.stats.forwards for r in outs[name]),
+                               2) for name in same}  # fmt: skip
     return {"rows": size, "new_tokens": new_tokens, "same": same, "padded_generate_same": padded_same,
             "tok_s": {name: round(size * new_tokens / seconds, 1) for name, seconds in best.items()},
-            "alone_tokens_per_forward": round(sum(r.stats.new_tokens for r in alone) / sum(
-                r.stats.forwards for r in alone), 2)}  # fmt: skip
+            "tokens_per_forward": per_forward}  # fmt: skip
 
 
 def alone_in_batch(decoder: forerun.Decoder, prompt: torch.Tensor, new_tokens: int, prediction: list[int]):
@@ -187,6 +201,7 @@ def main() -> None:
     parser.add_argument("--turn", type=int, default=0, help="a next turn after a first prompt of this many tokens")
     parser.add_argument("--shared", type=int, default=0, help="a system prompt of this many tokens, three users")
     parser.add_argument("--batch", default="", help="rows of one batch (a comma list) against one after another")
+    parser.add_argument("--batch-every", type=int, help="batches: also each row predicted, every k-th token wrong")
     parser.add_argument("--lone", action="store_true", help="also alone in a batch (a server's only request)")
     parser.add_argument("--family", default="qwen3_5_text", choices=("qwen3_5_text", "lfm2"), help="the shape")
     parser.add_argument("--device", default="cpu")
@@ -237,7 +252,7 @@ def main() -> None:
         summary["shared head"] = shared_head(model, args.shared)
         print("shared head", summary["shared head"], flush=True)
     for size in [int(k) for k in args.batch.split(",") if k]:
-        summary[f"batch {size}"] = batches(model, size, args.new_tokens)
+        summary[f"batch {size}"] = batches(model, size, args.new_tokens, curve, args.batch_every)
         print(f"batch {size}", summary[f"batch {size}"], flush=True)
     for method in dict.fromkeys(row["method"] for row in rows):
         mine = [row for row in rows if row["method"] == method]

@@ -211,8 +211,8 @@ def check_vocabulary(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase 
 def rows_together(model: torch.nn.Module, fallback_reason: str | None) -> bool:
     """Whether `model`'s rows decode together in a batch: where its cache holds ragged rows and its trees are
     verified (`fallback_reason`, the Decoder's, is None: a row's positions are its own in a batch too); a hybrid's,
-    one token per row a step (a lone row chains), where the probe finds each row's logits its own
-    (`rowstates.state_rows_support`)."""
+    one token per row a step (a lone row chains; LFM2's rows chain together), where the probe finds each row's
+    logits its own (`rowstates.state_rows_support`)."""
     if not stateful(model):
         return fallback_reason is None and batchable(model)
     reason = state_rows_support(model)

@@ -85,7 +85,7 @@ class Batch(JoiningRows):
         self.shared: SharedRows = DynamicRows(model) if shared is None else shared
         self.chains = stateful(model)
         """A hybrid's rows: a row alone verifies chains (`forerun.base.lone_chain`), rows together one token each
-        a step (`forerun.rowstates`)."""
+        a step (`forerun.rowstates`), or chains side by side where their states are windows (LFM2)."""
         self.policy = BatchPolicy(closed)
         """How the rows draft together (`forerun.costmodel.batch`)."""
 
@@ -106,9 +106,10 @@ class Batch(JoiningRows):
         return self.policy.choose(roots, proposals, budgets, [row.steps_left() for row in rows], self.shared.waiting)
 
     def drafts(self, budgets: Sequence[Budget]) -> bool:
-        """Whether the rows propose this step: as the policy says; a hybrid's rows only alone, and not once more
-        tokens wait to be fed again than a tree's worth (they are then read plainly, as a single row's are)."""
-        if self.chains and len(budgets) > 1:
+        """Whether the rows propose this step: as the policy says; a hybrid's rows only alone (together where
+        their states are windows cut back row by row: `SharedRows.chains_together`), and not once more tokens wait
+        to be fed again than a tree's worth (they are then read plainly, as a single row's are)."""
+        if self.chains and len(budgets) > 1 and not self.shared.chains_together:
             for row in self.rows:
                 if row.job.drafters and row.stats.fallback_reason is None:
                     row.stats.fallback_reason = ONE_TOKEN

@@ -395,8 +395,8 @@ class Decoder:
     def batches(self) -> bool:
         """Whether rows decode together (`generate_each`, a server's continuous batch): where the model's cache can
         hold ragged rows and its trees are verified (a row's positions are its own there too); a hybrid's rows,
-        one token each a step (a lone row chains), where a batch gives them their own logits
-        (`rowstates.state_rows_support`, probed at the first batch)."""
+        one token each a step (a lone row chains; LFM2's rows chain together), where a batch gives them their own
+        logits (`rowstates.state_rows_support`, probed at the first batch)."""
         return rows_together(self.model, self.fallback_reason)
 
     def result(self, prepared: Prepared, stats: GenerationStats) -> GenerationResult:

@@ -99,14 +99,15 @@ class RowCache:
         if self.vacant:
             self.drop(self.places())
 
-    def keep(self, kept: Sequence[Sequence[int]], nodes: int) -> None:
+    def keep(self, kept: Sequence[Sequence[int]], nodes: int, windows_cut: bool = False) -> None:
         """After a forward of `nodes` padded tree nodes per row: keep each row's path `kept[row]` (node indices,
-        root first), gathered to the front of the new slots; the cache grows by the longest path."""
+        root first), gathered to the front of the new slots; the cache grows by the longest path. A hybrid's rows
+        only once their states are cut back to their paths (`windows_cut`: `rowstates.cut_windows`)."""
         slots, longest = self.slots, max(len(path) for path in kept)
         if nodes == 1:  # the roots alone: they already sit where they belong
             self.keep_all(1)
             return
-        if self.states:
+        if self.states and not windows_cut:
             raise ValueError(f"a hybrid's rows verify one token each a step (their states read all {nodes} fed)")
         index = torch.tensor([[slots + path[min(i, len(path) - 1)] for i in range(longest)] for path in kept])
         for layer in self.cache.layers:

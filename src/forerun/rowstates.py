@@ -6,7 +6,8 @@ need none of the slot bookkeeping the keys need (padding, holes, compaction): a 
 tensor. A joining row's own cache is appended (or written into a vacant place), a leaving row's row is dropped,
 and a row's own states are sliced out for the prefix cache. A batch of such rows feeds one token per row a step:
 a rejected guess cannot be taken out of a state, and the rows' chains would have to be put back row by row (a row
-alone in its batch verifies chains: `forerun.base.lone_chain`).
+alone in its batch verifies chains: `forerun.base.lone_chain`). States that are convolution windows only (LFM2)
+are recorded through a step of the rows' chains and cut back row by row (`cut_windows`).
 
     layer with states, 3 rows          conv_states[0] [3, channels, kernel]   recurrent_states[0] [3, heads, dk, dv]
     row 1 leaves, a row joins there    conv_states[0][1] = the new row's      recurrent_states[0][1] = the new row's
@@ -20,6 +21,7 @@ Example:
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 
 import torch
 from transformers import DynamicCache
@@ -78,6 +80,29 @@ def keep_state_rows(layer: LinearAttentionCacheLayerMixin, rows: torch.Tensor) -
                 held[index] = tensor.index_select(0, rows.to(tensor.device))
 
 
+def cut_windows(layer: LinearAttentionCacheLayerMixin, rejected: Sequence[int]) -> None:
+    """After a forward whose convolution windows were recorded (`activate_past_recording`: each row's window, then
+    every token fed, [rows, ..., width + fed]): row b's window ends at its last kept token, its last `rejected[b]`
+    fed tokens dropped, back to the kernel's width; recording off. transformers' `crop` cuts every row alike.
+
+    Example (one channel, width 2, three tokens fed after a window [1, 2]; row 0 keeps 1 of them, row 1 all 3):
+        >>> from transformers.cache_utils import LinearAttentionLayer
+        >>> layer = LinearAttentionLayer(); layer.conv_kernel_size[0] = 2; layer.record_past = True
+        >>> layer.conv_states[0] = torch.tensor([[[1, 2, 3, 4, 5]], [[1, 2, 3, 4, 5]]])
+        >>> cut_windows(layer, [2, 0]); layer.conv_states[0].tolist(), layer.record_past
+        ([[[2, 3]], [[4, 5]]], False)
+    """
+    for index, window in layer.conv_states.items():
+        if window is None:
+            continue
+        width = layer.conv_kernel_size[index]
+        ends = window.shape[-1] - torch.tensor(rejected, device=window.device)  # [rows]: one past the last kept
+        columns = ends[:, None] - width + torch.arange(width, device=window.device)  # [rows, width]
+        columns = columns.view(len(rejected), *[1] * (window.dim() - 2), width).expand(*window.shape[:-1], width)
+        layer.conv_states[index] = window.gather(-1, columns)
+    layer.record_past = False
+
+
 def row_cache(cache: DynamicCache, row: int, slots: torch.Tensor) -> DynamicCache:
     """Row `row` of a batch's hybrid cache as a one-row cache of the same layer kinds: each attention layer's keys
     and values at `slots` (that row's visible ones, in order: [1, heads, len(slots), dim]), each state its row
@@ -109,9 +134,12 @@ def state_rows_support(model: torch.nn.Module) -> str | None:
     """None where a batch of `model`'s rows (a model with recurrent states) gives each row the logits of its own
     forward, else why not. The probe, as a batch runs: three prompts of 6, 10 and 8 tokens prefilled alone and
     spliced in (attention layers left-padded, states appended), one step of every row; the second row leaves, a
-    fourth joins into its place, and a second step; each row's logits against one plain forward over its text
-    (beyond `feed_probe.allowed_share`: a layer that reads a 4-D mask its own way, a state kept outside the cache)."""
-    from forerun.base.rows import DynamicRows  # noqa: PLC0415 - the probe's parts, only where it runs
+    fourth joins into its place, and a second step; where the rows feed chains together (`chains_together`), a
+    step of chains of 3, 1 and 2 tokens of which 2, 1 and 2 are kept, and a step after it; each row's logits
+    against one plain forward over its text (beyond `feed_probe.allowed_share`: a layer that reads a 4-D mask its
+    own way, a state kept outside the cache, a window cut back to another token)."""
+    from forerun.base.chain import chain_of  # noqa: PLC0415 - the probe's parts, only where it runs
+    from forerun.base.rows import DynamicRows  # noqa: PLC0415
     from forerun.feed_probe import allowed_share, own_logits, probe_ids, share_of_spread  # noqa: PLC0415
     from forerun.tree import TokenTree  # noqa: PLC0415
 
@@ -124,13 +152,17 @@ def state_rows_support(model: torch.nn.Module) -> str | None:
         rows.feed(own, TokenTree.rooted_at(text[-1]), len(text) - 1, text[:-1])
         rows.admit(own, len(text) - 1, [0], None, text)
 
-    def step(held: list[list[int]], token: int) -> None:
+    def step(held: list[list[int]], token: int, chains: Sequence[Sequence[int]] = (), kept: Sequence[int] = ()) -> None:
         rows.settle()
-        out = rows.forward([len(text) for text in held], [TokenTree.rooted_at(token)] * len(held), nodes=1)
-        rows.keep([len(text) for text in held], [[0]] * len(held), 1)
-        for b, text in enumerate(held):
-            text.append(token)
-            shares.append(share_of_spread(out.row(b, 1), own_logits(model, text)[-1:]))
+        fed = [[token, *chain] for chain in chains] or [[token]] * len(held)
+        nodes, lengths = max(map(len, fed)), [len(text) for text in held]
+        out = rows.forward(lengths, [chain_of(tokens) for tokens in fed], nodes)
+        paths = [list(range(k)) for k in kept] or [[0]] * len(held)
+        rows.keep(lengths, paths, nodes)
+        for b, (text, tokens) in enumerate(zip(held, fed, strict=True)):
+            n = len(tokens)
+            shares.append(share_of_spread(out.row(b, n), own_logits(model, [*text, *tokens])[-n:]))
+            text.extend(tokens[: len(paths[b])])
 
     try:
         with torch.inference_mode():
@@ -140,6 +172,9 @@ def state_rows_support(model: torch.nn.Module) -> str | None:
             rows.remove([(1, None, texts[1], len(texts[1]))])
             join(texts[3])
             step([texts[0], texts[3], texts[2]], ids[0])
+            if rows.chains_together:
+                step([texts[0], texts[3], texts[2]], ids[1], [ids[2:4], [], ids[4:5]], kept=[2, 1, 2])
+                step([texts[0], texts[3], texts[2]], ids[5])
     except Exception as error:  # noqa: BLE001 - any failure means: not this way
         return f"{type(model).__name__} failed a batch's forward ({type(error).__name__}: {error})"
     allowed = allowed_share(model, states=True)

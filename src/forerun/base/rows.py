@@ -30,7 +30,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from forerun.base.chain import chain_of
+from forerun.base.chain import chain_of, croppable, state_layers
 from forerun.base.dynamic import TreeLogits, device_argmax, forward_tree
 from forerun.base.lone_chain import LoneChain
 from forerun.base.place_prefixes import seed_place, store_place
@@ -39,8 +39,8 @@ from forerun.head import LogitsHead
 from forerun.kvcache import keep_accepted
 from forerun.prefixcache import Prefixes
 from forerun.rowcache import RowCache
-from forerun.rowstates import has_states
-from forerun.tree import TokenTree, as_attention_mask
+from forerun.rowstates import cut_windows, has_states
+from forerun.tree import TokenTree, as_attention_mask, is_chain
 
 Leaving = tuple[int, Prefixes | None, list[int], int]
 """A row that leaves: its index among the rows, and where its text (tokens, `length` of them cached) is kept."""
@@ -73,6 +73,9 @@ class SharedRows(Protocol):
     side_by_side: bool
     """Whether `feed_many` feeds its rows in the same forwards (else one by one: rows joining together are then
     begun and fed one after another, so that each finds the text the one before it stored)."""
+
+    chains_together: bool
+    """Whether a hybrid's rows feed chains of guesses side by side (each cut back to its own last kept token)."""
 
     @property
     def slots(self) -> int:
@@ -146,10 +149,18 @@ class DynamicRows:
         """The batch's forwards (its first prefill decides how the logits of a few positions are computed)."""
         self.chain = LoneChain()
         """A hybrid's lone row: its chains (`forerun.base.lone_chain`)."""
+        self.recorded = False  # this step's windows are recorded, to be cut back row by row at `keep`
 
     @property
     def slots(self) -> int:
         return self.cache.slots
+
+    @property
+    def chains_together(self) -> bool:
+        """A hybrid whose states are convolution windows only (LFM2): its rows feed chains side by side, padded at
+        their ends, and each row's windows are cut back to its own last kept token (`rowstates.cut_windows`), its
+        rejected keys left as holes. Other states cannot be put back row by row: those rows feed one token each."""
+        return self.cache.states and croppable(self.cache.cache)
 
     @property
     def waiting(self) -> int:
@@ -195,6 +206,12 @@ class DynamicRows:
             prefix_lens, trees, nodes = [start], [fed], len(fed)
         elif self.chain.pending:
             raise RuntimeError("a lone row's waiting tokens must be fed before other rows join (`flush`)")
+        elif self.cache.states and nodes > 1:  # rows' chains side by side: each row's windows cut back at `keep`
+            if not (self.chains_together and all(map(is_chain, trees))):
+                raise RuntimeError("a hybrid's rows feed chains together only where their states are windows")
+            for layer in state_layers(self.cache.cache):
+                layer.activate_past_recording()
+            self.recorded = True
         logits = self.run(prefix_lens, trees, nodes, keep)[:, -(keep or nodes) :]  # [rows, nodes, vocab]
         return RowsLogits(logits, range(len(trees)), device_argmax(logits), None)
 
@@ -224,8 +241,12 @@ class DynamicRows:
     def keep(self, prefix_lens: Sequence[int], kept: Sequence[list[int]], nodes: int) -> None:
         if self.chain.fed:
             self.cache.keep_all(self.chain.commit(self.cache.cache, self.cache.slots, len(kept[0])))
-        else:
-            self.cache.keep(kept, nodes)
+            return
+        cut, self.recorded = self.recorded, False
+        if cut:  # padding fed after a shorter chain is dropped with its rejected guesses
+            for layer in state_layers(self.cache.cache):
+                cut_windows(layer, [nodes - len(path) for path in kept])
+        self.cache.keep(kept, nodes, windows_cut=cut)
 
     def compact(self) -> None:
         self.cache.compact()
@@ -279,6 +300,7 @@ class StaticRows:
     fit a smaller row bucket, the last are moved down (`settle`), so a shrinking batch feeds fewer rows."""
 
     side_by_side = True
+    chains_together = False  # a hybrid's rows take the growing cache
 
     def __init__(self, base: StaticBase) -> None:
         self.base = base

@@ -11,7 +11,7 @@ batch grows, down to one token per row per step when drafting does not pay.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from forerun.costmodel.budgets import Budget, CostModel
 from forerun.costmodel.choice import Selection
@@ -104,10 +104,8 @@ class BatchPolicy:
             penalty = max(1.0, self.measured[True] / self.measured[False]) if steered(budgets) else 1.0
             count = best_shared_count(chances, budgets[0].curve, cap, penalty, self.weights(steps_left))
             return [ranking.select(count) for ranking in rankings]
-        return [
-            Selection(*merge(root, p, max(1, budget.max_nodes // len(budgets))))
-            for budget, root, p in zip(budgets, roots, proposals, strict=True)
-        ]
+        return [shared_out(budget, root, p, max(1, budget.max_nodes // len(budgets)))
+                for budget, root, p in zip(budgets, roots, proposals, strict=True)]  # fmt: skip
 
     def weights(self, steps_left: Sequence[float]) -> list[float] | None:
         """What each row's progress is worth to a closed batch: (steps it has left / the most any row has left) to
@@ -204,6 +202,14 @@ def best_shared_count(
         if rate > best_rate:
             best, best_rate = k, rate
     return best
+
+
+def shared_out(budget: Budget, root: int, proposals: Sequence[TokenTree], share: int) -> Selection:
+    """A static budget's row tree in a batch: at most `share` nodes of its proposals, merged, or the chain its
+    budget feeds (`Budget.chain`: a hybrid's rows, `forerun.base.chain`) cut to them."""
+    if not budget.chain:
+        return Selection(*merge(root, proposals, share))
+    return replace(budget, max_nodes=share).choose(root, proposals)
 
 
 def steered(budgets: Sequence[Budget]) -> bool:

@@ -1,0 +1,123 @@
+"""LFM2's rows feed chains of guesses together: its states are short convolution windows, which a batch records
+through the step and cuts back row by row to each row's last kept token (`forerun.rowstates.cut_windows`), as the
+rows' rejected keys are left as holes. A shorter chain is padded at its end (what follows a token never reaches
+it through a causal convolution). Every row writes generate's text; hybrids with recurrent states still feed one
+token per row a step (tests/equality/test_hybrid_batches.py)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from test_hybrid_batches import CURVE, ragged_requests
+
+import forerun
+from forerun.base.rows import DynamicRows
+from forerun.batch import Batch
+from forerun.rowstates import state_rows_support
+
+from tiny_models import tiny_model
+
+
+def predicted(requests, expected, every: list[int]) -> list[forerun.GenerationRequest]:
+    """Each request with generate's answer as its prediction, every `every[i]`-th token of it wrong (and its
+    logprobs asked for): rows accept chains of their own lengths."""
+    out = []
+    for request, want, k in zip(requests, expected, every, strict=True):
+        answer = want[0, request.prompt.shape[1] :].tolist()
+        wrong = [t if i % k != k - 1 else 3 + (t - 2) % 90 for i, t in enumerate(answer)]
+        out.append(replace(request, prediction=wrong, logprobs=1))
+    return out
+
+
+def together(model, decoder, requests) -> tuple[list[forerun.GenerationResult], list[list[int]]]:
+    """The requests in one batch: their results and, per step while every row is in it, the tokens each wrote."""
+    prepared = [decoder.prepare(request) for request in requests]
+    batch, gains = Batch(model, decoder.budget), []
+    rows = [batch.add(each.job) for each in prepared]
+    while batch.rows:
+        before = [len(each.job.transcript.sources) for each in prepared]
+        full = len(batch.rows) == len(prepared)
+        batch.step()
+        if full:
+            gains.append([len(each.job.transcript.sources) - b for each, b in zip(prepared, before, strict=True)])
+    return [decoder.result(each, row.stats) for each, row in zip(prepared, rows, strict=True)], gains
+
+
+def logprob_gap(model, results, requests) -> float:
+    """The largest gap between the rows' logprobs and a plain run's reading each text whole."""
+    read = forerun.Decoder(model, None, "plain", prefix_cache=0)
+    gaps = []
+    for result, request in zip(results, requests, strict=True):
+        alone = read.generate(replace(request, prediction=None)).logprobs
+        gaps += [abs(a.logprob - b.logprob) for a, b in zip(result.logprobs, alone, strict=True)]
+    return max(gaps)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_lfm2_rows_feed_chains_together_each_cut_back_to_its_own(attention):
+    """Three rows predicted wrong every 3rd, 4th and 5th token: steps where the rows keep chains of different
+    lengths together, each row's text generate's, its logprobs within 1e-5 of reading the text whole (a window
+    cut back a token off reads another text)."""
+    model = tiny_model("lfm2", attn_implementation=attention)
+    decoder = forerun.Decoder(model, None, "prompt_lookup", latency=CURVE, latency_cache=None)
+    requests, expected = ragged_requests(model)
+    asked = predicted(requests[2:], expected[2:], [3, 4, 5])
+    results, gains = together(model, decoder, asked)
+    assert any(len(set(step)) > 1 and min(step) > 1 for step in gains), gains  # chains of their own lengths
+    for result, want in zip(results, expected[2:], strict=True):
+        assert torch.equal(result.sequences, want)
+    assert logprob_gap(model, results, asked) < 1e-5
+
+
+def test_windows_cut_back_alike_read_another_text(monkeypatch):
+    """The negative control: every row's windows cut back by the first row's count (as transformers' `crop` cuts
+    a batch) read another text for some row, and the probe finds it."""
+    model = tiny_model("lfm2")
+    requests, expected = ragged_requests(model)
+    cut = forerun.base.rows.cut_windows
+    alike = lambda layer, rejected: cut(layer, [rejected[0]] * len(rejected))  # noqa: E731
+    monkeypatch.setattr("forerun.base.rows.cut_windows", alike)
+    decoder = forerun.Decoder(model, None, "prompt_lookup", latency=CURVE, latency_cache=None)
+    asked = predicted(requests[2:], expected[2:], [3, 4, 5])
+    assert logprob_gap(model, together(model, decoder, asked)[0], asked) > 1e-4
+    assert "other logits than their own" in state_rows_support(model)
+
+
+def test_lfm2_sampled_rows_drafting_together_write_their_seeds_text():
+    """Seeded sampled rows feeding chains together write what each writes alone with its seed."""
+    model = tiny_model("lfm2")
+    decoder = forerun.Decoder(model, None, "auto", latency=CURVE, latency_cache=None, prefix_cache=0)
+    requests, _ = ragged_requests(model)
+    sampled = [forerun.GenerationRequest.of(r.prompt, 24, eos_token_id=[], do_sample=True, seed=7 + i,
+                                            temperature=0.7) for i, r in enumerate(requests[:3])]  # fmt: skip
+    rows = decoder.generate(sampled)
+    assert any(r.stats.fed_tokens > r.stats.forwards for r in rows) and all(
+        r.stats.fallback_reason is None for r in rows
+    )
+    for request, row in zip(sampled, rows, strict=True):
+        assert torch.equal(row.sequences, decoder.generate(request).sequences)
+
+
+def test_lfm2_rows_on_a_static_budget_share_its_nodes_as_chains():
+    """Without the cost model (`adaptive=False`), each row of a batch feeds a chain of its share of the nodes."""
+    model = tiny_model("lfm2")
+    decoder = forerun.Decoder(model, None, "prompt_lookup", adaptive=False, max_tree_nodes=8, latency_cache=None)
+    requests, expected = ragged_requests(model)
+    results, gains = together(model, decoder, predicted(requests[2:], expected[2:], [3, 4, 5]))
+    assert max(max(step) for step in gains) > 1
+    assert all(torch.equal(r.sequences, want) for r, want in zip(results, expected[2:], strict=True))
+
+
+def test_a_hybrid_with_recurrent_states_keeps_to_one_token_a_row():
+    """Qwen3.5's recurrent states cannot be cut back row by row: its rows feed one token each, and a forward of
+    chains on its rows is refused, not decoded wrong."""
+    model = tiny_model("qwen3_5_text")
+    decoder = forerun.Decoder(model, None, "prompt_lookup", latency=CURVE, latency_cache=None)
+    requests, expected = ragged_requests(model)
+    results, gains = together(model, decoder, predicted(requests[2:], expected[2:], [3, 4, 5]))
+    assert all(step == [1, 1, 1] for step in gains)
+    assert all(torch.equal(r.sequences, want) for r, want in zip(results, expected[2:], strict=True))
+    rows = DynamicRows(model)
+    assert not rows.chains_together
