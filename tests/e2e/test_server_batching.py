@@ -460,12 +460,14 @@ def test_a_next_turn_in_the_worker_reads_only_its_new_message(static):
     assert two.stats.prefill_chunks == 2  # 8 new tokens and the answer's last, the root apart: a chunk of 5, the rest
 
 
-def test_a_hybrids_concurrent_clients_share_its_batch(smollm2):
+@pytest.mark.parametrize("family", ["qwen3_5_text", "lfm2"])
+def test_a_hybrids_concurrent_clients_share_its_batch(smollm2, family):
     """A hybrid (Qwen3.5's layout, random weights) served to 4 concurrent clients: they share the batch, one token
-    per row a step (its states a row each), and every answer is plain generate's for its prompt alone. A request
-    alone in the batch then verifies chains of guesses."""
+    per row a step (its states a row each; LFM2's rows feed chains together, their windows cut back row by row),
+    and every answer is plain generate's for its prompt alone. A request alone in the batch then verifies chains of
+    guesses."""
     _, tokenizer = smollm2
-    model = tiny_model("qwen3_5_text", vocab_size=len(tokenizer))
+    model = tiny_model(family, vocab_size=len(tokenizer))
     app = create_app(model, tokenizer, ServerConfig(MODEL, "auto", max_batch=4, max_tokens_limit=64))
     server = LiveServer(app)
     client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)

@@ -13,9 +13,11 @@ import torch
 from test_hybrid_batches import CURVE, ragged_requests
 
 import forerun
+from forerun.base.chain import chain_of
 from forerun.base.rows import DynamicRows
 from forerun.batch import Batch
 from forerun.rowstates import state_rows_support
+from forerun.tree import TokenTree
 
 from tiny_models import tiny_model
 
@@ -101,9 +103,10 @@ def test_lfm2_sampled_rows_drafting_together_write_their_seeds_text():
 
 
 def test_lfm2_rows_on_a_static_budget_share_its_nodes_as_chains():
-    """Without the cost model (`adaptive=False`), each row of a batch feeds a chain of its share of the nodes."""
+    """Without the cost model (`adaptive=False`), each row of a batch feeds a chain of its share of the nodes: the
+    first drafter's line, where `auto`'s drafters and the prediction propose several."""
     model = tiny_model("lfm2")
-    decoder = forerun.Decoder(model, None, "prompt_lookup", adaptive=False, max_tree_nodes=8, latency_cache=None)
+    decoder = forerun.Decoder(model, None, "auto", adaptive=False, max_tree_nodes=32, latency_cache=None)
     requests, expected = ragged_requests(model)
     results, gains = together(model, decoder, predicted(requests[2:], expected[2:], [3, 4, 5]))
     assert max(max(step) for step in gains) > 1
@@ -120,4 +123,11 @@ def test_a_hybrid_with_recurrent_states_keeps_to_one_token_a_row():
     assert all(step == [1, 1, 1] for step in gains)
     assert all(torch.equal(r.sequences, want) for r, want in zip(results, expected[2:], strict=True))
     rows = DynamicRows(model)
-    assert not rows.chains_together
+    with torch.inference_mode():
+        for text in ([3, 4, 5, 6], [7, 8, 9]):
+            own, _ = rows.open(None, text, 16)
+            rows.feed(own, TokenTree.rooted_at(text[-1]), len(text) - 1, text[:-1])
+            rows.admit(own, len(text) - 1, [0], None, text)
+        assert not rows.chains_together
+        with pytest.raises(RuntimeError, match="only where their states are windows"):
+            rows.forward([4, 3], [chain_of([1, 2]), chain_of([5])], 2)
