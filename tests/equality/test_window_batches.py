@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from test_hybrid_batches import CURVE, ragged_requests
+from test_hybrid_batches import CURVE, plain, ragged_requests
 
 import forerun
 from forerun.base.chain import chain_of
@@ -19,7 +19,7 @@ from forerun.batch import Batch
 from forerun.rowstates import state_rows_support
 from forerun.tree import TokenTree
 
-from tiny_models import tiny_model
+from tiny_models import LetterTokenizer, tiny_model
 
 
 def predicted(requests, expected, every: list[int]) -> list[forerun.GenerationRequest]:
@@ -130,3 +130,25 @@ def test_a_hybrid_with_recurrent_states_keeps_to_one_token_a_row():
         assert not rows.chains_together
         with pytest.raises(RuntimeError, match="only where their states are windows"):
             rows.forward([4, 3], [chain_of([1, 2]), chain_of([5])], 2)
+
+
+def test_a_row_whose_stop_string_completes_inside_its_chain_leaves_no_windows_behind():
+    """A row of a batch accepts a chain past its end (its stop string completes inside it) while another row
+    drafts beside it: its cache read tokens its text does not hold, so it is not kept for a next turn, which writes
+    generate's text with logprobs within 1e-5 of reading it whole; the other row is generate's."""
+    model = tiny_model("lfm2")
+    requests, expected = ragged_requests(model)
+    decoder = forerun.Decoder(model, LetterTokenizer(), "prompt_lookup", latency=CURVE, latency_cache=None)
+    text, answer = requests[2].prompt, expected[2][0, requests[2].prompt.shape[1] :].tolist()
+    words = LetterTokenizer().decode(answer)
+    stop, new_tokens = words[6:9], words.find(words[6:9]) + 3
+    first = replace(requests[2], prediction=answer, stop=stop)
+    beside = predicted(requests[3:4], expected[3:4], [3])[0]
+    cut, other = decoder.generate([first, beside])
+    assert torch.equal(cut.sequences, plain(model, text, new_tokens)) and cut.stats.forwards <= 3
+    assert torch.equal(other.sequences, expected[3])
+    following = torch.cat([cut.sequences, torch.tensor([[5, 6, 7, 8, 9]])], dim=1)
+    second = decoder.generate(following, 16, eos_token_id=[], logprobs=1)
+    assert torch.equal(second.sequences, plain(model, following, 16))
+    read = forerun.Decoder(model, None, "plain", prefix_cache=0).generate(following, 16, eos_token_id=[], logprobs=1)
+    assert max(abs(a.logprob - b.logprob) for a, b in zip(second.logprobs, read.logprobs, strict=True)) < 1e-5
