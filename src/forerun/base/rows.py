@@ -30,7 +30,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from forerun.base.chain import chain_of, croppable, state_layers
+from forerun.base.chain import before_guesses, chain_of, croppable, state_layers
 from forerun.base.dynamic import TreeLogits, device_argmax, forward_tree
 from forerun.base.lone_chain import LoneChain
 from forerun.base.place_prefixes import seed_place, store_place
@@ -209,9 +209,7 @@ class DynamicRows:
         elif self.cache.states and nodes > 1:  # rows' chains side by side: each row's windows cut back at `keep`
             if not (self.chains_together and all(map(is_chain, trees))):
                 raise RuntimeError("a hybrid's rows feed chains together only where their states are windows")
-            for layer in state_layers(self.cache.cache):
-                layer.activate_past_recording()
-            self.recorded = True
+            self.recorded, _ = before_guesses(self.cache.cache, nodes)  # windows: recorded, nothing copied
         logits = self.run(prefix_lens, trees, nodes, keep)[:, -(keep or nodes) :]  # [rows, nodes, vocab]
         return RowsLogits(logits, range(len(trees)), device_argmax(logits), None)
 
