@@ -59,11 +59,12 @@ def plain(model, prompt: torch.Tensor) -> torch.Tensor:
     return model.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
 
 
-@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize(("family", "static"), [("llama", False), ("llama", True), ("lfm2", False)])
 @pytest.mark.parametrize("where", ["propose", "observe", "root"])
-def test_a_failing_row_ends_alone_and_its_neighbours_stay_exact(where, static):
-    """`static`: the rows at places of a static base (a GPU's batch)."""
-    model = model_of("llama")
+def test_a_failing_row_ends_alone_and_its_neighbours_stay_exact(where, family, static):
+    """`static`: the rows at places of a static base (a GPU's batch). LFM2's rows feed chains together, their
+    windows cut back row by row: a failed row's too."""
+    model = model_of(family)
     decoder = forerun.Decoder(model, None, "prompt_lookup", latency=CURVE, static_cache=static)
     honest = prompts(3)
     batch = Batch(model, decoder.budget, shared=static_rows(decoder.base, 4, 24 + NEW_TOKENS + 16))
