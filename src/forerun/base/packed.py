@@ -75,7 +75,7 @@ def packable(device: torch.device | str, dtype: torch.dtype) -> bool:
     was measured faster), fp32, or bf16 where oneDNN has bf16 kernels for it."""
     if torch.device(device).type != "cpu" or dtype not in DTYPES or not torch.backends.mkldnn.is_available():
         return False
-    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":  # AVX2 only: trees cheaper, 1 token dearer, `auto` level
         return False
     return dtype == torch.float32 or bf16_kernels()
 
