@@ -18,6 +18,12 @@ greedy or sampled decoding, decodes with a fresh Decoder and compares every row:
 - with `--stops`, half the cases end at an end-of-text token (a batch's rows at different steps, leaving it one by
   one): each row must end where the reference ends.
 - with `--more-families`, targets and drafts are drawn among `tiny_models.MORE_FAMILIES` too.
+- with `--stateful`, targets are drawn among `tiny_models.STATEFUL_FAMILIES` too (hybrids with recurrent or
+  convolution states: chains, one token a row in a batch, LFM2's rows drafting together; the static base falls back
+  to the growing cache for them); drafts stay among the families without states; a hybrid's greedy fp32 rows are
+  judged by their logprobs too (within `random_case.STATE_GAP` of generate's).
+- with `--predictions`, half the greedy cases give each row a prediction: generate's own text with every k-th token
+  wrong (drafts accepted in part, step after step).
 
 Usage:
     .venv/bin/python benchmarks/random_cases.py --seed 0 --budget-s 600 --out benchmarks/results/random-cases.json
@@ -42,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from random_case import draw_case, run_case  # noqa: E402
 
-from tiny_models import FAMILIES, MORE_FAMILIES  # noqa: E402
+from tiny_models import FAMILIES, MORE_FAMILIES, STATEFUL_FAMILIES  # noqa: E402
 
 
 def main() -> None:
@@ -54,6 +60,8 @@ def main() -> None:
     parser.add_argument("--follow-ups", action="store_true", help="half the cases decode a second turn too")
     parser.add_argument("--stops", action="store_true", help="half the cases stop at an end-of-text token")
     parser.add_argument("--more-families", action="store_true", help="draw among tiny_models.MORE_FAMILIES too")
+    parser.add_argument("--stateful", action="store_true", help="targets among tiny_models.STATEFUL_FAMILIES too")
+    parser.add_argument("--predictions", action="store_true", help="half the greedy cases predicted, every k-th wrong")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -61,11 +69,13 @@ def main() -> None:
         print(json.dumps({"case": args.case, "rows": run_case(args.case)}))
         return
     rng, deadline = random.Random(args.seed), time.monotonic() + args.budget_s
-    families = tuple(sorted(FAMILIES | MORE_FAMILIES if args.more_families else FAMILIES))
+    drafts = tuple(sorted(FAMILIES | MORE_FAMILIES if args.more_families else FAMILIES))
+    families = tuple(sorted({*drafts, *STATEFUL_FAMILIES})) if args.stateful else drafts
     cases, rows, sampled, differences, failures = 0, 0, 0, [], []
     tally: Counter[str] = Counter()  # per dtype: cases, rows, rows differing, of them not at a tie
     while time.monotonic() < deadline:
-        case = draw_case(rng, tuple(args.dtypes.split(",")), args.follow_ups, args.stops, families)
+        dtypes = tuple(args.dtypes.split(","))
+        case = draw_case(rng, dtypes, args.follow_ups, args.stops, families, drafts, args.predictions)
         try:
             verdicts = run_case(case)
         except Exception as error:  # noqa: BLE001 - recorded, and the search goes on to find the others

@@ -16,14 +16,19 @@ import random
 import torch
 
 import forerun
+from forerun import GenerationRequest
 from forerun.config import DraftModelConfig
 from forerun.drafters.draft_model import DraftModelDrafter
 from forerun.exactness import first_divergence, judged_by_one_forward
 
-from tiny_models import FAMILIES, NO_SDPA, VOCAB, prompts, tiny_model
+from tiny_models import FAMILIES, NO_SDPA, STATEFUL_FAMILIES, VOCAB, prompts, tiny_model
 
 METHODS = ("plain", "prompt_lookup", "trie", "jacobi", "prompt_lookup+trie", "auto", "draft_model")
 SAMPLING = {"do_sample": True, "temperature": 0.8, "top_p": 0.9}
+STATE_GAP = 1e-4
+"""Most a greedy fp32 hybrid row's logprobs may stand from generate's own (`judge`): on the tiny hybrids a state put
+back wrong, or a window cut back one token off, moves logits too little to change a text, but moves logprobs by
+1e-4 to 1e-2; rounding moves them by ~1e-6."""
 
 
 def draw_case(
@@ -32,13 +37,18 @@ def draw_case(
     follow_ups: bool = False,
     stops: bool = False,
     families: tuple[str, ...] = tuple(sorted(FAMILIES)),
+    drafts: tuple[str, ...] | None = None,
+    predictions: bool = False,
 ) -> dict:
     """One random case's settings (JSON-able, so a reported case can be run again with `--case`). With more than
     one of `dtypes` ("fp32", "bf16", "int4": 4-bit weights, bf16 activations) each case draws one, with
     `follow_ups` whether a second turn follows (`run_case`), and with `stops` where an end-of-text token falls (half
     the cases: `end_of_text`; a batch's rows then end at different steps), all last: the draws before stay those
-    of fp32 alone. A low-precision case decodes greedily. `families`: the targets' and drafts' families drawn
-    among (`tiny_models.FAMILIES`, or with `MORE_FAMILIES` too)."""
+    of fp32 alone. A low-precision case decodes greedily. `families`: the targets' families drawn among
+    (`tiny_models.FAMILIES`, or with `MORE_FAMILIES` or `STATEFUL_FAMILIES` too); `drafts`: the draft models'
+    (default: the same). With `predictions`, half the greedy cases give each row a prediction (`predict_every`:
+    generate's own text with every k-th token wrong): drafts that are accepted in part, step after step, which
+    random texts rarely give (a hybrid's chains put back or cut back)."""
     case = {"family": rng.choice(families), "attention": rng.choice(["sdpa", "eager"]),
             "method": rng.choice(METHODS), "static": rng.random() < 0.5, "rows": rng.choice([1, 1, 2, 3]),
             "new": rng.choice([8, 20, 33]), "length": rng.choice([3, 10, 24, 40]),
@@ -46,13 +56,15 @@ def draw_case(
     if case["family"] in NO_SDPA:
         case["attention"] = "eager"
     if case["method"] == "draft_model":
-        case |= {"draft": rng.choice(families), "slots": rng.random() < 0.5}
+        case |= {"draft": rng.choice(families if drafts is None else drafts), "slots": rng.random() < 0.5}
     if len(dtypes) > 1 and (dtype := rng.choice(dtypes)) != "fp32":
         case |= {"dtype": dtype, "sampled": False}  # a seed's text is judged exactly: fp32 only
     if follow_ups:
         case["follow"] = rng.random() < 0.5
     if stops and rng.random() < 0.5:
         case["eos_at"] = rng.randrange(case["new"])  # the end-of-text token: the one generate writes there (row 0)
+    if predictions and not case["sampled"] and rng.random() < 0.5:
+        case["predict_every"] = rng.choice([2, 3, 5, 8, 1000])
     return case
 
 
@@ -90,11 +102,18 @@ def run_case(case: dict) -> list[dict]:
     if "eos_at" in case and "eos" not in case:
         case = case | {"eos": end_of_text(target, rows[0], case["eos_at"])}
     settings = options | {"eos_token_id": [case["eos"]] if "eos" in case else []}
+    read_states = case["family"] in STATEFUL_FAMILIES and not options and "dtype" not in case
+    if read_states:  # a hybrid's greedy fp32 rows are judged by their logprobs too
+        settings["logprobs"] = 1
 
     def turn(rows: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[dict]]:
-        outputs = decode(decoder, rows, case["new"], settings)
-        return outputs, [judge(target, prompt, output, case, options, i)
-                         for i, (prompt, output) in enumerate(zip(rows, outputs, strict=True))]  # fmt: skip
+        every = case.get("predict_every")
+        ahead = None if every is None else [predicted(target, row, case["new"], case.get("eos"), every) for row in rows]
+        results = decode(decoder, rows, case["new"], settings, ahead)
+        outputs = [result.sequences for result in results]
+        return outputs, [judge(target, prompt, result.sequences, case, options, i,
+                               [t.logprob for t in result.logprobs] if read_states else None)
+                         for i, (prompt, result) in enumerate(zip(rows, results, strict=True))]  # fmt: skip
 
     outputs, verdicts = turn(rows)
     if case.get("follow"):
@@ -117,17 +136,38 @@ def end_of_text(target: torch.nn.Module, prompt: torch.Tensor, position: int) ->
     return int(plain_greedy(target, prompt, position + 1)[0, -1])
 
 
-def decode(decoder: forerun.Decoder, rows: list[torch.Tensor], new: int, options: dict) -> list[torch.Tensor]:
-    """Each row's prompt and new tokens [1, P + new] (ending at its end-of-text token, if any), the rows decoded as
-    one batch (a single row alone)."""
+def predicted(target: torch.nn.Module, prompt: torch.Tensor, new: int, eos: int | None, every: int) -> tuple[int, ...]:
+    """Plain greedy generate's new tokens after `prompt`, every `every`-th of them replaced by another token."""
+    text = plain_greedy(target, prompt, new, eos)[0, prompt.shape[1] :].tolist()
+    return tuple(t if i % every != every - 1 else (t + 1) % VOCAB for i, t in enumerate(text))
+
+
+def decode(
+    decoder: forerun.Decoder, rows: list[torch.Tensor], new: int, options: dict, ahead: list | None = None
+) -> list:
+    """Each row's result (its `sequences`: the prompt and new tokens [1, P + new], ending at its end-of-text token,
+    if any), the rows decoded as one batch (a single row alone); `ahead`: each row's prediction."""
+    if ahead is not None:
+        requests = [GenerationRequest.of(row, new, prediction=p, **options) for row, p in zip(rows, ahead, strict=True)]
+        return [decoder.generate(requests[0])] if len(rows) == 1 else list(decoder.generate(requests))
     if len(rows) == 1:
-        return [decoder.generate(rows[0], new, **options).sequences]
-    return [result.sequences for result in decoder.generate(rows, new, **options)]
+        return [decoder.generate(rows[0], new, **options)]
+    return list(decoder.generate(rows, new, **options))
 
 
-def judge(target: torch.nn.Module, prompt: torch.Tensor, output: torch.Tensor, case: dict, options: dict, i: int):
+def judge(
+    target: torch.nn.Module,
+    prompt: torch.Tensor,
+    output: torch.Tensor,
+    case: dict,
+    options: dict,
+    i: int,
+    logprobs: list[float] | None = None,
+) -> dict:
     """Row `i`'s verdict on its `output`: against the row alone, undrafted, with its own seed (sampled), or plain
-    generate (greedy). Where the case has an end-of-text token, both texts must end at it, and at the same place."""
+    generate (greedy). Where the case has an end-of-text token, both texts must end at it, and at the same place.
+    `logprobs` (the row's, greedy): a text equal to generate's whose logprobs stand more than `STATE_GAP` from
+    generate's differs too (`logprob_gap`, at its first such position)."""
     start, text, new = prompt.shape[1], output[0, prompt.shape[1] :].tolist(), case["new"]
     eos = case.get("eos")
     if options:  # the row alone, undrafted, with its own seed
@@ -143,6 +183,13 @@ def judge(target: torch.nn.Module, prompt: torch.Tensor, output: torch.Tensor, c
     found = first_divergence(expected, text, [logits[0] for logits in reference.logits], target.dtype)
     if found is None and len(expected) != len(text):  # the same tokens, but one ended early: no rounding does that
         return {"identical": False, "position": min(len(expected), len(text)), "ulps": math.inf, "tie": False}
+    if found is None and logprobs is not None:
+        steps = zip(reference.logits, text, strict=True)
+        read = [float(torch.log_softmax(step[0].float(), -1)[token]) for step, token in steps]
+        gaps = [abs(a - b) for a, b in zip(logprobs, read, strict=True)]
+        far = next((k for k, gap in enumerate(gaps) if gap > STATE_GAP), None)
+        if far is not None:
+            return {"identical": False, "position": far, "ulps": math.inf, "tie": False, "logprob_gap": gaps[far]}
     if found is None:
         return {"identical": True}
     verdict = {"identical": False, "position": found.position, "ulps": round(found.ulps, 2)}

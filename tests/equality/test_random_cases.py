@@ -16,7 +16,7 @@ import pytest
 import torch
 from random_case import draw_case, in_dtype, run_case
 
-from tiny_models import prompts, tiny_model
+from tiny_models import FAMILIES, STATEFUL_FAMILIES, prompts, tiny_model
 
 FP32_TIE_ULPS = 4.0
 """Most ulps between generate's two logits for a first difference to count as rounding in fp32 (the largest found
@@ -32,10 +32,18 @@ ROUTED_ULPS = 8.0
 
 
 def cases(
-    seed: int, count: int, dtypes: tuple[str, ...] = ("fp32",), follow_ups: bool = False, stops: bool = False
+    seed: int,
+    count: int,
+    dtypes: tuple[str, ...] = ("fp32",),
+    follow_ups: bool = False,
+    stops: bool = False,
+    stateful: bool = False,
 ) -> list[dict]:
-    rng = random.Random(seed)
-    return [draw_case(rng, dtypes, follow_ups, stops) for _ in range(count)]
+    """`stateful`: targets among the hybrids too (`STATEFUL_FAMILIES`), drafts among the families without states,
+    and half the greedy cases predicted (`draw_case`'s `predictions`)."""
+    rng, families = random.Random(seed), tuple(sorted(FAMILIES))
+    targets = tuple(sorted({*families, *STATEFUL_FAMILIES})) if stateful else families
+    return [draw_case(rng, dtypes, follow_ups, stops, targets, families, stateful) for _ in range(count)]
 
 
 def check(case: dict) -> None:
@@ -81,6 +89,19 @@ def test_random_rows_end_where_generate_ends(seed):
     reference does, with the same text."""
     drawn = cases(6026 + seed, 15, ("fp32", "bf16", "int4"), follow_ups=True, stops=True)
     assert any("eos_at" in case for case in drawn)
+    for case in drawn:
+        check(case)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_random_hybrid_cases_keep_generates_text(seed):
+    """Targets among the hybrids too (recurrent or convolution states: chains a step, one token a row beside others
+    in a batch, LFM2's rows drafting together, the static base falling back to the growing cache), in every dtype,
+    with second turns, rows ending at different steps and predictions wrong every few tokens (chains accepted in
+    part): judged as every other case, a hybrid's greedy fp32 rows by their logprobs too (`STATE_GAP`)."""
+    drawn = cases(8026 + seed, 20, ("fp32", "bf16", "int4"), follow_ups=True, stops=True, stateful=True)
+    hybrids = [case for case in drawn if case["family"] in STATEFUL_FAMILIES]
+    assert len(hybrids) >= 5 and any("predict_every" in case and "dtype" not in case for case in hybrids)
     for case in drawn:
         check(case)
 
