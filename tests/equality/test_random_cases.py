@@ -119,6 +119,21 @@ def test_negative_control_a_row_that_ends_early_is_caught():
     assert short["position"] == 7 and not short["identical"] and not short["tie"]
 
 
+def test_negative_control_a_hybrids_logprobs_off_by_a_little_are_caught():
+    """A hybrid row whose text is generate's but whose logprobs stand 1e-3 off at one position (a state slightly
+    wrong) differs there; its logprobs as generate reads them pass."""
+    from random_case import judge, plain_greedy
+
+    case = {"family": "lfm2", "attention": "sdpa", "new": 8, "rows": 1}
+    model, prompt = tiny_model("lfm2", "sdpa", 0), prompts(1, length=10, seed=3)[0]
+    out = plain_greedy(model, prompt, 8, output_logits=True, return_dict_in_generate=True)
+    text = out.sequences[0, prompt.shape[1] :].tolist()
+    read = [float(torch.log_softmax(step[0].float(), -1)[t]) for step, t in zip(out.logits, text, strict=True)]
+    assert judge(model, prompt, out.sequences, case, {}, 0, read) == {"identical": True}
+    off = judge(model, prompt, out.sequences, case, {}, 0, [v - 1e-3 * (k == 3) for k, v in enumerate(read)])
+    assert off["position"] == 3 and not off["identical"] and off["logprob_gap"] > 9e-4
+
+
 def test_the_case_found_flipping_is_a_tie():
     check(FLIPPED)
 
