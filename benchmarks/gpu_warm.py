@@ -23,8 +23,9 @@ def warm_programs(log, model, rows: int, max_len: int = 512) -> None:
     decoder = Decoder(model, None, "plain", latency=FLAT, static_cache=True, compile_buckets=True)
     base = decoder.base
     places = base.sibling(rows)
-    plan = [(places, (count, size, False)) for count in places.row_buckets for size in places.buckets]
+    plan = [(places, places.key_of(count, size, False)) for count in places.row_buckets for size in places.buckets]
     plan += [(places, (1, size, True)) for size in places.buckets]
+    plan = list(dict.fromkeys(plan))  # a lone row is a placed one there (`StaticBase.lone_placed`)
     started = time.perf_counter()
     with torch.inference_mode():
         places.begin(max_len + decoder.budget.max_nodes)

@@ -182,19 +182,22 @@ def test_sampled_rows_read_their_own_places_logits_after_rows_leave(at_once):
 def test_compiled_rows_give_the_eager_rows_tokens():
     """A batch's (rows, bucket) forwards through torch.compile (inductor on this CPU), the joining prompts' one-place
     forwards too: generate's tokens for every row, in a batch of 2 and then of 3 rows (two siblings sharing one
-    program; a few compilations: about a minute)."""
+    program; a few compilations: about a minute). The 3 rows' answers end at different steps: the last row left,
+    at place 0, is fed as a placed row (`StaticBase.lone_placed`: no program of its own)."""
     model = model_of("llama", "sdpa")
     decoder = forerun.Decoder(model, None, "prompt_lookup", max_tree_nodes=4, adaptive=False, draft_len=3,
                               max_branches=1, static_cache=True, compile_buckets=True)  # fmt: skip
     decoder.base = StaticBase(model, buckets=(1, 4), compiled=True)
-    for lengths in ((12, 24), (17, 12, 24)):
-        batch = [prompts(5, length=length)[i][0].tolist() for i, length in enumerate(lengths)]
-        results = decoder.generate(batch, NEW_TOKENS, eos_token_id=[])
-        for i, (length, result) in enumerate(zip(lengths, results, strict=True)):
-            assert torch.equal(result.sequences, reference("llama", "sdpa", i, length)), (lengths, i)
+    for lengths, news in (((12, 24), (NEW_TOKENS,) * 2), ((17, 12, 24), (NEW_TOKENS, 8, 14))):
+        batch = [forerun.GenerationRequest(prompts(5, length=length)[i][0].tolist(), new, eos_token_id=())
+                 for i, (length, new) in enumerate(zip(lengths, news, strict=True))]  # fmt: skip
+        results = decoder.generate(batch)
+        for i, (length, new, result) in enumerate(zip(lengths, news, results, strict=True)):
+            assert torch.equal(result.sequences, reference("llama", "sdpa", i, length, new)), (lengths, i)
     two, three = decoder.base.siblings[2], decoder.base.siblings[3]
     assert two.compiled and any(rows == 2 for rows, _, _ in two.steps) and any(rows == 3 for rows, _, _ in three.steps)
     assert two.program is three.program is not decoder.base.program
+    assert (1, 1, True) in three.steps and not any(rows == 1 and not placed for rows, _, placed in three.steps)
 
 
 @torch.inference_mode()
@@ -221,7 +224,9 @@ def test_a_compiled_16_row_warm_up_stays_compiled():
     """What a server with compiled buckets does at start: its batch budget times siblings of 2, 4 and 8 places, its
     warm-up makes every (rows, bucket) of 16. The programs the siblings share stay under dynamo's limit of 8 per
     function, past which every new variant runs eagerly: no program traces the cache's first allocation (a variant
-    for each sibling's empty cache and place count took them past it)."""
+    for each sibling's empty cache and place count took them past it). They are four: a placed row and many rows,
+    each for one node and for more; a lone row is fed as a placed one (one family fewer, two programs of tens of
+    seconds each on a card's host), and every count of many rows shares one program from the first."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
     decoder = forerun.Decoder(model_of("llama", "sdpa"), None, "auto", static_cache=True, compile_buckets=True,
@@ -230,7 +235,8 @@ def test_a_compiled_16_row_warm_up_stays_compiled():
     decoder.warm_up(48, batch_size=16)
     shared = decoder.base.sibling(16).program
     assert shared is decoder.base.sibling(2).program
-    assert len(_debug_get_cache_entry_list(shared._torchdynamo_orig_callable.__code__)) < 8
+    assert len(_debug_get_cache_entry_list(shared._torchdynamo_orig_callable.__code__)) == 4
+    assert not any(rows == 1 and not placed for rows, _, placed in decoder.base.sibling(16).steps)
 
 
 def test_a_batch_budget_on_the_static_base_times_its_siblings(tmp_path):

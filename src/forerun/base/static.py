@@ -135,7 +135,7 @@ class StaticBase:
             self.bucket_forward if program is None else MethodType(program, self)
         )
         # one program for every row count: a base per count compiling its own made a 16-row server's warm-up
-        # compile ~26 programs (the GPU benchmark's; 8 this way), each tens of seconds on a card's host
+        # compile ~26 programs (the GPU benchmark's; 6 this way), each tens of seconds on a card's host
         self.rows_program = program if places > 1 or program is None else compiled_copy(StaticBase.bucket_forward)
         """The compiled forward this base's siblings share (a single row's base keeps its own apart)."""
         self.buckets = tuple(sorted({int(b) for b in buckets}))
@@ -145,6 +145,10 @@ class StaticBase:
             raise ValueError(f"places must be >= 1, got {places}")
         self.places = places
         self.row_buckets = (*(b for b in ROW_BUCKETS if b < places), places)
+        self.lone_placed = self.compiled and places > 1
+        """A lone row at place 0 is fed as a placed row (its place read by index), not by a program of its own:
+        dynamo always specialises a row count of 1, so a batch's compiled forwards would otherwise make three
+        families of programs (one row, one placed row, many rows), each one for a single node and one for more."""
         self.device = next(model.parameters()).device
         self.graphs = self.device.type == "cuda" if graphs is None else bool(graphs)
         if self.graphs and self.device.type != "cuda":
@@ -224,7 +228,7 @@ class StaticBase:
         reason = self.begin(max_len)
         if reason is not None:
             raise ValueError(f"this model cannot verify trees on the static cache: {reason}")
-        wanted = [(count, size, False) for count in rows for size in self.buckets]
+        wanted = [self.key_of(count, size, False) for count in rows for size in self.buckets]
         wanted += [(1, size, True) for size in self.buckets] if placed else []
         for key in wanted:
             if key not in self.steps:
@@ -263,7 +267,7 @@ class StaticBase:
         other places are neither fed nor read). The inputs travel in a non-blocking copy from a pinned buffer,
         which is refilled only once that copy has been made (`BucketStep.copied`), whatever ran since."""
         size = self.bucket(max(len(tree) for tree, _ in fed.values()))
-        rows = 1 if placed else self.row_bucket(max(fed) + 1)
+        rows, size, placed = self.key_of(1 if placed else self.row_bucket(max(fed) + 1), size, placed)
         step = self.steps.get((rows, size, placed)) or self.prepare(rows, size, placed)
         if step.copied is not None:
             step.copied.synchronize()
@@ -282,6 +286,12 @@ class StaticBase:
             step.graph.replay()
             return step.logits, step.choices, step.features
         return self.step_forward(size, step.inputs, placed)
+
+    def key_of(self, rows: int, size: int, placed: bool) -> tuple[int, int, bool]:
+        """The (rows, bucket, placed) step that feeds `rows` rows of `size` nodes: a lone row of a compiled batch
+        base as a placed one (`lone_placed`)."""
+        placed = placed or (rows == 1 and self.lone_placed)
+        return (1 if placed else rows), size, placed
 
     def prefill(self, tree: TokenTree, prefix_len: int, lead: Sequence[int], place: int = 0) -> TreeLogits:
         """An eager forward of `lead` then `tree`: a tree wider than every bucket, and the curve's context."""
@@ -347,6 +357,10 @@ class StaticBase:
         # as long to compile (a 30-layer llama on this CPU: a single row's two programs 297 s against 109 s), and a
         # warm-up compiles ~8. A text longer than the warm-up's cache compiles again, once (dynamo then makes the
         # slot count symbolic itself); `Decoder.warm_up(max_len)` sizes the cache for the longest expected.
+        if self.compiled and rows > 1:
+            # every count of many rows in one program from the first: left to dynamo, the first count seen compiles
+            # as a static size and the next one again, symbolic
+            torch._dynamo.maybe_mark_dynamic(step.inputs, 0)
         if self.compiled and not self.cache.layers[0].is_initialized:
             # the layers allocate at their first forward: eagerly, so that no program traces it (a variant guarded
             # on an empty cache and on each sibling's place count took the shared program past dynamo's 8)
