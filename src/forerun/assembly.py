@@ -102,6 +102,10 @@ def make_base(
     it can (`graph_features`)."""
     wanted = config.static_cache
     if wanted is False or (wanted is None and device_type != "cuda"):
+        if config.compile_buckets:  # said, not ignored in silence
+            logger.warning("forerun: compile_buckets compiles the static cache's buckets, which are off here "
+                           "(static_cache=%s, a %s device): nothing is compiled; static_cache=True turns them on",
+                           wanted, device_type)  # fmt: skip
         return None
     reason = static_support(model)
     if reason is not None:  # a warning where it was asked for; by default (a card's) the growing cache is the plan

@@ -250,7 +250,8 @@ class EngineConfig:
     CPU gains nothing from fixed shapes, and keeps the prefix cache). Batches keep the growing cache."""
     compile_buckets: bool = False
     """With the static cache: compile each bucket's forward (`torch.compile`, inductor) before capturing it: tens of
-    seconds per bucket once, for steps with fused kernels."""
+    seconds per bucket once, for steps with fused kernels. Without it (a CPU's default) nothing is compiled, and a
+    warning says so."""
     reproducible: bool | None = None
     """Decide what is fed from stored measurements only (the latency curve on disk, the learned acceptance), never
     from this run's timings, so that the same prompt with the same settings and a fresh Decoder writes the same text

@@ -7,6 +7,7 @@ by benchmarks/gpu_check.py.
 from __future__ import annotations
 
 import functools
+import logging
 import traceback
 from collections import Counter
 
@@ -232,6 +233,37 @@ def test_compiled_buckets_give_the_eager_buckets_tokens():
     assert torch.equal(result.sequences, expected)
     assert decoder.base.steps.keys() == {(1, 1, False), (1, 4, False)} and decoder.base.settings()["compiled"] is True
     assert result.stats.tokens_per_forward > 1
+
+
+@torch.inference_mode()
+def test_compiled_buckets_first_fed_wide_still_compile_two_programs():
+    """A compiled base first fed a wide tree (a prompt's chunk of 64 before any one-node step, as a request that
+    comes before `warm_up`) prepares its one-node bucket first: dynamo then takes every later node count as
+    symbolic, two programs in all, where the wide count first had compiled a third, for that count alone (inside a
+    request: ~40 s on a CPU for SmolLM2-135M)."""
+    from torch._dynamo.utils import counters
+
+    base = StaticBase(model_of("llama", "sdpa"), buckets=(1, 2, 4, 8), compiled=True)
+    base.begin(64)
+    before = counters["stats"]["unique_graphs"]
+    for n in (8, 2, 1, 4):
+        tree = TokenTree.rooted_at(3)
+        tree.add_chain(0, list(range(5, 4 + n)))
+        base.forward(tree, 0, ())
+    assert counters["stats"]["unique_graphs"] - before == 2
+    assert set(base.steps) == {(1, n, False) for n in (1, 2, 4, 8)}
+
+
+def test_compile_buckets_without_the_static_cache_says_so(caplog):
+    """The static cache is off by default on a CPU: `compile_buckets` alone compiles nothing there, and a warning
+    says so and how to turn it on, where it had been ignored in silence; without the option, no warning."""
+    model = model_of("llama", "sdpa")
+    with caplog.at_level(logging.WARNING):
+        asked = forerun.Decoder(model, None, "plain", compile_buckets=True, latency=CURVE)
+        plain = forerun.Decoder(model, None, "plain", latency=CURVE)
+    assert asked.base is None and plain.base is None
+    warned = [r.getMessage() for r in caplog.records if "compile_buckets" in r.getMessage()]
+    assert len(warned) == 1 and "static_cache=True turns them on" in warned[0]
 
 
 def test_a_longer_text_on_compiled_buckets_compiles_once_more_and_stays_exact():

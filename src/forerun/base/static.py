@@ -350,6 +350,10 @@ class StaticBase:
         """The (rows, bucket)'s buffers, and on a GPU its graph (`bucket_steps.capture`), all its warm-up forwards
         writing into the scratch slots at the end of the cache. Compiled without graphs (a CPU), one warm-up
         forward compiles it."""
+        if self.compiled and size > 1 and (rows, 1, placed) not in self.steps:
+            # one node first (a program of its own anyway): dynamo then takes every later count as symbolic, where a
+            # first call with more nodes compiles a program for that count alone (three programs, not two)
+            self.prepare(rows, 1, placed)
         started = time.perf_counter()
         scratch = self.length - self.largest
         step = new_step(rows, size, placed, scratch, self.device, idle=self.graphs or self.compiled)
