@@ -359,7 +359,7 @@ class StaticBase:
         step = new_step(rows, size, placed, scratch, self.device, idle=self.graphs or self.compiled)
         # The slot count stays a static size: marked symbolic from the first program on, each program took 2-3x
         # as long to compile (a 30-layer llama on this CPU: a single row's two programs 297 s against 109 s), and a
-        # warm-up compiles ~8. A text longer than the warm-up's cache compiles again, once (dynamo then makes the
+        # warm-up compiles up to 6. A text longer than the warm-up's cache compiles again, once (dynamo then makes the
         # slot count symbolic itself); `Decoder.warm_up(max_len)` sizes the cache for the longest expected.
         if self.compiled and rows > 1:
             # every count of many rows in one program from the first: left to dynamo, the first count seen compiles
