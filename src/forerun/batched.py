@@ -10,7 +10,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from forerun.base.rows import static_rows
+from forerun.base.static_rows import static_rows
 from forerun.batch import Batch, batchable
 from forerun.costmodel import Budget
 from forerun.engine import decode
@@ -56,7 +56,7 @@ def decode_rows(
     which probes what this cannot see: a hybrid's rows, a model that counts positions its own way; None: where
     `batch.batchable` says so). `base`: the single row's static base
     (`forerun.base.static.StaticBase`, a GPU's captured steps): a row decoded alone (one job, or `width` 1) takes
-    it, and a batch its sibling of `width` places (`forerun.base.rows.StaticRows`).
+    it, and a batch its sibling of `width` places (`forerun.base.static_rows.StaticRows`).
 
     Example (a list of 8 prompts through 4 rows; `forerun run --batch-size 4` does this):
         >>> for index, stats in decode_rows(model, jobs, budget, width=4):   # doctest: +SKIP

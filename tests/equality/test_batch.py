@@ -12,7 +12,7 @@ import torch
 from transformers import MaxLengthCriteria, StoppingCriteriaList
 
 import forerun
-from forerun.base.rows import static_rows
+from forerun.base.static_rows import static_rows
 from forerun.batch import Batch, RowJob
 from forerun.batched import decode_batch
 from forerun.costmodel import CostModel, LatencyCurve, StaticBudget, best_shared_count

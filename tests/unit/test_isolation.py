@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import forerun
-from forerun.base.rows import static_rows
+from forerun.base.static_rows import static_rows
 from forerun.batch import Batch, fork
 from forerun.costmodel import LatencyCurve
 from forerun.request import GenerationRequest

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 import forerun
-from forerun.base.rows import RowsLogits, StaticRows
+from forerun.base.rows import RowsLogits
 from forerun.base.static import StaticBase
+from forerun.base.static_rows import StaticRows
 from forerun.batch import batchable
 from forerun.costmodel import LatencyCurve
 from forerun.tree import TokenTree

@@ -23,7 +23,7 @@ import torch
 
 from forerun.base.dynamic import TreeLogits
 from forerun.base.step_inputs import behind
-from forerun.tree import TokenTree
+from forerun.tree import TokenTree, attention_mask_4d
 
 if TYPE_CHECKING:
     from forerun.base.static import StaticBase
@@ -44,7 +44,7 @@ def feed_places(base: StaticBase, items: Fed) -> dict[int, TreeLogits]:
         >>> out[2].logits.shape                                          # doctest: +SKIP
         torch.Size([1, 49152])
     """
-    out = {p: base.prefill(t, n, lead, p) for p, (t, n, lead) in items.items() if len(t) > base.largest}
+    out = {p: eager_prefill(base, t, n, lead, p) for p, (t, n, lead) in items.items() if len(t) > base.largest}
     pending = {p: (n - len(lead), list(lead), t) for p, (t, n, lead) in items.items() if p not in out}
     read: dict[int, list[torch.Tensor]] = {p: [] for p in pending}
     alone = len(pending) == 1
@@ -73,3 +73,22 @@ def feed_places(base: StaticBase, items: Fed) -> dict[int, TreeLogits]:
             for place in pending:
                 read[place].append(features[0 if alone else place, : len(fed[place][0])].clone())
     return out
+
+
+def eager_prefill(
+    base: StaticBase, tree: TokenTree, prefix_len: int, lead: Sequence[int], place: int = 0
+) -> TreeLogits:
+    """An eager forward of `lead` then `tree` into `place`: a tree wider than every bucket, and the latency curve's
+    context. Returns the tree's logits [len(tree), vocab], argmaxes [len(tree)] and features (the lead's first)."""
+    n, start = len(tree), prefix_len - len(lead)
+    ids = torch.tensor([[*lead, *tree.tokens]], device=base.device)
+    depths = torch.tensor(tree.depths, device=base.device) + prefix_len
+    positions = torch.cat([torch.arange(start, prefix_len, device=base.device), depths])[None]
+    bools = attention_mask_4d(tree.ancestors(), prefix_len, "sdpa", base.model.dtype, len(lead))
+    visible = torch.zeros((*bools.shape[:3], base.length), dtype=torch.bool)
+    visible[..., : bools.shape[-1]] = bools
+    current = torch.arange(start, start + ids.shape[1], device=base.device)[None]
+    base.slots.point(torch.tensor([place], device=base.device), current, contiguous=place == 0)
+    logits, features = base.call(ids, positions, visible.to(base.device))
+    logits = logits[0, -n:]  # its own tensor: no graph rewrites it
+    return TreeLogits(logits, logits.argmax(-1), features)

@@ -60,7 +60,7 @@ from forerun.costmodel import LatencyCurve
 from forerun.forward_inputs import cache_argument
 from forerun.kvcache import UnsupportedCacheError, check_tree_cache
 from forerun.prefixcache import Prefixes
-from forerun.tree import TokenTree, attention_mask_4d, tree_support
+from forerun.tree import TokenTree, tree_support
 
 logger = logging.getLogger(__name__)
 
@@ -292,21 +292,6 @@ class StaticBase:
         base as a placed one (`lone_placed`)."""
         placed = placed or (rows == 1 and self.lone_placed)
         return (1 if placed else rows), size, placed
-
-    def prefill(self, tree: TokenTree, prefix_len: int, lead: Sequence[int], place: int = 0) -> TreeLogits:
-        """An eager forward of `lead` then `tree`: a tree wider than every bucket, and the curve's context."""
-        n, start = len(tree), prefix_len - len(lead)
-        ids = torch.tensor([[*lead, *tree.tokens]], device=self.device)
-        depths = torch.tensor(tree.depths, device=self.device) + prefix_len
-        positions = torch.cat([torch.arange(start, prefix_len, device=self.device), depths])[None]
-        bools = attention_mask_4d(tree.ancestors(), prefix_len, "sdpa", self.model.dtype, len(lead))
-        visible = torch.zeros((*bools.shape[:3], self.length), dtype=torch.bool)
-        visible[..., : bools.shape[-1]] = bools
-        current = torch.arange(start, start + ids.shape[1], device=self.device)[None]
-        self.slots.point(torch.tensor([place], device=self.device), current, contiguous=place == 0)
-        logits, features = self.call(ids, positions, visible.to(self.device))
-        logits = logits[0, -n:]  # its own tensor: no graph rewrites it
-        return TreeLogits(logits, logits.argmax(-1), features)
 
     def bucket_forward(self, size: int, inputs: torch.Tensor, placed: bool = False) -> Outputs:
         """The forward of one (rows, bucket) from its input buffer (module docstring): logits [R, B, vocab],

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from forerun.base.prompt_feed import eager_prefill
 from forerun.costmodel import LatencyCurve
 from forerun.measured import fastest, synchronize
 from forerun.tree import TokenTree
@@ -39,7 +40,7 @@ def measure_curve(base: StaticBase, context: int = 256, repeats: int = 3) -> Lat
     warm-up round), as a curve over every size 1..largest: n nodes cost their bucket."""
     base.begin(context + 1)
     tokens = context_tokens(base, context + base.largest)
-    base.prefill(TokenTree.rooted_at(tokens[context]), context, tokens[:context])
+    eager_prefill(base, TokenTree.rooted_at(tokens[context]), context, tokens[:context])
 
     def seconds_of(size: int) -> float:
         synchronize(base.device)

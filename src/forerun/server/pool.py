@@ -22,8 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from forerun.base.rows import static_rows
 from forerun.base.static import StaticBase
+from forerun.base.static_rows import static_rows
 from forerun.batch import Batch
 from forerun.batch_join import Joining
 from forerun.checks import is_count
