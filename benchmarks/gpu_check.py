@@ -2,9 +2,10 @@
 
 Sections (each writes its records to `--out` as JSON lines as it goes, so a run cut short keeps what it measured):
 
-- `smoke`: tiny random models of 4 families, fp32, eager and sdpa: greedy output of `plain`, `prompt_lookup`,
-  `auto` and `eagle3` (a random head reading the layer the graph hands it) on the static base with graphs equals
-  plain `model.generate`, token for token; the head's trees are counted (it drafts on replayed graphs).
+- `smoke` (`gpu_smoke.py`): tiny random models of 4 families, fp32, eager and sdpa: greedy output of `plain`,
+  `prompt_lookup`, `auto` and `eagle3` (a random head reading the layer the graph hands it) on the static base with
+  graphs equals plain `model.generate`, token for token; the head's trees are counted (it drafts on replayed
+  graphs); three ragged rows of a batch on the base's places, each equal to its own `model.generate`.
 - `curve`: seconds per step by bucket: the captured step, the same step eager, and the growing-cache forward.
 - `bench`: single-row greedy over prompts given as token ids (`--prompts`, from `benchmarks/gpu_prompts.py`):
   `model.generate` eager, `model.generate` with transformers' static cache (auto-compiled; warmed before timing),
@@ -33,6 +34,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from gpu_smoke import head_graphs, smoke  # noqa: E402
 
 from forerun import Decoder  # noqa: E402
 from forerun.attention import pick_attention  # noqa: E402
@@ -66,33 +69,6 @@ def sync_time(function) -> tuple[object, float]:
     result = function()
     synchronize(DEVICE)
     return result, time.perf_counter() - started
-
-
-def smoke(log: Log) -> None:
-    from eagle3_heads import random_head
-    from tiny_models import prompts, tiny_model
-
-    for family in ("llama", "qwen3", "gemma", "gpt2"):
-        for attention in ("sdpa", "eager"):
-            model = tiny_model(family, attention).to(DEVICE)
-            for method in ("plain", "prompt_lookup", "auto", "eagle3"):
-                head = random_head(model, aux=(0, 0, 0)).to(DEVICE) if method == "eagle3" else None
-                # a random head never pays: the switch would keep it out; here it drafts every step
-                decoder = Decoder(model, None, method, latency_cache=None, static_cache=True, draft_head=head,
-                                  adaptive=False if head is not None else None)  # fmt: skip
-                same = drafted = 0
-                for prompt in prompts(3, 24, seed=1):
-                    prompt = prompt.to(DEVICE)
-                    expected = model.generate(prompt, max_new_tokens=48, do_sample=False, pad_token_id=0)
-                    result = decoder.generate(prompt, 48)
-                    same += torch.equal(result.sequences, expected.cpu())
-                    drafted += result.stats.candidates
-                base = decoder.base
-                captured = base is not None and any(step.graph is not None for step in base.steps.values())
-                error = base.capture_error if base is not None else "no static base"
-                log("smoke", family=family, attention=attention, method=method, identical=f"{same}/3",
-                    drafted=drafted, captured=captured, capture_error=error,
-                    head_graphs=head_graphs(decoder))  # fmt: skip
 
 
 def random_1b(tiny: bool = False, attention: str = "sdpa") -> tuple[torch.nn.Module, None]:
@@ -160,13 +136,6 @@ def steps(log: Log, model, label: str, new_tokens: int = 64) -> None:
             _, took = sync_time(run)
             log("steps", model=label, round=round_, method=name, tokens_per_s=round(new_tokens / took, 1),
                 ms_per_token=round(1e3 * took / new_tokens, 3))  # fmt: skip
-
-
-def head_graphs(decoder) -> list[list] | None:
-    """The (rows, kind) of every head forward a decoder's EAGLE-3 drafter captured (None: it drafts with no head,
-    [] where its forwards run eagerly)."""
-    runners = [d.runner for d in decoder.drafters if hasattr(d, "runner")]
-    return [[rows, "read" if project else "level"] for rows, project, _ in runners[0].graphs] if runners else None
 
 
 def head_costs_ms(decoder: Decoder) -> dict[str, dict[int, float]] | None:
@@ -339,7 +308,7 @@ def main() -> None:
     log("env", torch=torch.__version__, transformers=transformers.__version__, device=device_name(DEVICE))
     sections = args.sections.split(",")
     if "smoke" in sections:
-        guarded(log, "smoke", lambda: smoke(log))
+        guarded(log, "smoke", lambda: smoke(log, DEVICE))
     if not {"curve", "bench", "batch", "steps", "profile", "warm"} & set(sections):
         return
     if args.model in ("random-1b", "random-tiny"):
