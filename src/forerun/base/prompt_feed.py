@@ -37,7 +37,7 @@ def feed_places(base: StaticBase, items: Fed) -> dict[int, TreeLogits]:
     tree logits [len(tree), vocab], argmaxes and features (the lead's first). A lone place at 0 takes the base's
     own row graphs, a lone place elsewhere its placed ones (row 0 at that place), several places the rows' graphs
     (row r is place r; places not fed write only into their scratch slots). A tree wider than every bucket goes
-    through the base's eager prefill.
+    through one eager forward (`eager_prefill`).
 
     Example (places 0 and 2 of a 4-place base join at once; 300- and 40-token prompts, a root each):
         >>> out = feed_places(base, {0: (root_a, 300, text_a[:300]), 2: (root_b, 40, text_b[:40])})  # doctest: +SKIP
