@@ -9,11 +9,17 @@ Tiny random models (fp32, `tests/tiny_models.py`), so that every difference is a
   is the card's one copy a step (`forerun.host_copy`) and its pinned inputs refilled after an event, which a CPU
   runs but cannot race.
 
-Usage (`gpu_check.py smoke`; a CPU runs it too, eagerly):
+Usage (`gpu_check.py smoke` beside the other sections, or alone; a CPU runs it too, eagerly, in ~4 minutes):
     python benchmarks/gpu_check.py smoke --out $OUT/gpu.jsonl
+    python benchmarks/gpu_smoke.py --out smoke.jsonl   # exit status 1 when a row differs
 """
 
 from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
 
 import torch
 
@@ -89,3 +95,23 @@ def head_graphs(decoder) -> list[list] | None:
     [] where its forwards run eagerly)."""
     runners = [d.runner for d in decoder.drafters if hasattr(d, "runner")]
     return [[rows, "read" if project else "level"] for rows, project, _ in runners[0].graphs] if runners else None
+
+
+def main() -> int:
+    """Runs the smoke section alone on the card (or the CPU); 1 when any row or sequence differs."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("gpu_smoke.jsonl"))
+    args = parser.parse_args()
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from gpu_check import DEVICE, Log
+
+    records: list[dict] = []
+    log = Log(args.out, deadline=math.inf)
+    smoke(lambda section, **record: (records.append(record), log(section, **record)), DEVICE)
+    differing = [r for r in records if len(set(str(r["identical"]).split("/"))) != 1]
+    print(f"{len(records) - len(differing)}/{len(records)} checks identical on {DEVICE}")
+    return 1 if differing or not records else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
