@@ -107,7 +107,12 @@ def main() -> int:
 
     records: list[dict] = []
     log = Log(args.out, deadline=math.inf)
-    smoke(lambda section, **record: (records.append(record), log(section, **record)), DEVICE)
+
+    def kept(section: str, **record: object) -> None:
+        records.append(record)
+        log(section, **record)
+
+    smoke(kept, DEVICE)
     differing = [r for r in records if len(set(str(r["identical"]).split("/"))) != 1]
     print(f"{len(records) - len(differing)}/{len(records)} checks identical on {DEVICE}")
     return 1 if differing or not records else 0
