@@ -130,9 +130,10 @@ class Sampling:
 
 
 def verify(tree: TokenTree, scores: NodeScores, sampling: Sampling | None) -> Verdict:
+    """The path of `tree` the target keeps: the greedy walk over draws made at once (`scores.drawn`), over the
+    argmax where the row is greedy, else the sampling's own verifier (`verify_sampled`)."""
     if scores.drawn is not None:  # the same choices or draws, made at once: the walk is the greedy one over them
         return verify_greedy(tree, scores.drawn.__getitem__)
     if sampling is None:
         return verify_greedy(tree, scores.argmax)
-        return verify_greedy(tree, scores.drawn.__getitem__)
     return sampling.verifier(tree, scores.scores, sampling.noise, scores.committed.length)
