@@ -51,13 +51,16 @@ from forerun.kvcache import plain_layers
 MIN_REUSE = 4
 """Shorter shared heads are prefilled again: not worth the copy."""
 
+Layers = Sequence[tuple[torch.Tensor, torch.Tensor]] | torch.Tensor
+"""What `PrefixCache.keep` copies from: per layer (keys, values), or every layer's in one tensor."""
+
 
 @dataclass(eq=False)  # identity: entries are removed by `is`, never compared by value
 class Entry:
-    tokens: torch.Tensor
-    """[length] token ids whose KV this entry holds."""
+    tokens: tuple[int, ...]
+    """The token ids whose KV this entry holds (a tuple: compared as Python ints, `shared_head`)."""
     keys: list[torch.Tensor]
-    """Per layer [1, kv_heads, length, head_dim] (clones: nothing else writes to them)."""
+    """Per layer [1, kv_heads, length, head_dim] (copies: nothing else writes to them)."""
     values: list[torch.Tensor]
     salt: str = ""
     """Only requests with the same salt are seeded from this entry."""
@@ -67,13 +70,39 @@ class Entry:
     shared: bool = False
     """`states` after a head that several prompts began with: kept when a longer text it heads is (an earlier
     turn of a conversation is dropped then)."""
+    block: torch.Tensor | None = None
+    """Every layer's keys and values in one tensor [layers, 2, kv_heads, length, head_dim], of which `keys` and
+    `values` are views, where they were kept from a static base's one buffer: a place is seeded from it in one
+    copy (`forerun.base.place_prefixes`), not two per layer."""
 
 
-def shared_head(a: torch.Tensor, b: torch.Tensor) -> int:
-    """How many leading tokens `a` and `b` (1-D) have in common."""
+def shared_head(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens `a` and `b` (tuples of ints) have in common.
+
+    Slices are compared whole (in C), in spans that double from 32 tokens, and the first span that differs is
+    halved down to 16 before a token-by-token walk: a 30-token system prompt costs about as much as one tensor
+    comparison's call, and making tensors of the token lists cost more than comparing them.
+
+    Example:
+        >>> shared_head((1, 2, 3, 4), (1, 2, 9)), shared_head((1, 2), (1, 2, 3)), shared_head((), (1,))
+        (2, 2, 0)
+    """
     n = min(len(a), len(b))
-    differs = (a[:n] != b[:n]).nonzero()
-    return int(differs[0]) if len(differs) else n
+    low, span = 0, 32
+    while low < n:
+        high = min(low + span, n)
+        if a[low:high] != b[low:high]:
+            while high - low > 16:  # a[:low] == b[:low], and a[low:high] != b[low:high]
+                middle = (low + high) // 2
+                if a[low:middle] == b[low:middle]:
+                    low = middle
+                else:
+                    high = middle
+            while a[low] == b[low]:
+                low += 1
+            return low
+        low, span = high, span * 2
+    return n
 
 
 class PrefixCache:
@@ -120,7 +149,7 @@ class PrefixCache:
         found becomes the most recently used; its `keys` and `values` are read, never written."""
         if not self.max_tokens or len(tokens) <= MIN_REUSE:
             return None, 0
-        wanted = torch.tensor(tokens[:-1])
+        wanted = tuple(tokens[:-1])
         with self.lock:
             best, length = None, 0
             for entry in self.entries:
@@ -140,7 +169,7 @@ class PrefixCache:
         `MIN_REUSE` of them), made the most recently used; None where there is none."""
         if not self.max_tokens or len(tokens) <= MIN_REUSE:
             return None
-        wanted = torch.tensor(tokens[:-1])
+        wanted = tuple(tokens[:-1])
         with self.lock:
             whole = [e for e in self.entries if e.states is not None and e.salt == salt and len(e.tokens) >= MIN_REUSE]
             whole = [e for e in whole if shared_head(e.tokens, wanted) == len(e.tokens)]
@@ -163,7 +192,7 @@ class PrefixCache:
         the cache there (`keep_whole(..., shared=True)`)."""
         if not self.max_tokens or len(tokens) <= MIN_REUSE:
             return 0
-        wanted = torch.tensor(tokens[:-1])
+        wanted = tuple(tokens[:-1])
         with self.lock:
             heads = [shared_head(e.tokens, wanted) for e in self.entries if e.states is not None and e.salt == salt]
         longest = max(heads, default=0)
@@ -175,7 +204,7 @@ class PrefixCache:
         are `shared` heads; `shared`: `tokens` is a head other prompts began with too."""
         if not self.max_tokens or not MIN_REUSE <= len(tokens) <= self.max_tokens:
             return
-        held = torch.tensor(tokens)
+        held = tuple(tokens)
         with self.lock:
             self.entries = [
                 e for e in self.entries
@@ -193,38 +222,46 @@ class PrefixCache:
         length = min(length, cache.get_seq_length() if whole else 0)
         self.keep(tokens, [(layer.keys, layer.values) for layer in cache.layers] if whole else [], length, salt)
 
-    def keep(
-        self, tokens: list[int], layers: Sequence[tuple[torch.Tensor, torch.Tensor]], length: int, salt: str = ""
-    ) -> None:
-        """Keep the KV of `tokens[:length]`: per layer (keys, values) [rows, kv_heads, >= length, head_dim], of
+    def keep(self, tokens: list[int], layers: Layers, length: int, salt: str = "") -> None:
+        """Keep the KV of `tokens[:length]`: per layer (keys, values) [rows, kv_heads, >= length, head_dim], or
+        every layer's in one tensor [layers, 2, rows, kv_heads, >= length, head_dim] (a static base's buffer), of
         which row 0's first `length` positions are copied; for later requests with the same `salt`.
 
         An entry that is a head of the new one is replaced by it; a new one that is a head of a held entry adds
         nothing (both under the same salt)."""
-        length = min(length, len(tokens)) if layers else 0
+        length = min(length, len(tokens)) if len(layers) else 0
         if not self.max_tokens or length < MIN_REUSE or length > self.max_tokens:
             return
-        held = torch.tensor(tokens[:length])
+        held = tuple(tokens[:length])
         with self.lock:
             for entry in self.entries:
                 if entry.salt == salt and entry.states is None and shared_head(entry.tokens, held) == length:
                     self.entries.remove(entry)
                     self.entries.append(entry)
                     return
-        keys = [keys[:1, :, :length].clone() for keys, _ in layers]
-        values = [values[:1, :, :length].clone() for _, values in layers]
+        keys, values, block = copied(layers, length)
         with self.lock:
             self.entries = [
                 e for e in self.entries
                 if e.salt != salt or e.states is not None or shared_head(e.tokens, held) < len(e.tokens)
             ]  # fmt: skip
-            self.entries.append(Entry(held, keys, values, salt))
+            self.entries.append(Entry(held, keys, values, salt, block=block))
             while self.held_tokens > self.max_tokens:
                 self.entries.pop(0)
 
     def clear(self) -> None:
         with self.lock:
             self.entries.clear()
+
+
+def copied(layers: Layers, length: int) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor | None]:
+    """Row 0's first `length` keys and values of `layers` (`Layers`), copied: per layer [1, kv_heads, length,
+    head_dim], and the one tensor they are views of, where `layers` is one."""
+    if not isinstance(layers, torch.Tensor):
+        keys = [keys[:1, :, :length].clone() for keys, _ in layers]
+        return keys, [values[:1, :, :length].clone() for _, values in layers], None
+    block = layers[:, :, 0, :, :length].clone()  # [layers, 2, kv_heads, length, head_dim]: one copy, not two a layer
+    return [layer[0, None] for layer in block], [layer[1, None] for layer in block], block
 
 
 @dataclass(frozen=True)
@@ -258,7 +295,7 @@ class PrefixScope:
     def find(self, tokens: list[int], layers: int | None = None) -> tuple[Entry | None, int]:
         return self.cache.find(tokens, layers, self.salt)
 
-    def keep(self, tokens: list[int], layers: Sequence[tuple[torch.Tensor, torch.Tensor]], length: int) -> None:
+    def keep(self, tokens: list[int], layers: Layers, length: int) -> None:
         self.cache.keep(tokens, layers, length, self.salt)
 
     def find_whole(self, tokens: list[int]) -> Entry | None:

@@ -29,6 +29,20 @@ def filled(length: int, layers: int = 2, mark: float = 1.0) -> DynamicCache:
     return cache
 
 
+def test_shared_head_is_the_first_difference_at_every_length():
+    """Spans of 32, 64, 128... tokens compared whole, halved where they differ: the count equals a token-by-token
+    walk's, around every span's edges and at every length (a few tokens, a long conversation)."""
+    from forerun.prefixcache import shared_head
+
+    generator = torch.Generator().manual_seed(0)
+    for length in (*range(0, 70), 95, 96, 97, 223, 224, 225, 480, 2100):
+        text = tuple(torch.randint(0, 3, (length + 5,), generator=generator).tolist())
+        for cut in {0, 1, length // 2, max(0, length - 1), length}:
+            other = (*text[:cut], text[cut] + 1, *text[cut + 1 :])  # differs first at `cut`
+            assert shared_head(text, other) == shared_head(other, text) == cut, (length, cut)
+            assert shared_head(text[:cut], text) == cut and shared_head(text, text) == len(text)
+
+
 def test_seed_takes_the_longest_shared_head_and_never_the_root():
     prefixes = PrefixCache(max_tokens=100)
     prefixes.store(list(range(10, 20)), filled(10, mark=1.0), 10)
@@ -134,9 +148,11 @@ def test_a_corrupted_entry_changes_the_text(static):
     prompt = torch.cat([system, message], dim=1)
     first = decoder.generate(prompt, NEW, eos_token_id=[])
     generator = torch.Generator().manual_seed(0)
-    for entry in decoder.prefixes.entries:
-        # values: a random tiny model attends almost uniformly, so its keys matter less than what they carry
-        entry.values = [torch.randn(values.shape, generator=generator) for values in entry.values]
+    with torch.inference_mode():  # in place: a static base's entry keeps its layers as views of one tensor
+        for entry in decoder.prefixes.entries:
+            # values: a random tiny model attends almost uniformly, so its keys matter less than what they carry
+            for values in entry.values:
+                values.copy_(torch.randn(values.shape, generator=generator))
     again = decoder.generate(prompt, NEW, eos_token_id=[])
     assert again.stats.cached_prompt_tokens == prompt.shape[1] - 1
     assert not torch.equal(again.sequences, first.sequences)
@@ -230,6 +246,27 @@ def test_a_hybrids_whole_caches_keep_to_their_salt():
     prefixes.keep_whole(longer, filled(13), salt="a")  # a's own next turn replaces a's earlier one
     assert [(entry.salt, len(entry.tokens)) for entry in prefixes.entries] == [("b", 13), ("a", 13)]
     assert prefixes.find_whole([*longer, 40], salt="a").salt == "a"
+
+
+def test_a_static_base_keeps_every_layer_in_one_tensor_and_seeds_from_it_as_layer_by_layer():
+    """A static base's entry holds every layer's keys and values in one tensor (`Entry.block`, its `keys` and
+    `values` views of it), and a place seeded from it in one copy holds what seeding layer by layer writes."""
+    from dataclasses import replace
+
+    from forerun.base.place_prefixes import seed_place
+
+    decoder = forerun.Decoder(model_of("llama", "sdpa"), None, "plain", latency=CURVE, static_cache=True)
+    decoder.generate(torch.cat(conversation(0), dim=1), 4, eos_token_id=[])
+    (entry,) = decoder.prefixes.entries
+    assert entry.block is not None and entry.values[1].data_ptr() == entry.block[1, 1].data_ptr()
+    base, written = decoder.base, []
+    for stored in (entry, replace(entry, block=None)):
+        decoder.prefixes.entries = [stored]
+        with torch.inference_mode():
+            base.slots.kv.zero_()
+        assert seed_place(base, decoder.prefixes, [*entry.tokens, 0], place=0) == len(entry.tokens)
+        written.append(base.slots.kv.clone())
+    assert torch.equal(*written) and written[0].abs().sum() > 0
 
 
 def test_the_static_base_seeds_only_entries_of_its_own_shape():

@@ -4,9 +4,9 @@ A conversation's next turn begins with the whole previous turn, and chat prompts
 prompt. On the growing cache (`forerun.base.dynamic`) a prefill starts from the stored keys and values of such a
 head (`forerun.prefixcache`); on the static base the head would otherwise be read again, chunk by chunk through the
 bucket graphs (a 2,000-token conversation: 32 replays of the 64-node bucket before its first token). Here the
-stored keys and values are copied into the place's first slots (one copy per layer, on the device), the rest of
-the prompt is fed after them, and what a place has read (its prompt at admission, prompt and answer when it
-leaves) is stored for later prompts. The copies hold the values a full prefill computes (a token's keys and
+stored keys and values are copied into the place's first slots (every layer's in one copy, on the device), the
+rest of the prompt is fed after them, and what a place has read (its prompt at admission, prompt and answer when
+it leaves) is stored for later prompts. The copies hold the values a full prefill computes (a token's keys and
 values depend only on the tokens before it), so the text stays plain generate's (fp32, tested).
 
 Example (the second turn of a conversation joins at place 2 of a batch's base; its first turn was read before, 171
@@ -36,8 +36,14 @@ def seed_place(base: StaticBase, prefixes: Prefixes | None, tokens: list[int], p
     if prefixes is None or base.cache is None:
         return 0
     entry, length = prefixes.find(tokens, base.layers)
+    if entry is None or length > base.length:
+        return 0
+    kv = base.slots.kv
+    if kv is not None and entry.block is not None and fits_block(kv, entry.block):
+        kv[:, :, place, :, :length] = entry.block[:, :, :, :length]  # every layer's keys and values in one copy
+        return length
     layers = base.cache.layers
-    if entry is None or not fits(layers, entry) or length > base.length:
+    if not fits(layers, entry):
         return 0
     for layer, keys, values in zip(layers, entry.keys, entry.values, strict=True):
         if not layer.is_initialized:  # its first forward would allocate it from the same shapes
@@ -51,7 +57,10 @@ def store_place(base: StaticBase, prefixes: Prefixes | None, tokens: list[int], 
     """Keep what `place` has read, the keys and values of `tokens[:length]`, for later prompts."""
     if prefixes is None or not prefixes.max_tokens or base.cache is None or not base.cache.layers[0].is_initialized:
         return  # (the slices below cost a card's host ~60 small operators: not made for a cache that is off)
-    rows = [(layer.keys[place : place + 1], layer.values[place : place + 1]) for layer in base.cache.layers]
+    kv = base.slots.kv  # every layer's in one buffer, kept in one copy
+    rows = kv[:, :, place : place + 1] if kv is not None else [
+        (layer.keys[place : place + 1], layer.values[place : place + 1]) for layer in base.cache.layers
+    ]  # fmt: skip
     prefixes.keep(tokens, rows, min(length, base.length))
 
 
@@ -71,3 +80,10 @@ def fits(layers: list, entry: Entry) -> bool:
             if held.dtype != stored.dtype or held.device != stored.device:
                 return False
     return True
+
+
+def fits_block(kv: torch.Tensor, block: torch.Tensor) -> bool:
+    """Whether an entry's `block` [layers, 2, kv_heads, length, head_dim] fits the static base's buffer `kv`
+    [layers, 2, places, kv_heads, slots, head_dim] (layers, heads, width, dtype and device: `fits`)."""
+    same = kv.shape[:2] == block.shape[:2] and kv.shape[3] == block.shape[2] and kv.shape[5] == block.shape[4]
+    return same and kv.dtype == block.dtype and kv.device == block.device
