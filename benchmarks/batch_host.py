@@ -9,15 +9,20 @@ inside the bucketed forwards (`StaticBase.run`): the host work. Choices are made
 `reproducible=True`, so every step drafts where the curve says it pays, as on a card, whatever this CPU's own
 timings: the figures are host work per step at the card's choices, plus tokens per forward.
 
-`--replay` (undrafted methods only): every (rows, bucket) forward runs once, and later calls return its outputs
-again, as a card's captured graph returns its own buffers; the wall time is then the host work alone, without
-the eager forwards' allocations and the caches they leave cold (the texts are not the model's: only the undrafted
-step's work stays the same whatever the tokens).
+`--curve steep`: every node costs a whole forward, so no draft ever pays and every step feeds the rows' roots
+alone: what a method's rows still spend proposing and ranking (where choices are reproducible the batch's draft
+switch does not pause them: it would steer by timings) is all that sets it apart from `plain`.
+
+`--replay` (`plain`, or any method on the steep curve: steps whose work does not depend on the tokens): every
+(rows, bucket) forward runs once, and later calls return its outputs again, as a card's captured graph returns
+its own buffers; the wall time is then the host work alone, without the eager forwards' allocations and the
+caches they leave cold (the texts are not the model's).
 
 Usage:
     .venv/bin/python benchmarks/batch_host.py --rows 16 --methods plain,auto --threads 2 --rounds 2 \
         --out benchmarks/results/batch-host-epyc.json
     .venv/bin/python benchmarks/batch_host.py --rows 16 --methods plain --replay --rounds 3
+    .venv/bin/python benchmarks/batch_host.py --rows 16 --methods plain,auto --curve steep --replay --rounds 3
 """
 
 from __future__ import annotations
@@ -39,6 +44,16 @@ from forerun.models import load_model
 H200_MS = {1: 3.421, 2: 3.927, 4: 4.019, 8: 4.071, 16: 4.189, 32: 4.265, 64: 4.453}
 """SmolLM2-135M's one-row step by bucket on an H200, bf16, captured (`benchmarks/results/gpu-h200-run6.jsonl`)."""
 DATASETS = ("gsm8k", "humaneval", "mbpp", "typehints")
+
+
+def steep_curve() -> LatencyCurve:
+    """Every node, every row, a whole forward's price (`--curve steep`): no draft pays."""
+    sizes = tuple(sorted(H200_MS))
+
+    def rows(k: int) -> LatencyCurve:
+        return LatencyCurve(sizes, tuple(H200_MS[1] * k * size / 1000 for size in sizes))
+
+    return rows(1).with_batches([(2**i, rows(2**i)) for i in range(1, 7)])
 
 
 def card_curve(ms: dict[int, float], row_step: float = 0.25) -> LatencyCurve:
@@ -127,17 +142,19 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--replay", action="store_true", help="forwards replayed: the host work alone (plain)")
+    parser.add_argument("--curve", choices=("h200", "steep"), default="h200", help="what steps are priced on")
+    parser.add_argument("--replay", action="store_true", help="forwards replayed: the host work alone")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    if args.replay and args.methods != "plain":
-        parser.error("--replay times undrafted decoding only (--methods plain): drafts would follow replayed text")
+    if args.replay and args.methods != "plain" and args.curve != "steep":
+        parser.error("--replay times undrafted steps only (--methods plain, or --curve steep): drafts would follow "
+                     "the replayed text")  # fmt: skip
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model, dtype="fp32")
     # a round's prompts are its own: a trie that had decoded them would know the answers
     pool = chat_ids(tokenizer, max(1, -(-args.rows * args.rounds // len(DATASETS))))
     warm = [list(reversed(p)) for p in pool[: args.rows]]  # same shapes, other answers
-    curve = card_curve(H200_MS)
+    curve = card_curve(H200_MS) if args.curve == "h200" else steep_curve()
     decoders = {m: forerun.Decoder(model, tokenizer, m, static_cache=True, reproducible=True, latency=curve)
                 for m in args.methods.split(",")}  # fmt: skip
     for decoder in decoders.values():
@@ -162,7 +179,7 @@ def main() -> None:
     first = next(iter(texts.values()))  # the first round's
     same = {m: sum(a == b for a, b in zip(t, first, strict=True)) for m, t in texts.items()}
     env = {"cpu": platform.processor() or platform.machine(), "threads": args.threads, "torch": torch.__version__,
-           "same_as_first_method": same, "replay": args.replay}  # fmt: skip
+           "same_as_first_method": same, "replay": args.replay, "curve": args.curve}  # fmt: skip
     print(json.dumps(env))
     if args.out:
         args.out.write_text(json.dumps({"env": env, "rows": rows}, indent=1))
