@@ -31,11 +31,14 @@ def batch(
     sizes: list[int],
     baselines: list[str],
     profiled: tuple[str, ...] = (),
+    steered: tuple[str, ...] = (),
 ) -> None:
     """`generate([...])` of r rows (on the static base's places, graphs per (rows, bucket)) against transformers'
     batched generate of the same left-padded rows, eager and (in `baselines`) with its static cache (compiled;
-    warmed per row count). `compiled`: these methods also with compiled buckets. Each forerun row is compared with
-    the eager batched generate's row (bf16: a padded batch may differ at ties, so this is reported, not asserted).
+    warmed per row count). `compiled`: these methods also with compiled buckets; `steered`: these also with choices
+    steered by the run's timings (`reproducible=False`: the batch's draft switch pauses proposals where drafting
+    measures slower, host work included). Each forerun row is compared with the eager batched generate's row
+    (bf16: a padded batch may differ at ties, so this is reported, not asserted).
 
     As a served process is (`forerun serve`, `forerun run`): every decoder warmed for its batch size before it is
     timed (each (rows, nodes) graph captured once: rows leave at different steps, so a cold run captures in its
@@ -45,7 +48,7 @@ def batch(
         if log.late(60):
             return
         texts = [torch.tensor(p["ids"]) for p in (prompts * rows)[:rows]]  # as many rows as asked, prompts repeated
-        batch_of(log, model, tokenizer, texts, new_tokens, compiled, baselines, profiled)
+        batch_of(log, model, tokenizer, texts, new_tokens, compiled, baselines, profiled, steered)
 
 
 def batch_of(
@@ -57,18 +60,57 @@ def batch_of(
     compiled: list[str],
     baselines: list[str],
     profiled: tuple[str, ...] = (),
+    steered: tuple[str, ...] = (),
 ) -> None:
     from forerun.cli.common import freeze_start_up
 
     rows, width = len(texts), max(len(t) for t in texts)
-    pad = next(
-        (
-            t
-            for t in (getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None))
-            if t is not None
-        ),
-        0,
-    )
+    hf_out, record = transformers_rows(log, model, tokenizer, texts, new_tokens, baselines)
+    lists = [t.tolist() for t in texts]
+    # warmed on the texts reversed (the same shapes): a warm run of the very texts would leave their answers in the
+    # trie, to be drafted whole in the timed run
+    unseen = [t.flip(0).tolist() for t in texts]
+    variants = [(m, m, False, None) for m in ("plain", "auto")] + [(f"{m} (steered)", m, False, False)
+                                                                   for m in steered]  # fmt: skip
+    variants += [(f"{m} (compiled)", m, True, None) for m in compiled]  # last: compiling may take the time left
+    for label, method, fused, reproducible in variants:
+        if log.late(45):
+            return
+        decoder = Decoder(model, tokenizer, method, static_cache=True, compile_buckets=fused, reproducible=reproducible)
+        capture_s = decoder.warm_up(width + new_tokens, batch_size=rows, single=rows == 1)  # as a server warms
+        _, warm_s = sync_time(lambda d=decoder: d.generate(unseen, new_tokens, eos_token_id=[]))
+        freeze_start_up()
+        results, took = sync_time(lambda d=decoder: d.generate(lists, new_tokens, eos_token_id=[]))
+        same = sum(r.new_tokens == hf_out[i, width:].tolist() for i, r in enumerate(results))
+        sibling = decoder.base.siblings.get(rows) if decoder.base is not None and rows > 1 else decoder.base
+        speed = {"vs_generate": round(record["seconds"] / took, 3)}
+        if "static_seconds" in record:
+            speed["vs_static_generate"] = round(record["static_seconds"] / took, 3)
+        log("batch", rows=rows, method=label, seconds=round(took, 3), capture_s=round(capture_s, 1),
+            warm_s=round(warm_s, 1), tokens=sum(len(r.new_tokens) for r in results), **speed,
+            forwards=sum(r.stats.forwards for r in results) / rows, same_as_generate=f"{same}/{rows}",
+            graphs=len(sibling.steps) if sibling is not None else None)  # fmt: skip
+        if not fused:
+            host_work(log, decoder, label, lists, new_tokens)
+        if label in profiled:  # once more under cProfile: where a batched step's host time goes
+            import cProfile
+
+            profiler = cProfile.Profile()
+            profiler.runcall(lambda d=decoder: d.generate(lists, new_tokens, eos_token_id=[]))
+            log("batch_profile", rows=rows, method=label, top=top_functions(profiler, 1, "run", limit=60))
+
+
+def transformers_rows(
+    log: Log, model, tokenizer, texts: list[torch.Tensor], new_tokens: int, baselines: list[str]
+) -> tuple[torch.Tensor, dict]:
+    """Transformers' batched generate of the `texts` left-padded, eager (its sequences [rows, width + new_tokens]
+    are what forerun's rows are compared with) and, in `baselines`, with its static cache compiled (compiled once,
+    then timed); logged, and returned with the timings."""
+    from forerun.cli.common import freeze_start_up
+
+    rows, width = len(texts), max(len(t) for t in texts)
+    pads = (getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None))
+    pad = next((t for t in pads if t is not None), 0)
     ids = torch.stack([torch.cat([torch.full((width - len(t),), pad), t]) for t in texts]).to(DEVICE)
     mask = (torch.arange(width)[None] >= torch.tensor([width - len(t) for t in texts])[:, None]).long().to(DEVICE)
 
@@ -85,42 +127,18 @@ def batch_of(
         _, hf_static_s = sync_time(lambda: run_hf(cache_implementation="static"))
         record |= {"static_seconds": round(hf_static_s, 3), "static_compile_s": round(compile_s, 1)}
     log("batch", rows=rows, baseline="generate", **record)
-    lists = [t.tolist() for t in texts]
-    # warmed on the texts reversed (the same shapes): a warm run of the very texts would leave their answers in the
-    # trie, to be drafted whole in the timed run
-    unseen = [t.flip(0).tolist() for t in texts]
-    for label, method, fused in [(m, m, False) for m in ("plain", "auto")] + [(f"{m} (compiled)", m, True)
-                                                                             for m in compiled]:  # fmt: skip
-        if log.late(45):
-            return
-        decoder = Decoder(model, tokenizer, method, static_cache=True, compile_buckets=fused)
-        capture_s = decoder.warm_up(width + new_tokens, batch_size=rows, single=rows == 1)  # as a server warms
-        _, warm_s = sync_time(lambda d=decoder: d.generate(unseen, new_tokens, eos_token_id=[]))
-        freeze_start_up()
-        results, took = sync_time(lambda d=decoder: d.generate(lists, new_tokens, eos_token_id=[]))
-        same = sum(r.new_tokens == hf_out[i, width:].tolist() for i, r in enumerate(results))
-        sibling = decoder.base.siblings.get(rows) if decoder.base is not None and rows > 1 else decoder.base
-        speed = {"vs_generate": round(hf_s / took, 3)}
-        if "static_seconds" in record:
-            speed["vs_static_generate"] = round(record["static_seconds"] / took, 3)
-        log("batch", rows=rows, method=label, seconds=round(took, 3), capture_s=round(capture_s, 1),
-            warm_s=round(warm_s, 1), tokens=sum(len(r.new_tokens) for r in results), **speed,
-            forwards=sum(r.stats.forwards for r in results) / rows, same_as_generate=f"{same}/{rows}",
-            graphs=len(sibling.steps) if sibling is not None else None)  # fmt: skip
-        if not fused:  # once more, each forward waited for: what the host spends between a step's forwards
-            from batch_host import timed_run
+    return hf_out, record
 
-            run = timed_run(decoder, lists, new_tokens, sync=lambda: synchronize(DEVICE))
-            steps = max(run["forwards"], 1)
-            log("batch_host", rows=rows, method=label, forwards=run["forwards"],
-                forward_ms_per_step=round(1e3 * run["forward_s"] / steps, 3),
-                host_ms_per_step=round(1e3 * (run["wall_s"] - run["forward_s"]) / steps, 3))  # fmt: skip
-        if label in profiled:  # once more under cProfile: where a batched step's host time goes
-            import cProfile
 
-            profiler = cProfile.Profile()
-            profiler.runcall(lambda d=decoder: d.generate(lists, new_tokens, eos_token_id=[]))
-            log("batch_profile", rows=rows, method=label, top=top_functions(profiler, 1, "run", limit=60))
+def host_work(log: Log, decoder: Decoder, label: str, lists: list[list[int]], new_tokens: int) -> None:
+    """The batch once more, each forward waited for: what the host spends between a step's forwards."""
+    from batch_host import timed_run
+
+    run = timed_run(decoder, lists, new_tokens, sync=lambda: synchronize(DEVICE))
+    steps = max(run["forwards"], 1)
+    log("batch_host", rows=len(lists), method=label, forwards=run["forwards"],
+        forward_ms_per_step=round(1e3 * run["forward_s"] / steps, 3),
+        host_ms_per_step=round(1e3 * (run["wall_s"] - run["forward_s"]) / steps, 3))  # fmt: skip
 
 
 def main() -> None:

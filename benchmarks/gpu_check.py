@@ -290,6 +290,8 @@ def main() -> None:
     parser.add_argument("--batch-rows", default=[1, 4, 16], type=row_counts, help="batch: the batch sizes (e.g. 4,16)")
     parser.add_argument("--batch-baselines", default="generate_static_compiled",
                         help="batch: transformers' runs beside its eager batched generate (none: '')")  # fmt: skip
+    parser.add_argument("--batch-steered", default="",
+                        help="batch: these methods also steered by timings (reproducible=False)")  # fmt: skip
     parser.add_argument("--batch-profile", default="",
                         help="batch: these runs once more under cProfile (e.g. auto)")  # fmt: skip
     parser.add_argument("--profile", default="auto,prompt_lookup",
@@ -348,7 +350,8 @@ def main() -> None:
         compiled = [m for m in args.batch_compiled.split(",") if m]
         guarded(log, "batch", lambda: batch(log, model, tokenizer, prompts, min(args.new_tokens, 64), compiled,
                                             args.batch_rows, args.batch_baselines.split(","),
-                                            tuple(m for m in args.batch_profile.split(",") if m)))  # fmt: skip
+                                            tuple(m for m in args.batch_profile.split(",") if m),
+                                            tuple(m for m in args.batch_steered.split(",") if m)))  # fmt: skip
 
 
 def row_counts(text: str) -> list[int]:
