@@ -84,8 +84,7 @@ def replayed(decoder: forerun.Decoder) -> None:
         outputs, run = {}, base.run
 
         def replay(fed, placed, base=base, outputs=outputs, run=run):
-            size = base.bucket(max(len(tree) for tree, _ in fed.values()))
-            key = base.key_of(1 if placed else base.row_bucket(max(fed) + 1), size, placed)
+            key = base.step_key(fed, placed)
             if key not in outputs:
                 outputs[key] = run(fed, placed)
             return outputs[key]

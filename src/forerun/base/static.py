@@ -266,8 +266,7 @@ class StaticBase:
         step does that once, `forerun.host_copy`). Row r is place r; `placed`: one place fed alone, row 0 (the
         other places are neither fed nor read). The inputs travel in a non-blocking copy from a pinned buffer,
         which is refilled only once that copy has been made (`BucketStep.copied`), whatever ran since."""
-        size = self.bucket(max(len(tree) for tree, _ in fed.values()))
-        rows, size, placed = self.key_of(1 if placed else self.row_bucket(max(fed) + 1), size, placed)
+        rows, size, placed = self.step_key(fed, placed)
         step = self.steps.get((rows, size, placed)) or self.prepare(rows, size, placed)
         if step.copied is not None:
             step.copied.synchronize()
@@ -286,6 +285,11 @@ class StaticBase:
             step.graph.replay()
             return step.logits, step.choices, step.features
         return self.step_forward(size, step.inputs, placed)
+
+    def step_key(self, fed: Mapping[int, tuple[TokenTree, int]], placed: bool) -> tuple[int, int, bool]:
+        """The (rows, bucket, placed) step `run` feeds `fed` through (`key_of`)."""
+        size = self.bucket(max(len(tree) for tree, _ in fed.values()))
+        return self.key_of(1 if placed else self.row_bucket(max(fed) + 1), size, placed)
 
     def key_of(self, rows: int, size: int, placed: bool) -> tuple[int, int, bool]:
         """The (rows, bucket, placed) step that feeds `rows` rows of `size` nodes: a lone row of a compiled batch
