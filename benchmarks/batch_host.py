@@ -11,7 +11,11 @@ timings: the figures are host work per step at the card's choices, plus tokens p
 
 `--curve steep`: every node costs a whole forward, so no draft ever pays and every step feeds the rows' roots
 alone: what a method's rows still spend proposing and ranking (where choices are reproducible the batch's draft
-switch does not pause them: it would steer by timings) is all that sets it apart from `plain`.
+switch would steer by timings; `IdleProposals` pauses them on what the cost model fed) is all that sets it apart
+from `plain`.
+
+A method named with `-always` (`auto-always`) proposes every step, as reproducible batches did before they paused
+proposals the cost model fed none of (`forerun.costmodel.switch.IdleProposals`).
 
 `--replay` (`plain`, or any method on the steep curve: steps whose work does not depend on the tokens): every
 (rows, bucket) forward runs once, and later calls return its outputs again, as a card's captured graph returns
@@ -22,7 +26,8 @@ Usage:
     .venv/bin/python benchmarks/batch_host.py --rows 16 --methods plain,auto --threads 2 --rounds 2 \
         --out benchmarks/results/batch-host-epyc.json
     .venv/bin/python benchmarks/batch_host.py --rows 16 --methods plain --replay --rounds 3
-    .venv/bin/python benchmarks/batch_host.py --rows 16 --methods plain,auto --curve steep --replay --rounds 3
+    .venv/bin/python benchmarks/batch_host.py --rows 16 --methods plain,auto,auto-always --curve steep --replay \
+        --rounds 3
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import gc
 import json
 import platform
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -39,6 +45,7 @@ import torch
 import forerun
 from forerun.bench.datasets import load_dataset
 from forerun.costmodel import LatencyCurve
+from forerun.costmodel.switch import IdleProposals
 from forerun.models import load_model
 
 H200_MS = {1: 3.421, 2: 3.927, 4: 4.019, 8: 4.071, 16: 4.189, 32: 4.265, 64: 4.453}
@@ -65,6 +72,18 @@ def card_curve(ms: dict[int, float], row_step: float = 0.25) -> LatencyCurve:
         return LatencyCurve(sizes, tuple(ms[s] * k / 1000 for s in sizes))
 
     return scaled(1.0).with_batches([(2**i, scaled(1 + row_step * i)) for i in range(1, 7)])
+
+
+@contextmanager
+def proposing_every_step(on: bool):
+    """With `on`, a reproducible batch's rows propose every step (`IdleProposals` held off), as before it existed."""
+    proposing = IdleProposals.proposing
+    if on:
+        IdleProposals.proposing = lambda self: True  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        IdleProposals.proposing = proposing  # type: ignore[method-assign]
 
 
 def chat_ids(tokenizer, n: int) -> list[list[int]]:
@@ -154,19 +173,22 @@ def main() -> None:
     pool = chat_ids(tokenizer, max(1, -(-args.rows * args.rounds // len(DATASETS))))
     warm = [list(reversed(p)) for p in pool[: args.rows]]  # same shapes, other answers
     curve = card_curve(H200_MS) if args.curve == "h200" else steep_curve()
-    decoders = {m: forerun.Decoder(model, tokenizer, m, static_cache=True, reproducible=True, latency=curve)
+    decoders = {m: forerun.Decoder(model, tokenizer, m.removesuffix("-always"), static_cache=True, reproducible=True,
+                                   latency=curve)
                 for m in args.methods.split(",")}  # fmt: skip
-    for decoder in decoders.values():
-        decoder.generate(warm, args.new_tokens, eos_token_id=[])
-        if args.replay:
-            replayed(decoder)
-            decoder.generate(warm, args.new_tokens, eos_token_id=[])  # every (rows, bucket) once more
+    for method, decoder in decoders.items():
+        with proposing_every_step(method.endswith("-always")):
+            decoder.generate(warm, args.new_tokens, eos_token_id=[])
+            if args.replay:
+                replayed(decoder)
+                decoder.generate(warm, args.new_tokens, eos_token_id=[])  # every (rows, bucket) once more
     gc.collect()
     gc.freeze()
     rows, texts = [], {}
     for round_ in range(args.rounds):
         for method, decoder in decoders.items():  # interleaved
-            run = timed_run(decoder, pool[round_ * args.rows : (round_ + 1) * args.rows], args.new_tokens)
+            with proposing_every_step(method.endswith("-always")):
+                run = timed_run(decoder, pool[round_ * args.rows : (round_ + 1) * args.rows], args.new_tokens)
             host = run["wall_s"] - run["forward_s"]
             row = {"round": round_, "method": method, "rows": args.rows, "steps": run["forwards"],
                    "host_ms_per_step": round(1000 * host / max(run["forwards"], 1), 3),

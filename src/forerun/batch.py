@@ -28,7 +28,8 @@ batch_cost`: rows x nodes tokens in one forward cost more than one row of as man
 own cache): the cost model picks one candidate count for all rows maximising committed tokens per second over the
 batch (`forerun.costmodel.best_shared_count`), down to one token per row per step when drafting does not pay.
 Proposing itself costs time the forwards do not show; a `DraftSwitch` compares the measured wall-clock rates of
-drafting and plain steps and pauses proposals while drafting is the slower.
+drafting and plain steps and pauses proposals while drafting is the slower. Where choices must be reproducible
+(no clock may steer them), `IdleProposals` pauses them after steps whose proposals the cost model fed none of.
 """
 
 from __future__ import annotations
@@ -162,7 +163,7 @@ class Batch(JoiningRows):
         if len(rows) == 1:
             rows[0].stats.fed_again += self.shared.waiting  # a hybrid's chain accepted in part
         self.policy.learn(budgets, selections, kept, nodes, forward_s)
-        self.policy.record(budgets, drafting, kept, time.perf_counter() - t0)
+        self.policy.record(budgets, drafting, kept, time.perf_counter() - t0, nodes)
         finished = [row for row in rows if row.done]
         if finished:
             self.remove(finished)  # their places wait for joining rows; the next step drops the rest and compacts

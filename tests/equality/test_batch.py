@@ -531,6 +531,45 @@ def test_a_batch_stops_proposing_while_drafting_measures_slower_and_keeps_it_whi
         assert (calls < row_steps / 2) if paused else (calls > row_steps / 2), (drafter_class, calls, row_steps)
 
 
+class CountedRandom(RandomDrafter):
+    """Never right, and quick: what its proposals cost is only what the batch does with them."""
+
+    calls = 0
+
+    def propose(self, ctx):
+        self.calls += 1
+        return super().propose(ctx)
+
+
+LINEAR = LatencyCurve((1, 2, 4, 8, 16, 32, 64, 128), tuple(float(n) for n in (1, 2, 4, 8, 16, 32, 64, 128)))
+"""Every token fed costs a whole forward: no candidate ever pays, however likely."""
+
+
+def test_a_reproducible_batch_stops_proposing_where_the_cost_model_feeds_none_of_it():
+    """Reproducible choices read no clock, so the batch pauses proposals on what the cost model fed: on a curve
+    where no candidate pays, every row proposes on well under half its steps, the same steps every run; an oracle
+    on a flat curve keeps proposing (the negative control); every row stays exact."""
+    model = model_of("llama", "sdpa")
+    rows = ragged_prompts()[:2]
+    new = 64
+    truths = [single("llama", "sdpa", i, None, new)[0].tolist() for i in range(2)]
+    seen = []
+    for curve, drafter_class in ((LINEAR, CountedRandom), (LINEAR, CountedRandom), (CURVE, CountedOracle)):
+        drafters = [
+            CountedRandom(truth, VOCAB) if drafter_class is CountedRandom else CountedOracle(truth, 3, VOCAB)
+            for truth in truths
+        ]
+        jobs = jobs_for(model, rows, [[d] for d in drafters], new)
+        stats = decode_batch(model, jobs, CostModel(curve, 16, times=None, reproducible=True))
+        for index, job in enumerate(jobs):
+            assert job.transcript.sequence[0].tolist() == truths[index], (drafter_class, index)
+        seen.append(([d.calls for d in drafters], sum(s.forwards for s in stats)))
+    (random_calls, random_steps), again, (oracle_calls, oracle_steps) = seen
+    assert sum(random_calls) < random_steps / 4, seen
+    assert again == seen[0]  # the same pauses every run
+    assert sum(oracle_calls) > oracle_steps * 0.9, seen
+
+
 @pytest.mark.parametrize("method", ["prompt_lookup", "auto"])
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma"])
 def test_rows_stay_exact_when_transformers_keeps_key_value_heads_grouped(family, method, monkeypatch):

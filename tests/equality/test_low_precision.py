@@ -311,13 +311,13 @@ def test_reproducible_is_on_in_low_precision_and_off_in_fp32():
         forerun.Decoder(fp32, None, "auto", latency=CURVE, reproducible="yes")
 
 
-def test_a_batch_of_reproducible_rows_neither_pauses_drafting_nor_prices_by_timings():
+def test_a_batch_of_reproducible_rows_neither_pauses_drafting_on_timings_nor_prices_by_them():
     def modes(budgets) -> str:
         """40 steps where drafting measures 100x slower than plain decoding: which mode each step ran."""
         policy, seen = forerun.costmodel.BatchPolicy(), ""
         for _ in range(40):
             drafting = policy.drafting(budgets)
-            policy.record(budgets, drafting, [[0], [0]], 10.0 if drafting else 0.1)
+            policy.record(budgets, drafting, [[0], [0]], 10.0 if drafting else 0.1, 8 if drafting else 1)
             selection = forerun.costmodel.Selection(TokenTree.rooted_at(1), [])
             policy.learn(budgets, [selection, selection], [[0], [0]], 8 if drafting else 1, 10.0 if drafting else 0.1)
             seen += "d" if drafting else "p"

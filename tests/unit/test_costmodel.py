@@ -588,3 +588,36 @@ def test_a_probe_drafting_wins_resets_the_pause_to_its_first_length():
         modes += "d" if drafting else "p"
     pauses = [len(list(run)) for mode, run in itertools.groupby(modes) if mode == "p"]
     assert pauses[:4] == [6, PAUSE_STEPS, 2 * PAUSE_STEPS, PAUSE_STEPS], modes
+
+
+def test_a_reproducible_batch_pauses_on_what_it_fed_and_starts_over_when_it_loses_rows():
+    """Reproducible rows: steps that feed no candidate pause proposals, whatever the step took (drafting measured
+    100x faster); a probe that feeds one, fewer rows, or a cache grown manyfold (`rebase`) start the back-off over.
+    Steered rows (the negative control) keep proposing while drafting measures faster."""
+    from forerun.costmodel import BatchPolicy, CostModel
+    from forerun.costmodel.switch import IDLE_PAUSE_STEPS, IDLE_STEPS, PROBE_STEPS
+
+    def budgets(rows: int, reproducible: bool = True):
+        return [CostModel(STEEP, 16, times=None, reproducible=reproducible) for _ in range(rows)]
+
+    def step(policy, rows, fed: bool, reproducible: bool = True) -> bool:
+        drafting = policy.drafting(budgets(rows, reproducible))
+        seconds = 0.01 if drafting else 1.0  # proposing steps look 100x faster
+        policy.record(budgets(rows, reproducible), drafting, [[0, 1]] * rows, seconds, 4 if fed and drafting else 1)
+        return drafting
+
+    policy = BatchPolicy()
+    assert [step(policy, 4, fed=False) for _ in range(IDLE_STEPS + IDLE_PAUSE_STEPS + 1)] == (
+        [True] * IDLE_STEPS + [False] * IDLE_PAUSE_STEPS + [True]
+    )  # the probe fed nothing: the next pause is twice as long
+    assert policy.idle.paused == 2 * IDLE_PAUSE_STEPS
+    assert step(policy, 3, fed=False)  # a row left mid-pause: the back-off starts over
+    assert (policy.idle.idle, policy.idle.paused, policy.idle.pause) == (1, 0, IDLE_PAUSE_STEPS)
+    policy = BatchPolicy()
+    for _ in range(IDLE_STEPS):
+        step(policy, 4, fed=False)
+    assert not policy.drafting(budgets(4))
+    policy.rebase(1000)  # the cache grew manyfold: measured again
+    assert policy.drafting(budgets(4))
+    steered = BatchPolicy()
+    assert sum(step(steered, 4, fed=False, reproducible=False) for _ in range(40)) == 40 - PROBE_STEPS  # plain once

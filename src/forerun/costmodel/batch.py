@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from forerun.costmodel.budgets import Budget, CostModel
 from forerun.costmodel.choice import Selection
 from forerun.costmodel.curve import LatencyCurve
-from forerun.costmodel.switch import FIRST_PROBE_STEPS, DraftSwitch
+from forerun.costmodel.switch import FIRST_PROBE_STEPS, DraftSwitch, IdleProposals
 from forerun.tree import TokenTree, merge
 
 BATCH_PRIOR = 4.0
@@ -45,6 +45,11 @@ class BatchPolicy:
     the decision (`best_shared_count`'s draft_penalty)."""
     switch: DraftSwitch = field(default_factory=lambda: DraftSwitch())
     """Whether rows propose at all (measured wall-clock rates of drafting and plain steps)."""
+    idle: IdleProposals = field(default_factory=IdleProposals)
+    """Whether rows propose at all where choices must be reproducible (what the cost model fed of their last
+    proposals: no clock)."""
+    idle_rows: int = 0
+    """Rows when `idle` last heard a step: fewer rows may make drafting pay again, so it starts over."""
     costly: DraftSwitch = field(default_factory=lambda: DraftSwitch(probing=FIRST_PROBE_STEPS, paired=True))
     """Whether the rows' costly drafters (trained heads) draft, where their budgets weigh them (`CostModel.for_row`):
     one switch for every row, told each row's steps (a row-step each) paired with what the batch would have fed
@@ -67,8 +72,15 @@ class BatchPolicy:
         return budgets[0].curve
 
     def drafting(self, budgets: Sequence[Budget]) -> bool:
-        """Whether the rows propose this step (always, where the budgets must not steer by timings)."""
-        return self.shared_curve(budgets) is None or not steered(budgets) or self.switch.drafting()
+        """Whether the rows propose this step: by measured rates (`switch`), or where the budgets must not steer
+        by timings, by what the cost model fed of their last proposals (`idle`)."""
+        if self.shared_curve(budgets) is None:
+            return True
+        if steered(budgets):
+            return self.switch.drafting()
+        if len(budgets) < self.idle_rows:
+            self.idle = IdleProposals()
+        return self.idle.proposing()
 
     @staticmethod
     def proposal_caps(budgets: Sequence[Budget]) -> list[int]:
@@ -130,6 +142,7 @@ class BatchPolicy:
         slots = max(1, slots)
         if not self.measured_at / REBASE_FACTOR <= slots <= self.measured_at * REBASE_FACTOR:
             self.switch, self.measured, self.measured_at = DraftSwitch(), {False: 1.0, True: 1.0}, slots
+            self.idle = IdleProposals()
 
     def learn(
         self,
@@ -153,12 +166,25 @@ class BatchPolicy:
             self.expected = BATCH_DECAY * self.expected + expected
             self.accepted = BATCH_DECAY * self.accepted + sum(len(path) - 1 for path in kept)
 
-    def record(self, budgets: Sequence[Budget], drafting: bool, kept: Sequence[Sequence[int]], seconds: float):
-        """One whole step's rate for the draft switch: tokens per row per predicted plain step."""
+    def record(
+        self,
+        budgets: Sequence[Budget],
+        drafting: bool,
+        kept: Sequence[Sequence[int]],
+        seconds: float,
+        nodes: int = 1,
+    ) -> None:
+        """One whole step for the draft switch: its rate, tokens per row per predicted plain step; or, where
+        choices are reproducible, whether the rows proposed and any candidate was fed (`nodes`: per row)."""
         curve = self.shared_curve(budgets)
-        if curve is not None and steered(budgets):
-            tokens = sum(len(path) for path in kept) / len(kept)
-            self.switch.record(drafting, tokens * curve.batch_cost(len(kept), 1) / max(seconds, 1e-9))
+        if curve is None:
+            return
+        if not steered(budgets):
+            self.idle.record(drafting, nodes > 1)
+            self.idle_rows = len(budgets)
+            return
+        tokens = sum(len(path) for path in kept) / len(kept)
+        self.switch.record(drafting, tokens * curve.batch_cost(len(kept), 1) / max(seconds, 1e-9))
 
 
 def best_shared_count(

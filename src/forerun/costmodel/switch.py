@@ -133,6 +133,68 @@ class DraftSwitch:
                 self.pause = PAUSE_STEPS
 
 
+IDLE_STEPS = 2
+"""Proposing steps in a row whose proposals the cost model fed none of (every row its root alone) before a
+reproducible batch pauses its proposals (`IdleProposals`)."""
+IDLE_PAUSE_STEPS = 4
+"""The first such pause; each probe that again feeds no candidate doubles it, up to `MAX_IDLE_PAUSE_STEPS`."""
+MAX_IDLE_PAUSE_STEPS = 32
+"""The longest pause: where drafting never pays, one step in 33 still proposes (and finds whether it pays again)."""
+
+
+@dataclass
+class IdleProposals:
+    """Whether a reproducible batch's rows propose this step, from what the cost model fed of their last proposals.
+
+    A batch whose choices must be reproducible may not steer by timings (`DraftSwitch`), but proposing is work
+    the forward does not show: each row's drafters proposing and the cost model ranking their trees cost host
+    time every step, wasted where the shared count comes out 0 and every row feeds its root alone (most steps of
+    8 rows or more in bf16 or int4 on a CPU; on a card's captured forward that host time is the step's largest
+    part). What the cost model chose is known without a clock: after
+    `IDLE_STEPS` proposing steps in a row whose shared count was 0, `IDLE_PAUSE_STEPS` steps go without
+    proposals, then one step proposes again (a probe); each probe that feeds no candidate either doubles the
+    next pause, up to `MAX_IDLE_PAUSE_STEPS`, and any step that feeds a candidate ends the back-off. Every input
+    is a choice made on stored measurements and the tokens, so the same batch pauses at the same steps every run
+    (and what is fed never changes what is written).
+
+    Example (d: proposals fed, 0: proposed, none fed, p: paused):
+        >>> def modes(fed: str) -> str:
+        ...     idle, seen, fed = IdleProposals(), "", iter(fed)
+        ...     while len(seen) < 40:
+        ...         proposing = idle.proposing()
+        ...         drafted = proposing and next(fed) == "d"
+        ...         idle.record(proposing, drafted)
+        ...         seen += ("d" if drafted else "0") if proposing else "p"
+        ...     return seen
+        >>> modes("0" * 40)  # drafting never pays: ever longer pauses
+        '00pppp0pppppppp0pppppppppppppppp0ppppppp'
+        >>> modes("00d" + "0" * 40)  # a probe that feeds a candidate starts the back-off over
+        '00ppppd00pppp0pppppppp0pppppppppppppppp0'
+    """
+
+    idle: int = 0
+    """Proposing steps in a row that fed no candidate."""
+    paused: int = 0
+    """Steps left in the current pause."""
+    pause: int = IDLE_PAUSE_STEPS
+    """The next pause's length."""
+
+    def proposing(self) -> bool:
+        return self.paused == 0
+
+    def record(self, proposed: bool, drafted: bool) -> None:
+        """One step: whether its rows proposed, and whether the batch then fed any candidate."""
+        if not proposed:
+            self.paused = max(0, self.paused - 1)
+            return
+        if drafted:
+            self.idle, self.pause = 0, IDLE_PAUSE_STEPS
+            return
+        self.idle += 1
+        if self.idle >= IDLE_STEPS:  # after a pause the count stays there: one idle probe pauses again
+            self.paused, self.pause = self.pause, min(2 * self.pause, MAX_IDLE_PAUSE_STEPS)
+
+
 def held(tree: TokenTree, tokens: Sequence[int]) -> int:
     """How many of `tokens` (a step's committed tokens: the accepted path, then the target's own next token) the
     candidates of `tree` hold as a path from its root: what verifying `tree` instead would have accepted. Every
