@@ -2,7 +2,7 @@
 budget, each made (and checked) from the method plan and the engine's settings.
 
 Example (what `Decoder.__init__` does, in order; on a CPU with method auto):
-    >>> plan, config = plan_method("auto", {}, "cpu"), EngineConfig()               # doctest: +SKIP
+    >>> plan, config = method_plan("auto", {}, "cpu", None), EngineConfig()         # doctest: +SKIP
     >>> prepare_draft(model, tokenizer, plan, None, None), prepare_head(model, plan, None)  # doctest: +SKIP
     (None, None)
     >>> base = make_base(model, config, "cpu")            # None: the growing cache  # doctest: +SKIP
@@ -30,11 +30,22 @@ from forerun.drafters.draft_model import DraftModelDrafter
 from forerun.feed_probe import check_feed
 from forerun.forward_inputs import check_cache_input, stateful
 from forerun.latency import curve_for
-from forerun.methods import MethodPlan
+from forerun.methods import MethodPlan, plan_method
 from forerun.rowstates import state_rows_support
 from forerun.tree import tree_support
 
 logger = logging.getLogger(__name__)
+
+
+def method_plan(method: str | MethodPlan, knobs: dict[str, object], device_type: str, draft_head: object) -> MethodPlan:
+    """The Decoder's method plan: `method` parsed with its `knobs` for the device, or a plan already parsed (by a
+    run specification: not rendered as text again), which carries its own knobs; a given `draft_head` makes 'auto'
+    draft with it too."""
+    if not isinstance(method, MethodPlan):
+        return plan_method(method, knobs, device_type, head=draft_head is not None)
+    if knobs:
+        raise ValueError(f"a MethodPlan carries its knobs; got {sorted(knobs)} besides")
+    return method if draft_head is None else method.with_head()
 
 
 def prepare_draft(

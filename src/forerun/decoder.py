@@ -29,6 +29,7 @@ from forerun.assembly import (
     check_vocabulary,
     make_base,
     make_budget,
+    method_plan,
     prepare_draft,
     prepare_head,
     price_costly,
@@ -48,7 +49,7 @@ from forerun.drafters.prediction import PredictionDrafter
 from forerun.engine import decode
 from forerun.forward_inputs import stateful
 from forerun.latency import DEFAULT_CACHE_DIR, batches_of, curve_for
-from forerun.methods import MethodPlan, plan_method
+from forerun.methods import MethodPlan
 from forerun.noise import GumbelNoise
 from forerun.prefixcache import PrefixCache, Prefixes
 from forerun.preparation import Prepared, as_request, eos_ids_of, finished_result, request_criteria, requests_of, seeded
@@ -119,12 +120,7 @@ class Decoder:
         self.model, self.tokenizer = model, tokenizer
         self.prefixes = prefix_cache if isinstance(prefix_cache, PrefixCache) else PrefixCache(prefix_cache or 0)
         device_type = next(model.parameters()).device.type
-        if isinstance(method, MethodPlan):  # parsed once, by the run specification: not re-rendered as text
-            if knobs:
-                raise ValueError(f"a MethodPlan carries its knobs; got {sorted(knobs)} besides")
-            self.plan = method if draft_head is None else method.with_head()  # 'auto' drafts with a given head too
-        else:
-            self.plan = plan_method(method, knobs, device_type, head=draft_head is not None)
+        self.plan = method_plan(method, knobs, device_type, draft_head)
         self.method = self.plan.text
         self.engine_config = EngineConfig(
             max_tree_nodes, draft_in_prefill, adaptive, static_cache, compile_buckets, reproducible

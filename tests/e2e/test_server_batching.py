@@ -495,7 +495,13 @@ def test_a_hybrids_concurrent_clients_share_its_batch(smollm2, family):
             answers = list(pool.map(ask, range(4)))
         watching.set()
         before = drafted()
-        again = ask(0)  # alone: its chains are verified (the trie holds its answer)
+        for _ in range(4):  # alone: its chains are verified once they pay (the trie holds its answer)
+            again = ask(0)
+            assert again == answers[0]
+            if drafted() > before:
+                break
+        # fp32 choices steer by this machine's curve and timings: where a 2-token chain costs 2x one token (its
+        # states copied first), the calibration needs a second or third look at the answer before chains pay
         assert drafted() == before + 1
     finally:
         watching.set()
@@ -504,7 +510,6 @@ def test_a_hybrids_concurrent_clients_share_its_batch(smollm2, family):
     for question, answer in zip(QUESTIONS[:4], answers, strict=True):
         messages = [{"role": "user", "content": question}]
         assert answer == plain_text((model, tokenizer), messages=messages, max_new_tokens=48), question
-    assert again == answers[0]
     assert widest[0] >= 2, "the requests never shared the batch"
 
 
