@@ -150,12 +150,11 @@ class IdleProposals:
     the forward does not show: each row's drafters proposing and the cost model ranking their trees cost host
     time every step, wasted where the shared count comes out 0 and every row feeds its root alone (most steps of
     8 rows or more in bf16 or int4 on a CPU; on a card's captured forward that host time is the step's largest
-    part). What the cost model chose is known without a clock: after
-    `IDLE_STEPS` proposing steps in a row whose shared count was 0, `IDLE_PAUSE_STEPS` steps go without
-    proposals, then one step proposes again (a probe); each probe that feeds no candidate either doubles the
-    next pause, up to `MAX_IDLE_PAUSE_STEPS`, and any step that feeds a candidate ends the back-off. Every input
-    is a choice made on stored measurements and the tokens, so the same batch pauses at the same steps every run
-    (and what is fed never changes what is written).
+    part). What the cost model chose is known without a clock: after `IDLE_STEPS` proposing steps in a row whose
+    shared count was 0, `IDLE_PAUSE_STEPS` steps go without proposals, then one step proposes again (a probe);
+    each probe that feeds no candidate doubles the next pause, up to `MAX_IDLE_PAUSE_STEPS`, and any step that
+    feeds a candidate ends the back-off. Every input is a choice made on stored measurements and the tokens, so
+    the same batch pauses at the same steps every run (and what is fed never changes what is written).
 
     Example (d: proposals fed, 0: proposed, none fed, p: paused):
         >>> def modes(fed: str) -> str:
