@@ -590,9 +590,10 @@ def test_a_probe_drafting_wins_resets_the_pause_to_its_first_length():
     assert pauses[:4] == [6, PAUSE_STEPS, 2 * PAUSE_STEPS, PAUSE_STEPS], modes
 
 
-def test_a_reproducible_batch_pauses_on_what_it_fed_and_starts_over_when_it_loses_rows():
+def test_a_reproducible_batch_pauses_on_what_it_fed_and_starts_over_when_it_loses_half_its_rows():
     """Reproducible rows: steps that feed no candidate pause proposals, whatever the step took (drafting measured
-    100x faster); a probe that feeds one, fewer rows, or a cache grown manyfold (`rebase`) start the back-off over.
+    100x faster); a probe that feeds one, half the rows gone, or a cache grown manyfold (`rebase`) start the
+    back-off over.
     Steered rows (the negative control) keep proposing while drafting measures faster."""
     from forerun.costmodel import BatchPolicy, CostModel
     from forerun.costmodel.switch import IDLE_PAUSE_STEPS, IDLE_STEPS, PROBE_STEPS
@@ -611,7 +612,8 @@ def test_a_reproducible_batch_pauses_on_what_it_fed_and_starts_over_when_it_lose
         [True] * IDLE_STEPS + [False] * IDLE_PAUSE_STEPS + [True]
     )  # the probe fed nothing: the next pause is twice as long
     assert policy.idle.paused == 2 * IDLE_PAUSE_STEPS
-    assert step(policy, 3, fed=False)  # a row left mid-pause: the back-off starts over
+    assert not step(policy, 3, fed=False)  # a row left mid-pause: a server's rows come and go, the pause holds
+    assert step(policy, 2, fed=False)  # half the rows left: drafting may pay again, the back-off starts over
     assert (policy.idle.idle, policy.idle.paused, policy.idle.pause) == (1, 0, IDLE_PAUSE_STEPS)
     policy = BatchPolicy()
     for _ in range(IDLE_STEPS):

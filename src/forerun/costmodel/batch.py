@@ -49,7 +49,8 @@ class BatchPolicy:
     """Whether rows propose at all where choices must be reproducible (what the cost model fed of their last
     proposals: no clock)."""
     idle_rows: int = 0
-    """Rows when `idle` last heard a step: fewer rows may make drafting pay again, so it starts over."""
+    """The most rows `idle` has heard a step of since it started over: at half as many rows or fewer drafting may
+    pay again, so it starts over (not at every row that leaves: a server's rows come and go every few steps)."""
     costly: DraftSwitch = field(default_factory=lambda: DraftSwitch(probing=FIRST_PROBE_STEPS, paired=True))
     """Whether the rows' costly drafters (trained heads) draft, where their budgets weigh them (`CostModel.for_row`):
     one switch for every row, told each row's steps (a row-step each) paired with what the batch would have fed
@@ -78,8 +79,8 @@ class BatchPolicy:
             return True
         if steered(budgets):
             return self.switch.drafting()
-        if len(budgets) < self.idle_rows:
-            self.idle = IdleProposals()
+        if 2 * len(budgets) <= self.idle_rows:
+            self.idle, self.idle_rows = IdleProposals(), len(budgets)
         return self.idle.proposing()
 
     @staticmethod
@@ -142,7 +143,7 @@ class BatchPolicy:
         slots = max(1, slots)
         if not self.measured_at / REBASE_FACTOR <= slots <= self.measured_at * REBASE_FACTOR:
             self.switch, self.measured, self.measured_at = DraftSwitch(), {False: 1.0, True: 1.0}, slots
-            self.idle = IdleProposals()
+            self.idle, self.idle_rows = IdleProposals(), 0
 
     def learn(
         self,
@@ -181,7 +182,7 @@ class BatchPolicy:
             return
         if not steered(budgets):
             self.idle.record(drafting, nodes > 1)
-            self.idle_rows = len(budgets)
+            self.idle_rows = max(self.idle_rows, len(budgets))
             return
         tokens = sum(len(path) for path in kept) / len(kept)
         self.switch.record(drafting, tokens * curve.batch_cost(len(kept), 1) / max(seconds, 1e-9))
