@@ -177,21 +177,9 @@ def bench(
     them: no second compile)."""
     longest = max(prompts, key=lambda p: len(p["ids"]))
     warm_ids = torch.tensor([longest["ids"]], device=DEVICE)
-    decoders = {}
-    for label, method, fused in [(m, m, False) for m in methods] + [(f"{m} (compiled)", m, True) for m in compiled]:
-        drafts_with = head if "eagle3" in method.split("+") else None
-        decoder, made_s = sync_time(
-            lambda m=method, f=fused, h=drafts_with: Decoder(
-                model, tokenizer, m, static_cache=True, compile_buckets=f, draft_head=h
-            )
-        )
-        warm_s = decoder.warm_up(len(longest["ids"]) + new_tokens)  # every bucket captured before timing
-        decoders[label] = decoder
-        log("bench", note=f"{label}: made (curve measured or loaded) and warmed", made_s=round(made_s, 1),
-            warm_s=round(warm_s, 1), capture_s=round(decoder.base.capture_seconds, 1),
-            capture_error=decoder.base.capture_error, curve_ms=curve_ms(decoder),
-            graph_features=list(decoder.base.features), head_graphs=head_graphs(decoder),
-            head_costs_ms=head_costs_ms(decoder))  # fmt: skip
+    labels = [(m, m, False) for m in methods] + [(f"{m} (compiled)", m, True) for m in compiled]
+    decoders = {label: warmed(log, model, tokenizer, method, fused, head, len(longest["ids"]) + new_tokens)
+                for label, method, fused in labels}  # fmt: skip
     if "generate_static_compiled" in baselines:
         _, compile_s = sync_time(lambda: hf_generate(model, warm_ids, new_tokens, cache_implementation="static"))
         hf_generate(model, warm_ids, new_tokens, cache_implementation="static")
@@ -205,51 +193,69 @@ def bench(
         if log.late(60):
             log("bench", note="deadline: stopped early")
             return decoders
-        ids = torch.tensor([prompt["ids"]], device=DEVICE)
-        out, seconds = sync_time(
-            lambda ids=ids: hf_generate(model, ids, new_tokens, output_logits=True, return_dict_in_generate=True)
-        )
-        reference = out.sequences[0, ids.shape[1] :].tolist()
-        logits = [row[0] for row in out.logits]
-        rows = {"generate": (reference, seconds, None)}
-        runs = {
-            "generate_static_compiled": lambda ids=ids: hf_generate(
-                model, ids, new_tokens, cache_implementation="static"
-            ),
-            "hf_prompt_lookup": lambda ids=ids: hf_generate(model, ids, new_tokens, prompt_lookup_num_tokens=10),
-        }
-        for label, run in [(label, run) for label, run in runs.items() if label in baselines]:
-            result, took = sync_time(run)
-            rows[label] = (result[0, ids.shape[1] :].tolist(), took, None)
-        for method, decoder in decoders.items():
-            result, took = sync_time(lambda d=decoder, ids=ids: d.generate(ids, new_tokens))
-            rows[method] = (result.new_tokens, took, result.stats)
-        for label, (tokens, took, stats) in rows.items():
-            divergence = first_divergence(reference, tokens, logits, model.dtype)
-            extra = {}
-            if stats is not None:
-                steps = max(stats.forwards, 1)
-                extra = {
-                    "tokens_per_forward": round(stats.tokens_per_forward, 3),
-                    "forwards": stats.forwards,
-                    "fed_per_forward": round(stats.fed_tokens / steps, 2),
-                    "host_ms_per_step": round(1e3 * stats.draft_seconds / steps, 3),
-                    "forward_ms_per_step": round(1e3 * stats.forward_seconds / steps, 3),
-                    "prefill_ms": round(1e3 * stats.prefill_seconds, 2),
-                }
-            log(
-                "bench",
-                prompt=prompt["id"],
-                dataset=prompt["dataset"],
-                method=label,
-                new_tokens=len(tokens),
-                seconds=round(took, 4),
-                tokens_per_s=round(len(tokens) / took, 1),
-                identical=divergence is None,
-                tie=None if divergence is None else divergence.is_tie,
-                **extra,
-            )
+        bench_prompt(log, model, prompt, new_tokens, decoders, baselines)
     return decoders
+
+
+def warmed(log: Log, model, tokenizer, method: str, fused: bool, head: str | None, max_len: int) -> Decoder:
+    """A static-cache decoder of `method` (its buckets compiled where `fused`; `head` where it names eagle3), every
+    bucket captured up to `max_len` before any timing; what making and warming it took is logged."""
+    label = f"{method} (compiled)" if fused else method
+    drafts_with = head if "eagle3" in method.split("+") else None
+    decoder, made_s = sync_time(
+        lambda: Decoder(model, tokenizer, method, static_cache=True, compile_buckets=fused, draft_head=drafts_with)
+    )
+    warm_s = decoder.warm_up(max_len)
+    log("bench", note=f"{label}: made (curve measured or loaded) and warmed", made_s=round(made_s, 1),
+        warm_s=round(warm_s, 1), capture_s=round(decoder.base.capture_seconds, 1),
+        capture_error=decoder.base.capture_error, curve_ms=curve_ms(decoder),
+        graph_features=list(decoder.base.features), head_graphs=head_graphs(decoder),
+        head_costs_ms=head_costs_ms(decoder))  # fmt: skip
+    return decoder
+
+
+def bench_prompt(
+    log: Log, model, prompt: dict, new_tokens: int, decoders: dict[str, Decoder], baselines: list[str]
+) -> None:
+    """One prompt through eager generate (the reference, its logits kept), the `baselines` and every decoder; one
+    record each: its speed, and whether its text is generate's (or differs first at a tie)."""
+    ids = torch.tensor([prompt["ids"]], device=DEVICE)
+    out, seconds = sync_time(
+        lambda: hf_generate(model, ids, new_tokens, output_logits=True, return_dict_in_generate=True)
+    )
+    reference = out.sequences[0, ids.shape[1] :].tolist()
+    logits = [row[0] for row in out.logits]
+    rows = {"generate": (reference, seconds, None)}
+    runs = {
+        "generate_static_compiled": lambda: hf_generate(model, ids, new_tokens, cache_implementation="static"),
+        "hf_prompt_lookup": lambda: hf_generate(model, ids, new_tokens, prompt_lookup_num_tokens=10),
+    }
+    for label, run in [(label, run) for label, run in runs.items() if label in baselines]:
+        result, took = sync_time(run)
+        rows[label] = (result[0, ids.shape[1] :].tolist(), took, None)
+    for method, decoder in decoders.items():
+        result, took = sync_time(lambda d=decoder: d.generate(ids, new_tokens))
+        rows[method] = (result.new_tokens, took, result.stats)
+    for label, (tokens, took, stats) in rows.items():
+        divergence = first_divergence(reference, tokens, logits, model.dtype)
+        log("bench", prompt=prompt["id"], dataset=prompt["dataset"], method=label, new_tokens=len(tokens),
+            seconds=round(took, 4), tokens_per_s=round(len(tokens) / took, 1), identical=divergence is None,
+            tie=None if divergence is None else divergence.is_tie, **step_figures(stats))  # fmt: skip
+
+
+def step_figures(stats) -> dict:
+    """A decoder's figures per step (none for transformers' runs, `stats` None)."""
+    if stats is None:
+        return {}
+    steps = max(stats.forwards, 1)
+    return {
+        "tokens_per_forward": round(stats.tokens_per_forward, 3),
+        "forwards": stats.forwards,
+        "fed_per_forward": round(stats.fed_tokens / steps, 2),
+        "host_ms_per_step": round(1e3 * stats.draft_seconds / steps, 3),
+        "forward_ms_per_step": round(1e3 * stats.forward_seconds / steps, 3),
+        "prefill_ms": round(1e3 * stats.prefill_seconds, 2),
+    }
 
 
 def log_slow_collections(log: Log, threshold_s: float = 0.05) -> None:
@@ -269,7 +275,7 @@ def log_slow_collections(log: Log, threshold_s: float = 0.05) -> None:
     gc.callbacks.append(timed)
 
 
-def main() -> None:
+def arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("sections", help="comma-separated: smoke, curve, steps, bench, batch, profile, warm")
     parser.add_argument("--model", default="random-1b", help="random-1b, random-tiny (a check), or a .gguf file")
@@ -300,7 +306,11 @@ def main() -> None:
                         help="bench: the EAGLE-3 head of methods naming eagle3 (a folder, a shipped name)")  # fmt: skip
     parser.add_argument("--budget-s", type=float, default=420.0, help="stop starting new work after this long")
     parser.add_argument("--out", type=Path, default=Path("gpu_check.jsonl"))
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = arguments()
     log = Log(args.out, time.monotonic() + args.budget_s)
     log_slow_collections(log)
     import transformers
