@@ -65,7 +65,8 @@ def main() -> None:
     run(model, tokenizer, "auto", ids[:2], 8)  # the latency curve measured (or read) and the kernels warm
     records = []
     for round_ in range(args.rounds):
-        order = METHODS[round_ % 3 :] + METHODS[: round_ % 3]  # each method first in one round of three
+        turn = round_ % len(METHODS)  # each method first in one round of three
+        order = METHODS[turn:] + METHODS[:turn]
         for method in order:
             record = run(model, tokenizer, method, ids, args.new_tokens) | {"round": round_}
             records.append(record)

@@ -173,7 +173,7 @@ class BatchPolicy:
         drafting: bool,
         kept: Sequence[Sequence[int]],
         seconds: float,
-        nodes: int = 1,
+        nodes: int,
     ) -> None:
         """One whole step for the draft switch: its rate, tokens per row per predicted plain step; or, where
         choices are reproducible, whether the rows proposed and any candidate was fed (`nodes`: per row)."""
