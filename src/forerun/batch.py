@@ -137,7 +137,8 @@ class Batch(JoiningRows):
         self.policy.rebase(self.shared.slots)
         drafting = self.drafts(budgets)
         if drafting:
-            for row, cap in zip(rows, self.policy.proposal_caps(budgets), strict=True):
+            caps = self.policy.proposal_caps(budgets, [len(row.job.drafters) for row in rows])
+            for row, cap in zip(rows, caps, strict=True):
                 row.ctx.budget = cap
             proposals = [self.propose(row) for row in rows]
             selections = self.choose_apart(proposals)

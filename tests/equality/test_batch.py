@@ -20,6 +20,7 @@ from forerun.forward_inputs import cache_argument
 from forerun.noise import GumbelNoise
 from forerun.rowcache import RowCache
 from forerun.transcript import Transcript
+from forerun.tree import TokenTree
 from forerun.verify import Sampling
 
 from helpers import OracleDrafter, RandomDrafter
@@ -589,3 +590,34 @@ def test_rows_stay_exact_when_transformers_keeps_key_value_heads_grouped(family,
     results = decoder.generate([p[0].tolist() for p in ragged_prompts()], NEW_TOKENS, eos_token_id=[])
     for index, result in enumerate(results):
         assert torch.equal(result.sequences, truths[index]), (family, method, index)
+
+
+class BudgetedOracle(OracleDrafter):
+    """The true continuation as one chain, as long as the row's budget lets it propose; remembers each budget."""
+
+    def __init__(self, truth: list[int], vocab: int) -> None:
+        super().__init__(truth, 64, vocab)
+        self.budgets: set[int] = set()
+
+    def propose(self, ctx):
+        self.budgets.add(ctx.budget)
+        n = len(ctx.tokens)
+        tree = TokenTree.rooted_at(ctx.tokens[-1])
+        tree.add_chain(0, self.truth[n : n + ctx.budget - 1], source=self.name)
+        return tree
+
+
+def test_a_batch_rows_drafters_share_its_cap_and_a_row_alone_gives_each_the_whole():
+    """On a flat curve a batch row may propose 64 nodes; its three drafters share them (21 each: ranking what is
+    never fed is host work), while a row decoded alone gives each drafter all 64 (the negative control); every row
+    stays exact."""
+    model = model_of("llama", "sdpa")
+    flat = LatencyCurve((1, 64), (1.0, 1.0))
+    truths = [single("llama", "sdpa", i, None, 48)[0].tolist() for i in range(2)]
+    for rows, share in ((2, 21), (1, 64)):
+        drafters = [[BudgetedOracle(truths[i], VOCAB) for _ in range(3)] for i in range(rows)]
+        jobs = jobs_for(model, ragged_prompts()[:rows], drafters, 48)
+        decode_batch(model, jobs, CostModel(flat, 64, times=None, reproducible=True))
+        for index, job in enumerate(jobs):
+            assert job.transcript.sequence[0].tolist() == truths[index], (rows, index)
+        assert {budget for row in drafters for d in row for budget in d.budgets} == {share}, rows

@@ -25,6 +25,9 @@ BATCH_DECAY = 0.9
 """Per step: the batch's correction remembers about its last ten steps."""
 CLOSED_FOCUS = 4.0
 """How sharply a closed batch weighs the rows with the most steps left (a row 10% ahead counts 0.66)."""
+SHARE_FLOOR = 16
+"""Nodes, root included, each drafter of a row in a batch may propose however many drafters share the row's cap
+(`drafter_share`), where the cap allows as many: room for a useful tree of its own."""
 REBASE_FACTOR = 2.0
 """A batch re-measures whether drafting pays once its cache is this many times longer or shorter (`Batch.rebase`)."""
 
@@ -84,15 +87,17 @@ class BatchPolicy:
         return self.idle.proposing()
 
     @staticmethod
-    def proposal_caps(budgets: Sequence[Budget]) -> list[int]:
-        """Each row's most nodes to propose (rows of one Decoder share a curve and a cap: priced once)."""
+    def proposal_caps(budgets: Sequence[Budget], drafters: Sequence[int]) -> list[int]:
+        """Each row's most nodes for each of its drafters to propose (`drafters`: per row, how many it has): the
+        row's cap (`Budget.proposal_nodes`; rows of one Decoder share a curve and a cap: priced once), shared
+        among its drafters in a batch (`drafter_share`); a row alone gives each drafter its whole cap."""
         caps: dict[tuple[int, int], int] = {}
         out = []
-        for budget in budgets:
+        for budget, count in zip(budgets, drafters, strict=True):
             shape = (id(budget.curve), budget.max_nodes)
             if shape not in caps:
                 caps[shape] = budget.proposal_nodes(len(budgets))
-            out.append(caps[shape])
+            out.append(caps[shape] if len(budgets) < 2 else drafter_share(caps[shape], count))
         return out
 
     def choose(
@@ -229,6 +234,19 @@ def best_shared_count(
         if rate > best_rate:
             best, best_rate = k, rate
     return best
+
+
+def drafter_share(cap: int, drafters: int) -> int:
+    """Most nodes, root included, each of a batch row's `drafters` proposes under the row's `cap`: an equal share,
+    but never under min(cap, SHARE_FLOOR). On a flat curve (a card's) a 16-row batch's cap is 64 nodes a row, and
+    each of `auto`'s three drafters filling it made ~150 merged nodes a row to rank, of which the cost model fed
+    20-30; ranking, merging and learning every proposed node is host work paid whether fed or not.
+
+    Example:
+        >>> drafter_share(49, 3), drafter_share(64, 3), drafter_share(64, 1), drafter_share(8, 3)
+        (16, 21, 64, 8)
+    """
+    return max(cap // max(1, drafters), min(cap, SHARE_FLOOR))
 
 
 def shared_out(budget: Budget, root: int, proposals: Sequence[TokenTree], share: int) -> Selection:

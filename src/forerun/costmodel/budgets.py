@@ -16,9 +16,9 @@ from forerun.tree import TokenTree, best_chain, merge
 
 PROPOSAL_COST = 2.0
 """A row in a batch proposes at most as many nodes as the batch could feed per row for this many times the cost of
-a step of one token per row: per-row drafting work (proposing, ranking, merging; ~1 ms per row per step with a
-flat curve's wide proposals) is paid whether fed or not, and bigger trees are never fed in a batch (bf16, 8 rows:
-4 tokens per row already cost 1.7x one)."""
+a step of one token per row (shared among its drafters: `forerun.costmodel.batch.drafter_share`): per-row drafting
+work (proposing, ranking, merging) is paid whether fed or not, and bigger trees are never fed in a batch (bf16, 8
+rows: 4 tokens per row already cost 1.7x one)."""
 
 
 class Budget(Protocol):
