@@ -25,44 +25,62 @@ from forerun.cli.common import (
 QUICK_METHODS = "plain,hf_prompt_lookup,prompt_lookup,auto"
 
 
+DATASET = typer.Option(
+    "gsm8k,humaneval",
+    "--dataset",
+    "-d",
+    help="Comma-separated: gsm8k, humaneval, mbpp, typehints, restate, or a .jsonl file.",
+)
+PROMPTS = typer.Option(5, "--n", help="Prompts per dataset.")
+METHODS = typer.Option(QUICK_METHODS, "--methods", help="e.g. plain,hf_prompt_lookup,auto,jacobi[window=4]")
+NEW_TOKENS = typer.Option(256, "--max-new-tokens")
+PINNED_THREADS = typer.Option(1, "--threads", help="torch threads, pinned for the whole run.")
+OUT = typer.Option("bench-results", "--out", help="Folder for results.json/.md and PNG plots.")
+QUICK = typer.Option(False, "--quick", help="10 prompts (5 GSM8K + 5 HumanEval), the quick method set.")
+SAMPLE = typer.Option(False, "--sample", help="Sampled runs (temperature/top-p) instead of greedy.")
+TEMPERATURE = typer.Option(0.7, "--temperature", help="With --sample.")
+TOP_P = typer.Option(0.9, "--top-p", help="With --sample.")
+SEED = typer.Option(0, "--seed", help="With --sample: every run of a prompt starts from this seed.")
+INCLUDE = typer.Option(
+    [], "--include", help="Add the records of another run (e.g. benchmarks/compare_lade.sh's lade.json)."
+)
+DRAFT_MODEL = typer.Option(
+    "", "--draft-model", help="Small model sharing the tokenizer, for methods draft_model and hf_assisted."
+)
+BATCH_SIZE = typer.Option(
+    "", "--batch-size", help="e.g. 1,2,4,8: aggregate tokens/s of batched decoding vs plain batched generate."
+)
+REFILL = typer.Option(
+    True,
+    "--refill/--no-refill",
+    help="With --batch-size: forerun gives a finished row's place to the next prompt (as `forerun run`), or "
+    "decodes generate's very batches.",
+)
+ROUNDS = typer.Option(1, "--rounds", help="With --batch-size: each cell the fastest of this many rounds.")
+
+
 @app.command()
 @user_errors
 def bench(
     model: str = MODEL,
-    dataset: str = typer.Option(
-        "gsm8k,humaneval",
-        "--dataset",
-        "-d",
-        help="Comma-separated: gsm8k, humaneval, mbpp, typehints, restate, or a .jsonl file.",
-    ),
-    n: int = typer.Option(5, "--n", help="Prompts per dataset."),
-    methods: str = typer.Option(QUICK_METHODS, "--methods", help="e.g. plain,hf_prompt_lookup,auto,jacobi[window=4]"),
-    max_new_tokens: int = typer.Option(256, "--max-new-tokens"),
-    threads: int = typer.Option(1, "--threads", help="torch threads, pinned for the whole run."),
-    out: str = typer.Option("bench-results", "--out", help="Folder for results.json/.md and PNG plots."),
-    quick: bool = typer.Option(False, "--quick", help="10 prompts (5 GSM8K + 5 HumanEval), the quick method set."),
-    sample: bool = typer.Option(False, "--sample", help="Sampled runs (temperature/top-p) instead of greedy."),
-    temperature: float = typer.Option(0.7, "--temperature", help="With --sample."),
-    top_p: float = typer.Option(0.9, "--top-p", help="With --sample."),
-    seed: int = typer.Option(0, "--seed", help="With --sample: every run of a prompt starts from this seed."),
-    include: list[str] = typer.Option(
-        [], "--include", help="Add the records of another run (e.g. benchmarks/compare_lade.sh's lade.json)."
-    ),
-    draft_model: str = typer.Option(
-        "", "--draft-model", help="Small model sharing the tokenizer, for methods draft_model and hf_assisted."
-    ),
+    dataset: str = DATASET,
+    n: int = PROMPTS,
+    methods: str = METHODS,
+    max_new_tokens: int = NEW_TOKENS,
+    threads: int = PINNED_THREADS,
+    out: str = OUT,
+    quick: bool = QUICK,
+    sample: bool = SAMPLE,
+    temperature: float = TEMPERATURE,
+    top_p: float = TOP_P,
+    seed: int = SEED,
+    include: list[str] = INCLUDE,
+    draft_model: str = DRAFT_MODEL,
     draft_head: str = HEAD,
     compile_buckets: bool = COMPILE,
-    batch_size: str = typer.Option(
-        "", "--batch-size", help="e.g. 1,2,4,8: aggregate tokens/s of batched decoding vs plain batched generate."
-    ),
-    refill: bool = typer.Option(
-        True,
-        "--refill/--no-refill",
-        help="With --batch-size: forerun gives a finished row's place to the next prompt (as `forerun run`), or "
-        "decodes generate's very batches.",
-    ),
-    rounds: int = typer.Option(1, "--rounds", help="With --batch-size: each cell the fastest of this many rounds."),
+    batch_size: str = BATCH_SIZE,
+    refill: bool = REFILL,
+    rounds: int = ROUNDS,
     device: str = DEVICE,
     dtype: str = DTYPE,
     quantize: str = QUANTIZE,
@@ -99,13 +117,7 @@ def bench(
             lm, tokenizer, prompts, specs, batch_size, max_new_tokens, curve, Path(out), dtype, threads, refill, rounds
         )
         return
-    console.print(
-        f"[bold]forerun bench[/]: {escape(model)} {dtype}, {len(prompts)} prompts, {max_new_tokens} new tokens, "
-        f"{'sampled ' + str(sampling) if sampling else 'greedy'}, torch threads {threads}, device {device}, "
-        f"{'draft ' + escape(draft_model) + ', ' if draft_model else ''}"
-        f"methods generate (reference), {escape(', '.join(s.label for s in specs))}",
-        highlight=False,
-    )
+    announce(f"{escape(model)} {dtype}", len(prompts), max_new_tokens, sampling, threads, device, draft_model, specs)
     run = {"sampling": sampling, "seed": seed, "draft_model": draft, "latency": curve, "gguf": gguf_of(model),
            "threads": threads, "draft_head": head, "compile_buckets": compile_buckets, "source": model}  # fmt: skip
     records = run_with_progress(lm, tokenizer, prompts, specs, max_new_tokens, dataset, n, run)
@@ -115,6 +127,17 @@ def bench(
         "seed": seed if sampling else None, "draft_model": draft_model or None, "draft_head": draft_head or None,
     }  # fmt: skip
     report_single(records, included, settings | measured_settings(lm, curve), Path(out))
+
+
+def announce(model: str, prompts: int, new_tokens: int, sampling, threads: int, device: str, draft: str, specs) -> None:
+    """The run's one-line header: what is decoded, how, and which methods against `generate`."""
+    console.print(
+        f"[bold]forerun bench[/]: {model}, {prompts} prompts, {new_tokens} new tokens, "
+        f"{'sampled ' + str(sampling) if sampling else 'greedy'}, torch threads {threads}, device {device}, "
+        f"{'draft ' + escape(draft) + ', ' if draft else ''}"
+        f"methods generate (reference), {escape(', '.join(s.label for s in specs))}",
+        highlight=False,
+    )
 
 
 def drafting_models(lm, tokenizer, specs, draft_model: str, draft_head: str) -> tuple:

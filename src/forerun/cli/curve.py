@@ -12,27 +12,36 @@ CURVE_SIZES = ",".join(str(n) for n in (*range(1, 17), 20, 24, 32, 48, 64))
 """forerun.latency.SIZES, spelled out here so that `--help` does not import torch."""
 
 
+SIZES = typer.Option(
+    CURVE_SIZES, "--sizes", help="Tokens per forward to measure (default: what the cost model measures)."
+)
+CONTEXT = typer.Option(256, "--context", help="Cached tokens before each forward.")
+REPEATS = typer.Option(5, "--repeats")
+PINNED_THREADS = typer.Option(1, "--threads")
+OUT = typer.Option("bench-results/latency", "--out")
+DTYPES = typer.Option(
+    "fp32",
+    "--dtype",
+    help="fp32, bf16, int8 or int4 (8- or 4-bit weights, bf16 activations), or several: fp32,bf16,int8,int4 "
+    "(one plot).",
+)
+ROWS = typer.Option(
+    "2,4,8", "--rows", help="Rows per forward for the batched curves (what batches decide on); '' for none."
+)
+
+
 @app.command()
 @user_errors
 def curve(
     model: str = MODEL,
-    sizes: str = typer.Option(
-        CURVE_SIZES, "--sizes", help="Tokens per forward to measure (default: what the cost model measures)."
-    ),
-    context: int = typer.Option(256, "--context", help="Cached tokens before each forward."),
-    repeats: int = typer.Option(5, "--repeats"),
-    threads: int = typer.Option(1, "--threads"),
-    out: str = typer.Option("bench-results/latency", "--out"),
+    sizes: str = SIZES,
+    context: int = CONTEXT,
+    repeats: int = REPEATS,
+    threads: int = PINNED_THREADS,
+    out: str = OUT,
     device: str = DEVICE,
-    dtype: str = typer.Option(
-        "fp32",
-        "--dtype",
-        help="fp32, bf16, int8 or int4 (8- or 4-bit weights, bf16 activations), or several: fp32,bf16,int8,int4 "
-        "(one plot).",
-    ),
-    rows: str = typer.Option(
-        "2,4,8", "--rows", help="Rows per forward for the batched curves (what batches decide on); '' for none."
-    ),
+    dtype: str = DTYPES,
+    rows: str = ROWS,
     attention: str = ATTENTION,
     pack: str = PACK,
     draft_head: str = HEAD,
@@ -58,17 +67,10 @@ def curve(
     writable_folder(out)
     quantized = {label: {"dtype": "bf16", "quantize": label} for label in QUANTIZATIONS}  # int4: bf16 activations
     specs = {
-        label: RunSpec(
-            model=model,
-            method="plain",
-            device=device,
-            threads=threads,
-            attention=attention,
-            pack=pack,
-            **quantized.get(label, {"dtype": label}),
-        )  # fmt: skip
+        label: RunSpec(model=model, method="plain", device=device, threads=threads, attention=attention, pack=pack,
+                       **quantized.get(label, {"dtype": label}))
         for label in (d.strip() for d in dtype.split(","))
-    }
+    }  # fmt: skip
     curves, heads = {}, {}
     for label, spec in specs.items():
         lm, _, _ = spec.load()

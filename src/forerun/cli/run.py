@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import typer
 from rich.markup import escape
@@ -34,25 +35,32 @@ from forerun.cli.common import (
     user_errors,
 )
 
+PROMPTS_FILE = typer.Argument(..., help='JSONL: {"id", "prompt" | "messages", optional settings} per line.')
+OUT = typer.Option(..., "--out", "-o", help="Results JSONL (appended as records finish; resumable).")
+BATCH_SIZE = typer.Option(
+    8, "--batch-size", "-b", help="Rows decoded at once; a finished row's place goes to the next record."
+)
+NEW_TOKENS = typer.Option(128, "--max-new-tokens", "-n")
+CHAT = typer.Option(False, "--chat", help="Apply the chat template to text prompts.")
+SEED = typer.Option(None, "--seed", help="With --sample: the file's i-th record draws from seed + i.")
+
 
 @app.command("run")
 @user_errors
 def run_file(
-    prompts_file: str = typer.Argument(..., help='JSONL: {"id", "prompt" | "messages", optional settings} per line.'),
-    out: str = typer.Option(..., "--out", "-o", help="Results JSONL (appended as records finish; resumable)."),
+    prompts_file: str = PROMPTS_FILE,
+    out: str = OUT,
     model: str = MODEL,
     method: str = METHOD,
     knob: list[str] = KNOB,
-    batch_size: int = typer.Option(
-        8, "--batch-size", "-b", help="Rows decoded at once; a finished row's place goes to the next record."
-    ),
-    max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n"),
-    chat: bool = typer.Option(False, "--chat", help="Apply the chat template to text prompts."),
+    batch_size: int = BATCH_SIZE,
+    max_new_tokens: int = NEW_TOKENS,
+    chat: bool = CHAT,
     do_sample: bool = SAMPLE,
     temperature: float = TEMPERATURE,
     top_p: float = TOP_P,
     top_k: int = TOP_K,
-    seed: int = typer.Option(None, "--seed", help="With --sample: the file's i-th record draws from seed + i."),
+    seed: int = SEED,
     max_tree_nodes: int = NODES,
     threads: int = THREADS,
     draft_model: str = DRAFT,
@@ -65,8 +73,6 @@ def run_file(
 ) -> None:
     """Decode a JSONL file of prompts, --batch-size rows at once; rerun to resume. Under torchrun each rank takes a
     shard."""
-    from pathlib import Path
-
     import torch.distributed as dist
 
     from forerun.runner import check_writable, merge_results, pending_records, read_records
@@ -102,15 +108,21 @@ def run_file(
     if shard.world > 1:
         dist.barrier()
         dist.destroy_process_group()
+    exit_on_failures(refused, len(problems) if shard.rank == 0 else 0, shard.label(), source, target)
+
+
+def exit_on_failures(refused: int, bad_lines: int, rank: str, source: Path, target: Path) -> None:
+    """Say what the run could not do, records refused (`rank`: the shard's label) and the file's bad lines, and
+    exit with status 2 if there were any: a script that runs the file learns of them."""
     if refused:
         errors.print(
-            f"[bold red]error:[/] {shard.label()}{refused} record(s) refused; their rows in {target} hold the "
+            f"[bold red]error:[/] {rank}{refused} record(s) refused; their rows in {target} hold the "
             "reason under 'error' (a rerun tries them again)",
             highlight=False,
         )
-    if problems and shard.rank == 0:
-        errors.print(f"[bold red]error:[/] {len(problems)} bad line(s) in {source} were skipped", highlight=False)
-    if refused or (problems and shard.rank == 0):
+    if bad_lines:
+        errors.print(f"[bold red]error:[/] {bad_lines} bad line(s) in {source} were skipped", highlight=False)
+    if refused or bad_lines:
         raise typer.Exit(2)
 
 

@@ -24,6 +24,42 @@ from forerun.cli.common import (
     user_errors,
 )
 
+HOST = typer.Option("127.0.0.1", "--host")
+PORT = typer.Option(8000, "--port")
+API_KEY = typer.Option("", "--api-key", help="Require 'Authorization: Bearer KEY' (all but /health).")
+ALLOW_HOST = typer.Option(
+    [],
+    "--allow-host",
+    help="Host header accepted (repeatable; '*' = any). Default: any with --api-key, "
+    "else local names only (no DNS rebinding against a local server).",
+)
+CACHE = typer.Option("", "--cache", help="Trie file: loaded at start if present, saved at shutdown.")
+MAX_TOKENS_LIMIT = typer.Option(1024, "--max-tokens-limit")
+TIMEOUT = typer.Option(300.0, "--timeout", help="Per-request timeout in seconds, arrival to last token.")
+MAX_QUEUE = typer.Option(64, "--max-queue", help="Most requests queued or running; beyond it: 429.")
+MAX_BATCH = typer.Option(8, "--max-batch", help="Requests decoded together (1 = one at a time).")
+PREFIX_CACHE = typer.Option(
+    4096, "--prefix-cache", help="Tokens of KV kept for prompts that begin alike (system prompt, next turn); 0: off"
+)
+PREFILL_CHUNK = typer.Option(
+    256,
+    "--prefill-chunk",
+    help="Prompt tokens a joining request feeds between two steps of the running ones (a long prompt does not "
+    "freeze the other streams); 0: whole prompts at once",
+)
+WARM_UP_TOKENS = typer.Option(
+    2048,
+    "--warm-up-tokens",
+    help="On a GPU, capture every graph before serving, for texts (prompt + answer) of up to this many tokens, "
+    "single rows and the batch's; 0: each at its first use, in some request's time",
+)
+REQUEST_METHODS = typer.Option(
+    "any",
+    "--request-methods",
+    help="Methods a request may pick in its forerun.method besides --method: 'any', 'none', or a comma list "
+    "(learned state stays per cache_salt either way).",
+)
+
 
 @app.command()
 @user_errors
@@ -31,41 +67,19 @@ def serve(
     model: str = MODEL,
     method: str = METHOD,
     knob: list[str] = KNOB,
-    host: str = typer.Option("127.0.0.1", "--host"),
-    port: int = typer.Option(8000, "--port"),
-    api_key: str = typer.Option("", "--api-key", help="Require 'Authorization: Bearer KEY' (all but /health)."),
-    allow_host: list[str] = typer.Option(
-        [],
-        "--allow-host",
-        help="Host header accepted (repeatable; '*' = any). Default: any with --api-key, "
-        "else local names only (no DNS rebinding against a local server).",
-    ),
-    cache: str = typer.Option("", "--cache", help="Trie file: loaded at start if present, saved at shutdown."),
-    max_tokens_limit: int = typer.Option(1024, "--max-tokens-limit"),
-    timeout: float = typer.Option(300.0, "--timeout", help="Per-request timeout in seconds, arrival to last token."),
-    max_queue: int = typer.Option(64, "--max-queue", help="Most requests queued or running; beyond it: 429."),
-    max_batch: int = typer.Option(8, "--max-batch", help="Requests decoded together (1 = one at a time)."),
-    prefix_cache: int = typer.Option(
-        4096, "--prefix-cache", help="Tokens of KV kept for prompts that begin alike (system prompt, next turn); 0: off"
-    ),
-    prefill_chunk: int = typer.Option(
-        256,
-        "--prefill-chunk",
-        help="Prompt tokens a joining request feeds between two steps of the running ones (a long prompt does not "
-        "freeze the other streams); 0: whole prompts at once",
-    ),
-    warm_up_tokens: int = typer.Option(
-        2048,
-        "--warm-up-tokens",
-        help="On a GPU, capture every graph before serving, for texts (prompt + answer) of up to this many tokens, "
-        "single rows and the batch's; 0: each at its first use, in some request's time",
-    ),
-    request_methods: str = typer.Option(
-        "any",
-        "--request-methods",
-        help="Methods a request may pick in its forerun.method besides --method: 'any', 'none', or a comma list "
-        "(learned state stays per cache_salt either way).",
-    ),
+    host: str = HOST,
+    port: int = PORT,
+    api_key: str = API_KEY,
+    allow_host: list[str] = ALLOW_HOST,
+    cache: str = CACHE,
+    max_tokens_limit: int = MAX_TOKENS_LIMIT,
+    timeout: float = TIMEOUT,
+    max_queue: int = MAX_QUEUE,
+    max_batch: int = MAX_BATCH,
+    prefix_cache: int = PREFIX_CACHE,
+    prefill_chunk: int = PREFILL_CHUNK,
+    warm_up_tokens: int = WARM_UP_TOKENS,
+    request_methods: str = REQUEST_METHODS,
     threads: int = THREADS,
     draft_model: str = DRAFT,
     draft_head: str = HEAD,
@@ -83,38 +97,17 @@ def serve(
     from forerun.server.lifecycle import GracefulServer
     from forerun.server.protocol import guarded_h11
 
-    if (
-        not 1 <= port <= 65535
-        or max_tokens_limit < 1
-        or not 0 < timeout < float("inf")
-        or min(max_queue, max_batch) < 1
-        or min(prefix_cache, prefill_chunk, warm_up_tokens) < 0
-    ):
-        raise ValueError(
-            "--port must be in [1, 65535], --max-tokens-limit, --max-queue and --max-batch >= 1, --prefix-cache, "
-            "--prefill-chunk and --warm-up-tokens >= 0 and --timeout a positive number"
-        )
+    check_limits(port, max_tokens_limit, timeout, max_queue, max_batch, prefix_cache, prefill_chunk, warm_up_tokens)
     spec = run_spec(model, method, knob, device, dtype, threads, draft_model, max_tree_nodes, quantize, draft_head,
                     compile_buckets, pack)  # fmt: skip
     config = ServerConfig(
-        model_name=model,
-        method=spec.method,
-        knobs=dict(spec.knobs),
-        draft_head=spec.draft_head,
-        api_key=api_key or None,
-        cache_path=cache or None,
-        max_tokens_limit=max_tokens_limit,
-        request_timeout_s=timeout,
-        allowed_hosts=tuple(allow_host) or None,
-        max_queue=max_queue,
-        max_batch=max_batch,
-        prefix_cache_tokens=prefix_cache,
-        prefill_chunk=prefill_chunk,
-        warm_up_tokens=warm_up_tokens,
-        request_methods=parse_request_methods(request_methods),
-        max_tree_nodes=spec.max_tree_nodes,
+        model_name=model, method=spec.method, knobs=dict(spec.knobs), draft_head=spec.draft_head,
+        api_key=api_key or None, cache_path=cache or None, max_tokens_limit=max_tokens_limit,
+        request_timeout_s=timeout, allowed_hosts=tuple(allow_host) or None, max_queue=max_queue, max_batch=max_batch,
+        prefix_cache_tokens=prefix_cache, prefill_chunk=prefill_chunk, warm_up_tokens=warm_up_tokens,
+        request_methods=parse_request_methods(request_methods), max_tree_nodes=spec.max_tree_nodes,
         compile_buckets=spec.compile_buckets,
-    )
+    )  # fmt: skip
     lm, tokenizer, draft = spec.load()
     with console.status("preparing the server (latency curves measured once per model, dtype and device; graphs)"):
         app = create_app(lm, tokenizer, config, draft)  # a bad cache file or knob stops here, in one line
@@ -126,6 +119,38 @@ def serve(
         app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5, http=guarded_h11()
     )
     GracefulServer(settings, drain=app.state.worker.shutdown).run()
+
+
+def check_limits(
+    port: int,
+    max_tokens_limit: int,
+    timeout: float,
+    max_queue: int,
+    max_batch: int,
+    prefix_cache: int,
+    prefill_chunk: int,
+    warm_up_tokens: int,
+) -> None:
+    """Refuse, in one line naming them, serving limits no server could keep (checked before the model loads).
+
+    Example:
+        >>> try:
+        ...     check_limits(0, 1024, 300.0, 64, 8, 4096, 256, 2048)
+        ... except ValueError as error:
+        ...     print(str(error)[:29])
+        --port must be in [1, 65535],
+    """
+    if (
+        not 1 <= port <= 65535
+        or max_tokens_limit < 1
+        or not 0 < timeout < float("inf")
+        or min(max_queue, max_batch) < 1
+        or min(prefix_cache, prefill_chunk, warm_up_tokens) < 0
+    ):
+        raise ValueError(
+            "--port must be in [1, 65535], --max-tokens-limit, --max-queue and --max-batch >= 1, --prefix-cache, "
+            "--prefill-chunk and --warm-up-tokens >= 0 and --timeout a positive number"
+        )
 
 
 def parse_request_methods(text: str) -> tuple[str, ...] | None:
