@@ -129,10 +129,13 @@ def bench(
     report_single(records, included, settings | measured_settings(lm, curve), Path(out))
 
 
-def announce(model: str, prompts: int, new_tokens: int, sampling, threads: int, device: str, draft: str, specs) -> None:
-    """The run's one-line header: what is decoded, how, and which methods against `generate`."""
+def announce(
+    what: str, prompts: int, new_tokens: int, sampling: dict | None, threads: int, device: str, draft: str, specs: list
+) -> None:
+    """The run's one-line header: `what` (the model and its dtype, markup escaped) is decoded how, with which
+    methods against `generate` (`specs`: `forerun.bench.methods.BenchMethod`s)."""
     console.print(
-        f"[bold]forerun bench[/]: {model}, {prompts} prompts, {new_tokens} new tokens, "
+        f"[bold]forerun bench[/]: {what}, {prompts} prompts, {new_tokens} new tokens, "
         f"{'sampled ' + str(sampling) if sampling else 'greedy'}, torch threads {threads}, device {device}, "
         f"{'draft ' + escape(draft) + ', ' if draft else ''}"
         f"methods generate (reference), {escape(', '.join(s.label for s in specs))}",
