@@ -18,6 +18,7 @@ from gpu_check import DEVICE, Log, hf_generate, sync_time
 from gpu_profile import top_functions
 
 from forerun import Decoder
+from forerun.exactness import first_divergence
 from forerun.latency import synchronize
 
 
@@ -38,7 +39,8 @@ def batch(
     warmed per row count). `compiled`: these methods also with compiled buckets; `steered`: these also with choices
     steered by the run's timings (`reproducible=False`: the batch's draft switch pauses proposals where drafting
     measures slower, host work included). Each forerun row is compared with the eager batched generate's row
-    (bf16: a padded batch may differ at ties, so this is reported, not asserted).
+    (bf16: a padded batch may differ at ties, so this is reported, not asserted: the rows that differ, and of
+    them how many first differ at a tie on generate's own logits).
 
     As a served process is (`forerun serve`, `forerun run`): every decoder warmed for its batch size before it is
     timed (each (rows, nodes) graph captured once: rows leave at different steps, so a cold run captures in its
@@ -65,7 +67,7 @@ def batch_of(
     from forerun.cli.common import freeze_start_up
 
     rows, width = len(texts), max(len(t) for t in texts)
-    hf_out, record = transformers_rows(log, model, tokenizer, texts, new_tokens, baselines)
+    hf_out, hf_logits, record = transformers_rows(log, model, tokenizer, texts, new_tokens, baselines)
     lists = [t.tolist() for t in texts]
     # warmed on the texts reversed (the same shapes): a warm run of the very texts would leave their answers in the
     # trie, to be drafted whole in the timed run
@@ -81,7 +83,7 @@ def batch_of(
         _, warm_s = sync_time(lambda d=decoder: d.generate(unseen, new_tokens, eos_token_id=[]))
         freeze_start_up()
         results, took = sync_time(lambda d=decoder: d.generate(lists, new_tokens, eos_token_id=[]))
-        same = sum(r.new_tokens == hf_out[i, width:].tolist() for i, r in enumerate(results))
+        same, ties = agreement(results, hf_out[:, width:].tolist(), hf_logits, model.dtype)
         sibling = decoder.base.siblings.get(rows) if decoder.base is not None and rows > 1 else decoder.base
         speed = {"vs_generate": round(record["seconds"] / took, 3)}
         if "static_seconds" in record:
@@ -89,6 +91,7 @@ def batch_of(
         log("batch", rows=rows, method=label, seconds=round(took, 3), capture_s=round(capture_s, 1),
             warm_s=round(warm_s, 1), tokens=sum(len(r.new_tokens) for r in results), **speed,
             forwards=sum(r.stats.forwards for r in results) / rows, same_as_generate=f"{same}/{rows}",
+            first_differences_at_ties=f"{ties}/{rows - same}",
             graphs=len(sibling.steps) if sibling is not None else None)  # fmt: skip
         if not fused:
             host_work(log, decoder, label, lists, new_tokens)
@@ -100,12 +103,24 @@ def batch_of(
             log("batch_profile", rows=rows, method=label, top=top_functions(profiler, 1, "run", limit=60))
 
 
+def agreement(results, reference: list[list[int]], logits: list[list[torch.Tensor]], dtype) -> tuple[int, int]:
+    """(rows whose new tokens are the reference's, rows that differ first where the reference's own logits tie):
+    a padded batch's rows may differ at bf16 ties, and only a difference that is no tie is wrong."""
+    same = ties = 0
+    for result, expected, row_logits in zip(results, reference, logits, strict=True):
+        divergence = first_divergence(expected, result.new_tokens, row_logits, dtype)
+        same += divergence is None
+        ties += divergence is not None and divergence.is_tie
+    return same, ties
+
+
 def transformers_rows(
     log: Log, model, tokenizer, texts: list[torch.Tensor], new_tokens: int, baselines: list[str]
-) -> tuple[torch.Tensor, dict]:
+) -> tuple[torch.Tensor, list[list[torch.Tensor]], dict]:
     """Transformers' batched generate of the `texts` left-padded, eager (its sequences [rows, width + new_tokens]
-    are what forerun's rows are compared with) and, in `baselines`, with its static cache compiled (compiled once,
-    then timed); logged, and returned with the timings."""
+    are what forerun's rows are compared with, and per row its logits [vocab] at each new token) and, in
+    `baselines`, with its static cache compiled (compiled once, then timed); logged, and returned with the
+    timings."""
     from forerun.cli.common import freeze_start_up
 
     rows, width = len(texts), max(len(t) for t in texts)
@@ -117,7 +132,8 @@ def transformers_rows(
     def run_hf(**options):
         return hf_generate(model, ids, new_tokens, attention_mask=mask, pad_token_id=pad, eos_token_id=None, **options)
 
-    run_hf()
+    # the untimed first run keeps its logits: a forerun row that differs is judged on them (a tie or not)
+    reference = run_hf(output_logits=True, return_dict_in_generate=True)
     freeze_start_up()
     hf_out, hf_s = sync_time(run_hf)
     record = {"seconds": round(hf_s, 3)}
@@ -127,7 +143,7 @@ def transformers_rows(
         _, hf_static_s = sync_time(lambda: run_hf(cache_implementation="static"))
         record |= {"static_seconds": round(hf_static_s, 3), "static_compile_s": round(compile_s, 1)}
     log("batch", rows=rows, baseline="generate", **record)
-    return hf_out, record
+    return reference.sequences, [[step[row] for step in reference.logits] for row in range(rows)], record
 
 
 def host_work(log: Log, decoder: Decoder, label: str, lists: list[list[int]], new_tokens: int) -> None:

@@ -21,6 +21,15 @@ from pathlib import Path
 import torch
 
 
+def record(
+    common: dict, method: str, new: int, seconds: float, identical: bool, forwards: int, speedup: float | None = None
+) -> dict:
+    """One run's record in `forerun bench`'s layout (`--include` reads it): `speedup` None for the reference."""
+    return {**common, "method": method, "new_tokens": new, "seconds": seconds, "identical": identical,
+            "forwards": forwards, "tokens_per_forward": None if speedup is None else new / max(1, forwards),
+            "acceptance": None, "draft_share": None, "speedup": 1.0 if speedup is None else speedup}  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--export", type=Path, required=True, help="Folder written by export_for_lade.py")
@@ -64,34 +73,9 @@ def main() -> None:
         fast, fast_s, fast_f = run(ids, True)
         new = len(fast) - ids.shape[1]
         common = {"prompt_id": prompt["prompt_id"], "dataset": prompt["dataset"], "accepted_hist": {}}
-        records.append(
-            {
-                **common,
-                "method": "lade:generate",
-                "new_tokens": len(plain) - ids.shape[1],
-                "seconds": plain_s,
-                "identical": plain == prompt["reference_ids"],
-                "forwards": plain_f,
-                "tokens_per_forward": None,
-                "acceptance": None,
-                "draft_share": None,
-                "speedup": 1.0,
-            }
-        )
-        records.append(
-            {
-                **common,
-                "method": label,
-                "new_tokens": new,
-                "seconds": fast_s,
-                "identical": fast == prompt["reference_ids"],
-                "forwards": fast_f,
-                "tokens_per_forward": new / max(1, fast_f),
-                "acceptance": None,
-                "draft_share": None,
-                "speedup": plain_s / fast_s,
-            }
-        )
+        reference = prompt["reference_ids"]
+        records.append(record(common, "lade:generate", len(plain) - ids.shape[1], plain_s, plain == reference, plain_f))
+        records.append(record(common, label, new, fast_s, fast == reference, fast_f, plain_s / fast_s))
         print(
             f"{prompt['prompt_id']}: {plain_s / fast_s:.2f}x, {new / max(1, fast_f):.2f} tokens/forward, "
             f"identical={fast == prompt['reference_ids']}",

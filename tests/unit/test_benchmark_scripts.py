@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -39,3 +40,34 @@ def test_benchmark_imports(script: Path):
 def test_shell_script_parses(script: Path):
     checked = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
     assert checked.returncode == 0, checked.stderr
+
+
+def load_script(name: str):
+    """A benchmark script as a module, loaded as `python benchmarks/<name>.py` would (its own folder first)."""
+    saved = list(sys.path)
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        spec = importlib.util.spec_from_file_location(f"benchmark_{name}", BENCHMARKS / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path[:] = saved
+    return module
+
+
+def test_the_gpu_batch_check_tells_a_tie_from_a_fault():
+    """The card's batch check counts the rows that differ from batched generate and, of them, those whose first
+    difference is a tie on generate's own logits: a row that took generate's second choice by a wide margin is
+    counted as differing, not as a tie."""
+    import torch
+
+    agreement = load_script("gpu_batch").agreement
+    vocab = 8
+    tied = torch.zeros(vocab, dtype=torch.bfloat16)
+    tied[3] = tied[5] = 4.0  # tokens 3 and 5 level: either is generate's choice
+    clear = torch.zeros(vocab, dtype=torch.bfloat16)
+    clear[3], clear[5] = 4.0, 1.0  # 3 well ahead of 5
+    reference = [[1, 3], [1, 3], [1, 3]]
+    logits = [[clear, clear], [clear, tied], [clear, clear]]
+    rows = [SimpleNamespace(new_tokens=tokens) for tokens in ([1, 3], [1, 5], [1, 5])]
+    assert agreement(rows, reference, logits, torch.bfloat16) == (1, 1)
