@@ -14,6 +14,7 @@ from forerun.cli.common import (
     HEAD,
     MODEL,
     PACK,
+    PINNED_THREADS,
     QUANTIZE,
     app,
     console,
@@ -34,12 +35,11 @@ DATASET = typer.Option(
 PROMPTS = typer.Option(5, "--n", help="Prompts per dataset.")
 METHODS = typer.Option(QUICK_METHODS, "--methods", help="e.g. plain,hf_prompt_lookup,auto,jacobi[window=4]")
 NEW_TOKENS = typer.Option(256, "--max-new-tokens")
-PINNED_THREADS = typer.Option(1, "--threads", help="torch threads, pinned for the whole run.")
 OUT = typer.Option("bench-results", "--out", help="Folder for results.json/.md and PNG plots.")
 QUICK = typer.Option(False, "--quick", help="10 prompts (5 GSM8K + 5 HumanEval), the quick method set.")
-SAMPLE = typer.Option(False, "--sample", help="Sampled runs (temperature/top-p) instead of greedy.")
-TEMPERATURE = typer.Option(0.7, "--temperature", help="With --sample.")
-TOP_P = typer.Option(0.9, "--top-p", help="With --sample.")
+SAMPLED = typer.Option(False, "--sample", help="Sampled runs (temperature/top-p) instead of greedy.")
+SAMPLED_TEMPERATURE = typer.Option(0.7, "--temperature", help="With --sample.")
+SAMPLED_TOP_P = typer.Option(0.9, "--top-p", help="With --sample.")
 SEED = typer.Option(0, "--seed", help="With --sample: every run of a prompt starts from this seed.")
 INCLUDE = typer.Option(
     [], "--include", help="Add the records of another run (e.g. benchmarks/compare_lade.sh's lade.json)."
@@ -70,9 +70,9 @@ def bench(
     threads: int = PINNED_THREADS,
     out: str = OUT,
     quick: bool = QUICK,
-    sample: bool = SAMPLE,
-    temperature: float = TEMPERATURE,
-    top_p: float = TOP_P,
+    sample: bool = SAMPLED,
+    temperature: float = SAMPLED_TEMPERATURE,
+    top_p: float = SAMPLED_TOP_P,
     seed: int = SEED,
     include: list[str] = INCLUDE,
     draft_model: str = DRAFT_MODEL,

@@ -92,6 +92,7 @@ PACK = typer.Option(
     "fp32 or bf16; off: transformers' own layers).",
 )
 THREADS = typer.Option(0, "--threads", help="torch threads (0 = torch's default).")
+PINNED_THREADS = typer.Option(1, "--threads", help="torch threads, pinned for the whole run (measurements).")
 DRAFT = typer.Option("", "--draft-model", help="Method draft_model: the small model that drafts.")
 HEAD = typer.Option(
     "",

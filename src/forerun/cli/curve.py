@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from forerun.checks import writable_folder
-from forerun.cli.common import ATTENTION, DEVICE, HEAD, MODEL, PACK, app, console, user_errors
+from forerun.cli.common import ATTENTION, DEVICE, HEAD, MODEL, PACK, PINNED_THREADS, app, console, user_errors
 from forerun.defaults import QUANTIZATIONS
 
 CURVE_SIZES = ",".join(str(n) for n in (*range(1, 17), 20, 24, 32, 48, 64))
@@ -17,7 +17,6 @@ SIZES = typer.Option(
 )
 CONTEXT = typer.Option(256, "--context", help="Cached tokens before each forward.")
 REPEATS = typer.Option(5, "--repeats")
-PINNED_THREADS = typer.Option(1, "--threads")
 OUT = typer.Option("bench-results/latency", "--out")
 DTYPES = typer.Option(
     "fp32",
