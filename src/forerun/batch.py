@@ -109,7 +109,10 @@ class Batch(JoiningRows):
     def drafts(self, budgets: Sequence[Budget]) -> bool:
         """Whether the rows propose this step: as the policy says; a hybrid's rows only alone (together where
         their states are windows cut back row by row: `SharedRows.chains_together`), and not once more tokens wait
-        to be fed again than a tree's worth (they are then read plainly, as a single row's are)."""
+        to be fed again than a tree's worth (they are then read plainly, as a single row's are). Rows without
+        drafters (`plain`) have nothing to propose or rank: each feeds its root, as a paused batch's rows do."""
+        if not any(row.job.drafters for row in self.rows):
+            return False
         if self.chains and len(budgets) > 1 and not self.shared.chains_together:
             for row in self.rows:
                 if row.job.drafters and row.stats.fallback_reason is None:

@@ -223,7 +223,8 @@ class RowRun:
         drafting_s = time.perf_counter() - started + propose_s
         self.time_costly(selection, len(new_tokens), drafting_s + forward_s / self.rows)
         expected = selection.expected_accepted
-        self.stats.record_step(tree, verdict.accepted_len, Counter(sources[:-1]), drafting_s, forward_s, expected)
+        accepted_by = Counter(sources[:-1]) if verdict.accepted_nodes else {}
+        self.stats.record_step(tree, verdict.accepted_len, accepted_by, drafting_s, forward_s, expected)
         if self.stats.forwards == 1:
             self.stats.prefill_seconds = time.perf_counter() - self.started
         return path

@@ -75,10 +75,14 @@ class GenerationStats:
         self.forwards += 1
         self.fed_tokens += len(tree)
         self.fed_hist[len(tree)] += 1
-        self.undrafted_steps += all(source == "padding" for source in tree.sources[1:])
-        self.candidates += sum(role == "candidate" for role in tree.roles)
+        if len(tree) == 1:  # the root alone: every undrafted step of a batch's rows, between a card's forwards
+            self.undrafted_steps += 1
+        else:
+            self.undrafted_steps += all(source == "padding" for source in tree.sources[1:])
+            self.candidates += sum(role == "candidate" for role in tree.roles)
         self.accepted += accepted
-        self.accepted_by.update(accepted_by)
+        if accepted_by:
+            self.accepted_by.update(accepted_by)
         self.accepted_hist[accepted] += 1
         self.draft_seconds += draft_s
         self.forward_seconds += forward_s

@@ -621,3 +621,31 @@ def test_a_batch_rows_drafters_share_its_cap_and_a_row_alone_gives_each_the_whol
         for index, job in enumerate(jobs):
             assert job.transcript.sequence[0].tolist() == truths[index], (rows, index)
         assert {budget for row in drafters for d in row for budget in d.budgets} == {share}, rows
+
+
+class CountingCostModel(CostModel):
+    """A cost model that counts the rows it ranks (`rank`: merging and ordering a row's proposals), over the
+    copies a batch makes of it (one per row)."""
+
+    ranked: list[int] = []  # noqa: RUF012 - shared by the copies on purpose
+
+    def rank(self, root, proposals):
+        self.ranked.append(root)
+        return super().rank(root, proposals)
+
+
+def test_rows_without_drafters_propose_and_rank_nothing():
+    """`plain` rows in a batch feed their roots without a proposing step's work (nothing to merge or rank: host
+    work between a card's forwards; each row's first choice at its join remains); rows with a drafter are ranked
+    every step (the negative control); every row stays exact."""
+    model = model_of("llama", "sdpa")
+    truths = [single("llama", "sdpa", i, None, 24)[0].tolist() for i in range(3)]
+    for drafted in (False, True):
+        budget = CountingCostModel(CURVE, 16, times=None, reproducible=True)
+        CountingCostModel.ranked.clear()
+        drafters = [[RandomDrafter(truths[i], VOCAB, seed=i)] if drafted else [] for i in range(3)]
+        jobs = jobs_for(model, ragged_prompts()[:3], drafters, 24)
+        decode_batch(model, jobs, budget)
+        for index, job in enumerate(jobs):
+            assert job.transcript.sequence[0].tolist() == truths[index], (drafted, index)
+        assert (len(CountingCostModel.ranked) > len(jobs)) == drafted, (drafted, len(CountingCostModel.ranked))
