@@ -7,7 +7,10 @@ decodes `--rows` prompts on the static base's eager buckets and reports, per ste
 inside the bucketed forwards (`StaticBase.run`): the host work. Choices are made on a card-like latency curve
 (`--curve`, default the H200's measured one-row curve, batches priced at a quarter more per row doubling) with
 `reproducible=True`, so every step drafts where the curve says it pays, as on a card, whatever this CPU's own
-timings: the figures are host work per step at the card's choices, plus tokens per forward.
+timings: the figures are host work per step at the card's choices, plus tokens per forward, and `priced_tok_s`:
+tokens per second where every forward costs its (rows, bucket) price on the curve and the host work is this
+machine's (what the batch would write a second on that card, were its host as fast as this one; a model, not a
+measurement of the card).
 
 `--curve steep`: every node costs a whole forward, so no draft ever pays and every step feeds the rows' roots
 alone: what a method's rows still spend proposing and ranking (where choices are reproducible the batch's draft
@@ -111,16 +114,22 @@ def replayed(decoder: forerun.Decoder) -> None:
         base.run = replay
 
 
-def timed_run(decoder: forerun.Decoder, prompts: list[list[int]], new_tokens: int, sync=None) -> dict:
+def timed_run(
+    decoder: forerun.Decoder, prompts: list[list[int]], new_tokens: int, sync=None, curve: LatencyCurve | None = None
+) -> dict:
     """Decode `prompts` as one batch; wall seconds, seconds inside the bucketed forwards, forwards, tokens.
     `sync`: called inside each forward's timing (a card's `torch.cuda.synchronize`: a replay only launches, and
-    the step's copy to the host would wait for it outside)."""
-    inside, held = [0.0, 0], [None]
+    the step's copy to the host would wait for it outside). `curve`: each forward's (rows, bucket) priced on it
+    too (`priced_s`: what the forwards would cost where the curve was measured)."""
+    inside, held, priced = [0.0, 0], [None], [0.0]
     bases = [decoder.base, *decoder.base.siblings.values()]
     originals = [base.run for base in bases]
 
-    def wrap(run):
+    def wrap(run, base):
         def timed(*args, **kwargs):
+            if curve is not None:
+                rows, size, _ = base.step_key(*args, **kwargs)
+                priced[0] += curve.batch_cost(rows, size)
             started = time.perf_counter()
             try:
                 # the last forward's outputs are let go here: eager on a CPU they are fresh tensors (16 rows of 64
@@ -137,7 +146,7 @@ def timed_run(decoder: forerun.Decoder, prompts: list[list[int]], new_tokens: in
         return timed
 
     for base, run in zip(bases, originals, strict=True):
-        base.run = wrap(run)
+        base.run = wrap(run, base)
     try:
         started = time.perf_counter()
         results = decoder.generate(prompts, new_tokens, eos_token_id=[])
@@ -149,7 +158,7 @@ def timed_run(decoder: forerun.Decoder, prompts: list[list[int]], new_tokens: in
     texts = [r.sequences[0, r.prompt_len :].tolist() for r in results]
     tokens = sum(len(text) for text in texts)
     return {"wall_s": wall, "forward_s": inside[0], "forwards": inside[1], "row_forwards": sum(steps),
-            "tokens": tokens, "texts": texts}  # fmt: skip
+            "tokens": tokens, "texts": texts, "priced_s": priced[0]}  # fmt: skip
 
 
 def main() -> None:
@@ -188,11 +197,13 @@ def main() -> None:
     for round_ in range(args.rounds):
         for method, decoder in decoders.items():  # interleaved
             with proposing_every_step(method.endswith("-always")):
-                run = timed_run(decoder, pool[round_ * args.rows : (round_ + 1) * args.rows], args.new_tokens)
+                run = timed_run(decoder, pool[round_ * args.rows : (round_ + 1) * args.rows], args.new_tokens,
+                                curve=curve)  # fmt: skip
             host = run["wall_s"] - run["forward_s"]
             row = {"round": round_, "method": method, "rows": args.rows, "steps": run["forwards"],
                    "host_ms_per_step": round(1000 * host / max(run["forwards"], 1), 3),
                    "tokens_per_forward": round(run["tokens"] / max(run["row_forwards"], 1), 2),
+                   "priced_tok_s": round(run["tokens"] / (run["priced_s"] + host), 1),
                    "wall_s": round(run["wall_s"], 2), "forward_s": round(run["forward_s"], 2)}  # fmt: skip
             texts.setdefault(method, run["texts"])
             print(json.dumps(row), flush=True)

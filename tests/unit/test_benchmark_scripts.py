@@ -71,3 +71,24 @@ def test_the_gpu_batch_check_tells_a_tie_from_a_fault():
     logits = [[clear, clear], [clear, tied], [clear, clear]]
     rows = [SimpleNamespace(new_tokens=tokens) for tokens in ([1, 3], [1, 5], [1, 5])]
     assert agreement(rows, reference, logits, torch.bfloat16) == (1, 1)
+
+
+@pytest.mark.parametrize("price", [1.0, 2.5])
+def test_the_batch_host_script_prices_every_forward_on_the_curve(price):
+    """`batch_host.timed_run(curve=)` adds each forward's (rows, bucket) price: on a curve where every forward
+    costs `price` seconds, whatever its rows and nodes, the priced seconds are the forwards times `price` (the
+    script decodes once before it times, as here)."""
+    import forerun
+    from forerun.costmodel import LatencyCurve
+
+    from tiny_models import prompts, tiny_model
+
+    batch_host = load_script("batch_host")
+    flat = LatencyCurve((1, 64), (price, price))
+    curve = flat.with_batches([(2**i, flat) for i in range(1, 7)])
+    decoder = forerun.Decoder(tiny_model("llama", "sdpa"), None, "plain", static_cache=True, latency=curve)
+    rows = [p[0].tolist() for p in prompts(3)]
+    decoder.generate(rows, 6)  # the batch's base (a sibling of the decoder's, made at its first batch) exists
+    run = batch_host.timed_run(decoder, rows, 6, curve=curve)
+    assert run["forwards"] >= 6  # the prompts side by side with the first tokens, then a step a token
+    assert run["priced_s"] == pytest.approx(price * run["forwards"])
