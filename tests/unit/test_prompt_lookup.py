@@ -39,3 +39,27 @@ def test_budget_limits_the_tree():
     c.budget = 4
     drafter.start(c)
     assert len(drafter.propose(c)) == 4
+
+
+def test_a_full_tree_asks_for_no_more_continuations():
+    """Once a proposal holds its budget's nodes, later continuations could only be fused or dropped: the drafter
+    stops looking (a batch row's share of a flat curve's cap is a chain or two of eight), and the tree is the one a
+    budget-free proposal cut to that budget would give (the negative control: a larger budget reads them all)."""
+    config = PromptLookupConfig(max_ngram=1, draft_len=4, max_branches=8)
+    text = [1, 10, 11, 12, 13, 1, 20, 21, 22, 23, 1, 30, 31, 32, 33, 1, 40, 41, 42, 43, 1]
+
+    class Counting(PromptLookupDrafter):
+        read = 0
+
+        def continuations(self, tokens, eos_token_ids):
+            for found in super().continuations(tokens, eos_token_ids):
+                self.read += 1
+                yield found
+
+    for budget, read in ((6, 2), (32, 4)):
+        drafter, c = Counting(config), ctx(text)
+        c.budget = budget
+        drafter.start(c)
+        tree = drafter.propose(c)
+        assert drafter.read == read, budget
+        assert tree.tokens == [1, 40, 41, 42, 43, 30, 31, 32, 33, 20, 21, 22, 23, 10, 11, 12, 13][:budget]

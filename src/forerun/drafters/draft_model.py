@@ -188,8 +188,8 @@ class DraftModelDrafter:
         """What followed the last n-gram of `sequence` earlier in the text (at most `room` tokens), or []."""
         if self.lookup is None or room < 1:
             return []
-        found = self.lookup.continuations(sequence, ctx.eos_token_ids)
-        return found[0][1][:room] if found else []
+        found = next(self.lookup.continuations(sequence, ctx.eos_token_ids), None)
+        return found[1][:room] if found else []
 
     def catch_up(self, tokens: list[int]) -> torch.Tensor:
         """Crop the cache to what it shares with `tokens` (never the last token), feed the rest; last logits."""

@@ -19,6 +19,7 @@ Example (max_ngram=2, min_ngram=1, draft_len=3, max_branches=2):
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterator
 
 from forerun.config import PromptLookupConfig
 from forerun.drafters.base import DraftContext, MethodSpec, StepOutcome, cut_at_eos
@@ -46,10 +47,10 @@ class PromptLookupDrafter:
                     table[tuple(tokens[end + 1 - n : end + 1])].append(end + 1)
         self.indexed_len = len(tokens)
 
-    def continuations(self, tokens: list[int], eos_token_ids: frozenset[int]) -> list[tuple[int, list[int]]]:
+    def continuations(self, tokens: list[int], eos_token_ids: frozenset[int]) -> Iterator[tuple[int, list[int]]]:
         """Distinct continuations of the text's suffix as (match length, tokens), longest match first, most recent
-        first."""
-        found: list[tuple[int, list[int]]] = []
+        first: found as they are asked for (a proposal whose budget is full asks for no more)."""
+        found = 0
         seen: set[tuple[int, ...]] = set()
         length = len(tokens)
         for n in range(self.config.max_ngram, self.config.min_ngram - 1, -1):
@@ -63,15 +64,17 @@ class PromptLookupDrafter:
                 if key in seen:
                     continue
                 seen.add(key)
-                found.append((n, draft))
-                if len(found) >= self.config.max_branches:
-                    return found
-        return found
+                yield n, draft
+                found += 1
+                if found >= self.config.max_branches:
+                    return
 
     def propose(self, ctx: DraftContext) -> TokenTree:
         tree = TokenTree.rooted_at(ctx.tokens[-1])
         for rank, (n, draft) in enumerate(self.continuations(ctx.tokens, ctx.eos_token_ids), start=1):
             tree.graft(chain_tree(ctx.tokens[-1], draft, self.name, n / (n + 1) / rank), ctx.budget)
+            if len(tree) >= ctx.budget:  # full: a later graft would fuse what matches and drop the rest (a batch
+                break  # row's share of its cap is a chain or two of the flat curve's eight)
         return tree
 
     def observe(self, ctx: DraftContext, outcome: StepOutcome) -> None:
