@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import heapq
 import threading
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from forerun.config import TrieConfig
@@ -32,45 +33,71 @@ from forerun.drafters.tenants import TenantState
 from forerun.drafters.trie_file import FORMAT, VERSION  # noqa: F401 - the file format names it
 from forerun.tree import TokenTree
 
-
-class Node:
-    __slots__ = ("children", "count", "prompt_count")
-
-    def __init__(self) -> None:
-        self.children: dict[int, Node] = {}
-        self.count = 0.0
-        """Weight from outputs (and corpora): kept across requests."""
-        self.prompt_count = 0.0
-        """Weight from the current request's prompt: withdrawn when the request ends."""
-
-    @property
-    def weight(self) -> float:
-        return self.count + self.prompt_count
+Children = dict[int, int]
+"""A node's children: token -> node id (ints only: the garbage collector does not track such a dict)."""
 
 
 class TokenTrie:
     """The trie itself, shared by threads: `insert`, `withdraw_text`, `withdraw_prompt`, `evict`, `draft` and `save`
     take the lock (one writer at a time, no torn reads); `insert_text` inserts window by window, each under the
-    lock; `match` is called by `draft` under its lock; `load` builds a new trie that no other thread sees yet."""
+    lock; `match` is called by `draft` under its lock; `load` builds a new trie that no other thread sees yet.
+
+    Nodes are ids into flat lists (0 is the top): `kids[i]` its children (None for a leaf), `count[i]` its weight
+    from outputs and corpora (kept), `prompt[i]` from running requests' prompts (withdrawn as each ends); removed
+    ids are reused. No node is an object: a long prompt adds tens of thousands, and as tracked objects they set off
+    full collections that walked the whole process while no row of a batch moved (`benchmarks/trie_host.py`).
+
+    Example:
+        >>> trie = TokenTrie(); trie.insert([1, 2, 3], 1.0); trie.insert([1, 2, 4], 2.0, prompt=True)
+        >>> trie.weights([1, 2]), trie.weights([1, 2, 4]), trie.weights([9]), len(trie)
+        ((1.0, 2.0), (0.0, 2.0), None, 4)
+    """
 
     def __init__(self, max_nodes: int = 200_000) -> None:
-        self.top = Node()
+        self.kids: list[Children | None] = [{}]
+        self.count: list[float] = [0.0]
+        self.prompt: list[float] = [0.0]
+        self.free: list[int] = []
+        """Ids of removed nodes, reused before the lists grow."""
         self.max_nodes = max_nodes
         self.nodes = 0
         self.lock = threading.RLock()
 
+    def new_node(self) -> int:
+        """A fresh node's id, with no children and no weight."""
+        if self.free:
+            return self.free.pop()
+        self.kids.append(None)
+        self.count.append(0.0)
+        self.prompt.append(0.0)
+        return len(self.kids) - 1
+
+    def weight(self, node: int) -> float:
+        return self.count[node] + self.prompt[node]
+
+    def weights(self, path: Sequence[int]) -> tuple[float, float] | None:
+        """The (output, prompt) weights of the node `path` leads to from the top, or None where there is none."""
+        node: int | None = 0
+        for token in path:
+            children = self.kids[node]
+            node = None if children is None else children.get(token)
+            if node is None:
+                return None
+        return self.count[node], self.prompt[node]
+
     def insert(self, window: list[int], weight: float, prompt: bool = False) -> None:
         with self.lock:
-            node = self.top
+            kids, counts = self.kids, self.prompt if prompt else self.count
+            node = 0
             for token in window:
-                child = node.children.get(token)
+                children = kids[node]
+                if children is None:
+                    children = kids[node] = {}
+                child = children.get(token)
                 if child is None:
-                    child = node.children[token] = Node()
+                    child = children[token] = self.new_node()
                     self.nodes += 1
-                if prompt:
-                    child.prompt_count += weight
-                else:
-                    child.count += weight
+                counts[child] += weight
                 node = child
             if self.nodes > self.max_nodes:
                 self.evict()
@@ -100,47 +127,95 @@ class TokenTrie:
         zero: eviction may have halved it since), and remove the nodes left with no weight at all. Concurrent
         requests (a batch, the server) each withdraw only their own prompt."""
         with self.lock:
+            kids, count, prompt = self.kids, self.count, self.prompt
             for i in range(max(0, len(tokens) - 1)):
                 if tokens[i] in skip_anchors:
                     continue
-                parent = self.top
+                parent = 0
                 for token in tokens[i : i + window]:
-                    node = parent.children.get(token)
+                    children = kids[parent]
+                    node = None if children is None else children.get(token)
                     if node is None:
                         break
-                    node.prompt_count = max(0.0, node.prompt_count - weight)
+                    prompt[node] = max(0.0, prompt[node] - weight)
                     # Only nodes on the prompt's own windows lose weight, so only they can be left with none
                     # (a child never outweighs its parent: the subtree goes with them). Pruning here, not over the
                     # whole trie, keeps a finishing request's cost to its prompt (~15 ms a request had been spent
                     # walking a trie of a few hundred requests, stalling every row of a batch).
-                    if node.weight <= 1e-9:
-                        self.nodes -= subtree_size(node)
-                        del parent.children[token]
+                    if count[node] + prompt[node] <= 1e-9:
+                        del children[token]  # type: ignore[union-attr]
+                        self.nodes -= self.remove(node)
                         break
                     parent = node
 
     def withdraw_prompt(self) -> None:
         """Drop every prompt weight; nodes left with no weight at all are removed."""
         with self.lock:
-            self.nodes -= prune(self.top, lambda node: node.weight - node.prompt_count <= 0.0, reset_prompt=True)
+            count = self.count
+            self.nodes -= self.prune(lambda node: count[node] <= 0.0, reset_prompt=True)
 
     def evict(self) -> None:
         """Halve all counts and prune those under 1 until the trie is within 80% of its budget."""
         with self.lock:
             threshold = 1.0
             while self.nodes > 0.8 * self.max_nodes:
-                decay(self.top)
-                self.nodes -= prune(self.top, lambda node: node.weight < threshold)
+                self.count[:] = [c * 0.5 for c in self.count]  # removed ids hold 0: halving them changes nothing
+                self.prompt[:] = [c * 0.5 for c in self.prompt]
+                self.nodes -= self.prune(lambda node: self.weight(node) < threshold)
 
-    def match(self, context: list[int], max_query_length: int) -> Node | None:
-        """The node reached by the longest suffix of `context` (<= max_query_length tokens) found in the trie."""
+    def prune(self, condemned: Callable[[int], bool], reset_prompt: bool = False) -> int:
+        """Remove condemned subtrees (a child's weight never exceeds its parent's); returns the nodes removed."""
+        removed, stack, kids = 0, [0], self.kids
+        while stack:
+            children = kids[stack.pop()]
+            if not children:
+                continue
+            for token, child in list(children.items()):
+                if condemned(child):
+                    del children[token]
+                    removed += self.remove(child)
+                    continue
+                if reset_prompt:
+                    self.prompt[child] = 0.0
+                stack.append(child)
+        return removed
+
+    def remove(self, node: int) -> int:
+        """Free `node` and its subtree (already cut from its parent); returns how many nodes that was."""
+        size, stack, kids = 0, [node], self.kids
+        while stack:
+            current = stack.pop()
+            size += 1
+            children = kids[current]
+            if children:
+                stack.extend(children.values())
+            kids[current] = None
+            self.count[current] = self.prompt[current] = 0.0
+            self.free.append(current)
+        return size
+
+    def size(self, node: int = 0) -> int:
+        """Nodes in the subtree under `node`, itself included (the top counts one: `len` does not count it)."""
+        size, stack = 0, [node]
+        while stack:
+            children = self.kids[stack.pop()]
+            size += 1
+            if children:
+                stack.extend(children.values())
+        return size
+
+    def match(self, context: list[int], max_query_length: int) -> int | None:
+        """The node reached by the longest suffix of `context` (<= max_query_length tokens) found in the trie, where
+        it has children (something to draft)."""
+        kids = self.kids
         for length in range(min(max_query_length, len(context)), 0, -1):
-            node = self.top
+            node: int | None = 0
             for token in context[len(context) - length :]:
-                node = node.children.get(token)
+                children = kids[node]
+                node = None if children is None else children.get(token)
                 if node is None:
                     break
-            if node is not None and node.children:
+            if node is not None and kids[node]:
                 return node
         return None
 
@@ -155,19 +230,24 @@ class TokenTrie:
             node = self.match(context, config.max_query_length)
             if node is None:
                 return tree
-            heap: list[tuple[float, int, Node, int, int, int, float]] = []
+            kids, count, prompt = self.kids, self.count, self.prompt
+            heap: list[tuple[float, int, int, int, int, int, float]] = []
             order = 0
 
-            def push_children(parent_node: Node, parent_index: int, probability: float, depth: int) -> None:
+            def push_children(parent_node: int, parent_index: int, probability: float, depth: int) -> None:
                 nonlocal order
-                total = sum(child.weight for child in parent_node.children.values())
+                children = kids[parent_node]
+                if not children:
+                    return
+                total = sum(count[child] + prompt[child] for child in children.values())
                 if total <= 0:
                     return
-                for token, child in parent_node.children.items():
-                    if child.weight > 0:
+                for token, child in children.items():
+                    weight = count[child] + prompt[child]
+                    if weight > 0:
                         order += 1
-                        share = child.weight / total
-                        score = child.weight / (total + 1)
+                        share = weight / total
+                        score = weight / (total + 1)
                         heapq.heappush(heap, (-probability * share, order, child, token, parent_index, depth, score))
 
             push_children(node, 0, 1.0, 1)
@@ -196,7 +276,7 @@ class TokenTrie:
         from forerun.drafters.trie_file import write_trie
 
         with self.lock:
-            write_trie(self.top, self.max_nodes, path, config)
+            write_trie(self, path, config)
 
     @classmethod
     def load(cls, path: str | Path, max_nodes: int | None = None, vocab: int | None = None) -> TokenTrie:
@@ -207,56 +287,19 @@ class TokenTrie:
 
         stored_budget, parents, tokens, counts = read_trie(path, vocab)
         trie = cls(max_nodes or stored_budget)
-        nodes: list[Node] = []
         for index, (parent, token, count) in enumerate(zip(parents, tokens, counts, strict=True)):
-            if not -1 <= parent < len(nodes):
+            if not -1 <= parent < index:
                 raise ValueError(f"{path}: corrupt trie (node {index}'s parent {parent} is not before it)")
-            children = trie.top.children if parent < 0 else nodes[parent].children
+            above = parent + 1  # the file's node i is this trie's node i + 1 (0 is the top)
+            children = trie.kids[above]
+            if children is None:
+                children = trie.kids[above] = {}
             if token in children:
                 raise ValueError(f"{path}: corrupt trie (token {token} twice under node {parent})")
-            node = Node()
-            node.count = count
-            children[token] = node
-            nodes.append(node)
-        trie.nodes = len(nodes)
+            node = children[token] = trie.new_node()
+            trie.count[node] = count
+        trie.nodes = len(tokens)
         return trie
-
-
-def decay(node: Node) -> None:
-    stack = [node]
-    while stack:
-        current = stack.pop()
-        for child in current.children.values():
-            child.count *= 0.5
-            child.prompt_count *= 0.5
-            stack.append(child)
-
-
-def prune(node: Node, condemned, reset_prompt: bool = False) -> int:
-    """Remove condemned subtrees (a child's weight never exceeds its parent's); returns the nodes removed."""
-    removed = 0
-    stack = [node]
-    while stack:
-        current = stack.pop()
-        for token in list(current.children):
-            child = current.children[token]
-            if condemned(child):
-                removed += subtree_size(child)
-                del current.children[token]
-                continue
-            if reset_prompt:
-                child.prompt_count = 0.0
-            stack.append(child)
-    return removed
-
-
-def subtree_size(node: Node) -> int:
-    size, stack = 0, [node]
-    while stack:
-        current = stack.pop()
-        size += 1
-        stack.extend(current.children.values())
-    return size
 
 
 SALTED_SHARE = 16

@@ -20,29 +20,29 @@ import torch
 
 if TYPE_CHECKING:
     from forerun.config import TrieConfig
-    from forerun.drafters.trie import Node
+    from forerun.drafters.trie import TokenTrie
 
 FORMAT, VERSION = "forerun-trie", "1"
 MAX_FILE_NODES = 10_000_000
 """The most nodes a trie file may hold: the `max_nodes` knob's ceiling."""
 
 
-def write_trie(top: Node, max_nodes: int, path: str | Path, config: TrieConfig | None = None) -> None:
-    """Write the nodes under `top` with an output count (prompt weights are the running requests' own)."""
+def write_trie(trie: TokenTrie, path: str | Path, config: TrieConfig | None = None) -> None:
+    """Write the nodes of `trie` with an output count (prompt weights are the running requests' own)."""
     from safetensors.torch import save_file
 
     parents, tokens, counts = [], [], []
-    queue = [(top, -1)]
+    queue = [(0, -1)]
     while queue:
         node, index = queue.pop()
-        for token, child in node.children.items():
-            if child.count <= 0:
+        for token, child in (trie.kids[node] or {}).items():
+            if trie.count[child] <= 0:
                 continue
             parents.append(index)
             tokens.append(token)
-            counts.append(child.count)
+            counts.append(trie.count[child])
             queue.append((child, len(tokens) - 1))
-    metadata = {"format": FORMAT, "version": VERSION, "max_nodes": str(max_nodes)}
+    metadata = {"format": FORMAT, "version": VERSION, "max_nodes": str(trie.max_nodes)}
     if config is not None:
         metadata["config"] = repr(config)
     # Written beside the target, then renamed over it: a kill mid-save leaves the old file, never half a file.
