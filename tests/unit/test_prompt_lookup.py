@@ -63,3 +63,59 @@ def test_a_full_tree_asks_for_no_more_continuations():
         tree = drafter.propose(c)
         assert drafter.read == read, budget
         assert tree.tokens == [1, 40, 41, 42, 43, 30, 31, 32, 33, 20, 21, 22, 23, 10, 11, 12, 13][:budget]
+
+
+def scanned(tokens: list[int], config: PromptLookupConfig, eos: frozenset[int]) -> list[tuple[int, list[int]]]:
+    """Prompt lookup's continuations by a plain scan of the text: longest match first, most recent first,
+    distinct, at most max_branches."""
+    from forerun.drafters.base import cut_at_eos
+
+    out, seen = [], set()
+    for n in range(config.max_ngram, config.min_ngram - 1, -1):
+        suffix = tokens[len(tokens) - n :]
+        for start in range(len(tokens) - 1, n - 1, -1):
+            if n > len(tokens) or tokens[start - n : start] != suffix:
+                continue
+            draft = cut_at_eos(tokens[start : start + config.draft_len], eos)
+            if tuple(draft) not in seen and len(out) < config.max_branches:
+                seen.add(tuple(draft))
+                out.append((n, draft))
+    return out
+
+
+def test_continuations_equal_a_scan_of_the_text_as_it_grows():
+    """The index (each n-gram's latest position, earlier ones chained) finds what a scan of the whole text finds,
+    in the same order, step after step on random texts."""
+    import random
+
+    rng = random.Random(4)
+    for _ in range(100):
+        config = PromptLookupConfig(max_ngram=rng.choice([1, 2, 3]), draft_len=rng.choice([1, 3, 8]),
+                                    max_branches=rng.choice([1, 3, 8]))  # fmt: skip
+        text = [rng.randrange(rng.choice([3, 12])) for _ in range(rng.randint(2, 60))]
+        eos = frozenset({0}) if rng.random() < 0.3 else frozenset()
+        prompt = rng.randint(1, len(text))
+        drafter, c = PromptLookupDrafter(config), ctx(text[:prompt])
+        drafter.start(c)
+        for token in text[prompt:]:
+            assert list(drafter.continuations(c.tokens, eos)) == scanned(c.tokens, config, eos)
+            c.tokens.append(token)
+            drafter.extend_index(c.tokens)
+        assert list(drafter.continuations(c.tokens, eos)) == scanned(c.tokens, config, eos)
+
+
+def test_a_long_prompt_indexed_gives_the_garbage_collector_nothing_to_keep():
+    """A 4,000-token prompt's index held a list of positions per n-gram: ~10,000 objects the garbage collector
+    tracked for the request's life (a batch of long prompts, tens of thousands, each set towards a full collection
+    of the whole process). Positions chained through ints leave none once its keys' tuples are untracked."""
+    import gc
+    import random
+
+    rng = random.Random(5)
+    prompt = [rng.randrange(2000) for _ in range(4000)]
+    drafter = PromptLookupDrafter(PromptLookupConfig(max_ngram=3))
+    gc.collect()
+    tracked = len(gc.get_objects())
+    drafter.start(ctx(prompt))
+    gc.collect()  # a collection untracks tuples of ints: the index's keys
+    assert len(gc.get_objects()) - tracked < 50, len(gc.get_objects()) - tracked

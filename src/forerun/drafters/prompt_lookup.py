@@ -1,7 +1,8 @@
 """Prompt lookup: propose what followed earlier occurrences of the text's last n-gram.
 
 The index maps every n-gram (n in [min_ngram, max_ngram]) of the committed text to the positions right after
-it, most recent last; it grows by the new tokens of each step, so a lookup costs O(max_ngram), not O(length).
+it, most recent first (a chain through earlier occurrences); it grows by the new tokens of each step, so a lookup
+costs O(max_ngram), not O(length).
 Longer matches are tried first; distinct continuations (most recent occurrence first) become branches of one
 tree, sharing prefixes. transformers' version takes only the first match, as one chain.
 
@@ -18,7 +19,6 @@ Example (max_ngram=2, min_ngram=1, draft_len=3, max_branches=2):
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Iterator
 
 from forerun.config import PromptLookupConfig
@@ -31,21 +31,38 @@ class PromptLookupDrafter:
 
     def __init__(self, config: PromptLookupConfig | None = None) -> None:
         self.config = config or PromptLookupConfig()
-        self.index: dict[int, defaultdict[tuple[int, ...], list[int]]] = {}
+        self.latest: dict[int, dict[tuple[int, ...], int]] = {}
+        """Per n: each n-gram of the text -> the position right after its latest occurrence."""
+        self.earlier: dict[int, list[int]] = {}
+        """Per n: at [p - 1], the position right after the occurrence before the one ending at p - 1 of the same
+        n-gram (0: none). Positions are chained through ints, not kept in a list per n-gram: a long prompt's lists
+        were thousands of objects for the garbage collector to track (as `forerun.drafters.trie`'s nodes were)."""
         self.indexed_len = 0
 
     def start(self, ctx: DraftContext) -> None:
-        self.index = {n: defaultdict(list) for n in range(self.config.min_ngram, self.config.max_ngram + 1)}
+        sizes = range(self.config.min_ngram, self.config.max_ngram + 1)
+        self.latest, self.earlier = {n: {} for n in sizes}, {n: [] for n in sizes}
         self.indexed_len = 0
         self.extend_index(ctx.tokens)
 
     def extend_index(self, tokens: list[int]) -> None:
         """Index every n-gram ending at a position in [indexed_len, len(tokens))."""
         for end in range(self.indexed_len, len(tokens)):
-            for n, table in self.index.items():
+            for n, latest in self.latest.items():
+                before = 0
                 if end + 1 >= n:
-                    table[tuple(tokens[end + 1 - n : end + 1])].append(end + 1)
+                    key = tuple(tokens[end + 1 - n : end + 1])
+                    before = latest.get(key, 0)
+                    latest[key] = end + 1
+                self.earlier[n].append(before)
         self.indexed_len = len(tokens)
+
+    def occurrences(self, n: int, gram: tuple[int, ...]) -> Iterator[int]:
+        """Positions right after each occurrence of `gram` (n tokens) in the indexed text, most recent first."""
+        start, earlier = self.latest[n].get(gram, 0), self.earlier[n]
+        while start:
+            yield start
+            start = earlier[start - 1]
 
     def continuations(self, tokens: list[int], eos_token_ids: frozenset[int]) -> Iterator[tuple[int, list[int]]]:
         """Distinct continuations of the text's suffix as (match length, tokens), longest match first, most recent
@@ -56,7 +73,7 @@ class PromptLookupDrafter:
         for n in range(self.config.max_ngram, self.config.min_ngram - 1, -1):
             if n > length:
                 continue
-            for start in reversed(self.index[n].get(tuple(tokens[length - n :]), ())):
+            for start in self.occurrences(n, tuple(tokens[length - n :])):
                 if start >= length:  # the suffix itself: nothing follows it yet
                     continue
                 draft = cut_at_eos(tokens[start : start + self.config.draft_len], eos_token_ids)
@@ -81,7 +98,7 @@ class PromptLookupDrafter:
         self.extend_index(ctx.tokens)
 
     def finish(self, ctx: DraftContext) -> None:
-        self.index = {}
+        self.latest, self.earlier = {}, {}
         self.indexed_len = 0
 
 

@@ -45,7 +45,7 @@ class TokenTrie:
     Nodes are ids into flat lists (0 is the top): `kids[i]` its children (None for a leaf), `count[i]` its weight
     from outputs and corpora (kept), `prompt[i]` from running requests' prompts (withdrawn as each ends); removed
     ids are reused. No node is an object: a long prompt adds tens of thousands, and as tracked objects they set off
-    full collections that walked the whole process while no row of a batch moved (`benchmarks/trie_host.py`).
+    full collections that walked the whole process while no row of a batch moved (`benchmarks/drafter_host.py`).
 
     Example:
         >>> trie = TokenTrie(); trie.insert([1, 2, 3], 1.0); trie.insert([1, 2, 4], 2.0, prompt=True)

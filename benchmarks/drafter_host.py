@@ -1,23 +1,27 @@
-"""The trie's host work per request: a prompt read in (`start`), its answer learned and the prompt withdrawn
+"""A drafter's host work per request: a prompt read in (`start`), its answer learned and the prompt let go
 (`finish`), and the garbage collector's full collections they set off, in a process holding the real model.
 
-A request's trie work runs between two forwards of every row of a batch: a long prompt's windows (up to 18 a
-token at the defaults on a flat curve) enter the shared trie at its start and leave at its finish. Each new node
-was a Python object of its own, and allocating tens of thousands of them sets off full collections, which walk
-every object the process tracks (a loaded model and transformers: ~400,000) while no row moves.
+A request's drafter work runs between two forwards of every row of a batch: a long prompt's trie windows (up to
+18 a token at a flat curve's defaults) enter the shared trie at its start and leave at its finish; prompt lookup
+indexes every n-gram. Objects made for them by the ten thousand set off full collections, which walk every object
+the process tracks (a loaded model and transformers: ~400,000) while no row moves.
 
-Each round runs every prompt length once on one drafter (its trie grows as a server's does: answers stay), with
-the heap as a library user's process leaves it, or frozen as `forerun serve` freezes it (`--frozen`). Reported per
-length: start and finish milliseconds (median over rounds), the full collections inside them and their
-milliseconds, and the objects the collector tracks for the trie at the end.
+Each round runs every prompt length once on one drafter (its trie grows as a server's does: answers stay), or on
+`--rows` requests started together and then finished (a batch's rows), with the heap as a library user's process
+leaves it, or frozen as `forerun serve` freezes it (`--frozen`). Reported per length: start and finish
+milliseconds (all rows', median over rounds), the full collections inside them and their milliseconds, and the
+objects the collector tracks for the drafter at the end.
 
 Usage:
-    .venv/bin/python benchmarks/trie_host.py --lengths 100,1000,4000 --rounds 5 --out benchmarks/results/trie-host.json
+    .venv/bin/python benchmarks/drafter_host.py --lengths 100,1000,4000 --rounds 5 --out /tmp/trie-host.json
+    .venv/bin/python benchmarks/drafter_host.py --method prompt_lookup --lengths 1000,4000 --rows 16 --rounds 5
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import functools
 import gc
 import json
 import platform
@@ -29,9 +33,8 @@ from pathlib import Path
 import torch
 
 import forerun
-from forerun.config import TrieConfig
+from forerun.assembly import method_plan
 from forerun.drafters.base import DraftContext
-from forerun.drafters.trie import TrieDrafter
 from forerun.measured import machine_label
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -67,11 +70,19 @@ def timed(call, collections: Collections) -> tuple[float, int, float]:
     return (seconds, *collections.since(mark))
 
 
+def each(what: str, drafters: list, ctxs: list[DraftContext]) -> None:
+    """Every row's drafter `start`s or `finish`es its request."""
+    for drafter, ctx in zip(drafters, ctxs, strict=True):
+        getattr(drafter, what)(ctx)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--method", default="trie", choices=("trie", "prompt_lookup", "jacobi"))
     parser.add_argument("--lengths", default="100,1000,4000", help="prompt tokens, about")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--answer", type=int, default=128, help="answer tokens learned at each finish")
+    parser.add_argument("--rows", type=int, default=1, help="requests started together (a batch's), then finished")
     parser.add_argument("--frozen", action="store_true", help="freeze the heap after loading, as forerun serve does")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
@@ -79,8 +90,8 @@ def main() -> None:
     model, tokenizer = forerun.load_model("smollm2-135m", dtype="fp32")
     lengths = [int(n) for n in args.lengths.split(",")]
     texts = {n: tokenizer(long_document(tokenizer, n)).input_ids for n in lengths}
-    config = TrieConfig(decoding_length=64, branch_length=16)  # a flat curve's defaults (a card's)
-    drafter = TrieDrafter(config)
+    plan = method_plan(args.method, {}, "cpu", None).for_flat_curve()  # a flat curve's defaults (a card's)
+    drafter = plan.build(None, len(tokenizer))[0]
     if args.frozen:
         gc.collect()
         gc.freeze()
@@ -90,11 +101,13 @@ def main() -> None:
     for round_ in range(args.rounds):
         for n in lengths:
             prompt = texts[n]
-            answer = [(round_ * 7919 + 31 * i) % 49152 for i in range(args.answer)]  # another answer each round
-            ctx = DraftContext(list(prompt), len(prompt), 64, frozenset(), selective=True)
-            start = timed(lambda ctx=ctx: drafter.start(ctx), collections)
-            ctx.tokens.extend(answer)
-            finish = timed(lambda ctx=ctx: drafter.finish(ctx), collections)
+            # each row a drafter of its own over the shared state (a batch forks the Decoder's: `forerun.batch.fork`)
+            drafters = [copy.copy(drafter) for _ in range(args.rows)]
+            ctxs = [DraftContext(list(prompt), len(prompt), 64, frozenset(), selective=True) for _ in drafters]
+            start = timed(functools.partial(each, "start", drafters, ctxs), collections)
+            for row, ctx in enumerate(ctxs):  # another answer each round and row
+                ctx.tokens.extend((round_ * 7919 + row * 104729 + 31 * i) % 49152 for i in range(args.answer))
+            finish = timed(functools.partial(each, "finish", drafters, ctxs), collections)
             samples[n].append((*start, *finish))
     rows = []
     for n in lengths:
@@ -107,7 +120,8 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         rows.append(row)
     env = {"machine": machine_label(torch.device("cpu")), "python": platform.python_version(), "rounds": args.rounds,
-           "frozen": args.frozen, "trie_nodes": len(drafter.trie),
+           "method": args.method, "rows": args.rows, "frozen": args.frozen,
+           "trie_nodes": len(getattr(drafter, "trie", ())),
            "tracked_objects_added": len(gc.get_objects()) - tracked_before}  # fmt: skip
     print(json.dumps(env))
     if args.out:
