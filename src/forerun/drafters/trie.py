@@ -33,8 +33,7 @@ from forerun.drafters.tenants import TenantState
 from forerun.drafters.trie_file import FORMAT, VERSION  # noqa: F401 - the file format names it
 from forerun.tree import TokenTree
 
-Children = dict[int, int]
-"""A node's children: token -> node id (ints only: the garbage collector does not track such a dict)."""
+Children = dict[int, int]  # a node's children, token -> node id: ints only, so the garbage collector skips it
 
 
 class TokenTrie:
@@ -77,13 +76,14 @@ class TokenTrie:
 
     def weights(self, path: Sequence[int]) -> tuple[float, float] | None:
         """The (output, prompt) weights of the node `path` leads to from the top, or None where there is none."""
-        node: int | None = 0
-        for token in path:
-            children = self.kids[node]
-            node = None if children is None else children.get(token)
-            if node is None:
-                return None
-        return self.count[node], self.prompt[node]
+        with self.lock:
+            node: int | None = 0
+            for token in path:
+                children = self.kids[node]
+                node = None if children is None else children.get(token)
+                if node is None:
+                    return None
+            return self.count[node], self.prompt[node]
 
     def insert(self, window: list[int], weight: float, prompt: bool = False) -> None:
         with self.lock:
