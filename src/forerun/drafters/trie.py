@@ -74,16 +74,21 @@ class TokenTrie:
     def weight(self, node: int) -> float:
         return self.count[node] + self.prompt[node]
 
+    def walk(self, path: Sequence[int]) -> int | None:
+        """The node `path` leads to from the top, or None where there is none."""
+        node: int | None = 0
+        for token in path:
+            children = self.kids[node]
+            node = None if children is None else children.get(token)
+            if node is None:
+                return None
+        return node
+
     def weights(self, path: Sequence[int]) -> tuple[float, float] | None:
         """The (output, prompt) weights of the node `path` leads to from the top, or None where there is none."""
         with self.lock:
-            node: int | None = 0
-            for token in path:
-                children = self.kids[node]
-                node = None if children is None else children.get(token)
-                if node is None:
-                    return None
-            return self.count[node], self.prompt[node]
+            node = self.walk(path)
+            return None if node is None else (self.count[node], self.prompt[node])
 
     def insert(self, window: list[int], weight: float, prompt: bool = False) -> None:
         with self.lock:
@@ -207,15 +212,9 @@ class TokenTrie:
     def match(self, context: list[int], max_query_length: int) -> int | None:
         """The node reached by the longest suffix of `context` (<= max_query_length tokens) found in the trie, where
         it has children (something to draft)."""
-        kids = self.kids
         for length in range(min(max_query_length, len(context)), 0, -1):
-            node: int | None = 0
-            for token in context[len(context) - length :]:
-                children = kids[node]
-                node = None if children is None else children.get(token)
-                if node is None:
-                    break
-            if node is not None and kids[node]:
+            node = self.walk(context[len(context) - length :])
+            if node is not None and self.kids[node]:
                 return node
         return None
 
