@@ -10,7 +10,9 @@ inside the bucketed forwards (`StaticBase.run`): the host work. Choices are made
 timings: the figures are host work per step at the card's choices, plus tokens per forward, and `priced_tok_s`:
 tokens per second where every forward costs its (rows, bucket) price on the curve and the host work is this
 machine's (what the batch would write a second on that card, were its host as fast as this one; a model, not a
-measurement of the card).
+measurement of the card). The drafters' learning a batch does while a forward runs (`Batch.learn` between the
+forward and the step's copy to the host: a paused step's) hides behind that forward on a card, up to its price
+there: `overlapped_ms_per_step`, left out of `priced_tok_s` (it stays in `host_ms_per_step`, this CPU's own).
 
 `--curve steep`: every node costs a whole forward, so no draft ever pays and every step feeds the rows' roots
 alone: what a method's rows still spend proposing and ranking (where choices are reproducible the batch's draft
@@ -56,16 +58,6 @@ H200_MS = {1: 3.421, 2: 3.927, 4: 4.019, 8: 4.071, 16: 4.189, 32: 4.265, 64: 4.4
 DATASETS = ("gsm8k", "humaneval", "mbpp", "typehints")
 
 
-def steep_curve() -> LatencyCurve:
-    """Every node, every row, a whole forward's price (`--curve steep`): no draft pays."""
-    sizes = tuple(sorted(H200_MS))
-
-    def rows(k: int) -> LatencyCurve:
-        return LatencyCurve(sizes, tuple(H200_MS[1] * k * size / 1000 for size in sizes))
-
-    return rows(1).with_batches([(2**i, rows(2**i)) for i in range(1, 7)])
-
-
 def card_curve(ms: dict[int, float], row_step: float = 0.25) -> LatencyCurve:
     """`ms` as the one-row curve; a batch of 2^i rows costs (1 + row_step * i) times it (a card's regime: rows
     share the weights' reading, each reads its own cache)."""
@@ -75,6 +67,20 @@ def card_curve(ms: dict[int, float], row_step: float = 0.25) -> LatencyCurve:
         return LatencyCurve(sizes, tuple(ms[s] * k / 1000 for s in sizes))
 
     return scaled(1.0).with_batches([(2**i, scaled(1 + row_step * i)) for i in range(1, 7)])
+
+
+CARD = card_curve(H200_MS)
+"""What a forward costs on the card: the host's work a batch does while one runs hides behind it up to that."""
+
+
+def steep_curve() -> LatencyCurve:
+    """Every node, every row, a whole forward's price (`--curve steep`): no draft pays."""
+    sizes = tuple(sorted(H200_MS))
+
+    def rows(k: int) -> LatencyCurve:
+        return LatencyCurve(sizes, tuple(H200_MS[1] * k * size / 1000 for size in sizes))
+
+    return rows(1).with_batches([(2**i, rows(2**i)) for i in range(1, 7)])
 
 
 @contextmanager
@@ -122,14 +128,16 @@ def timed_run(
     the step's copy to the host would wait for it outside). `curve`: each forward's (rows, bucket) priced on it
     too (`priced_s`: what the forwards would cost where the curve was measured)."""
     inside, held, priced = [0.0, 0], [None], [0.0]
+    # the last forward's price, whether it still runs (on a card), and the learning forwards would hide
+    overlap = {"price": 0.0, "open": False, "s": 0.0}
     bases = [decoder.base, *decoder.base.siblings.values()]
     originals = [base.run for base in bases]
 
     def wrap(run, base):
         def timed(*args, **kwargs):
-            if curve is not None:
-                rows, size, _ = base.step_key(*args, **kwargs)
-                priced[0] += curve.batch_cost(rows, size)
+            rows, size, _ = base.step_key(*args, **kwargs)
+            overlap["price"] = CARD.batch_cost(rows, size)  # how long a card's forward hides the host's work
+            priced[0] += curve.batch_cost(rows, size) if curve is not None else 0.0
             started = time.perf_counter()
             try:
                 # the last forward's outputs are let go here: eager on a CPU they are fresh tensors (16 rows of 64
@@ -142,6 +150,7 @@ def timed_run(
             finally:
                 inside[0] += time.perf_counter() - started
                 inside[1] += 1
+                overlap["open"] = True
 
         return timed
 
@@ -149,7 +158,8 @@ def timed_run(
         base.run = wrap(run, base)
     try:
         started = time.perf_counter()
-        results = decoder.generate(prompts, new_tokens, eos_token_id=[])
+        with learning_timed(overlap):
+            results = decoder.generate(prompts, new_tokens, eos_token_id=[])
         wall = time.perf_counter() - started
     finally:
         for base, run in zip(bases, originals, strict=True):
@@ -158,7 +168,33 @@ def timed_run(
     texts = [r.sequences[0, r.prompt_len :].tolist() for r in results]
     tokens = sum(len(text) for text in texts)
     return {"wall_s": wall, "forward_s": inside[0], "forwards": inside[1], "row_forwards": sum(steps),
-            "tokens": tokens, "texts": texts, "priced_s": priced[0]}  # fmt: skip
+            "tokens": tokens, "texts": texts, "priced_s": priced[0], "overlapped_s": overlap["s"]}  # fmt: skip
+
+
+@contextmanager
+def learning_timed(overlap: dict):
+    """Time the drafters' learning a batch does while a forward runs (`Batch.learn` between a forward and the
+    step's copy to the host): on a card that work hides behind the forward, up to its price (`overlap["price"]`,
+    set by each forward). Adds what would hide to `overlap["s"]`."""
+    learn, copies = forerun.batch.Batch.learn, (forerun.batch.to_host, forerun.row.to_host)
+
+    def timed_learn(batch):
+        started, pending = time.perf_counter(), bool(batch.unlearned)
+        learn(batch)
+        if overlap["open"] and pending:
+            overlap["s"] += min(time.perf_counter() - started, overlap["price"])
+
+    def copied(*args, **kwargs):
+        overlap["open"] = False  # the step waits for the card here: nothing after it hides
+        return copies[0](*args, **kwargs)
+
+    forerun.batch.Batch.learn = timed_learn  # type: ignore[method-assign]
+    forerun.batch.to_host = forerun.row.to_host = copied
+    try:
+        yield
+    finally:
+        forerun.batch.Batch.learn = learn  # type: ignore[method-assign]
+        forerun.batch.to_host, forerun.row.to_host = copies
 
 
 def main() -> None:
@@ -199,11 +235,12 @@ def main() -> None:
             with proposing_every_step(method.endswith("-always")):
                 run = timed_run(decoder, pool[round_ * args.rows : (round_ + 1) * args.rows], args.new_tokens,
                                 curve=curve)  # fmt: skip
-            host = run["wall_s"] - run["forward_s"]
+            host, steps = run["wall_s"] - run["forward_s"], max(run["forwards"], 1)
             row = {"round": round_, "method": method, "rows": args.rows, "steps": run["forwards"],
-                   "host_ms_per_step": round(1000 * host / max(run["forwards"], 1), 3),
+                   "host_ms_per_step": round(1000 * host / steps, 3),
+                   "overlapped_ms_per_step": round(1000 * run["overlapped_s"] / steps, 3),
                    "tokens_per_forward": round(run["tokens"] / max(run["row_forwards"], 1), 2),
-                   "priced_tok_s": round(run["tokens"] / (run["priced_s"] + host), 1),
+                   "priced_tok_s": round(run["tokens"] / (run["priced_s"] + host - run["overlapped_s"]), 1),
                    "wall_s": round(run["wall_s"], 2), "forward_s": round(run["forward_s"], 2)}  # fmt: skip
             texts.setdefault(method, run["texts"])
             print(json.dumps(row), flush=True)

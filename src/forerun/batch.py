@@ -35,6 +35,7 @@ drafting and plain steps and pauses proposals while drafting is the slower. Wher
 from __future__ import annotations
 
 import copy
+import logging
 import time
 from collections.abc import Sequence
 
@@ -49,9 +50,11 @@ from forerun.engine import tree_support
 from forerun.forward_inputs import stateful
 from forerun.host_copy import to_host
 from forerun.kvcache import plain_layers
-from forerun.row import RowJob, RowRun, costly  # noqa: F401 - RowJob re-exported
+from forerun.row import Deferred, RowJob, RowRun, costly  # noqa: F401 - RowJob re-exported
 from forerun.taps import LayerTaps, feature_layers, row_features
 from forerun.tree import TokenTree, merge
+
+logger = logging.getLogger(__name__)
 
 
 def fork(drafters: Sequence[Drafter]) -> list[Drafter]:
@@ -89,6 +92,8 @@ class Batch(JoiningRows):
         a step (`forerun.rowstates`), or chains side by side where their states are windows (LFM2)."""
         self.policy = BatchPolicy(closed)
         """How the rows draft together (`forerun.costmodel.batch`)."""
+        self.unlearned: Deferred = []
+        """What the rows' drafters are still to learn (`learn`)."""
 
     @property
     def closed(self) -> bool:
@@ -140,6 +145,7 @@ class Batch(JoiningRows):
         self.policy.rebase(self.shared.slots)
         drafting = self.drafts(budgets)
         if drafting:
+            self.learn()  # what the last step taught, before anything is proposed
             caps = self.policy.proposal_caps(budgets, [len(row.job.drafters) for row in rows])
             for row, cap in zip(rows, caps, strict=True):
                 row.ctx.budget = cap
@@ -160,9 +166,11 @@ class Batch(JoiningRows):
             trees = [selection.tree for selection in selections]
             out = self.shared.forward(prefix_lens, trees, nodes)
         forward_s = time.perf_counter() - t1
+        self.learn()  # paused: a card is still computing the forward (its results wait for `to_host`)
         tapped = taps.take(out.features, arrange=self.shared.in_row_order)  # [rows, nodes, F]
         # 4. verify and 5. commit, per row; then keep each row's accepted path in the shared cache
-        kept = self.commit_rows(selections, out, (t1 - t0) / len(rows), forward_s, tapped, layers)
+        later = None if drafting else self.unlearned
+        kept = self.commit_rows(selections, out, (t1 - t0) / len(rows), forward_s, tapped, layers, later)
         self.shared.keep(prefix_lens, kept, nodes)
         if len(rows) == 1:
             rows[0].stats.fed_again += self.shared.waiting  # a hybrid's chain accepted in part
@@ -183,11 +191,12 @@ class Batch(JoiningRows):
         forward_s: float,
         tapped: torch.Tensor | None,
         layers: tuple[int, ...],
+        later: Deferred | None = None,
     ) -> list[list[int]]:
         """Verify and commit every row on the step's outputs (`out`; `tapped`: the `layers`' features [rows, nodes,
         F]); a failure ends its own row alone (`commit_apart`). Sampled rows' draws at every node are made first
         (`forerun.draws`; None for the rows that walk), then copied to the host with the base's argmaxes in one
-        transfer: the step's one wait for the card. Returns each row's kept path."""
+        transfer: the step's one wait for the card. Returns each row's kept path. `later`: `RowRun.accept`'s."""
         rows = self.rows
         logits = [out.row(b, len(selection.tree)) for b, selection in enumerate(selections)]
         argmax, *drawn = to_host([
@@ -205,6 +214,7 @@ class Batch(JoiningRows):
                 row_features(tapped, b, len(selection.tree), layers, row.job.drafters),
                 None if argmax is None else argmax[out.at[b]][: len(selection.tree)],
                 drawn[b],
+                later,
             )
             for b, (row, selection) in enumerate(zip(rows, selections, strict=True))
         ]
@@ -268,12 +278,14 @@ class Batch(JoiningRows):
         tapped: torch.Tensor | None = None,
         choices: list[int] | None = None,
         drawn: list[int] | None = None,
+        later: Deferred | None = None,
     ) -> list[int]:
         """`RowRun.commit`, where a failure ends only this row (its root stays in the cache until it leaves)."""
         if row.error is not None:
             return [0]
         try:
-            return row.commit(selection, logits, propose_s, forward_s, tapped, choices=choices, drawn=drawn)
+            return row.commit(selection, logits, propose_s, forward_s, tapped, choices=choices, drawn=drawn,
+                              later=later)  # fmt: skip
         except Exception as error:  # noqa: BLE001
             row.error = error
             return [0]
@@ -287,5 +299,23 @@ class Batch(JoiningRows):
             for index, row in enumerate(self.rows) if id(row) in gone
         ])  # fmt: skip
         for row in leaving:
-            row.finish()
+            row.finish(self.unlearned)
         self.rows = [row for row in self.rows if id(row) not in gone]
+        if not self.rows:  # no next step to learn it in
+            self.learn()
+
+    def learn(self) -> None:
+        """What the rows' drafters put off (`unlearned`: a paused step's observations, leaving rows' finishes),
+        in the order they were put off. A step whose rows feed their roots alone runs it while its forward does
+        (on a card the forward runs on while the host works); before any row proposes or joins it is all done, so
+        every drafter drafts from what it would have learnt at once. A failure ends its own row (one that left
+        already is logged: its answer was whole)."""
+        unlearned, self.unlearned = self.unlearned, []
+        for row, learn in unlearned:
+            try:
+                learn()
+            except Exception as error:  # noqa: BLE001 - one request's failure must not end its neighbours
+                if not any(row is other for other in self.rows):
+                    logger.warning("forerun: a finished row's drafters failed to learn its text: %r", error)
+                elif row.error is None:
+                    row.error = error

@@ -14,7 +14,7 @@ Example:
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
 
@@ -65,6 +65,9 @@ class JoiningRows:
     shared: SharedRows
     policy: BatchPolicy
     chains: bool
+    learn: Callable[[], None]
+    """What the rows' drafters put off, learnt now (`Batch.learn`): before a row joins, its drafters and the
+    others' drafts see what they would have seen at once."""
 
     @torch.inference_mode()
     def add(self, job: RowJob, budget: Budget | None = None, draft: bool | None = None) -> RowRun:
@@ -99,6 +102,7 @@ class JoiningRows:
     def begin(self, job: RowJob, budget: Budget | None = None) -> Joining:
         """Start a row's prefill: its drafters see the prompt, its cache is seeded from the prefix cache; nothing
         is fed yet (`feed` does, in one forward or in chunks)."""
+        self.learn()
         budget = (budget or self.budget).for_row(self.policy.costly)
         if self.chains and job.drafters and not budget.chain:  # a hybrid whose chains are not exact: one token a step
             job = replace(job, drafters=[])
@@ -147,6 +151,9 @@ class JoiningRows:
         others join (the caller abandons it: a server fails that request only); a failed forward is raised. Rows
         whose drafters read layers the base does not return (their hooks would see every row's forward at once)
         are fed one by one."""
+        if not joinings:  # nothing joins (a decode loop asks every step): what waits to be learnt may wait on
+            return []
+        self.learn()
         draft = not self.rows and len(joinings) == 1 if draft is None else draft
         draft = draft and not self.chains  # a chain accepted in part would read the prompt's own cache twice
         if len(joinings) > 1 and any(self.hooked(joining) for joining in joinings):
@@ -209,6 +216,7 @@ class JoiningRows:
 
     def abandon(self, joining: Joining) -> None:
         """Drop a row whose prefill had begun (its request went away): its drafters finish, nothing is kept."""
+        self.learn()
         self.shared.abandon(joining.own)
         for drafter in joining.row.job.drafters:
             drafter.finish(joining.row.ctx)

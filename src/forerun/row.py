@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, partial
 
 import torch
 from transformers import LogitsProcessorList
@@ -44,6 +45,9 @@ from forerun.taps import committed_features
 from forerun.transcript import Transcript
 from forerun.tree import TokenTree
 from forerun.verify import NodeScores, Sampling, Verdict, verify
+
+Deferred = list[tuple["RowRun", Callable[[], None]]]
+"""Drafters' learning put off (`RowRun.accept`, `RowRun.finish`): each with the row it is for, in the order put."""
 
 
 @dataclass
@@ -130,7 +134,7 @@ class RowRun:
         self.costly_drafting = with_costly and (switch is None or switch.drafting())
         self.costly_seconds, self.alone, self.padded_alone = 0.0, None, 0
         if not drafting:
-            return [TokenTree.rooted_at(self.root) for _ in self.job.drafters]
+            return [TokenTree.rooted_at(self.root)] * len(self.job.drafters)  # one tree: it is only read
         trees = []
         for drafter in self.job.drafters:
             if not costly(drafter):
@@ -199,9 +203,12 @@ class RowRun:
         forward_s: float,
         features: torch.Tensor | None = None,
         choices: list[int] | None = None,
+        later: Deferred | None = None,
     ) -> list[int]:
         """Append the verdict's tokens, let the drafters and the budget learn, record the step; returns the kept
-        path (root first) for the cache, and moves the root past it. `features`, `choices`: `StepOutcome`'s."""
+        path (root first) for the cache, and moves the root past it. `features`, `choices`: `StepOutcome`'s.
+        `later`: where a batch's step that fed its rows' roots alone puts the drafters' learning (`teach`), to run
+        it while its next forward does (`forerun.batch.Batch.learn`)."""
         tree, transcript = selection.tree, self.job.transcript
         path = [0, *verdict.accepted_nodes]  # the node each new token was chosen at
         self.prefix_len += len(path)
@@ -210,15 +217,11 @@ class RowRun:
         new_tokens = transcript.extend(tokens, sources, logits[path] if transcript.wants_logits else None)
         self.ctx.tokens.extend(new_tokens)
         started = time.perf_counter()
-        for drafter, node_map in zip(self.job.drafters, selection.node_maps, strict=True):
-            outcome = StepOutcome(tree, verdict, logits, new_tokens, node_map, features, choices)
-            if self.costly_drafting or not costly(drafter):
-                observed = time.perf_counter()
-                drafter.observe(self.ctx, outcome)
-                if costly(drafter):
-                    self.costly_seconds += time.perf_counter() - observed
-            else:  # sitting out: it keeps what it needs to draft again (a head: the features, read later)
-                drafter.sit_out(self.ctx, outcome)
+        step = (selection.node_maps, tree, verdict, logits, new_tokens, features, choices, self.costly_drafting)
+        if later is not None and self.job.drafters:
+            later.append((self, partial(self.teach, *step)))
+        else:
+            self.teach(*step)
         self.budget.learn(selection, new_tokens)
         drafting_s = time.perf_counter() - started + propose_s
         self.time_costly(selection, len(new_tokens), drafting_s + forward_s / self.rows)
@@ -228,6 +231,30 @@ class RowRun:
         if self.stats.forwards == 1:
             self.stats.prefill_seconds = time.perf_counter() - self.started
         return path
+
+    def teach(
+        self,
+        node_maps: list[dict[int, int]],
+        tree: TokenTree,
+        verdict: Verdict,
+        logits: torch.Tensor,
+        new_tokens: list[int],
+        features: torch.Tensor | None,
+        choices: list[int] | None,
+        costly_drafting: bool,
+    ) -> None:
+        """Each drafter learns a step (`StepOutcome`'s fields; its own `node_maps` entry): it `observe`s it, or
+        sits it out (a costly drafter that did not draft: it keeps what it needs to draft again, a head the
+        features it reads later)."""
+        for drafter, node_map in zip(self.job.drafters, node_maps, strict=True):
+            outcome = StepOutcome(tree, verdict, logits, new_tokens, node_map, features, choices)
+            if costly_drafting or not costly(drafter):
+                observed = time.perf_counter()
+                drafter.observe(self.ctx, outcome)
+                if costly(drafter):
+                    self.costly_seconds += time.perf_counter() - observed
+            else:
+                drafter.sit_out(self.ctx, outcome)
 
     def time_costly(self, selection: Selection, tokens: int, seconds: float) -> None:
         """Tell the budget's switch this step's rate, with or without the costly drafters (a prefill is no step:
@@ -280,13 +307,14 @@ class RowRun:
         lead: int = 0,
         choices: list[int] | None = None,
         drawn: list[int] | None = None,
+        later: Deferred | None = None,
     ) -> list[int]:
         """`verify` then `accept`: the kept path (root first). `tapped`: the row's features off the forward,
         [1, lead + nodes, F] (`forerun.taps`), of which its drafters are handed the committed positions'.
-        `choices`: every node's argmax, where the base computed them; `drawn`: `verify`'s."""
+        `choices`: every node's argmax, where the base computed them; `drawn`: `verify`'s; `later`: `accept`'s."""
         verdict = self.verify(selection.tree, logits, choices, drawn)
         features = committed_features(tapped, lead, [0, *verdict.accepted_nodes])
-        return self.accept(selection, verdict, logits, propose_s, forward_s, features, choices)
+        return self.accept(selection, verdict, logits, propose_s, forward_s, features, choices, later)
 
     def steps_left(self) -> float:
         """Steps this row still needs at its rate so far (its tokens left over its tokens per step)."""
@@ -294,16 +322,22 @@ class RowRun:
         per_step = max(1.0, made / max(1, self.stats.forwards))
         return max(0, self.job.max_new_tokens - made) / per_step
 
-    def finish(self) -> GenerationStats:
-        """The row is over (finished, cancelled or failed): its drafters finish, its stats are closed and its
-        streamer ends."""
-        for drafter in self.job.drafters:
-            drafter.finish(self.ctx)
+    def finish(self, later: Deferred | None = None) -> GenerationStats:
+        """The row is over (finished, cancelled or failed): its drafters finish (or, with `later`, are put there
+        to finish: `accept`'s), its stats are closed and its streamer ends."""
+        if later is None:
+            self.finish_drafters()
+        else:
+            later.append((self, self.finish_drafters))
         self.stats.new_tokens = len(self.job.transcript.sources)
         self.stats.total_seconds = time.perf_counter() - self.started
         if self.job.transcript.streamer is not None:
             self.job.transcript.streamer.end()
         return self.stats
+
+    def finish_drafters(self) -> None:
+        for drafter in self.job.drafters:
+            drafter.finish(self.ctx)
 
 
 def costly(drafter: Drafter) -> bool:

@@ -92,3 +92,29 @@ def test_the_batch_host_script_prices_every_forward_on_the_curve(price):
     run = batch_host.timed_run(decoder, rows, 6, curve=curve)
     assert run["forwards"] >= 6  # the prompts side by side with the first tokens, then a step a token
     assert run["priced_s"] == pytest.approx(price * run["forwards"])
+
+
+def test_the_batch_host_script_hides_only_learning_done_while_a_forward_runs():
+    """`overlapped_s`: the drafters' learning a paused batch does between a forward and the step's copy to the
+    host (on a card the forward hides it). Rows of prompt lookup on a curve where nothing pays pause and learn
+    there; rows without drafters have nothing to learn; neither hides more than its host work."""
+    import forerun
+    from forerun.costmodel import LatencyCurve
+
+    from tiny_models import prompts, tiny_model
+
+    batch_host = load_script("batch_host")
+    sizes = (1, 2, 4, 8, 16, 32, 64)
+    linear = LatencyCurve(sizes, tuple(float(n) for n in sizes))
+    curve = linear.with_batches([(2**i, linear) for i in range(1, 7)])
+    rows = [p[0].tolist() for p in prompts(3)]
+    hidden = {}
+    for method in ("plain", "prompt_lookup"):
+        decoder = forerun.Decoder(
+            tiny_model("llama", "sdpa"), None, method, static_cache=True, latency=curve, reproducible=True
+        )
+        decoder.generate(rows, 24)
+        run = batch_host.timed_run(decoder, rows, 24, curve=curve)
+        hidden[method] = run["overlapped_s"]
+        assert run["overlapped_s"] <= run["wall_s"] - run["forward_s"]
+    assert hidden["plain"] == 0 and hidden["prompt_lookup"] > 0, hidden

@@ -85,7 +85,10 @@ class Drafter(Protocol):
         ...
 
     def observe(self, ctx: DraftContext, outcome: StepOutcome) -> None:
-        """Learn from a verified step; ctx.tokens already includes outcome.new_tokens."""
+        """Learn from a verified step; ctx.tokens already includes outcome.new_tokens. A batch's step that fed its
+        rows' roots alone is learnt a step late, while the next forward runs (`forerun.batch.Batch.learn`): ctx is
+        as it was then; read the outcome's host fields (`choices`), not its logits (on a card the next forward has
+        rewritten them)."""
 
     def finish(self, ctx: DraftContext) -> None:
         """The request ended (EOS, length or stop string)."""

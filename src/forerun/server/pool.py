@@ -331,6 +331,7 @@ class BatchWorker:
                 logger.exception("forerun: a batch step failed; its %d requests get an error", len(self.batch.rows))
                 for row in self.batch.rows:
                     self.settle(self.members.pop(id(row)), error=error)
+                self.batch.learn()  # what rows that had left put off (their drafters' finishing): never lost
                 # the requests still joining keep what they fed (their own caches, or their places)
                 self.batch = Batch(self.model, self.budget, shared=self.batch.shared.without_rows())
                 continue
