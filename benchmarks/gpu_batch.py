@@ -147,14 +147,16 @@ def transformers_rows(
 
 
 def host_work(log: Log, decoder: Decoder, label: str, lists: list[list[int]], new_tokens: int) -> None:
-    """The batch once more, each forward waited for: what the host spends between a step's forwards."""
+    """The batch once more, each forward waited for: what the host spends between a step's forwards (of it, what
+    the timed runs above did while a forward ran: `overlapped_ms_per_step`, `batch_host.learning_timed`)."""
     from batch_host import timed_run
 
     run = timed_run(decoder, lists, new_tokens, sync=lambda: synchronize(DEVICE))
     steps = max(run["forwards"], 1)
     log("batch_host", rows=len(lists), method=label, forwards=run["forwards"],
         forward_ms_per_step=round(1e3 * run["forward_s"] / steps, 3),
-        host_ms_per_step=round(1e3 * (run["wall_s"] - run["forward_s"]) / steps, 3))  # fmt: skip
+        host_ms_per_step=round(1e3 * (run["wall_s"] - run["forward_s"]) / steps, 3),
+        overlapped_ms_per_step=round(1e3 * run["overlapped_s"] / steps, 3))  # fmt: skip
 
 
 def main() -> None:
