@@ -343,6 +343,38 @@ def test_a_failed_step_fails_its_rows_while_a_joining_request_goes_on(static):
     assert torch.equal(joining.sequences, reference)
 
 
+def test_what_a_failed_batch_had_put_off_is_learnt_before_it_starts_afresh():
+    """A batch step fails while the batch holds learning it put off (a paused step's, or a leaving row's drafters'
+    finishing: here a stand-in, put off by the failing forward itself, after which no step could learn it): the
+    worker learns it before it starts a fresh batch, so no drafter is left without what a request taught it (a
+    shared trie holding a finished request's prompt weights)."""
+    model = tiny_model("llama", "sdpa")
+    decoder = forerun.Decoder(model, None, "prompt_lookup", latency=LatencyCurve((1, 8, 64), (1.0, 1.2, 3.0)))
+    worker = BatchWorker(model, decoder.batch_budget(), max_batch=4)
+    forward, learnt, calls = worker.batch.shared.forward, threading.Event(), [0]
+
+    def failing(*args):
+        calls[0] += 1
+        if calls[0] == 3:
+            worker.batch.unlearned.append((worker.batch.rows[0], learnt.set))
+            raise RuntimeError("the device fell over")
+        return forward(*args)
+
+    worker.batch.shared.forward = failing
+    (prompt,) = prompts(1, length=12)
+
+    async def one():
+        request = GenerationRequest(prompt[0].tolist(), 16, eos_token_id=())
+        return await worker.run(lambda: (decoder.prepare(request), decoder), threading.Event())
+
+    try:
+        with pytest.raises(RuntimeError, match="fell over"):
+            asyncio.run(one())
+    finally:
+        worker.shutdown()
+    assert learnt.is_set()
+
+
 def test_concurrent_clients_of_a_server_with_the_shipped_head_get_exact_answers(smollm2):
     """`forerun serve --method eagle3 --draft-head smollm2-135m`: concurrent rows of the continuous batch, each
     with its own head reading its own row's hidden states, get plain generate's answers (whether they draft is the
