@@ -75,7 +75,7 @@ def logging_first(call, log: list[tuple], event: tuple):
 
 def watched(
     static: bool, log: list[tuple], monkeypatch, rows: int = 2
-) -> tuple[RowJob, list[RowJob], list[Watched], list, StaticBase | None]:
+) -> tuple[CostModel, list[RowJob], list[Watched], list, StaticBase | None]:
     """`rows` rows of a never-right drafter on a curve where nothing pays (their budget, jobs, drafters, texts
     alone, and the static base where `static`), forwards and host copies logged."""
     model = model_of("llama", "sdpa")
