@@ -12,7 +12,9 @@ greedy or sampled decoding, decodes with a fresh Decoder and compares every row:
   difference is reported with its position (a draw at another position's noise, a wrong walk).
 - in bf16 or with 4-bit weights (`--dtypes fp32,bf16,int4`: each case draws one; those decode greedily), with
   plain generate of the same model: a first difference must be a tie (`forerun.exactness`: within 2 ulps on
-  generate's logits or on one forward's); `not at a tie` counts those that are not.
+  generate's logits, on one forward's, or on a verification forward's, where the token before it is a tree's root
+  beside other nodes); `not at a tie` counts those that are not, `a tie only in company` those only the last
+  reading calls one (a mixture of experts' router tie, say).
 - with `--follow-ups`, half the cases then decode each row's text so far with 4 more tokens on the same Decoder
   (a conversation's next turn: the prefix cache serves its head), judged alike.
 - with `--stops`, half the cases end at an end-of-text token (a batch's rows at different steps, leaving it one by
@@ -89,7 +91,9 @@ def main() -> None:
         for row, verdict in enumerate(verdicts):
             if not verdict["identical"]:
                 differences.append({"case": case, "row": row} | verdict)
-                tally.update({f"{dtype} rows differing": 1, f"{dtype} not at a tie": not verdict.get("tie", False)})
+                in_company = verdict.get("tie_reading") == "in company"
+                tally.update({f"{dtype} rows differing": 1, f"{dtype} not at a tie": not verdict.get("tie", False),
+                              f"{dtype} a tie only in company": in_company})  # fmt: skip
                 print(json.dumps(differences[-1]), flush=True)
     summary = {"cases": cases, "rows": rows, "by_dtype": dict(sorted(tally.items())), "differences": differences,
                "failures": failures, "sampled_cases": sampled,

@@ -19,7 +19,7 @@ import forerun
 from forerun import GenerationRequest
 from forerun.config import DraftModelConfig
 from forerun.drafters.draft_model import DraftModelDrafter
-from forerun.exactness import first_divergence, judged_by_one_forward
+from forerun.exactness import Divergence, first_divergence, judged_by_one_forward, judged_in_company
 
 from tiny_models import FAMILIES, NO_SDPA, STATEFUL_FAMILIES, VOCAB, prompts, tiny_model
 
@@ -92,9 +92,9 @@ def decoder_for(case: dict, target: torch.nn.Module) -> forerun.Decoder:
 
 def run_case(case: dict) -> list[dict]:
     """Each row's verdict: identical, or its first difference (greedy: with generate's margin in ulps; in low
-    precision also whether it is a tie on generate's logits or on one forward's, `forerun.exactness`). A case with
-    `follow` then decodes, on the same Decoder, each row's text so far with 4 more tokens: a conversation's next
-    turn, whose head the prefix cache serves; those rows' verdicts are marked `follow`."""
+    precision also whether it is a tie, `tie_reading`). A case with `follow` then decodes, on the same Decoder,
+    each row's text so far with 4 more tokens: a conversation's next turn, whose head the prefix cache serves;
+    those rows' verdicts are marked `follow`."""
     target = in_dtype(tiny_model(case["family"], case["attention"], 0), case.get("dtype", "fp32"))
     rows = prompts(case["rows"], length=case["length"], seed=case["prompt_seed"])
     options = dict(SAMPLING, seed=case["prompt_seed"]) if case.get("sampled") else {}
@@ -194,5 +194,18 @@ def judge(
         return {"identical": True}
     verdict = {"identical": False, "position": found.position, "ulps": round(found.ulps, 2)}
     if target.dtype != torch.float32:
-        verdict["tie"] = found.is_tie or judged_by_one_forward(target, prompt, expected, found).is_tie
+        verdict |= tie_reading(target, prompt, expected, found)
     return verdict
+
+
+def tie_reading(target: torch.nn.Module, prompt: torch.Tensor, expected: list[int], found: Divergence) -> dict:
+    """Whether a low-precision first difference is a tie, on generate's logits, one forward's
+    (`judged_by_one_forward`) or a verification forward's (`judged_in_company`); `tie_reading` names the first
+    reading that calls it one where generate's own does not."""
+    readings = {"one forward": judged_by_one_forward, "in company": judged_in_company}
+    if found.is_tie:
+        return {"tie": True}
+    for name, judged in readings.items():
+        if judged(target, prompt, expected, found).is_tie:
+            return {"tie": True, "tie_reading": name}
+    return {"tie": False}

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
+from transformers import DynamicCache
 
 TIE_ULPS = 2.0
 """Most units in the last place between the two logits for a first difference to count as a tie."""
@@ -94,3 +95,54 @@ def judged_by_one_forward(
     assert found is not None  # the two tokens differ
     # a negative margin: one forward ranks the other token first, which is a tie by any reading
     return replace(found, position=divergence.position)
+
+
+COMPANY = (1, 3, 7)
+"""How many other tokens share the forward of `judged_in_company`'s readings: trees of 2, 4 and 8 nodes."""
+
+
+def judged_in_company(
+    model: torch.nn.Module,
+    prompt: torch.Tensor,
+    reference: Sequence[int],
+    divergence: Divergence,
+    company: Sequence[int] = COMPANY,
+) -> Divergence:
+    """The same first difference judged where the token before it is fed as a verification forward feeds it: the
+    root of a tree whose other nodes (`k` tokens for each k in `company`, unrelated to the text: drawn from a fixed
+    seed) hang below it, after one forward over the text before it. The reading nearest a tie is returned.
+
+    Beside a tree's other nodes a token's own numbers round otherwise: its products have more rows, and a mixture
+    of experts computes each expert's tokens as one group. Where a router's scores for the token tie, its experts
+    can change. The random search found a tiny Mixtral with 4-bit weights take a token 11 ulps below generate's
+    after an exact tie of a router's second and third scores; fed so, beside 3 or 7 other tokens, the model itself
+    writes that token over generate's own text. The other nodes see the root and themselves only, so the root's
+    logits are what the model computes for generate's text: no draft of forerun's, no mask but the model's tree.
+    Models that cannot verify trees (recurrent states) are judged as they were.
+
+    `prompt` [1, P] ids; `reference` plain generate's new tokens; `divergence` as `first_divergence` found it.
+    """
+    from forerun.forward_inputs import cache_argument
+    from forerun.tree import TokenTree, pack, tree_support
+
+    text = torch.tensor([list(reference[: divergence.position])], dtype=prompt.dtype, device=prompt.device)
+    text = torch.cat([prompt, text], dim=1)
+    if tree_support(model) is not None or text.shape[1] < 2:  # no tree, or no text before the root to cache
+        return divergence
+    readings, draw = [], torch.Generator().manual_seed(0)
+    attention = getattr(model.config, "_attn_implementation", None) or "eager"
+    with torch.inference_mode():
+        for k in company:
+            cache = DynamicCache(config=model.config)
+            model(text[:, :-1], **{cache_argument(model) or "past_key_values": cache}, use_cache=True)
+            tree = TokenTree.rooted_at(int(text[0, -1]))
+            for token in torch.randint(0, model.config.vocab_size, (k,), generator=draw).tolist():
+                tree.add(0, token, role="probe")  # never fused: k nodes
+            packed = pack(tree, text.shape[1] - 1, attention, model.dtype, text.device)
+            logits = model(input_ids=packed.input_ids, attention_mask=packed.attention_mask,
+                           position_ids=packed.position_ids, use_cache=True,
+                           **{cache_argument(model) or "past_key_values": cache}).logits[0, 0]  # fmt: skip
+            found = first_divergence([divergence.reference_token], [divergence.token], [logits], model.dtype)
+            assert found is not None  # the two tokens differ
+            readings.append(found)
+    return replace(min(readings, key=lambda found: found.ulps), position=divergence.position)

@@ -21,7 +21,7 @@ from forerun.base.packed import PackedLinear, packable
 from forerun.base.weights import weights_kind
 from forerun.costmodel import LatencyCurve
 from forerun.engine import decode
-from forerun.exactness import TIE_ULPS, first_divergence, judged_by_one_forward, ulp
+from forerun.exactness import TIE_ULPS, first_divergence, judged_by_one_forward, judged_in_company, ulp
 from forerun.noise import GumbelNoise
 from forerun.row import RowJob
 from forerun.transcript import Transcript
@@ -134,8 +134,10 @@ def test_negative_control_a_verifier_that_takes_the_second_choice_fails_the_chec
     got = transcript.sequence[0, prompt.shape[1] :].tolist()
     divergence = first_divergence(expected, got, logits, model.dtype)
     assert divergence is not None and divergence.ulps > TIE_ULPS, divergence
-    # nor is it a tie when the same text is read by one forward (the contract's second reading)
+    # nor is it a tie when the same text is read by one forward (the contract's second reading), nor by a
+    # verification forward's (the random search's third)
     assert judged_by_one_forward(model, prompt, expected, divergence).ulps > TIE_ULPS
+    assert judged_in_company(model, prompt, expected, divergence).ulps > TIE_ULPS
 
 
 BF16_CPU_CURVE = LatencyCurve((1, 2, 4, 8, 16, 32), (0.027, 0.029, 0.030, 0.034, 0.041, 0.056))

@@ -24,6 +24,13 @@ in the searches: 3)."""
 FLIPPED = {"family": "mixtral", "attention": "eager", "method": "draft_model", "static": False, "rows": 2, "new": 33,
            "length": 3, "prompt_seed": 335, "draft": "phi3", "slots": False}  # fmt: skip
 """The one case the searches found differing (on an AVX-512 EPYC): row 0 takes generate's second token at 3 ulps."""
+ROUTER_TIE = {"family": "mixtral", "attention": "sdpa", "method": "prompt_lookup", "static": False, "rows": 1,
+              "new": 20, "length": 10, "prompt_seed": 388, "sampled": False, "dtype": "int4", "follow": True,
+              "eos_at": 6}  # fmt: skip
+"""A case found on an AVX2 EPYC: its second turn takes a token 11 ulps below generate's. The token before it is
+routed where layer 0's router scores its second and third experts exactly alike; fed as a tree's root beside 3 or
+7 other nodes (`forerun.exactness.judged_in_company`), the model itself writes forerun's token over generate's own
+text."""
 ROUTED = frozenset({"mixtral"})
 """Families whose tokens go to experts chosen by a router: in low precision a router's near-tie can go the other way
 under another forward's rounding, and another expert moves the output logits past a tie (5 ulps, once in ~33,000
@@ -136,6 +143,30 @@ def test_negative_control_a_hybrids_logprobs_off_by_a_little_are_caught():
 
 def test_the_case_found_flipping_is_a_tie():
     check(FLIPPED)
+
+
+def test_a_routers_tie_is_a_tie_in_company():
+    check(ROUTER_TIE)
+
+
+def test_the_company_reading_reads_generates_own_text():
+    """`judged_in_company` reads the root's logits over generate's text: the other nodes, which only they see, change
+    the arithmetic and nothing else, so in fp32 each reading's margin is one forward's to rounding (a mask that let
+    the root see them would move it by the size of a logit); generate's runner-up stays as far from a tie."""
+    from forerun.exactness import first_divergence, judged_by_one_forward, judged_in_company
+
+    model, prompt = tiny_model("llama", "sdpa", 0), prompts(1, length=12, seed=5)[0]
+    out = model.generate(prompt, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0,
+                         output_logits=True, return_dict_in_generate=True)  # fmt: skip
+    text, logits = out.sequences[0, prompt.shape[1] :].tolist(), [step[0] for step in out.logits]
+    for position in (2, 5):
+        runner_up = int(logits[position].topk(2).indices[1])
+        found = first_divergence(text, [*text[:position], runner_up], logits, torch.float32)
+        alone = judged_by_one_forward(model, prompt, text, found)
+        for company in ((1,), (3,), (7,)):
+            read = judged_in_company(model, prompt, text, found, company)
+            assert abs(read.margin - alone.margin) <= 1e-5 * max(1.0, abs(alone.margin)), (position, company)
+            assert read.ulps > 1000 * FP32_TIE_ULPS, (position, company, read)
 
 
 def test_negative_control_a_second_choice_is_far_from_a_tie():
