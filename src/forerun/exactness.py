@@ -24,6 +24,9 @@ from dataclasses import dataclass, replace
 import torch
 from transformers import DynamicCache
 
+from forerun.forward_inputs import cache_argument
+from forerun.tree import TokenTree, pack, tree_support
+
 TIE_ULPS = 2.0
 """Most units in the last place between the two logits for a first difference to count as a tie."""
 
@@ -122,26 +125,23 @@ def judged_in_company(
 
     `prompt` [1, P] ids; `reference` plain generate's new tokens; `divergence` as `first_divergence` found it.
     """
-    from forerun.forward_inputs import cache_argument
-    from forerun.tree import TokenTree, pack, tree_support
-
     text = torch.tensor([list(reference[: divergence.position])], dtype=prompt.dtype, device=prompt.device)
     text = torch.cat([prompt, text], dim=1)
     if tree_support(model) is not None or text.shape[1] < 2:  # no tree, or no text before the root to cache
         return divergence
     readings, draw = [], torch.Generator().manual_seed(0)
     attention = getattr(model.config, "_attn_implementation", None) or "eager"
+    vocab, argument = model.get_input_embeddings().num_embeddings, cache_argument(model) or "past_key_values"
     with torch.inference_mode():
         for k in company:
             cache = DynamicCache(config=model.config)
-            model(text[:, :-1], **{cache_argument(model) or "past_key_values": cache}, use_cache=True)
+            model(text[:, :-1], **{argument: cache}, use_cache=True)
             tree = TokenTree.rooted_at(int(text[0, -1]))
-            for token in torch.randint(0, model.config.vocab_size, (k,), generator=draw).tolist():
+            for token in torch.randint(0, vocab, (k,), generator=draw).tolist():
                 tree.add(0, token, role="probe")  # never fused: k nodes
             packed = pack(tree, text.shape[1] - 1, attention, model.dtype, text.device)
-            logits = model(input_ids=packed.input_ids, attention_mask=packed.attention_mask,
-                           position_ids=packed.position_ids, use_cache=True,
-                           **{cache_argument(model) or "past_key_values": cache}).logits[0, 0]  # fmt: skip
+            inputs = {"attention_mask": packed.attention_mask, "position_ids": packed.position_ids, argument: cache}
+            logits = model(input_ids=packed.input_ids, use_cache=True, **inputs).logits[0, 0]
             found = first_divergence([divergence.reference_token], [divergence.token], [logits], model.dtype)
             assert found is not None  # the two tokens differ
             readings.append(found)
