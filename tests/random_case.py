@@ -19,7 +19,7 @@ import forerun
 from forerun import GenerationRequest
 from forerun.config import DraftModelConfig
 from forerun.drafters.draft_model import DraftModelDrafter
-from forerun.exactness import Divergence, first_divergence, judged_by_one_forward, judged_in_company
+from forerun.exactness import first_divergence, tie_reading
 
 from tiny_models import FAMILIES, NO_SDPA, STATEFUL_FAMILIES, VOCAB, prompts, tiny_model
 
@@ -194,18 +194,8 @@ def judge(
         return {"identical": True}
     verdict = {"identical": False, "position": found.position, "ulps": round(found.ulps, 2)}
     if target.dtype != torch.float32:
-        verdict |= tie_reading(target, prompt, expected, found)
+        reading = tie_reading(target, prompt, expected, found)  # forerun.exactness: the first that calls it a tie
+        verdict["tie"] = reading is not None
+        if reading not in (None, "generate"):
+            verdict["tie_reading"] = reading
     return verdict
-
-
-def tie_reading(target: torch.nn.Module, prompt: torch.Tensor, expected: list[int], found: Divergence) -> dict:
-    """Whether a low-precision first difference is a tie, on generate's logits, one forward's
-    (`judged_by_one_forward`) or a verification forward's (`judged_in_company`); `tie_reading` names the first
-    reading that calls it one where generate's own does not."""
-    readings = {"one forward": judged_by_one_forward, "in company": judged_in_company}
-    if found.is_tie:
-        return {"tie": True}
-    for name, judged in readings.items():
-        if judged(target, prompt, expected, found).is_tie:
-            return {"tie": True, "tie_reading": name}
-    return {"tie": False}

@@ -146,3 +146,20 @@ def judged_in_company(
             assert found is not None  # the two tokens differ
             readings.append(found)
     return replace(min(readings, key=lambda found: found.ulps), position=divergence.position)
+
+
+READINGS = {"one forward": judged_by_one_forward, "in company": judged_in_company}
+"""The readings after generate's own logits, in the order `tie_reading` tries them."""
+
+
+def tie_reading(
+    model: torch.nn.Module, prompt: torch.Tensor, reference: Sequence[int], divergence: Divergence
+) -> str | None:
+    """The first reading that calls a first difference a tie: "generate" (its own logits), "one forward"
+    (`judged_by_one_forward`) or "in company" (`judged_in_company`); None where none does.
+
+    `prompt` [1, P] ids; `reference` plain generate's new tokens; `divergence` as `first_divergence` found it."""
+    if divergence.is_tie:
+        return "generate"
+    ties = (name for name, judged in READINGS.items() if judged(model, prompt, reference, divergence).is_tie)
+    return next(ties, None)

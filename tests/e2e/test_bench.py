@@ -1,5 +1,6 @@
 """The benchmark harness itself: datasets, method specs, interleaving, the mismatch detector, outputs. No timings."""
 
+import copy
 import dataclasses
 import json
 
@@ -172,6 +173,38 @@ def test_mismatch_detector_catches_an_injected_mismatch(model, tokenizer):
         f"{NOISE_FLOOR} on GSM8K/0 differs from model.generate alone at a margin of 3.0 ulp"
     ]
     assert noise_floor_lines([dataclasses.replace(flipped, tie_ulps=1.0)]) == []  # a tie is no news
+
+
+def test_in_low_precision_a_wrong_token_is_a_mismatch_and_a_tie_read_otherwise_is_not(model, tokenizer):
+    """bf16: a token no reading calls a tie stays a mismatch (generate's margin, one forward's, a verification
+    forward's: `forerun.exactness.tie_reading`); a record whose margin only another reading calls a tie (a mixture
+    of experts' router tie) is no mismatch, and its table cell says so."""
+    from forerun.bench.report import identical_cell, summarize
+
+    def corrupt(spec, decoder):
+        honest = decoder.generate
+
+        def generate(*args, **kwargs):
+            result = honest(*args, **kwargs)
+            wrong = result.sequences.clone()
+            wrong[0, -1] = (wrong[0, -1] + 1) % len(tokenizer)
+            return dataclasses.replace(result, sequences=wrong)
+
+        decoder.generate = generate
+
+    low = copy.deepcopy(model).to(torch.bfloat16)
+    records = run_interleaved(low, tokenizer, load_dataset("gsm8k", 1), parse_methods("plain"), 6, prepare=corrupt)
+    (wrong,) = [r for r in records if r.method == "plain"]
+    assert wrong.identical is False and wrong.tie_reading is None and len(mismatch_lines(records)) == 1
+    far = Record("GSM8K/0", "gsm8k", "auto", 6, 1.0, identical=False, tie_ulps=11.0)
+    read = dataclasses.replace(far, tie_reading="in company")
+    beyond = "auto on GSM8K/0 differs from model.generate at a margin of 11.0 ulp (more than a tie)"
+    assert mismatch_lines([far]) == [beyond]
+    assert mismatch_lines([read]) == []
+    same = dataclasses.replace(far, prompt_id="GSM8K/1", identical=True, tie_ulps=None)
+    assert identical_cell(summarize([read, same])["gsm8k"]["auto"]) == "1/2, 1 a tie read otherwise"
+    near = dataclasses.replace(far, prompt_id="GSM8K/2", tie_ulps=1.0)
+    assert identical_cell(summarize([read, near])["gsm8k"]["auto"]) == "0/2, ties <= 1.0 ulp, 1 a tie read otherwise"
 
 
 def test_sampled_runs_are_not_compared_token_for_token(model, tokenizer):

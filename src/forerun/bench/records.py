@@ -44,6 +44,9 @@ class Record:
     """Tokens fed per forward, on average."""
     single_token_share: float | None = None
     """Share of forwards that fed the root alone."""
+    tie_reading: str | None = None
+    """Where `tie_ulps` is more than a tie: "one forward" or "in company" when that reading of the same text calls
+    the difference one (`forerun.exactness.tie_reading`: a mixture of experts' router tie, say); else None."""
 
 
 def load_records(path: Path) -> list[Record]:
@@ -84,4 +87,6 @@ def noise_floor_lines(records: Sequence[Record]) -> list[str]:
 
 def beyond_tie(record: Record) -> bool:
     """A greedy run that differs from plain generate other than at a numerical tie (fp32: any difference)."""
-    return record.identical is False and (record.tie_ulps is None or record.tie_ulps > TIE_ULPS)
+    if record.identical is not False:
+        return False
+    return record.tie_ulps is None or (record.tie_ulps > TIE_ULPS and record.tie_reading is None)

@@ -37,7 +37,7 @@ def summarize(records: list[Record]) -> dict[str, dict[str, dict]]:
         share = [r.draft_share for r in rows if r.draft_share is not None]
         fed = [r.mean_fed for r in rows if r.mean_fed is not None]
         single = [r.single_token_share for r in rows if r.single_token_share is not None]
-        ties = [r.tie_ulps for r in rows if r.tie_ulps is not None]
+        ties = [r.tie_ulps for r in rows if r.tie_ulps is not None and r.tie_reading is None]
         tokens, seconds = sum(r.new_tokens for r in rows), sum(r.seconds for r in rows)
         compared = [r for r in rows if r.identical is not None]
         summary[dataset][method] = {
@@ -56,6 +56,7 @@ def summarize(records: list[Record]) -> dict[str, dict[str, dict]]:
             "identical": None if len(compared) < len(rows) else all(r.identical for r in rows),
             "identical_count": sum(bool(r.identical) for r in compared),
             "max_tie_ulps": max(ties) if ties else None,
+            "other_readings": sum(r.tie_reading is not None for r in rows),
         }
     return summary
 
@@ -69,9 +70,11 @@ def identical_cell(row: dict) -> str:
         return f"{row['identical_count']}/{row['prompts']} = its plain"
     if row["identical"] is None or (row["identical"] and row["max_tie_ulps"] is None):
         return IDENTICAL[row["identical"]]
+    others = row.get("other_readings") or 0
+    elsewhere = f", {others} a tie read otherwise" if others else ""
     if row["max_tie_ulps"] is None:
-        return "NO"
-    return f"{row['identical_count']}/{row['prompts']}, ties <= {row['max_tie_ulps']:.1f} ulp"
+        return f"{row['identical_count']}/{row['prompts']}{elsewhere}" if others else "NO"
+    return f"{row['identical_count']}/{row['prompts']}, ties <= {row['max_tie_ulps']:.1f} ulp{elsewhere}"
 
 
 def cells(row: dict) -> list[str]:

@@ -19,8 +19,11 @@ lengths are equal, that is the ratio of wall times).
 
 Low precision (bf16/fp16): a greedy run may leave the reference at a numerical tie (`forerun.exactness`); such a
 run has `identical=False` and `tie_ulps` (the reference's logit margin at the first difference, in units in the last
-place). Only a difference that is not a tie is a mismatch. The row `generate[batch=2]` is the noise floor: plain
-generate of the prompt in a left-padded batch of two, against itself in a batch of one (not timed).
+place). Only a difference that is not a tie is a mismatch; one whose margin is more than a tie, but that another
+reading of the same text calls one (one forward over it, or the token before it fed as a verification forward
+feeds it: `forerun.exactness.tie_reading`), is a tie too, and its record names that reading (`tie_reading`). The row
+`generate[batch=2]` is the noise floor: plain generate of the prompt in a left-padded batch of two, against itself
+in a batch of one (not timed).
 
 Sampled runs (`sampling={"temperature": 0.7, "top_p": 0.9}`) cannot be compared token for token with plain
 generate, which draws its randomness differently (the distribution is proven equal by tests/equality/test_sampling.py):
@@ -43,7 +46,7 @@ from forerun.bench.peers import DENSE_PEERS, PEER_METHODS, DenseGeneratePeer, Ll
 from forerun.bench.records import NOISE_FLOOR, REFERENCE, Record
 from forerun.costmodel import LatencyCurve
 from forerun.decoder import Decoder
-from forerun.exactness import first_divergence
+from forerun.exactness import first_divergence, tie_reading
 from forerun.latency import synchronize
 
 
@@ -188,12 +191,14 @@ class Run:
         """fp32: greedy runs must be token for token identical; lower precision: identical up to ties."""
         return self.model.dtype == torch.float32
 
-    def judge(self, ids: torch.Tensor, reference: torch.Tensor, out: torch.Tensor) -> tuple[bool, float | None]:
-        """(identical, tie margin in ulps at the first difference or None) of a greedy output against the reference."""
+    def judge(self, ids: torch.Tensor, reference: torch.Tensor, out: torch.Tensor) -> dict:
+        """A greedy output against the reference, as `Record` fields: `identical`, and in low precision the tie
+        margin in ulps at the first difference (`tie_ulps`) and, where that is more than a tie, the other reading
+        of the same text that calls it one (`tie_reading`)."""
         if torch.equal(out, reference):
-            return True, None
+            return {"identical": True}
         if self.exact:
-            return False, None
+            return {"identical": False}
         key = tuple(ids[0].tolist())
         if key not in self.reference_logits:  # the timed run kept no logits: the same generate again, untimed
             again = self.model.generate(
@@ -207,10 +212,12 @@ class Run:
                 raise RuntimeError("plain generate is not deterministic on this device; ties cannot be judged")
             self.reference_logits[key] = [row[0].cpu() for row in again.logits]
         start = ids.shape[1]
-        divergence = first_divergence(
-            reference[0, start:].tolist(), out[0, start:].tolist(), self.reference_logits[key], self.model.dtype
-        )
-        return False, (divergence.ulps if divergence is not None else 0.0)
+        expected = reference[0, start:].tolist()
+        divergence = first_divergence(expected, out[0, start:].tolist(), self.reference_logits[key], self.model.dtype)
+        if divergence is None:  # the same tokens, one of them longer
+            return {"identical": False, "tie_ulps": 0.0}
+        reading = None if divergence.is_tie else tie_reading(self.model, ids, expected, divergence)
+        return {"identical": False, "tie_ulps": divergence.ulps, "tie_reading": reading}
 
     def noise_floor(self, ids: torch.Tensor, other: torch.Tensor, prompt: BenchPrompt, reference) -> Record:
         """Plain generate of `ids` in a left-padded batch of two (beside `other`), judged against batch one."""
@@ -237,10 +244,8 @@ class Run:
             if token in eos_ids:
                 row = row[:, : ids.shape[1] + i + 1]
                 break
-        identical, ties = self.judge(ids, reference, row)
-        return Record(
-            prompt.id, prompt.dataset, NOISE_FLOOR, row.shape[1] - ids.shape[1], 0.0, identical, tie_ulps=ties
-        )
+        verdict = self.judge(ids, reference, row)
+        return Record(prompt.id, prompt.dataset, NOISE_FLOOR, row.shape[1] - ids.shape[1], 0.0, **verdict)
 
     def hf(self, ids: torch.Tensor, **extra) -> tuple[torch.Tensor, float]:
         """model.generate (the reference, or with extra arguments such as prompt_lookup_num_tokens); (ids, s)."""
@@ -267,7 +272,7 @@ class Run:
         return Record(prompt.id, prompt.dataset, spec.label, len(tokens), seconds, identical, speedup=speedup)
 
     def one(self, ids, spec: BenchMethod, decoder: Decoder | None, prompt: BenchPrompt, reference, ref_seconds):
-        identical, ties = None, None
+        verdict: dict = {"identical": None}
         ref_rate = (reference.shape[1] - ids.shape[1]) / ref_seconds
         if spec.method in PEER_METHODS:
             return self.peer(ids, spec, prompt, ref_rate)
@@ -278,15 +283,13 @@ class Run:
             out, seconds = self.hf(ids, **extra)
             new = out.shape[1] - ids.shape[1]
             if self.sampling is None:
-                identical, ties = self.judge(ids, reference, out)
+                verdict = self.judge(ids, reference, out)
             speedup = new / seconds / ref_rate
-            return Record(
-                prompt.id, prompt.dataset, spec.label, new, seconds, identical, speedup=speedup, tie_ulps=ties
-            )
+            return Record(prompt.id, prompt.dataset, spec.label, new, seconds, speedup=speedup, **verdict)
         extra = {"prediction": prompt.prediction} if spec.predict and prompt.prediction else {}
         if self.sampling is None:
             result = decoder.generate(ids, self.max_new_tokens, **extra)
-            identical, ties = self.judge(ids, reference, result.sequences)
+            verdict = self.judge(ids, reference, result.sequences)
         else:
             result = decoder.generate(
                 ids, self.max_new_tokens, do_sample=True, seed=self.seed, **self.sampling, **extra
@@ -298,16 +301,15 @@ class Run:
             spec.label,
             s.new_tokens,
             s.total_seconds,
-            identical,
-            s.forwards,
-            s.tokens_per_forward,
-            s.acceptance_rate,
-            s.draft_share,
-            {str(k): v for k, v in sorted(s.accepted_hist.items())},
-            s.new_tokens / s.total_seconds / ref_rate,
-            ties,
-            s.mean_fed,
-            s.single_token_share,
+            forwards=s.forwards,
+            tokens_per_forward=s.tokens_per_forward,
+            acceptance=s.acceptance_rate,
+            draft_share=s.draft_share,
+            accepted_hist={str(k): v for k, v in sorted(s.accepted_hist.items())},
+            speedup=s.new_tokens / s.total_seconds / ref_rate,
+            mean_fed=s.mean_fed,
+            single_token_share=s.single_token_share,
+            **verdict,
         )
 
 
