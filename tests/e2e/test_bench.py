@@ -151,7 +151,9 @@ def test_multiturn_turns_follow_the_answers_so_far(model, tokenizer):
         assert len(after) > len(before) + 6
 
 
-def test_mismatch_detector_catches_an_injected_mismatch(model, tokenizer):
+def corrupter(tokenizer):
+    """A `prepare` for `run_interleaved` that makes each decoder write its last token wrong (the next id)."""
+
     def corrupt(spec, decoder):
         honest = decoder.generate
 
@@ -163,8 +165,12 @@ def test_mismatch_detector_catches_an_injected_mismatch(model, tokenizer):
 
         decoder.generate = generate
 
+    return corrupt
+
+
+def test_mismatch_detector_catches_an_injected_mismatch(model, tokenizer):
     specs = parse_methods("plain,prompt_lookup")
-    records = run_interleaved(model, tokenizer, load_dataset("gsm8k", 1), specs, 6, prepare=corrupt)
+    records = run_interleaved(model, tokenizer, load_dataset("gsm8k", 1), specs, 6, prepare=corrupter(tokenizer))
     lines = mismatch_lines(records)
     assert len(lines) == 2 and "plain on" in lines[0] and "prompt_lookup on" in lines[1]
     # generate against itself in a batch of two is the noise floor: noted, never a forerun mismatch
@@ -181,19 +187,9 @@ def test_in_low_precision_a_wrong_token_is_a_mismatch_and_a_tie_read_otherwise_i
     of experts' router tie) is no mismatch, and its table cell says so."""
     from forerun.bench.report import identical_cell, summarize
 
-    def corrupt(spec, decoder):
-        honest = decoder.generate
-
-        def generate(*args, **kwargs):
-            result = honest(*args, **kwargs)
-            wrong = result.sequences.clone()
-            wrong[0, -1] = (wrong[0, -1] + 1) % len(tokenizer)
-            return dataclasses.replace(result, sequences=wrong)
-
-        decoder.generate = generate
-
     low = copy.deepcopy(model).to(torch.bfloat16)
-    records = run_interleaved(low, tokenizer, load_dataset("gsm8k", 1), parse_methods("plain"), 6, prepare=corrupt)
+    gsm8k, plain = load_dataset("gsm8k", 1), parse_methods("plain")
+    records = run_interleaved(low, tokenizer, gsm8k, plain, 6, prepare=corrupter(tokenizer))
     (wrong,) = [r for r in records if r.method == "plain"]
     assert wrong.identical is False and wrong.tie_reading is None and len(mismatch_lines(records)) == 1
     far = Record("GSM8K/0", "gsm8k", "auto", 6, 1.0, identical=False, tie_ulps=11.0)
