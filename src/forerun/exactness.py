@@ -25,6 +25,7 @@ import torch
 from transformers import DynamicCache
 
 from forerun.forward_inputs import cache_argument
+from forerun.kvcache import keep_accepted
 from forerun.tree import TokenTree, pack, tree_support
 
 TIE_ULPS = 2.0
@@ -132,16 +133,18 @@ def judged_in_company(
     readings, draw = [], torch.Generator().manual_seed(0)
     attention = getattr(model.config, "_attn_implementation", None) or "eager"
     vocab, argument = model.get_input_embeddings().num_embeddings, cache_argument(model) or "past_key_values"
+    head = text.shape[1] - 1
     with torch.inference_mode():
+        cache = DynamicCache(config=model.config)
+        model(text[:, :-1], **{argument: cache}, use_cache=True)  # once: each tree is dropped again after it
         for k in company:
-            cache = DynamicCache(config=model.config)
-            model(text[:, :-1], **{argument: cache}, use_cache=True)
             tree = TokenTree.rooted_at(int(text[0, -1]))
             for token in torch.randint(0, vocab, (k,), generator=draw).tolist():
                 tree.add(0, token, role="probe")  # never fused: k nodes
-            packed = pack(tree, text.shape[1] - 1, attention, model.dtype, text.device)
+            packed = pack(tree, head, attention, model.dtype, text.device)
             inputs = {"attention_mask": packed.attention_mask, "position_ids": packed.position_ids, argument: cache}
             logits = model(input_ids=packed.input_ids, use_cache=True, **inputs).logits[0, 0]
+            keep_accepted(cache, head, [])
             found = first_divergence([divergence.reference_token], [divergence.token], [logits], model.dtype)
             assert found is not None  # the two tokens differ
             readings.append(found)
