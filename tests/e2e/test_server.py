@@ -155,7 +155,7 @@ def test_stop_strings_are_cut_like_openai(client):
         ({"max_tokens": 4}, "prompt"),
         ({"prompt": "hi", "max_tokens": 0}, "max_tokens must be between 1 and 64"),
         ({"prompt": "hi", "max_tokens": 65}, "max_tokens must be between 1 and 64"),
-        ({"prompt": "hi", "n": 2}, "n=2 is not supported"),
+        ({"prompt": "hi", "n": 17}, "n must be between 1 and 16"),
         ({"prompt": "hi", "forerun": {"method": "medusa"}}, "unknown method 'medusa'"),
         ({"prompt": "hi", "forerun": {"method": "draft_model"}}, "start the server with --draft-model"),
         ({"prompt": "hi", "forerun": {"method": "jacobi", "windw": 3}}, "unknown knob(s) ['windw']"),

@@ -101,6 +101,40 @@ def test_a_seeded_sampled_answer_is_the_same_alone_or_among_concurrent_requests(
     assert len(set(together)) == 8
 
 
+def test_n_sampled_choices_are_what_each_seed_writes_alone_and_stream_alike(batching):
+    """OpenAI's `n`: choice i of a seeded request is what that request writes with seed + i alone, as a row of
+    the batch beside the others; streamed, the chunks of every index assemble the same texts; usage counts every
+    choice's tokens and the prompt once."""
+    server, _ = batching
+    client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    messages = [{"role": "user", "content": QUESTIONS[6]}]
+    asked = {"model": MODEL, "messages": messages, "max_tokens": TOKENS, "temperature": 1.0}
+    reply = client.chat.completions.create(**asked, n=3, seed=300)
+    texts = [choice.message.content for choice in sorted(reply.choices, key=lambda c: c.index)]
+    alone = [client.chat.completions.create(**asked, seed=300 + i) for i in range(3)]
+    assert texts == [one.choices[0].message.content for one in alone]
+    assert len(set(texts)) == 3  # a fixed seed would make them alike: each has its own
+    assert reply.usage.completion_tokens == sum(one.usage.completion_tokens for one in alone)
+    assert reply.usage.prompt_tokens == alone[0].usage.prompt_tokens
+    streamed = ["", "", ""]
+    finished = set()
+    for event in client.chat.completions.create(**asked, n=3, seed=300, stream=True):
+        for choice in event.choices:
+            streamed[choice.index] += choice.delta.content or ""
+            if choice.finish_reason is not None:
+                finished.add(choice.index)
+    assert streamed == texts and finished == {0, 1, 2}
+    completions = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, n=2, temperature=0)
+    assert completions.choices[0].text == completions.choices[1].text  # greedy: one text, shown twice
+    long = {"messages": messages, "max_tokens": 256, "temperature": 1.0, "n": 3, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=long, timeout=60) as response:
+        next(response.iter_lines())  # the client reads one event and goes: every choice's row leaves
+    deadline = time.monotonic() + 5  # 3 rows of 256 tokens take far longer here
+    while httpx.get(server.url + "/health").json()["queue"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert httpx.get(server.url + "/health").json()["queue"] == 0
+
+
 def test_a_client_that_disconnects_leaves_the_batch(batching):
     server, app = batching
     body = {"messages": [{"role": "user", "content": "Write a very long story about the sea."}], "max_tokens": 256}

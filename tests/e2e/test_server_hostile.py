@@ -351,6 +351,15 @@ def test_a_flood_beyond_max_queue_gets_429_and_nothing_else_breaks(smollm2):
         assert "forerun_rejected_total" in httpx.get(server.url + "/metrics").text
         again = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120)
         assert again.status_code == 200 and again.json()["choices"][0]["message"]["content"]
+        # 3 sampled choices are 3 generations, more than the queue ever holds: a 400 naming n, not a 429 forever;
+        # 3 greedy ones are one generation shown three times
+        sampled = httpx.post(server.url + "/v1/chat/completions", json={**body, "n": 3, "temperature": 1}, timeout=60)
+        assert sampled.status_code == 400 and sampled.json()["error"]["param"] == "n", sampled.text
+        greedy = httpx.post(server.url + "/v1/chat/completions", json={**body, "n": 3, "max_tokens": 8}, timeout=60)
+        assert greedy.status_code == 200, greedy.text
+        assert len({c["message"]["content"] for c in greedy.json()["choices"]}) == 1
+        assert [c["index"] for c in greedy.json()["choices"]] == [0, 1, 2]
+        assert httpx.get(server.url + "/health").json()["queue"] == 0
     finally:
         server.stop()
 

@@ -30,7 +30,7 @@ def result(stop_at=None, reason="stop", logprobs=True) -> GenerationResult:
 
 def test_a_chat_completion_shows_the_text_before_the_stop_string_and_only_its_logprobs():
     answer = shaping.Answer("chatcmpl-1", 5, "m", chat=True)
-    body = shaping.completion(answer, result(stop_at=4), "auto", Pieces())
+    body = shaping.completion(answer, [result(stop_at=4)], "auto", Pieces())
     choice = body["choices"][0]
     assert body["object"] == "chat.completion" and body["id"] == "chatcmpl-1" and body["model"] == "m"
     assert choice["message"] == {"role": "assistant", "content": "one.", "refusal": None}
@@ -50,14 +50,31 @@ def test_a_chat_completion_shows_the_text_before_the_stop_string_and_only_its_lo
 
 def test_a_text_completion_carries_its_length_reason_and_text_offsets():
     answer = shaping.Answer("cmpl-1", 5, "m", chat=False)
-    body = shaping.completion(answer, result(reason="length"), "plain", Pieces())
+    body = shaping.completion(answer, [result(reason="length")], "plain", Pieces())
     choice = body["choices"][0]
     assert body["object"] == "text_completion" and choice["text"] == "one. two. three"
     assert choice["finish_reason"] == "length"
     assert choice["logprobs"]["tokens"] == Pieces.PIECES
     assert choice["logprobs"]["text_offset"] == [0, 3, 4, 8, 9]
     assert choice["logprobs"]["top_logprobs"][0] == {"one": 0.0, " three": -3.0}
-    assert shaping.completion(answer, result(logprobs=False), "plain", Pieces())["choices"][0]["logprobs"] is None
+    assert shaping.completion(answer, [result(logprobs=False)], "plain", Pieces())["choices"][0]["logprobs"] is None
+
+
+def test_several_choices_count_every_choices_tokens_and_each_generation_once():
+    answer = shaping.Answer("chatcmpl-2", 5, "m", chat=True)
+    first, second = result(reason="length"), result(stop_at=4)
+    second.stats.forwards, second.stats.accepted, first.stats.candidates = 2, 1, 4
+    body = shaping.completion(answer, [first, second], "auto", Pieces())
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    assert [c["message"]["content"] for c in body["choices"]] == ["one. two. three", "one."]
+    assert [c["finish_reason"] for c in body["choices"]] == ["length", "stop"]
+    assert body["usage"]["prompt_tokens"] == 3 and body["usage"]["completion_tokens"] == 10
+    assert body["forerun"]["forwards"] == 5 and body["forerun"]["tokens_per_forward"] == 2.0
+    assert body["forerun"]["acceptance"] == 0.25
+    greedy = shaping.completion(answer, [first, first, first], "auto", Pieces())  # one generation, three choices
+    assert greedy["usage"]["completion_tokens"] == 15 and greedy["forerun"]["forwards"] == 3
+    event = json.loads(shaping.chunk(answer, "x", index=2)[6:])
+    assert event["choices"][0]["index"] == 2 and json.loads(shaping.opening(answer, 1)[6:])["choices"][0]["index"] == 1
 
 
 def test_stream_chunks_are_openai_events_with_logprobs_per_chunk():

@@ -37,7 +37,9 @@ def completion(**fields):
         (chat, {"max_tokens": 65}, "max_tokens", "between 1 and 64"),
         (chat, {"max_tokens": 10**30}, "max_tokens", "between 1 and 64"),
         (chat, {"seed": 2**64}, "seed", "seed must be between"),
-        (chat, {"n": 2}, "n", "n=2 is not supported"),
+        (chat, {"n": 17}, "n", "n must be between 1 and 16"),
+        (chat, {"n": 0}, "n", "n must be between 1 and 16"),
+        (chat, {"n": 3, "seed": 2**63 - 2}, "seed", "seed must be between 0 and 2**63 - 3"),
         (chat, {"tools": [{"type": "function"}]}, "tools", "tools are not supported"),
         (chat, {"tool_choice": "auto"}, "tool_choice", "tool_choice is not supported"),
         (chat, {"response_format": {"type": "json_object"}}, "response_format", "other than text"),
@@ -124,6 +126,16 @@ def test_what_is_honoured():
     assert args.method == "prompt_lookup+trie" and args.knobs == {"trie.decoding_length": 8}
     assert args.sampling == {} and args.chat and not args.stream
     assert args.cache_salt == "tenant-7" and chat().cache_salt is None
+
+
+def test_sampled_choices_are_seeded_one_after_another_and_greedy_ones_are_written_once():
+    sampled = chat(n=3, seed=7, temperature=0.8)
+    assert (sampled.n, sampled.runs) == (3, 3)
+    assert [sampled.request(choice=i).seed for i in range(3)] == [7, 8, 9]  # choice i: what seed 7 + i writes alone
+    assert chat(n=2, temperature=0.8).request(choice=1).seed is None  # unseeded: each choice draws its own
+    greedy = chat(n=3, temperature=0, seed=7)
+    assert (greedy.n, greedy.runs) == (3, 1)  # the same text for each choice
+    assert (chat().n, chat().runs) == (1, 1)
 
 
 def test_sampling_follows_the_request_then_the_models_generation_config():

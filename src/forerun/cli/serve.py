@@ -36,7 +36,9 @@ ALLOW_HOST = typer.Option(
 CACHE = typer.Option("", "--cache", help="Trie file: loaded at start if present, saved at shutdown.")
 MAX_TOKENS_LIMIT = typer.Option(1024, "--max-tokens-limit")
 TIMEOUT = typer.Option(300.0, "--timeout", help="Per-request timeout in seconds, arrival to last token.")
-MAX_QUEUE = typer.Option(64, "--max-queue", help="Most requests queued or running; beyond it: 429.")
+MAX_QUEUE = typer.Option(
+    64, "--max-queue", help="Most generations queued or running (sampled choices each count); beyond it: 429."
+)
 MAX_BATCH = typer.Option(8, "--max-batch", help="Requests decoded together (1 = one at a time).")
 PREFIX_CACHE = typer.Option(
     4096, "--prefix-cache", help="Tokens of KV kept for prompts that begin alike (system prompt, next turn); 0: off"

@@ -36,7 +36,8 @@ class ServerConfig:
     allowed_hosts: tuple[str, ...] | None = None
     """Host header values accepted ('*': any). None: any with an API key, else local names only."""
     max_queue: int = 64
-    """Most requests waiting for or in generation; one more gets 429 with Retry-After (backpressure)."""
+    """Most generations waiting or running (a request's sampled choices each count); one more gets 429 with
+    Retry-After (backpressure)."""
     max_batch: int = 8
     """Most requests decoded together (continuous batching); 1 = one at a time, in arrival order."""
     prefix_cache_tokens: int = DEFAULT_PREFIX_TOKENS

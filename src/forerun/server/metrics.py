@@ -36,7 +36,11 @@ class Metrics:
             buckets=(0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9, 1.0),
             registry=self.registry,
         )
-        self.queue = Gauge("forerun_queue_length", "Requests waiting for or in generation", registry=self.registry)
+        self.queue = Gauge(
+            "forerun_queue_length",
+            "Generations waiting or running (a request's sampled choices each count)",
+            registry=self.registry,
+        )
         self.rejected = Counter("forerun_rejected", "Requests refused with 429 (queue full)", registry=self.registry)
 
     def count(self, path: str, status: int) -> None:

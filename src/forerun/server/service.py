@@ -117,29 +117,57 @@ class Service:
         )
         cancel = threading.Event()
         if not args.stream:
-            decoder, result = await self.generate(args, request, None, cancel)
+            decoder, results = await self.generate_choices(args, request, None, cancel)
             self.metrics.count(request.url.path, 200)
-            return completion(answer, result, decoder.method, self.tokenizer)
-        stream = TokenStream(self.tokenizer, asyncio.get_running_loop(), args.stop, args.logprobs is not None)
-        task = asyncio.create_task(self.generate(args, request, stream, cancel))
-        await started(stream, task, cancel)
+            return completion(answer, results, decoder.method, self.tokenizer)
+        loop, logprobs = asyncio.get_running_loop(), args.logprobs is not None
+        streams = [TokenStream(self.tokenizer, loop, args.stop, logprobs) for _ in range(args.runs)]
+        task = asyncio.create_task(self.generate_choices(args, request, streams, cancel))
+        await started(streams, task, cancel)
         self.metrics.count(request.url.path, 200)
-        return StreamingResponse(self.sse(stream, task, cancel, args, answer), media_type="text/event-stream")
+        return StreamingResponse(self.sse(streams, task, cancel, args, answer), media_type="text/event-stream")
+
+    async def generate_choices(
+        self, args: GenerationArgs, request: Request, streams: list[TokenStream] | None, cancel: threading.Event
+    ) -> tuple[Decoder, list[GenerationResult]]:
+        """The generations a request's choices take (`GenerationArgs.runs`), admitted together and run side by side
+        on the worker (a batch's rows), under one watcher of the client and the deadline; one failing stops the
+        others and fails the request. Returns a result per choice (greedy: the one generation's, n times)."""
+        self.admit(args.runs)
+        why: dict = {}
+        watcher = asyncio.create_task(watch(request, cancel, request.state.deadline, why))
+        runs = [
+            asyncio.create_task(self.generate(args, request, None if streams is None else streams[i], cancel, why, i))
+            for i in range(args.runs)
+        ]
+        try:
+            done = await asyncio.gather(*runs)
+        except BaseException:
+            cancel.set()  # the others stop at their next step
+            await asyncio.gather(*runs, return_exceptions=True)
+            raise
+        finally:
+            watcher.cancel()
+        results = [result for _, result in done]
+        return done[0][0], results * args.n if len(results) == 1 else results
 
     async def generate(
-        self, args: GenerationArgs, request: Request, stream: TokenStream | None, cancel: threading.Event
+        self,
+        args: GenerationArgs,
+        request: Request,
+        stream: TokenStream | None,
+        cancel: threading.Event,
+        why: dict,
+        choice: int = 0,
     ) -> tuple[Decoder, GenerationResult]:
-        """Run one generation on the worker; its deadline started when the request arrived."""
-        try:
-            decoder = self.pool.get(args.method, args.knobs)
-            wanted = args.request(stream, cancel)
-        except ValueError as error:
-            raise APIError(400, str(error), "forerun") from None
-        self.admit()
-        why: dict = {}
+        """Run choice `choice`'s generation on the worker, in a place `admit` took for it."""
         started_s = time.perf_counter()
-        watcher = asyncio.create_task(watch(request, cancel, request.state.deadline, why))
         try:
+            try:
+                decoder = self.pool.get(args.method, args.knobs)
+                wanted = args.request(stream, cancel, choice)
+            except ValueError as error:
+                raise APIError(400, str(error), "forerun") from None
             batched = isinstance(self.worker, BatchWorker)
             result = await self.worker.run(
                 row_of(decoder, wanted) if batched else job_of(decoder, wanted, cancel), cancel
@@ -148,10 +176,11 @@ class Service:
             raise APIError(400, str(error), "messages" if args.chat else "prompt") from None
         except (Abandoned, ShuttingDown):
             raise self.cancelled(why) from None
+        except APIError:
+            raise
         except Exception as error:  # noqa: BLE001 - this request's own failure, answered in OpenAI's shape
             raise failed(error) from None
         finally:
-            watcher.cancel()
             self.metrics.queue.dec()
             self.pending -= 1
         if why.get("reason") == "timeout":
@@ -161,16 +190,20 @@ class Service:
         self.metrics.observe(request.url.path, decoder.method, result.stats, time.perf_counter() - started_s)
         return decoder, result
 
-    def admit(self) -> None:
-        """Take a place in the queue, or refuse with 429 (backpressure: a clear "come back later", not minutes of
-        waiting)."""
-        if self.pending >= self.config.max_queue:
+    def admit(self, places: int = 1) -> None:
+        """Take `places` places in the queue (a request's generations, all or none), or refuse with 429
+        (backpressure: a clear "come back later", not minutes of waiting); 400 where they could never fit."""
+        if places > self.config.max_queue:
+            raise APIError(
+                400, f"n={places} sampled choices need {places} places; this server queues {self.config.max_queue}", "n"
+            )
+        if self.pending + places > self.config.max_queue:
             self.rejected += 1
             self.metrics.rejected.inc()
             busy = f"the server is busy ({self.pending} requests queued); retry later"
             raise APIError(429, busy, kind="rate_limit_exceeded")
-        self.metrics.queue.inc()
-        self.pending += 1
+        self.metrics.queue.inc(places)
+        self.pending += places
 
     def cancelled(self, why: dict) -> APIError:
         if why.get("reason") == "timeout":
@@ -181,35 +214,41 @@ class Service:
         return f"the request took longer than the server's timeout of {self.config.request_timeout_s:g} s"
 
     async def sse(
-        self, stream: TokenStream, task: asyncio.Task, cancel: threading.Event, args: GenerationArgs, answer
+        self, streams: list[TokenStream], task: asyncio.Task, cancel: threading.Event, args: GenerationArgs, answer
     ) -> AsyncIterator[str]:
         """Server-sent events; if the client goes away mid-stream, the generation is cancelled."""
         try:
-            async for item in self.events(stream, task, args, answer):
+            async for item in self.events(streams, task, args, answer):
                 yield item
         finally:
             if not task.done():
                 cancel.set()
 
     async def events(
-        self, stream: TokenStream, task: asyncio.Task, args: GenerationArgs, answer: Answer
+        self, streams: list[TokenStream], task: asyncio.Task, args: GenerationArgs, answer: Answer
     ) -> AsyncIterator[str]:
+        """Every choice's chunks as its generation writes them (greedy choices: the one generation's, each under
+        every index), then each choice's last chunk with its finish reason."""
         if answer.chat:
-            yield opening(answer)
-        offset = 0
-        async for delta, entries in deltas(stream, task):
-            yield chunk(answer, delta, logprobs=logprobs_payload(self.tokenizer, entries, answer.chat, offset))
-            offset += len(delta)
+            for index in range(args.n):
+                yield opening(answer, index)
+        offsets = [0] * args.n
+        async for run, delta, entries in deltas(streams, task):
+            for index in [run] if args.runs == args.n else range(args.n):
+                logprobs = logprobs_payload(self.tokenizer, entries, answer.chat, offsets[index])
+                yield chunk(answer, delta, logprobs=logprobs, index=index)
+                offsets[index] += len(delta)
         try:
-            decoder, result = await task
+            decoder, results = await task
         except APIError as error:
             yield event(error_body(error.status, error.message, error.param, error.kind))
         except Exception as error:  # noqa: BLE001 - a stream ends with an error event and [DONE], never cut
             failure = failed(error)
             yield event(error_body(failure.status, failure.message, kind=failure.kind))
         else:
-            extra = usage(result, decoder.method)
-            yield chunk(answer, None, result.finish_reason, {"forerun": extra["forerun"]})
+            extra = usage(results, decoder.method)
+            for index, result in enumerate(results):
+                yield chunk(answer, None, result.finish_reason, {"forerun": extra["forerun"]}, index=index)
             if args.include_usage:  # as OpenAI: a last chunk with no choices carries the usage
                 yield chunk(answer, None, None, {"usage": extra["usage"]}, choices=False)
         yield DONE
@@ -231,28 +270,33 @@ def row_of(decoder: Decoder, wanted):
     return lambda: (decoder.prepare(wanted), decoder)
 
 
-async def deltas(stream: TokenStream, task: asyncio.Task) -> AsyncIterator[tuple[str, list | None]]:
-    """The stream's (text delta, logprob entries) until it ends, or until its generation fails."""
-    while True:
-        getter = asyncio.ensure_future(stream.queue.get())
-        done, _ = await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
-        if getter in done:
-            item = getter.result()
-            if item is None:
+async def deltas(streams: list[TokenStream], task: asyncio.Task) -> AsyncIterator[tuple[int, str, list | None]]:
+    """(stream index, text delta, logprob entries) of every stream as they come, until each has ended or the
+    generation has failed."""
+    getters = {asyncio.ensure_future(stream.queue.get()): run for run, stream in enumerate(streams)}
+    try:
+        while getters:
+            waited = set(getters) if task.done() else {*getters, task}
+            done, _ = await asyncio.wait(waited, return_when=asyncio.FIRST_COMPLETED)
+            for getter in sorted(done & set(getters), key=getters.__getitem__):
+                run = getters.pop(getter)
+                item = getter.result()
+                if item is not None:
+                    yield run, *item
+                    getters[asyncio.ensure_future(streams[run].queue.get())] = run
+            if task in done and (task.cancelled() or task.exception() is not None):
                 return
-            yield item
-            continue
-        getter.cancel()
-        if task.cancelled() or task.exception() is not None:
-            return
+    finally:
+        for getter in getters:
+            getter.cancel()
 
 
-async def started(stream: TokenStream, task: asyncio.Task, cancel: threading.Event) -> None:
-    """Wait until a streamed generation has begun (its prompt checked, its place in the batch taken) or failed
-    before: a full queue, a bad knob, a prompt over the context, a timeout while queued then answer with their
-    HTTP status (429 with Retry-After, 400, 504), not as an error event inside a 200 stream, so clients' status
-    handling and retries work for streams too."""
-    waiter = asyncio.ensure_future(stream.started.wait())
+async def started(streams: list[TokenStream], task: asyncio.Task, cancel: threading.Event) -> None:
+    """Wait until a streamed request's generations have all begun (their prompts checked, their places in the
+    batch taken) or one failed before: a full queue, a bad knob, a prompt over the context, a timeout while queued
+    then answer with their HTTP status (429 with Retry-After, 400, 504), not as an error event inside a 200 stream,
+    so clients' status handling and retries work for streams too."""
+    waiter = asyncio.ensure_future(asyncio.gather(*(stream.started.wait() for stream in streams)))
     try:
         await asyncio.wait({waiter, task}, return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:
@@ -260,7 +304,7 @@ async def started(stream: TokenStream, task: asyncio.Task, cancel: threading.Eve
         raise
     finally:
         waiter.cancel()
-    if not stream.started.is_set() and task.done():
+    if not all(stream.started.is_set() for stream in streams) and task.done():
         await task  # it failed before its first step: APIError -> its status
 
 

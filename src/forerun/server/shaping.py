@@ -35,28 +35,34 @@ class Answer:
         return "chat.completion.chunk" if self.chat else "text_completion"
 
 
-def usage(result: GenerationResult, method: str) -> dict:
-    """OpenAI's `usage` (with cached prompt tokens and predicted-output counts) and forerun's own statistics."""
-    s = result.stats
+def usage(results: Sequence[GenerationResult], method: str) -> dict:
+    """OpenAI's `usage` of a response's choices (with cached prompt tokens and predicted-output counts; the prompt
+    counted once, every choice's tokens) and forerun's own statistics of the generations that wrote them (greedy
+    choices are one generation shown n times; sampled ones a row each, whose forwards each count)."""
+    generations = list({id(result): result for result in results}.values())
+    first, stats = generations[0], [result.stats for result in generations]
+    new_tokens, forwards = sum(s.new_tokens for s in stats), sum(s.forwards for s in stats)
+    candidates = sum(s.candidates for s in stats)
+    completion_tokens = sum(result.stats.new_tokens for result in results)
     return {
         "usage": {
-            "prompt_tokens": result.prompt_len,
-            "completion_tokens": s.new_tokens,
-            "total_tokens": result.prompt_len + s.new_tokens,
-            "prompt_tokens_details": {"cached_tokens": s.cached_prompt_tokens},
+            "prompt_tokens": first.prompt_len,
+            "completion_tokens": completion_tokens,
+            "total_tokens": first.prompt_len + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": first.stats.cached_prompt_tokens},
             "completion_tokens_details": {
-                "accepted_prediction_tokens": result.accepted_prediction_tokens,
-                "rejected_prediction_tokens": result.rejected_prediction_tokens,
+                "accepted_prediction_tokens": sum(result.accepted_prediction_tokens for result in results),
+                "rejected_prediction_tokens": sum(result.rejected_prediction_tokens for result in results),
             },
         },
         "forerun": {
             "method": method,
-            "forwards": s.forwards,
-            "tokens_per_forward": s.tokens_per_forward,
-            "acceptance": s.acceptance_rate,
-            "seconds": s.total_seconds,
-            "prefill_seconds": s.prefill_seconds,
-            "prefill_chunks": s.prefill_chunks,
+            "forwards": forwards,
+            "tokens_per_forward": new_tokens / forwards if forwards else 0.0,
+            "acceptance": sum(s.accepted for s in stats) / candidates if candidates else 0.0,
+            "seconds": max(s.total_seconds for s in stats),
+            "prefill_seconds": max(s.prefill_seconds for s in stats),
+            "prefill_chunks": sum(s.prefill_chunks for s in stats),
         },
     }
 
@@ -86,25 +92,28 @@ def logprobs_payload(tokenizer, entries: Sequence[TokenLogprob] | None, chat: bo
     }
 
 
-def completion(answer: Answer, result: GenerationResult, method: str, tokenizer) -> dict:
-    """The whole (not streamed) response: the text up to the first stop string, its finish reason, logprobs."""
-    text = result.shown_text
-    entries = None if result.logprobs is None else entries_before(tokenizer, result.logprobs, result.stop_at)
-    logprobs = logprobs_payload(tokenizer, entries, answer.chat)
-    reason = result.finish_reason
-    if answer.chat:
-        message = {"role": "assistant", "content": text, "refusal": None}
-        choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": reason}
-    else:
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
+def completion(answer: Answer, results: Sequence[GenerationResult], method: str, tokenizer) -> dict:
+    """The whole (not streamed) response, a choice per result: the text up to the first stop string, its finish
+    reason, logprobs."""
     return {
         "id": answer.ident,
         "object": answer.kind,
         "created": answer.created,
         "model": answer.model,
-        "choices": [choice],
-        **usage(result, method),
+        "choices": [choice_of(answer, result, index, tokenizer) for index, result in enumerate(results)],
+        **usage(results, method),
     }
+
+
+def choice_of(answer: Answer, result: GenerationResult, index: int, tokenizer) -> dict:
+    """Choice `index` of a whole response."""
+    text = result.shown_text
+    entries = None if result.logprobs is None else entries_before(tokenizer, result.logprobs, result.stop_at)
+    logprobs = logprobs_payload(tokenizer, entries, answer.chat)
+    if answer.chat:
+        message = {"role": "assistant", "content": text, "refusal": None}
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": result.finish_reason}
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": result.finish_reason}
 
 
 def chunk(
@@ -114,12 +123,14 @@ def chunk(
     extra: dict | None = None,
     choices: bool = True,
     logprobs: dict | None = None,
+    index: int = 0,
 ) -> str:
-    """One server-sent event of a stream: a text delta (None: no content, e.g. the last chunk with its reason)."""
+    """One server-sent event of a stream: a text delta of choice `index` (None: no content, e.g. the last chunk
+    with its reason)."""
     if answer.chat:
-        choice = {"index": 0, "delta": {} if delta is None else {"content": delta}, "finish_reason": reason}
+        choice = {"index": index, "delta": {} if delta is None else {"content": delta}, "finish_reason": reason}
     else:
-        choice = {"index": 0, "text": delta or "", "finish_reason": reason}
+        choice = {"index": index, "text": delta or "", "finish_reason": reason}
     choice["logprobs"] = logprobs
     payload = {
         "id": answer.ident,
@@ -132,9 +143,9 @@ def chunk(
     return f"data: {json.dumps(payload)}\n\n"
 
 
-def opening(answer: Answer) -> str:
-    """A chat stream's first chunk: the assistant's role, no content yet."""
-    first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+def opening(answer: Answer, index: int = 0) -> str:
+    """A chat stream's first chunk of choice `index`: the assistant's role, no content yet."""
+    first = {"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
     payload = {"id": answer.ident, "object": answer.chunk_kind, "created": answer.created, "model": answer.model}
     return f"data: {json.dumps({**payload, 'choices': [first]})}\n\n"
 

@@ -32,6 +32,8 @@ MAX_TOP_LOGPROBS = {"chat": 20, "completions": 5}
 """As OpenAI: top_logprobs <= 20 in chat, logprobs <= 5 in completions."""
 MAX_SALT_CHARS = 256
 """A cache salt names a tenant (a hash or an id), not a text."""
+MAX_CHOICES = 16
+"""Choices one request may ask for (`n`): each sampled one is a row of its own in the batch."""
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
@@ -82,15 +84,27 @@ class GenerationArgs:
     include_usage: bool
     cache_salt: str | None = None
     """Prefix-cache entries are shared only among requests with the same salt (None: the unsalted ones)."""
+    n: int = 1
+    """Choices asked for (OpenAI's `n`)."""
 
-    def request(self, streamer: object | None = None, cancel: threading.Event | None = None) -> GenerationRequest:
-        """The `GenerationRequest` this asks for, with the server's own streamer and cancel event."""
+    @property
+    def runs(self) -> int:
+        """Generations the choices take: one each where they are sampled, one for all where they are not (greedy
+        choices are the same text, written once and shown `n` times)."""
+        return self.n if self.sampling.get("do_sample") else 1
+
+    def request(
+        self, streamer: object | None = None, cancel: threading.Event | None = None, choice: int = 0
+    ) -> GenerationRequest:
+        """The `GenerationRequest` of choice `choice`, with the server's own streamer and cancel event: choice i
+        of a seeded request is seeded seed + i (as row i of a batch in `Decoder.generate`), so it writes what a
+        request of n=1 with that seed writes."""
         return GenerationRequest.of(
             self.prompt,
             self.max_new_tokens,
             chat=self.chat,
             stop=tuple(self.stop),
-            seed=self.seed,
+            seed=None if self.seed is None else self.seed + choice,
             prediction=self.prediction,
             logprobs=self.logprobs,
             cache_salt=self.cache_salt,
@@ -288,8 +302,9 @@ def translate(body: ChatRequest | CompletionRequest, limits: Limits) -> Generati
             "model",
             "not_found_error",
         )
-    if body.n not in (None, 1):
-        raise refuse("n", f"n={body.n} is not supported: forerun returns one choice (n=1)")
+    n = 1 if body.n is None else body.n
+    if not 1 <= n <= MAX_CHOICES:
+        raise refuse("n", f"n must be between 1 and {MAX_CHOICES} (choices per request), got {n}")
     unsupported(body)
     if chat:
         prompt: str | list[dict] = chat_messages(body)
@@ -306,8 +321,8 @@ def translate(body: ChatRequest | CompletionRequest, limits: Limits) -> Generati
         max_tokens = min(limits.default_max_tokens, limits.max_tokens_limit)
     if not 1 <= max_tokens <= limits.max_tokens_limit:
         raise refuse(field_name, f"{field_name} must be between 1 and {limits.max_tokens_limit}, got {max_tokens}")
-    if body.seed is not None and not 0 <= body.seed <= 2**63 - 1:
-        raise refuse("seed", f"seed must be between 0 and 2**63 - 1, got {body.seed}")
+    if body.seed is not None and not 0 <= body.seed <= 2**63 - n:  # choice i is seeded seed + i
+        raise refuse("seed", f"seed must be between 0 and 2**63 - {n}, got {body.seed}")
     check_stream_options(body)
     method, knobs = method_of(body, limits)
     return GenerationArgs(
@@ -324,6 +339,7 @@ def translate(body: ChatRequest | CompletionRequest, limits: Limits) -> Generati
         stream=body.stream,
         include_usage=bool((body.stream_options or {}).get("include_usage", False)),
         cache_salt=cache_salt_of(body),
+        n=n,
     )
 
 
