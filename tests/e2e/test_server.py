@@ -142,6 +142,22 @@ def test_streamed_chunks_carry_the_logprobs_of_their_tokens(smollm2, client):
     assert text == whole.choices[0].message.content
 
 
+def test_logit_bias_is_what_transformers_sequence_bias_writes(smollm2, client):
+    """OpenAI's logit_bias: a banned token (-100) and a favoured one, the answer plain generate's with
+    `sequence_bias` (and not plain generate's own)."""
+    model, tokenizer = smollm2
+    prompt = "def fibonacci(n):\n    "
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    own = model.generate(ids, max_new_tokens=16, do_sample=False)[0, ids.shape[1] :].tolist()
+    bias = {own[0]: -100.0, own[3]: 4.0}
+    biased = model.generate(ids, max_new_tokens=16, do_sample=False, sequence_bias={(t,): b for t, b in bias.items()})
+    reference = tokenizer.decode(biased[0, ids.shape[1] :], skip_special_tokens=True)
+    response = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=16, temperature=0, logit_bias={str(t): b for t, b in bias.items()}
+    )
+    assert response.choices[0].text == reference != plain_text(smollm2, prompt=prompt)
+
+
 def test_stop_strings_are_cut_like_openai(client):
     response = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=16, temperature=0, stop=[","])
     assert "," not in response.choices[0].text

@@ -8,7 +8,7 @@ from pydantic import ValidationError
 from forerun.server.schemas import ChatRequest, CompletionRequest
 from forerun.server.translate import APIError, Limits, translate
 
-LIMITS = Limits(model_name="tiny", method="auto", max_tokens_limit=64)
+LIMITS = Limits(model_name="tiny", method="auto", max_tokens_limit=64, vocab_size=1000)
 HI = [{"role": "user", "content": "Hi"}]
 
 
@@ -43,7 +43,15 @@ def completion(**fields):
         (chat, {"tools": [{"type": "function"}]}, "tools", "tools are not supported"),
         (chat, {"tool_choice": "auto"}, "tool_choice", "tool_choice is not supported"),
         (chat, {"response_format": {"type": "json_object"}}, "response_format", "other than text"),
-        (chat, {"logit_bias": {"50256": -100}}, "logit_bias", "logit_bias is not supported"),
+        (chat, {"logit_bias": {"1000": -100}}, "logit_bias", "token ids [0, 1000), got '1000'"),
+        (chat, {"logit_bias": {"-5": 1}}, "logit_bias", "token ids [0, 1000)"),
+        (chat, {"logit_bias": {"a7": 1}}, "logit_bias", "token ids [0, 1000)"),
+        (chat, {"logit_bias": {"٧": 1}}, "logit_bias", "token ids [0, 1000)"),  # a digit, not an ASCII one
+        (chat, {"logit_bias": {"5": 100.5}}, "logit_bias", "between -100 and 100, got 100.5"),
+        (chat, {"logit_bias": {"5": True}}, "logit_bias", "between -100 and 100, got True"),
+        (completion, {"logit_bias": {"5": "1"}}, "logit_bias", "between -100 and 100"),
+        (chat, {"logit_bias": {"5": float("nan")}}, "logit_bias", "between -100 and 100"),
+        (chat, {"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias", "at most 300 tokens, got 301"),
         (chat, {"frequency_penalty": 0.5}, "frequency_penalty", "use repetition_penalty"),
         (chat, {"modalities": ["text", "audio"]}, "modalities", "only the text modality"),
         (chat, {"top_logprobs": 3}, "top_logprobs", "needs logprobs: true"),
@@ -126,6 +134,13 @@ def test_what_is_honoured():
     assert args.method == "prompt_lookup+trie" and args.knobs == {"trie.decoding_length": 8}
     assert args.sampling == {} and args.chat and not args.stream
     assert args.cache_salt == "tenant-7" and chat().cache_salt is None
+
+
+def test_logit_bias_becomes_transformers_sequence_bias_for_greedy_and_sampled_requests():
+    for args in (chat(logit_bias={"5": -100, "7": 2.5}), chat(logit_bias={"5": -100, "7": 2.5}, temperature=0.7)):
+        assert args.logit_bias == {5: -100.0, 7: 2.5}
+        assert args.request().generation["sequence_bias"] == {(5,): -100.0, (7,): 2.5}
+    assert chat().logit_bias is None and "sequence_bias" not in chat(logit_bias={}).request().generation
 
 
 def test_sampled_choices_are_seeded_one_after_another_and_greedy_ones_are_written_once():

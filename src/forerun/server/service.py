@@ -50,6 +50,7 @@ class Service:
             device_type=next(model.parameters()).device.type,
             request_methods=config.request_methods,
             head=config.draft_head is not None,
+            vocab_size=getattr(model.config.get_text_config(decoder=True), "vocab_size", None),
         )
         self.pool = DecoderPool(
             model, tokenizer, config.method, config.knobs, draft_model, PrefixCache(config.prefix_cache_tokens),

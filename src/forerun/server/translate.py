@@ -9,40 +9,36 @@ Example:
     >>> translate(ChatRequest(messages=[{"role": "user", "content": "Hi"}], tools=[{"type": "function"}]), limits)
     Traceback (most recent call last):
     ...
-    forerun.server.translate.APIError: tools are not supported: this server runs a plain text model (no tool calls)
+    forerun.server.fields.APIError: tools are not supported: this server runs a plain text model (no tool calls)
 """
 
 from __future__ import annotations
 
-import math
 import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from forerun.checks import check_sampling, check_text
 from forerun.defaults import DEFAULT_METHOD
 from forerun.methods import parse_method, plan_method
 from forerun.request import GenerationRequest
+from forerun.server.fields import (
+    APIError,
+    cache_salt_of,
+    chat_messages,
+    check_stream_options,
+    checked,
+    logit_bias_of,
+    logprobs_of,
+    prediction_of,
+    refuse,
+    sampling_of,
+    stops_of,
+)
 from forerun.server.schemas import ChatRequest, CommonRequest, CompletionRequest
 
-MAX_STOPS = 4
-"""As OpenAI."""
-MAX_STOP_CHARS = 500
-MAX_TOP_LOGPROBS = {"chat": 20, "completions": 5}
-"""As OpenAI: top_logprobs <= 20 in chat, logprobs <= 5 in completions."""
-MAX_SALT_CHARS = 256
-"""A cache salt names a tenant (a hash or an id), not a text."""
+__all__ = ["APIError", "GenerationArgs", "Limits", "translate"]
 MAX_CHOICES = 16
 """Choices one request may ask for (`n`): each sampled one is a row of its own in the batch."""
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-
-
-class APIError(Exception):
-    """An error the client caused (or a limit it hit), sent as OpenAI's error shape with `status`."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.param, self.kind = status, message, param, kind
 
 
 @dataclass(frozen=True)
@@ -62,6 +58,8 @@ class Limits:
     """Methods a request may name besides the server's (None: any; `ServerConfig.request_methods`)."""
     head: bool = False
     """Whether the server drafts with a trained head ('auto' then includes it, and its knobs route to it)."""
+    vocab_size: int | None = None
+    """Token ids `logit_bias` may name: [0, vocab_size) (None: unchecked here; the processor would fail)."""
 
 
 @dataclass(frozen=True)
@@ -86,6 +84,8 @@ class GenerationArgs:
     """Prefix-cache entries are shared only among requests with the same salt (None: the unsalted ones)."""
     n: int = 1
     """Choices asked for (OpenAI's `n`)."""
+    logit_bias: dict[int, float] | None = None
+    """A bias added to each named token's logit (OpenAI's `logit_bias`, transformers' `sequence_bias`)."""
 
     @property
     def runs(self) -> int:
@@ -111,18 +111,13 @@ class GenerationArgs:
             streamer=streamer,
             cancel=cancel,
             **self.sampling,  # do_sample and the processors' settings
+            **({} if not self.logit_bias else {"sequence_bias": {(t,): b for t, b in self.logit_bias.items()}}),
         )
-
-
-def refuse(field_name: str, message: str) -> APIError:
-    return APIError(400, message, field_name)
 
 
 def unsupported(body: CommonRequest) -> None:
     """Fields OpenAI defines that this server cannot honour: refused when set to anything but their no-op."""
-    checks: list[tuple[str, Any, str]] = [
-        ("logit_bias", body.logit_bias, "logit_bias is not supported (it would change what the model writes)"),
-    ]
+    checks: list[tuple[str, Any, str]] = []
     for name in ("frequency_penalty", "presence_penalty"):
         value = getattr(body, name)
         if value not in (None, 0, 0.0):
@@ -162,134 +157,6 @@ def unsupported(body: CommonRequest) -> None:
     for name, value, message in checks:
         if value not in (None, [], {}):
             raise refuse(name, message)
-
-
-def chat_messages(body: ChatRequest) -> list[dict]:
-    """Messages as the chat template takes them: content parts joined, everything checked."""
-    messages = []
-    for i, message in enumerate(body.messages):
-        where = f"messages[{i}]"
-        if message.tool_calls or message.function_call:
-            raise refuse(f"{where}.tool_calls", f"{where}: tool calls are not supported by this server")
-        content = message.content
-        if isinstance(content, list):
-            pieces = []
-            for j, part in enumerate(content):
-                kind = part.get("type")
-                unknown = sorted(set(part) - {"type", "text"})
-                if kind == "text" and unknown:  # e.g. cache_control: honoured nowhere, so refused, not dropped
-                    raise refuse(f"{where}.content[{j}]", f"{where}.content[{j}]: unrecognized field(s) {unknown}")
-                if kind != "text":
-                    raise refuse(
-                        f"{where}.content[{j}]",
-                        f"{where}.content[{j}]: {kind!r} parts are not supported: this server runs a text-only "
-                        "model (send text parts only)",
-                    )
-                if not isinstance(part.get("text"), str):
-                    raise refuse(f"{where}.content[{j}]", f"{where}.content[{j}]: a text part needs a string 'text'")
-                pieces.append(part["text"])
-            content = "".join(pieces)
-        if content is None:
-            raise refuse(f"{where}.content", f"{where}.content is missing")
-        checked(f"{where}.content", content)
-        messages.append({"role": message.role, "content": content})
-    if all(not m["content"].strip() for m in messages):
-        raise refuse("messages", "every message's content is empty or only whitespace: there is nothing to answer")
-    return messages
-
-
-def checked(name: str, text: str) -> str:
-    try:
-        check_text(name, text)
-    except ValueError as error:
-        raise refuse(name, str(error)) from None
-    return text
-
-
-def stops_of(body: CommonRequest) -> list[str]:
-    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    if len(stops) > MAX_STOPS:
-        raise refuse("stop", f"stop takes at most {MAX_STOPS} sequences, got {len(stops)}")
-    for i, stop in enumerate(stops):
-        if not stop:
-            raise refuse("stop", f"stop[{i}] is empty: an empty stop sequence would end the answer at once")
-        if len(stop) > MAX_STOP_CHARS:
-            raise refuse("stop", f"stop[{i}] has {len(stop)} characters; at most {MAX_STOP_CHARS}")
-        checked(f"stop[{i}]", stop)
-    return stops
-
-
-def sampling_of(body: CommonRequest, limits: Limits) -> dict:
-    """Sampling settings: the request's fields, else the model's generation_config's; {} = greedy.
-
-    Sampling happens when the temperature (the request's, else the model's default) is above 0, or when the
-    request gives top_p, top_k or min_p without a temperature (OpenAI's default temperature is 1), or when the
-    model's generation_config samples by default. A repetition penalty applies to greedy decoding too.
-    """
-    given = {name: getattr(body, name) for name in SAMPLING_FIELDS if getattr(body, name) is not None}
-    for name, value in given.items():
-        if isinstance(value, float) and not math.isfinite(value):
-            raise refuse(name, f"{name} must be a finite number, got {value}")
-    if "temperature" in given and not (given["temperature"] == 0 or 1e-4 <= given["temperature"] <= 2):
-        raise refuse(
-            "temperature", f"temperature must be 0 (greedy) or between 0.0001 and 2, got {given['temperature']}"
-        )
-    if "top_k" in given and given["top_k"] < 1:
-        raise refuse("top_k", f"top_k must be >= 1, got {given['top_k']}")
-    defaults = {k: v for k, v in limits.sampling_defaults.items() if k in SAMPLING_FIELDS}
-    settings = {**defaults, **given}
-    if "temperature" in given:
-        sample = given["temperature"] > 0
-    else:
-        sample = bool(limits.sampling_defaults.get("do_sample")) or bool(set(given) & {"top_p", "top_k", "min_p"})
-    if not sample or settings.get("temperature") == 0:
-        settings = {k: v for k, v in settings.items() if k == "repetition_penalty"}
-    else:
-        settings["do_sample"] = True
-    try:
-        check_sampling(settings)
-    except ValueError as error:
-        name = str(error).split(" ", 1)[0]
-        raise refuse(name, str(error)) from None
-    return settings
-
-
-def logprobs_of(body: CommonRequest, chat: bool) -> int | None:
-    most = MAX_TOP_LOGPROBS["chat" if chat else "completions"]
-    if chat:
-        top = body.top_logprobs
-        if top is not None and not body.logprobs:
-            raise refuse("top_logprobs", "top_logprobs needs logprobs: true")
-        if not body.logprobs:
-            return None
-        top = 0 if top is None else top
-        name = "top_logprobs"
-    else:
-        top, name = body.logprobs, "logprobs"
-        if top is None:
-            return None
-    if not 0 <= top <= most:
-        raise refuse(name, f"{name} must be between 0 and {most}, got {top}")
-    return top
-
-
-def prediction_of(body: ChatRequest) -> str | None:
-    prediction = body.prediction
-    if prediction is None:
-        return None
-    if prediction.get("type") != "content":
-        raise refuse("prediction", "prediction.type must be 'content'")
-    unknown = sorted(set(prediction) - {"type", "content"})
-    if unknown:
-        raise refuse("prediction", f"prediction: unrecognized field(s) {unknown}")
-    content = prediction.get("content")
-    if isinstance(content, list):
-        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-            raise refuse("prediction", "prediction.content parts must be text parts")
-        content = "".join(p["text"] for p in content)
-    if not isinstance(content, str):
-        raise refuse("prediction", "prediction.content must be a string or a list of text parts")
-    return checked("prediction.content", content) or None
 
 
 def translate(body: ChatRequest | CompletionRequest, limits: Limits) -> GenerationArgs:
@@ -340,19 +207,8 @@ def translate(body: ChatRequest | CompletionRequest, limits: Limits) -> Generati
         include_usage=bool((body.stream_options or {}).get("include_usage", False)),
         cache_salt=cache_salt_of(body),
         n=n,
+        logit_bias=logit_bias_of(body, limits.vocab_size),
     )
-
-
-def check_stream_options(body: ChatRequest | CompletionRequest) -> None:
-    """`stream_options` only with `stream`, and only `include_usage`, a boolean; else an APIError naming it."""
-    if body.stream_options is None:
-        return
-    if not body.stream:
-        raise refuse("stream_options", "stream_options needs stream: true")
-    if set(body.stream_options) - {"include_usage"}:
-        raise refuse("stream_options", f"stream_options takes include_usage only, got {sorted(body.stream_options)}")
-    if not isinstance(body.stream_options.get("include_usage", False), bool):  # bool("false") is True
-        raise refuse("stream_options", "stream_options.include_usage must be true or false")
 
 
 def method_of(body: ChatRequest | CompletionRequest, limits: Limits) -> tuple[str, dict]:
@@ -386,12 +242,3 @@ def admitted(method: str, allowed: tuple[str, ...]) -> bool:
     listed = set(allowed)
     parts = {part.strip() for part in method.split("+")}
     return parts <= listed or {spec.name for spec in parse_method(method)} <= listed
-
-
-def cache_salt_of(body: CommonRequest) -> str | None:
-    salt = body.cache_salt
-    if salt is None:
-        return None
-    if not salt or len(salt) > MAX_SALT_CHARS:
-        raise refuse("cache_salt", f"cache_salt must be 1 to {MAX_SALT_CHARS} characters, got {len(salt)}")
-    return checked("cache_salt", salt)
