@@ -277,16 +277,18 @@ async def deltas(streams: list[TokenStream], task: asyncio.Task) -> AsyncIterato
     getters = {asyncio.ensure_future(stream.queue.get()): run for run, stream in enumerate(streams)}
     try:
         while getters:
-            waited = set(getters) if task.done() else {*getters, task}
+            succeeded = task.done() and not task.cancelled() and task.exception() is None
+            waited = set(getters) if succeeded else {*getters, task}  # succeeded: its streams' ends are coming
             done, _ = await asyncio.wait(waited, return_when=asyncio.FIRST_COMPLETED)
-            for getter in sorted(done & set(getters), key=getters.__getitem__):
+            ready = sorted(done & set(getters), key=getters.__getitem__)
+            for getter in ready:
                 run = getters.pop(getter)
                 item = getter.result()
                 if item is not None:
                     yield run, *item
                     getters[asyncio.ensure_future(streams[run].queue.get())] = run
-            if task in done and (task.cancelled() or task.exception() is not None):
-                return
+            if task in done and not ready:
+                return  # it failed, and what its streams had sent is out: a failed row's stream may never end
     finally:
         for getter in getters:
             getter.cancel()
