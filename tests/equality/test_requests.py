@@ -129,6 +129,24 @@ def test_greedy_rows_with_processors_choose_at_once_as_on_a_card(model, monkeypa
     assert all(torch.equal(r.sequences, want) for r, want in zip(batched, expected, strict=True))
 
 
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gpt2"])
+def test_a_logit_bias_decodes_as_plain_generate_with_sequence_bias(family, attention):
+    """The server's `logit_bias` is transformers' `sequence_bias` of single tokens: every method, alone and batched,
+    writes what plain generate with it writes, and the bias changes the text (the control)."""
+    biased_model = tiny_model(family, attention)
+    texts = prompts(2)
+    unbiased = plain(biased_model, texts[0])[0, texts[0].shape[1] :].tolist()
+    bias = {(max(set(unbiased), key=unbiased.count),): -100.0, (unbiased[5],): 3.0}
+    expected = [plain(biased_model, p, sequence_bias=bias) for p in texts]
+    assert not torch.equal(expected[0], plain(biased_model, texts[0]))
+    for method in ("prompt_lookup", "trie", "auto"):
+        decoder = forerun.Decoder(biased_model, None, method, latency=CURVE)
+        assert torch.equal(decoder.generate(texts[0], 30, eos_token_id=[], sequence_bias=bias).sequences, expected[0])
+        batched = decoder.generate(texts, 30, eos_token_id=[], sequence_bias=bias)
+        assert all(torch.equal(r.sequences, want) for r, want in zip(batched, expected, strict=True)), method
+
+
 def test_a_requests_own_pad_id_is_taken(model):
     prompt = prompts(1)[0]
     got = forerun.Decoder(model, None, "prompt_lookup").generate(prompt, 30, pad_token_id=3, eos_token_id=[])
