@@ -21,6 +21,7 @@ from fastapi.responses import StreamingResponse
 
 from forerun.decoder import Decoder, GenerationResult
 from forerun.prefixcache import PrefixCache
+from forerun.request import GenerationRequest
 from forerun.server.config import ServerConfig, load_trie_cache, sampling_defaults
 from forerun.server.errors import error_body, failed
 from forerun.server.metrics import Metrics
@@ -134,41 +135,37 @@ class Service:
         """The generations a request's choices take (`GenerationArgs.runs`), admitted together and run side by side
         on the worker (a batch's rows), under one watcher of the client and the deadline; one failing stops the
         others and fails the request. Returns a result per choice (greedy: the one generation's, n times)."""
+        try:
+            decoder = self.pool.get(args.method, args.knobs)
+            wanted = [args.request(None if streams is None else streams[i], cancel, i) for i in range(args.runs)]
+        except ValueError as error:
+            raise APIError(400, str(error), "forerun") from None
         self.admit(args.runs)
         why: dict = {}
         watcher = asyncio.create_task(watch(request, cancel, request.state.deadline, why))
-        runs = [
-            asyncio.create_task(self.generate(args, request, None if streams is None else streams[i], cancel, why, i))
-            for i in range(args.runs)
-        ]
+        runs = [asyncio.create_task(self.generate(args, request, decoder, each, cancel, why)) for each in wanted]
         try:
-            done = await asyncio.gather(*runs)
+            results = await asyncio.gather(*runs)
         except BaseException:
             cancel.set()  # the others stop at their next step
             await asyncio.gather(*runs, return_exceptions=True)
             raise
         finally:
             watcher.cancel()
-        results = [result for _, result in done]
-        return done[0][0], results * args.n if len(results) == 1 else results
+        return decoder, results * args.n if len(results) == 1 else results
 
     async def generate(
         self,
         args: GenerationArgs,
         request: Request,
-        stream: TokenStream | None,
+        decoder: Decoder,
+        wanted: GenerationRequest,
         cancel: threading.Event,
         why: dict,
-        choice: int = 0,
-    ) -> tuple[Decoder, GenerationResult]:
-        """Run choice `choice`'s generation on the worker, in a place `admit` took for it."""
+    ) -> GenerationResult:
+        """Run one choice's generation on the worker, in a place `admit` took for it."""
         started_s = time.perf_counter()
         try:
-            try:
-                decoder = self.pool.get(args.method, args.knobs)
-                wanted = args.request(stream, cancel, choice)
-            except ValueError as error:
-                raise APIError(400, str(error), "forerun") from None
             batched = isinstance(self.worker, BatchWorker)
             result = await self.worker.run(
                 row_of(decoder, wanted) if batched else job_of(decoder, wanted, cancel), cancel
@@ -177,8 +174,6 @@ class Service:
             raise APIError(400, str(error), "messages" if args.chat else "prompt") from None
         except (Abandoned, ShuttingDown):
             raise self.cancelled(why) from None
-        except APIError:
-            raise
         except Exception as error:  # noqa: BLE001 - this request's own failure, answered in OpenAI's shape
             raise failed(error) from None
         finally:
@@ -189,7 +184,7 @@ class Service:
         if self.worker.closing and cancel.is_set() and "reason" not in why:  # stopped by the shutdown's drain
             raise APIError(503, "the server is shutting down; this request was stopped", kind="server_error")
         self.metrics.observe(request.url.path, decoder.method, result.stats, time.perf_counter() - started_s)
-        return decoder, result
+        return result
 
     def admit(self, places: int = 1) -> None:
         """Take `places` places in the queue (a request's generations, all or none), or refuse with 429
