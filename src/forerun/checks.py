@@ -35,6 +35,8 @@ RANGES: dict[str, tuple[float, float, bool]] = {
     "eta_cutoff": (0.0, 1.0, True),
     "repetition_penalty": (1e-2, 100.0, True),
     "length_penalty": (-100.0, 100.0, True),
+    "frequency_penalty": (-2.0, 2.0, True),  # OpenAI's range
+    "presence_penalty": (-2.0, 2.0, True),
 }
 
 

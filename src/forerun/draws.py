@@ -57,6 +57,7 @@ from transformers.generation.logits_process import (
 )
 
 from forerun.noise import GumbelNoise
+from forerun.penalties import OccurrencePenalty
 from forerun.tree import TokenTree
 from forerun.verify import NodeScores
 
@@ -85,6 +86,7 @@ ROW_WISE = (
     ForcedEOSTokenLogitsProcessor,
     SuppressTokensAtBeginLogitsProcessor,
     ExponentialDecayLengthPenalty,
+    OccurrencePenalty,
 )
 """Processors that read each row's own prefix (its tokens or its length) and nothing of other rows: one call per
 depth level, each node's row its own prefix."""

@@ -23,6 +23,7 @@ from transformers import (
 )
 
 from forerun.checks import check_decoding_mode, row_seeds
+from forerun.penalties import OccurrencePenalty
 from forerun.prompts import check_kinds
 from forerun.request import GenerationRequest, Prompt
 from forerun.result import GenerationResult
@@ -123,9 +124,9 @@ def transformers_processors(
     model: torch.nn.Module, input_ids: torch.Tensor, request: GenerationRequest, tokenizer=None
 ) -> tuple[LogitsProcessorList, StoppingCriteriaList]:
     """The logits processors and stopping criteria `model.generate` builds for this prompt alone (temperature,
-    top-p, penalties, the model's own generation config...), taken from its `custom_generate` hook before any
-    forward runs (`tokenizer`: for stop strings the model's generation config may carry, which stop as generate
-    stops: after the token that completes one)."""
+    top-p, penalties, the model's own generation config...; OpenAI's penalties as a caller's processor), taken
+    from its `custom_generate` hook before any forward runs (`tokenizer`: for stop strings the model's generation
+    config may carry, which stop as generate stops: after the token that completes one)."""
     extra = {}
     if request.eos_token_id is not None:
         eos = request.eos_token_id
@@ -136,6 +137,9 @@ def transformers_processors(
         if tokenizer is None:
             raise ValueError("the model's generation config sets stop_strings: give the Decoder its tokenizer")
         settings["stop_strings"] = None
+    if request.penalised:  # placed as generate places a caller's processor: before the sampling warpers
+        penalty = OccurrencePenalty(request.frequency_penalty, request.presence_penalty, input_ids.shape[1])
+        settings["logits_processor"] = LogitsProcessorList([penalty])
     processor, criteria = model.generate(
         input_ids.to(model.device),
         max_new_tokens=request.max_new_tokens,

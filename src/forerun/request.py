@@ -51,6 +51,11 @@ class GenerationRequest:
     """Fixes a sampled answer, whichever method drafts it (`forerun.noise`)."""
     generation: Mapping[str, object] = field(default_factory=dict)
     """transformers generation settings: temperature, top_k, top_p, min_p, repetition_penalty, ..."""
+    frequency_penalty: float = 0.0
+    """OpenAI's: each token's logit lowered by this much per time the answer already holds it, in [-2, 2]."""
+    presence_penalty: float = 0.0
+    """OpenAI's: each token's logit lowered by this much once the answer holds it, in [-2, 2]
+    (`forerun.penalties`)."""
     prediction: str | tuple[int, ...] | None = None
     """Text or ids the answer is expected to resemble, drafted from (OpenAI's predicted outputs)."""
     logprobs: int | None = None
@@ -77,6 +82,7 @@ class GenerationRequest:
             raise ValueError(f"generation must be a mapping of transformers settings, got {self.generation!r:.40}")
         set_field("generation", dict(self.generation))
         check_generation_kwargs(self.generation)
+        check_sampling({"frequency_penalty": self.frequency_penalty, "presence_penalty": self.presence_penalty})
         if self.processed:
             try:
                 config = GenerationConfig(do_sample=self.do_sample, **self.generation)
@@ -104,8 +110,13 @@ class GenerationRequest:
 
     @property
     def processed(self) -> bool:
-        """Whether logits processors run (sampling, or any generation setting): transformers builds them."""
-        return self.do_sample or bool(self.generation)
+        """Whether logits processors run (sampling, any generation setting, a penalty): transformers builds them."""
+        return self.do_sample or bool(self.generation) or self.penalised
+
+    @property
+    def penalised(self) -> bool:
+        """Whether OpenAI's frequency or presence penalty applies (`forerun.penalties`)."""
+        return self.frequency_penalty != 0 or self.presence_penalty != 0
 
 
 NOT_REQUEST_SETTINGS = {

@@ -2,7 +2,8 @@
 
 Input rows: `{"id": ..., "prompt": "..."}` or `{"id": ..., "messages": [...]}`, with optional per-row settings that
 override the command's (`max_new_tokens`, `chat`, `stop`, `do_sample`, `temperature`, `top_p`, `top_k`, `min_p`,
-`repetition_penalty`, `seed`). Output rows: `{"id", "text", "tokens", "prompt_tokens", "stats"}`, one per record;
+`repetition_penalty`, `frequency_penalty`, `presence_penalty`, `seed`; the penalties act on greedy rows too).
+Output rows: `{"id", "text", "tokens", "prompt_tokens", "stats"}`, one per record;
 `text` ends before the first stop string, as the server's answers do.
 
 Batching: every record is its own `GenerationRequest`, so records with different settings (greedy beside sampled,
@@ -42,7 +43,7 @@ from forerun.checks import check_number, offset_seed
 from forerun.request import GenerationRequest
 
 SETTINGS = ("max_new_tokens", "chat", "stop", "do_sample", "temperature", "top_p", "top_k", "min_p",
-            "repetition_penalty", "seed")  # fmt: skip
+            "repetition_penalty", "frequency_penalty", "presence_penalty", "seed")  # fmt: skip
 """Per-row settings a record may carry (they override the command's)."""
 
 
@@ -64,8 +65,11 @@ class Record:
         settings = dict(self.settings)
         max_new_tokens, chat = settings.pop("max_new_tokens"), settings.pop("chat", False)
         stop, seed = settings.pop("stop", None), settings.pop("seed", None)
+        openai = {k: settings.pop(k) for k in ("frequency_penalty", "presence_penalty") if k in settings}
         generation = {k: v for k, v in settings.items() if v is not None}
         do_sample = bool(generation.pop("do_sample", False))
+        if not do_sample:  # the command's sampling settings idle; a repetition penalty acts on greedy rows too
+            generation = {k: v for k, v in generation.items() if k not in SAMPLING_ONLY}
         return GenerationRequest(
             self.prompt,
             max_new_tokens,
@@ -73,7 +77,8 @@ class Record:
             stop=stop or (),
             do_sample=do_sample,
             seed=None if seed is None else offset_seed(seed, self.position),
-            generation=generation if do_sample else {},
+            generation=generation,
+            **{k: v for k, v in openai.items() if v is not None},
         )
 
 
@@ -128,7 +133,7 @@ def check_types(row: dict, number: int) -> None:
     def bad(name: str, what: str) -> ValueError:
         return ValueError(f"line {number}: '{name}' must be {what}, got {json.dumps(row[name])[:40]}")
 
-    for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
         if row.get(name) is not None:
             try:
                 check_number(name, row[name])
@@ -146,7 +151,7 @@ def check_types(row: dict, number: int) -> None:
 
 
 SAMPLING_ONLY = ("temperature", "top_p", "top_k", "min_p", "seed")
-"""Settings that act only on sampled decoding (a repetition penalty acts on greedy decoding too)."""
+"""Settings that act only on sampled decoding (the penalties act on greedy decoding too)."""
 
 
 def check_sampled(row: dict, do_sample: bool, number: int) -> None:

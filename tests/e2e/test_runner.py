@@ -96,7 +96,15 @@ def test_records_parse_with_line_numbers_and_each_has_its_own_request(tmp_path):
     command = {"do_sample": True, "temperature": 0.7, "max_new_tokens": 4}
     greedy = parse_record('{"id": 1, "prompt": "x", "do_sample": false}', 9, command)
     assert greedy.request().generation == {} and not greedy.request().do_sample
-    assert parse_record('{"id": 1, "prompt": "x", "repetition_penalty": 1.2}', 9, {}).settings["repetition_penalty"]
+    # the penalties act on a greedy record too (its repetition penalty was once dropped with the sampling settings)
+    penalised = '{"id": 1, "prompt": "x", "repetition_penalty": 1.2, "frequency_penalty": 0.5, "presence_penalty": -1}'
+    request = parse_record(penalised, 9, {"max_new_tokens": 4}).request()
+    assert request.generation == {"repetition_penalty": 1.2} and not request.do_sample
+    assert (request.frequency_penalty, request.presence_penalty) == (0.5, -1) and request.processed
+    with pytest.raises(ValueError, match="'presence_penalty' must be a finite number"):
+        parse_record('{"id": 1, "prompt": "x", "presence_penalty": "lots"}', 9, {})
+    with pytest.raises(ValueError, match="frequency_penalty must be between -2 and 2, got 3"):
+        parse_record('{"id": 1, "prompt": "x", "frequency_penalty": 3}', 9, {"max_new_tokens": 4}).request()
 
 
 def test_hostile_lines_are_reported_by_number_and_a_byte_order_mark_is_read(tmp_path):

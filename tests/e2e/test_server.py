@@ -12,7 +12,9 @@ import httpx
 import pytest
 import uvicorn
 from openai import OpenAI
+from transformers import LogitsProcessorList
 
+from forerun.penalties import OccurrencePenalty
 from forerun.server import ServerConfig, create_app
 from forerun.server.lifecycle import GracefulServer
 from forerun.server.protocol import guarded_h11
@@ -158,6 +160,32 @@ def test_logit_bias_is_what_transformers_sequence_bias_writes(smollm2, client):
     assert response.choices[0].text == reference != plain_text(smollm2, prompt=prompt)
 
 
+def test_frequency_and_presence_penalties_are_what_plain_generate_writes_with_them(smollm2, client):
+    """OpenAI's penalties, greedy (completions, and chat streamed): the answer is plain generate's with forerun's
+    processor as its `logits_processor`, counting the answer's tokens only (and not plain generate's own answer)."""
+    model, tokenizer = smollm2
+    prompt = "List the numbers from one to twenty, one per line:\n"
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    penalty = LogitsProcessorList([OccurrencePenalty(1.1, 0.6, ids.shape[1])])
+    penalised = model.generate(ids, max_new_tokens=24, do_sample=False, logits_processor=penalty)
+    reference = tokenizer.decode(penalised[0, ids.shape[1] :], skip_special_tokens=True)
+    response = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=24, temperature=0, frequency_penalty=1.1, presence_penalty=0.6
+    )
+    assert response.choices[0].text == reference != plain_text(smollm2, prompt=prompt, max_new_tokens=24)
+    messages = [{"role": "user", "content": "Count from one to twenty."}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    penalty = LogitsProcessorList([OccurrencePenalty(-0.4, 1.5, ids["input_ids"].shape[1])])
+    penalised = model.generate(**ids, max_new_tokens=24, do_sample=False, logits_processor=penalty)
+    reference = tokenizer.decode(penalised[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
+    chunks = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=24, temperature=0, frequency_penalty=-0.4, presence_penalty=1.5,
+        stream=True,
+    )  # fmt: skip
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == reference != plain_text(smollm2, messages=messages, max_new_tokens=24)
+
+
 def test_stop_strings_are_cut_like_openai(client):
     response = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=16, temperature=0, stop=[","])
     assert "," not in response.choices[0].text
@@ -177,7 +205,7 @@ def test_stop_strings_are_cut_like_openai(client):
         ({"prompt": "hi", "forerun": {"method": "jacobi", "windw": 3}}, "unknown knob(s) ['windw']"),
         ({"prompt": "word " * 8200, "max_tokens": 4}, "exceeds the model context"),
         ({"prompt": "hi", "temperature": -1}, "temperature"),
-        ({"prompt": "hi", "frequency_penalty": 0.5}, "frequency_penalty"),
+        ({"prompt": "hi", "frequency_penalty": 3}, "frequency_penalty must be between -2 and 2"),
         ({"prompt": "   "}, "prompt is empty"),
     ],
 )

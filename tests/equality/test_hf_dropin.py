@@ -2,9 +2,11 @@
 
 import pytest
 import torch
+from transformers import LogitsProcessorList
 from transformers.generation.streamers import BaseStreamer
 
 import forerun
+from forerun.penalties import OccurrencePenalty
 
 from tiny_models import VOCAB, prompts, tiny_model
 
@@ -130,6 +132,22 @@ def test_a_padded_batchs_prefix_rule_is_told_each_rows_index(model):
         ids, **common, prefix_allowed_tokens_fn=allowed, custom_generate=forerun.hf_generate, forerun_method="auto"
     )
     assert torch.equal(got, expected)
+
+
+def test_a_padded_batch_with_openais_penalties_decodes_as_plain_batched_generate(model):
+    """forerun's `OccurrencePenalty` given to the drop-in as a caller's processor: each row counts its answer
+    after the padded prompt, as in plain batched generate; drafts are accepted under it (a negative frequency
+    penalty favours repeats), and it changes the text (the control)."""
+    ids, mask, _ = left_padded(model)
+    penalty = LogitsProcessorList([OccurrencePenalty(-1.0, 0.3, prompt_length=ids.shape[1])])
+    common = dict(attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0, eos_token_id=None)
+    expected = model.generate(ids, **common, logits_processor=penalty)
+    assert not torch.equal(expected, model.generate(ids, **common))
+    for method in ("prompt_lookup", "auto"):
+        got = model.generate(
+            ids, **common, logits_processor=penalty, custom_generate=forerun.hf_generate, forerun_method=method
+        )
+        assert torch.equal(got, expected), method
 
 
 @pytest.mark.parametrize("batched", [False, True])

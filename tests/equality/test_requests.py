@@ -6,11 +6,13 @@ import time
 
 import pytest
 import torch
+from transformers import LogitsProcessorList
 
 import forerun
 from forerun.costmodel import LatencyCurve
 from forerun.drafters.base import DraftContext, StepOutcome
 from forerun.drafters.prediction import PredictionDrafter
+from forerun.penalties import OccurrencePenalty
 from forerun.preparation import config_processes
 from forerun.verify import Verdict
 
@@ -145,6 +147,31 @@ def test_a_logit_bias_decodes_as_plain_generate_with_sequence_bias(family, atten
         assert torch.equal(decoder.generate(texts[0], 30, eos_token_id=[], sequence_bias=bias).sequences, expected[0])
         batched = decoder.generate(texts, 30, eos_token_id=[], sequence_bias=bias)
         assert all(torch.equal(r.sequences, want) for r, want in zip(batched, expected, strict=True)), method
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gpt2"])
+def test_frequency_and_presence_penalties_decode_as_plain_generate_with_their_processor(family, attention):
+    """OpenAI's penalties (`forerun.penalties`): every method, alone and batched, writes what plain generate writes
+    with the processor given as its `logits_processor`; they change the text (the control), and drafts are accepted
+    under them (a negative frequency penalty favours repeats: the tree's nodes are scored with their own paths)."""
+    model = tiny_model(family, attention)
+    texts = prompts(2)
+    for frequency, presence in ((0.8, 0.0), (0.0, 1.5), (-1.0, 0.3)):
+        expected = [
+            plain(model, p, logits_processor=LogitsProcessorList([OccurrencePenalty(frequency, presence, p.shape[1])]))
+            for p in texts
+        ]
+        assert not torch.equal(expected[0], plain(model, texts[0]))
+        settings = dict(eos_token_id=[], frequency_penalty=frequency, presence_penalty=presence)
+        for method in ("prompt_lookup", "trie", "auto"):
+            decoder = forerun.Decoder(model, None, method, latency=CURVE)
+            alone = decoder.generate(texts[0], 30, **settings)
+            assert torch.equal(alone.sequences, expected[0]), (method, frequency, presence)
+            if frequency < 0:
+                assert alone.stats.forwards < 30, method  # drafts were accepted: the tree was scored
+            batched = decoder.generate(texts, 30, **settings)
+            assert all(torch.equal(r.sequences, want) for r, want in zip(batched, expected, strict=True)), method
 
 
 def test_a_requests_own_pad_id_is_taken(model):

@@ -5,7 +5,7 @@ Setup: a tiny llama with a 32-token vocabulary whose LM head is scaled so next-t
 Statistic: the joint distribution of the 4 new tokens (the first draft is verified in the prefill forward, so
 token 1 is drafted too), cells with fewer than 5 expected samples pooled; chi-square test of homogeneity against
 plain batched sampling.
-Significance level: alpha = 0.001 per setting (11 settings; family-wise false alarm rate about 1%).
+Significance level: alpha = 0.001 per setting (12 settings; family-wise false alarm rate about 1%).
 A biased verifier (accept every drafted token that has any probability) must fail the same test: the power check.
 """
 
@@ -18,18 +18,27 @@ from collections import Counter
 import pytest
 import torch
 from scipy.stats import chi2_contingency
-from transformers import AutoConfig, AutoModelForCausalLM, MaxLengthCriteria, StoppingCriteriaList
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    LogitsProcessorList,
+    MaxLengthCriteria,
+    StoppingCriteriaList,
+)
 
 import forerun
 from forerun.costmodel import LatencyCurve
 from forerun.engine import decode
 from forerun.noise import GumbelNoise
+from forerun.penalties import OccurrencePenalty
 from forerun.row import RowJob
 from forerun.transcript import Transcript
 from forerun.tree import TokenTree
 from forerun.verify import Sampling, Verdict, verify_greedy, verify_sampled
 
 SAMPLES = 10_000
+PROMPT_LENGTH = 18
+"""`PROMPT`'s length (seed, 12 greedy tokens, seed), asserted where it is made."""
 NEW = 4
 ALPHA = 1e-3
 SETTINGS = {
@@ -38,6 +47,10 @@ SETTINGS = {
     "top_p0.9": dict(top_p=0.9),
     "T1.3": dict(temperature=1.3),
     "rep1.3": dict(repetition_penalty=1.3),
+    # OpenAI's penalties: forerun's processor, given to plain generate as its own (the answer's tokens counted)
+    "freq-presence-T1.3": dict(
+        temperature=1.3, logits_processor=LogitsProcessorList([OccurrencePenalty(2.0, 2.0, PROMPT_LENGTH)])
+    ),
 }
 CASES = [
     ("plain", "T0.7"),
@@ -46,6 +59,7 @@ CASES = [
     ("jacobi", "T1.3"),
     ("jacobi", "rep1.3"),
     ("trie", "top_p0.9"),
+    ("trie", "freq-presence-T1.3"),
     ("draft_model", "T0.7"),
     ("draft_model-wide", "top_p0.9"),  # the runners-up of the draft's noisy scores as extra leaves
     ("draft_model-lookup", "T1.3"),
@@ -99,6 +113,7 @@ def likely_prompt() -> torch.Tensor:
 
 
 PROMPT = likely_prompt()
+assert PROMPT.shape[1] == PROMPT_LENGTH
 
 
 @functools.lru_cache(maxsize=1)
@@ -310,3 +325,15 @@ def test_draws_made_at_once_write_the_walks_text_alone_and_in_a_batch(setting, m
         assert texts[True] == texts[False], method
     assert made[True] > 0 and made[False] == 0
     assert copied[2] > 0  # a batch step's two sampled rows: one copy
+
+
+def test_a_seed_writes_the_same_penalised_text_with_every_method():
+    """Under OpenAI's penalties too, a seeded answer is the seed's whatever drafts it; the penalties change it."""
+    for seed in (0, 2):
+        settings = dict(do_sample=True, seed=seed, temperature=1.3, eos_token_id=[])
+        penalised = dict(settings, frequency_penalty=2.0, presence_penalty=2.0)
+        reference = decoder_for("plain").generate(PROMPT, 12, **penalised).sequences
+        assert not torch.equal(reference, decoder_for("plain").generate(PROMPT, 12, **settings).sequences)
+        for method in SEEDED:
+            got = decoder_for(method).generate(PROMPT, 12, **penalised).sequences
+            assert torch.equal(got, reference), (method, seed)

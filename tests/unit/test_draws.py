@@ -31,6 +31,7 @@ from forerun import draws
 from forerun.hf_rows import PaddedRowProcessors
 from forerun.host_copy import to_host
 from forerun.noise import GumbelNoise
+from forerun.penalties import OccurrencePenalty
 from forerun.transcript import Transcript
 from forerun.tree import TokenTree
 from forerun.verify import NodeScores
@@ -58,6 +59,8 @@ PROCESSORS = {
     "epsilon-eta": [EpsilonLogitsWarper(0.02), EtaLogitsWarper(0.02)],
     "repetition": [RepetitionPenaltyLogitsProcessor(4.0), TemperatureLogitsWarper(1.3)],
     "no_repeat_ngram": [NoRepeatNGramLogitsProcessor(2)],
+    # OpenAI's penalties: the answer is the prefix after its first 2 tokens, then each node's path
+    "occurrence": [OccurrencePenalty(1.5, 2.0, prompt_length=2), TemperatureLogitsWarper(0.8)],
     "sequence_bias-min_new": [
         SequenceBiasLogitsProcessor({(9, 4): -8.0, (4,): 3.0}),
         MinNewTokensLengthLogitsProcessor(4, 3, [12]),
@@ -122,7 +125,7 @@ def test_the_base_logits_are_left_as_they_were(kind):
     assert torch.equal(scores.logits, before)
 
 
-@pytest.mark.parametrize("kind", ["repetition", "no_repeat_ngram", "sequence_bias-min_new"])
+@pytest.mark.parametrize("kind", ["repetition", "no_repeat_ngram", "sequence_bias-min_new", "occurrence"])
 def test_negative_control_a_prefix_read_processor_scored_without_its_prefix_draws_otherwise(kind, monkeypatch):
     """Taken for a processor that reads no prefix (every node scored with the root's), it changes draws: the
     equality above can fail."""

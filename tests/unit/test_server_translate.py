@@ -52,7 +52,9 @@ def completion(**fields):
         (completion, {"logit_bias": {"5": "1"}}, "logit_bias", "between -100 and 100"),
         (chat, {"logit_bias": {"5": float("nan")}}, "logit_bias", "between -100 and 100"),
         (chat, {"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias", "at most 300 tokens, got 301"),
-        (chat, {"frequency_penalty": 0.5}, "frequency_penalty", "use repetition_penalty"),
+        (chat, {"frequency_penalty": 2.5}, "frequency_penalty", "frequency_penalty must be between -2 and 2"),
+        (completion, {"presence_penalty": -2.01}, "presence_penalty", "presence_penalty must be between -2 and 2"),
+        (chat, {"presence_penalty": float("inf")}, "presence_penalty", "finite"),
         (chat, {"modalities": ["text", "audio"]}, "modalities", "only the text modality"),
         (chat, {"top_logprobs": 3}, "top_logprobs", "needs logprobs: true"),
         (chat, {"logprobs": True, "top_logprobs": 21}, "top_logprobs", "between 0 and 20"),
@@ -159,6 +161,9 @@ def test_sampling_follows_the_request_then_the_models_generation_config():
     assert chat(temperature=0.7, top_p=0.9).sampling == {"temperature": 0.7, "top_p": 0.9, "do_sample": True}
     assert chat(top_p=0.5).sampling == {"top_p": 0.5, "do_sample": True}  # OpenAI's temperature 1
     assert chat(repetition_penalty=1.2).sampling == {"repetition_penalty": 1.2}  # greedy with a penalty
+    assert chat(frequency_penalty=0.5, presence_penalty=0).sampling == {"frequency_penalty": 0.5}  # 0: none
+    penalised = chat(temperature=0.7, presence_penalty=-1).request()
+    assert penalised.presence_penalty == -1 and penalised.do_sample and penalised.generation == {"temperature": 0.7}
     sampling_model = Limits(model_name="tiny", sampling_defaults={"do_sample": True, "temperature": 0.6, "top_p": 0.95})
     body = ChatRequest(messages=HI)
     assert translate(body, sampling_model).sampling == {"temperature": 0.6, "top_p": 0.95, "do_sample": True}

@@ -27,6 +27,8 @@ MAX_TOP_LOGPROBS = {"chat": 20, "completions": 5}
 MAX_SALT_CHARS = 256
 """A cache salt names a tenant (a hash or an id), not a text."""
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+PENALTIES = ("repetition_penalty", "frequency_penalty", "presence_penalty")
+"""Settings that apply to greedy decoding too (OpenAI's two: `forerun.penalties`)."""
 MAX_LOGIT_BIAS = 300
 """Tokens one request may bias (`logit_bias`)."""
 
@@ -103,9 +105,11 @@ def sampling_of(body: CommonRequest, limits: Limits) -> dict:
 
     Sampling happens when the temperature (the request's, else the model's default) is above 0, or when the
     request gives top_p, top_k or min_p without a temperature (OpenAI's default temperature is 1), or when the
-    model's generation_config samples by default. A repetition penalty applies to greedy decoding too.
+    model's generation_config samples by default. The penalties (repetition, frequency, presence) apply to greedy
+    decoding too.
     """
     given = {name: getattr(body, name) for name in SAMPLING_FIELDS if getattr(body, name) is not None}
+    given |= {name: getattr(body, name) for name in PENALTIES[1:] if getattr(body, name) not in (None, 0)}
     for name, value in given.items():
         if isinstance(value, float) and not math.isfinite(value):
             raise refuse(name, f"{name} must be a finite number, got {value}")
@@ -122,7 +126,7 @@ def sampling_of(body: CommonRequest, limits: Limits) -> dict:
     else:
         sample = bool(limits.sampling_defaults.get("do_sample")) or bool(set(given) & {"top_p", "top_k", "min_p"})
     if not sample or settings.get("temperature") == 0:
-        settings = {k: v for k, v in settings.items() if k == "repetition_penalty"}
+        settings = {k: v for k, v in settings.items() if k in PENALTIES}
     else:
         settings["do_sample"] = True
     try:

@@ -118,10 +118,6 @@ class GenerationArgs:
 def unsupported(body: CommonRequest) -> None:
     """Fields OpenAI defines that this server cannot honour: refused when set to anything but their no-op."""
     checks: list[tuple[str, Any, str]] = []
-    for name in ("frequency_penalty", "presence_penalty"):
-        value = getattr(body, name)
-        if value not in (None, 0, 0.0):
-            checks.append((name, value, f"{name} has no exact transformers processor; use repetition_penalty"))
     if isinstance(body, ChatRequest):
         plain = "this server runs a plain text model"
         checks += [
