@@ -14,12 +14,14 @@ import math
 import random
 
 import torch
+from transformers import LogitsProcessorList
 
 import forerun
 from forerun import GenerationRequest
 from forerun.config import DraftModelConfig
 from forerun.drafters.draft_model import DraftModelDrafter
 from forerun.exactness import first_divergence, tie_reading
+from forerun.penalties import OccurrencePenalty
 
 from tiny_models import FAMILIES, NO_SDPA, STATEFUL_FAMILIES, VOCAB, prompts, tiny_model
 
@@ -39,6 +41,7 @@ def draw_case(
     families: tuple[str, ...] = tuple(sorted(FAMILIES)),
     drafts: tuple[str, ...] | None = None,
     predictions: bool = False,
+    penalties: bool = False,
 ) -> dict:
     """One random case's settings (JSON-able, so a reported case can be run again with `--case`). With more than
     one of `dtypes` ("fp32", "bf16", "int4": 4-bit weights, bf16 activations) each case draws one, with
@@ -48,7 +51,8 @@ def draw_case(
     (`tiny_models.FAMILIES`, or with `MORE_FAMILIES` or `STATEFUL_FAMILIES` too); `drafts`: the draft models'
     (default: the same). With `predictions`, half the greedy cases give each row a prediction (`predict_every`:
     generate's own text with every k-th token wrong): drafts that are accepted in part, step after step, which
-    random texts rarely give (a hybrid's chains put back or cut back)."""
+    random texts rarely give (a hybrid's chains put back or cut back). With `penalties`, half the fp32 cases decode
+    under OpenAI's frequency and presence penalties (`forerun.penalties`), each drawn in [-2, 2]."""
     case = {"family": rng.choice(families), "attention": rng.choice(["sdpa", "eager"]),
             "method": rng.choice(METHODS), "static": rng.random() < 0.5, "rows": rng.choice([1, 1, 2, 3]),
             "new": rng.choice([8, 20, 33]), "length": rng.choice([3, 10, 24, 40]),
@@ -65,6 +69,8 @@ def draw_case(
         case["eos_at"] = rng.randrange(case["new"])  # the end-of-text token: the one generate writes there (row 0)
     if predictions and not case["sampled"] and rng.random() < 0.5:
         case["predict_every"] = rng.choice([2, 3, 5, 8, 1000])
+    if penalties and "dtype" not in case and rng.random() < 0.5:  # fp32: generate's raw logits judge no tie here
+        case["penalties"] = [round(rng.uniform(-2, 2), 2), round(rng.uniform(-2, 2), 2)]
     return case
 
 
@@ -101,7 +107,7 @@ def run_case(case: dict) -> list[dict]:
     decoder = decoder_for(case, target)
     if "eos_at" in case and "eos" not in case:
         case = case | {"eos": end_of_text(target, rows[0], case["eos_at"])}
-    settings = options | {"eos_token_id": [case["eos"]] if "eos" in case else []}
+    settings = options | {"eos_token_id": [case["eos"]] if "eos" in case else []} | penalties_of(case)
     read_states = case["family"] in STATEFUL_FAMILIES and not options and "dtype" not in case
     if read_states:  # a hybrid's greedy fp32 rows are judged by their logprobs too
         settings["logprobs"] = 1
@@ -142,6 +148,14 @@ def predicted(target: torch.nn.Module, prompt: torch.Tensor, new: int, eos: int 
     return tuple(t if i % every != every - 1 else (t + 1) % VOCAB for i, t in enumerate(text))
 
 
+def penalties_of(case: dict) -> dict:
+    """The case's frequency and presence penalties as request settings ({}: none)."""
+    if "penalties" not in case:
+        return {}
+    frequency, presence = case["penalties"]
+    return {"frequency_penalty": frequency, "presence_penalty": presence}
+
+
 def decode(
     decoder: forerun.Decoder, rows: list[torch.Tensor], new: int, options: dict, ahead: list | None = None
 ) -> list:
@@ -171,16 +185,21 @@ def judge(
     start, text, new = prompt.shape[1], output[0, prompt.shape[1] :].tolist(), case["new"]
     eos = case.get("eos")
     if options:  # the row alone, undrafted, with its own seed
-        own = options | {"seed": options["seed"] + i, "eos_token_id": [] if eos is None else [eos]}
+        own = options | {"seed": options["seed"] + i, "eos_token_id": [] if eos is None else [eos]} | penalties_of(case)
         alone = forerun.Decoder(target, None, "plain").generate(prompt, new, **own)
         expected = alone.new_tokens
         differs = next((k for k, (a, b) in enumerate(zip(expected, text, strict=False)) if a != b), None)
         if differs is None and len(expected) != len(text):
             differs = min(len(expected), len(text))  # one ended where the other went on
         return {"identical": True} if differs is None else {"identical": False, "position": differs}
-    reference = plain_greedy(target, prompt, new, eos, output_logits=True, return_dict_in_generate=True)
+    extra = {}
+    if "penalties" in case:  # forerun's processor, given to plain generate as a caller's
+        extra["logits_processor"] = LogitsProcessorList([OccurrencePenalty(*case["penalties"], prompt_length=start)])
+    reference = plain_greedy(target, prompt, new, eos, output_logits=True, output_scores=bool(extra),
+                             return_dict_in_generate=True, **extra)  # fmt: skip
     expected = reference.sequences[0, start:].tolist()
-    found = first_divergence(expected, text, [logits[0] for logits in reference.logits], target.dtype)
+    judged = reference.scores if extra else reference.logits  # the scores generate chose from
+    found = first_divergence(expected, text, [scores[0] for scores in judged], target.dtype)
     if found is None and len(expected) != len(text):  # the same tokens, but one ended early: no rounding does that
         return {"identical": False, "position": min(len(expected), len(text)), "ulps": math.inf, "tie": False}
     if found is None and logprobs is not None:

@@ -45,12 +45,14 @@ def cases(
     follow_ups: bool = False,
     stops: bool = False,
     stateful: bool = False,
+    penalties: bool = False,
 ) -> list[dict]:
     """`stateful`: targets among the hybrids too (`STATEFUL_FAMILIES`), drafts among the families without states,
-    and half the greedy cases predicted (`draw_case`'s `predictions`)."""
+    and half the greedy cases predicted (`draw_case`'s `predictions`); `penalties`: half the fp32 cases under
+    OpenAI's frequency and presence penalties."""
     rng, families = random.Random(seed), tuple(sorted(FAMILIES))
     targets = tuple(sorted({*families, *STATEFUL_FAMILIES})) if stateful else families
-    return [draw_case(rng, dtypes, follow_ups, stops, targets, families, stateful) for _ in range(count)]
+    return [draw_case(rng, dtypes, follow_ups, stops, targets, families, stateful, penalties) for _ in range(count)]
 
 
 def check(case: dict) -> None:
@@ -96,6 +98,17 @@ def test_random_rows_end_where_generate_ends(seed):
     reference does, with the same text."""
     drawn = cases(6026 + seed, 15, ("fp32", "bf16", "int4"), follow_ups=True, stops=True)
     assert any("eos_at" in case for case in drawn)
+    for case in drawn:
+        check(case)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_random_penalised_cases_keep_generates_text(seed):
+    """Half the cases under OpenAI's frequency and presence penalties (`forerun.penalties`, each drawn in [-2, 2]),
+    with second turns, rows ending at different steps and predictions: greedy rows write what plain generate writes
+    with the processor, sampled rows what the row alone writes with its seed."""
+    drawn = cases(9026 + seed, 15, follow_ups=True, stops=True, stateful=True, penalties=True)
+    assert sum("penalties" in case for case in drawn) >= 4
     for case in drawn:
         check(case)
 
