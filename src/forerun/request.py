@@ -101,11 +101,13 @@ class GenerationRequest:
     @classmethod
     def of(cls, prompt: Prompt, max_new_tokens: int = 256, **options: object) -> GenerationRequest:
         """A request from `generate`-style keywords: this class's fields by name, every other keyword a
-        transformers generation setting (`temperature=0.7`); `stop=None` and `prediction=None` mean none."""
+        transformers generation setting (`temperature=0.7`); `stop=None`, `prediction=None` and a penalty of None
+        mean none."""
         names = {f.name for f in dataclasses.fields(cls)} - {"prompt", "max_new_tokens", "generation"}
         given = {name: options.pop(name) for name in list(options) if name in names}
-        if given.get("stop") is None:
-            given.pop("stop", None)
+        for name in ("stop", "frequency_penalty", "presence_penalty"):  # None: none (as a JSON null says)
+            if given.get(name) is None:
+                given.pop(name, None)
         return cls(prompt, max_new_tokens, generation=options, **given)  # type: ignore[arg-type]
 
     @property

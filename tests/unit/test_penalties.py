@@ -53,5 +53,6 @@ def test_a_penalty_out_of_openais_range_is_refused_by_name(settings, message):
 def test_a_penalty_makes_a_greedy_request_processed():
     assert GenerationRequest.of("Hi", 8, presence_penalty=0.5).processed
     assert not GenerationRequest.of("Hi", 8, presence_penalty=0, frequency_penalty=0.0).processed
+    assert not GenerationRequest.of("Hi", 8, presence_penalty=None, frequency_penalty=None).processed  # JSON's null
     with pytest.raises(ValueError, match="prompt_length"):
         OccurrencePenalty(1.0, 1.0, prompt_length=-1)
