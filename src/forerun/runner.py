@@ -65,7 +65,7 @@ class Record:
         settings = dict(self.settings)
         max_new_tokens, chat = settings.pop("max_new_tokens"), settings.pop("chat", False)
         stop, seed = settings.pop("stop", None), settings.pop("seed", None)
-        openai = {k: settings.pop(k) for k in ("frequency_penalty", "presence_penalty") if k in settings}
+        penalties = {k: settings.pop(k) for k in ("frequency_penalty", "presence_penalty") if k in settings}
         generation = {k: v for k, v in settings.items() if v is not None}
         do_sample = bool(generation.pop("do_sample", False))
         if not do_sample:  # the command's sampling settings idle; a repetition penalty acts on greedy rows too
@@ -78,7 +78,7 @@ class Record:
             do_sample=do_sample,
             seed=None if seed is None else offset_seed(seed, self.position),
             generation=generation,
-            **{k: v for k, v in openai.items() if v is not None},
+            **{k: v for k, v in penalties.items() if v is not None},  # request fields, not transformers settings
         )
 
 

@@ -27,8 +27,10 @@ MAX_TOP_LOGPROBS = {"chat": 20, "completions": 5}
 MAX_SALT_CHARS = 256
 """A cache salt names a tenant (a hash or an id), not a text."""
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-PENALTIES = ("repetition_penalty", "frequency_penalty", "presence_penalty")
-"""Settings that apply to greedy decoding too (OpenAI's two: `forerun.penalties`)."""
+OPENAI_PENALTIES = ("frequency_penalty", "presence_penalty")
+"""Request fields, not transformers settings (`forerun.penalties`); 0 is none."""
+PENALTIES = ("repetition_penalty", *OPENAI_PENALTIES)
+"""Settings that apply to greedy decoding too."""
 MAX_LOGIT_BIAS = 300
 """Tokens one request may bias (`logit_bias`)."""
 
@@ -109,7 +111,7 @@ def sampling_of(body: CommonRequest, limits: Limits) -> dict:
     decoding too.
     """
     given = {name: getattr(body, name) for name in SAMPLING_FIELDS if getattr(body, name) is not None}
-    given |= {name: getattr(body, name) for name in PENALTIES[1:] if getattr(body, name) not in (None, 0)}
+    given |= {name: getattr(body, name) for name in OPENAI_PENALTIES if getattr(body, name) not in (None, 0)}
     for name, value in given.items():
         if isinstance(value, float) and not math.isfinite(value):
             raise refuse(name, f"{name} must be a finite number, got {value}")
