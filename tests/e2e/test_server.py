@@ -186,6 +186,31 @@ def test_frequency_and_presence_penalties_are_what_plain_generate_writes_with_th
     assert text == reference != plain_text(smollm2, messages=messages, max_new_tokens=24)
 
 
+def test_vllms_ignore_eos_and_stop_token_ids_end_answers_as_generate_with_those_ids(smollm2, client):
+    """vLLM's `ignore_eos` runs past the model's end-of-text token to max_tokens (what plain generate writes with
+    no EOS ids); `stop_token_ids` end the answer at the first of them, kept, besides the model's own."""
+    model, tokenizer = smollm2
+    messages = [{"role": "user", "content": "Say hi."}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    start = ids["input_ids"].shape[1]
+    own = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0)
+    assert own.choices[0].finish_reason == "stop" and own.usage.completion_tokens < 40  # the control: it ends
+    past = model.generate(**ids, max_new_tokens=40, do_sample=False, eos_token_id=[])
+    reply = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=40, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert reply.choices[0].message.content == tokenizer.decode(past[0, start:], skip_special_tokens=True)
+    assert reply.usage.completion_tokens == 40 and reply.choices[0].finish_reason == "length"
+    third = past[0, start + 2].item()  # an ordinary token of the answer: it ends there, and stays in the text
+    eos = model.generation_config.eos_token_id
+    stopped = model.generate(**ids, max_new_tokens=40, do_sample=False, eos_token_id=[eos, third])
+    reply = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=40, temperature=0, extra_body={"stop_token_ids": [third]}
+    )
+    assert reply.choices[0].message.content == tokenizer.decode(stopped[0, start:], skip_special_tokens=True)
+    assert reply.usage.completion_tokens == 3 and reply.choices[0].finish_reason == "stop"
+
+
 def test_stop_strings_are_cut_like_openai(client):
     response = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=16, temperature=0, stop=[","])
     assert "," not in response.choices[0].text

@@ -8,7 +8,7 @@ from pydantic import ValidationError
 from forerun.server.schemas import ChatRequest, CompletionRequest
 from forerun.server.translate import APIError, Limits, translate
 
-LIMITS = Limits(model_name="tiny", method="auto", max_tokens_limit=64, vocab_size=1000)
+LIMITS = Limits(model_name="tiny", method="auto", max_tokens_limit=64, vocab_size=1000, eos_token_ids=(2, 9))
 HI = [{"role": "user", "content": "Hi"}]
 
 
@@ -55,6 +55,9 @@ def completion(**fields):
         (chat, {"frequency_penalty": 2.5}, "frequency_penalty", "frequency_penalty must be between -2 and 2"),
         (completion, {"presence_penalty": -2.01}, "presence_penalty", "presence_penalty must be between -2 and 2"),
         (chat, {"presence_penalty": float("inf")}, "presence_penalty", "finite"),
+        (chat, {"stop_token_ids": [1000]}, "stop_token_ids", "token ids [0, 1000), got 1000"),
+        (completion, {"stop_token_ids": [-1]}, "stop_token_ids", "token ids [0, 1000), got -1"),
+        (chat, {"stop_token_ids": list(range(65))}, "stop_token_ids", "at most 64 ids, got 65"),
         (chat, {"modalities": ["text", "audio"]}, "modalities", "only the text modality"),
         (chat, {"top_logprobs": 3}, "top_logprobs", "needs logprobs: true"),
         (chat, {"logprobs": True, "top_logprobs": 21}, "top_logprobs", "between 0 and 20"),
@@ -241,3 +244,16 @@ def test_serve_max_tree_nodes_caps_what_every_decoder_feeds():
         result = decoder.generate(prompt, 24, eos_token_id=[])
         fed[name] = max(result.stats.fed_hist)
     assert fed["capped"] <= 2 < fed["free"]
+
+
+def test_vllms_ignore_eos_and_stop_token_ids_set_the_ids_that_end_the_answer():
+    assert chat().request().eos_token_id is None  # the model's own, as the Decoder reads them
+    assert chat(stop_token_ids=[]).request().eos_token_id is None
+    assert chat(ignore_eos=False).request().eos_token_id is None
+    assert chat(ignore_eos=True).request().eos_token_id == ()  # none: the answer runs to max_tokens or a stop
+    assert completion(stop_token_ids=[7, 9]).request().eos_token_id == (2, 7, 9)  # besides the model's own
+    assert chat(ignore_eos=True, stop_token_ids=[7]).request().eos_token_id == (7,)
+    with pytest.raises(ValidationError):
+        ChatRequest(messages=HI, ignore_eos="yes")  # strict: a string is no boolean
+    with pytest.raises(ValidationError):
+        ChatRequest(messages=HI, stop_token_ids=[True])

@@ -33,6 +33,8 @@ PENALTIES = ("repetition_penalty", *OPENAI_PENALTIES)
 """Settings that apply to greedy decoding too."""
 MAX_LOGIT_BIAS = 300
 """Tokens one request may bias (`logit_bias`)."""
+MAX_STOP_TOKENS = 64
+"""Tokens one request may name in `stop_token_ids`."""
 
 
 class APIError(Exception):
@@ -217,3 +219,25 @@ def logit_bias_of(body: CommonRequest, vocab_size: int | None) -> dict[int, floa
             raise refuse("logit_bias", f"logit_bias[{key!r}] must be a number between -100 and 100, got {value!r:.40}")
         biases[token] = float(value)
     return biases
+
+
+def eos_of(body: CommonRequest, limits: Limits) -> tuple[int, ...] | None:
+    """The tokens that end the answer, from vLLM's `ignore_eos` and `stop_token_ids`: the model's own end-of-text
+    ids (none with `ignore_eos`) and the stop ids, or None where the request names neither (the model's own).
+
+    Example:
+        >>> from forerun.server.translate import Limits
+        >>> body = ChatRequest(messages=[{"role": "user", "content": "Hi"}], stop_token_ids=[7])
+        >>> eos_of(body, Limits(model_name="m", eos_token_ids=(2,), vocab_size=100))
+        (2, 7)
+    """
+    ids = body.stop_token_ids or []
+    if not body.ignore_eos and not ids:
+        return None
+    if len(ids) > MAX_STOP_TOKENS:
+        raise refuse("stop_token_ids", f"stop_token_ids takes at most {MAX_STOP_TOKENS} ids, got {len(ids)}")
+    vocab = limits.vocab_size
+    for token in ids:
+        if token < 0 or (vocab is not None and token >= vocab):
+            raise refuse("stop_token_ids", f"stop_token_ids are token ids [0, {vocab}), got {token}")
+    return tuple(sorted({*(() if body.ignore_eos else limits.eos_token_ids), *ids}))

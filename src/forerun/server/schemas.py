@@ -1,8 +1,9 @@
 """The request bodies the server accepts: OpenAI's fields, strictly typed, and nothing else.
 
 Every OpenAI field is named here, so each one is either honoured or refused with a 400 that names it
-(`forerun.server.translate`); a field OpenAI does not define is refused too, as OpenAI itself does ("unrecognized
-request argument"). Numbers are strict: `true` is not 1, and `"5"` is not 5.
+(`forerun.server.translate`), and a few of vLLM's that clients send (`top_k`, `min_p`, `repetition_penalty`,
+`cache_salt`, `ignore_eos`, `stop_token_ids`); any other field is refused, as OpenAI itself refuses one it does not
+define ("unrecognized request argument"). Numbers are strict: `true` is not 1, and `"5"` is not 5.
 """
 
 from __future__ import annotations
@@ -49,6 +50,10 @@ class CommonRequest(BaseModel):
     user: StrictStr | None = None
     cache_salt: StrictStr | None = None
     """vLLM's: the prompt shares prefix-cache entries only with requests carrying the same salt."""
+    ignore_eos: StrictBool | None = None
+    """vLLM's: the model's end-of-text tokens do not end the answer (it runs to max_tokens or a stop)."""
+    stop_token_ids: list[StrictInt] | None = None
+    """vLLM's: tokens that end the answer besides the model's end-of-text ones (the answer keeps the token)."""
     forerun: dict[str, Any] | None = None
     """forerun's own: {"method": "auto", knob: value, ...}."""
 

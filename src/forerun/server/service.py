@@ -21,6 +21,7 @@ from fastapi.responses import StreamingResponse
 
 from forerun.decoder import Decoder, GenerationResult
 from forerun.prefixcache import PrefixCache
+from forerun.preparation import eos_ids_of
 from forerun.request import GenerationRequest
 from forerun.server.config import ServerConfig, load_trie_cache, sampling_defaults
 from forerun.server.errors import error_body, failed
@@ -52,6 +53,7 @@ class Service:
             request_methods=config.request_methods,
             head=config.draft_head is not None,
             vocab_size=getattr(model.config.get_text_config(decoder=True), "vocab_size", None),
+            eos_token_ids=tuple(sorted(eos_ids_of(model, None))),
         )
         self.pool = DecoderPool(
             model, tokenizer, config.method, config.knobs, draft_model, PrefixCache(config.prefix_cache_tokens),

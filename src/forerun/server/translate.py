@@ -27,6 +27,7 @@ from forerun.server.fields import (
     chat_messages,
     check_stream_options,
     checked,
+    eos_of,
     logit_bias_of,
     logprobs_of,
     prediction_of,
@@ -60,6 +61,8 @@ class Limits:
     """Whether the server drafts with a trained head ('auto' then includes it, and its knobs route to it)."""
     vocab_size: int | None = None
     """Token ids `logit_bias` may name: [0, vocab_size) (None: unchecked here; the processor would fail)."""
+    eos_token_ids: tuple[int, ...] = ()
+    """The model's own end-of-text ids (`stop_token_ids` add to them; `ignore_eos` drops them)."""
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,8 @@ class GenerationArgs:
     """Choices asked for (OpenAI's `n`)."""
     logit_bias: dict[int, float] | None = None
     """A bias added to each named token's logit (OpenAI's `logit_bias`, transformers' `sequence_bias`)."""
+    eos_token_id: tuple[int, ...] | None = None
+    """The ids that end the answer (vLLM's `ignore_eos`, `stop_token_ids`); None: the model's own."""
 
     @property
     def runs(self) -> int:
@@ -108,6 +113,7 @@ class GenerationArgs:
             prediction=self.prediction,
             logprobs=self.logprobs,
             cache_salt=self.cache_salt,
+            eos_token_id=self.eos_token_id,
             streamer=streamer,
             cancel=cancel,
             **self.sampling,  # do_sample and the processors' settings
@@ -204,6 +210,7 @@ def translate(body: ChatRequest | CompletionRequest, limits: Limits) -> Generati
         cache_salt=cache_salt_of(body),
         n=n,
         logit_bias=logit_bias_of(body, limits.vocab_size),
+        eos_token_id=eos_of(body, limits),
     )
 
 
