@@ -13,19 +13,17 @@ without the penalties, each against plain generate of the same settings.
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import time
 from pathlib import Path
 
 import torch
+from compiled_cpu import report  # a sibling script (`python benchmarks/penalties.py` puts this folder first)
 from transformers import LogitsProcessorList
 
 import forerun
 from forerun.bench.datasets import load_dataset
 from forerun.bench.runner import encode
 from forerun.exactness import first_divergence
-from forerun.measured import machine_label
 from forerun.penalties import OccurrencePenalty
 
 
@@ -89,17 +87,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     penalties = (args.frequency, args.presence)
-    out = run(args.dataset.split(","), args.n, args.methods.split(","), penalties, args.new_tokens)
-    for label, row in out.items():
-        speedups = row.pop("speedups")
-        row["tok_s"] = round(row["tokens"] / row["seconds"], 2)
-        row["tokens_per_forward"] = round(row["tokens"] / row["forwards"], 2)
-        row["geomean_vs_generate"] = round(math.exp(sum(map(math.log, speedups)) / len(speedups)), 3)
-        print(label, json.dumps(row))
-    if args.out:
-        machine = machine_label(torch.device("cpu"))
-        settings = vars(args) | {"out": str(args.out), "machine": machine, "torch": torch.__version__}
-        args.out.write_text(json.dumps({"settings": settings, "results": out}, indent=1))
+    report(run(args.dataset.split(","), args.n, args.methods.split(","), penalties, args.new_tokens), args)
 
 
 if __name__ == "__main__":
