@@ -69,7 +69,7 @@ def draw_case(
         case["eos_at"] = rng.randrange(case["new"])  # the end-of-text token: the one generate writes there (row 0)
     if predictions and not case["sampled"] and rng.random() < 0.5:
         case["predict_every"] = rng.choice([2, 3, 5, 8, 1000])
-    if penalties and "dtype" not in case and rng.random() < 0.5:  # fp32: low precision.s tie readings read raw logits
+    if penalties and "dtype" not in case and rng.random() < 0.5:  # fp32: low precision's tie readings read raw logits
         case["penalties"] = [round(rng.uniform(-2, 2), 2), round(rng.uniform(-2, 2), 2)]
     return case
 
