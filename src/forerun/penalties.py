@@ -23,6 +23,9 @@ from __future__ import annotations
 import torch
 from transformers import LogitsProcessor
 
+REQUEST_FIELDS = ("frequency_penalty", "presence_penalty")
+"""Their names as `GenerationRequest` fields, server fields and `forerun run` record fields (0 or None: none)."""
+
 
 class OccurrencePenalty(LogitsProcessor):
     """Subtracts `frequency` per earlier occurrence of a token in the answer and `presence` once if it occurs.

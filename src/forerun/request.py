@@ -28,6 +28,7 @@ import torch
 from transformers import GenerationConfig
 
 from forerun.checks import check_decoding_mode, check_logprobs, check_sampling, check_seed, check_stops
+from forerun.penalties import REQUEST_FIELDS as PENALTY_FIELDS
 
 Prompt = str | Sequence[dict] | Sequence[int] | torch.Tensor
 """Text, chat messages ([{"role": ..., "content": ...}]), token ids, or input_ids [1, L]."""
@@ -82,7 +83,7 @@ class GenerationRequest:
             raise ValueError(f"generation must be a mapping of transformers settings, got {self.generation!r:.40}")
         set_field("generation", dict(self.generation))
         check_generation_kwargs(self.generation)
-        check_sampling({"frequency_penalty": self.frequency_penalty, "presence_penalty": self.presence_penalty})
+        check_sampling({name: getattr(self, name) for name in PENALTY_FIELDS})
         if self.processed:
             try:
                 config = GenerationConfig(do_sample=self.do_sample, **self.generation)
@@ -105,7 +106,7 @@ class GenerationRequest:
         mean none."""
         names = {f.name for f in dataclasses.fields(cls)} - {"prompt", "max_new_tokens", "generation"}
         given = {name: options.pop(name) for name in list(options) if name in names}
-        for name in ("stop", "frequency_penalty", "presence_penalty"):  # None: none (as a JSON null says)
+        for name in ("stop", *PENALTY_FIELDS):  # None: none (as a JSON null says)
             if given.get(name) is None:
                 given.pop(name, None)
         return cls(prompt, max_new_tokens, generation=options, **given)  # type: ignore[arg-type]

@@ -40,10 +40,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from forerun.checks import check_number, offset_seed
+from forerun.penalties import REQUEST_FIELDS as PENALTY_FIELDS
 from forerun.request import GenerationRequest
 
 SETTINGS = ("max_new_tokens", "chat", "stop", "do_sample", "temperature", "top_p", "top_k", "min_p",
-            "repetition_penalty", "frequency_penalty", "presence_penalty", "seed")  # fmt: skip
+            "repetition_penalty", *PENALTY_FIELDS, "seed")  # fmt: skip
 """Per-row settings a record may carry (they override the command's)."""
 
 
@@ -65,7 +66,7 @@ class Record:
         settings = dict(self.settings)
         max_new_tokens, chat = settings.pop("max_new_tokens"), settings.pop("chat", False)
         stop, seed = settings.pop("stop", None), settings.pop("seed", None)
-        penalties = {k: settings.pop(k) for k in ("frequency_penalty", "presence_penalty") if k in settings}
+        penalties = {k: settings.pop(k) for k in PENALTY_FIELDS if k in settings}
         generation = {k: v for k, v in settings.items() if v is not None}
         do_sample = bool(generation.pop("do_sample", False))
         if not do_sample:  # the command's sampling settings idle; a repetition penalty acts on greedy rows too
@@ -133,7 +134,7 @@ def check_types(row: dict, number: int) -> None:
     def bad(name: str, what: str) -> ValueError:
         return ValueError(f"line {number}: '{name}' must be {what}, got {json.dumps(row[name])[:40]}")
 
-    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty", *PENALTY_FIELDS):
         if row.get(name) is not None:
             try:
                 check_number(name, row[name])

@@ -14,6 +14,7 @@ import math
 from typing import TYPE_CHECKING
 
 from forerun.checks import check_sampling, check_text
+from forerun.penalties import REQUEST_FIELDS as OPENAI_PENALTIES
 from forerun.server.schemas import ChatRequest, CommonRequest, CompletionRequest
 
 if TYPE_CHECKING:
@@ -27,8 +28,6 @@ MAX_TOP_LOGPROBS = {"chat": 20, "completions": 5}
 MAX_SALT_CHARS = 256
 """A cache salt names a tenant (a hash or an id), not a text."""
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-OPENAI_PENALTIES = ("frequency_penalty", "presence_penalty")
-"""Request fields, not transformers settings (`forerun.penalties`); 0 is none."""
 PENALTIES = ("repetition_penalty", *OPENAI_PENALTIES)
 """Settings that apply to greedy decoding too."""
 MAX_LOGIT_BIAS = 300
