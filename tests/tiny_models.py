@@ -277,3 +277,22 @@ class LetterTokenizer:
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         return "".join(chr(ord("a") + int(i) % 26) for i in ids)
+
+
+def byte_tokenizer():
+    """A fast (Rust) byte-level BPE tokenizer: the 256 bytes, a few JSON merges ('{"', '":', ', ', ' "') and an
+    EOS: what llguidance reads for response_format (`forerun.structured`), small enough for a tiny model's
+    vocabulary (`tiny_model(family, vocab_size=len(tokenizer))`)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {byte: i for i, byte in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    merges = [("{", '"'), ('"', ":"), (",", "Ġ"), ("Ġ", '"'), ("Ġ", "Ġ")]
+    for left, right in merges:
+        vocab[left + right] = len(vocab)
+    rust = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    rust.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    rust.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=rust)
+    tokenizer.add_special_tokens({"eos_token": "<eos>"})
+    return tokenizer

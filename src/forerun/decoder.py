@@ -58,6 +58,7 @@ from forerun.request import GenerationRequest, Prompt, is_batch
 from forerun.result import GenerationResult
 from forerun.row import RowJob
 from forerun.stats import GenerationStats
+from forerun.structured import Grammars
 from forerun.taps import feature_layers
 from forerun.transcript import Transcript
 from forerun.verify import Sampling
@@ -150,6 +151,8 @@ class Decoder:
             self.plan.build(self.draft_model, vocab, self.draft_head) if drafters is None else drafters
         )
         price_costly(self.drafters, self.budget, latency_cache)
+        ends = eos_ids_of(model, None)  # llguidance's end token; each request's own EOS ids stand in for it
+        self.grammars = Grammars(tokenizer, vocab, min(ends) if ends else getattr(tokenizer, "eos_token_id", None))
 
     @property
     def config(self) -> object | None:
@@ -343,7 +346,7 @@ class Decoder:
         if request.prediction is not None:
             prediction = encode_prediction(self.model, self.tokenizer, request.prediction)
             drafters = [PredictionDrafter(prediction), *drafters] if self.fallback_reason is None else []
-        processor, criteria = request_criteria(self.model, self.tokenizer, ids, request, eos)
+        processor, criteria = request_criteria(self.model, self.tokenizer, ids, request, eos, self.grammars)
         sampling = Sampling(GumbelNoise.drawn(seeded(request.seed))) if request.do_sample else None
         if request.streamer is not None:
             request.streamer.put(ids.cpu())  # transformers' convention: a streamer sees the prompt first

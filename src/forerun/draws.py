@@ -58,6 +58,7 @@ from transformers.generation.logits_process import (
 
 from forerun.noise import GumbelNoise
 from forerun.penalties import OccurrencePenalty
+from forerun.structured import Constraint
 from forerun.tree import TokenTree
 from forerun.verify import NodeScores
 
@@ -87,6 +88,7 @@ ROW_WISE = (
     SuppressTokensAtBeginLogitsProcessor,
     ExponentialDecayLengthPenalty,
     OccurrencePenalty,
+    Constraint,
 )
 """Processors that read each row's own prefix (its tokens or its length) and nothing of other rows: one call per
 depth level, each node's row its own prefix."""

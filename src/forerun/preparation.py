@@ -30,6 +30,7 @@ from forerun.result import GenerationResult
 from forerun.row import RowJob
 from forerun.stats import GenerationStats
 from forerun.stopping import Cancelled, StopStrings, first_stop
+from forerun.structured import Constraint, Grammars
 from forerun.text import complete
 
 
@@ -78,10 +79,16 @@ def seeded(seed: int | None) -> torch.Generator | None:
 
 
 def request_criteria(
-    model: torch.nn.Module, tokenizer, ids: torch.Tensor, request: GenerationRequest, eos: frozenset[int]
+    model: torch.nn.Module,
+    tokenizer,
+    ids: torch.Tensor,
+    request: GenerationRequest,
+    eos: frozenset[int],
+    grammars: Grammars | None = None,
 ) -> tuple[LogitsProcessorList | None, StoppingCriteriaList]:
     """The request's logits processors (None when greedy) and stopping criteria: its length, EOS, stop strings,
-    cancel, and any criterion transformers builds from its generation settings (e.g. max_time)."""
+    cancel, and any criterion transformers builds from its generation settings (e.g. max_time). `grammars`: the
+    Decoder's, for a request with a response format."""
     prompt_len = ids.shape[1]
     criteria = StoppingCriteriaList([MaxLengthCriteria(max_length=prompt_len + request.max_new_tokens)])
     if eos:
@@ -92,7 +99,12 @@ def request_criteria(
         criteria.append(Cancelled(request.cancel))
     if not request.processed and not config_processes(model.generation_config):
         return None, criteria
-    processor, theirs = transformers_processors(model, ids, request, tokenizer)
+    constraint = None
+    if request.response_format is not None:
+        if grammars is None:
+            raise ValueError("response_format needs the Decoder's tokenizer")
+        constraint = grammars.constraint(request.response_format, prompt_len, eos)
+    processor, theirs = transformers_processors(model, ids, request, tokenizer, constraint)
     criteria.extend(c for c in theirs if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria)))
     return processor or None, criteria
 
@@ -121,12 +133,17 @@ def config_processes(config: GenerationConfig) -> bool:
 
 
 def transformers_processors(
-    model: torch.nn.Module, input_ids: torch.Tensor, request: GenerationRequest, tokenizer=None
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    request: GenerationRequest,
+    tokenizer=None,
+    constraint: Constraint | None = None,
 ) -> tuple[LogitsProcessorList, StoppingCriteriaList]:
     """The logits processors and stopping criteria `model.generate` builds for this prompt alone (temperature,
-    top-p, penalties, the model's own generation config...; OpenAI's penalties as a caller's processor), taken
-    from its `custom_generate` hook before any forward runs (`tokenizer`: for stop strings the model's generation
-    config may carry, which stop as generate stops: after the token that completes one)."""
+    top-p, penalties, the model's own generation config...; OpenAI's penalties and the response format's
+    `constraint` as a caller's processors), taken from its `custom_generate` hook before any forward runs
+    (`tokenizer`: for stop strings the model's generation config may carry, which stop as generate stops: after
+    the token that completes one)."""
     extra = {}
     if request.eos_token_id is not None:
         eos = request.eos_token_id
@@ -137,9 +154,13 @@ def transformers_processors(
         if tokenizer is None:
             raise ValueError("the model's generation config sets stop_strings: give the Decoder its tokenizer")
         settings["stop_strings"] = None
-    if request.penalised:  # placed as generate places a caller's processor: before the sampling warpers
-        penalty = OccurrencePenalty(request.frequency_penalty, request.presence_penalty, input_ids.shape[1])
-        settings["logits_processor"] = LogitsProcessorList([penalty])
+    callers = LogitsProcessorList()  # placed as generate places a caller's processors: before the sampling warpers
+    if request.penalised:
+        callers.append(OccurrencePenalty(request.frequency_penalty, request.presence_penalty, input_ids.shape[1]))
+    if constraint is not None:  # last: the penalties move logits, the mask rules tokens out
+        callers.append(constraint)
+    if callers:
+        settings["logits_processor"] = callers
     processor, criteria = model.generate(
         input_ids.to(model.device),
         max_new_tokens=request.max_new_tokens,

@@ -29,6 +29,7 @@ from transformers import GenerationConfig
 
 from forerun.checks import check_decoding_mode, check_logprobs, check_sampling, check_seed, check_stops
 from forerun.penalties import REQUEST_FIELDS as PENALTY_FIELDS
+from forerun.structured import check_response_format
 
 Prompt = str | Sequence[dict] | Sequence[int] | torch.Tensor
 """Text, chat messages ([{"role": ..., "content": ...}]), token ids, or input_ids [1, L]."""
@@ -57,6 +58,9 @@ class GenerationRequest:
     presence_penalty: float = 0.0
     """OpenAI's: each token's logit lowered by this much once the answer holds it, in [-2, 2]
     (`forerun.penalties`)."""
+    response_format: Mapping[str, object] | None = None
+    """OpenAI's: {"type": "json_object"} or {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}
+    holds the answer to JSON (`forerun.structured`); None or {"type": "text"}: free text."""
     prediction: str | tuple[int, ...] | None = None
     """Text or ids the answer is expected to resemble, drafted from (OpenAI's predicted outputs)."""
     logprobs: int | None = None
@@ -84,6 +88,7 @@ class GenerationRequest:
         set_field("generation", dict(self.generation))
         check_generation_kwargs(self.generation)
         check_sampling({name: getattr(self, name) for name in PENALTY_FIELDS})
+        set_field("response_format", check_response_format(self.response_format))
         if self.processed:
             try:
                 config = GenerationConfig(do_sample=self.do_sample, **self.generation)
@@ -113,8 +118,8 @@ class GenerationRequest:
 
     @property
     def processed(self) -> bool:
-        """Whether logits processors run (sampling, any generation setting, a penalty): transformers builds them."""
-        return self.do_sample or bool(self.generation) or self.penalised
+        """Whether logits processors run (sampling, any generation setting, a penalty, a response format)."""
+        return self.do_sample or bool(self.generation) or self.penalised or self.response_format is not None
 
     @property
     def penalised(self) -> bool:

@@ -2,7 +2,8 @@
 
 Input rows: `{"id": ..., "prompt": "..."}` or `{"id": ..., "messages": [...]}`, with optional per-row settings that
 override the command's (`max_new_tokens`, `chat`, `stop`, `do_sample`, `temperature`, `top_p`, `top_k`, `min_p`,
-`repetition_penalty`, `frequency_penalty`, `presence_penalty`, `seed`; the penalties act on greedy rows too).
+`repetition_penalty`, `frequency_penalty`, `presence_penalty`, `seed`; the penalties act on greedy rows too;
+`response_format`, OpenAI's, for JSON answers).
 Output rows: `{"id", "text", "tokens", "prompt_tokens", "stats"}`, one per record;
 `text` ends before the first stop string, as the server's answers do.
 
@@ -44,7 +45,7 @@ from forerun.penalties import REQUEST_FIELDS as PENALTY_FIELDS
 from forerun.request import GenerationRequest
 
 SETTINGS = ("max_new_tokens", "chat", "stop", "do_sample", "temperature", "top_p", "top_k", "min_p",
-            "repetition_penalty", *PENALTY_FIELDS, "seed")  # fmt: skip
+            "repetition_penalty", *PENALTY_FIELDS, "seed", "response_format")  # fmt: skip
 """Per-row settings a record may carry (they override the command's)."""
 
 
@@ -67,6 +68,7 @@ class Record:
         max_new_tokens, chat = settings.pop("max_new_tokens"), settings.pop("chat", False)
         stop, seed = settings.pop("stop", None), settings.pop("seed", None)
         penalties = {k: settings.pop(k) for k in PENALTY_FIELDS if k in settings}
+        response_format = settings.pop("response_format", None)
         generation = {k: v for k, v in settings.items() if v is not None}
         do_sample = bool(generation.pop("do_sample", False))
         if not do_sample:  # the command's sampling settings idle; a repetition penalty acts on greedy rows too
@@ -79,6 +81,7 @@ class Record:
             do_sample=do_sample,
             seed=None if seed is None else offset_seed(seed, self.position),
             generation=generation,
+            response_format=response_format,
             **{k: v for k, v in penalties.items() if v is not None},  # request fields, not transformers settings
         )
 

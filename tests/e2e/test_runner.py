@@ -105,6 +105,10 @@ def test_records_parse_with_line_numbers_and_each_has_its_own_request(tmp_path):
         parse_record('{"id": 1, "prompt": "x", "presence_penalty": "lots"}', 9, {})
     with pytest.raises(ValueError, match="frequency_penalty must be between -2 and 2, got 3"):
         parse_record('{"id": 1, "prompt": "x", "frequency_penalty": 3}', 9, {"max_new_tokens": 4}).request()
+    formatted = '{"id": 1, "prompt": "x", "response_format": {"type": "json_object"}}'
+    assert parse_record(formatted, 9, {"max_new_tokens": 4}).request().response_format == {"type": "json_object"}
+    with pytest.raises(ValueError, match="response_format's type must be one of"):
+        parse_record('{"id": 1, "prompt": "x", "response_format": {"type": "x"}}', 9, {"max_new_tokens": 4}).request()
 
 
 def test_hostile_lines_are_reported_by_number_and_a_byte_order_mark_is_read(tmp_path):

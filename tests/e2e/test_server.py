@@ -18,6 +18,7 @@ from forerun.penalties import OccurrencePenalty
 from forerun.server import ServerConfig, create_app
 from forerun.server.lifecycle import GracefulServer
 from forerun.server.protocol import guarded_h11
+from forerun.structured import Grammars
 
 pytestmark = pytest.mark.real_model
 MODEL = "smollm2-135m"
@@ -211,6 +212,42 @@ def test_vllms_ignore_eos_and_stop_token_ids_end_answers_as_generate_with_those_
     assert reply.usage.completion_tokens == 3 and reply.choices[0].finish_reason == "stop"
 
 
+def test_response_format_answers_are_generates_with_the_constraint(smollm2, client):
+    """OpenAI's `response_format` (chat, also streamed; completions as vLLM takes it): the answer is plain generate's
+    with the constraint as its `logits_processor`, one JSON object (the free answer is not JSON: the control)."""
+    model, tokenizer = smollm2
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}
+    response_format = {"type": "json_schema", "json_schema": {"name": "math", "schema": schema}}
+    messages = [{"role": "user", "content": 'What is 7 times 6? Reply in JSON with the key "answer".'}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    grammars = Grammars(tokenizer, model.config.vocab_size, tokenizer.eos_token_id)
+    constraint = grammars.constraint(response_format, ids["input_ids"].shape[1], frozenset({tokenizer.eos_token_id}))
+    held = model.generate(**ids, max_new_tokens=48, do_sample=False, logits_processor=LogitsProcessorList([constraint]))
+    reference = tokenizer.decode(held[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
+    assert isinstance(json.loads(reference)["answer"], int)
+    reply = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=48, temperature=0, response_format=response_format
+    )
+    assert reply.choices[0].message.content == reference != plain_text(smollm2, messages=messages, max_new_tokens=48)
+    assert reply.choices[0].finish_reason == "stop"
+    chunks = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=48, temperature=0, response_format=response_format, stream=True
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == reference
+    prompt = 'A JSON object describing a cat, with keys "name" and "age":\n'
+    reply = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=48,
+        temperature=0,
+        extra_body={"response_format": {"type": "json_object"}},
+    )
+    if reply.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(reply.choices[0].text), dict)
+    else:
+        assert reply.choices[0].text.startswith("{")
+
+
 def test_stop_strings_are_cut_like_openai(client):
     response = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=16, temperature=0, stop=[","])
     assert "," not in response.choices[0].text
@@ -232,12 +269,26 @@ def test_stop_strings_are_cut_like_openai(client):
         ({"prompt": "hi", "temperature": -1}, "temperature"),
         ({"prompt": "hi", "frequency_penalty": 3}, "frequency_penalty must be between -2 and 2"),
         ({"prompt": "   "}, "prompt is empty"),
+        ({"prompt": "hi", "response_format": {"type": "yaml"}}, "response_format's type must be one of"),
+        (
+            {
+                "prompt": "hi",
+                "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/x"}}},
+            },
+            "response_format's schema is not one forerun can hold",
+        ),
+        (
+            {"prompt": "hi", "response_format": {"type": "json_object"}, "ignore_eos": True},
+            "with ignore_eos, give stop_token_ids",
+        ),
     ],
 )
 def test_bad_requests_get_openai_style_400(live, body, fragment):
     response = httpx.post(live[0].url + "/v1/completions", json=body, timeout=60)
     assert response.status_code == 400, response.text
     assert fragment in response.json()["error"]["message"]
+    if "response_format" in body:
+        assert response.json()["error"]["param"] in ("response_format", "ignore_eos")
 
 
 def test_invalid_json_unknown_model_and_server_keeps_serving(live, client):

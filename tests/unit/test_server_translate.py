@@ -42,7 +42,9 @@ def completion(**fields):
         (chat, {"n": 3, "seed": 2**63 - 2}, "seed", "seed must be between 0 and 2**63 - 3"),
         (chat, {"tools": [{"type": "function"}]}, "tools", "tools are not supported"),
         (chat, {"tool_choice": "auto"}, "tool_choice", "tool_choice is not supported"),
-        (chat, {"response_format": {"type": "json_object"}}, "response_format", "other than text"),
+        (chat, {"response_format": {"type": "json"}}, "response_format", "type must be one of text, json_object"),
+        (completion, {"response_format": {"type": "json_schema"}}, "response_format", "needs json_schema"),
+        (chat, {"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos", "give stop_token_ids"),
         (chat, {"logit_bias": {"1000": -100}}, "logit_bias", "token ids [0, 1000), got '1000'"),
         (chat, {"logit_bias": {"-5": 1}}, "logit_bias", "token ids [0, 1000)"),
         (chat, {"logit_bias": {"a7": 1}}, "logit_bias", "token ids [0, 1000)"),
@@ -139,6 +141,15 @@ def test_what_is_honoured():
     assert args.method == "prompt_lookup+trie" and args.knobs == {"trie.decoding_length": 8}
     assert args.sampling == {} and args.chat and not args.stream
     assert args.cache_salt == "tenant-7" and chat().cache_salt is None
+    assert args.response_format is None and args.request().response_format is None
+
+
+def test_a_json_format_reaches_the_request_for_chat_and_completions():
+    for make in (chat, completion):
+        args = make(response_format={"type": "json_object"})
+        assert args.response_format == {"type": "json_object"} and args.request().response_format == {
+            "type": "json_object"
+        }
 
 
 def test_logit_bias_becomes_transformers_sequence_bias_for_greedy_and_sampled_requests():

@@ -46,6 +46,10 @@ def generate(
     top_p: float = TOP_P,
     top_k: int = TOP_K,
     seed: int = typer.Option(None, "--seed", help="With --sample: the same seed writes the same text."),
+    json_object: bool = typer.Option(False, "--json", help="Answer one JSON object (OpenAI's json_object)."),
+    json_schema: str = typer.Option(
+        None, "--json-schema", help="A JSON schema file: answer JSON that matches it (OpenAI's json_schema)."
+    ),
     knob: list[str] = KNOB,
     max_tree_nodes: int = NODES,
     threads: int = THREADS,
@@ -67,6 +71,7 @@ def generate(
     if not prompt.strip():
         raise ValueError("prompt is empty")
     options = sampling(do_sample, temperature, top_p, top_k, seed)
+    response_format = format_of(json_object, json_schema)
     spec = run_spec(model, method, knob, device, dtype, threads, draft_model, max_tree_nodes, quantize, draft_head,
                     compile_buckets, pack)  # fmt: skip
     lm, tokenizer, draft = spec.load()
@@ -75,12 +80,36 @@ def generate(
 
     # the answer shows as it is written; -v: every token, coloured by where it came from, then the stats
     streamer = ConsoleStream(console, tokenizer) if verbose else AnswerStream(console, tokenizer, tuple(stop))
-    result = decoder.generate(prompt, max_new_tokens, chat=chat, stop=tuple(stop), streamer=streamer, **options)
+    shape = {"stop": tuple(stop), "response_format": response_format}
+    result = decoder.generate(prompt, max_new_tokens, chat=chat, streamer=streamer, **shape, **options)
     if not verbose:
         return
     console.print(legend(decoder.plan.names))
     console.print(result.stats.summary(), highlight=False)
     console.print(f"accepted length per step: {dict(sorted(result.stats.accepted_hist.items()))}", highlight=False)
+
+
+def format_of(json_object: bool, json_schema: str | None) -> dict | None:
+    """The response format `--json` or `--json-schema FILE` asks for (None: free text); a ValueError naming the
+    option where the file is not a JSON object or both are given (checked before the model loads)."""
+    import json
+    from pathlib import Path
+
+    from forerun.structured import check_response_format
+
+    if json_object and json_schema:
+        raise ValueError("give --json or --json-schema, not both")
+    if not json_schema:
+        return {"type": "json_object"} if json_object else None
+    try:
+        schema = json.loads(Path(json_schema).read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as error:
+        raise ValueError(f"--json-schema {json_schema}: not a readable JSON file ({error})") from None
+    entry = {"name": Path(json_schema).stem or "schema", "schema": schema}
+    try:
+        return check_response_format({"type": "json_schema", "json_schema": entry})
+    except ValueError as error:
+        raise ValueError(f"--json-schema {json_schema}: {error}") from None
 
 
 def standard_input() -> str:

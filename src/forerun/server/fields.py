@@ -11,11 +11,12 @@ Example:
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from forerun.checks import check_sampling, check_text
 from forerun.penalties import REQUEST_FIELDS as OPENAI_PENALTIES
 from forerun.server.schemas import ChatRequest, CommonRequest, CompletionRequest
+from forerun.structured import check_response_format
 
 if TYPE_CHECKING:
     from forerun.server.translate import Limits
@@ -240,3 +241,24 @@ def eos_of(body: CommonRequest, limits: Limits) -> tuple[int, ...] | None:
         if token < 0 or (vocab is not None and token >= vocab):
             raise refuse("stop_token_ids", f"stop_token_ids are token ids [0, {vocab}), got {token}")
     return tuple(sorted({*(() if body.ignore_eos else limits.eos_token_ids), *ids}))
+
+
+def response_format_of(body: CommonRequest, eos: tuple[int, ...] | None) -> dict[str, Any] | None:
+    """The checked `response_format` (None for free text), or an APIError naming it; a JSON answer ends at an
+    end-of-text token, so one with `ignore_eos` and no `stop_token_ids` is refused.
+
+    Example:
+        >>> body = ChatRequest(messages=[{"role": "user", "content": "Hi"}], response_format={"type": "json"})
+        >>> response_format_of(body, None)
+        Traceback (most recent call last):
+        ...
+        forerun.server.fields.APIError: response_format's type must be one of text, json_object, json_schema, got 'json'
+    """
+    try:
+        response_format = check_response_format(body.response_format)
+    except ValueError as error:
+        raise refuse("response_format", str(error)) from None
+    if response_format is not None and eos == ():
+        message = "a response_format answer ends at an end-of-text token: with ignore_eos, give stop_token_ids"
+        raise refuse("ignore_eos", message)
+    return response_format

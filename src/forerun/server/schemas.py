@@ -54,6 +54,8 @@ class CommonRequest(BaseModel):
     """vLLM's: the model's end-of-text tokens do not end the answer (it runs to max_tokens or a stop)."""
     stop_token_ids: list[StrictInt] | None = None
     """vLLM's: tokens that end the answer besides the model's end-of-text ones (the answer keeps the token)."""
+    response_format: dict[str, Any] | None = None
+    """OpenAI's (vLLM takes it for completions too): {"type": "json_object"} or {"type": "json_schema", ...}."""
     forerun: dict[str, Any] | None = None
     """forerun's own: {"method": "auto", knob: value, ...}."""
 
@@ -90,7 +92,6 @@ class ChatRequest(CommonRequest):
     functions: list[Any] | None = None
     function_call: Any | None = None
     parallel_tool_calls: StrictBool | None = None
-    response_format: dict[str, Any] | None = None
     audio: Any | None = None
     modalities: list[StrictStr] | None = None
     reasoning_effort: StrictStr | None = None

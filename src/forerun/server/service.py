@@ -142,6 +142,11 @@ class Service:
             wanted = [args.request(None if streams is None else streams[i], cancel, i) for i in range(args.runs)]
         except ValueError as error:
             raise APIError(400, str(error), "forerun") from None
+        if args.response_format is not None:  # compiled off the event loop and the batch's thread (GIL released)
+            try:
+                await asyncio.to_thread(decoder.grammars.compile, args.response_format)
+            except ValueError as error:
+                raise APIError(400, str(error), "response_format") from None
         self.admit(args.runs)
         why: dict = {}
         watcher = asyncio.create_task(watch(request, cancel, request.state.deadline, why))

@@ -32,6 +32,7 @@ from forerun.server.fields import (
     logprobs_of,
     prediction_of,
     refuse,
+    response_format_of,
     sampling_of,
     stops_of,
 )
@@ -91,6 +92,8 @@ class GenerationArgs:
     """A bias added to each named token's logit (OpenAI's `logit_bias`, transformers' `sequence_bias`)."""
     eos_token_id: tuple[int, ...] | None = None
     """The ids that end the answer (vLLM's `ignore_eos`, `stop_token_ids`); None: the model's own."""
+    response_format: dict[str, Any] | None = None
+    """OpenAI's, checked (`forerun.structured`); None: free text."""
 
     @property
     def runs(self) -> int:
@@ -114,6 +117,7 @@ class GenerationArgs:
             logprobs=self.logprobs,
             cache_salt=self.cache_salt,
             eos_token_id=self.eos_token_id,
+            response_format=self.response_format,
             streamer=streamer,
             cancel=cancel,
             **self.sampling,  # do_sample and the processors' settings
@@ -137,8 +141,6 @@ def unsupported(body: CommonRequest) -> None:
             checks.append(("tool_choice", body.tool_choice, f"tool_choice is not supported: {plain}"))
         if body.function_call not in (None, "none"):
             checks.append(("function_call", body.function_call, f"function_call is not supported: {plain}"))
-        if body.response_format not in (None, {"type": "text"}):
-            checks.append(("response_format", body.response_format, "response_format other than text is not supported"))
         if body.modalities not in (None, ["text"]):
             checks.append(("modalities", body.modalities, "only the text modality is supported"))
         # Accepted and ignored, these would promise what the server does not do: refused, each by name. (metadata
@@ -194,6 +196,7 @@ def translate(body: ChatRequest | CompletionRequest, limits: Limits) -> Generati
         raise refuse("seed", f"seed must be between 0 and 2**63 - {n}, got {body.seed}")
     check_stream_options(body)
     method, knobs = method_of(body, limits)
+    eos = eos_of(body, limits)
     return GenerationArgs(
         prompt=prompt,
         chat=chat,
@@ -210,7 +213,8 @@ def translate(body: ChatRequest | CompletionRequest, limits: Limits) -> Generati
         cache_salt=cache_salt_of(body),
         n=n,
         logit_bias=logit_bias_of(body, limits.vocab_size),
-        eos_token_id=eos_of(body, limits),
+        eos_token_id=eos,
+        response_format=response_format_of(body, eos),
     )
 
 

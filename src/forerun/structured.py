@@ -1,0 +1,247 @@
+"""Structured output: answers held to JSON, or to a JSON schema (OpenAI's `response_format`).
+
+`response_format={"type": "json_object"}` asks for an answer that is one JSON object;
+`{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}` for one that matches the schema. forerun
+holds the answer to it as vLLM and SGLang do: before each token is chosen, every token that could not continue a
+valid answer is masked (its logit set to -inf), and once the JSON is complete only an end-of-text token is left.
+llguidance computes the masks (the schema compiled to a grammar, parsed over the tokenizer's tokens, with a cap on
+each step's work, so no schema can stall a server). The mask is a logits processor like any other, a function of
+the row's own answer so far: plain `model.generate(logits_processor=[constraint])` writes exactly what every forerun
+method writes with it. A drafted guess that breaks the grammar is never accepted: the verifier takes the target's
+masked choice.
+
+Example (the SmolLM2 tokenizer; the answer so far is `{"n` under a schema whose one key is "name"):
+    >>> check_response_format({"type": "json_object"})
+    {'type': 'json_object'}
+    >>> check_response_format({"type": "text"}) is None
+    True
+    >>> check_response_format({"type": "json_schema", "json_schema": {"name": "x", "schema": "{}"}})
+    Traceback (most recent call last):
+    ...
+    ValueError: response_format's json_schema.schema must be a JSON object, got '{}'
+    >>> grammars = Grammars(tokenizer, 49152, end_token=2)                                       # doctest: +SKIP
+    >>> constraint = grammars.constraint(response_format, prompt_length=5, eos=frozenset({2}))      # doctest: +SKIP
+    >>> constraint(ids, scores)     # ids [k, 5 + answer], scores [k, vocab]: disallowed tokens -inf  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from transformers import LogitsProcessor
+
+FORMATS = ("text", "json_object", "json_schema")
+"""OpenAI's `response_format` types: free text (no constraint), any JSON object, JSON matching a schema."""
+UNHELD = "response_format's schema is not one forerun can hold an answer to"
+MAX_COMPILED = 32
+"""Compiled formats a Decoder keeps (a server's clients tend to send the same few schemas)."""
+MAX_DEPTH = 64
+"""Levels a format may nest (a schema's objects and lists): deeper ones are refused before any parser sees them."""
+MAX_ERROR = 300
+"""Characters of llguidance's message kept in an error (its messages can quote the whole schema)."""
+
+
+def check_response_format(value: object) -> dict[str, Any] | None:
+    """`value` as a plain JSON copy, None where it asks for free text; a ValueError naming what is wrong otherwise
+    (an unknown type or key, a schema that is not a JSON object, nesting past MAX_DEPTH). Whether the schema
+    compiles is found when it is compiled (`Grammars.compile`), off a server's event loop."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise ValueError(f"response_format must be an object such as {{'type': 'json_object'}}, got {value!r:.60}")
+    kind = value.get("type")
+    if kind not in FORMATS:
+        raise ValueError(f"response_format's type must be one of {', '.join(FORMATS)}, got {kind!r:.60}")
+    allowed = {"type"} | ({"json_schema"} if kind == "json_schema" else set())
+    if extra := sorted(set(value) - allowed):
+        raise ValueError(f"response_format of type {kind} takes no {', '.join(map(str, extra))}")
+    if kind == "text":
+        return None
+    if (depth := nesting(value)) > MAX_DEPTH:
+        raise ValueError(f"response_format nests {depth} levels deep; at most {MAX_DEPTH}")
+    try:
+        plain = json.loads(json.dumps(value, allow_nan=False))
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"response_format must be plain JSON: {error}") from None
+    if kind == "json_schema":
+        check_schema_entry(plain.get("json_schema"))
+    return plain
+
+
+def nesting(value: object) -> int:
+    """How deep objects and lists nest in `value` (a scalar: 0), counted without recursion, up to MAX_DEPTH + 1.
+
+    Example:
+        >>> nesting({"a": [1, {"b": 2}]}), nesting(3)
+        (3, 0)
+    """
+    deepest, level = 0, [value]
+    while deepest <= MAX_DEPTH:
+        containers = [item for item in level if isinstance(item, (Mapping, list, tuple))]
+        if not containers:
+            break
+        deepest += 1
+        level = [child for item in containers for child in (item.values() if isinstance(item, Mapping) else item)]
+    return deepest
+
+
+def check_schema_entry(entry: object) -> None:
+    """OpenAI's `json_schema` object: a name, the schema (a JSON object), optionally a description and `strict`
+    (the answer is always held to the schema here, whatever `strict` says)."""
+    if not isinstance(entry, dict):
+        raise ValueError("response_format of type json_schema needs json_schema: {'name': ..., 'schema': {...}}")
+    if extra := sorted(set(entry) - {"name", "schema", "description", "strict"}):
+        raise ValueError(f"response_format's json_schema takes no {', '.join(extra)}")
+    if not isinstance(entry.get("name"), str) or not entry["name"]:
+        raise ValueError("response_format's json_schema needs a name (a non-empty string)")
+    if not isinstance(entry.get("schema"), dict):
+        raise ValueError(f"response_format's json_schema.schema must be a JSON object, got {entry.get('schema')!r:.60}")
+    if not isinstance(entry.get("strict", False), bool):
+        raise ValueError("response_format's json_schema.strict must be true or false")
+
+
+def grammar_of(response_format: Mapping[str, Any]) -> str:
+    """llguidance's grammar for a checked JSON format: any JSON object, or the given schema."""
+    from llguidance import LLMatcher
+
+    if response_format["type"] == "json_object":
+        return LLMatcher.grammar_from_json_schema({"type": "object"})
+    return LLMatcher.grammar_from_json_schema(response_format["json_schema"]["schema"])
+
+
+def cut(message: str) -> str:
+    """`message` cut to MAX_ERROR characters."""
+    return message if len(message) <= MAX_ERROR else message[:MAX_ERROR] + "..."
+
+
+class Grammars:
+    """A Decoder's tokenizer as llguidance reads it, built at the first constrained request (a few tenths of a
+    second for a 49k vocabulary) and shared by every request after it.
+
+    `vocab_size`: the model's output width (a model may have more logits than its tokenizer has tokens: those
+    ids are never allowed); `end_token`: the id llguidance marks as the end of an answer (the model's first EOS),
+    stood in for, in each request, by that request's own EOS ids."""
+
+    def __init__(self, tokenizer: object, vocab_size: int, end_token: int | None) -> None:
+        self.tokenizer, self.vocab_size, self.end_token = tokenizer, vocab_size, end_token
+        self.read: object | None = None  # llguidance's LLTokenizer, once built
+        self.compiled: OrderedDict[str, object] = OrderedDict()  # grammar -> a matcher at an answer's start
+        self.lock = threading.Lock()
+
+    def tokens(self) -> object:
+        """The LLTokenizer (built once; a ValueError where the tokenizer is not a fast one)."""
+        if self.read is None:
+            from llguidance.hf import from_tokenizer
+
+            if self.tokenizer is None or self.end_token is None:
+                raise ValueError("response_format needs the model's tokenizer and an end-of-text token")
+            try:
+                self.read = from_tokenizer(self.tokenizer, n_vocab=self.vocab_size, eos_token=self.end_token)
+            except ValueError as error:
+                raise ValueError(f"response_format needs a fast (Rust) tokenizer: {error}") from None
+        return self.read
+
+    def compile(self, response_format: Mapping[str, Any]) -> object:
+        """A matcher at an answer's start for a checked `response_format` (a ValueError where its schema does not
+        compile): built once, then kept for the next MAX_COMPILED formats asked for. Compiling a large schema takes
+        up to about half a second with the GIL released: a server calls this off its event loop and its batch's
+        thread, so the row built there finds it ready."""
+        from llguidance import LLMatcher
+
+        grammar = grammar_of(response_format)
+        with self.lock:
+            tokens = self.tokens()
+            if grammar in self.compiled:
+                self.compiled.move_to_end(grammar)
+                return self.compiled[grammar]
+        matcher = LLMatcher(tokens, grammar, log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"{UNHELD}: {cut(matcher.get_error())}")
+        with self.lock:
+            self.compiled[grammar] = matcher
+            while len(self.compiled) > MAX_COMPILED:
+                self.compiled.popitem(last=False)
+        return matcher
+
+    def constraint(self, response_format: Mapping[str, Any], prompt_length: int, ends: frozenset[int]) -> Constraint:
+        """The processor holding one request's answer to `response_format` (checked by `check_response_format`);
+        `ends`: the request's EOS ids, which end the answer once the JSON is complete (none: a ValueError, as the
+        answer could then never end where the JSON does)."""
+        if not ends:
+            raise ValueError("response_format needs an end-of-text token to end the answer; this request has none")
+        return Constraint(self.compile(response_format), prompt_length, ends, self.end_token)
+
+
+class Constraint(LogitsProcessor):
+    """Masks (-inf) every token that cannot continue a row's answer within the grammar; once the answer is complete,
+    every token but the request's EOS ids. Each row of scores is computed from its own row of ids alone (a node of
+    a tree scored as a row gets what it gets alone: `forerun.draws.ROW_WISE`); a row whose ids already break the
+    grammar (a drafted node past a rejected guess, never kept) is left as it is.
+
+    One llguidance matcher follows the rows asked about: rolled back to the longest prefix it shares with the next
+    row, then advanced, so a tree's siblings and a walk down its accepted path cost a token or two each."""
+
+    def __init__(self, start: object, prompt_length: int, ends: frozenset[int], end_token: int) -> None:
+        self.start, self.prompt_length = start, prompt_length  # start: a compiled matcher, copied, never moved
+        self.ends, self.end_token = sorted(ends), end_token
+        self.matcher = self.fresh()
+        self.consumed: list[int] = []
+
+    def fresh(self) -> object:
+        """A matcher of its own at the answer's start (a copy: the compiled one is shared)."""
+        return self.start.deep_copy()
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        """input_ids [rows, prompt + answer], scores [rows, vocab] -> the masked scores [rows, vocab], a new tensor."""
+        allowed = torch.ones(scores.shape, dtype=torch.bool)
+        for row, ids in enumerate(input_ids[:, self.prompt_length :].tolist()):
+            mask = self.allowed_after(ids)
+            if mask is not None:
+                width = min(mask.shape[0], scores.shape[1])
+                allowed[row, :width] = mask[:width]
+                allowed[row, width:] = False
+        return scores.masked_fill(~allowed.to(scores.device), float("-inf"))
+
+    def allowed_after(self, answer: list[int]) -> torch.Tensor | None:
+        """Which tokens may follow `answer` [vocab] bool, or None where the answer itself breaks the grammar."""
+        ends = set(self.ends)
+        valid = self.follow([self.end_token if token in ends else token for token in answer])
+        if self.matcher.is_error():  # a step past llguidance's work limits: the answer ends here
+            allowed = torch.zeros(max(self.ends) + 1, dtype=torch.bool)
+            allowed[self.ends] = True
+            return allowed
+        if not valid:
+            return None
+        allowed = torch.frombuffer(bytearray(self.matcher.compute_logit_bias()), dtype=torch.uint8) > 0
+        may_end = bool(allowed[self.end_token])
+        allowed[self.end_token] = False  # the model's EOS as such; the request's own EOS ids stand for it
+        allowed[self.ends] = may_end
+        return allowed
+
+    def follow(self, tokens: list[int]) -> bool:
+        """Bring the matcher to `tokens` (the answer, EOS as llguidance's end token); False where they break the
+        grammar (the matcher then holds their longest valid prefix)."""
+        if self.matcher.is_error():  # left by an earlier row: start again from the answer's start
+            self.matcher, self.consumed = self.fresh(), []
+        common = 0
+        for held, token in zip(self.consumed, tokens, strict=False):
+            if held != token:
+                break
+            common += 1
+        if common < len(self.consumed) and not self.matcher.rollback(len(self.consumed) - common):
+            self.matcher, common = self.fresh(), 0
+        self.consumed = self.consumed[:common]
+        rest = tokens[common:]
+        valid = self.matcher.validate_tokens(rest) if rest else 0
+        if valid:
+            self.matcher.consume_tokens(rest[:valid])
+            self.consumed += rest[:valid]
+        return valid == len(rest)
+
+    def __repr__(self) -> str:
+        return f"Constraint(prompt={self.prompt_length}, ends={self.ends})"

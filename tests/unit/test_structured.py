@@ -1,0 +1,116 @@
+"""response_format's checks and its processor (`forerun.structured`) on a byte-level tokenizer, without a model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from forerun import GenerationRequest
+from forerun.structured import MAX_COMPILED, MAX_DEPTH, Grammars, check_response_format, grammar_of
+
+from tiny_models import byte_tokenizer
+
+PERSON = {
+    "type": "json_schema",
+    "json_schema": {
+        "name": "person",
+        "schema": {
+            "type": "object",
+            "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}},
+            "required": ["name", "age"],
+            "additionalProperties": False,
+            "x-guidance": {"whitespace_flexible": False},
+        },
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return byte_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def grammars(tokenizer):
+    return Grammars(tokenizer, len(tokenizer), tokenizer.eos_token_id)
+
+
+def deep(levels: int) -> dict:
+    schema: dict = {"type": "integer"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("json", "response_format must be an object"),
+        ({"type": "json"}, "response_format's type must be one of text, json_object, json_schema, got 'json'"),
+        ({"type": "json_object", "schema": {}}, "response_format of type json_object takes no schema"),
+        ({"type": "json_schema"}, "needs json_schema: "),
+        ({"type": "json_schema", "json_schema": {"schema": {}}}, "needs a name"),
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": []}}, "schema must be a JSON object"),
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "strict": 1}}, "strict must be true"),
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "format": 1}}, "takes no format"),
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"maximum": float("nan")}}}, "plain JSON"),
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": deep(70)}}, f"at most {MAX_DEPTH}"),
+    ],
+)
+def test_hostile_formats_are_refused_by_name(value, message):
+    with pytest.raises(ValueError, match=message.replace("(", "\\(").replace("[", "\\[")):
+        GenerationRequest("Hi", 4, response_format=value)
+
+
+def test_text_is_no_format_and_a_format_makes_the_request_processed():
+    assert GenerationRequest("Hi", 4, response_format={"type": "text"}).response_format is None
+    assert not GenerationRequest("Hi", 4, response_format={"type": "text"}).processed
+    assert GenerationRequest("Hi", 4, response_format={"type": "json_object"}).processed
+    assert check_response_format(PERSON) == PERSON and check_response_format(PERSON) is not PERSON  # a copy
+
+
+def test_a_schema_that_does_not_compile_is_named_and_compiled_ones_are_kept(grammars):
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nowhere"}}}
+    with pytest.raises(ValueError, match="response_format's schema is not one forerun can hold an answer to"):
+        grammars.compile(bad)
+    assert grammars.compile(PERSON) is grammars.compile(PERSON)  # compiled once
+    for size in range(MAX_COMPILED):
+        grammars.compile({"type": "json_schema", "json_schema": {"name": "s", "schema": {"maxProperties": size}}})
+    assert len(grammars.compiled) == MAX_COMPILED and grammar_of(PERSON) not in grammars.compiled
+
+
+def masks(constraint, tokenizer, answers: list[str], prompt: int = 3) -> torch.Tensor:
+    """Which tokens the constraint leaves after each answer text [answers, vocab] (a row of one call each)."""
+    rows = [[7] * prompt + tokenizer.encode(text) for text in answers]
+    width = max(map(len, rows))
+    assert all(len(row) == width for row in rows), "one call takes rows of one length"
+    scores = torch.zeros(len(rows), len(tokenizer))
+    return constraint(torch.tensor(rows), scores) == 0
+
+
+def test_the_mask_follows_each_rows_own_answer(grammars, tokenizer):
+    eos = tokenizer.eos_token_id
+    constraint = grammars.constraint(PERSON, 3, frozenset({eos}))
+    (start,) = masks(constraint, tokenizer, ['{"'])
+    after_key, broken = masks(constraint, tokenizer, ['{"n', '{"x'])  # siblings: one call, a row each
+    assert start.nonzero().flatten().tolist() == tokenizer.convert_tokens_to_ids(["n"])  # "name" comes first
+    assert after_key.nonzero().flatten().tolist() == tokenizer.convert_tokens_to_ids(["a"])
+    assert broken.all()  # a drafted row past a wrong guess: never kept, left as it is
+    (number,) = masks(constraint, tokenizer, ['{"name":"Al","age":7'])
+    digits = tokenizer.convert_tokens_to_ids([str(d) for d in range(10)] + ["}"])
+    assert number.nonzero().flatten().tolist() == sorted(digits)  # more digits, or the object's end
+    (done,) = masks(constraint, tokenizer, ['{"name":"Al","age":7}'])
+    assert done.nonzero().flatten().tolist() == [eos]  # complete: only the end
+    (closed,) = masks(constraint, tokenizer, ['{"name":"Al","age":7}}'])
+    assert closed.all()  # past the end: broken
+
+
+def test_the_requests_own_eos_ids_stand_for_the_end(grammars, tokenizer):
+    eos = tokenizer.eos_token_id
+    constraint = grammars.constraint({"type": "json_object"}, 2, frozenset({5, 9}))
+    (done,) = masks(constraint, tokenizer, ["{}"], prompt=2)
+    assert done.nonzero().flatten().tolist() == [5, 9] and not done[eos]
+    rows = torch.tensor([[7, 7, *tokenizer.encode("{}"), 9]])
+    assert not constraint(rows, torch.zeros(1, len(tokenizer))).isinf().any()  # an ended answer is never extended
+    with pytest.raises(ValueError, match="needs an end-of-text token"):
+        grammars.constraint({"type": "json_object"}, 2, frozenset())
