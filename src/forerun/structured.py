@@ -30,7 +30,7 @@ import json
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from transformers import LogitsProcessor
@@ -210,22 +210,25 @@ class Constraint(LogitsProcessor):
     def allowed_after(self, answer: list[int]) -> torch.Tensor | None:
         """Which tokens may follow `answer` [vocab] bool, or None where the answer itself breaks the grammar."""
         ends = set(self.ends)
-        valid = self.follow([self.end_token if token in ends else token for token in answer])
-        if self.matcher.is_error():  # a step past llguidance's work limits: the answer ends here
+        state = self.follow([self.end_token if token in ends else token for token in answer])
+        if state == "refused":
+            return None
+        bias = self.matcher.compute_logit_bias() if state == "held" else b""
+        if state == "limit" or self.matcher.is_error():  # past llguidance's work limits: the answer ends here
             allowed = torch.zeros(max(self.ends) + 1, dtype=torch.bool)
             allowed[self.ends] = True
             return allowed
-        if not valid:
-            return None
-        allowed = torch.frombuffer(bytearray(self.matcher.compute_logit_bias()), dtype=torch.uint8) > 0
+        allowed = torch.frombuffer(bytearray(bias), dtype=torch.uint8) > 0
         may_end = bool(allowed[self.end_token])
         allowed[self.end_token] = False  # the model's EOS as such; the request's own EOS ids stand for it
         allowed[self.ends] = may_end
         return allowed
 
-    def follow(self, tokens: list[int]) -> bool:
-        """Bring the matcher to `tokens` (the answer, EOS as llguidance's end token); False where they break the
-        grammar (the matcher then holds their longest valid prefix)."""
+    def follow(self, tokens: list[int]) -> Literal["held", "refused", "limit"]:
+        """Bring the matcher to `tokens` (the answer, EOS as llguidance's end token): "held" where it is there,
+        "refused" where a token breaks the grammar (the matcher then holds the longest valid prefix), "limit" where
+        llguidance's work limits stopped it (it then consumes no more, erring or not: a token its own mask allows
+        but it would not take tells)."""
         if self.matcher.is_error():  # left by an earlier row: start again from the answer's start
             self.matcher, self.consumed = self.fresh(), []
         common = 0
@@ -237,11 +240,14 @@ class Constraint(LogitsProcessor):
             self.matcher, common = self.fresh(), 0
         self.consumed = self.consumed[:common]
         rest = tokens[common:]
-        valid = self.matcher.validate_tokens(rest) if rest else 0
-        if valid:
-            self.matcher.consume_tokens(rest[:valid])
-            self.consumed += rest[:valid]
-        return valid == len(rest)
+        valid = self.matcher.try_consume_tokens(rest) if rest else 0  # stops at a token it does not take
+        self.consumed += rest[:valid]
+        if valid == len(rest):
+            return "held"
+        if rest[valid] == self.end_token:  # an answer that has ended: never extended
+            return "refused"
+        bias = self.matcher.compute_logit_bias()
+        return "limit" if self.matcher.is_error() or bias[rest[valid]] else "refused"
 
     def __repr__(self) -> str:
         return f"Constraint(prompt={self.prompt_length}, ends={self.ends})"

@@ -217,3 +217,76 @@ def test_fuzzed_knobs_never_reach_a_5xx_nor_an_honest_neighbour(server, smollm2)
     neighbour.join(timeout=300)
     assert beside["answer"].json()["choices"][0]["message"]["content"] == expected
     assert 200 in seen and 400 in seen  # the fuzz reached both sides of the checks
+
+
+def test_fuzzed_response_formats_never_reach_a_5xx_nor_an_honest_neighbour(server, smollm2):
+    """Hypothesis over `response_format`: schemas built from JSON Schema's keywords with hostile values (regexes,
+    extreme bounds, dangling references, contradictions, deep nesting) and malformed envelopes, while an honest
+    request runs beside them. Every answer is OpenAI-shaped JSON below 500 (a json_object one starts an object),
+    and the honest answer is plain generate's."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    extremes = st.sampled_from([0, -1, 1, 2**63, 1e308, -1e308, 5e-324, 10**30, 0.5])
+    patterns = st.sampled_from(["^(a|aa)*$", "[", "(a{1,1000}){1,1000}", "\\d+", ".*", "", "^$", "(?=a)a", "\\p{L}+"])
+    types = st.sampled_from(["object", "string", "integer", "number", "array", "boolean", "null", "bogus"])
+
+    def keyword_schemas(inner):
+        return st.fixed_dictionaries(
+            {},
+            optional={
+                "type": st.one_of(types, st.lists(types, max_size=3)),
+                "properties": st.dictionaries(st.text(max_size=6), inner, max_size=3),
+                "required": st.lists(st.text(max_size=6), max_size=3),
+                "items": inner,
+                "anyOf": st.lists(inner, max_size=3),
+                "oneOf": st.lists(inner, max_size=3),
+                "allOf": st.lists(inner, max_size=3),
+                "enum": st.lists(st.one_of(st.text(max_size=4), st.integers(), st.none()), max_size=4),
+                "const": st.one_of(st.text(max_size=4), st.integers()),
+                "pattern": patterns,
+                "minLength": extremes,
+                "maxLength": extremes,
+                "minimum": extremes,
+                "maximum": extremes,
+                "minItems": extremes,
+                "maxItems": extremes,
+                "additionalProperties": st.one_of(st.booleans(), inner),
+                "$ref": st.sampled_from(["#", "#/nowhere", "#/properties/a", "http://example.com/x.json"]),
+                "format": st.sampled_from(["date-time", "email", "uuid", "bogus"]),
+            },
+        )
+
+    schemas = st.recursive(keyword_schemas(st.just({})), keyword_schemas, max_leaves=12)
+    envelopes = st.one_of(
+        schemas.map(lambda s: {"type": "json_schema", "json_schema": {"name": "fuzz", "schema": s}}),
+        st.sampled_from([{"type": "json_object"}, {"type": "text"}, {"type": "json_schema"}, {"type": 5}, {}]),
+        st.dictionaries(st.sampled_from(["type", "json_schema", "schema"]), st.one_of(st.text(max_size=5), schemas)),
+    )
+    url = server.url + "/v1/chat/completions"
+    honest = {"messages": HONEST[0], "max_tokens": TOKENS}
+    expected = plain_text(smollm2, messages=HONEST[0], max_new_tokens=TOKENS)
+    seen: list[int] = []
+
+    @settings(max_examples=60, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @given(response_format=envelopes)
+    def fuzzed(response_format):
+        body = {"messages": [{"role": "user", "content": "Some JSON, please."}], "max_tokens": 6}
+        response = httpx.post(url, json={**body, "response_format": response_format}, timeout=120)
+        seen.append(response.status_code)
+        assert response.status_code < 500, (response_format, response.text[:300])
+        if response.status_code != 200:
+            error = response.json()["error"]
+            assert error["type"] and error["message"], response.text
+        elif response_format.get("type") == "json_object":
+            assert response.json()["choices"][0]["message"]["content"].lstrip().startswith("{")
+
+    beside: dict[str, httpx.Response] = {}
+    neighbour = threading.Thread(
+        target=lambda: beside.update(answer=httpx.post(server.url + "/v1/chat/completions", json=honest, timeout=300))
+    )
+    neighbour.start()
+    fuzzed()
+    neighbour.join(timeout=300)
+    assert beside["answer"].json()["choices"][0]["message"]["content"] == expected
+    assert seen.count(200) >= 10 and 400 in seen, seen  # the fuzz reached both sides of the checks

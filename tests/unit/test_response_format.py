@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from forerun import GenerationRequest
-from forerun.structured import MAX_COMPILED, MAX_DEPTH, Grammars, check_response_format, grammar_of
+from forerun.structured import MAX_COMPILED, MAX_DEPTH, Constraint, Grammars, check_response_format, grammar_of
 
 from tiny_models import byte_tokenizer
 
@@ -114,3 +114,17 @@ def test_the_requests_own_eos_ids_stand_for_the_end(grammars, tokenizer):
     assert not constraint(rows, torch.zeros(1, len(tokenizer))).isinf().any()  # an ended answer is never extended
     with pytest.raises(ValueError, match="needs an end-of-text token"):
         grammars.constraint({"type": "json_object"}, 2, frozenset())
+
+
+def test_a_step_past_llguidances_work_limits_ends_the_answer(grammars, tokenizer):
+    """Following or masking past llguidance's work caps (here set tiny, over a string's pattern) leaves only the
+    request's EOS ids: the answer ends there, rather than running unheld or holding the step."""
+    from llguidance import LLMatcher, LLParserLimits
+
+    pattern = {"type": "object", "properties": {"name": {"type": "string", "pattern": "^(a|b)*c$"}}}
+    grammar = grammar_of({"type": "json_schema", "json_schema": {"name": "p", "schema": pattern}})
+    limited = LLMatcher(grammars.tokens(), grammar, log_level=0, limits=LLParserLimits(step_lexer_fuel=10))
+    for answer in ('{"name":"', '{"name":"ab'):  # the limit met masking, and following the answer
+        constraint = Constraint(limited, 3, frozenset({5}), tokenizer.eos_token_id)
+        (mask,) = masks(constraint, tokenizer, [answer])
+        assert mask.nonzero().flatten().tolist() == [5], answer
