@@ -248,6 +248,23 @@ def test_response_format_answers_are_generates_with_the_constraint(smollm2, clie
         assert reply.choices[0].text.startswith("{")
 
 
+def test_vllms_min_tokens_holds_the_end_back_as_generate_with_min_new_tokens(smollm2, client):
+    """vLLM's `min_tokens`: no end-of-text token before that many tokens, the answer plain generate's with
+    `min_new_tokens` (the control: the model's own answer ends sooner)."""
+    model, tokenizer = smollm2
+    messages = [{"role": "user", "content": "Say hi."}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    own = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=48, temperature=0)
+    assert own.usage.completion_tokens < 30 and own.choices[0].finish_reason == "stop"
+    held = model.generate(**ids, max_new_tokens=48, do_sample=False, min_new_tokens=30)
+    reply = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=48, temperature=0, extra_body={"min_tokens": 30}
+    )
+    start = ids["input_ids"].shape[1]
+    assert reply.choices[0].message.content == tokenizer.decode(held[0, start:], skip_special_tokens=True)
+    assert reply.usage.completion_tokens >= 30
+
+
 def test_stop_strings_are_cut_like_openai(client):
     response = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=16, temperature=0, stop=[","])
     assert "," not in response.choices[0].text

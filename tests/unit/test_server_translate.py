@@ -60,6 +60,8 @@ def completion(**fields):
         (chat, {"stop_token_ids": [1000]}, "stop_token_ids", "token ids [0, 1000), got 1000"),
         (completion, {"stop_token_ids": [-1]}, "stop_token_ids", "token ids [0, 1000), got -1"),
         (chat, {"stop_token_ids": list(range(65))}, "stop_token_ids", "at most 64 ids, got 65"),
+        (chat, {"min_tokens": 65, "max_tokens": 64}, "min_tokens", "between 0 and max_tokens (64), got 65"),
+        (completion, {"min_tokens": -1}, "min_tokens", "between 0 and max_tokens"),
         (chat, {"modalities": ["text", "audio"]}, "modalities", "only the text modality"),
         (chat, {"top_logprobs": 3}, "top_logprobs", "needs logprobs: true"),
         (chat, {"logprobs": True, "top_logprobs": 21}, "top_logprobs", "between 0 and 20"),
@@ -142,6 +144,12 @@ def test_what_is_honoured():
     assert args.sampling == {} and args.chat and not args.stream
     assert args.cache_salt == "tenant-7" and chat().cache_salt is None
     assert args.response_format is None and args.request().response_format is None
+
+
+def test_min_tokens_becomes_transformers_min_new_tokens_greedy_or_sampled():
+    assert chat(min_tokens=5).request().generation == {"min_new_tokens": 5}
+    assert chat(min_tokens=5, temperature=0.7).request().generation == {"min_new_tokens": 5, "temperature": 0.7}
+    assert chat(min_tokens=0).request().generation == {} and chat().request().generation == {}
 
 
 def test_a_json_format_reaches_the_request_for_chat_and_completions():

@@ -200,6 +200,22 @@ def cache_salt_of(body: CommonRequest) -> str | None:
     return checked("cache_salt", salt)
 
 
+def min_tokens_of(body: CommonRequest, max_tokens: int) -> dict[str, int]:
+    """vLLM's `min_tokens` as transformers' `min_new_tokens` (the end-of-text and stop ids masked until the answer
+    holds that many tokens; stop strings still end it), or {} for none; an APIError outside [0, max_tokens].
+
+    Example:
+        >>> body = CompletionRequest(prompt="Hi", min_tokens=5)
+        >>> min_tokens_of(body, 16), min_tokens_of(CompletionRequest(prompt="Hi", min_tokens=0), 16)
+        ({'min_new_tokens': 5}, {})
+    """
+    if body.min_tokens is None or body.min_tokens == 0:
+        return {}
+    if not 0 <= body.min_tokens <= max_tokens:
+        raise refuse("min_tokens", f"min_tokens must be between 0 and max_tokens ({max_tokens}), got {body.min_tokens}")
+    return {"min_new_tokens": body.min_tokens}
+
+
 def logit_bias_of(body: CommonRequest, vocab_size: int | None) -> dict[int, float] | None:
     """OpenAI's `logit_bias` ({"token id": bias in [-100, 100]}) as {token: bias}; None where none is given. The
     bias is added to the token's logit before the other processors, as transformers' `sequence_bias` adds it (one

@@ -54,6 +54,8 @@ class CommonRequest(BaseModel):
     """vLLM's: the model's end-of-text tokens do not end the answer (it runs to max_tokens or a stop)."""
     stop_token_ids: list[StrictInt] | None = None
     """vLLM's: tokens that end the answer besides the model's end-of-text ones (the answer keeps the token)."""
+    min_tokens: StrictInt | None = None
+    """vLLM's: no end-of-text or stop token before this many tokens (transformers' `min_new_tokens`)."""
     response_format: dict[str, Any] | None = None
     """OpenAI's (vLLM takes it for completions too): {"type": "json_object"} or {"type": "json_schema", ...}."""
     forerun: dict[str, Any] | None = None
