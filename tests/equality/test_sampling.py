@@ -5,7 +5,7 @@ Setup: a tiny llama with a 32-token vocabulary whose LM head is scaled so next-t
 Statistic: the joint distribution of the 4 new tokens (the first draft is verified in the prefill forward, so
 token 1 is drafted too), cells with fewer than 5 expected samples pooled; chi-square test of homogeneity against
 plain batched sampling.
-Significance level: alpha = 0.001 per setting (12 settings; family-wise false alarm rate about 1%).
+Significance level: alpha = 0.001 per setting (13 settings; family-wise false alarm rate about 1.3%).
 A biased verifier (accept every drafted token that has any probability) must fail the same test: the power check.
 """
 
@@ -36,6 +36,26 @@ from forerun.transcript import Transcript
 from forerun.tree import TokenTree
 from forerun.verify import Sampling, Verdict, verify_greedy, verify_sampled
 
+
+def json_tokenizer():
+    """A fast tokenizer of the model's 32 tokens: pad, bos, eos, JSON's punctuation, a space and 21 letters (what
+    llguidance reads for a response format's mask; `forerun.structured`)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate(["<pad>", "<bos>", "<eos>", *'{}[]":,Ġ', *"abcdefghijklmnopqrstu"])}
+    rust = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    rust.pre_tokenizer, rust.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=rust, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
+
+
+def json_mask(prompt_length: int):
+    """A response format's mask ({"type": "json_object"}) for a prompt of `prompt_length` tokens, EOS id 2."""
+    from forerun.structured import Grammars
+
+    return Grammars(json_tokenizer(), 32, 2).constraint({"type": "json_object"}, prompt_length, frozenset({2}))
+
+
 SAMPLES = 10_000
 PROMPT_LENGTH = 18
 """`PROMPT`'s length (seed, 12 greedy tokens, seed), asserted where it is made."""
@@ -51,6 +71,8 @@ SETTINGS = {
     "freq-presence-T1.3": dict(
         temperature=1.3, logits_processor=LogitsProcessorList([OccurrencePenalty(2.0, 2.0, PROMPT_LENGTH)])
     ),
+    # a response format's mask: JSON only (a forced "{", then a key's letters drawn among the ones left)
+    "json-T1.3": dict(temperature=1.3, logits_processor=LogitsProcessorList([json_mask(PROMPT_LENGTH)])),
 }
 CASES = [
     ("plain", "T0.7"),
@@ -60,6 +82,7 @@ CASES = [
     ("jacobi", "rep1.3"),
     ("trie", "top_p0.9"),
     ("trie", "freq-presence-T1.3"),
+    ("auto", "json-T1.3"),
     ("draft_model", "T0.7"),
     ("draft_model-wide", "top_p0.9"),  # the runners-up of the draft's noisy scores as extra leaves
     ("draft_model-lookup", "T1.3"),
