@@ -28,6 +28,8 @@ greedy or sampled decoding, decodes with a fresh Decoder and compares every row:
   wrong (drafts accepted in part, step after step).
 - with `--penalties`, half the fp32 cases decode under OpenAI's frequency and presence penalties, each drawn in
   [-2, 2] (`forerun.penalties`); the greedy reference is plain generate with that processor.
+- with `--formats`, half the fp32 cases answer to a response format (JSON, or one of two schemas:
+  `random_case.FORMATS`, over `tiny_models.char_tokenizer`); the greedy reference is plain generate with the mask.
 
 Usage:
     .venv/bin/python benchmarks/random_cases.py --seed 0 --budget-s 600 --out benchmarks/results/random-cases.json
@@ -67,6 +69,7 @@ def main() -> None:
     parser.add_argument("--stateful", action="store_true", help="targets among tiny_models.STATEFUL_FAMILIES too")
     parser.add_argument("--predictions", action="store_true", help="half the greedy cases predicted, every k-th wrong")
     parser.add_argument("--penalties", action="store_true", help="half the fp32 cases penalised (OpenAI)")
+    parser.add_argument("--formats", action="store_true", help="half the fp32 cases answer JSON (response_format)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -80,7 +83,8 @@ def main() -> None:
     tally: Counter[str] = Counter()  # per dtype: cases, rows, rows differing, of them not at a tie
     while time.monotonic() < deadline:
         dtypes = tuple(args.dtypes.split(","))
-        case = draw_case(rng, dtypes, args.follow_ups, args.stops, families, drafts, args.predictions, args.penalties)
+        case = draw_case(rng, dtypes, args.follow_ups, args.stops, families, drafts, args.predictions, args.penalties,
+                         args.formats)  # fmt: skip
         try:
             verdicts = run_case(case)
         except Exception as error:  # noqa: BLE001 - recorded, and the search goes on to find the others

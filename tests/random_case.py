@@ -22,11 +22,23 @@ from forerun.config import DraftModelConfig
 from forerun.drafters.draft_model import DraftModelDrafter
 from forerun.exactness import first_divergence, tie_reading
 from forerun.penalties import OccurrencePenalty
+from forerun.structured import Grammars
 
-from tiny_models import FAMILIES, NO_SDPA, STATEFUL_FAMILIES, VOCAB, prompts, tiny_model
+from tiny_models import FAMILIES, NO_SDPA, STATEFUL_FAMILIES, VOCAB, char_tokenizer, prompts, tiny_model
 
 METHODS = ("plain", "prompt_lookup", "trie", "jacobi", "prompt_lookup+trie", "auto", "draft_model")
 SAMPLING = {"do_sample": True, "temperature": 0.8, "top_p": 0.9}
+FORMATS = (
+    {"type": "json_object"},
+    {"type": "json_schema", "json_schema": {"name": "record", "schema": {
+        "type": "object", "properties": {"a": {"type": "string", "maxLength": 5}, "n": {"type": "integer"}},
+        "required": ["a", "n"], "additionalProperties": False}}},
+    {"type": "json_schema", "json_schema": {"name": "list", "schema": {
+        "type": "array", "items": {"enum": ["ab", "c", "Zz"]}, "maxItems": 4}}},
+)  # fmt: skip
+"""A case's response formats (`forerun.structured`; the tiny models read `tiny_models.char_tokenizer`'s tokens)."""
+END = 2
+"""The end-of-text id a formatted case ends at unless it draws its own (`COMMON`'s eos)."""
 STATE_GAP = 1e-4
 """Most a greedy fp32 hybrid row's logprobs may stand from generate's own (`judge`): on the tiny hybrids a state
 slightly wrong can leave the text as it was (windows cut back by the first row's count moved a tiny LFM2's logprobs
@@ -42,6 +54,7 @@ def draw_case(
     drafts: tuple[str, ...] | None = None,
     predictions: bool = False,
     penalties: bool = False,
+    formats: bool = False,
 ) -> dict:
     """One random case's settings (JSON-able, so a reported case can be run again with `--case`). With more than
     one of `dtypes` ("fp32", "bf16", "int4": 4-bit weights, bf16 activations) each case draws one, with
@@ -52,7 +65,9 @@ def draw_case(
     (default: the same). With `predictions`, half the greedy cases give each row a prediction (`predict_every`:
     generate's own text with every k-th token wrong): drafts that are accepted in part, step after step, which
     random texts rarely give (a hybrid's chains put back or cut back). With `penalties`, half the fp32 cases decode
-    under OpenAI's frequency and presence penalties (`forerun.penalties`), each drawn in [-2, 2]."""
+    under OpenAI's frequency and presence penalties (`forerun.penalties`), each drawn in [-2, 2]. With `formats`,
+    half the fp32 cases answer to one of `FORMATS` (a JSON answer ends at an end-of-text token: `END` where the case
+    draws none)."""
     case = {"family": rng.choice(families), "attention": rng.choice(["sdpa", "eager"]),
             "method": rng.choice(METHODS), "static": rng.random() < 0.5, "rows": rng.choice([1, 1, 2, 3]),
             "new": rng.choice([8, 20, 33]), "length": rng.choice([3, 10, 24, 40]),
@@ -71,6 +86,10 @@ def draw_case(
         case["predict_every"] = rng.choice([2, 3, 5, 8, 1000])
     if penalties and "dtype" not in case and rng.random() < 0.5:  # fp32: low precision's tie readings read raw logits
         case["penalties"] = [round(rng.uniform(-2, 2), 2), round(rng.uniform(-2, 2), 2)]
+    if formats and "dtype" not in case and rng.random() < 0.5:
+        case["format"] = rng.randrange(len(FORMATS))
+        if "eos_at" not in case:
+            case["eos"] = END
     return case
 
 
@@ -87,12 +106,13 @@ def in_dtype(model: torch.nn.Module, dtype: str) -> torch.nn.Module:
 
 
 def decoder_for(case: dict, target: torch.nn.Module) -> forerun.Decoder:
+    tokenizer = char_tokenizer() if "format" in case else None  # llguidance reads the tokens of a format's mask
     if case["method"] != "draft_model":
-        return forerun.Decoder(target, None, case["method"], static_cache=case["static"])
+        return forerun.Decoder(target, tokenizer, case["method"], static_cache=case["static"])
     draft = tiny_model(case["draft"], "eager" if case["draft"] in NO_SDPA else "sdpa", 1)
     draft = in_dtype(draft, case.get("dtype", "fp32"))
     drafter = DraftModelDrafter(DraftModelConfig(confidence=0.0, gamma=3), draft, VOCAB, slots=case["slots"])
-    return forerun.Decoder(target, None, "draft_model", draft_model=draft, drafters=[drafter], gamma=3,
+    return forerun.Decoder(target, tokenizer, "draft_model", draft_model=draft, drafters=[drafter], gamma=3,
                            static_cache=case["static"])  # fmt: skip
 
 
@@ -107,7 +127,7 @@ def run_case(case: dict) -> list[dict]:
     decoder = decoder_for(case, target)
     if "eos_at" in case and "eos" not in case:
         case = case | {"eos": end_of_text(target, rows[0], case["eos_at"])}
-    settings = options | {"eos_token_id": [case["eos"]] if "eos" in case else []} | penalties_of(case)
+    settings = options | {"eos_token_id": [case["eos"]] if "eos" in case else []} | processed_by(case)
     read_states = case["family"] in STATEFUL_FAMILIES and not options and "dtype" not in case
     if read_states:  # a hybrid's greedy fp32 rows are judged by their logprobs too
         settings["logprobs"] = 1
@@ -148,12 +168,26 @@ def predicted(target: torch.nn.Module, prompt: torch.Tensor, new: int, eos: int 
     return tuple(t if i % every != every - 1 else (t + 1) % VOCAB for i, t in enumerate(text))
 
 
-def penalties_of(case: dict) -> dict:
-    """The case's frequency and presence penalties as request settings ({}: none)."""
-    if "penalties" not in case:
-        return {}
-    frequency, presence = case["penalties"]
-    return {"frequency_penalty": frequency, "presence_penalty": presence}
+def processed_by(case: dict) -> dict:
+    """The case's frequency and presence penalties and its response format as request settings ({}: none)."""
+    settings = {}
+    if "penalties" in case:
+        settings |= dict(zip(("frequency_penalty", "presence_penalty"), case["penalties"], strict=True))
+    if "format" in case:
+        settings["response_format"] = FORMATS[case["format"]]
+    return settings
+
+
+def caller_processors(case: dict, start: int) -> list:
+    """The case's processors as plain generate takes them from a caller (forerun's own: the penalties, then the
+    format's mask), for a prompt of `start` tokens."""
+    processors = []
+    if "penalties" in case:
+        processors.append(OccurrencePenalty(*case["penalties"], prompt_length=start))
+    if "format" in case:
+        grammars = Grammars(char_tokenizer(), VOCAB, END)
+        processors.append(grammars.constraint(FORMATS[case["format"]], start, frozenset({case["eos"]})))
+    return processors
 
 
 def decode(
@@ -185,16 +219,17 @@ def judge(
     start, text, new = prompt.shape[1], output[0, prompt.shape[1] :].tolist(), case["new"]
     eos = case.get("eos")
     if options:  # the row alone, undrafted, with its own seed
-        own = options | {"seed": options["seed"] + i, "eos_token_id": [] if eos is None else [eos]} | penalties_of(case)
-        alone = forerun.Decoder(target, None, "plain").generate(prompt, new, **own)
+        own = options | {"seed": options["seed"] + i, "eos_token_id": [] if eos is None else [eos]} | processed_by(case)
+        tokenizer = char_tokenizer() if "format" in case else None
+        alone = forerun.Decoder(target, tokenizer, "plain").generate(prompt, new, **own)
         expected = alone.new_tokens
         differs = next((k for k, (a, b) in enumerate(zip(expected, text, strict=False)) if a != b), None)
         if differs is None and len(expected) != len(text):
             differs = min(len(expected), len(text))  # one ended where the other went on
         return {"identical": True} if differs is None else {"identical": False, "position": differs}
     extra = {}
-    if "penalties" in case:  # forerun's processor, given to plain generate as a caller's
-        extra["logits_processor"] = LogitsProcessorList([OccurrencePenalty(*case["penalties"], prompt_length=start)])
+    if processors := caller_processors(case, start):  # forerun's processors, given to plain generate as a caller's
+        extra["logits_processor"] = LogitsProcessorList(processors)
     reference = plain_greedy(target, prompt, new, eos, output_logits=True, output_scores=bool(extra),
                              return_dict_in_generate=True, **extra)  # fmt: skip
     expected = reference.sequences[0, start:].tolist()

@@ -296,3 +296,20 @@ def byte_tokenizer():
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=rust)
     tokenizer.add_special_tokens({"eos_token": "<eos>"})
     return tokenizer
+
+
+CHARACTERS = ["<pad>", "<bos>", "<eos>", *'{}[]":,Ġ', *"abcdefghijklmnopqrstuvwxyz0123456789",
+              *"ABCDEFGHIJKLMNOPQRSTUVWXYZ", *"-.+_!?;'()/\\<>=@#$%&*|~"]  # fmt: skip
+"""A character tokenizer's tokens: pad, bos and eos at the ids `COMMON` gives them, JSON's punctuation (Ġ: a
+space, in byte-level spelling), then letters, digits and more punctuation: VOCAB of them in all."""
+
+
+def char_tokenizer(size: int = VOCAB):
+    """A fast (Rust) tokenizer of the first `size` CHARACTERS, one character a token: what llguidance reads for
+    response_format (`forerun.structured`) over a tiny model's own vocabulary."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    rust = Tokenizer(models.BPE(vocab={token: i for i, token in enumerate(CHARACTERS[:size])}, merges=[]))
+    rust.pre_tokenizer, rust.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=rust, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")

@@ -46,13 +46,16 @@ def cases(
     stops: bool = False,
     stateful: bool = False,
     penalties: bool = False,
+    formats: bool = False,
 ) -> list[dict]:
     """`stateful`: targets among the hybrids too (`STATEFUL_FAMILIES`), drafts among the families without states,
     and half the greedy cases predicted (`draw_case`'s `predictions`); `penalties`: half the fp32 cases under
-    OpenAI's frequency and presence penalties."""
+    OpenAI's frequency and presence penalties; `formats`: half the fp32 cases answering JSON (`FORMATS`)."""
     rng, families = random.Random(seed), tuple(sorted(FAMILIES))
     targets = tuple(sorted({*families, *STATEFUL_FAMILIES})) if stateful else families
-    return [draw_case(rng, dtypes, follow_ups, stops, targets, families, stateful, penalties) for _ in range(count)]
+    return [
+        draw_case(rng, dtypes, follow_ups, stops, targets, families, stateful, penalties, formats) for _ in range(count)
+    ]
 
 
 def check(case: dict) -> None:
@@ -109,6 +112,17 @@ def test_random_penalised_cases_keep_generates_text(seed):
     with the processor, sampled rows what the row alone writes with its seed."""
     drawn = cases(9026 + seed, 15, follow_ups=True, stops=True, stateful=True, penalties=True)
     assert sum("penalties" in case for case in drawn) >= 4
+    for case in drawn:
+        check(case)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_random_formatted_cases_keep_generates_text(seed):
+    """Half the cases answer JSON (`random_case.FORMATS`: any object, or one of two schemas), beside penalties,
+    second turns, rows ending at different steps and predictions, hybrids among the targets: greedy rows write what
+    plain generate writes with the mask, sampled rows what the row alone writes with its seed."""
+    drawn = cases(7026 + seed, 15, follow_ups=True, stops=True, stateful=True, penalties=True, formats=True)
+    assert sum("format" in case for case in drawn) >= 4
     for case in drawn:
         check(case)
 

@@ -36,24 +36,14 @@ from forerun.transcript import Transcript
 from forerun.tree import TokenTree
 from forerun.verify import Sampling, Verdict, verify_greedy, verify_sampled
 
-
-def json_tokenizer():
-    """A fast tokenizer of the model's 32 tokens: pad, bos, eos, JSON's punctuation, a space and 21 letters (what
-    llguidance reads for a response format's mask; `forerun.structured`)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {token: i for i, token in enumerate(["<pad>", "<bos>", "<eos>", *'{}[]":,Ġ', *"abcdefghijklmnopqrstu"])}
-    rust = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    rust.pre_tokenizer, rust.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=rust, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
+from tiny_models import char_tokenizer
 
 
 def json_mask(prompt_length: int):
     """A response format's mask ({"type": "json_object"}) for a prompt of `prompt_length` tokens, EOS id 2."""
     from forerun.structured import Grammars
 
-    return Grammars(json_tokenizer(), 32, 2).constraint({"type": "json_object"}, prompt_length, frozenset({2}))
+    return Grammars(char_tokenizer(32), 32, 2).constraint({"type": "json_object"}, prompt_length, frozenset({2}))
 
 
 SAMPLES = 10_000
