@@ -27,6 +27,7 @@ Example (the SmolLM2 tokenizer; the answer so far is `{"n` under a schema whose 
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -35,6 +36,7 @@ from typing import Any, Literal
 import torch
 from transformers import LogitsProcessor
 
+logger = logging.getLogger(__name__)
 FORMATS = ("text", "json_object", "json_schema")
 """OpenAI's `response_format` types: free text (no constraint), any JSON object, JSON matching a schema."""
 UNHELD = "response_format's schema is not one forerun can hold an answer to"
@@ -191,6 +193,7 @@ class Constraint(LogitsProcessor):
         self.ends, self.end_token = sorted(ends), end_token
         self.matcher = self.fresh()
         self.consumed: list[int] = []
+        self.limited = False  # told once: the grammar met llguidance's work limits
 
     def fresh(self) -> object:
         """A matcher of its own at the answer's start (a copy: the compiled one is shared)."""
@@ -215,6 +218,10 @@ class Constraint(LogitsProcessor):
             return None
         bias = self.matcher.compute_logit_bias() if state == "held" else b""
         if state == "limit" or self.matcher.is_error():  # past llguidance's work limits: the answer ends here
+            if not self.limited:
+                self.limited = True
+                logger.warning("forerun: response_format's schema met llguidance's work limits after %d tokens; "
+                               "the answer ends there (%s)", len(answer), cut(self.matcher.get_error()))  # fmt: skip
             allowed = torch.zeros(max(self.ends) + 1, dtype=torch.bool)
             allowed[self.ends] = True
             return allowed

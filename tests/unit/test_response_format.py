@@ -116,9 +116,10 @@ def test_the_requests_own_eos_ids_stand_for_the_end(grammars, tokenizer):
         grammars.constraint({"type": "json_object"}, 2, frozenset())
 
 
-def test_a_step_past_llguidances_work_limits_ends_the_answer(grammars, tokenizer):
+def test_a_step_past_llguidances_work_limits_ends_the_answer(grammars, tokenizer, caplog):
     """Following or masking past llguidance's work caps (here set tiny, over a string's pattern) leaves only the
-    request's EOS ids: the answer ends there, rather than running unheld or holding the step."""
+    request's EOS ids: the answer ends there (and says why in the log), rather than running unheld or holding the
+    step."""
     from llguidance import LLMatcher, LLParserLimits
 
     pattern = {"type": "object", "properties": {"name": {"type": "string", "pattern": "^(a|b)*c$"}}}
@@ -128,3 +129,4 @@ def test_a_step_past_llguidances_work_limits_ends_the_answer(grammars, tokenizer
         constraint = Constraint(limited, 3, frozenset({5}), tokenizer.eos_token_id)
         (mask,) = masks(constraint, tokenizer, [answer])
         assert mask.nonzero().flatten().tolist() == [5], answer
+    assert caplog.text.count("met llguidance's work limits") == 2  # once per request
