@@ -41,6 +41,7 @@ from forerun.draws import drawn as drawn_at_once
 from forerun.host_copy import to_host
 from forerun.prefixcache import Prefixes
 from forerun.stats import GenerationStats
+from forerun.structured import Constraint
 from forerun.taps import committed_features
 from forerun.transcript import Transcript
 from forerun.tree import TokenTree
@@ -113,6 +114,11 @@ class RowRun:
         budget.new_request()
         return cls(job, ctx, budget, prompt_len - 1, started=started)
 
+    @cached_property
+    def grammar(self) -> Constraint | None:
+        """The response format's mask among the row's processors (`forerun.structured`), or None."""
+        return next((p for p in self.job.processor or () if isinstance(p, Constraint)), None)
+
     @property
     def done(self) -> bool:
         return self.job.transcript.done or self.error is not None
@@ -147,6 +153,9 @@ class RowRun:
                 trees.append(TokenTree.rooted_at(self.root))
         # guesses past the answer's end cannot be kept (and a chain base's states would read them)
         trees = [tree.within_depth(max(0, left - 1)) for tree in trees]
+        if (grammar := self.grammar) is not None:  # nor can guesses a response format refuses
+            answer = self.ctx.tokens[grammar.prompt_length :]
+            trees = [grammar.pruned(tree, answer) for tree in trees]
         if self.weighs_costly and self.rows == 1:
             started = time.perf_counter()  # what the budget would feed without them, for the switch's comparison
             others = [tree for drafter, tree in zip(self.job.drafters, trees, strict=True) if not costly(drafter)]

@@ -30,11 +30,13 @@ import json
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import torch
 from transformers import LogitsProcessor
+
+from forerun.tree import TokenTree
 
 logger = logging.getLogger(__name__)
 FORMATS = ("text", "json_object", "json_schema")
@@ -114,6 +116,26 @@ def grammar_of(response_format: Mapping[str, Any]) -> str:
     if response_format["type"] == "json_object":
         return LLMatcher.grammar_from_json_schema({"type": "object"})
     return LLMatcher.grammar_from_json_schema(response_format["json_schema"]["schema"])
+
+
+def shared_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens `a` and `b` share, found by comparing slices (C-speed, O(log n) of them: a tree's
+    rows share a long answer and differ near its end).
+
+    Example:
+        >>> shared_prefix([1, 2, 3, 4], [1, 2, 5]), shared_prefix([1, 2], [1, 2, 3]), shared_prefix([], [7])
+        (2, 2, 0)
+    """
+    low, high = 0, min(len(a), len(b))
+    if a[:high] == b[:high]:
+        return high
+    while low < high:  # the shared length lies in [low, high]
+        middle = (low + high + 1) // 2
+        if a[:middle] == b[:middle]:
+            low = middle
+        else:
+            high = middle - 1
+    return low
 
 
 def cut(message: str) -> str:
@@ -231,6 +253,28 @@ class Constraint(LogitsProcessor):
         allowed[self.ends] = may_end
         return allowed
 
+    def pruned(self, tree: TokenTree, answer: Sequence[int]) -> TokenTree:
+        """`tree` without the guesses the grammar refuses, and what hangs under them: the target's choice is masked,
+        so they could never be kept, and a node fed for them would be wasted. `answer`: the tokens written so far
+        (the tree's root the last of them). Nodes other than candidates (probes) stay.
+
+        Example: after `{"n` under a schema whose one key is "name", a tree root ─ a ─ m and root ─ x keeps a ─ m."""
+        if len(tree) == 1:
+            return tree
+        ends = set(self.ends)
+        start = [self.end_token if token in ends else token for token in answer]
+        paths, kept = {0: start}, [0]
+        for node in range(1, len(tree)):
+            parent = paths.get(tree.parents[node])
+            if parent is None:  # under a refused guess
+                continue
+            token = tree.tokens[node]
+            path = [*parent, self.end_token if token in ends else token]
+            if tree.roles[node] != "candidate" or self.follow(path) == "held":
+                paths[node] = path
+                kept.append(node)
+        return tree if len(kept) == len(tree) else tree.subtree(kept)[0]
+
     def follow(self, tokens: list[int]) -> Literal["held", "refused", "limit"]:
         """Bring the matcher to `tokens` (the answer, EOS as llguidance's end token): "held" where it is there,
         "refused" where a token breaks the grammar (the matcher then holds the longest valid prefix), "limit" where
@@ -238,11 +282,7 @@ class Constraint(LogitsProcessor):
         but it would not take tells)."""
         if self.matcher.is_error():  # left by an earlier row: start again from the answer's start
             self.matcher, self.consumed = self.fresh(), []
-        common = 0
-        for held, token in zip(self.consumed, tokens, strict=False):
-            if held != token:
-                break
-            common += 1
+        common = shared_prefix(self.consumed, tokens)
         if common < len(self.consumed) and not self.matcher.rollback(len(self.consumed) - common):
             self.matcher, common = self.fresh(), 0
         self.consumed = self.consumed[:common]

@@ -7,6 +7,7 @@ import torch
 
 from forerun import GenerationRequest
 from forerun.structured import MAX_COMPILED, MAX_DEPTH, Constraint, Grammars, check_response_format, grammar_of
+from forerun.tree import TokenTree
 
 from tiny_models import byte_tokenizer
 
@@ -130,3 +131,19 @@ def test_a_step_past_llguidances_work_limits_ends_the_answer(grammars, tokenizer
         (mask,) = masks(constraint, tokenizer, [answer])
         assert mask.nonzero().flatten().tolist() == [5], answer
     assert caplog.text.count("met llguidance's work limits") == 2  # once per request
+
+
+def test_guesses_the_format_refuses_are_pruned_with_what_hangs_under_them(grammars, tokenizer):
+    """A drafted guess the grammar refuses could never be kept (the target's choice is masked): it and its subtree
+    leave the tree before the budget chooses what to feed; valid guesses and probes stay."""
+    constraint = grammars.constraint(PERSON, 3, frozenset({tokenizer.eos_token_id}))
+    answer = tokenizer.encode('{"')
+    token = dict(zip("namexy", tokenizer.convert_tokens_to_ids(list("namexy")), strict=True))
+    tree = TokenTree.rooted_at(answer[-1])
+    tree.add_chain(0, [token["n"], token["a"], token["x"], token["y"]])  # "nax": refused at x
+    bad = tree.add(0, token["x"])
+    tree.add(bad, token["y"])
+    tree.add(0, token["y"], role="probe")
+    kept = constraint.pruned(tree, answer)
+    assert [kept.tokens[n] for n in range(1, len(kept)) if kept.roles[n] == "candidate"] == [token["n"], token["a"]]
+    assert "probe" in kept.roles and constraint.pruned(kept, answer) is kept  # nothing more to prune: itself
