@@ -59,6 +59,20 @@ def streamed(url: str, body: dict) -> tuple[int, str, list[dict], bool]:
     return 200, text, errors, done
 
 
+def beside_an_honest_request(server, smollm2, fuzz) -> None:
+    """Runs `fuzz()` while an honest chat request is in flight: its answer must still be plain generate's."""
+    honest = {"messages": HONEST[0], "max_tokens": TOKENS}
+    expected = plain_text(smollm2, messages=HONEST[0], max_new_tokens=TOKENS)
+    beside: dict[str, httpx.Response] = {}
+    neighbour = threading.Thread(
+        target=lambda: beside.update(answer=httpx.post(server.url + "/v1/chat/completions", json=honest, timeout=300))
+    )
+    neighbour.start()
+    fuzz()
+    neighbour.join(timeout=300)
+    assert beside["answer"].json()["choices"][0]["message"]["content"] == expected
+
+
 def test_a_request_failing_mid_batch_ends_alone(server, smollm2, monkeypatch):
     model, tokenizer = smollm2
     marker = tokenizer.encode("Zqxjvk wobble", add_special_tokens=False)
@@ -185,8 +199,6 @@ def test_fuzzed_knobs_never_reach_a_5xx_nor_an_honest_neighbour(server, smollm2)
 
     extension = st.sampled_from(sorted(own)).flatmap(knobs_for)
     url = server.url + "/v1/completions"
-    honest = {"messages": HONEST[0], "max_tokens": TOKENS}
-    expected = plain_text(smollm2, messages=HONEST[0], max_new_tokens=TOKENS)
     seen: list[int] = []
 
     @settings(max_examples=60, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
@@ -207,15 +219,7 @@ def test_fuzzed_knobs_never_reach_a_5xx_nor_an_honest_neighbour(server, smollm2)
                 for value in extremes:
                     fuzzed.hypothesis.inner_test(forerun={"method": method, name: value})
 
-    beside: dict[str, httpx.Response] = {}
-    neighbour = threading.Thread(
-        target=lambda: beside.update(answer=httpx.post(server.url + "/v1/chat/completions", json=honest, timeout=300))
-    )
-    neighbour.start()
-    sweep()
-    fuzzed()
-    neighbour.join(timeout=300)
-    assert beside["answer"].json()["choices"][0]["message"]["content"] == expected
+    beside_an_honest_request(server, smollm2, lambda: (sweep(), fuzzed()))
     assert 200 in seen and 400 in seen  # the fuzz reached both sides of the checks
 
 
@@ -264,8 +268,6 @@ def test_fuzzed_response_formats_never_reach_a_5xx_nor_an_honest_neighbour(serve
         st.dictionaries(st.sampled_from(["type", "json_schema", "schema"]), st.one_of(st.text(max_size=5), schemas)),
     )
     url = server.url + "/v1/chat/completions"
-    honest = {"messages": HONEST[0], "max_tokens": TOKENS}
-    expected = plain_text(smollm2, messages=HONEST[0], max_new_tokens=TOKENS)
     seen: list[int] = []
 
     @settings(max_examples=60, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
@@ -281,12 +283,5 @@ def test_fuzzed_response_formats_never_reach_a_5xx_nor_an_honest_neighbour(serve
         elif response_format.get("type") == "json_object":
             assert response.json()["choices"][0]["message"]["content"].lstrip().startswith("{")
 
-    beside: dict[str, httpx.Response] = {}
-    neighbour = threading.Thread(
-        target=lambda: beside.update(answer=httpx.post(server.url + "/v1/chat/completions", json=honest, timeout=300))
-    )
-    neighbour.start()
-    fuzzed()
-    neighbour.join(timeout=300)
-    assert beside["answer"].json()["choices"][0]["message"]["content"] == expected
+    beside_an_honest_request(server, smollm2, fuzzed)
     assert seen.count(200) >= 10 and 400 in seen, seen  # the fuzz reached both sides of the checks
