@@ -7,10 +7,10 @@ valid answer is masked (its logit set to -inf), and once the JSON is complete on
 llguidance computes the masks (the schema compiled to a grammar, parsed over the tokenizer's tokens, with a cap on
 each step's work, so no schema can stall a server). The mask is a logits processor like any other, a function of
 the row's own answer so far: plain `model.generate(logits_processor=[constraint])` writes exactly what every forerun
-method writes with it. A drafted guess that breaks the grammar is never accepted: the verifier takes the target's
-masked choice.
+method writes with it. A drafted guess that breaks the grammar could never be accepted (the verifier takes the
+target's masked choice): it leaves the tree before the cost model chooses what to feed (`Constraint.pruned`).
 
-Example (the SmolLM2 tokenizer; the answer so far is `{"n` under a schema whose one key is "name"):
+Example (the checks a request makes; then, with a tokenizer, a request's mask):
     >>> check_response_format({"type": "json_object"})
     {'type': 'json_object'}
     >>> check_response_format({"type": "text"}) is None
@@ -20,7 +20,7 @@ Example (the SmolLM2 tokenizer; the answer so far is `{"n` under a schema whose 
     ...
     ValueError: response_format's json_schema.schema must be a JSON object, got '{}'
     >>> grammars = Grammars(tokenizer, 49152, end_token=2)                                       # doctest: +SKIP
-    >>> constraint = grammars.constraint(response_format, prompt_length=5, eos=frozenset({2}))      # doctest: +SKIP
+    >>> constraint = grammars.constraint(response_format, prompt_length=5, ends=frozenset({2}))     # doctest: +SKIP
     >>> constraint(ids, scores)     # ids [k, 5 + answer], scores [k, vocab]: disallowed tokens -inf  # doctest: +SKIP
 """
 
