@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # What benchmarks/gpu_check.sh carries to a lent GPU machine, prepared here in one command (the GPU machine reaches
-# no registry): .whl/ (transformers and gguf wheels, as pyproject.toml pins them), .gpu/prompts.json (12 prompts
-# of the four datasets as token ids), .gpu/chat.json (12 chat questions and 12 GSM8K problems, for a head's
-# bench) and the embedded GGUF in three parts (a call carries 64 MiB with the work tree). Both folders are kept
-# out of git (.git/info/exclude). Usage: bash benchmarks/gpu_prepare.sh
+# no registry): .whl/ (transformers, gguf and llguidance wheels, as pyproject.toml pins them), .gpu/prompts.json
+# (12 prompts of the four datasets as token ids), .gpu/chat.json (12 chat questions and 12 GSM8K problems, for a
+# head's bench) and the embedded GGUF in three parts (a call carries 64 MiB with the work tree). Both folders are
+# kept out of git (.git/info/exclude). Usage: bash benchmarks/gpu_prepare.sh
 set -euo pipefail
 PY=${PY:-.venv/bin/python}
 mkdir -p .git/info .whl .gpu
 for path in /.whl/ /.gpu/; do grep -qxF "$path" .git/info/exclude 2>/dev/null || echo "$path" >> .git/info/exclude; done
 pin() { grep -oE "\"$1==[^\"]+\"" pyproject.toml | tr -d '"'; }
-"$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 "$(pin transformers)" "$(pin gguf)" -d .whl
+"$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 "$(pin transformers)" "$(pin gguf)" \
+  "$(pin llguidance)" -d .whl
 "$PY" benchmarks/gpu_prompts.py --n 3 --out .gpu/prompts.json
 "$PY" benchmarks/gpu_prompts.py --datasets benchmarks/chat_questions.jsonl,gsm8k --n 6 --out .gpu/chat.json
 GGUF=$("$PY" -c "from forerun.models import EMBEDDED; print(EMBEDDED['smollm2-135m'].locate())" 2>/dev/null)

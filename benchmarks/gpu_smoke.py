@@ -5,8 +5,9 @@ Tiny random models (fp32, `tests/tiny_models.py`), so that every difference is a
   layer the graph hands it, drafting every step) against `model.generate`, token for token;
 - batches (`smoke_rows`): three ragged rows on the static base's places, answers of different lengths (rows leave
   at different steps: a lone row, places settled), each row against `model.generate` of that row alone; once
-  plain, once with a repetition penalty, once with OpenAI's frequency and presence penalties (greedy rows with
-  processors choose every node at once on a card). This
+  plain, once with a repetition penalty, once with OpenAI's frequency and presence penalties, once answering JSON
+  (`response_format`: llguidance's mask over `tiny_models.char_tokenizer`; greedy rows with processors choose
+  every node at once on a card, a level at a time). This
   is the card's one copy a step (`forerun.host_copy`) and its pinned inputs refilled after an event, which a CPU
   runs but cannot race.
 
@@ -29,11 +30,18 @@ from forerun import Decoder
 from forerun.costmodel import LatencyCurve
 from forerun.penalties import OccurrencePenalty
 from forerun.request import GenerationRequest
+from forerun.structured import Grammars
 
 ROWS = ((24, 40), (9, 12), (17, 28))
 """Each batch row's prompt length and answer length: the second row leaves first, the first row last."""
-SETTINGS = ({}, {"repetition_penalty": 1.3}, {"frequency_penalty": 1.0, "presence_penalty": 0.5})
-"""Each batch's processors: none, transformers' repetition penalty, OpenAI's penalties (`forerun.penalties`)."""
+SETTINGS = (
+    {},
+    {"repetition_penalty": 1.3},
+    {"frequency_penalty": 1.0, "presence_penalty": 0.5},
+    {"response_format": {"type": "json_object"}},
+)
+"""Each batch's processors: none, transformers' repetition penalty, OpenAI's penalties (`forerun.penalties`), a
+response format's mask (`forerun.structured`)."""
 CURVE = LatencyCurve((1, 2, 4, 8, 16, 32, 64), (1.0, 1.0, 1.0, 1.1, 1.3, 1.7, 2.6))
 """A flat-then-rising curve, given rather than measured (each decoder would time its own): trees pay."""
 
@@ -71,17 +79,18 @@ def smoke(log, device: torch.device) -> None:
 def smoke_rows(log, model: torch.nn.Module, family: str, device: torch.device) -> None:
     """Three ragged rows of `ROWS` through `generate([...])` on the static base's places, per method and
     processor setting, each row against `model.generate` of it alone (greedy: equal token for token in fp32)."""
-    from tiny_models import prompts
+    from tiny_models import char_tokenizer, prompts
 
     texts = [prompts(1, length, seed=5 + i)[0][0] for i, (length, _) in enumerate(ROWS)]  # [length] each
+    tokenizer = char_tokenizer()  # the tiny models' 96 tokens, as llguidance reads them
     for setting in SETTINGS:
         expected = [
             model.generate(t[None].to(device), max_new_tokens=n, do_sample=False, pad_token_id=0,
-                           **reference_settings(setting, len(t)))[0].cpu()[len(t) :].tolist()
+                           **reference_settings(setting, len(t), tokenizer))[0].cpu()[len(t) :].tolist()
             for t, (_, n) in zip(texts, ROWS, strict=True)
         ]  # fmt: skip
         for method in ("plain", "prompt_lookup", "auto"):
-            decoder = Decoder(model, None, method, latency=CURVE, static_cache=True)
+            decoder = Decoder(model, tokenizer, method, latency=CURVE, static_cache=True)
             requests = [GenerationRequest.of(t.tolist(), n, **setting) for t, (_, n) in zip(texts, ROWS, strict=True)]
             results = decoder.generate(requests)
             same = sum(r.new_tokens == e for r, e in zip(results, expected, strict=True))
@@ -93,12 +102,17 @@ def smoke_rows(log, model: torch.nn.Module, family: str, device: torch.device) -
                 places=rows is not None, graphs=graphs)  # fmt: skip
 
 
-def reference_settings(setting: dict, prompt_length: int) -> dict:
-    """`model.generate`'s settings for a request's: OpenAI's penalties as forerun's processor, given as a caller's."""
-    if "frequency_penalty" not in setting:
-        return setting
-    penalty = OccurrencePenalty(setting["frequency_penalty"], setting["presence_penalty"], prompt_length)
-    return {"logits_processor": LogitsProcessorList([penalty])}
+def reference_settings(setting: dict, prompt_length: int, tokenizer) -> dict:
+    """`model.generate`'s settings for a request's: OpenAI's penalties and a response format's mask as forerun's
+    processors, given as a caller's (the model's EOS, id 2, ends a JSON answer)."""
+    if "frequency_penalty" in setting:
+        penalty = OccurrencePenalty(setting["frequency_penalty"], setting["presence_penalty"], prompt_length)
+        return {"logits_processor": LogitsProcessorList([penalty])}
+    if "response_format" in setting:
+        grammars = Grammars(tokenizer, len(tokenizer), tokenizer.eos_token_id)
+        mask = grammars.constraint(setting["response_format"], prompt_length, frozenset({tokenizer.eos_token_id}))
+        return {"logits_processor": LogitsProcessorList([mask])}
+    return setting
 
 
 def head_graphs(decoder) -> list[list] | None:
