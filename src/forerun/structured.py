@@ -69,9 +69,15 @@ def check_response_format(value: object) -> dict[str, Any] | None:
     if (depth := nesting(value)) > MAX_DEPTH:
         raise ValueError(f"response_format nests {depth} levels deep; at most {MAX_DEPTH}")
     try:
-        plain = json.loads(json.dumps(value, allow_nan=False))
+        text = json.dumps(value, allow_nan=False, ensure_ascii=False)
     except (TypeError, ValueError) as error:
         raise ValueError(f"response_format must be plain JSON: {error}") from None
+    try:  # a lone surrogate is no text an answer could hold (nor one llguidance reads)
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        where = f"U+{ord(error.object[error.start]):04X} at character {error.start} of its JSON"
+        raise ValueError(f"response_format contains a lone surrogate ({where}): not valid Unicode text") from None
+    plain = json.loads(text)
     if kind == "json_schema":
         check_schema_entry(plain.get("json_schema"))
     return plain

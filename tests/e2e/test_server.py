@@ -308,6 +308,14 @@ def test_bad_requests_get_openai_style_400(live, body, fragment):
         assert response.json()["error"]["param"] in ("response_format", "ignore_eos")
 
 
+def test_a_lone_surrogate_in_a_schema_is_a_400_naming_response_format(live):
+    schema = b'{"type": "json_schema", "json_schema": {"name": "\\ud800", "schema": {}}}'  # JSON's own escape
+    body = b'{"prompt": "hi", "response_format": ' + schema + b"}"
+    response = httpx.post(live[0].url + "/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "response_format", response.text
+    assert "lone surrogate (U+D800" in response.json()["error"]["message"]
+
+
 def test_invalid_json_unknown_model_and_server_keeps_serving(live, client):
     response = httpx.post(
         live[0].url + "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}

@@ -44,6 +44,13 @@ def completion(**fields):
         (chat, {"tool_choice": "auto"}, "tool_choice", "tool_choice is not supported"),
         (chat, {"response_format": {"type": "json"}}, "response_format", "type must be one of text, json_object"),
         (completion, {"response_format": {"type": "json_schema"}}, "response_format", "needs json_schema"),
+        (chat, {"response_format": {"type": "json_object", "x\ud800": 1}}, "response_format", "takes no"),
+        (
+            completion,
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"enum": ["\ud800"]}}}},
+            "response_format",
+            "lone surrogate",
+        ),
         (chat, {"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos", "give stop_token_ids"),
         (chat, {"logit_bias": {"1000": -100}}, "logit_bias", "token ids [0, 1000), got '1000'"),
         (chat, {"logit_bias": {"-5": 1}}, "logit_bias", "token ids [0, 1000)"),
