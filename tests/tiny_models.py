@@ -283,19 +283,25 @@ def byte_tokenizer():
     """A fast (Rust) byte-level BPE tokenizer: the 256 bytes, a few JSON merges ('{"', '":', ', ', ' "') and an
     EOS: what llguidance reads for response_format (`forerun.structured`), small enough for a tiny model's
     vocabulary (`tiny_model(family, vocab_size=len(tokenizer))`)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from tokenizers import pre_tokenizers
 
     vocab = {byte: i for i, byte in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
     merges = [("{", '"'), ('"', ":"), (",", "Ġ"), ("Ġ", '"'), ("Ġ", "Ġ")]
     for left, right in merges:
         vocab[left + right] = len(vocab)
-    rust = Tokenizer(models.BPE(vocab=vocab, merges=merges))
-    rust.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    rust.decoder = decoders.ByteLevel()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=rust)
+    tokenizer = fast_tokenizer(vocab, merges)
     tokenizer.add_special_tokens({"eos_token": "<eos>"})
     return tokenizer
+
+
+def fast_tokenizer(vocab: dict[str, int], merges: list[tuple[str, str]], **special: str):
+    """A transformers fast tokenizer over a byte-level BPE of `vocab` and `merges` (`special`: its named tokens)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    rust = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    rust.pre_tokenizer, rust.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=rust, **special)
 
 
 CHARACTERS = ["<pad>", "<bos>", "<eos>", *'{}[]":,Ġ', *"abcdefghijklmnopqrstuvwxyz0123456789",
@@ -307,9 +313,5 @@ space, in byte-level spelling), then letters, digits and more punctuation: VOCAB
 def char_tokenizer(size: int = VOCAB):
     """A fast (Rust) tokenizer of the first `size` CHARACTERS, one character a token: what llguidance reads for
     response_format (`forerun.structured`) over a tiny model's own vocabulary."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    rust = Tokenizer(models.BPE(vocab={token: i for i, token in enumerate(CHARACTERS[:size])}, merges=[]))
-    rust.pre_tokenizer, rust.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=rust, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
+    vocab = {token: i for i, token in enumerate(CHARACTERS[:size])}
+    return fast_tokenizer(vocab, [], bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")

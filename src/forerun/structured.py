@@ -219,6 +219,7 @@ class Constraint(LogitsProcessor):
     def __init__(self, start: object, prompt_length: int, ends: frozenset[int], end_token: int) -> None:
         self.start, self.prompt_length = start, prompt_length  # start: a compiled matcher, copied, never moved
         self.ends, self.end_token = sorted(ends), end_token
+        self.end_set = frozenset(ends)
         self.matcher = self.fresh()
         self.consumed: list[int] = []
         self.limited = False  # told once: the grammar met llguidance's work limits
@@ -240,8 +241,7 @@ class Constraint(LogitsProcessor):
 
     def allowed_after(self, answer: list[int]) -> torch.Tensor | None:
         """Which tokens may follow `answer` [vocab] bool, or None where the answer itself breaks the grammar."""
-        ends = set(self.ends)
-        state = self.follow([self.end_token if token in ends else token for token in answer])
+        state = self.follow(self.as_read(answer))
         if state == "refused":
             return None
         bias = self.matcher.compute_logit_bias() if state == "held" else b""
@@ -267,19 +267,24 @@ class Constraint(LogitsProcessor):
         Example: after `{"n` under a schema whose one key is "name", a tree root ─ a ─ m and root ─ x keeps a ─ m."""
         if len(tree) == 1:
             return tree
-        ends = set(self.ends)
-        start = [self.end_token if token in ends else token for token in answer]
-        paths, kept = {0: start}, [0]
+        paths, kept = {0: self.as_read(answer)}, [0]
         for node in range(1, len(tree)):
             parent = paths.get(tree.parents[node])
             if parent is None:  # under a refused guess
                 continue
             token = tree.tokens[node]
-            path = [*parent, self.end_token if token in ends else token]
+            path = [*parent, self.end_token if token in self.end_set else token]
             if tree.roles[node] != "candidate" or self.follow(path) == "held":
                 paths[node] = path
                 kept.append(node)
         return tree if len(kept) == len(tree) else tree.subtree(kept)[0]
+
+    def as_read(self, tokens: Sequence[int]) -> list[int]:
+        """`tokens` as llguidance reads them: the request's EOS ids as its end token (the check for one runs at
+        C speed: an answer holds one at most at its end)."""
+        if self.end_set.isdisjoint(tokens):
+            return list(tokens)
+        return [self.end_token if token in self.end_set else token for token in tokens]
 
     def follow(self, tokens: list[int]) -> Literal["held", "refused", "limit"]:
         """Bring the matcher to `tokens` (the answer, EOS as llguidance's end token): "held" where it is there,
