@@ -36,6 +36,7 @@ from typing import Any, Literal
 import torch
 from transformers import LogitsProcessor
 
+from forerun.checks import check_text
 from forerun.tree import TokenTree
 
 logger = logging.getLogger(__name__)
@@ -72,11 +73,7 @@ def check_response_format(value: object) -> dict[str, Any] | None:
         text = json.dumps(value, allow_nan=False, ensure_ascii=False)
     except (TypeError, ValueError) as error:
         raise ValueError(f"response_format must be plain JSON: {error}") from None
-    try:  # a lone surrogate is no text an answer could hold (nor one llguidance reads)
-        text.encode("utf-8")
-    except UnicodeEncodeError as error:
-        where = f"U+{ord(error.object[error.start]):04X} at character {error.start} of its JSON"
-        raise ValueError(f"response_format contains a lone surrogate ({where}): not valid Unicode text") from None
+    check_text("response_format", text)  # a lone surrogate: no text an answer could hold, nor one llguidance reads
     plain = json.loads(text)
     if kind == "json_schema":
         check_schema_entry(plain.get("json_schema"))
