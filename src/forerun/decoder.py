@@ -57,6 +57,7 @@ from forerun.prompts import check_context, encode_prediction, encode_prompt
 from forerun.request import GenerationRequest, Prompt, is_batch
 from forerun.result import GenerationResult
 from forerun.row import RowJob
+from forerun.scoring import Entries, score_prompt
 from forerun.stats import GenerationStats
 from forerun.structured import Grammars
 from forerun.taps import feature_layers
@@ -321,6 +322,14 @@ class Decoder:
         ids = self.encode(prompt, chat)
         check_context(self.model, ids, max_new_tokens)
         return ids
+
+    def score(self, prompt: Prompt, top: int = 0, chat: bool = False) -> Entries:
+        """Each prompt token's log-probability given the tokens before it, under the raw model (`forerun.scoring`:
+        None for the first token; `top` alternatives each). `decoder.score(context + continuation, top=1)` is an
+        evaluation harness's loglikelihood (`forerun.scoring.continuation_logprob`)."""
+        ids = self.check_prompt(prompt, 0, chat)
+        with self.lock:
+            return score_prompt(self.model, ids, top)
 
     def prepare(
         self, request: GenerationRequest, fork_drafters: bool = True, prefixes: dict[str, Prefixes] | None = None

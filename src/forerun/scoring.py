@@ -1,0 +1,90 @@
+"""Log-probabilities of a prompt's own tokens: what OpenAI's `echo` with `logprobs` returns, and what evaluation
+harnesses (lm-evaluation-harness's loglikelihood tasks) sum over a continuation.
+
+Token i's entry is its log-probability under the raw model (before any logits processor, as generated tokens'
+are: `forerun.logprobs`) given tokens 0..i-1; the first token has none (nothing precedes it). The prompt is fed in
+chunks on a growing cache, each chunk's logits turned into entries before the next is fed, so a long prompt never
+holds [L, vocab] logits at once and a server can step its running rows between chunks. In fp32 the entries equal
+the log-softmax of one forward of the whole prompt up to float rounding (exactly, with one chunk).
+
+Example (a prompt the model itself wrote after its first token is every step's likeliest token):
+    >>> entries = score_prompt(model, ids, top=1)                              # doctest: +SKIP
+    >>> entries[0], [e.token == e.top[0][0] for e in entries[1:]]               # doctest: +SKIP
+    (None, [True, True, ...])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+
+import torch
+
+from forerun.forward_inputs import cache_argument
+from forerun.logprobs import TokenLogprob, token_logprobs
+
+DEFAULT_CHUNK = 512
+"""Prompt tokens per forward: [512, vocab] fp32 logits are ~100 MB for a 49k vocabulary, ~300 MB for 152k."""
+
+Entries = list[TokenLogprob | None]
+
+
+def scoring(
+    model: torch.nn.Module, ids: torch.Tensor, top: int = 0, chunk: int | None = DEFAULT_CHUNK
+) -> Generator[int, None, Entries]:
+    """Score `ids` [1, L] a chunk at a time: yields the tokens fed so far after each forward, returns L entries
+    (None, then TokenLogprob of token i with `top` alternatives). `chunk` None: the whole prompt in one forward.
+
+    Example:
+        >>> pieces = scoring(model, ids, chunk=256)                              # doctest: +SKIP
+        >>> for fed in pieces: ...            # a server steps its batch between two chunks    # doctest: +SKIP
+    """
+    if ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] == 0:
+        raise ValueError(f"scoring takes one non-empty prompt [1, L], got shape {list(ids.shape)}")
+    if isinstance(top, bool) or not isinstance(top, int) or top < 0:
+        raise ValueError(f"top must be a whole number of alternatives >= 0, got {top!r}")
+    if chunk is not None and chunk < 1:
+        raise ValueError(f"chunk must be a positive number of tokens or None, got {chunk!r}")
+    length = ids.shape[1]
+    step = length if chunk is None else chunk
+    device = next(model.parameters()).device
+    entries: Entries = [None]
+    cache, name = None, cache_argument(model) or "past_key_values"  # `cache` from transformers 5.24 on
+    for start in range(0, length, step):
+        with torch.inference_mode():
+            out = model(input_ids=ids[:, start : start + step].to(device), **{name: cache}, use_cache=True)
+            cache = out.past_key_values
+            # logits at position p choose token p + 1: the chunk's last row chooses the next chunk's first token
+            following = ids[0, start + 1 : start + step + 1].tolist()
+            if following:
+                entries += token_logprobs(out.logits[0], following, top)
+        del out
+        yield min(start + step, length)
+    return entries
+
+
+def score_prompt(model: torch.nn.Module, ids: torch.Tensor, top: int = 0, chunk: int | None = DEFAULT_CHUNK) -> Entries:
+    """`scoring` run to its end: the L entries of `ids` [1, L]."""
+    pieces = scoring(model, ids, top, chunk)
+    while True:
+        try:
+            next(pieces)
+        except StopIteration as done:
+            return done.value
+
+
+def continuation_logprob(entries: Entries, context_len: int) -> tuple[float, bool]:
+    """(sum of log-probabilities, whether each token was the likeliest) of the tokens after the first
+    `context_len`: lm-evaluation-harness's loglikelihood of a continuation. Needs entries scored with top >= 1.
+
+    Example:
+        >>> e = [None, TokenLogprob(5, -0.5, ((5, -0.5),)), TokenLogprob(7, -2.0, ((3, -0.1),))]
+        >>> continuation_logprob(e, 1)
+        (-2.5, False)
+    """
+    if not 1 <= context_len < len(entries):
+        raise ValueError(f"context_len must be between 1 and {len(entries) - 1}, got {context_len}")
+    tail = [entry for entry in entries[context_len:] if entry is not None]
+    if any(not entry.top for entry in tail):
+        raise ValueError("the entries were scored without alternatives (top=0): score with top >= 1")
+    greedy = all(entry.logprob >= entry.top[0][1] for entry in tail)
+    return sum(entry.logprob for entry in tail), greedy
