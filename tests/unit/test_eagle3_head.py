@@ -172,7 +172,7 @@ def test_a_folder_without_a_head_is_refused(tmp_path, target):
 
 def test_the_servers_pool_and_the_run_specification_take_a_head(tmp_path, target):
     from forerun.runspec import RunSpec
-    from forerun.server.pool import DecoderPool
+    from forerun.server.decoders import DecoderPool
 
     write_head(tmp_path, target)
     pool = DecoderPool(target, None, "auto", {}, draft_head=str(tmp_path))
@@ -192,7 +192,7 @@ def test_the_head_auto_adds_takes_its_knobs_at_every_entry_point_and_none_withou
     is refused, saying a head must be given: nothing would read it."""
     from forerun.bench.methods import parse_methods
     from forerun.runspec import RunSpec
-    from forerun.server.pool import DecoderPool
+    from forerun.server.decoders import DecoderPool
     from forerun.server.schemas import CompletionRequest
     from forerun.server.translate import APIError, Limits, translate
 

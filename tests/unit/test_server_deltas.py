@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from forerun.server.service import deltas
+from forerun.server.stream import deltas
 
 
 def streams_of(count: int) -> list[SimpleNamespace]:

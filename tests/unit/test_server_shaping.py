@@ -92,3 +92,29 @@ def test_stream_chunks_are_openai_events_with_logprobs_per_chunk():
     opening = json.loads(shaping.opening(chat)[6:])
     assert opening["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert shaping.chunk(chat, "x").endswith("\n\n") and shaping.DONE == "data: [DONE]\n\n"
+
+
+def test_an_echoed_prompt_comes_before_the_answer_with_its_logprobs_the_first_null():
+    answer = shaping.Answer("cmpl-3", 5, "m", chat=False)
+    echo = shaping.Echo("one. two", (0, 1, 2), (None, TokenLogprob(1, -0.5, ((3, -0.2),)), TokenLogprob(2, -1.0)))
+    body = shaping.completion(answer, [result(stop_at=4)], "auto", Pieces(), [echo], (3, 0))
+    choice = body["choices"][0]
+    assert choice["text"] == "one. twoone."  # the prompt, then the answer up to its stop string
+    logprobs = choice["logprobs"]
+    assert logprobs["tokens"] == ["one", ".", " two", "one", "."]
+    assert logprobs["token_logprobs"] == [None, -0.5, -1.0, 0.0, -0.1]
+    assert logprobs["top_logprobs"][:2] == [None, {".": -0.2}]
+    assert logprobs["text_offset"] == [0, 3, 4, 8, 11]  # the answer's offsets follow the prompt's text
+    assert body["usage"]["prompt_tokens"] == 3 and body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_an_echoed_prompt_alone_has_no_generation_and_counts_only_its_prompts():
+    answer = shaping.Answer("cmpl-4", 5, "m", chat=False)
+    scored = shaping.Echo("one.", (0, 1), (None, TokenLogprob(1, -0.5)))
+    plain = shaping.Echo(" two", (2,), None)
+    body = shaping.completion(answer, [None, None], "auto", Pieces(), [scored, plain], (3, 0))
+    assert [c["text"] for c in body["choices"]] == ["one.", " two"]
+    assert [c["finish_reason"] for c in body["choices"]] == ["length", "length"]
+    assert body["choices"][0]["logprobs"]["token_logprobs"] == [None, -0.5] and body["choices"][1]["logprobs"] is None
+    assert body["usage"]["prompt_tokens"] == 3 and body["usage"]["completion_tokens"] == 0
+    assert body["forerun"]["forwards"] == 0 and body["forerun"]["seconds"] == 0.0

@@ -73,10 +73,19 @@ def completion(**fields):
         (chat, {"top_logprobs": 3}, "top_logprobs", "needs logprobs: true"),
         (chat, {"logprobs": True, "top_logprobs": 21}, "top_logprobs", "between 0 and 20"),
         (completion, {"logprobs": 6}, "logprobs", "between 0 and 5"),
-        (completion, {"echo": True}, "echo", "echo is not supported"),
+        (completion, {"max_tokens": 0}, "max_tokens", "between 1 and"),
+        (completion, {"echo": True, "max_tokens": -1}, "max_tokens", "between 0 and"),
         (completion, {"suffix": "x"}, "suffix", "suffix"),
         (completion, {"best_of": 3}, "best_of", "best_of=3"),
-        (completion, {"prompt": ["a", "b"]}, "prompt", "one string"),
+        (completion, {"prompt": ["a", 1]}, "prompt", "one form for all"),
+        (completion, {"prompt": [1, True]}, "prompt", "one form for all"),
+        (completion, {"prompt": [1, 1000]}, "prompt", "prompt[1] is token id 1000, outside the vocabulary [0, 1000)"),
+        (completion, {"prompt": [[1], [-2]]}, "prompt[1]", "prompt[1][0] is token id -2"),
+        (completion, {"prompt": [[1], []]}, "prompt[1]", "prompt[1] is empty"),
+        (completion, {"prompt": [[1, True]]}, "prompt[0]", "item 1 is bool, not a token id"),
+        (completion, {"prompt": ["a", " "]}, "prompt[1]", "prompt[1] is empty"),
+        (completion, {"prompt": ["a", "b\ud800"]}, "prompt[1]", "lone surrogate"),
+        (completion, {"prompt": ["a"] * 65}, "prompt", "at most 64 prompts, got 65"),
         (completion, {"prompt": "   "}, "prompt", "prompt is empty"),
         (chat, {"stream_options": {"include_usage": True}}, "stream_options", "needs stream: true"),
         (chat, {"stream": True, "stream_options": {"include_usage": "false"}}, "stream_options", "true or false"),
@@ -254,7 +263,7 @@ def test_the_schema_refuses_what_the_server_refuses():
 
 def test_serve_max_tree_nodes_caps_what_every_decoder_feeds():
     """`forerun serve --max-tree-nodes N` reaches the server's Decoders (it was accepted, then dropped)."""
-    from forerun.server.pool import DecoderPool
+    from forerun.server.decoders import DecoderPool
 
     from tiny_models import prompts, tiny_model
 
@@ -283,3 +292,26 @@ def test_vllms_ignore_eos_and_stop_token_ids_set_the_ids_that_end_the_answer():
         ChatRequest(messages=HI, ignore_eos="yes")  # strict: a string is no boolean
     with pytest.raises(ValidationError):
         ChatRequest(messages=HI, stop_token_ids=[True])
+
+
+@pytest.mark.parametrize(
+    ("prompt", "expected"),
+    [
+        ("Hi", ["Hi"]),
+        (["Hi", "Bye"], ["Hi", "Bye"]),
+        ([5, 7, 999], [[5, 7, 999]]),
+        ([[5], [0, 1]], [[5], [0, 1]]),
+    ],
+)
+def test_a_completions_prompt_takes_openais_four_forms(prompt, expected):
+    args = completion(prompt=prompt, n=2)
+    assert list(args.prompts) == expected and args.prompt == expected[0]
+    each = args.each()
+    assert [a.prompt for a in each] == expected and all(a.n == 2 and a.prompts == (a.prompt,) for a in each)
+
+
+def test_echo_takes_max_tokens_0_and_then_generates_nothing():
+    echoed = completion(echo=True, max_tokens=0, logprobs=2)
+    assert echoed.echo and echoed.max_new_tokens == 0 and echoed.runs == 0 and echoed.logprobs == 2
+    assert completion(echo=True, n=3).runs == 1 and completion(echo=True, n=3, temperature=1.0).runs == 3
+    assert not completion().echo

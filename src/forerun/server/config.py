@@ -9,7 +9,8 @@ from pathlib import Path
 
 from forerun.decoder import DEFAULT_PREFIX_TOKENS, Decoder
 from forerun.defaults import DEFAULT_METHOD
-from forerun.server.pool import DEFAULT_PREFILL_CHUNK, DecoderPool
+from forerun.server.decoders import DecoderPool
+from forerun.server.pool import DEFAULT_PREFILL_CHUNK
 
 
 @dataclass(frozen=True)

@@ -1,14 +1,13 @@
-"""The server's Decoders, and the worker thread that runs generations on them.
+"""The worker thread that runs generations on the server's Decoders (`forerun.server.decoders`).
 
-Decoders are shared by all requests of one method (its trie, n-gram pool and cost-model calibration learn across
-requests); a request with knobs of its own gets a private Decoder, kept in a small LRU so a flood of distinct knob
-sets cannot grow memory. Generation runs in one worker thread, so the event loop keeps answering /health, /metrics
-and queued clients; every request carries a cancel event that a disconnect, the request's deadline or shutdown
-sets, and its generation stops after the current step.
+Generation runs in one worker thread, so the event loop keeps answering /health, /metrics and queued clients;
+every request carries a cancel event that a disconnect, the request's deadline or shutdown sets, and its generation
+stops after the current step.
 
 Two workers: `BatchWorker` (continuous batching: requests join the running batch between steps, up to
 `max_batch` rows, and leave when they finish; `forerun.batch.Batch`) and `Worker` (one request at a time, in
-arrival order; `--max-batch 1`, and models whose cache cannot hold ragged rows).
+arrival order; `--max-batch 1`, and models whose cache cannot hold ragged rows). Both run jobs of pieces too
+(`run_pieces`: a prompt scored a chunk a piece), the batch's rows stepping between two pieces.
 """
 
 from __future__ import annotations
@@ -16,8 +15,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -28,14 +27,9 @@ from forerun.batch import Batch
 from forerun.batch_join import Joining
 from forerun.checks import is_count
 from forerun.decoder import Decoder, GenerationResult
-from forerun.drafters.eagle3 import load_head
-from forerun.methods import plan_method
-from forerun.prefixcache import PrefixCache
 from forerun.preparation import Prepared
 
 logger = logging.getLogger(__name__)
-
-PRIVATE_DECODERS = 8
 
 
 class ShuttingDown(RuntimeError):
@@ -44,74 +38,6 @@ class ShuttingDown(RuntimeError):
 
 class Abandoned(Exception):
     """The job's request was cancelled (timeout, disconnect, shutdown) before the worker reached it."""
-
-
-class DecoderPool:
-    def __init__(
-        self,
-        model,
-        tokenizer,
-        method: str,
-        knobs: dict,
-        draft_model=None,
-        prefixes=None,
-        max_tree_nodes=None,
-        draft_head: str | None = None,
-        compile_buckets: bool = False,
-    ) -> None:
-        self.model, self.tokenizer, self.draft_model = model, tokenizer, draft_model
-        self.compile_buckets = compile_buckets
-        """The server's own Decoder (its method and knobs) compiles its tree sizes before capturing them (a CUDA
-        device's), in the warm-up. One a request asks for (another method, other knobs) does not: compiling in a
-        request's time would hold every stream for minutes."""
-        self.head = None if draft_head is None else load_head(draft_head, model)
-        """The EAGLE-3 head, read once and shared by every Decoder that drafts with it."""
-        self.max_tree_nodes = max_tree_nodes
-        """The operator's cap on tokens per forward, for every Decoder of the server (None: the curve's)."""
-        self.prefixes = prefixes if prefixes is not None else PrefixCache(0)
-        """One prefix cache for every Decoder: the KV of a text is the model's, whichever method drafts."""
-        self.method, self.knobs = method, dict(knobs)
-        self.shared: dict[str, Decoder] = {}
-        self.private: OrderedDict[tuple, Decoder] = OrderedDict()
-        self.lock = threading.Lock()
-
-    def build(self, method: str, knobs: dict, compiled: bool = False) -> Decoder:
-        plan = plan_method(method, knobs, next(self.model.parameters()).device.type, head=self.head is not None)
-        draft = {}
-        if plan.needs_draft():
-            if self.draft_model is None:
-                raise ValueError("method draft_model needs a draft model: start the server with --draft-model NAME")
-            draft = {"draft_model": self.draft_model}
-        if plan.uses_head():
-            if self.head is None:
-                raise ValueError("method eagle3 needs an EAGLE-3 head: start the server with --draft-head FOLDER")
-            draft["draft_head"] = self.head
-        return Decoder(
-            self.model, self.tokenizer, method, prefix_cache=self.prefixes, max_tree_nodes=self.max_tree_nodes,
-            compile_buckets=compiled, **draft, **knobs
-        )  # fmt: skip
-
-    def get(self, method: str, knobs: dict) -> Decoder:
-        """The shared Decoder of `method` (with the server's knobs for its own method), or a private one."""
-        with self.lock:
-            if not knobs or (method == self.method and knobs == self.knobs):
-                if method not in self.shared:
-                    own = method == self.method
-                    self.shared[method] = self.build(method, self.knobs if own else {}, own and self.compile_buckets)
-                return self.shared[method]
-            key = (method, tuple(sorted((k, repr(v)) for k, v in knobs.items())))
-            if key not in self.private:
-                self.private[key] = self.build(method, knobs)
-                while len(self.private) > PRIVATE_DECODERS:
-                    self.private.popitem(last=False)
-            self.private.move_to_end(key)
-            return self.private[key]
-
-    def trie_decoder(self) -> Decoder | None:
-        """The shared Decoder whose trie the cache file holds (the server's own method, if it has a trie)."""
-        if not plan_method(self.method, self.knobs, head=self.head is not None).saves_state():
-            return None
-        return self.get(self.method, {})
 
 
 class Worker:
@@ -152,6 +78,10 @@ class Worker:
         finally:
             self.cancels.discard(cancel)
 
+    async def run_pieces(self, start: Callable[[], Iterator], cancel: threading.Event) -> Any:
+        """Run a job made of pieces (`Pieces`) after the jobs before it: its return value."""
+        return await self.run(lambda: finish(start(), cancel), cancel)
+
     def shutdown(self) -> None:
         """Cancel every job (running or queued) and wait for the worker to finish its current step."""
         self.closing = True
@@ -159,6 +89,21 @@ class Worker:
             cancel.set()
         self.executor.shutdown(wait=True, cancel_futures=True)
 
+
+def finish(pieces: Iterator, cancel: threading.Event) -> Any:
+    """Run `pieces` to its end (its return value), stopping between two pieces once `cancel` is set."""
+    while True:
+        if cancel.is_set():
+            raise Abandoned
+        try:
+            next(pieces)
+        except StopIteration as done:
+            return done.value
+
+
+Pieces = Callable[[], Iterator]
+"""Starts a job that runs a piece per `next` and returns its value at the end (`forerun.scoring.scoring`: a
+chunk of a prompt each), so a batch's rows step between two pieces."""
 
 Prepare = Callable[[], tuple[Prepared, Decoder]]
 """Builds a request's row (encode, checks, processors) on the worker thread; a ValueError is the client's fault."""
@@ -172,6 +117,17 @@ class Admission:
     loop: asyncio.AbstractEventLoop
     prepared: Prepared | None = None
     decoder: Decoder | None = None
+
+
+@dataclass
+class Task:
+    """A job of pieces waiting for or running on the batch's thread (`BatchWorker.run_pieces`)."""
+
+    start: Pieces
+    cancel: threading.Event
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+    pieces: Iterator | None = None
 
 
 WITHDRAW_POLL_S = 0.1
@@ -204,6 +160,8 @@ class BatchWorker:
         self.joining: list[tuple[Joining, Admission]] = []
         """Requests whose prompts are being fed; the one with the least left to feed goes first."""
         self.members: dict[int, Admission] = {}
+        self.tasks: deque[Task] = deque()
+        """Jobs of pieces (a prompt scored for `echo`), the oldest advanced a piece between two steps."""
         self.wake = threading.Condition()
         self.closing = False
         self.thread = threading.Thread(target=self.loop, name="forerun-batch", daemon=True)
@@ -212,6 +170,35 @@ class BatchWorker:
     def counts(self, pending: int) -> tuple[int, int]:
         running = len(self.batch.rows) + len(self.joining)
         return running, max(0, pending - running)
+
+    async def run_pieces(self, start: Pieces, cancel: threading.Event) -> Any:
+        """Run a job of pieces on the batch's thread, a piece between two steps of the running rows: its value."""
+        if self.closing:
+            raise ShuttingDown("the server is shutting down")
+        loop = asyncio.get_running_loop()
+        task = Task(start, cancel, loop.create_future(), loop)
+        with self.wake:
+            self.tasks.append(task)
+            self.wake.notify()
+        return await task.future
+
+    def advance(self) -> None:
+        """One piece of the oldest job of pieces; a job cancelled meanwhile ends between two pieces."""
+        if not self.tasks:
+            return
+        task = self.tasks[0]
+        try:
+            if task.cancel.is_set():
+                raise Abandoned
+            if task.pieces is None:
+                task.pieces = task.start()
+            next(task.pieces)
+        except StopIteration as done:
+            self.tasks.popleft()
+            self.settle(task, done.value)
+        except Exception as error:  # noqa: BLE001 - this job's own failure, answered to its request alone
+            self.tasks.popleft()
+            self.settle(task, error=error)
 
     async def run(self, prepare: Prepare, cancel: threading.Event) -> GenerationResult:
         if self.closing:
@@ -224,7 +211,7 @@ class BatchWorker:
         return await admission.future
 
     @staticmethod
-    def settle(admission: Admission, result: object = None, error: BaseException | None = None) -> None:
+    def settle(admission: Admission | Task, result: object = None, error: BaseException | None = None) -> None:
         def done() -> None:
             if admission.future.done():
                 return
@@ -314,15 +301,19 @@ class BatchWorker:
             else:
                 self.members[id(outcome)] = admission
 
+    def busy(self) -> bool:
+        return bool(self.waiting or self.joining or self.batch.rows or self.tasks)
+
     def loop(self) -> None:
         while True:
             with self.wake:
-                while not self.closing and not self.waiting and not self.joining and not self.batch.rows:
+                while not self.closing and not self.busy():
                     self.wake.wait()
-                if self.closing and not self.waiting and not self.joining and not self.batch.rows:
+                if self.closing and not self.busy():
                     return
             self.admit()
             self.prefill()
+            self.advance()
             if not self.batch.rows:
                 continue
             try:
@@ -346,7 +337,8 @@ class BatchWorker:
         """Cancel every request (running or waiting) and wait for the worker to finish its current step."""
         self.closing = True
         with self.wake:
-            for admission in [*self.waiting, *(admission for _, admission in self.joining), *self.members.values()]:
+            joining = (admission for _, admission in self.joining)
+            for admission in [*self.waiting, *joining, *self.members.values(), *self.tasks]:
                 admission.cancel.set()
             self.wake.notify()
         self.thread.join(timeout=60)

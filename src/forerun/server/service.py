@@ -1,6 +1,7 @@
 """The request path of the server, one method per stage: `answer` (a completion or chat request, JSON or a stream)
--> `translate` (every 400 decided there) -> `generate` (admission and backpressure, the worker, the deadline)
--> `forerun.server.shaping` (OpenAI's JSON and chunks).
+-> `translate` (every 400 decided there) -> `generate_groups` (admission and backpressure, one group of choices
+per prompt, the deadline) -> `echo` (a completion's prompt scored, `forerun.server.echo`) and `generate` (the
+worker) -> `forerun.server.shaping` (OpenAI's JSON and chunks).
 
 Example (what the routes of `forerun.server.app` do):
     >>> service = Service(model, tokenizer, config)                       # doctest: +SKIP
@@ -24,12 +25,25 @@ from forerun.prefixcache import PrefixCache
 from forerun.preparation import eos_ids_of
 from forerun.request import GenerationRequest
 from forerun.server.config import ServerConfig, load_trie_cache, sampling_defaults
+from forerun.server.decoders import DecoderPool
+from forerun.server.echo import echoed, prompt_counts
 from forerun.server.errors import error_body, failed
 from forerun.server.metrics import Metrics
-from forerun.server.pool import Abandoned, BatchWorker, DecoderPool, ShuttingDown, Worker
+from forerun.server.pool import Abandoned, BatchWorker, ShuttingDown, Worker
 from forerun.server.schemas import ChatRequest, CompletionRequest
-from forerun.server.shaping import DONE, Answer, chunk, completion, event, logprobs_payload, opening, usage
-from forerun.server.stream import TokenStream
+from forerun.server.shaping import (
+    DONE,
+    Answer,
+    Echo,
+    chunk,
+    completion,
+    echo_payload,
+    event,
+    logprobs_payload,
+    opening,
+    usage,
+)
+from forerun.server.stream import TokenStream, deltas, started, targets_of
 from forerun.server.translate import APIError, GenerationArgs, Limits, translate
 
 logger = logging.getLogger(__name__)
@@ -120,46 +134,105 @@ class Service:
             f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", int(time.time()), self.config.model_name, chat
         )
         cancel = threading.Event()
+        groups = args.each()
         if not args.stream:
-            decoder, results = await self.generate_choices(args, request, None, cancel)
+            decoder, done = await self.generate_groups(groups, request, None, cancel)
             self.metrics.count(request.url.path, 200)
-            return completion(answer, results, decoder.method, self.tokenizer)
+            results = [result for _, results in done for result in results]
+            echoes = [echo for echo, results in done for _ in results]
+            return completion(answer, results, decoder.method, self.tokenizer, echoes, prompt_counts(done))
         loop, logprobs = asyncio.get_running_loop(), args.logprobs is not None
-        streams = [TokenStream(self.tokenizer, loop, args.stop, logprobs) for _ in range(args.runs)]
-        task = asyncio.create_task(self.generate_choices(args, request, streams, cancel))
-        await started(streams, task, cancel)
+        streams = [[TokenStream(self.tokenizer, loop, args.stop, logprobs) for _ in range(g.runs)] for g in groups]
+        task = asyncio.create_task(self.generate_groups(groups, request, streams, cancel))
+        await started([stream for each in streams for stream in each], task, cancel)
         self.metrics.count(request.url.path, 200)
         return StreamingResponse(self.sse(streams, task, cancel, args, answer), media_type="text/event-stream")
 
-    async def generate_choices(
-        self, args: GenerationArgs, request: Request, streams: list[TokenStream] | None, cancel: threading.Event
-    ) -> tuple[Decoder, list[GenerationResult]]:
-        """The generations a request's choices take (`GenerationArgs.runs`), admitted together and run side by side
-        on the worker (a batch's rows), under one watcher of the client and the deadline; one failing stops the
-        others and fails the request. Returns a result per choice (greedy: the one generation's, n times)."""
+    async def generate_groups(
+        self,
+        groups: list[GenerationArgs],
+        request: Request,
+        streams: list[list[TokenStream]] | None,
+        cancel: threading.Event,
+    ) -> tuple[Decoder, list[tuple[Echo | None, list[GenerationResult | None]]]]:
+        """Each prompt's choices (`GenerationArgs.each`: a completions request may send several prompts), admitted
+        together, under one watcher of the client and the deadline; one failing stops the others and fails the
+        request. Returns, per prompt, its echo (None: not asked) and a result per choice (greedy: the one
+        generation's, n times; None: nothing generated, `max_tokens` 0)."""
         try:
-            decoder = self.pool.get(args.method, args.knobs)
-            wanted = [args.request(None if streams is None else streams[i], cancel, i) for i in range(args.runs)]
+            decoder = self.pool.get(groups[0].method, groups[0].knobs)
+            wanted = [
+                [args.request(None if streams is None else streams[k][i], cancel, i) for i in range(args.runs)]
+                for k, args in enumerate(groups)
+            ]
         except ValueError as error:
             raise APIError(400, str(error), "forerun") from None
-        if args.response_format is not None:  # compiled off the event loop and the batch's thread (GIL released)
+        if groups[0].response_format is not None:  # compiled off the event loop and the batch's thread (GIL released)
             try:
-                await asyncio.to_thread(decoder.grammars.compile, args.response_format)
+                await asyncio.to_thread(decoder.grammars.compile, groups[0].response_format)
             except ValueError as error:
                 raise APIError(400, str(error), "response_format") from None
-        self.admit(args.runs)
+        self.admit(sum(args.runs + args.echo for args in groups))
         why: dict = {}
         watcher = asyncio.create_task(watch(request, cancel, request.state.deadline, why))
-        runs = [asyncio.create_task(self.generate(args, request, decoder, each, cancel, why)) for each in wanted]
+        runs = [
+            asyncio.create_task(self.group(args, request, decoder, each, cancel, why, streams and streams[k]))
+            for k, (args, each) in enumerate(zip(groups, wanted, strict=True))
+        ]
         try:
-            results = await asyncio.gather(*runs)
+            done = await asyncio.gather(*runs)
         except BaseException:
             cancel.set()  # the others stop at their next step
             await asyncio.gather(*runs, return_exceptions=True)
             raise
         finally:
             watcher.cancel()
-        return decoder, results * args.n if len(results) == 1 else results
+        return decoder, done
+
+    async def group(
+        self,
+        args: GenerationArgs,
+        request: Request,
+        decoder: Decoder,
+        wanted: list[GenerationRequest],
+        cancel: threading.Event,
+        why: dict,
+        streams: list[TokenStream] | None,
+    ) -> tuple[Echo | None, list[GenerationResult | None]]:
+        """One prompt's echo (first: a stream shows the prompt before its answer), then its generations side by
+        side on the worker (a batch's rows)."""
+        echo = None
+        if args.echo:
+            try:
+                echo = await self.echo(args, decoder, cancel, why)
+            except BaseException:
+                self.release(len(wanted))  # the places `admit` took for generations that never start
+                raise
+            for stream in streams or []:
+                stream.queue.put_nowait((echo.text, echo))
+        runs = [asyncio.create_task(self.generate(args, request, decoder, each, cancel, why)) for each in wanted]
+        try:
+            results = await asyncio.gather(*runs)
+        except BaseException:
+            cancel.set()
+            await asyncio.gather(*runs, return_exceptions=True)
+            raise
+        return echo, (results * args.n if len(results) == 1 else results) or [None] * args.n
+
+    async def echo(self, args: GenerationArgs, decoder: Decoder, cancel: threading.Event, why: dict) -> Echo:
+        """The prompt shown before a completion (`echo`), its tokens scored on the worker where logprobs are asked
+        (a chunk at a time, the batch's rows stepping between chunks), in a place `admit` took for it."""
+        chunk = self.config.prefill_chunk or None
+        try:
+            return await self.worker.run_pieces(lambda: echoed(decoder, args.prompt, args.logprobs, chunk), cancel)
+        except ValueError as error:  # over the context, ids outside the vocabulary
+            raise APIError(400, str(error), "prompt") from None
+        except (Abandoned, ShuttingDown):
+            raise self.cancelled(why) from None
+        except Exception as error:  # noqa: BLE001 - this request's own failure, answered in OpenAI's shape
+            raise failed(error) from None
+        finally:
+            self.release()
 
     async def generate(
         self,
@@ -184,8 +257,7 @@ class Service:
         except Exception as error:  # noqa: BLE001 - this request's own failure, answered in OpenAI's shape
             raise failed(error) from None
         finally:
-            self.metrics.queue.dec()
-            self.pending -= 1
+            self.release()
         if why.get("reason") == "timeout":
             raise APIError(504, self.timed_out(), kind="timeout")
         if self.worker.closing and cancel.is_set() and "reason" not in why:  # stopped by the shutdown's drain
@@ -208,6 +280,11 @@ class Service:
         self.metrics.queue.inc(places)
         self.pending += places
 
+    def release(self, places: int = 1) -> None:
+        """Give back `places` places `admit` took (a generation or an echo done, or never started)."""
+        self.metrics.queue.dec(places)
+        self.pending -= places
+
     def cancelled(self, why: dict) -> APIError:
         if why.get("reason") == "timeout":
             return APIError(504, self.timed_out(), kind="timeout")
@@ -217,7 +294,7 @@ class Service:
         return f"the request took longer than the server's timeout of {self.config.request_timeout_s:g} s"
 
     async def sse(
-        self, streams: list[TokenStream], task: asyncio.Task, cancel: threading.Event, args: GenerationArgs, answer
+        self, streams: list[list[TokenStream]], task: asyncio.Task, cancel: threading.Event, args, answer
     ) -> AsyncIterator[str]:
         """Server-sent events; if the client goes away mid-stream, the generation is cancelled."""
         try:
@@ -228,30 +305,40 @@ class Service:
                 cancel.set()
 
     async def events(
-        self, streams: list[TokenStream], task: asyncio.Task, args: GenerationArgs, answer: Answer
+        self, streams: list[list[TokenStream]], task: asyncio.Task, args: GenerationArgs, answer: Answer
     ) -> AsyncIterator[str]:
         """Every choice's chunks as its generation writes them (greedy choices: the one generation's, each under
-        every index), then each choice's last chunk with its finish reason."""
+        every index of its prompt; an echoed prompt first), then each choice's last chunk with its finish reason."""
+        choices = args.n * len(streams)
         if answer.chat:
-            for index in range(args.n):
+            for index in range(choices):
                 yield opening(answer, index)
-        offsets = [0] * args.n
-        async for run, delta, entries in deltas(streams, task):
-            for index in [run] if args.runs == args.n else range(args.n):
-                logprobs = logprobs_payload(self.tokenizer, entries, answer.chat, offsets[index])
+        offsets, flat = [0] * choices, [stream for each in streams for stream in each]
+        targets = targets_of([len(each) for each in streams], args.n)
+        async for run, delta, entries in deltas(flat, task):
+            for index in targets[run]:
+                if isinstance(entries, Echo):
+                    logprobs = echo_payload(self.tokenizer, entries)
+                else:
+                    logprobs = logprobs_payload(self.tokenizer, entries, answer.chat, offsets[index])
                 yield chunk(answer, delta, logprobs=logprobs, index=index)
                 offsets[index] += len(delta)
         try:
-            decoder, results = await task
+            decoder, done = await task
         except APIError as error:
             yield event(error_body(error.status, error.message, error.param, error.kind))
         except Exception as error:  # noqa: BLE001 - a stream ends with an error event and [DONE], never cut
             failure = failed(error)
             yield event(error_body(failure.status, failure.message, kind=failure.kind))
         else:
-            extra = usage(results, decoder.method)
+            results = [result for _, results in done for result in results]
+            extra = usage(results, decoder.method, prompt_counts(done))
             for index, result in enumerate(results):
-                yield chunk(answer, None, result.finish_reason, {"forerun": extra["forerun"]}, index=index)
+                echo = done[index // args.n][0]
+                if result is None and echo is not None:  # the echoed prompt alone: nothing was streamed
+                    yield chunk(answer, echo.text, logprobs=echo_payload(self.tokenizer, echo), index=index)
+                reason = "length" if result is None else result.finish_reason
+                yield chunk(answer, None, reason, {"forerun": extra["forerun"]}, index=index)
             if args.include_usage:  # as OpenAI: a last chunk with no choices carries the usage
                 yield chunk(answer, None, None, {"usage": extra["usage"]}, choices=False)
         yield DONE
@@ -271,46 +358,6 @@ def job_of(decoder: Decoder, wanted, cancel: threading.Event):
 def row_of(decoder: Decoder, wanted):
     """Continuous batching: the row this request adds to the running batch (built on the worker's thread)."""
     return lambda: (decoder.prepare(wanted), decoder)
-
-
-async def deltas(streams: list[TokenStream], task: asyncio.Task) -> AsyncIterator[tuple[int, str, list | None]]:
-    """(stream index, text delta, logprob entries) of every stream as they come, until each has ended or the
-    generation has failed."""
-    getters = {asyncio.ensure_future(stream.queue.get()): run for run, stream in enumerate(streams)}
-    try:
-        while getters:
-            succeeded = task.done() and not task.cancelled() and task.exception() is None
-            waited = set(getters) if succeeded else {*getters, task}  # succeeded: its streams' ends are coming
-            done, _ = await asyncio.wait(waited, return_when=asyncio.FIRST_COMPLETED)
-            ready = sorted(done & set(getters), key=getters.__getitem__)
-            for getter in ready:
-                run = getters.pop(getter)
-                item = getter.result()
-                if item is not None:
-                    yield run, *item
-                    getters[asyncio.ensure_future(streams[run].queue.get())] = run
-            if task in done and not ready:
-                return  # it failed, and what its streams had sent is out: a failed row's stream may never end
-    finally:
-        for getter in getters:
-            getter.cancel()
-
-
-async def started(streams: list[TokenStream], task: asyncio.Task, cancel: threading.Event) -> None:
-    """Wait until a streamed request's generations have all begun (their prompts checked, their places in the
-    batch taken) or one failed before: a full queue, a bad knob, a prompt over the context, a timeout while queued
-    then answer with their HTTP status (429 with Retry-After, 400, 504), not as an error event inside a 200 stream,
-    so clients' status handling and retries work for streams too."""
-    waiter = asyncio.ensure_future(asyncio.gather(*(stream.started.wait() for stream in streams)))
-    try:
-        await asyncio.wait({waiter, task}, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        cancel.set()
-        raise
-    finally:
-        waiter.cancel()
-    if not all(stream.started.is_set() for stream in streams) and task.done():
-        await task  # it failed before its first step: APIError -> its status
 
 
 async def watch(request: Request, cancel: threading.Event, deadline: float, why: dict) -> None:

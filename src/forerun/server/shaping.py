@@ -35,24 +35,40 @@ class Answer:
         return "chat.completion.chunk" if self.chat else "text_completion"
 
 
-def usage(results: Sequence[GenerationResult], method: str) -> dict:
+@dataclass(frozen=True)
+class Echo:
+    """A completion's prompt shown before its text (`echo`): the text, its token ids, and their log-probability
+    entries (`forerun.scoring`: the first token's None), or None where no logprobs were asked."""
+
+    text: str
+    ids: tuple[int, ...]
+    entries: tuple[TokenLogprob | None, ...] | None = None
+
+
+def usage(results: Sequence[GenerationResult | None], method: str, prompts: tuple[int, int] | None = None) -> dict:
     """OpenAI's `usage` of a response's choices (with cached prompt tokens and predicted-output counts; the prompt
     counted once, every choice's tokens) and forerun's own statistics of the generations that wrote them (greedy
-    choices are one generation shown n times; sampled ones a row each, whose forwards each count)."""
-    generations = list({id(result): result for result in results}.values())
-    first, stats = generations[0], [result.stats for result in generations]
+    choices are one generation shown n times; sampled ones a row each, whose forwards each count).
+    `prompts`: (tokens, cached tokens) of the request's prompts, where it sends several or generates nothing (an
+    echoed prompt alone); None: the first generation's."""
+    written = [result for result in results if result is not None]
+    generations = list({id(result): result for result in written}.values())
+    stats = [result.stats for result in generations]
     new_tokens, forwards = sum(s.new_tokens for s in stats), sum(s.forwards for s in stats)
     candidates = sum(s.candidates for s in stats)
-    completion_tokens = sum(result.stats.new_tokens for result in results)
+    completion_tokens = sum(result.stats.new_tokens for result in written)
+    if prompts is None:
+        prompts = generations[0].prompt_len, generations[0].stats.cached_prompt_tokens
+    prompt_tokens, cached = prompts
     return {
         "usage": {
-            "prompt_tokens": first.prompt_len,
+            "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
-            "total_tokens": first.prompt_len + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": first.stats.cached_prompt_tokens},
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached},
             "completion_tokens_details": {
-                "accepted_prediction_tokens": sum(result.accepted_prediction_tokens for result in results),
-                "rejected_prediction_tokens": sum(result.rejected_prediction_tokens for result in results),
+                "accepted_prediction_tokens": sum(result.accepted_prediction_tokens for result in written),
+                "rejected_prediction_tokens": sum(result.rejected_prediction_tokens for result in written),
             },
         },
         "forerun": {
@@ -60,8 +76,8 @@ def usage(results: Sequence[GenerationResult], method: str) -> dict:
             "forwards": forwards,
             "tokens_per_forward": new_tokens / forwards if forwards else 0.0,
             "acceptance": sum(s.accepted for s in stats) / candidates if candidates else 0.0,
-            "seconds": max(s.total_seconds for s in stats),
-            "prefill_seconds": max(s.prefill_seconds for s in stats),
+            "seconds": max((s.total_seconds for s in stats), default=0.0),
+            "prefill_seconds": max((s.prefill_seconds for s in stats), default=0.0),
             "prefill_chunks": sum(s.prefill_chunks for s in stats),
         },
     }
@@ -92,28 +108,65 @@ def logprobs_payload(tokenizer, entries: Sequence[TokenLogprob] | None, chat: bo
     }
 
 
-def completion(answer: Answer, results: Sequence[GenerationResult], method: str, tokenizer) -> dict:
-    """The whole (not streamed) response, a choice per result: the text up to the first stop string, its finish
-    reason, logprobs."""
+def echo_payload(tokenizer, echo: Echo | None) -> dict | None:
+    """A completion's logprobs object of its echoed prompt (None: no echo, or no logprobs asked): the first
+    token's logprob and alternatives null, as OpenAI's."""
+    if echo is None or echo.entries is None:
+        return None
+    pieces = [tokenizer.decode([token]) for token in echo.ids]
+    return {
+        "tokens": pieces,
+        "token_logprobs": [None if e is None else e.logprob for e in echo.entries],
+        "top_logprobs": [None if e is None else {tokenizer.decode([t]): v for t, v in e.top} for e in echo.entries],
+        "text_offset": [sum(len(p) for p in pieces[:i]) for i in range(len(pieces))],
+    }
+
+
+def joined(first: dict | None, second: dict | None) -> dict | None:
+    """Two completion logprobs objects one after the other (an echoed prompt's, then its answer's)."""
+    if first is None or second is None:
+        return first or second
+    return {key: first[key] + second[key] for key in first}
+
+
+def completion(
+    answer: Answer,
+    results: Sequence[GenerationResult | None],
+    method: str,
+    tokenizer,
+    echoes: Sequence[Echo | None] | None = None,
+    prompts: tuple[int, int] | None = None,
+) -> dict:
+    """The whole (not streamed) response, a choice per result: the text up to the first stop string (after its
+    echoed prompt, `echoes[i]`; a result None: the prompt alone), its finish reason, logprobs."""
+    echoes = echoes or [None] * len(results)
+    choices = [
+        choice_of(answer, result, index, tokenizer, echo)
+        for index, (result, echo) in enumerate(zip(results, echoes, strict=True))
+    ]
     return {
         "id": answer.ident,
         "object": answer.kind,
         "created": answer.created,
         "model": answer.model,
-        "choices": [choice_of(answer, result, index, tokenizer) for index, result in enumerate(results)],
-        **usage(results, method),
+        "choices": choices,
+        **usage(results, method, prompts),
     }
 
 
-def choice_of(answer: Answer, result: GenerationResult, index: int, tokenizer) -> dict:
+def choice_of(answer: Answer, result: GenerationResult | None, index: int, tokenizer, echo: Echo | None = None) -> dict:
     """Choice `index` of a whole response."""
+    shown = "" if echo is None else echo.text
+    if result is None:  # the echoed prompt alone
+        return {"index": index, "text": shown, "logprobs": echo_payload(tokenizer, echo), "finish_reason": "length"}
     text = result.shown_text
     entries = None if result.logprobs is None else entries_before(tokenizer, result.logprobs, result.stop_at)
-    logprobs = logprobs_payload(tokenizer, entries, answer.chat)
+    logprobs = logprobs_payload(tokenizer, entries, answer.chat, len(shown))
     if answer.chat:
         message = {"role": "assistant", "content": text, "refusal": None}
         return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": result.finish_reason}
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": result.finish_reason}
+    logprobs = joined(echo_payload(tokenizer, echo), logprobs)
+    return {"index": index, "text": shown + text, "logprobs": logprobs, "finish_reason": result.finish_reason}
 
 
 def chunk(

@@ -2,7 +2,8 @@
 
 A streamer (`put`/`end`, as transformers') runs in the generation thread; deltas go to an asyncio queue the
 response reads. Text comes from the one incremental detokenizer (`forerun.text.IncrementalText`, no half
-characters), and its last characters are held back while they could still be the start of a stop string.
+characters), and its last characters are held back while they could still be the start of a stop string. `deltas`
+merges a response's streams as their deltas come; `started` waits until their generations have begun.
 
 Example:
     >>> stream = TokenStream(tokenizer, loop, stops=["\\n\\n"])      # doctest: +SKIP
@@ -12,6 +13,8 @@ Example:
 from __future__ import annotations
 
 import asyncio
+import threading
+from collections.abc import AsyncIterator
 
 from forerun.logprobs import entries_before
 from forerun.stopping import HeldText
@@ -64,3 +67,58 @@ class TokenStream:
             return None
         entries, self.entries = self.entries, []
         return entries_before(self.tokenizer, entries, len(delta) if stopped else None)
+
+
+def targets_of(runs: list[int], n: int) -> list[list[int]]:
+    """The choice indices each stream feeds, the streams of every prompt in order (`runs[k]`: prompt k's): a
+    stream's own (sampled choices, a run each) or all `n` of its prompt (greedy: one run shown n times).
+
+    Example (two prompts of n=2, the first greedy, the second sampled):
+        >>> targets_of([1, 2], 2)
+        [[0, 1], [2], [3]]
+    """
+    return [
+        [k * n + j for j in range(n)] if count == 1 else [k * n + i]
+        for k, count in enumerate(runs)
+        for i in range(count)
+    ]
+
+
+async def deltas(streams: list[TokenStream], task: asyncio.Task) -> AsyncIterator[tuple[int, str, list | None]]:
+    """(stream index, text delta, logprob entries) of every stream as they come, until each has ended or the
+    generation has failed."""
+    getters = {asyncio.ensure_future(stream.queue.get()): run for run, stream in enumerate(streams)}
+    try:
+        while getters:
+            succeeded = task.done() and not task.cancelled() and task.exception() is None
+            waited = set(getters) if succeeded else {*getters, task}  # succeeded: its streams' ends are coming
+            done, _ = await asyncio.wait(waited, return_when=asyncio.FIRST_COMPLETED)
+            ready = sorted(done & set(getters), key=getters.__getitem__)
+            for getter in ready:
+                run = getters.pop(getter)
+                item = getter.result()
+                if item is not None:
+                    yield run, *item
+                    getters[asyncio.ensure_future(streams[run].queue.get())] = run
+            if task in done and not ready:
+                return  # it failed, and what its streams had sent is out: a failed row's stream may never end
+    finally:
+        for getter in getters:
+            getter.cancel()
+
+
+async def started(streams: list[TokenStream], task: asyncio.Task, cancel: threading.Event) -> None:
+    """Wait until a streamed request's generations have all begun (their prompts checked, their places in the
+    batch taken) or one failed before: a full queue, a bad knob, a prompt over the context, a timeout while queued
+    then answer with their HTTP status (429 with Retry-After, 400, 504), not as an error event inside a 200 stream,
+    so clients' status handling and retries work for streams too."""
+    waiter = asyncio.ensure_future(asyncio.gather(*(stream.started.wait() for stream in streams)))
+    try:
+        await asyncio.wait({waiter, task}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        cancel.set()
+        raise
+    finally:
+        waiter.cancel()
+    if not all(stream.started.is_set() for stream in streams) and task.done():
+        await task  # it failed before its first step: APIError -> its status

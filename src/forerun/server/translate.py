@@ -14,6 +14,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,12 +22,12 @@ from typing import Any
 from forerun.defaults import DEFAULT_METHOD
 from forerun.methods import parse_method, plan_method
 from forerun.request import GenerationRequest
+from forerun.server.completion_prompts import prompts_of
 from forerun.server.fields import (
     APIError,
     cache_salt_of,
     chat_messages,
     check_stream_options,
-    checked,
     eos_of,
     logit_bias_of,
     logprobs_of,
@@ -71,7 +72,7 @@ class Limits:
 class GenerationArgs:
     """Everything `Decoder.generate` and the response need from one request."""
 
-    prompt: str | list[dict]
+    prompt: str | list[dict] | list[int]
     chat: bool
     method: str
     knobs: dict
@@ -96,11 +97,23 @@ class GenerationArgs:
     response_format: dict[str, Any] | None = None
     """OpenAI's, checked (`forerun.structured`); None: free text."""
 
+    prompts: tuple[str | list[dict] | list[int], ...] = ()
+    """Every prompt of the request (a completions request may send several: `each`); `prompt` is the first."""
+    echo: bool = False
+    """The prompt shown before each choice's text (a completion's `echo`), its tokens' logprobs with `logprobs`."""
+
     @property
     def runs(self) -> int:
         """Generations the choices take: one each where they are sampled, one for all where they are not (greedy
-        choices are the same text, written once and shown `n` times)."""
+        choices are the same text, written once and shown `n` times); none where nothing is generated (an
+        echoed prompt alone, `max_tokens` 0)."""
+        if self.max_new_tokens == 0:
+            return 0
         return self.n if self.sampling.get("do_sample") else 1
+
+    def each(self) -> list[GenerationArgs]:
+        """The arguments of each prompt's group of choices, in order."""
+        return [dataclasses.replace(self, prompt=prompt, prompts=(prompt,)) for prompt in self.prompts or [self.prompt]]
 
     def request(
         self, streamer: object | None = None, cancel: threading.Event | None = None, choice: int = 0
@@ -155,13 +168,15 @@ def unsupported(body: CommonRequest) -> None:
     else:
         if body.best_of not in (None, 1):
             checks.append(("best_of", body.best_of, f"best_of={body.best_of} is not supported: one choice (best_of=1)"))
-        if body.echo:
-            checks.append(("echo", body.echo, "echo is not supported"))
         if body.suffix:
             checks.append(("suffix", body.suffix, "suffix (insertion) is not supported"))
     for name, value, message in checks:
         if value not in (None, [], {}):
             raise refuse(name, message)
+
+
+def echo_of(body: ChatRequest | CompletionRequest) -> bool:
+    return isinstance(body, CompletionRequest) and bool(body.echo)
 
 
 def translate(body: ChatRequest | CompletionRequest, limits: Limits) -> GenerationArgs:
@@ -179,27 +194,28 @@ def translate(body: ChatRequest | CompletionRequest, limits: Limits) -> Generati
         raise refuse("n", f"n must be between 1 and {MAX_CHOICES} (choices per request), got {n}")
     unsupported(body)
     if chat:
-        prompt: str | list[dict] = chat_messages(body)
+        prompts: list = [chat_messages(body)]
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         field_name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     else:
-        if not isinstance(body.prompt, str):
-            raise refuse("prompt", "prompt must be one string (lists of prompts or token ids are not served)")
-        if not body.prompt.strip():
-            raise refuse("prompt", "prompt is empty")
-        prompt = checked("prompt", body.prompt)
+        prompts = prompts_of(body.prompt, limits.vocab_size)
         max_tokens, field_name = body.max_tokens, "max_tokens"
     if max_tokens is None:
         max_tokens = min(limits.default_max_tokens, limits.max_tokens_limit)
-    if not 1 <= max_tokens <= limits.max_tokens_limit:
-        raise refuse(field_name, f"{field_name} must be between 1 and {limits.max_tokens_limit}, got {max_tokens}")
+    least = 0 if echo_of(body) else 1  # an echoed prompt alone: its tokens' logprobs, nothing generated
+    if not least <= max_tokens <= limits.max_tokens_limit:
+        raise refuse(
+            field_name, f"{field_name} must be between {least} and {limits.max_tokens_limit}, got {max_tokens}"
+        )
     if body.seed is not None and not 0 <= body.seed <= 2**63 - n:  # choice i is seeded seed + i
         raise refuse("seed", f"seed must be between 0 and 2**63 - {n}, got {body.seed}")
     check_stream_options(body)
     method, knobs = method_of(body, limits)
     eos = eos_of(body, limits)
     return GenerationArgs(
-        prompt=prompt,
+        prompt=prompts[0],
+        prompts=tuple(prompts),
+        echo=echo_of(body),
         chat=chat,
         method=method,
         knobs=knobs,
