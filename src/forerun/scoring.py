@@ -16,6 +16,7 @@ Example (a prompt the model itself wrote after its first token is every step's l
 from __future__ import annotations
 
 from collections.abc import Generator
+from typing import Any, Protocol
 
 import torch
 
@@ -28,11 +29,21 @@ DEFAULT_CHUNK = 512
 Entries = list[TokenLogprob | None]
 
 
+class Keeper(Protocol):
+    def store(self, tokens: list[int], cache: Any, length: int) -> None: ...
+
+
 def scoring(
-    model: torch.nn.Module, ids: torch.Tensor, top: int = 0, chunk: int | None = DEFAULT_CHUNK
+    model: torch.nn.Module,
+    ids: torch.Tensor,
+    top: int = 0,
+    chunk: int | None = DEFAULT_CHUNK,
+    keep: Keeper | None = None,
 ) -> Generator[int, None, Entries]:
     """Score `ids` [1, L] a chunk at a time: yields the tokens fed so far after each forward, returns L entries
     (None, then TokenLogprob of token i with `top` alternatives). `chunk` None: the whole prompt in one forward.
+    `keep`: a prefix cache (`forerun.prefixcache`) given the prompt's keys and values at the end, so a generation
+    that follows (a server's `echo` with `max_tokens` > 0) reads the prompt from it instead of again.
 
     Example:
         >>> pieces = scoring(model, ids, chunk=256)                              # doctest: +SKIP
@@ -59,6 +70,8 @@ def scoring(
                 entries += token_logprobs(out.logits[0], following, top)
         del out
         yield min(start + step, length)
+    if keep is not None:
+        keep.store(ids[0].tolist(), cache, length)
     return entries
 
 

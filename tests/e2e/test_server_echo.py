@@ -56,6 +56,19 @@ def test_echoed_logprobs_are_the_prompt_scored_by_one_forward(smollm2, served):
         assert list(top) == [tokenizer.decode([t]) for t in best.indices[position].tolist()]
     first = plain_text(smollm2, tokenizer.decode(ids), max_new_tokens=1)
     assert choice.text == tokenizer.decode(ids) + first and answer.usage.prompt_tokens == len(ids)
+    # the generation read the scored prompt from the prefix cache: one prefill, not two (the root is always fed)
+    assert answer.usage.prompt_tokens_details.cached_tokens == len(ids) - 1
+    salted = {
+        "model": MODEL,
+        "prompt": [ids],
+        "echo": True,
+        "logprobs": 0,
+        "max_tokens": 1,
+        "extra_body": {"cache_salt": "t1"},
+    }
+    assert served[1].completions.create(**salted).usage.prompt_tokens_details.cached_tokens == len(ids) - 1
+    others = served[1].completions.create(model=MODEL, prompt=[ids], max_tokens=1, extra_body={"cache_salt": "t2"})
+    assert others.usage.prompt_tokens_details.cached_tokens == 0  # another tenant's echo is not read
 
 
 def test_a_harness_loglikelihood_and_greediness_of_a_continuation(smollm2, served):

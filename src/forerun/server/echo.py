@@ -9,18 +9,21 @@ from __future__ import annotations
 from collections.abc import Generator
 
 from forerun.decoder import Decoder, GenerationResult
-from forerun.scoring import scoring
+from forerun.scoring import Keeper, scoring
 from forerun.server.shaping import Echo
 
 
-def echoed(decoder: Decoder, prompt, top: int | None, chunk: int | None) -> Generator[int, None, Echo]:
+def echoed(
+    decoder: Decoder, prompt, top: int | None, chunk: int | None, keep: Keeper | None = None
+) -> Generator[int, None, Echo]:
     """An echo's pieces (`BatchWorker.run_pieces`): the prompt's ids checked, then its tokens scored a chunk a
-    piece where logprobs are asked (`top` alternatives each)."""
+    piece where logprobs are asked (`top` alternatives each), their keys and values left in `keep` (the request's
+    view of the prefix cache, where it generates too: its prefill then reads the prompt from there)."""
     ids = decoder.check_prompt(prompt, 0)
     text = prompt if isinstance(prompt, str) else decoder.tokenizer.decode(ids[0].tolist())
     entries = None
     if top is not None:
-        entries = yield from scoring(decoder.model, ids, top, chunk)
+        entries = yield from scoring(decoder.model, ids, top, chunk, keep)
     return Echo(text, tuple(ids[0].tolist()), None if entries is None else tuple(entries))
 
 

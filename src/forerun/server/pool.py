@@ -78,7 +78,7 @@ class Worker:
         finally:
             self.cancels.discard(cancel)
 
-    async def run_pieces(self, start: Callable[[], Iterator], cancel: threading.Event) -> Any:
+    async def run_pieces(self, start: Pieces, cancel: threading.Event) -> Any:
         """Run a job made of pieces (`Pieces`) after the jobs before it: its return value."""
         return await self.run(lambda: finish(start(), cancel), cancel)
 

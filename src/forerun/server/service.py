@@ -15,7 +15,8 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -180,14 +181,9 @@ class Service:
             for k, (args, each) in enumerate(zip(groups, wanted, strict=True))
         ]
         try:
-            done = await asyncio.gather(*runs)
-        except BaseException:
-            cancel.set()  # the others stop at their next step
-            await asyncio.gather(*runs, return_exceptions=True)
-            raise
+            return decoder, await all_or_none(runs, cancel)
         finally:
             watcher.cancel()
-        return decoder, done
 
     async def group(
         self,
@@ -211,28 +207,16 @@ class Service:
             for stream in streams or []:
                 stream.queue.put_nowait((echo.text, echo))
         runs = [asyncio.create_task(self.generate(args, request, decoder, each, cancel, why)) for each in wanted]
-        try:
-            results = await asyncio.gather(*runs)
-        except BaseException:
-            cancel.set()
-            await asyncio.gather(*runs, return_exceptions=True)
-            raise
+        results = await all_or_none(runs, cancel)
         return echo, (results * args.n if len(results) == 1 else results) or [None] * args.n
 
     async def echo(self, args: GenerationArgs, decoder: Decoder, cancel: threading.Event, why: dict) -> Echo:
         """The prompt shown before a completion (`echo`), its tokens scored on the worker where logprobs are asked
         (a chunk at a time, the batch's rows stepping between chunks), in a place `admit` took for it."""
         chunk = self.config.prefill_chunk or None
-        try:
-            return await self.worker.run_pieces(lambda: echoed(decoder, args.prompt, args.logprobs, chunk), cancel)
-        except ValueError as error:  # over the context, ids outside the vocabulary
-            raise APIError(400, str(error), "prompt") from None
-        except (Abandoned, ShuttingDown):
-            raise self.cancelled(why) from None
-        except Exception as error:  # noqa: BLE001 - this request's own failure, answered in OpenAI's shape
-            raise failed(error) from None
-        finally:
-            self.release()
+        keep = decoder.prefixes.scoped(args.cache_salt) if args.runs else None  # its generation reads it there
+        pieces = self.worker.run_pieces(lambda: echoed(decoder, args.prompt, args.logprobs, chunk, keep), cancel)
+        return await self.on_worker(pieces, "prompt", why)
 
     async def generate(
         self,
@@ -245,25 +229,30 @@ class Service:
     ) -> GenerationResult:
         """Run one choice's generation on the worker, in a place `admit` took for it."""
         started_s = time.perf_counter()
-        try:
-            batched = isinstance(self.worker, BatchWorker)
-            result = await self.worker.run(
-                row_of(decoder, wanted) if batched else job_of(decoder, wanted, cancel), cancel
-            )
-        except ValueError as error:  # the decoder refused the prompt (over the context, empty, ...)
-            raise APIError(400, str(error), "messages" if args.chat else "prompt") from None
-        except (Abandoned, ShuttingDown):
-            raise self.cancelled(why) from None
-        except Exception as error:  # noqa: BLE001 - this request's own failure, answered in OpenAI's shape
-            raise failed(error) from None
-        finally:
-            self.release()
+        batched = isinstance(self.worker, BatchWorker)
+        job = row_of(decoder, wanted) if batched else job_of(decoder, wanted, cancel)
+        result = await self.on_worker(self.worker.run(job, cancel), "messages" if args.chat else "prompt", why)
         if why.get("reason") == "timeout":
             raise APIError(504, self.timed_out(), kind="timeout")
         if self.worker.closing and cancel.is_set() and "reason" not in why:  # stopped by the shutdown's drain
             raise APIError(503, "the server is shutting down; this request was stopped", kind="server_error")
         self.metrics.observe(request.url.path, decoder.method, result.stats, time.perf_counter() - started_s)
         return result
+
+    async def on_worker(self, work: Awaitable, param: str, why: dict) -> Any:
+        """`work` (a job on the worker, in a place `admit` took for it) awaited and its place given back; a
+        ValueError (the decoder refused the prompt: over the context, empty, ids outside the vocabulary) is a 400
+        naming `param`, a cancellation a 503 or 504, any other failure this request's own 500."""
+        try:
+            return await work
+        except ValueError as error:
+            raise APIError(400, str(error), param) from None
+        except (Abandoned, ShuttingDown):
+            raise self.cancelled(why) from None
+        except Exception as error:  # noqa: BLE001 - this request's own failure, answered in OpenAI's shape
+            raise failed(error) from None
+        finally:
+            self.release()
 
     def admit(self, places: int = 1) -> None:
         """Take `places` places in the queue (a request's generations, all or none), or refuse with 429
@@ -342,6 +331,17 @@ class Service:
             if args.include_usage:  # as OpenAI: a last chunk with no choices carries the usage
                 yield chunk(answer, None, None, {"usage": extra["usage"]}, choices=False)
         yield DONE
+
+
+async def all_or_none(runs: list[asyncio.Task], cancel: threading.Event) -> list:
+    """The results of `runs`, in order; where one fails, the others stop at their next step (`cancel`) and are
+    awaited, then its error is raised."""
+    try:
+        return await asyncio.gather(*runs)
+    except BaseException:
+        cancel.set()
+        await asyncio.gather(*runs, return_exceptions=True)
+        raise
 
 
 def job_of(decoder: Decoder, wanted, cancel: threading.Event):
