@@ -359,6 +359,12 @@ def test_a_flood_beyond_max_queue_gets_429_and_nothing_else_breaks(smollm2):
         assert greedy.status_code == 200, greedy.text
         assert len({c["message"]["content"] for c in greedy.json()["choices"]}) == 1
         assert [c["index"] for c in greedy.json()["choices"]] == [0, 1, 2]
+        # three prompts are three generations (an echo of each, six places): a 400 naming the prompt
+        url = server.url + "/v1/completions"
+        several = httpx.post(url, json={"prompt": ["a", "b", "c"], "max_tokens": 4}, timeout=60)
+        assert several.status_code == 400 and several.json()["error"]["param"] == "prompt", several.text
+        echoed = httpx.post(url, json={"prompt": ["a"], "max_tokens": 4, "echo": True}, timeout=60)
+        assert echoed.status_code == 200 and echoed.json()["choices"][0]["text"].startswith("a")
         assert httpx.get(server.url + "/health").json()["queue"] == 0
     finally:
         server.stop()

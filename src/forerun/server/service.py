@@ -173,7 +173,7 @@ class Service:
                 await asyncio.to_thread(decoder.grammars.compile, groups[0].response_format)
             except ValueError as error:
                 raise APIError(400, str(error), "response_format") from None
-        self.admit(sum(args.runs + args.echo for args in groups))
+        self.admit(sum(args.runs + args.echo for args in groups), "prompt" if len(groups) > 1 else "n")
         why: dict = {}
         watcher = asyncio.create_task(watch(request, cancel, request.state.deadline, why))
         runs = [
@@ -254,13 +254,16 @@ class Service:
         finally:
             self.release()
 
-    def admit(self, places: int = 1) -> None:
-        """Take `places` places in the queue (a request's generations, all or none), or refuse with 429
-        (backpressure: a clear "come back later", not minutes of waiting); 400 where they could never fit."""
+    def admit(self, places: int = 1, param: str = "n") -> None:
+        """Take `places` places in the queue (a request's generations and echoes, all or none), or refuse with 429
+        (backpressure: a clear "come back later", not minutes of waiting); 400 naming `param` where they could
+        never fit (the choices, or the prompts, asked for)."""
         if places > self.config.max_queue:
+            queues = self.config.max_queue
             raise APIError(
-                400, f"n={places} sampled choices need {places} places; this server queues {self.config.max_queue}", "n"
-            )
+                400, f"the request needs {places} places (a generation per sampled choice, one per greedy prompt, one "
+                f"per echo); this server queues {queues}", param
+            )  # fmt: skip
         if self.pending + places > self.config.max_queue:
             self.rejected += 1
             self.metrics.rejected.inc()
