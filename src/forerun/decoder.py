@@ -326,10 +326,11 @@ class Decoder:
     def score(self, prompt: Prompt, top: int = 0, chat: bool = False) -> Entries:
         """Each prompt token's log-probability given the tokens before it, under the raw model (`forerun.scoring`:
         None for the first token; `top` alternatives each). `decoder.score(context + continuation, top=1)` is an
-        evaluation harness's loglikelihood (`forerun.scoring.continuation_logprob`)."""
+        evaluation harness's loglikelihood (`forerun.scoring.continuation_logprob`); a head scored before is read
+        from the prefix cache, and the prompt left there."""
         ids = self.check_prompt(prompt, 0, chat)
         with self.lock:
-            return score_prompt(self.model, ids, top)
+            return score_prompt(self.model, ids, top, keep=self.prefixes)
 
     def prepare(
         self, request: GenerationRequest, fork_drafters: bool = True, prefixes: dict[str, Prefixes] | None = None

@@ -18,6 +18,10 @@ shares a longer head with such an entry than any entry seeds (`states_head`: a s
 hybrid reads that head alone first and keeps its cache there too, as a `shared` entry: later prompts that begin
 with it are seeded from it.
 
+Scored prompts (`forerun.scoring`: a server's `echo` with `logprobs`) keep their tokens' log-probabilities with
+their entry (`Entry.scores`), so a prompt scored later reads the head it shares, values and scores, and computes
+only the rest (`find_scored`): the answers to one multiple-choice question score the question once.
+
 Isolation: a reused head makes a prompt's first token come sooner, so whoever can time answers can tell whether
 someone sent the same head before. Entries carry a salt (a request's `cache_salt`, vLLM's name for it): a prompt
 is seeded only from text read under the same salt (`scoped`); requests without one share the unsalted entries.
@@ -74,6 +78,9 @@ class Entry:
     """Every layer's keys and values in one tensor [layers, 2, kv_heads, length, head_dim], of which `keys` and
     `values` are views, where they were kept from a static base's one buffer: a place is seeded from it in one
     copy (`forerun.base.place_prefixes`), not two per layer."""
+    scores: tuple | None = None
+    """Log-probability entries (`forerun.scoring`) of `tokens[:len(scores)]`, where a scoring forward read them: a
+    prompt scored later takes them for the head it shares (`find_scored`) and reads only the rest."""
 
 
 def shared_head(a: Sequence[int], b: Sequence[int]) -> int:
@@ -215,43 +222,83 @@ class PrefixCache:
             while self.held_tokens > self.max_tokens:
                 self.entries.pop(0)
 
-    def store(self, tokens: list[int], cache: DynamicCache, length: int, salt: str = "") -> None:
+    def store(
+        self, tokens: list[int], cache: DynamicCache, length: int, salt: str = "", scores: tuple | None = None
+    ) -> None:
         """Keep the first `length` entries of `cache` (the KV of `tokens[:length]`, batch row 0) for later requests
-        with the same `salt` (`keep`)."""
+        with the same `salt` (`keep`), with the log-probability entries of its tokens where it was scored."""
         whole = plain_layers(cache) and bool(cache.layers) and all(layer.is_initialized for layer in cache.layers)
         length = min(length, cache.get_seq_length() if whole else 0)
-        self.keep(tokens, [(layer.keys, layer.values) for layer in cache.layers] if whole else [], length, salt)
+        layers = [(layer.keys, layer.values) for layer in cache.layers] if whole else []
+        self.keep(tokens, layers, length, salt, scores)
 
-    def keep(self, tokens: list[int], layers: Layers, length: int, salt: str = "") -> None:
+    def keep(self, tokens: list[int], layers: Layers, length: int, salt: str = "", scores: tuple | None = None) -> None:
         """Keep the KV of `tokens[:length]`: per layer (keys, values) [rows, kv_heads, >= length, head_dim], or
         every layer's in one tensor [layers, 2, rows, kv_heads, >= length, head_dim] (a static base's buffer), of
-        which row 0's first `length` positions are copied; for later requests with the same `salt`.
+        which row 0's first `length` positions are copied; for later requests with the same `salt`. `scores`: the
+        log-probability entries of the tokens (`Entry.scores`).
 
         An entry that is a head of the new one is replaced by it; a new one that is a head of a held entry adds
-        nothing (both under the same salt)."""
+        nothing (both under the same salt). Scores go with the text they score: the longer entry keeps the
+        longest scores either held."""
         length = min(length, len(tokens)) if len(layers) else 0
         if not self.max_tokens or length < MIN_REUSE or length > self.max_tokens:
             return
         held = tuple(tokens[:length])
+        scores = None if scores is None else tuple(scores[:length])
         with self.lock:
             for entry in self.entries:
                 if entry.salt == salt and entry.states is None and shared_head(entry.tokens, held) == length:
                     self.entries.remove(entry)
                     self.entries.append(entry)
+                    entry.scores = longest(entry.scores, scores)
                     return
         keys, values, block = copied(layers, length)
         with self.lock:
-            self.entries = [
+            heads = [
                 e for e in self.entries
-                if e.salt != salt or e.states is not None or shared_head(e.tokens, held) < len(e.tokens)
+                if e.salt == salt and e.states is None and shared_head(e.tokens, held) == len(e.tokens)
             ]  # fmt: skip
-            self.entries.append(Entry(held, keys, values, salt, block=block))
+            for head in heads:
+                scores = longest(scores, head.scores)
+            self.entries = [e for e in self.entries if not any(e is head for head in heads)]
+            self.entries.append(Entry(held, keys, values, salt, block=block, scores=scores))
             while self.held_tokens > self.max_tokens:
                 self.entries.pop(0)
+
+    def find_scored(self, tokens: list[int], top: int, salt: str = "") -> tuple[Entry | None, int]:
+        """The entry stored under `salt` whose scores (with `top` alternatives or more) cover the longest head of
+        `tokens[:-1]`, and that head's length; (None, 0) where none covers `MIN_REUSE` tokens or more."""
+        if not self.max_tokens or len(tokens) <= MIN_REUSE:
+            return None, 0
+        wanted = tuple(tokens[:-1])
+        with self.lock:
+            best, length = None, 0
+            for entry in self.entries:
+                if entry.salt != salt or not entry.scores or alternatives(entry.scores) < top:
+                    continue
+                shared = min(shared_head(entry.tokens, wanted), len(entry.scores))
+                if shared > length:
+                    best, length = entry, shared
+            if best is None or length < MIN_REUSE:
+                return None, 0
+            self.entries.remove(best)
+            self.entries.append(best)
+        return best, length
 
     def clear(self) -> None:
         with self.lock:
             self.entries.clear()
+
+
+def longest(a: tuple | None, b: tuple | None) -> tuple | None:
+    """The longer of two entries' scores (a head's scores are the same values as a longer text's first ones)."""
+    return a if len(a or ()) >= len(b or ()) else b
+
+
+def alternatives(scores: tuple) -> int:
+    """How many alternatives each of `scores` carries (the first token's entry is None)."""
+    return next((len(entry.top) for entry in scores if entry is not None), 0)
 
 
 def copied(layers: Layers, length: int) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor | None]:
@@ -289,8 +336,11 @@ class PrefixScope:
     def seed(self, cache: DynamicCache, tokens: list[int]) -> int:
         return self.cache.seed(cache, tokens, self.salt)
 
-    def store(self, tokens: list[int], cache: DynamicCache, length: int) -> None:
-        self.cache.store(tokens, cache, length, self.salt)
+    def store(self, tokens: list[int], cache: DynamicCache, length: int, scores: tuple | None = None) -> None:
+        self.cache.store(tokens, cache, length, self.salt, scores)
+
+    def find_scored(self, tokens: list[int], top: int) -> tuple[Entry | None, int]:
+        return self.cache.find_scored(tokens, top, self.salt)
 
     def find(self, tokens: list[int], layers: int | None = None) -> tuple[Entry | None, int]:
         return self.cache.find(tokens, layers, self.salt)

@@ -19,8 +19,10 @@ from collections.abc import Generator
 from typing import Any, Protocol
 
 import torch
+from transformers import DynamicCache
 
 from forerun.forward_inputs import cache_argument
+from forerun.kvcache import plain_layers
 from forerun.logprobs import TokenLogprob, token_logprobs
 
 DEFAULT_CHUNK = 512
@@ -30,7 +32,11 @@ Entries = list[TokenLogprob | None]
 
 
 class Keeper(Protocol):
-    def store(self, tokens: list[int], cache: Any, length: int) -> None: ...
+    """A prefix cache (`forerun.prefixcache.PrefixCache` or a salt's `PrefixScope`)."""
+
+    def store(self, tokens: list[int], cache: Any, length: int, scores: tuple | None = None) -> None: ...
+
+    def find_scored(self, tokens: list[int], top: int) -> tuple[Any, int]: ...
 
 
 def scoring(
@@ -40,14 +46,20 @@ def scoring(
     chunk: int | None = DEFAULT_CHUNK,
     keep: Keeper | None = None,
 ) -> Generator[int, None, Entries]:
-    """Score `ids` [1, L] a chunk at a time: yields the tokens fed so far after each forward, returns L entries
-    (None, then TokenLogprob of token i with `top` alternatives). `chunk` None: the whole prompt in one forward.
-    `keep`: a prefix cache (`forerun.prefixcache`) given the prompt's keys and values at the end, so a generation
-    that follows (a server's `echo` with `max_tokens` > 0) reads the prompt from it instead of again.
+    """Score `ids` [1, L] a chunk at a time: yields first how many tokens were read from `keep` (0: none), then the
+    tokens read so far after each forward; returns L entries (None, then TokenLogprob of token i with `top`
+    alternatives). `chunk` None: the rest of the prompt in one forward.
+    `keep`: a prefix cache (`forerun.prefixcache`). The head this prompt shares with one scored before is read
+    from it (its keys and values, and its tokens' entries: four answers to one question score the question once),
+    and the prompt's keys, values and entries are left in it at the end, so a generation that follows (a server's
+    `echo` with `max_tokens` > 0) reads the prompt from there too. Reused entries are those computed for the
+    earlier prompt: equal to this prompt's own up to float rounding, as a prefix cache's keys and values are.
 
     Example:
         >>> pieces = scoring(model, ids, chunk=256)                              # doctest: +SKIP
-        >>> for fed in pieces: ...            # a server steps its batch between two chunks    # doctest: +SKIP
+        >>> next(pieces)                      # tokens read from a prefix cache: none given  # doctest: +SKIP
+        0
+        >>> for read in pieces: ...           # a server steps its batch between two chunks  # doctest: +SKIP
     """
     if ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] == 0:
         raise ValueError(f"scoring takes one non-empty prompt [1, L], got shape {list(ids.shape)}")
@@ -58,9 +70,11 @@ def scoring(
     length = ids.shape[1]
     step = length if chunk is None else chunk
     device = next(model.parameters()).device
-    entries: Entries = [None]
-    cache, name = None, cache_argument(model) or "past_key_values"  # `cache` from transformers 5.24 on
-    for start in range(0, length, step):
+    tokens = ids[0].tolist()
+    entries, cache, first = reused(model, keep, tokens, top)
+    name = cache_argument(model) or "past_key_values"  # `cache` from transformers 5.24 on
+    yield first
+    for start in range(first, length, step):
         with torch.inference_mode():
             out = model(input_ids=ids[:, start : start + step].to(device), **{name: cache}, use_cache=True)
             cache = out.past_key_values
@@ -71,13 +85,36 @@ def scoring(
         del out
         yield min(start + step, length)
     if keep is not None:
-        keep.store(ids[0].tolist(), cache, length)
+        keep.store(tokens, cache, length, scores=tuple(entries))
     return entries
 
 
-def score_prompt(model: torch.nn.Module, ids: torch.Tensor, top: int = 0, chunk: int | None = DEFAULT_CHUNK) -> Entries:
+def reused(model: torch.nn.Module, keep: Keeper | None, tokens: list[int], top: int) -> tuple[Entries, Any, int]:
+    """(entries known, a cache holding the keys and values before the first token to feed, that token's position)
+    from the longest scored head `keep` holds for `tokens`; ([None], None, 0) where it holds none. A head of h
+    scored tokens gives their h entries and the keys and values of h - 1 of them: token h - 1 is fed again, its
+    logits scoring token h."""
+    entry, head = (None, 0) if keep is None else keep.find_scored(tokens, top)
+    if entry is None:
+        return [None], None, 0
+    cache = DynamicCache(config=model.config)
+    if not plain_layers(cache) or len(cache.layers) != len(entry.keys):
+        return [None], None, 0
+    for index, (keys, values) in enumerate(zip(entry.keys, entry.values, strict=True)):
+        cache.update(keys[:, :, : head - 1], values[:, :, : head - 1], index)  # a copy (the layer concatenates)
+    known = [e if e is None else TokenLogprob(e.token, e.logprob, e.top[:top]) for e in entry.scores[:head]]
+    return known, cache, head - 1
+
+
+def score_prompt(
+    model: torch.nn.Module,
+    ids: torch.Tensor,
+    top: int = 0,
+    chunk: int | None = DEFAULT_CHUNK,
+    keep: Keeper | None = None,
+) -> Entries:
     """`scoring` run to its end: the L entries of `ids` [1, L]."""
-    pieces = scoring(model, ids, top, chunk)
+    pieces = scoring(model, ids, top, chunk, keep)
     while True:
         try:
             next(pieces)

@@ -170,3 +170,21 @@ def test_a_long_echo_beside_a_stream_hurts_neither_and_bad_prompts_are_400s(smol
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt", refused.text
     assert httpx.get(server.url + "/health").json()["queue"] == 0  # every place taken was given back
     assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices[0].text
+
+
+def test_answers_to_one_question_score_the_question_once(smollm2, served):
+    """A harness's multiple-choice question: each answer is scored after the question, and every answer after
+    the first reads the question's keys, values and entries from the prefix cache (`cached_tokens`), its own
+    log-probabilities those of one forward still."""
+    model, tokenizer = smollm2
+    question = ids_of(tokenizer, "Question: Which planet is known as the red planet?\nAnswer:")
+    salt = {"cache_salt": "quiz"}  # the other tests' texts stay out of this one's cache
+    for number, answer in enumerate([" Mars", " Venus", " Jupiter"]):
+        ids = question + ids_of(tokenizer, answer)
+        reply = served[1].completions.create(
+            model=MODEL, prompt=[ids], echo=True, logprobs=1, max_tokens=0, extra_body=salt
+        )
+        assert reply.usage.prompt_tokens_details.cached_tokens == (0 if number == 0 else len(question) - 1)
+        expected = reference(model, ids)[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+        values = torch.tensor(reply.choices[0].logprobs.token_logprobs[1:])
+        torch.testing.assert_close(values, expected, rtol=0, atol=1e-4)

@@ -9,6 +9,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import forerun
+from forerun.logprobs import TokenLogprob
+from forerun.prefixcache import PrefixCache
 from forerun.scoring import continuation_logprob, score_prompt, scoring
 
 from tiny_models import COMMON, STATE_SPACE_FAMILIES, prompts, tiny_model
@@ -56,7 +58,7 @@ def test_scoring_yields_once_per_chunk_and_refuses_bad_arguments():
     model = tiny_model("llama", "sdpa")
     ids = prompts(1, length=10)[0]
     pieces = scoring(model, ids, chunk=4)
-    assert [next(pieces), next(pieces), next(pieces)] == [4, 8, 10]
+    assert [next(pieces), next(pieces), next(pieces), next(pieces)] == [0, 4, 8, 10]
     with pytest.raises(StopIteration) as done:
         next(pieces)
     assert len(done.value.value) == 10
@@ -83,3 +85,49 @@ def test_a_greedy_continuation_scores_as_every_steps_likeliest_token(family):
     changed = whole.clone()
     changed[0, 20] = (changed[0, 20] + 1) % model.config.vocab_size
     assert not continuation_logprob(decoder.score(changed, top=1), prompt.shape[1])[1]
+
+
+def counting(model: torch.nn.Module) -> list[int]:
+    """The token count of every forward `model` runs from now on."""
+    fed: list[int] = []
+    model.register_forward_pre_hook(lambda _, args, kwargs: fed.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
+    return fed
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gpt2"])
+def test_a_head_scored_before_is_read_from_the_prefix_cache_and_scores_alike(family):
+    """Four answers to one question score the question once: the second prompt reads the head it shares with the
+    first (its keys, values and entries) and feeds the rest from the head's last token; its entries equal a fresh
+    scoring's up to rounding, the head's are the first prompt's own. A salt's view, or more alternatives than
+    were kept, reads nothing."""
+    model = tiny_model(family, "eager")
+    context = prompts(1, length=30, seed=1)[0]
+    first = torch.cat([context, torch.tensor([[5, 6, 7, 8, 9, 10]])], dim=1)
+    second = torch.cat([context, torch.tensor([[11, 12, 13, 14, 15, 16]])], dim=1)
+    cache = PrefixCache(4096)
+    kept = score_prompt(model, first, top=2, chunk=8, keep=cache)
+    fed = counting(model)
+    again = score_prompt(model, second, top=1, chunk=8, keep=cache)
+    assert sum(fed) == second.shape[1] - 29  # 30 shared tokens: 29 read, the 30th fed again to score the 31st
+    fresh = score_prompt(model, second, top=1, chunk=None)
+    assert [e.token for e in again[1:]] == [e.token for e in fresh[1:]]
+    assert [e.top[0][0] for e in again[1:]] == [e.top[0][0] for e in fresh[1:]]
+    got, want = (torch.tensor([e.logprob for e in entries[1:]]) for entries in (again, fresh))
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-5)
+    assert again[1:30] == [TokenLogprob(e.token, e.logprob, e.top[:1]) for e in kept[1:30]]
+    for view, top in ((cache, 3), (cache.scoped("tenant"), 1)):
+        fed.clear()
+        score_prompt(model, second, top=top, chunk=8, keep=view)
+        assert sum(fed) == second.shape[1]
+
+
+def test_a_sliding_window_or_recurrent_cache_keeps_no_scored_head():
+    for family in ("mistral", "qwen3_5_text"):
+        model = tiny_model(family, "eager")
+        ids = prompts(1, length=20, seed=2)[0]
+        cache = PrefixCache(4096)
+        score_prompt(model, ids, top=1, keep=cache)
+        assert cache.entries == []
+        fed = counting(model)
+        assert score_prompt(model, ids, top=1, chunk=None, keep=cache)[1:] == score_prompt(model, ids, top=1)[1:]
+        assert sum(fed) == 2 * ids.shape[1]

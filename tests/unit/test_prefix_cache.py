@@ -291,3 +291,27 @@ def test_the_static_base_seeds_only_entries_of_its_own_shape():
     decoder.prefixes.entries = [Entry(tokens, entry.keys, [v[..., :2] for v in entry.values])]
     again = decoder.generate(prompt, 4, eos_token_id=[])
     assert again.stats.cached_prompt_tokens == 0
+
+
+def test_scores_go_with_the_text_they_score_whichever_entry_keeps_it():
+    """A scored prompt's entries (`forerun.scoring`) stay with its text: a longer text it heads (the answer a
+    generation then wrote) takes them over, a text it heads takes them on; a prompt scored later finds the
+    longest head they cover, under its own salt, with as many alternatives as it asks."""
+    from forerun.logprobs import TokenLogprob
+
+    scores = (None, *(TokenLogprob(t, -0.5, ((t, -0.5), (0, -1.0))) for t in range(2, 7)))
+    prefixes = PrefixCache(max_tokens=100)
+    prefixes.store([1, 2, 3, 4, 5, 6], filled(6), 6, scores=scores)
+    prefixes.store([1, 2, 3, 4, 5, 6, 7, 8], filled(8), 8)  # its generation: the prompt and its answer
+    (entry,) = prefixes.entries
+    assert len(entry.tokens) == 8 and entry.scores == scores
+    assert prefixes.find_scored([1, 2, 3, 4, 5, 6, 7, 8, 9], top=2) == (entry, 6)  # scores cover 6 tokens
+    assert prefixes.find_scored([1, 2, 3, 4, 9, 9], top=2) == (entry, 4)
+    assert prefixes.find_scored([1, 2, 3, 4, 5, 6, 7], top=3) == (None, 0)  # kept with two alternatives
+    assert prefixes.scoped("other").find_scored([1, 2, 3, 4, 5, 6, 7], top=1) == (None, 0)
+    assert prefixes.find_scored([1, 2, 3, 9, 9], top=0) == (None, 0)  # under MIN_REUSE shared
+    held = PrefixCache(max_tokens=100)
+    held.store([1, 2, 3, 4, 5, 6, 7, 8], filled(8), 8)
+    held.store([1, 2, 3, 4, 5, 6], filled(6), 6, scores=scores)  # a head of a held text: it takes them on
+    (entry,) = held.entries
+    assert len(entry.tokens) == 8 and entry.scores == scores

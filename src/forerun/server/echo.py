@@ -17,14 +17,17 @@ def echoed(
     decoder: Decoder, prompt, top: int | None, chunk: int | None, keep: Keeper | None = None
 ) -> Generator[int, None, Echo]:
     """An echo's pieces (`BatchWorker.run_pieces`): the prompt's ids checked, then its tokens scored a chunk a
-    piece where logprobs are asked (`top` alternatives each), their keys and values left in `keep` (the request's
-    view of the prefix cache, where it generates too: its prefill then reads the prompt from there)."""
+    piece where logprobs are asked (`top` alternatives each): a head scored before read from `keep` (the request's
+    view of the prefix cache), the prompt left there (a generation after it reads the prompt from there too)."""
     ids = decoder.check_prompt(prompt, 0)
     text = prompt if isinstance(prompt, str) else decoder.tokenizer.decode(ids[0].tolist())
-    entries = None
+    entries, cached = None, 0
     if top is not None:
-        entries = yield from scoring(decoder.model, ids, top, chunk, keep)
-    return Echo(text, tuple(ids[0].tolist()), None if entries is None else tuple(entries))
+        pieces = scoring(decoder.model, ids, top, chunk, keep)
+        cached = next(pieces)
+        yield cached
+        entries = yield from pieces
+    return Echo(text, tuple(ids[0].tolist()), None if entries is None else tuple(entries), cached)
 
 
 def prompt_counts(done: list[tuple[Echo | None, list[GenerationResult | None]]]) -> tuple[int, int]:
@@ -32,6 +35,9 @@ def prompt_counts(done: list[tuple[Echo | None, list[GenerationResult | None]]])
     tokens = cached = 0
     for echo, results in done:
         first = results[0]
-        tokens += len(echo.ids) if first is None and echo is not None else (first.prompt_len if first else 0)
-        cached += first.stats.cached_prompt_tokens if first is not None else 0
+        if first is None:  # the echoed prompt alone: its scored head read from the prefix cache
+            tokens += len(echo.ids) if echo is not None else 0
+            cached += echo.cached if echo is not None else 0
+        else:
+            tokens, cached = tokens + first.prompt_len, cached + first.stats.cached_prompt_tokens
     return tokens, cached

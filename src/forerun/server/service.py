@@ -214,7 +214,7 @@ class Service:
         """The prompt shown before a completion (`echo`), its tokens scored on the worker where logprobs are asked
         (a chunk at a time, the batch's rows stepping between chunks), in a place `admit` took for it."""
         chunk = self.config.prefill_chunk or None
-        keep = decoder.prefixes.scoped(args.cache_salt) if args.runs else None  # its generation reads it there
+        keep = decoder.prefixes.scoped(args.cache_salt)  # a scored head read from there; the prompt left there
         pieces = self.worker.run_pieces(lambda: echoed(decoder, args.prompt, args.logprobs, chunk, keep), cancel)
         return await self.on_worker(pieces, "prompt", why)
 

@@ -43,6 +43,8 @@ class Echo:
     text: str
     ids: tuple[int, ...]
     entries: tuple[TokenLogprob | None, ...] | None = None
+    cached: int = 0
+    """Prompt tokens read from the prefix cache (a head scored before)."""
 
 
 def usage(results: Sequence[GenerationResult | None], method: str, prompts: tuple[int, int] | None = None) -> dict:
