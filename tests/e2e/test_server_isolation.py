@@ -285,3 +285,54 @@ def test_fuzzed_response_formats_never_reach_a_5xx_nor_an_honest_neighbour(serve
 
     beside_an_honest_request(server, smollm2, fuzzed)
     assert seen.count(200) >= 10 and 400 in seen, seen  # the fuzz reached both sides of the checks
+
+
+def test_fuzzed_prompts_and_echoes_never_reach_a_5xx_nor_an_honest_neighbour(server, smollm2):
+    """Completions' prompts in every form a client might send (token ids in and out of the vocabulary, nested
+    lists, mixed kinds, empty ones, booleans) with `echo`, `logprobs`, `max_tokens` 0 and `n`: each is answered
+    (200) or refused by name (400), never a 5xx, every place it took given back, and an honest request in flight
+    beside them gets plain generate's answer."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    valid = st.lists(st.integers(min_value=0, max_value=49151), min_size=1, max_size=12)
+    bad = st.sampled_from([-1, 49152, 2**63, True, 1.5, "x", None, []])
+    spoiled = st.tuples(valid, bad, st.integers(0, 12)).map(lambda t: [*t[0][: t[2]], t[1], *t[0][t[2] :]])
+    prompts = st.one_of(
+        st.text(min_size=1, max_size=12),
+        st.lists(st.text(min_size=1, max_size=8), min_size=1, max_size=3),
+        valid,
+        st.lists(valid, min_size=1, max_size=3),
+        spoiled,  # one bad id among good ones
+        st.lists(st.one_of(st.text(max_size=3), valid, bad), max_size=3),  # kinds mixed, empty lists
+        st.sampled_from(["", " ", [], [[]], {"a": 1}]),
+    )
+    bodies = st.fixed_dictionaries(
+        {"prompt": prompts},
+        optional={
+            "echo": st.booleans(),
+            "logprobs": st.sampled_from([0, 1, 5, 6, -1]),
+            "max_tokens": st.sampled_from([0, 1, 4, -1]),
+            "n": st.sampled_from([1, 2, 17]),
+            "temperature": st.sampled_from([0.0, 1.0]),
+            "stream": st.booleans(),
+        },
+    )
+    url = server.url + "/v1/completions"
+    seen: list[int] = []
+
+    @settings(max_examples=80, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @given(body=bodies)
+    def fuzzed(body):
+        response = httpx.post(url, json=body, timeout=120)
+        seen.append(response.status_code)
+        assert response.status_code < 500, (body, response.text[:300])
+        if response.status_code == 400:
+            assert response.json()["error"]["param"], response.text
+        elif response.status_code == 200 and not body.get("stream"):
+            choices = response.json()["choices"]
+            assert sorted(c["index"] for c in choices) == list(range(len(choices)))
+
+    beside_an_honest_request(server, smollm2, fuzzed)
+    assert seen.count(200) >= 10 and 400 in seen, seen  # the fuzz reached both sides of the checks
+    assert httpx.get(server.url + "/health").json()["queue"] == 0
