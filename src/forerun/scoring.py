@@ -77,7 +77,7 @@ def scoring(
     for start in range(first, length, step):
         with torch.inference_mode():
             out = model(input_ids=ids[:, start : start + step].to(device), **{name: cache}, use_cache=True)
-            cache = out.past_key_values
+            cache = out["cache"] if "cache" in out else out.get("past_key_values")  # as the forward names it
             # logits at position p choose token p + 1: the chunk's last row chooses the next chunk's first token
             following = ids[0, start + 1 : start + step + 1].tolist()
             if following:
