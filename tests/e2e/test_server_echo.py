@@ -4,6 +4,7 @@ batch (the prompt scored a chunk at a time between the rows' steps) and on the o
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -188,3 +189,25 @@ def test_answers_to_one_question_score_the_question_once(smollm2, served):
         expected = reference(model, ids)[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
         values = torch.tensor(reply.choices[0].logprobs.token_logprobs[1:])
         torch.testing.assert_close(values, expected, rtol=0, atol=1e-4)
+
+
+def test_a_long_echo_whose_client_leaves_stops_between_chunks(smollm2, served):
+    """An attacker's pattern: a long prompt to score, and the client gone at once. The scoring stops at its next
+    chunk (the batch's thread is not held for the rest), its place is given back, and the server answers on."""
+    model, tokenizer = smollm2
+    server, client = served
+    long = ids_of(tokenizer, " ".join(f"item {i}" for i in range(600)))  # hundreds of chunks of 8
+    body = {"model": MODEL, "prompt": long, "echo": True, "logprobs": 5, "max_tokens": 0}
+    fed: list[int] = []
+    hook = model.register_forward_pre_hook(lambda _, a, k: fed.append(k["input_ids"].shape[1]), with_kwargs=True)
+    try:
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(server.url + "/v1/completions", json=body, timeout=0.5)
+        deadline = time.monotonic() + 60
+        while httpx.get(server.url + "/health").json()["queue"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert httpx.get(server.url + "/health").json()["queue"] == 0
+    finally:
+        hook.remove()
+    assert 0 < sum(fed) < len(long) // 2  # stopped between chunks, long before the prompt's end
+    assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices[0].text
