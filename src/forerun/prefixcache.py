@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import copy
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -152,20 +152,35 @@ class PrefixCache:
 
     def find(self, tokens: list[int], layers: int | None = None, salt: str = "") -> tuple[Entry | None, int]:
         """The entry stored under `salt` that shares the longest head with `tokens[:-1]`, and that head's length;
-        (None, 0) where none shares `MIN_REUSE` tokens or more (or its layer count is not `layers`). The entry
-        found becomes the most recently used; its `keys` and `values` are read, never written."""
+        (None, 0) where none shares `MIN_REUSE` tokens or more (entries of another layer count than `layers` left
+        out). The entry found becomes the most recently used; its `keys` and `values` are read, never written."""
+
+        def reach(entry: Entry) -> int | None:
+            if entry.states is not None or (layers is not None and len(entry.keys) != layers):
+                return None
+            return len(entry.tokens)
+
+        return self.longest_head(tokens, salt, reach)
+
+    def longest_head(
+        self, tokens: list[int], salt: str, reach: Callable[[Entry], int | None]
+    ) -> tuple[Entry | None, int]:
+        """The entry stored under `salt` sharing the longest head with `tokens[:-1]`, each entry counting at most
+        `reach(entry)` of its tokens (None: not one to read), made the most recently used, and that head's length;
+        (None, 0) where none reaches `MIN_REUSE` tokens."""
         if not self.max_tokens or len(tokens) <= MIN_REUSE:
             return None, 0
         wanted = tuple(tokens[:-1])
         with self.lock:
             best, length = None, 0
             for entry in self.entries:
-                if entry.salt != salt or entry.states is not None:
+                most = reach(entry) if entry.salt == salt else None
+                if most is None:
                     continue
-                shared = shared_head(entry.tokens, wanted)
+                shared = min(shared_head(entry.tokens, wanted), most)
                 if shared > length:
                     best, length = entry, shared
-            if best is None or length < MIN_REUSE or (layers is not None and len(best.keys) != layers):
+            if best is None or length < MIN_REUSE:
                 return None, 0
             self.entries.remove(best)
             self.entries.append(best)  # most recently used
@@ -269,22 +284,11 @@ class PrefixCache:
     def find_scored(self, tokens: list[int], top: int, salt: str = "") -> tuple[Entry | None, int]:
         """The entry stored under `salt` whose scores (with `top` alternatives or more) cover the longest head of
         `tokens[:-1]`, and that head's length; (None, 0) where none covers `MIN_REUSE` tokens or more."""
-        if not self.max_tokens or len(tokens) <= MIN_REUSE:
-            return None, 0
-        wanted = tuple(tokens[:-1])
-        with self.lock:
-            best, length = None, 0
-            for entry in self.entries:
-                if entry.salt != salt or not entry.scores or alternatives(entry.scores) < top:
-                    continue
-                shared = min(shared_head(entry.tokens, wanted), len(entry.scores))
-                if shared > length:
-                    best, length = entry, shared
-            if best is None or length < MIN_REUSE:
-                return None, 0
-            self.entries.remove(best)
-            self.entries.append(best)
-        return best, length
+
+        def reach(entry: Entry) -> int | None:
+            return len(entry.scores) if entry.scores and alternatives(entry.scores) >= top else None
+
+        return self.longest_head(tokens, salt, reach)
 
     def clear(self) -> None:
         with self.lock:
