@@ -82,6 +82,12 @@ class Entry:
     """Log-probability entries (`forerun.scoring`) of `tokens[:len(scores)]`, where a scoring forward read them: a
     prompt scored later takes them for the head it shares (`find_scored`) and reads only the rest."""
 
+    def fill(self, cache: DynamicCache, length: int) -> None:
+        """Put the keys and values of this entry's first `length` tokens in the empty `cache` (copies: the layers
+        concatenate, and nothing writes to the entry)."""
+        for index, (keys, values) in enumerate(zip(self.keys, self.values, strict=True)):
+            cache.update(keys[:, :, :length], values[:, :, :length], index)
+
 
 def shared_head(a: Sequence[int], b: Sequence[int]) -> int:
     """How many leading tokens `a` and `b` (tuples of ints) have in common.
@@ -146,8 +152,7 @@ class PrefixCache:
         best, length = self.find(tokens, len(cache.layers) or None, salt)
         if best is None:
             return 0
-        for index, (keys, values) in enumerate(zip(best.keys, best.values, strict=True)):
-            cache.update(keys[:, :, :length], values[:, :, :length], index)  # a copy (the layer concatenates)
+        best.fill(cache, length)
         return length
 
     def find(self, tokens: list[int], layers: int | None = None, salt: str = "") -> tuple[Entry | None, int]:

@@ -100,8 +100,7 @@ def reused(model: torch.nn.Module, keep: Keeper | None, tokens: list[int], top: 
     cache = DynamicCache(config=model.config)
     if not plain_layers(cache) or len(cache.layers) != len(entry.keys):
         return [None], None, 0
-    for index, (keys, values) in enumerate(zip(entry.keys, entry.values, strict=True)):
-        cache.update(keys[:, :, : head - 1], values[:, :, : head - 1], index)  # a copy (the layer concatenates)
+    entry.fill(cache, head - 1)
     known = [e if e is None else TokenLogprob(e.token, e.logprob, e.top[:top]) for e in entry.scores[:head]]
     return known, cache, head - 1
 

@@ -50,6 +50,13 @@ class LiveServer:
         self.server.should_exit = True
         self.thread.join(timeout=30)
 
+    def queue_after(self, seconds: float) -> int:
+        """The queue's length once it is empty or `seconds` have passed (what a cancelled request gives back)."""
+        deadline = time.monotonic() + seconds
+        while httpx.get(self.url + "/health").json()["queue"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return httpx.get(self.url + "/health").json()["queue"]
+
 
 @pytest.fixture(scope="module")
 def live(smollm2, tmp_path_factory):

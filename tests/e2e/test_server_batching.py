@@ -129,10 +129,7 @@ def test_n_sampled_choices_are_what_each_seed_writes_alone_and_stream_alike(batc
     long = {"messages": messages, "max_tokens": 256, "temperature": 1.0, "n": 3, "stream": True}
     with httpx.stream("POST", server.url + "/v1/chat/completions", json=long, timeout=60) as response:
         next(response.iter_lines())  # the client reads one event and goes: every choice's row leaves
-    deadline = time.monotonic() + 5  # 3 rows of 256 tokens take far longer here
-    while httpx.get(server.url + "/health").json()["queue"] and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert httpx.get(server.url + "/health").json()["queue"] == 0
+    assert server.queue_after(5) == 0  # 3 rows of 256 tokens take far longer here
 
 
 def test_a_client_that_disconnects_leaves_the_batch(batching):
@@ -140,10 +137,7 @@ def test_a_client_that_disconnects_leaves_the_batch(batching):
     body = {"messages": [{"role": "user", "content": "Write a very long story about the sea."}], "max_tokens": 256}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/chat/completions", json=body, timeout=1.0)  # gives up after 1 s
-    deadline = time.monotonic() + 20
-    while httpx.get(server.url + "/health").json()["queue"] and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert httpx.get(server.url + "/health").json()["queue"] == 0  # 256 tokens take far longer: it was cancelled
+    assert server.queue_after(20) == 0  # 256 tokens take far longer: it was cancelled
     reply = httpx.post(server.url + "/v1/chat/completions", json={**body, "max_tokens": 4}, timeout=60)
     assert reply.status_code == 200
 
@@ -605,10 +599,7 @@ def test_a_hybrids_lone_stream_cut_off_and_requests_joining_it_keep_their_own_an
             stream.close()  # the client goes away while the other request decodes beside it
             second = joined.result().choices[0].message.content
         third = ask(2).choices[0].message.content
-        deadline = time.monotonic() + 20
-        while httpx.get(server.url + "/health").json()["queue"] and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert httpx.get(server.url + "/health").json()["queue"] == 0
+        assert server.queue_after(20) == 0
     finally:
         server.stop()
     for index, answer in ((1, second), (2, third)):

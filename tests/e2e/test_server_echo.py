@@ -4,7 +4,6 @@ batch (the prompt scored a chunk at a time between the rows' steps) and on the o
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -203,10 +202,7 @@ def test_a_long_echo_whose_client_leaves_stops_between_chunks(smollm2, served):
     try:
         with pytest.raises(httpx.TimeoutException):
             httpx.post(server.url + "/v1/completions", json=body, timeout=0.5)
-        deadline = time.monotonic() + 60
-        while httpx.get(server.url + "/health").json()["queue"] and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert httpx.get(server.url + "/health").json()["queue"] == 0
+        assert server.queue_after(60) == 0
     finally:
         hook.remove()
     assert 0 < sum(fed) < len(long) // 2  # stopped between chunks, long before the prompt's end

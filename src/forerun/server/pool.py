@@ -173,14 +173,18 @@ class BatchWorker:
 
     async def run_pieces(self, start: Pieces, cancel: threading.Event) -> Any:
         """Run a job of pieces on the batch's thread, a piece between two steps of the running rows: its value."""
+        return await self.queued(self.tasks, Task, start, cancel)
+
+    async def queued(self, queue: deque, kind: type[Admission] | type[Task], job: Callable, cancel) -> Any:
+        """Put `job` (as a `kind`) at the end of `queue` for the batch's thread, and wait for what it settles."""
         if self.closing:
             raise ShuttingDown("the server is shutting down")
         loop = asyncio.get_running_loop()
-        task = Task(start, cancel, loop.create_future(), loop)
+        item = kind(job, cancel, loop.create_future(), loop)
         with self.wake:
-            self.tasks.append(task)
+            queue.append(item)
             self.wake.notify()
-        return await task.future
+        return await item.future
 
     def advance(self) -> None:
         """One piece of the oldest job of pieces; a job cancelled meanwhile ends between two pieces."""
@@ -201,14 +205,7 @@ class BatchWorker:
             self.settle(task, error=error)
 
     async def run(self, prepare: Prepare, cancel: threading.Event) -> GenerationResult:
-        if self.closing:
-            raise ShuttingDown("the server is shutting down")
-        loop = asyncio.get_running_loop()
-        admission = Admission(prepare, cancel, loop.create_future(), loop)
-        with self.wake:
-            self.waiting.append(admission)
-            self.wake.notify()
-        return await admission.future
+        return await self.queued(self.waiting, Admission, prepare, cancel)
 
     @staticmethod
     def settle(admission: Admission | Task, result: object = None, error: BaseException | None = None) -> None:

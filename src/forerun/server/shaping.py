@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 from forerun.decoder import GenerationResult
 from forerun.logprobs import TokenLogprob, entries_before
@@ -100,14 +101,7 @@ def logprobs_payload(tokenizer, entries: Sequence[TokenLogprob] | None, chat: bo
             {**described(e.token, e.logprob), "top_logprobs": [described(t, v) for t, v in e.top]} for e in entries
         ]
         return {"content": content, "refusal": None}
-    pieces = [tokenizer.decode([e.token]) for e in entries]
-    offsets = [offset + sum(len(p) for p in pieces[:i]) for i in range(len(pieces))]
-    return {
-        "tokens": pieces,
-        "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [{tokenizer.decode([t]): v for t, v in e.top} for e in entries],
-        "text_offset": offsets,
-    }
+    return text_logprobs(tokenizer, [e.token for e in entries], entries, offset)
 
 
 def echo_payload(tokenizer, echo: Echo | None) -> dict | None:
@@ -115,12 +109,18 @@ def echo_payload(tokenizer, echo: Echo | None) -> dict | None:
     token's logprob and alternatives null, as OpenAI's."""
     if echo is None or echo.entries is None:
         return None
-    pieces = [tokenizer.decode([token]) for token in echo.ids]
+    return text_logprobs(tokenizer, echo.ids, echo.entries)
+
+
+def text_logprobs(tokenizer, tokens: Sequence[int], entries: Sequence[TokenLogprob | None], offset: int = 0) -> dict:
+    """A completion's logprobs object: each token's text, its log-probability and alternatives (null where its
+    entry is None), and where its text begins, counted from `offset` characters."""
+    pieces = [tokenizer.decode([token]) for token in tokens]
     return {
         "tokens": pieces,
-        "token_logprobs": [None if e is None else e.logprob for e in echo.entries],
-        "top_logprobs": [None if e is None else {tokenizer.decode([t]): v for t, v in e.top} for e in echo.entries],
-        "text_offset": [sum(len(p) for p in pieces[:i]) for i in range(len(pieces))],
+        "token_logprobs": [None if e is None else e.logprob for e in entries],
+        "top_logprobs": [None if e is None else {tokenizer.decode([t]): v for t, v in e.top} for e in entries],
+        "text_offset": list(accumulate((len(piece) for piece in pieces), initial=offset))[:-1],
     }
 
 
