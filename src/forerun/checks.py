@@ -19,10 +19,13 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 MAX_SEED = 2**63 - 1
+MAX_DEPTH = 64
+"""Levels a JSON value a request gives may nest (a schema's objects and lists): deeper ones are refused before any
+parser sees them."""
 
 # name: (lowest, highest, lowest is allowed). Beyond these, sampling overflows (logits / 1e-300 is inf) or means
 # nothing (a repetition penalty of 1e-300 divides logits by it).
@@ -206,3 +209,20 @@ def writable_folder(path: str | Path, what: str = "--out") -> Path:
     if not os.access(folder, os.W_OK | os.X_OK):
         raise ValueError(f"{what} {folder} cannot be written (permission denied)")
     return folder
+
+
+def nesting(value: object) -> int:
+    """How deep objects and lists nest in `value` (a scalar: 0), counted without recursion, up to MAX_DEPTH + 1.
+
+    Example:
+        >>> nesting({"a": [1, {"b": 2}]}), nesting(3)
+        (3, 0)
+    """
+    deepest, level = 0, [value]
+    while deepest <= MAX_DEPTH:
+        containers = [item for item in level if isinstance(item, (Mapping, list, tuple))]
+        if not containers:
+            break
+        deepest += 1
+        level = [child for item in containers for child in (item.values() if isinstance(item, Mapping) else item)]
+    return deepest

@@ -32,6 +32,7 @@ from forerun.stats import GenerationStats
 from forerun.stopping import Cancelled, StopStrings, first_stop
 from forerun.structured import Constraint, Grammars
 from forerun.text import complete
+from forerun.tool_calls import read_calls
 
 
 def eos_ids_of(model: torch.nn.Module, eos_token_id: int | Sequence[int] | None) -> frozenset[int]:
@@ -100,10 +101,10 @@ def request_criteria(
     if not request.processed and not config_processes(model.generation_config):
         return None, criteria
     constraint = None
-    if request.response_format is not None:
+    if request.held_format is not None:
         if grammars is None:
-            raise ValueError("response_format needs the Decoder's tokenizer")
-        constraint = grammars.constraint(request.response_format, prompt_len, eos)
+            raise ValueError("response_format and required tool calls need the Decoder's tokenizer")
+        constraint = grammars.constraint(request.held_format, prompt_len, eos)
     processor, theirs = transformers_processors(model, ids, request, tokenizer, constraint)
     criteria.extend(c for c in theirs if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria)))
     return processor or None, criteria
@@ -186,6 +187,10 @@ def finished_result(tokenizer, prepared: Prepared, stats: GenerationStats) -> Ge
     ended = bool(new) and new[-1] in prepared.job.eos
     full = len(new) >= prepared.request.max_new_tokens
     reason = "length" if stop_at is None and not ended and full else "stop"
+    calls = None
+    if text is not None and prepared.request.shown_tools:
+        calls = read_calls(text if stop_at is None else text[:stop_at])[1]
+        reason = "tool_calls" if calls and reason == "stop" else reason
     return GenerationResult(
         sequences,
         prompt_len,
@@ -196,6 +201,7 @@ def finished_result(tokenizer, prepared: Prepared, stats: GenerationStats) -> Ge
         prepared.prediction_tokens,
         reason,
         stop_at,
+        calls,
     )
 
 

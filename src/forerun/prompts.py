@@ -10,6 +10,7 @@ Example:
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 
 import torch
@@ -17,22 +18,30 @@ from transformers import PreTrainedTokenizerBase
 
 from forerun.checks import check_text, check_text_length
 from forerun.request import Prompt
+from forerun.tool_specs import takes_tools
 
 
 def encode_prompt(
-    model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase | None, prompt: Prompt, chat: bool = False
+    model: torch.nn.Module,
+    tokenizer: PreTrainedTokenizerBase | None,
+    prompt: Prompt,
+    chat: bool = False,
+    tools: Sequence[dict] | None = None,
 ) -> torch.Tensor:
     """Prompt -> input_ids [1, L] (long, on the host): a string (chat=True wraps it as one user message), messages,
-    or ids (a list, or a [L] / [1, L] tensor)."""
+    or ids (a list, or a [L] / [1, L] tensor); `tools` (checked, `forerun.tool_specs`) shown by the chat template."""
     if isinstance(prompt, (bytes, bytearray)):  # iterating bytes gives ints: it would pass as token ids
         raise ValueError("prompt is bytes: decode it to text first, or pass token ids as a list")
     if not isinstance(prompt, (torch.Tensor, str, list, tuple)):
         kind = type(prompt).__name__
         raise ValueError(f"prompt must be text, a list of chat messages or token ids (a list or a tensor), got {kind}")
+    messages = isinstance(prompt, (list, tuple)) and bool(prompt) and isinstance(prompt[0], dict)
+    if tools and not (messages or (isinstance(prompt, str) and chat)):
+        raise ValueError("tools are shown by the chat template: give chat messages (or text with chat=True)")
     if isinstance(prompt, torch.Tensor):
         ids = ids_of_tensor(prompt)
-    elif isinstance(prompt, str) or (prompt and isinstance(prompt[0], dict)):
-        ids = ids_of_text(model, tokenizer, prompt, chat)
+    elif isinstance(prompt, str) or messages:
+        ids = ids_of_text(model, tokenizer, prompt, chat, tools)
     else:
         values = list(prompt)
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
@@ -59,9 +68,14 @@ def ids_of_tensor(prompt: torch.Tensor) -> torch.Tensor:
 
 
 def ids_of_text(
-    model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase | None, prompt: str | Sequence[dict], chat: bool
+    model: torch.nn.Module,
+    tokenizer: PreTrainedTokenizerBase | None,
+    prompt: str | Sequence[dict],
+    chat: bool,
+    tools: Sequence[dict] | None = None,
 ) -> torch.Tensor:
-    """Text or chat messages -> input_ids [1, L], through the tokenizer (and its chat template for messages)."""
+    """Text or chat messages -> input_ids [1, L], through the tokenizer (and its chat template for messages, which
+    shows `tools`)."""
     if tokenizer is None:
         raise ValueError("a text prompt needs a tokenizer; pass token ids or give Decoder a tokenizer")
     if isinstance(prompt, str) and not prompt.strip():
@@ -72,22 +86,41 @@ def ids_of_text(
         check_text("prompt", prompt)
     else:
         for i, message in enumerate(prompt):
-            if not isinstance(message, dict) or not isinstance(message.get("content"), str):
-                raise ValueError(f"messages[{i}] must be a dict with a string 'content'")
-            if not isinstance(message.get("role", "user"), str):
-                raise ValueError(f"messages[{i}].role must be a string, got {message['role']!r:.40}")
-            check_text(f"messages[{i}].content", message["content"])
-        total = sum(len(message["content"]) for message in prompt)
+            check_message(i, message)
+        total = sum(len(message.get("content") or "") + len(str(message.get("tool_calls", ""))) for message in prompt)
         check_text_length("the messages' content", total, context)
     if isinstance(prompt, str) and not chat:
         return tokenizer(prompt, return_tensors="pt").input_ids
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    if tools and not takes_tools(tokenizer):
+        raise ValueError(
+            "tools: this model's chat template does not teach tool calls in the <tool_call> format forerun reads "
+            "(as Qwen2.5, Qwen3 and Hermes templates do); give the tokenizer such a chat template"
+        )
     try:
         return tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
-        )["input_ids"]
+            messages, tools=list(tools) if tools else None, add_generation_prompt=True, return_tensors="pt",
+            return_dict=True,
+        )["input_ids"]  # fmt: skip
     except Exception as error:  # the template runs on the caller's messages: its refusals are theirs
         raise ValueError(f"the chat template refused these messages: {error}") from error
+
+
+def check_message(i: int, message: object) -> None:
+    """One chat message: a dict with a string role and string content; an assistant's calls (`tool_calls`, as
+    transformers' templates take them) may stand for its content."""
+    if not isinstance(message, dict):
+        raise ValueError(f"messages[{i}] must be a dict with a string 'content'")
+    calls = message.get("tool_calls")
+    if not isinstance(message.get("content"), str) and not (calls and message.get("content") is None):
+        raise ValueError(f"messages[{i}] must be a dict with a string 'content'")
+    if not isinstance(message.get("role", "user"), str):
+        raise ValueError(f"messages[{i}].role must be a string, got {message['role']!r:.40}")
+    check_text(f"messages[{i}].content", message.get("content") or "")
+    if calls is not None:
+        if not isinstance(calls, list):
+            raise ValueError(f"messages[{i}].tool_calls must be a list of calls")
+        check_text(f"messages[{i}].tool_calls", json.dumps(calls, ensure_ascii=False, default=str))
 
 
 def check_context(model: torch.nn.Module, ids: torch.Tensor, max_new_tokens: int) -> None:

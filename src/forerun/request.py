@@ -30,6 +30,7 @@ from transformers import GenerationConfig
 from forerun.checks import check_decoding_mode, check_logprobs, check_sampling, check_seed, check_stops
 from forerun.penalties import REQUEST_FIELDS as PENALTY_FIELDS
 from forerun.structured import check_response_format
+from forerun.tool_specs import check_tool_choice, check_tools
 
 Prompt = str | Sequence[dict] | Sequence[int] | torch.Tensor
 """Text, chat messages ([{"role": ..., "content": ...}]), token ids, or input_ids [1, L]."""
@@ -61,6 +62,16 @@ class GenerationRequest:
     response_format: Mapping[str, object] | None = None
     """OpenAI's: {"type": "json_object"} or {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}
     holds the answer to JSON (`forerun.structured`); None or {"type": "text"}: free text."""
+    tools: Sequence[Mapping[str, object]] | None = None
+    """OpenAI's function tools ({"type": "function", "function": {"name", "description", "parameters"}}), shown to
+    the model through its chat template; the calls it writes are read out of its answer
+    (`GenerationResult.tool_calls`, `forerun.tool_specs`)."""
+    tool_choice: str | Mapping[str, object] | None = None
+    """'auto' (the default with tools), 'none' (not shown), 'required' or {"type": "function", "function": {"name":
+    ...}} (or the name alone): the last two hold the answer to calls, as `response_format` holds one to JSON. Kept
+    as one string: 'auto', 'none', 'required' or the function's name."""
+    parallel_tool_calls: bool = True
+    """Whether a required call may be several (False: exactly one)."""
     prediction: str | tuple[int, ...] | None = None
     """Text or ids the answer is expected to resemble, drafted from (OpenAI's predicted outputs)."""
     logprobs: int | None = None
@@ -89,6 +100,7 @@ class GenerationRequest:
         check_generation_kwargs(self.generation)
         check_sampling({name: getattr(self, name) for name in PENALTY_FIELDS})
         set_field("response_format", check_response_format(self.response_format))
+        self.check_tools(set_field)
         if self.processed:
             try:
                 config = GenerationConfig(do_sample=self.do_sample, **self.generation)
@@ -116,10 +128,33 @@ class GenerationRequest:
                 given.pop(name, None)
         return cls(prompt, max_new_tokens, generation=options, **given)  # type: ignore[arg-type]
 
+    def check_tools(self, set_field) -> None:
+        """`tools` and `tool_choice` checked and normalised (`forerun.tool_specs`)."""
+        set_field("tools", check_tools(self.tools) or None)
+        set_field("tool_choice", check_tool_choice(self.tool_choice, self.tools or ()))
+        if not isinstance(self.parallel_tool_calls, bool):
+            raise ValueError(f"parallel_tool_calls must be true or false, got {self.parallel_tool_calls!r:.40}")
+        if self.tools and self.tool_choice != "none" and self.response_format is not None:
+            raise ValueError("tools and response_format cannot be used together: give one (or tool_choice 'none')")
+
+    @property
+    def shown_tools(self) -> tuple[dict, ...] | None:
+        """The tools the chat template shows the model (None: none, or tool_choice 'none')."""
+        return self.tools if self.tool_choice != "none" else None
+
+    @property
+    def held_format(self) -> Mapping[str, object] | None:
+        """What the answer is held to: its `response_format`, or calls where `tool_choice` requires them (in the
+        format the chat template teaches: `forerun.tool_specs.calls_grammar`); None: free text."""
+        if self.tools and self.tool_choice not in ("none", "auto"):
+            name = None if self.tool_choice == "required" else self.tool_choice
+            return {"type": "tool_calls", "tools": self.tools, "name": name, "parallel": self.parallel_tool_calls}
+        return self.response_format
+
     @property
     def processed(self) -> bool:
-        """Whether logits processors run (sampling, any generation setting, a penalty, a response format)."""
-        return self.do_sample or bool(self.generation) or self.penalised or self.response_format is not None
+        """Whether logits processors run (sampling, any generation setting, a penalty, a held format)."""
+        return self.do_sample or bool(self.generation) or self.penalised or self.held_format is not None
 
     @property
     def penalised(self) -> bool:

@@ -8,6 +8,7 @@ import torch
 
 from forerun.logprobs import TokenLogprob
 from forerun.stats import GenerationStats
+from forerun.tool_calls import ToolCall, read_calls
 
 
 @dataclass
@@ -27,15 +28,25 @@ class GenerationResult:
     prediction_tokens: int = 0
     """Tokens of the request's prediction (0 without one)."""
     finish_reason: str = "stop"
-    """'stop' (EOS or a stop string) or 'length' (max_new_tokens reached), as OpenAI says it."""
+    """'stop' (EOS or a stop string), 'length' (max_new_tokens reached) or 'tool_calls' (it ended after making
+    calls), as OpenAI says it."""
     stop_at: int | None = None
     """Where in `text` the first stop string begins (the text shown ends there), or None."""
+    tool_calls: tuple[ToolCall, ...] | None = None
+    """The calls the answer makes, in order, where the request offered tools (`forerun.tool_calls`); None where it
+    offered none. An answer that makes calls finishes with 'tool_calls'."""
 
     @property
     def shown_text(self) -> str:
         """`text` up to the first stop string, as OpenAI's answers show it."""
         text = self.text or ""
         return text if self.stop_at is None else text[: self.stop_at]
+
+    @property
+    def content(self) -> str | None:
+        """The answer's text less its calls (None where it is only calls): `shown_text` where no tools were
+        offered."""
+        return self.shown_text if self.tool_calls is None else read_calls(self.shown_text)[0]
 
     @property
     def new_tokens(self) -> list[int]:

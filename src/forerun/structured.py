@@ -36,17 +36,17 @@ from typing import Any, Literal
 import torch
 from transformers import LogitsProcessor
 
-from forerun.checks import check_text
+from forerun.checks import MAX_DEPTH, check_text, nesting
+from forerun.tool_specs import calls_grammar, lists_calls
 from forerun.tree import TokenTree
 
 logger = logging.getLogger(__name__)
 FORMATS = ("text", "json_object", "json_schema")
 """OpenAI's `response_format` types: free text (no constraint), any JSON object, JSON matching a schema."""
 UNHELD = "response_format's schema is not one forerun can hold an answer to"
+UNHELD_CALLS = "a tool's parameters are not a schema forerun can hold a call to"
 MAX_COMPILED = 32
 """Compiled formats a Decoder keeps (a server's clients tend to send the same few schemas)."""
-MAX_DEPTH = 64
-"""Levels a format may nest (a schema's objects and lists): deeper ones are refused before any parser sees them."""
 MAX_ERROR = 300
 """Characters of llguidance's message kept in an error (its messages can quote the whole schema)."""
 
@@ -80,23 +80,6 @@ def check_response_format(value: object) -> dict[str, Any] | None:
     return plain
 
 
-def nesting(value: object) -> int:
-    """How deep objects and lists nest in `value` (a scalar: 0), counted without recursion, up to MAX_DEPTH + 1.
-
-    Example:
-        >>> nesting({"a": [1, {"b": 2}]}), nesting(3)
-        (3, 0)
-    """
-    deepest, level = 0, [value]
-    while deepest <= MAX_DEPTH:
-        containers = [item for item in level if isinstance(item, (Mapping, list, tuple))]
-        if not containers:
-            break
-        deepest += 1
-        level = [child for item in containers for child in (item.values() if isinstance(item, Mapping) else item)]
-    return deepest
-
-
 def check_schema_entry(entry: object) -> None:
     """OpenAI's `json_schema` object: a name, the schema (a JSON object), optionally a description and `strict`
     (the answer is always held to the schema here, whatever `strict` says)."""
@@ -112,10 +95,15 @@ def check_schema_entry(entry: object) -> None:
         raise ValueError("response_format's json_schema.strict must be true or false")
 
 
-def grammar_of(response_format: Mapping[str, Any]) -> str:
-    """llguidance's grammar for a checked JSON format: any JSON object, or the given schema."""
+def grammar_of(response_format: Mapping[str, Any], listed: bool = False) -> str:
+    """llguidance's grammar for a checked JSON format (any JSON object, or the given schema), or for a request's
+    required tool calls ({"type": "tool_calls", "tools", "name", "parallel"}: `GenerationRequest.held_format`,
+    as one list where `listed`: `forerun.tool_specs.calls_grammar`)."""
     from llguidance import LLMatcher
 
+    if response_format["type"] == "tool_calls":
+        tools, name, parallel = response_format["tools"], response_format["name"], response_format["parallel"]
+        return LLMatcher.grammar_from_lark(calls_grammar(tools, name, parallel, listed))
     if response_format["type"] == "json_object":
         return LLMatcher.grammar_from_json_schema({"type": "object"})
     return LLMatcher.grammar_from_json_schema(response_format["json_schema"]["schema"])
@@ -180,7 +168,7 @@ class Grammars:
         thread, so the row built there finds it ready."""
         from llguidance import LLMatcher
 
-        grammar = grammar_of(response_format)
+        grammar = grammar_of(response_format, lists_calls(self.tokenizer))
         with self.lock:
             tokens = self.tokens()
             if grammar in self.compiled:
@@ -188,7 +176,8 @@ class Grammars:
                 return self.compiled[grammar]
         matcher = LLMatcher(tokens, grammar, log_level=0)
         if matcher.is_error():
-            raise ValueError(f"{UNHELD}: {cut(matcher.get_error())}")
+            unheld = UNHELD if response_format["type"] != "tool_calls" else UNHELD_CALLS
+            raise ValueError(f"{unheld}: {cut(matcher.get_error())}")
         with self.lock:
             self.compiled[grammar] = matcher
             while len(self.compiled) > MAX_COMPILED:

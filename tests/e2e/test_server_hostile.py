@@ -561,7 +561,7 @@ def test_contract_details(guarded):
     refused = {
         "store": {"messages": hi, "store": True},
         "service_tier": {"messages": hi, "service_tier": "flex"},
-        "parallel_tool_calls": {"messages": hi, "parallel_tool_calls": True},
+        "tools": {"messages": hi, "tools": [{"type": "function", "function": {"name": "now"}}]},
         "prediction": {"messages": hi, "prediction": {"type": "content", "content": "x", "extra": 1}},
         "messages[0].content[0]": {
             "messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {}}]}]

@@ -41,7 +41,7 @@ def completion(**fields):
         (chat, {"n": 0}, "n", "n must be between 1 and 16"),
         (chat, {"n": 3, "seed": 2**63 - 2}, "seed", "seed must be between 0 and 2**63 - 3"),
         (chat, {"tools": [{"type": "function"}]}, "tools", "tools are not supported"),
-        (chat, {"tool_choice": "auto"}, "tool_choice", "tool_choice is not supported"),
+        (chat, {"tool_choice": "auto"}, "tool_choice", "tool_choice 'auto' needs tools"),
         (chat, {"response_format": {"type": "json"}}, "response_format", "type must be one of text, json_object"),
         (completion, {"response_format": {"type": "json_schema"}}, "response_format", "needs json_schema"),
         (chat, {"response_format": {"type": "json_object", "x\ud800": 1}}, "response_format", "takes no"),

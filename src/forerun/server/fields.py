@@ -49,40 +49,6 @@ def refuse(field_name: str, message: str) -> APIError:
     return APIError(400, message, field_name)
 
 
-def chat_messages(body: ChatRequest) -> list[dict]:
-    """Messages as the chat template takes them: content parts joined, everything checked."""
-    messages = []
-    for i, message in enumerate(body.messages):
-        where = f"messages[{i}]"
-        if message.tool_calls or message.function_call:
-            raise refuse(f"{where}.tool_calls", f"{where}: tool calls are not supported by this server")
-        content = message.content
-        if isinstance(content, list):
-            pieces = []
-            for j, part in enumerate(content):
-                kind = part.get("type")
-                unknown = sorted(set(part) - {"type", "text"})
-                if kind == "text" and unknown:  # e.g. cache_control: honoured nowhere, so refused, not dropped
-                    raise refuse(f"{where}.content[{j}]", f"{where}.content[{j}]: unrecognized field(s) {unknown}")
-                if kind != "text":
-                    raise refuse(
-                        f"{where}.content[{j}]",
-                        f"{where}.content[{j}]: {kind!r} parts are not supported: this server runs a text-only "
-                        "model (send text parts only)",
-                    )
-                if not isinstance(part.get("text"), str):
-                    raise refuse(f"{where}.content[{j}]", f"{where}.content[{j}]: a text part needs a string 'text'")
-                pieces.append(part["text"])
-            content = "".join(pieces)
-        if content is None:
-            raise refuse(f"{where}.content", f"{where}.content is missing")
-        checked(f"{where}.content", content)
-        messages.append({"role": message.role, "content": content})
-    if all(not m["content"].strip() for m in messages):
-        raise refuse("messages", "every message's content is empty or only whitespace: there is nothing to answer")
-    return messages
-
-
 def checked(name: str, text: str) -> str:
     try:
         check_text(name, text)

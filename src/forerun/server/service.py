@@ -36,6 +36,7 @@ from forerun.server.shaping import (
     DONE,
     Answer,
     Echo,
+    calls_chunk,
     chunk,
     completion,
     echo_payload,
@@ -44,8 +45,9 @@ from forerun.server.shaping import (
     opening,
     usage,
 )
-from forerun.server.stream import TokenStream, deltas, started, targets_of
+from forerun.server.stream import Calls, TokenStream, deltas, started, targets_of
 from forerun.server.translate import APIError, GenerationArgs, Limits, translate
+from forerun.tool_specs import takes_tools
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +71,7 @@ class Service:
             head=config.draft_head is not None,
             vocab_size=getattr(model.config.get_text_config(decoder=True), "vocab_size", None),
             eos_token_ids=tuple(sorted(eos_ids_of(model, None))),
+            tools=takes_tools(tokenizer),
         )
         self.pool = DecoderPool(
             model, tokenizer, config.method, config.knobs, draft_model, PrefixCache(config.prefix_cache_tokens),
@@ -143,7 +146,10 @@ class Service:
             echoes = [echo for echo, results in done for _ in results]
             return completion(answer, results, decoder.method, self.tokenizer, echoes, prompt_counts(done))
         loop, logprobs = asyncio.get_running_loop(), args.logprobs is not None
-        streams = [[TokenStream(self.tokenizer, loop, args.stop, logprobs) for _ in range(g.runs)] for g in groups]
+        tools = bool(args.tools) and args.tool_choice != "none"
+        streams = [
+            [TokenStream(self.tokenizer, loop, args.stop, logprobs, tools) for _ in range(g.runs)] for g in groups
+        ]
         task = asyncio.create_task(self.generate_groups(groups, request, streams, cancel))
         await started([stream for each in streams for stream in each], task, cancel)
         self.metrics.count(request.url.path, 200)
@@ -168,11 +174,13 @@ class Service:
             ]
         except ValueError as error:
             raise APIError(400, str(error), "forerun") from None
-        if groups[0].response_format is not None:  # compiled off the event loop and the batch's thread (GIL released)
+        held = next((request.held_format for each in wanted for request in each), None)
+        if held is not None:  # compiled off the event loop and the batch's thread (GIL released)
             try:
-                await asyncio.to_thread(decoder.grammars.compile, groups[0].response_format)
+                await asyncio.to_thread(decoder.grammars.compile, held)
             except ValueError as error:
-                raise APIError(400, str(error), "response_format") from None
+                param = "tools" if held["type"] == "tool_calls" else "response_format"
+                raise APIError(400, str(error), param) from None
         self.admit(sum(args.runs + args.echo for args in groups), "prompt" if len(groups) > 1 else "n")
         why: dict = {}
         watcher = asyncio.create_task(watch(request, cancel, request.state.deadline, why))
@@ -309,6 +317,9 @@ class Service:
         targets = targets_of([len(each) for each in streams], args.n)
         async for run, delta, entries in deltas(flat, task):
             for index in targets[run]:
+                if isinstance(entries, Calls):
+                    yield calls_chunk(answer, entries.calls, index)
+                    continue
                 if isinstance(entries, Echo):
                     logprobs = echo_payload(self.tokenizer, entries)
                 else:

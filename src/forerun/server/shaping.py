@@ -16,6 +16,7 @@ from itertools import accumulate
 
 from forerun.decoder import GenerationResult
 from forerun.logprobs import TokenLogprob, entries_before
+from forerun.tool_calls import ToolCall
 
 
 @dataclass(frozen=True)
@@ -165,7 +166,9 @@ def choice_of(answer: Answer, result: GenerationResult | None, index: int, token
     entries = None if result.logprobs is None else entries_before(tokenizer, result.logprobs, result.stop_at)
     logprobs = logprobs_payload(tokenizer, entries, answer.chat, len(shown))
     if answer.chat:
-        message = {"role": "assistant", "content": text, "refusal": None}
+        message = {"role": "assistant", "content": result.content, "refusal": None}
+        if result.tool_calls:
+            message["tool_calls"] = [call.as_openai() for call in result.tool_calls]
         return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": result.finish_reason}
     logprobs = joined(echo_payload(tokenizer, echo), logprobs)
     return {"index": index, "text": shown + text, "logprobs": logprobs, "finish_reason": result.finish_reason}
@@ -196,6 +199,14 @@ def chunk(
         **(extra or {}),
     }
     return f"data: {json.dumps(payload)}\n\n"
+
+
+def calls_chunk(answer: Answer, calls: Sequence[ToolCall], index: int = 0) -> str:
+    """A chat stream's chunk of choice `index` carrying its answer's tool calls, each whole."""
+    deltas = [{"index": k, **call.as_openai()} for k, call in enumerate(calls)]
+    choice = {"index": index, "delta": {"tool_calls": deltas}, "finish_reason": None, "logprobs": None}
+    payload = {"id": answer.ident, "object": answer.chunk_kind, "created": answer.created, "model": answer.model}
+    return f"data: {json.dumps({**payload, 'choices': [choice]})}\n\n"
 
 
 def opening(answer: Answer, index: int = 0) -> str:

@@ -15,20 +15,32 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from forerun.logprobs import entries_before
-from forerun.stopping import HeldText
+from forerun.stopping import HeldText, first_stop
 from forerun.text import IncrementalText
+from forerun.tool_calls import ToolCall, before_calls, read_calls
+
+
+@dataclass(frozen=True)
+class Calls:
+    """A stream's last item where its answer made tool calls (`forerun.tool_calls`): sent as one chunk."""
+
+    calls: tuple[ToolCall, ...]
 
 
 class TokenStream:
     """Streams (text delta, log-probability entries of its tokens) of a generation to `queue`; None marks the end.
     `started` is set once the generation has seen its prompt (checked, and given its place: the server sends the
     response's headers then). The entries ride with the delta their tokens' text is released in (none after a stop
-    string); without logprobs asked, they are None."""
+    string); without logprobs asked, they are None. Where tools are offered, text from a possible `<tool_call>` on
+    is held until the answer ends: then it is content (no calls in it) or its calls (a `Calls` item)."""
 
-    def __init__(self, tokenizer, loop: asyncio.AbstractEventLoop, stops: list[str], logprobs: bool = False) -> None:
-        self.loop, self.tokenizer = loop, tokenizer
+    def __init__(
+        self, tokenizer, loop: asyncio.AbstractEventLoop, stops: list[str], logprobs: bool = False, tools: bool = False
+    ) -> None:
+        self.loop, self.tokenizer, self.tools = loop, tokenizer, tools
         self.entries: list | None = [] if logprobs else None
         """Entries of tokens whose text is not sent yet (`note_logprobs`)."""
         self.text = IncrementalText(tokenizer)
@@ -56,9 +68,17 @@ class TokenStream:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, None)
 
     def emit(self, final: bool) -> None:
-        delta = self.held.release(self.text.text, final)
+        text, calls = self.text.text, ()
+        if self.tools:  # tools offered: what may be a call is held until the answer is whole
+            if final:
+                cut = first_stop(text, self.held.stops)
+                calls = read_calls(text if cut is None else text[:cut])[1]
+            text = text if final and not calls else text[: before_calls(text)]
+        delta = self.held.release(text, final)
         if delta:  # nothing is released after a stop string: one that has appeared appeared in this delta
             self.loop.call_soon_threadsafe(self.queue.put_nowait, (delta, self.released(delta, self.held.stopped)))
+        if calls:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, ("", Calls(calls)))
 
     def released(self, delta: str, stopped: bool) -> list | None:
         """The entries to send with `delta`: all noted so far, or at a stop string those whose text the delta

@@ -6,10 +6,10 @@ Example:
     ...                              max_tokens=8, stop="\\n"), limits)
     >>> args.prompt, args.max_new_tokens, args.stop, args.sampling
     ([{'role': 'user', 'content': 'Hi'}], 8, ['\\n'], {})
-    >>> translate(ChatRequest(messages=[{"role": "user", "content": "Hi"}], tools=[{"type": "function"}]), limits)
+    >>> translate(ChatRequest(messages=[{"role": "user", "content": "Hi"}], audio={"voice": "alloy"}), limits)
     Traceback (most recent call last):
     ...
-    forerun.server.fields.APIError: tools are not supported: this server runs a plain text model (no tool calls)
+    forerun.server.fields.APIError: audio output is not supported: this server runs a plain text model
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from forerun.server.completion_prompts import prompts_of
 from forerun.server.fields import (
     APIError,
     cache_salt_of,
-    chat_messages,
     check_stream_options,
     eos_of,
     logit_bias_of,
@@ -38,7 +37,9 @@ from forerun.server.fields import (
     sampling_of,
     stops_of,
 )
+from forerun.server.messages import chat_messages
 from forerun.server.schemas import ChatRequest, CommonRequest, CompletionRequest
+from forerun.server.tool_fields import tools_of
 
 __all__ = ["APIError", "GenerationArgs", "Limits", "translate"]
 MAX_CHOICES = 16
@@ -66,6 +67,8 @@ class Limits:
     """Token ids `logit_bias` may name: [0, vocab_size) (None: unchecked here; the processor would fail)."""
     eos_token_ids: tuple[int, ...] = ()
     """The model's own end-of-text ids (`stop_token_ids` add to them; `ignore_eos` drops them)."""
+    tools: bool = False
+    """Whether the chat template teaches tool calls in the format forerun reads (`forerun.tool_specs.takes_tools`)."""
 
 
 @dataclass(frozen=True)
@@ -101,6 +104,11 @@ class GenerationArgs:
     """Every prompt of the request (a completions request may send several: `each`); `prompt` is the first."""
     echo: bool = False
     """The prompt shown before each choice's text (a completion's `echo`), its tokens' logprobs with `logprobs`."""
+    tools: tuple[dict, ...] = ()
+    """A chat request's tools, checked (`forerun.tool_specs`)."""
+    tool_choice: str = "none"
+    """'none', 'auto', 'required' or the one function's name."""
+    parallel_tool_calls: bool = True
 
     @property
     def runs(self) -> int:
@@ -132,6 +140,9 @@ class GenerationArgs:
             cache_salt=self.cache_salt,
             eos_token_id=self.eos_token_id,
             response_format=self.response_format,
+            tools=self.tools or None,
+            tool_choice=self.tool_choice,
+            parallel_tool_calls=self.parallel_tool_calls,
             streamer=streamer,
             cancel=cancel,
             **self.sampling,  # do_sample and the processors' settings
@@ -145,23 +156,19 @@ def unsupported(body: CommonRequest) -> None:
     if isinstance(body, ChatRequest):
         plain = "this server runs a plain text model"
         checks += [
-            ("tools", body.tools, f"tools are not supported: {plain} (no tool calls)"),
-            ("functions", body.functions, f"functions are not supported: {plain} (no function calls)"),
+            ("functions", body.functions, "functions is OpenAI's old form of tools: send tools"),
             ("audio", body.audio, f"audio output is not supported: {plain}"),
             ("reasoning_effort", body.reasoning_effort, f"reasoning_effort is not supported: {plain}"),
             ("web_search_options", body.web_search_options, f"web search is not supported: {plain}"),
         ]
-        if body.tool_choice not in (None, "none"):
-            checks.append(("tool_choice", body.tool_choice, f"tool_choice is not supported: {plain}"))
         if body.function_call not in (None, "none"):
-            checks.append(("function_call", body.function_call, f"function_call is not supported: {plain}"))
+            checks.append(("function_call", body.function_call, "function_call is OpenAI's old form: send tool_choice"))
         if body.modalities not in (None, ["text"]):
             checks.append(("modalities", body.modalities, "only the text modality is supported"))
         # Accepted and ignored, these would promise what the server does not do: refused, each by name. (metadata
         # is accepted: labels for a stored completion, and nothing is stored, as `store` says.)
         checks += [
             ("store", body.store, "store is not supported: this server keeps no completions (store: false)"),
-            ("parallel_tool_calls", body.parallel_tool_calls, f"parallel_tool_calls is not supported: {plain}"),
         ]
         if body.service_tier not in (None, "auto", "default"):
             checks.append(("service_tier", body.service_tier, "service_tier takes 'auto' or 'default' (one tier)"))
@@ -193,6 +200,7 @@ def translate(body: ChatRequest | CompletionRequest, limits: Limits) -> Generati
     if not 1 <= n <= MAX_CHOICES:
         raise refuse("n", f"n must be between 1 and {MAX_CHOICES} (choices per request), got {n}")
     unsupported(body)
+    tools, tool_choice, parallel = tools_of(body, limits.tools) if chat else ((), "none", True)
     if chat:
         prompts: list = [chat_messages(body)]
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -232,6 +240,9 @@ def translate(body: ChatRequest | CompletionRequest, limits: Limits) -> Generati
         logit_bias=logit_bias_of(body, limits.vocab_size),
         eos_token_id=eos,
         response_format=response_format_of(body, eos),
+        tools=tools,
+        tool_choice=tool_choice,
+        parallel_tool_calls=parallel,
     )
 
 

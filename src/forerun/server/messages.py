@@ -1,0 +1,59 @@
+"""A chat request's messages as the chat template takes them: content parts joined, an assistant's tool calls
+with their arguments as objects, a tool's answer with its call's id; every message checked, each 400 naming it.
+
+Example:
+    >>> chat_messages(ChatRequest(messages=[{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]))
+    [{'role': 'user', 'content': 'Hi'}]
+"""
+
+from __future__ import annotations
+
+from forerun.server.fields import checked, refuse
+from forerun.server.schemas import ChatRequest, Message
+from forerun.server.tool_fields import template_calls
+
+
+def chat_messages(body: ChatRequest) -> list[dict]:
+    """Messages as the chat template takes them: content parts joined, everything checked."""
+    messages = [message_of(f"messages[{i}]", message) for i, message in enumerate(body.messages)]
+    if all(not (m["content"] or "").strip() and "tool_calls" not in m for m in messages):
+        raise refuse("messages", "every message's content is empty or only whitespace: there is nothing to answer")
+    return messages
+
+
+def message_of(where: str, message: Message) -> dict:
+    """One message as the chat template takes it: its role, its content (text parts joined; None only beside an
+    assistant's tool calls), its calls, a tool's answer's call id."""
+    if message.function_call:
+        raise refuse(f"{where}.function_call", f"{where}: function_call is OpenAI's old form; send tool_calls")
+    calls = None
+    if message.tool_calls:
+        if message.role != "assistant":
+            raise refuse(f"{where}.tool_calls", f"{where}: only an assistant's message makes tool calls")
+        calls = template_calls(where, message.tool_calls)
+    content = message.content
+    if isinstance(content, list):
+        content = "".join(text_of(f"{where}.content[{j}]", part) for j, part in enumerate(content))
+    if content is None and not calls:
+        raise refuse(f"{where}.content", f"{where}.content is missing")
+    checked(f"{where}.content", content or "")
+    entry = {"role": message.role, "content": content}
+    if calls:
+        entry["tool_calls"] = calls
+    if message.role == "tool" and message.tool_call_id is not None:
+        entry["tool_call_id"] = checked(f"{where}.tool_call_id", message.tool_call_id)
+    return entry
+
+
+def text_of(where: str, part: dict) -> str:
+    """A content part's text: text parts only, with nothing but their type and text."""
+    kind = part.get("type")
+    unknown = sorted(set(part) - {"type", "text"})
+    if kind == "text" and unknown:  # e.g. cache_control: honoured nowhere, so refused, not dropped
+        raise refuse(where, f"{where}: unrecognized field(s) {unknown}")
+    if kind != "text":
+        why = "this server runs a text-only model (send text parts only)"
+        raise refuse(where, f"{where}: {kind!r} parts are not supported: {why}")
+    if not isinstance(part.get("text"), str):
+        raise refuse(where, f"{where}: a text part needs a string 'text'")
+    return part["text"]

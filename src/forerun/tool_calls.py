@@ -1,0 +1,106 @@
+"""Tool calls read out of a model's text: the `<tool_call>` blocks its chat template taught it to write
+(`forerun.tool_specs`), each holding one call as JSON, or a list of them, as Qwen2.5/Qwen3/Hermes and SmolLM2 write:
+
+    I will look it up.
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+Reading changes nothing the model wrote: the text is the model's own (plain generate's), split after. A block that
+is not calls (not JSON, no name, arguments that are not an object) makes the whole text the answer's content and
+no call, as a client would rather see what the model wrote than lose it; a last block the answer's end cut off
+(`max_tokens`) stays in the content, after the calls made before it.
+
+Example:
+    >>> call = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    >>> read_calls(f"I will look it up.\\n<tool_call>\\n{call}\\n</tool_call>")
+    ('I will look it up.', (ToolCall(name='get_weather', arguments='{"city": "Paris"}'),))
+    >>> read_calls('<tool_call>[{"name": "a", "arguments": {}}, {"name": "b", "arguments": {"x": 1}}]</tool_call>')
+    (None, (ToolCall(name='a', arguments='{}'), ToolCall(name='b', arguments='{"x": 1}')))
+    >>> read_calls("<tool_call>not JSON</tool_call>")
+    ('<tool_call>not JSON</tool_call>', ())
+    >>> read_calls('<tool_call>{"name": "a", "arguments": {}}</tool_call>\\n<tool_call>{"name": "b", "argu')
+    ('<tool_call>{"name": "b", "argu', (ToolCall(name='a', arguments='{}'),))
+    >>> before_calls("Sure. <tool_c"), before_calls("Sure. <tool_call>{"), before_calls("Sure.")
+    (6, 6, 5)
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+
+from forerun.tool_specs import CLOSE, OPEN
+
+BLOCK = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|\Z)", re.S)
+"""A call block; the last may be cut off by the answer's end (its JSON then decides whether it is calls)."""
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One call the model wrote: the function's name and its arguments as JSON text (an object), as OpenAI sends
+    them."""
+
+    name: str
+    arguments: str
+
+    def as_openai(self, ident: str | None = None) -> dict:
+        """OpenAI's tool call object, with `ident` (a fresh `call_...` id by default)."""
+        function = {"name": self.name, "arguments": self.arguments}
+        return {"id": ident or f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": function}
+
+
+def read_calls(text: str) -> tuple[str | None, tuple[ToolCall, ...]]:
+    """(content, calls) of an answer: the text outside the blocks (stripped; None where only calls were written)
+    and each block's calls in order; (text, ()) where no block is there or one is not calls."""
+    if OPEN not in text:
+        return text, ()
+    calls: list[ToolCall] = []
+    kept: list[str] = []  # the content: text outside the blocks, and a last block cut off before it made calls
+    end = 0
+    for match in BLOCK.finditer(text):
+        found = calls_in(match.group(1))
+        if found is None and match.group(0).endswith(CLOSE):
+            return text, ()
+        kept.append(text[end : match.start()] if found is not None else text[end : match.end()])
+        calls.extend(found or ())
+        end = match.end()
+    content = "".join([*kept, text[end:]]).strip()
+    return (content or None) if calls else content, tuple(calls)
+
+
+def calls_in(body: str) -> list[ToolCall] | None:
+    """The calls of one block's JSON (an object or a list of objects, each with a name and an arguments object;
+    arguments written as a JSON string are read too), or None where it is not that."""
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return None
+    calls = []
+    for item in value if isinstance(value, list) else [value]:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            return None
+        arguments = item.get("arguments", item.get("parameters", {}))
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                return None
+        if not isinstance(arguments, dict):
+            return None
+        calls.append(ToolCall(item["name"], json.dumps(arguments, ensure_ascii=False)))
+    return calls
+
+
+def before_calls(text: str) -> int:
+    """How much of a growing answer may be streamed as content: up to its first block, less an end that could
+    still become one (`<tool_c`)."""
+    start = text.find(OPEN)
+    if start >= 0:
+        return start
+    for length in range(min(len(OPEN) - 1, len(text)), 0, -1):
+        if text.endswith(OPEN[:length]):
+            return len(text) - length
+    return len(text)

@@ -1,0 +1,172 @@
+"""Tools a request offers the model (OpenAI's `tools` and `tool_choice`): checked, shown through the chat template,
+and, where a call is required, the grammar its answer is held to.
+
+The model learns of the tools from its chat template (`apply_chat_template(messages, tools=...)`) and writes its
+calls in the format the template teaches. forerun reads one format, the one Qwen2.5, Qwen3, Hermes and SmolLM2
+teach: JSON between `<tool_call>` and `</tool_call>` (`forerun.tool_calls` reads it back); a template that never
+writes `<tool_call>` teaches another, and its tools are refused by name (`takes_tools`).
+
+`tool_choice`: "auto" (the model decides: its text is plain generate's, the calls read out of it after), "none"
+(the tools are not shown), "required" (one or more calls) or {"type": "function", "function": {"name": ...}} (one
+call of that function). The last two hold the answer to calls in that format, the arguments to the function's
+JSON schema, as `response_format` holds an answer to JSON (`forerun.structured`): a logits processor, so plain
+`model.generate` with it writes the same text.
+
+Example:
+    >>> tools = check_tools([{"type": "function", "function": {"name": "get_weather", "parameters": {
+    ...     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}])
+    >>> check_tool_choice({"type": "function", "function": {"name": "get_weather"}}, tools)
+    'get_weather'
+    >>> print("\\n".join(calls_grammar(tools, "get_weather", parallel=False).splitlines()[:2]))
+    start: block
+    block: "<tool_call>\\n" call "\\n</tool_call>"
+    >>> check_tool_choice("required", ())
+    Traceback (most recent call last):
+    ...
+    ValueError: tool_choice 'required' needs tools
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from forerun.checks import MAX_DEPTH, check_text, nesting
+
+MAX_TOOLS = 128
+"""As OpenAI."""
+NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+"""A function's name, as OpenAI allows it."""
+MODES = ("none", "auto", "required")
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+"""What the format's calls are written between."""
+FUNCTION_KEYS = {"name", "description", "parameters", "strict"}
+
+
+def check_tools(tools: object) -> tuple[dict, ...]:
+    """`tools` as plain JSON copies in OpenAI's form ({"type": "function", "function": {"name", "description",
+    "parameters", "strict"}}), or a ValueError naming the first wrong one (`tools[i]...`)."""
+    if tools is None:
+        return ()
+    if not isinstance(tools, (list, tuple)):
+        raise ValueError(f"tools must be a list of functions, got {type(tools).__name__}")
+    if len(tools) > MAX_TOOLS:
+        raise ValueError(f"tools holds {len(tools)} functions; at most {MAX_TOOLS}")
+    checked, names = [], set()
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, Mapping) or tool.get("type") != "function" or set(tool) != {"type", "function"}:
+            raise ValueError(f'{where} must be {{"type": "function", "function": {{"name": ...}}}}')
+        function = tool["function"]
+        if not isinstance(function, Mapping) or set(function) - FUNCTION_KEYS:
+            raise ValueError(f"{where}.function must be an object of {sorted(FUNCTION_KEYS)}, got {function!r:.60}")
+        name = function.get("name")
+        if not isinstance(name, str) or not NAME.fullmatch(name):
+            raise ValueError(f"{where}.function.name must be 1-64 letters, digits, _ or -, got {name!r:.60}")
+        if name in names:
+            raise ValueError(f"{where}.function.name {name!r} names two tools")
+        names.add(name)
+        check_function(where, function)
+        checked.append({"type": "function", "function": json.loads(json.dumps(dict(function), ensure_ascii=False))})
+    return tuple(checked)
+
+
+def check_function(where: str, function: Mapping) -> None:
+    """A function's description, parameters (a JSON schema object, nested at most MAX_DEPTH levels) and strict."""
+    if not isinstance(function.get("description", ""), str):
+        raise ValueError(f"{where}.function.description must be a string")
+    parameters = function.get("parameters", {})
+    if not isinstance(parameters, Mapping):
+        raise ValueError(f"{where}.function.parameters must be a JSON schema object, got {parameters!r:.60}")
+    if nesting(parameters) > MAX_DEPTH:
+        raise ValueError(f"{where}.function.parameters nests more than {MAX_DEPTH} levels")
+    if not isinstance(function.get("strict", False), bool):
+        raise ValueError(f"{where}.function.strict must be true or false")
+    try:
+        text = json.dumps(dict(function), allow_nan=False, ensure_ascii=False)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{where}.function must be plain JSON: {error}") from None
+    check_text(f"{where}.function", text)
+
+
+def check_tool_choice(choice: object, tools: Sequence[dict]) -> str:
+    """OpenAI's `tool_choice` as one string: 'none', 'auto', 'required', or the name of the one function it names
+    ({"type": "function", "function": {"name": ...}}, or the name alone); None: 'auto' with tools, 'none' without."""
+    if choice is None:
+        return "auto" if tools else "none"
+    names = {tool["function"]["name"] for tool in tools}
+    if isinstance(choice, str) and choice in names - set(MODES):
+        return choice
+    if isinstance(choice, str):
+        if choice not in MODES:
+            raise ValueError(f"tool_choice must be one of {', '.join(MODES)} or a function, got {choice!r:.60}")
+        if choice != "none" and not tools:
+            raise ValueError(f"tool_choice {choice!r} needs tools")
+        return choice
+    named = choice.get("function") if isinstance(choice, Mapping) and choice.get("type") == "function" else None
+    name = named.get("name") if isinstance(named, Mapping) else None
+    if not isinstance(name, str):
+        raise ValueError(f'tool_choice must name a function as {{"type": "function", "function": {{"name": ...}}}}, '
+                         f"got {choice!r:.60}")  # fmt: skip
+    if name in MODES or name not in names:
+        raise ValueError(f"tool_choice names {name!r:.60}, which is not one of the tools")
+    return name
+
+
+def takes_tools(tokenizer: object) -> bool:
+    """Whether the tokenizer's chat template (any of its named ones) teaches the `<tool_call>` format."""
+    return any(OPEN in text for text in templates(tokenizer))
+
+
+def lists_calls(tokenizer: object) -> bool:
+    """Whether the chat template teaches calls as a JSON list in one block (`<tool_call>[...]</tool_call>`, as
+    SmolLM2's), not an object per block (Hermes, Qwen)."""
+    return any(OPEN + "[" in text for text in templates(tokenizer))
+
+
+def templates(tokenizer: object) -> list[str]:
+    """The texts of the tokenizer's chat templates (one, or several by name)."""
+    template = getattr(tokenizer, "chat_template", None)
+    texts = template.values() if isinstance(template, Mapping) else [template]
+    return [text for text in texts if isinstance(text, str)]
+
+
+def calls_grammar(tools: Sequence[dict], name: str | None, parallel: bool, listed: bool = False) -> str:
+    """llguidance's Lark grammar of an answer that is only calls: of function `name` (one), or of any of `tools`
+    (None: one, or several where `parallel`), each `{"name": ..., "arguments": ...}` with the arguments held to the
+    function's parameters; `listed`: the calls as one JSON list in one block (`lists_calls`), else a block each,
+    one per line. The JSON is written as `json.dumps` and the templates' `tojson` write it (no room for a model to
+    spin whitespace until its answer's end)."""
+    chosen = [tool["function"] for tool in tools if name is None or tool["function"]["name"] == name]
+    schemas = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": f["name"]}, "arguments": f.get("parameters") or {"type": "object"}},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for f in chosen
+    ]
+    schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    # written as json.dumps and the templates' tojson write it: no room to spin whitespace until the answer's end
+    schema = {**schema, "x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
+    call = f"call: %json {json.dumps(schema, ensure_ascii=False)}"
+    several = parallel and name is None
+    if listed:
+        calls = 'call (", " call)*' if several else "call"
+        return f'start: "{OPEN}[" {calls} "]{CLOSE}"\n{call}\n'
+    start = 'start: block ("\\n" block)*' if several else "start: block"
+    return f'{start}\nblock: "{OPEN}\\n" call "\\n{CLOSE}"\n{call}\n'
+
+
+def shipped_template(name: str) -> str:
+    """The text of a chat template forerun ships (`chatml-tools`: ChatML, as SmolLM2 and Qwen2.5 write it, with
+    tools listed in the system message and calls as SmolLM2 was taught them), or a ValueError naming those there
+    are."""
+    folder = Path(__file__).parent / "assets" / "chat_templates"
+    shipped = sorted(path.stem for path in folder.glob("*.jinja"))
+    if name not in shipped:
+        raise ValueError(f"no chat template named {name!r} ships with forerun (there are: {', '.join(shipped)})")
+    return (folder / f"{name}.jinja").read_text(encoding="utf-8")

@@ -1,0 +1,120 @@
+"""Tools on a live server (the embedded SmolLM2-135M-Instruct with the shipped `chatml-tools` template), driven by the
+official openai client: required and named calls, streamed and not, a conversation that answers a call, and the
+free answer beside tools; every text what plain generate writes from the same prompt."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+from openai import OpenAI
+from test_server import MODEL, LiveServer
+from transformers import LogitsProcessorList
+
+import forerun
+from forerun.server import ServerConfig, create_app
+from forerun.tool_specs import shipped_template
+
+pytestmark = pytest.mark.real_model
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The current weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+                          "additionalProperties": False}}}  # fmt: skip
+ADD = {"type": "function", "function": {"name": "add", "description": "Add two numbers", "parameters": {
+    "type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}, "required": ["a", "b"],
+    "additionalProperties": False}}}  # fmt: skip
+TOOLS = [WEATHER, ADD]
+ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+
+
+@pytest.fixture(scope="module")
+def served(smollm2):
+    model, tokenizer = smollm2
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.chat_template = shipped_template("chatml-tools")  # as `forerun serve --chat-template chatml-tools`
+    server = LiveServer(create_app(model, tokenizer, ServerConfig(MODEL, "auto", max_tokens_limit=64)))
+    yield server, model, tokenizer
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return OpenAI(base_url=served[0].url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def held_generate(model, tokenizer, messages, choice) -> str:
+    """Plain generate's text from the prompt with the tools, held by the request's constraint."""
+    decoder = forerun.Decoder(model, tokenizer, "plain")
+    request = forerun.GenerationRequest(messages, 64, tools=TOOLS, tool_choice=choice)
+    ids = decoder.encode(messages, tools=TOOLS)
+    constraint = decoder.grammars.constraint(request.held_format, ids.shape[1], frozenset({tokenizer.eos_token_id}))
+    out = model.generate(ids, max_new_tokens=64, do_sample=False, logits_processor=LogitsProcessorList([constraint]))
+    return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+
+
+def test_a_required_call_is_the_models_own_held_to_the_tools(served, client):
+    """The model picks the function and fills its arguments; the call is plain generate's constrained text, read
+    out; `finish_reason` says tool_calls and there is no content."""
+    _, model, tokenizer = served
+    response = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required")
+    choice = response.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.id.startswith("call_") and call.type == "function"
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+    text = held_generate(model, tokenizer, ASK, "required")
+    assert text == f'<tool_call>[{{"name": "get_weather", "arguments": {call.function.arguments}}}]</tool_call>'
+    assert response.forerun["tokens_per_forward"] > 1.5  # the call's text is drafted: names and keys from the prompt
+
+
+def test_a_named_call_streams_whole_after_the_role(served, client):
+    """Streamed, the call comes in one chunk (id, name, arguments), then the finish reason; the arguments are the
+    ones the named function takes, the same as the answer not streamed."""
+    named = {"type": "function", "function": {"name": "add"}}
+    ask = [{"role": "user", "content": "What is 17 plus 25?"}]
+    whole = client.chat.completions.create(model=MODEL, messages=ask, tools=TOOLS, tool_choice=named)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=ask, tools=TOOLS, tool_choice=named,
+                                                 stream=True))  # fmt: skip
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert deltas[0].role == "assistant" and not any(d.content for d in deltas)
+    (carrying,) = [d for d in deltas if d.tool_calls]
+    (call,) = carrying.tool_calls
+    assert call.index == 0 and call.function.name == "add"
+    assert json.loads(call.function.arguments) == {"a": 17, "b": 25}
+    assert whole.choices[0].message.tool_calls[0].function.arguments == call.function.arguments
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+
+
+def test_a_conversation_answers_with_the_tools_result(served, client):
+    """The call and the tool's answer go back to the model; it answers in words (tool_choice auto), the text
+    plain generate writes from the same conversation with the tools, streamed the same."""
+    _, model, tokenizer = served
+    made = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    turns = [*ASK, {"role": "assistant", "content": None, "tool_calls": [made]},
+             {"role": "tool", "tool_call_id": "call_1", "content": '{"sky": "clear", "celsius": 21}'}]  # fmt: skip
+    response = client.chat.completions.create(model=MODEL, messages=turns, tools=TOOLS, max_tokens=48)
+    choice = response.choices[0]
+    template_turns = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+        {**made, "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}, turns[2]]  # fmt: skip
+    expected = forerun.Decoder(model, tokenizer, "plain").generate(template_turns, 48, tools=TOOLS)
+    assert expected.tool_calls == () and choice.message.tool_calls is None
+    assert choice.message.content == expected.text and choice.finish_reason == expected.finish_reason
+    stream = client.chat.completions.create(model=MODEL, messages=turns, tools=TOOLS, max_tokens=48, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == expected.text
+
+
+def test_tools_on_a_template_without_them_are_a_400_naming_tools(smollm2):
+    """The embedded model's own template teaches no calls: tools are refused by name, tool_choice none is fine."""
+    import httpx
+
+    model, tokenizer = smollm2
+    server = LiveServer(create_app(model, tokenizer, ServerConfig(MODEL, "plain", max_tokens_limit=8)))
+    try:
+        body = {"messages": ASK, "tools": TOOLS, "max_tokens": 4}
+        refused = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "tools"
+        assert "--chat-template" in refused.json()["error"]["message"]
+        fine = httpx.post(server.url + "/v1/chat/completions", json={**body, "tool_choice": "none"}, timeout=60)
+        assert fine.status_code == 200 and "tool_calls" not in fine.json()["choices"][0]["message"]
+    finally:
+        server.stop()

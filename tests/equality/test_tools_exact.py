@@ -1,0 +1,97 @@
+"""Tools: every method writes what plain generate writes from the prompt the chat template makes with the tools,
+free (`tool_choice` auto) or held to calls (required, named) with the request's constraint as its processor, alone
+and batched; the calls read out are the text's (`forerun.tool_specs`, `forerun.tool_calls`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LogitsProcessorList
+
+import forerun
+from forerun.costmodel import LatencyCurve
+from forerun.tool_calls import read_calls
+from forerun.tool_specs import shipped_template
+
+from tiny_models import byte_tokenizer, tiny_model
+
+CURVE = LatencyCurve((1, 8, 32), (1.0, 1.1, 1.5))
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 6}}, "required": ["city"],
+    "additionalProperties": False, "x-guidance": {"whitespace_flexible": False}}}}  # fmt: skip
+ADD = {"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["a"],
+    "additionalProperties": False, "x-guidance": {"whitespace_flexible": False}}}}  # fmt: skip
+TOOLS = [WEATHER, ADD]
+CHOICES = {"auto": "auto", "required": "required", "named": {"type": "function", "function": {"name": "add"}}}
+MESSAGES = [[{"role": "user", "content": "Weather in Oslo?"}], [{"role": "user", "content": "Add 2 and 3."}]]
+NEW = 96
+"""New tokens: room for a call in byte-sized tokens (about 80)."""
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    tokenizer = byte_tokenizer()
+    tokenizer.chat_template = shipped_template("chatml-tools")
+    return tokenizer
+
+
+def model_of(family: str, attention: str, tokenizer) -> torch.nn.Module:
+    model = tiny_model(family, attention, vocab_size=len(tokenizer), max_position_embeddings=1024)  # byte tokens
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return model
+
+
+def expected(model, decoder, tokenizer, messages, choice) -> torch.Tensor:
+    """Plain generate from the prompt with the tools, with the request's constraint where it holds one."""
+    ids = tokenizer.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, return_tensors="pt",
+                                        return_dict=True)["input_ids"]  # fmt: skip
+    request = forerun.GenerationRequest(messages, NEW, tools=TOOLS, tool_choice=choice, parallel_tool_calls=False)
+    processors = []
+    if request.held_format is not None:
+        ends = frozenset({tokenizer.eos_token_id})
+        processors.append(decoder.grammars.constraint(request.held_format, ids.shape[1], ends))
+    return model.generate(ids, max_new_tokens=NEW, do_sample=False, pad_token_id=0,
+                          logits_processor=LogitsProcessorList(processors))  # fmt: skip
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_every_method_writes_generates_text_with_the_tools_free_or_held_to_calls(family, attention, tokenizer):
+    """Greedy, each tool_choice: every method, alone and as a batch of two, writes generate's text; a required or
+    named call is a call of the tools (of the one named), and holding it changes the text (the control)."""
+    model = model_of(family, attention, tokenizer)
+    reference = forerun.Decoder(model, tokenizer, "plain", latency=CURVE)
+    wanted = {kind: [expected(model, reference, tokenizer, m, c) for m in MESSAGES] for kind, c in CHOICES.items()}
+    assert not torch.equal(wanted["auto"][0], wanted["required"][0])
+    held_calls = 0
+    for method in ("plain", "prompt_lookup", "trie", "auto"):
+        decoder = forerun.Decoder(model, tokenizer, method, latency=CURVE)
+        for kind, choice in CHOICES.items():
+            options = {"tools": TOOLS, "tool_choice": choice, "parallel_tool_calls": False}
+            alone = decoder.generate(MESSAGES[0], NEW, **options)
+            assert torch.equal(alone.sequences, wanted[kind][0]), (method, kind)
+            batch = decoder.generate(MESSAGES, NEW, **options)
+            for row, want in zip(batch, wanted[kind], strict=True):
+                assert torch.equal(row.sequences, want), (method, kind, "batched")
+            for result in (alone, *batch):
+                assert result.tool_calls == read_calls(result.text)[1]
+                if kind != "auto" and result.finish_reason != "length":  # held: one call, whole
+                    assert result.finish_reason == "tool_calls" and len(result.tool_calls) == 1, result.text
+                    held_calls += 1
+                    assert result.content is None
+                    assert kind != "named" or result.tool_calls[0].name == "add"
+    assert held_calls >= 8  # the held answers' calls were read, not all cut off by the length
+
+
+def test_tools_need_a_template_that_takes_them_and_a_chat_prompt(tokenizer):
+    model = model_of("llama", "sdpa", tokenizer)
+    plain = byte_tokenizer()
+    plain.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    with pytest.raises(ValueError, match="chat template does not teach tool calls"):
+        forerun.Decoder(model, plain, "plain", latency=CURVE).generate(MESSAGES[0], 4, tools=TOOLS)
+    decoder = forerun.Decoder(model, tokenizer, "plain", latency=CURVE)
+    with pytest.raises(ValueError, match="tools are shown by the chat template"):
+        decoder.generate("Weather?", 4, tools=TOOLS)
+    assert decoder.generate("Weather?", 4, tools=TOOLS, chat=True).tool_calls is not None
+    assert decoder.generate(MESSAGES[0], 4).tool_calls is None

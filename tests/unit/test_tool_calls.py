@@ -1,0 +1,262 @@
+"""Tools without a model: their checks, the calls read out of a text, the grammar a required call is held to, the
+shipped chat template, and a stream that holds a call back until the answer ends."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import torch
+
+from forerun import GenerationRequest
+from forerun.server.stream import Calls, TokenStream
+from forerun.structured import Grammars
+from forerun.tool_calls import ToolCall, before_calls, read_calls
+from forerun.tool_specs import (
+    MAX_TOOLS,
+    calls_grammar,
+    check_tool_choice,
+    check_tools,
+    lists_calls,
+    shipped_template,
+    takes_tools,
+)
+
+from tiny_models import byte_tokenizer
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 12}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+ADD = {"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {
+    "a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"],
+    "additionalProperties": False}}}  # fmt: skip
+
+
+def call(name: str, **arguments) -> str:
+    return json.dumps({"name": name, "arguments": arguments})
+
+
+@pytest.mark.parametrize(
+    ("text", "content", "calls"),
+    [
+        ("Paris is sunny.", "Paris is sunny.", ()),
+        (f"<tool_call>\n{call('add', a=1, b=2)}\n</tool_call>", None, (ToolCall("add", '{"a": 1, "b": 2}'),)),
+        (  # SmolLM2's form: a list in one block; then a second block, Hermes' form
+            f"Looking.\n<tool_call>[{call('add', a=1, b=2)}, {call('now')}]</tool_call>\n"
+            f"<tool_call>{call('get_weather', city='Oslo')}</tool_call>",
+            "Looking.",
+            (ToolCall("add", '{"a": 1, "b": 2}'), ToolCall("now", "{}"), ToolCall("get_weather", '{"city": "Oslo"}')),
+        ),
+        ('<tool_call>{"name": "add", "arguments": "{\\"a\\": 1}"}</tool_call>', None, (ToolCall("add", '{"a": 1}'),)),
+        ('<tool_call>{"name": "add", "parameters": {"a": 1}}</tool_call>', None, (ToolCall("add", '{"a": 1}'),)),
+        ("<tool_call>[]</tool_call> Nothing to call.", "Nothing to call.", ()),
+        # not calls: the whole text is the answer, nothing lost
+        ("Use <tool_call>like this</tool_call>.", "Use <tool_call>like this</tool_call>.", ()),
+        ('<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', ()),
+        (
+            '<tool_call>{"name": "a", "arguments": [1]}</tool_call>',
+            '<tool_call>{"name": "a", "arguments": [1]}</tool_call>',
+            (),
+        ),
+        # the answer's end cut the last block: the calls before it stand, the cut block stays in the content
+        (f"<tool_call>{call('now')}</tool_call>\n<tool_call>" + '{"na', '<tool_call>{"na', (ToolCall("now", "{}"),)),
+        ("<tool_call>{", "<tool_call>{", ()),
+    ],
+)
+def test_calls_are_read_out_of_the_text_and_nothing_else_is_lost(text, content, calls):
+    assert read_calls(text) == (content, calls)
+
+
+def test_a_stream_holds_back_what_may_be_a_call():
+    assert [before_calls(t) for t in ("", "<", "Hi <tool", "Hi <tool_call>", "Hi <tool_call>{", "a < b")] == [
+        0, 0, 3, 3, 3, 5]  # fmt: skip
+    assert ToolCall("add", "{}").as_openai("call_1") == {
+        "id": "call_1", "type": "function", "function": {"name": "add", "arguments": "{}"}}  # fmt: skip
+    assert ToolCall("add", "{}").as_openai()["id"].startswith("call_")
+
+
+@pytest.mark.parametrize(
+    ("tools", "fragment"),
+    [
+        ({"type": "function"}, "must be a list"),
+        ([{"type": "function"}] * (MAX_TOOLS + 1), f"at most {MAX_TOOLS}"),
+        ([{"type": "retrieval"}], "tools[0] must be"),
+        ([{"type": "function", "function": {"name": "a"}, "x": 1}], "tools[0] must be"),
+        ([{"type": "function", "function": {"name": "a", "code": "rm -rf"}}], "tools[0].function must be an object"),
+        ([{"type": "function", "function": {"name": "a b"}}], "letters, digits"),
+        ([{"type": "function", "function": {"name": "x" * 65}}], "letters, digits"),
+        ([WEATHER, WEATHER], "names two tools"),
+        ([{"type": "function", "function": {"name": "a", "parameters": "{}"}}], "JSON schema object"),
+        ([{"type": "function", "function": {"name": "a", "description": 3}}], "description must be a string"),
+        ([{"type": "function", "function": {"name": "a", "strict": "yes"}}], "strict must be true or false"),
+        ([{"type": "function", "function": {"name": "a", "description": "a\ud800"}}], "lone surrogate"),
+        ([{"type": "function", "function": {"name": "a", "parameters": {"default": float("nan")}}}], "plain JSON"),
+    ],
+)
+def test_bad_tools_are_refused_naming_the_one_at_fault(tools, fragment):
+    with pytest.raises(ValueError, match="tools") as caught:
+        check_tools(tools)
+    assert fragment in str(caught.value)
+
+
+def test_tools_nested_past_the_limit_are_refused_before_any_parser_sees_them():
+    schema: dict = {"type": "integer"}
+    for _ in range(70):
+        schema = {"type": "object", "properties": {"a": schema}}
+    with pytest.raises(ValueError, match=r"tools\[0\].function.parameters nests more than 64"):
+        check_tools([{"type": "function", "function": {"name": "deep", "parameters": schema}}])
+
+
+def test_tool_choice_forms():
+    tools = check_tools([WEATHER, ADD])
+    named = {"type": "function", "function": {"name": "add"}}
+    assert [check_tool_choice(c, tools) for c in (None, "auto", "none", "required", named)] == [
+        "auto", "auto", "none", "required", "add"]  # fmt: skip
+    assert check_tool_choice(None, ()) == "none" and check_tool_choice("none", ()) == "none"
+    for choice, fragment in [
+        ("any", "must be one of"),
+        ({"type": "function", "function": {"name": "sub"}}, "not one of the tools"),
+        ({"type": "function", "function": {"name": "auto"}}, "not one of the tools"),
+        ({"type": "function", "name": "add"}, "must name a function"),
+        (3, "must name a function"),
+    ]:
+        with pytest.raises(ValueError, match="tool_choice") as caught:
+            check_tool_choice(choice, tools)
+        assert fragment in str(caught.value)
+    with pytest.raises(ValueError, match="tools and response_format cannot be used together"):
+        GenerationRequest([{"role": "user", "content": "Hi"}], 8, tools=[ADD], response_format={"type": "json_object"})
+    request = GenerationRequest([{"role": "user", "content": "Hi"}], 8, tools=[ADD], tool_choice="none")
+    assert request.shown_tools is None and request.held_format is None and not request.processed
+    request = GenerationRequest([{"role": "user", "content": "Hi"}], 8, tools=[ADD], tool_choice=named)
+    assert request.tool_choice == "add" and request.held_format["name"] == "add" and request.processed
+
+
+@pytest.fixture(scope="module")
+def grammars():
+    tokenizer = byte_tokenizer()
+    return Grammars(tokenizer, len(tokenizer), tokenizer.eos_token_id), tokenizer
+
+
+@pytest.mark.parametrize("listed", [False, True], ids=["a block each", "one list"])
+def test_a_required_call_is_held_to_the_format_and_the_functions_schema(grammars, listed):
+    """Only the functions' own calls, their arguments matching the schema, in the template's form, pass; text
+    before them, another function, a wrong argument, a second call where one is asked for do not."""
+    grammars, tokenizer = grammars
+    tools = check_tools([WEATHER, ADD])
+
+    def accepts(text: str, name: str | None, parallel: bool) -> bool:
+        from llguidance import LLMatcher
+
+        grammar = LLMatcher.grammar_from_lark(calls_grammar(tools, name, parallel, listed))
+        matcher = LLMatcher(grammars.tokens(), grammar, log_level=0)
+        assert not matcher.is_error(), matcher.get_error()
+        return matcher.consume_tokens(tokenizer.encode(text, add_special_tokens=False)) and matcher.is_accepting()
+
+    def written(*calls: str) -> str:
+        return f"<tool_call>[{', '.join(calls)}]</tool_call>" if listed else "\n".join(
+            f"<tool_call>\n{c}\n</tool_call>" for c in calls)  # fmt: skip
+
+    weather, add = call("get_weather", city="Oslo"), call("add", a=1, b=2)
+    assert accepts(written(weather), None, False) and accepts(written(add), "add", False)
+    assert accepts(written(weather, add), None, True) and not accepts(written(weather, add), None, False)
+    assert not accepts(written(weather), "add", False)  # another function than the one named
+    assert not accepts(written(call("add", a=1, b="2")), None, True)  # an argument against the schema
+    assert not accepts(written(call("get_weather", city="Oslo", unit="C")), None, True)
+    assert not accepts(written(call("sub", a=1, b=2)), None, True)
+    assert not accepts("Sure. " + written(add), None, True)
+    assert read_calls(written(weather, add))[1] == (
+        ToolCall("get_weather", '{"city": "Oslo"}'), ToolCall("add", '{"a": 1, "b": 2}'))  # fmt: skip
+
+
+def test_the_shipped_template_shows_tools_calls_and_answers():
+    """chatml-tools lists the tools in the system message (after the caller's own system text), writes an
+    assistant's calls in the form it teaches (the one `read_calls` reads), and a tool's answer; without tools it is
+    plain ChatML."""
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = byte_tokenizer()
+    tokenizer.chat_template = shipped_template("chatml-tools")
+    assert takes_tools(tokenizer) and lists_calls(tokenizer)
+    assert not takes_tools(PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend_tokenizer))
+    made = [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": None, "tool_calls": made},
+        {"role": "tool", "content": '{"sky": "clear"}'},
+    ]
+    text = tokenizer.apply_chat_template(messages, tools=[WEATHER], tokenize=False, add_generation_prompt=True)
+    assert text.startswith("<|im_start|>system\nBe brief.\n\n") and json.dumps(WEATHER) in text
+    assert text.count("Be brief.") == 1 and text.endswith("<|im_start|>assistant\n")
+    written = text.split("<|im_start|>assistant\n")[1].split("<|im_end|>")[0]
+    assert read_calls(written) == (None, (ToolCall("get_weather", '{"city": "Oslo"}'),))
+    assert '<tool_response>\n{"sky": "clear"}\n</tool_response>' in text
+    plain = tokenizer.apply_chat_template(messages[:2], tokenize=False, add_generation_prompt=True)
+    assert plain == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWeather in Oslo?<|im_end|>\n" \
+        "<|im_start|>assistant\n"  # fmt: skip
+    with pytest.raises(ValueError, match="there are: chatml-tools"):
+        shipped_template("llama3-tools")
+
+
+def streamed(text: str, stops: list[str], pieces: int = 1) -> list:
+    """The items a tools stream queues for `text` put `pieces` tokens at a time."""
+    tokenizer = byte_tokenizer()
+    loop = asyncio.new_event_loop()
+    try:
+        stream = TokenStream(tokenizer, loop, stops, tools=True)
+        stream.put(torch.tensor([[1, 2]]))  # the prompt
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        for start in range(0, len(ids), pieces):
+            stream.put(torch.tensor(ids[start : start + pieces]))
+        stream.end()
+        loop.run_until_complete(asyncio.sleep(0))
+        items = []
+        while (item := stream.queue.get_nowait()) is not None:
+            items.append(item)
+        return items
+    finally:
+        loop.close()
+
+
+def test_a_tools_stream_sends_content_as_it_comes_and_calls_whole_at_the_end():
+    items = streamed(f"Let me look.\n<tool_call>{call('add', a=1, b=2)}</tool_call>", [])
+    content = "".join(delta for delta, extra in items if not isinstance(extra, Calls))
+    assert content == "Let me look.\n" and len(items) > 2  # streamed piece by piece, up to the block
+    assert isinstance(items[-1][1], Calls) and items[-1][1].calls == (ToolCall("add", '{"a": 1, "b": 2}'),)
+    plain = streamed("No <tool_call> here, a < b.", [])  # not calls: the held text comes out at the end, whole
+    assert "".join(delta for delta, _ in plain) == "No <tool_call> here, a < b."
+    assert not any(isinstance(extra, Calls) for _, extra in plain)
+    stopped = streamed(f"Done.\n\n<tool_call>{call('now')}</tool_call>", ["\n\n"])  # a stop before the block
+    assert "".join(delta for delta, _ in stopped) == "Done." and not any(isinstance(e, Calls) for _, e in stopped)
+
+
+def test_serve_reads_a_chat_template_by_file_or_shipped_name(tmp_path):
+    """`forerun serve --chat-template`: a file, or a shipped template by name; an unreadable or empty file, an
+    unknown name, a template that does not render are each one error naming the option."""
+    from forerun.cli.serve import read_chat_template, use_chat_template
+
+    assert read_chat_template("chatml-tools") == shipped_template("chatml-tools")
+    path = tmp_path / "mine.jinja"
+    path.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert read_chat_template(str(path)).startswith("{% for")
+    tokenizer = byte_tokenizer()
+    use_chat_template(tokenizer, read_chat_template(str(path)))
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False) == "Hi"
+    path.write_text("  ")
+    for bad, fragment in [(str(path), "empty"), (str(tmp_path / "none.jinja"), "cannot be read"),
+                          ("llama9", "no chat template named 'llama9'")]:  # fmt: skip
+        with pytest.raises(ValueError, match=fragment):
+            read_chat_template(bad)
+    with pytest.raises(ValueError, match="--chat-template: the template does not render"):
+        use_chat_template(tokenizer, "{% for m in messages %}{{ m.content }")
