@@ -189,7 +189,8 @@ def finished_result(tokenizer, prepared: Prepared, stats: GenerationStats) -> Ge
     reason = "length" if stop_at is None and not ended and full else "stop"
     calls = None
     if text is not None and prepared.request.shown_tools:
-        calls = read_calls(text if stop_at is None else text[:stop_at])[1]
+        names = {tool["function"]["name"] for tool in prepared.request.shown_tools}
+        calls = read_calls(text if stop_at is None else text[:stop_at], names)[1]
         reason = "tool_calls" if calls and reason == "stop" else reason
     return GenerationResult(
         sequences,

@@ -46,7 +46,9 @@ class GenerationResult:
     def content(self) -> str | None:
         """The answer's text less its calls (None where it is only calls): `shown_text` where no tools were
         offered."""
-        return self.shown_text if self.tool_calls is None else read_calls(self.shown_text)[0]
+        if self.tool_calls is None:
+            return self.shown_text
+        return read_calls(self.shown_text, {call.name for call in self.tool_calls})[0]
 
     @property
     def new_tokens(self) -> list[int]:

@@ -3,8 +3,9 @@
 Input rows: `{"id": ..., "prompt": "..."}` or `{"id": ..., "messages": [...]}`, with optional per-row settings that
 override the command's (`max_new_tokens`, `chat`, `stop`, `do_sample`, `temperature`, `top_p`, `top_k`, `min_p`,
 `repetition_penalty`, `frequency_penalty`, `presence_penalty`, `seed`; the penalties act on greedy rows too;
-`response_format`, OpenAI's, for JSON answers).
-Output rows: `{"id", "text", "tokens", "prompt_tokens", "stats"}`, one per record;
+`response_format`, OpenAI's, for JSON answers; `tools` and `tool_choice`, OpenAI's, for calls).
+Output rows: `{"id", "text", "tokens", "prompt_tokens", "stats"}`, one per record, and `"tool_calls"` (each
+`{"name", "arguments"}`, the arguments as JSON text) where the record offered tools;
 `text` ends before the first stop string, as the server's answers do.
 
 Batching: every record is its own `GenerationRequest`, so records with different settings (greedy beside sampled,
@@ -45,7 +46,7 @@ from forerun.penalties import REQUEST_FIELDS as PENALTY_FIELDS
 from forerun.request import GenerationRequest
 
 SETTINGS = ("max_new_tokens", "chat", "stop", "do_sample", "temperature", "top_p", "top_k", "min_p",
-            "repetition_penalty", *PENALTY_FIELDS, "seed", "response_format")  # fmt: skip
+            "repetition_penalty", *PENALTY_FIELDS, "seed", "response_format", "tools", "tool_choice")  # fmt: skip
 """Per-row settings a record may carry (they override the command's)."""
 
 
@@ -69,6 +70,7 @@ class Record:
         stop, seed = settings.pop("stop", None), settings.pop("seed", None)
         penalties = {k: settings.pop(k) for k in PENALTY_FIELDS if k in settings}
         response_format = settings.pop("response_format", None)
+        tools, tool_choice = settings.pop("tools", None), settings.pop("tool_choice", None)
         generation = {k: v for k, v in settings.items() if v is not None}
         do_sample = bool(generation.pop("do_sample", False))
         if not do_sample:  # the command's sampling settings idle; a repetition penalty acts on greedy rows too
@@ -82,6 +84,8 @@ class Record:
             seed=None if seed is None else offset_seed(seed, self.position),
             generation=generation,
             response_format=response_format,
+            tools=tools,
+            tool_choice=tool_choice,
             **{k: v for k, v in penalties.items() if v is not None},  # request fields, not transformers settings
         )
 
@@ -116,7 +120,7 @@ def parse_record(line: str, number: int, defaults: dict, position: int = 0) -> R
     if "messages" in row and (
         not isinstance(prompt, list)
         or not prompt
-        or not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in prompt)
+        or not all(isinstance(m, dict) and (isinstance(m.get("content"), str) or m.get("tool_calls")) for m in prompt)
     ):
         raise ValueError(f"line {number}: 'messages' must be a list of {{role, content}} objects")
     for flag in ("chat", "do_sample"):
@@ -290,7 +294,10 @@ def decode_records(decoder, records: list[Record], batch_size: int) -> Iterator[
 def output_row(record: Record, result) -> dict:
     """{"id", "text", "tokens", "prompt_tokens", "stats"} of one decoded record. `text` ends where the first stop
     string begins (as the server's answers do); `tokens` are every token generated, the one that completed the stop
-    string included."""
+    string included; `tool_calls` where the record offered tools."""
+    calls = {}
+    if result.tool_calls is not None:
+        calls = {"tool_calls": [{"name": call.name, "arguments": call.arguments} for call in result.tool_calls]}
     return {
         "id": record.ident,
         "text": result.shown_text if result.text is not None else None,
@@ -302,6 +309,7 @@ def output_row(record: Record, result) -> dict:
             "acceptance": round(result.stats.acceptance_rate, 3),
             "seconds": round(result.stats.total_seconds, 3),
         },
+        **calls,
     }
 
 

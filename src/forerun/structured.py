@@ -37,7 +37,7 @@ import torch
 from transformers import LogitsProcessor
 
 from forerun.checks import MAX_DEPTH, check_text, nesting
-from forerun.tool_specs import calls_grammar, lists_calls
+from forerun.tool_specs import CallForm, call_form, calls_grammar
 from forerun.tree import TokenTree
 
 logger = logging.getLogger(__name__)
@@ -95,15 +95,15 @@ def check_schema_entry(entry: object) -> None:
         raise ValueError("response_format's json_schema.strict must be true or false")
 
 
-def grammar_of(response_format: Mapping[str, Any], listed: bool = False) -> str:
+def grammar_of(response_format: Mapping[str, Any], form: CallForm | None = None) -> str:
     """llguidance's grammar for a checked JSON format (any JSON object, or the given schema), or for a request's
     required tool calls ({"type": "tool_calls", "tools", "name", "parallel"}: `GenerationRequest.held_format`,
-    as one list where `listed`: `forerun.tool_specs.calls_grammar`)."""
+    in the chat template's `form`: `forerun.tool_specs.calls_grammar`)."""
     from llguidance import LLMatcher
 
     if response_format["type"] == "tool_calls":
         tools, name, parallel = response_format["tools"], response_format["name"], response_format["parallel"]
-        return LLMatcher.grammar_from_lark(calls_grammar(tools, name, parallel, listed))
+        return LLMatcher.grammar_from_lark(calls_grammar(tools, name, parallel, form or CallForm()))
     if response_format["type"] == "json_object":
         return LLMatcher.grammar_from_json_schema({"type": "object"})
     return LLMatcher.grammar_from_json_schema(response_format["json_schema"]["schema"])
@@ -168,7 +168,10 @@ class Grammars:
         thread, so the row built there finds it ready."""
         from llguidance import LLMatcher
 
-        grammar = grammar_of(response_format, lists_calls(self.tokenizer))
+        form = None
+        if response_format["type"] == "tool_calls":
+            form = call_form(self.tokenizer, self.tokens().is_special_token)
+        grammar = grammar_of(response_format, form)
         with self.lock:
             tokens = self.tokens()
             if grammar in self.compiled:

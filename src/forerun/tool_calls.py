@@ -21,8 +21,12 @@ Example:
     ('<tool_call>not JSON</tool_call>', ())
     >>> read_calls('<tool_call>{"name": "a", "arguments": {}}</tool_call>\\n<tool_call>{"name": "b", "argu')
     ('<tool_call>{"name": "b", "argu', (ToolCall(name='a', arguments='{}'),))
+    >>> read_calls('{"name": "get_weather", "arguments": {"city": "Paris"}}', names={"get_weather"})
+    (None, (ToolCall(name='get_weather', arguments='{"city": "Paris"}'),))
     >>> before_calls("Sure. <tool_c"), before_calls("Sure. <tool_call>{"), before_calls("Sure.")
     (6, 6, 5)
+    >>> before_calls(' {"name', bare=True), before_calls("Sure.", bare=True)
+    (0, 5)
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from forerun.tool_specs import CLOSE, OPEN
@@ -52,10 +57,15 @@ class ToolCall:
         return {"id": ident or f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": function}
 
 
-def read_calls(text: str) -> tuple[str | None, tuple[ToolCall, ...]]:
+def read_calls(text: str, names: Collection[str] = ()) -> tuple[str | None, tuple[ToolCall, ...]]:
     """(content, calls) of an answer: the text outside the blocks (stripped; None where only calls were written)
-    and each block's calls in order; (text, ()) where no block is there or one is not calls."""
+    and each block's calls in order; (text, ()) where no block is there or one is not calls. An answer without
+    blocks that is nothing but calls of functions in `names` (the tools offered), as JSON, is read as those calls:
+    small models drop the tags their template teaches."""
     if OPEN not in text:
+        bare = calls_in(text.strip()) if text.strip()[:1] in ("{", "[") else None
+        if bare and all(call.name in names for call in bare):
+            return None, tuple(bare)
         return text, ()
     calls: list[ToolCall] = []
     kept: list[str] = []  # the content: text outside the blocks, and a last block cut off before it made calls
@@ -94,9 +104,12 @@ def calls_in(body: str) -> list[ToolCall] | None:
     return calls
 
 
-def before_calls(text: str) -> int:
+def before_calls(text: str, bare: bool = False) -> int:
     """How much of a growing answer may be streamed as content: up to its first block, less an end that could
-    still become one (`<tool_c`)."""
+    still become one (`<tool_c`); none of an answer that could still be bare calls (`bare`: it starts as JSON,
+    or with nothing but spaces so far)."""
+    if bare and text.lstrip()[:1] in ("", "{", "["):
+        return 0
     start = text.find(OPEN)
     if start >= 0:
         return start

@@ -19,7 +19,7 @@ Example:
     'get_weather'
     >>> print("\\n".join(calls_grammar(tools, "get_weather", parallel=False).splitlines()[:2]))
     start: block
-    block: "<tool_call>\\n" call "\\n</tool_call>"
+    block: "<tool_call>" "\\n" call "\\n" "</tool_call>"
     >>> check_tool_choice("required", ())
     Traceback (most recent call last):
     ...
@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from forerun.checks import MAX_DEPTH, check_text, nesting
@@ -120,10 +121,28 @@ def takes_tools(tokenizer: object) -> bool:
     return any(OPEN in text for text in templates(tokenizer))
 
 
-def lists_calls(tokenizer: object) -> bool:
-    """Whether the chat template teaches calls as a JSON list in one block (`<tool_call>[...]</tool_call>`, as
-    SmolLM2's), not an object per block (Hermes, Qwen)."""
-    return any(OPEN + "[" in text for text in templates(tokenizer))
+@dataclass(frozen=True)
+class CallForm:
+    """How a chat template writes calls, as a required call's grammar must: one JSON list in one block
+    (`<tool_call>[...]</tool_call>`, as SmolLM2's) or an object per block (Hermes, Qwen); and how the grammar
+    spells the block's marks: as text (`"<tool_call>"`), or as the one token of their own a tokenizer gives them
+    (`<tool_call>`: Qwen's, which llguidance reads as a special token, never as its text)."""
+
+    listed: bool = False
+    open: str = json.dumps(OPEN)
+    close: str = json.dumps(CLOSE)
+
+
+def call_form(tokenizer: object, special: Callable[[int], bool]) -> CallForm:
+    """The `CallForm` of a tokenizer's chat template; `special(id)`: whether llguidance reads token `id` as a
+    special token."""
+
+    def term(mark: str) -> str:
+        ids = tokenizer(mark, add_special_tokens=False)["input_ids"]
+        return mark if len(ids) == 1 and special(ids[0]) else json.dumps(mark)
+
+    listed = any(OPEN + "[" in text for text in templates(tokenizer))
+    return CallForm(listed, term(OPEN), term(CLOSE))
 
 
 def templates(tokenizer: object) -> list[str]:
@@ -133,12 +152,12 @@ def templates(tokenizer: object) -> list[str]:
     return [text for text in texts if isinstance(text, str)]
 
 
-def calls_grammar(tools: Sequence[dict], name: str | None, parallel: bool, listed: bool = False) -> str:
+def calls_grammar(tools: Sequence[dict], name: str | None, parallel: bool, form: CallForm = CallForm()) -> str:
     """llguidance's Lark grammar of an answer that is only calls: of function `name` (one), or of any of `tools`
     (None: one, or several where `parallel`), each `{"name": ..., "arguments": ...}` with the arguments held to the
-    function's parameters; `listed`: the calls as one JSON list in one block (`lists_calls`), else a block each,
-    one per line. The JSON is written as `json.dumps` and the templates' `tojson` write it (no room for a model to
-    spin whitespace until its answer's end)."""
+    function's parameters, written in the template's `form` (one list in one block, or a block each, one per line).
+    The JSON is written as `json.dumps` and the templates' `tojson` write it (no room for a model to spin
+    whitespace until its answer's end)."""
     chosen = [tool["function"] for tool in tools if name is None or tool["function"]["name"] == name]
     schemas = [
         {
@@ -154,11 +173,11 @@ def calls_grammar(tools: Sequence[dict], name: str | None, parallel: bool, liste
     schema = {**schema, "x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
     call = f"call: %json {json.dumps(schema, ensure_ascii=False)}"
     several = parallel and name is None
-    if listed:
+    if form.listed:
         calls = 'call (", " call)*' if several else "call"
-        return f'start: "{OPEN}[" {calls} "]{CLOSE}"\n{call}\n'
+        return f'start: {form.open} "[" {calls} "]" {form.close}\n{call}\n'
     start = 'start: block ("\\n" block)*' if several else "start: block"
-    return f'{start}\nblock: "{OPEN}\\n" call "\\n{CLOSE}"\n{call}\n'
+    return f'{start}\nblock: {form.open} "\\n" call "\\n" {form.close}\n{call}\n'
 
 
 def shipped_template(name: str) -> str:

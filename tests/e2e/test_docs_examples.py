@@ -26,9 +26,11 @@ def test_the_readme_example_runs():
 def test_the_usage_examples_run_in_order():
     blocks = python_blocks("docs/usage.md")
     scope: dict = {"prompts": ["Name a colour.", "Count to three.", "Say hi."]}
-    for index in (0, 1, 2, 3, 4):  # one prompt, many prompts, requests, JSON, scoring (later: other models)
+    for index in (0, 1, 2, 3, 4, 5):  # one prompt, many prompts, requests, JSON, scoring, tools (later: others)
         exec(compile(blocks[index], f"docs/usage.md block {index}", "exec"), scope)  # noqa: S102
     assert isinstance(scope["json"].loads(scope["result"].text)["answer"], int)
     assert scope["entries"][0] is None and len(scope["entries"]) == scope["whole"].shape[1]
+    (call,) = scope["called"].tool_calls
+    assert call.name == "get_weather" and scope["called"].finish_reason == "tool_calls" and scope["told"].content
     assert scope["result"].text and all(r.text for r in scope["results"])
     assert len(scope["results"]) == 3 and len(scope["requests"]) == 3 and scope["result"].finish_reason

@@ -118,3 +118,30 @@ def test_tools_on_a_template_without_them_are_a_400_naming_tools(smollm2):
         assert fine.status_code == 200 and "tool_calls" not in fine.json()["choices"][0]["message"]
     finally:
         server.stop()
+
+
+def test_hostile_tools_are_400s_and_the_server_goes_on(served, client):
+    """A schema no grammar holds, a call on a user's message, arguments that are not an object: each a 400 naming
+    its field, and the next request is answered."""
+    import httpx
+
+    url = served[0].url + "/v1/chat/completions"
+    broken = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "a": {"$ref": "#/definitions/missing"}}}}}  # fmt: skip
+    made = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "[1, 2]"}}
+    cases = [
+        ({"messages": ASK, "tools": [broken], "tool_choice": "required"}, "tools"),
+        (
+            {"messages": [{"role": "user", "content": "x", "tool_calls": [made]}], "tools": TOOLS},
+            "messages[0].tool_calls",
+        ),
+        (
+            {"messages": [*ASK, {"role": "assistant", "tool_calls": [made]}], "tools": TOOLS},
+            "messages[1].tool_calls[0]",
+        ),
+        ({"messages": ASK, "tools": [WEATHER] * 2}, "tools"),
+    ]
+    for body, param in cases:
+        refused = httpx.post(url, json={**body, "max_tokens": 4}, timeout=60)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param, refused.text
+    assert client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4).choices[0].message.content

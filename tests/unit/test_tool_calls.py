@@ -9,16 +9,17 @@ import json
 import pytest
 import torch
 
-from forerun import GenerationRequest
+from forerun import GenerationRequest, GenerationResult
 from forerun.server.stream import Calls, TokenStream
 from forerun.structured import Grammars
 from forerun.tool_calls import ToolCall, before_calls, read_calls
 from forerun.tool_specs import (
     MAX_TOOLS,
+    CallForm,
+    call_form,
     calls_grammar,
     check_tool_choice,
     check_tools,
-    lists_calls,
     shipped_template,
     takes_tools,
 )
@@ -158,7 +159,7 @@ def test_a_required_call_is_held_to_the_format_and_the_functions_schema(grammars
     def accepts(text: str, name: str | None, parallel: bool) -> bool:
         from llguidance import LLMatcher
 
-        grammar = LLMatcher.grammar_from_lark(calls_grammar(tools, name, parallel, listed))
+        grammar = LLMatcher.grammar_from_lark(calls_grammar(tools, name, parallel, CallForm(listed)))
         matcher = LLMatcher(grammars.tokens(), grammar, log_level=0)
         assert not matcher.is_error(), matcher.get_error()
         return matcher.consume_tokens(tokenizer.encode(text, add_special_tokens=False)) and matcher.is_accepting()
@@ -187,7 +188,7 @@ def test_the_shipped_template_shows_tools_calls_and_answers():
 
     tokenizer = byte_tokenizer()
     tokenizer.chat_template = shipped_template("chatml-tools")
-    assert takes_tools(tokenizer) and lists_calls(tokenizer)
+    assert takes_tools(tokenizer) and call_form(tokenizer, lambda token: False) == CallForm(listed=True)
     assert not takes_tools(PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend_tokenizer))
     made = [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]
     messages = [
@@ -214,7 +215,7 @@ def streamed(text: str, stops: list[str], pieces: int = 1) -> list:
     tokenizer = byte_tokenizer()
     loop = asyncio.new_event_loop()
     try:
-        stream = TokenStream(tokenizer, loop, stops, tools=True)
+        stream = TokenStream(tokenizer, loop, stops, tools=frozenset({"add", "now"}))
         stream.put(torch.tensor([[1, 2]]))  # the prompt
         ids = tokenizer.encode(text, add_special_tokens=False)
         for start in range(0, len(ids), pieces):
@@ -239,12 +240,26 @@ def test_a_tools_stream_sends_content_as_it_comes_and_calls_whole_at_the_end():
     assert not any(isinstance(extra, Calls) for _, extra in plain)
     stopped = streamed(f"Done.\n\n<tool_call>{call('now')}</tool_call>", ["\n\n"])  # a stop before the block
     assert "".join(delta for delta, _ in stopped) == "Done." and not any(isinstance(e, Calls) for _, e in stopped)
+    bare = streamed(f" {call('add', a=1)}", [])  # the tags dropped: a call of an offered tool all the same
+    assert [extra.calls for _, extra in bare] == [(ToolCall("add", '{"a": 1}'),)]
+    json_answer = streamed('{"name": "Ada", "arguments": {}}', [])  # JSON, but no offered tool's call: content
+    assert "".join(delta for delta, _ in json_answer) == '{"name": "Ada", "arguments": {}}' and len(json_answer) == 1
+
+
+def test_an_answer_that_is_only_calls_of_offered_tools_is_read_without_its_tags():
+    names = {"add", "now"}
+    assert read_calls(f"\n{call('add', a=1)}\n", names) == (None, (ToolCall("add", '{"a": 1}'),))
+    assert read_calls(f"[{call('add', a=1)}, {call('now')}]", names)[1] == (
+        ToolCall("add", '{"a": 1}'), ToolCall("now", "{}"))  # fmt: skip
+    for text in (call("sub", a=1), f"Use {call('add', a=1)}", f"[{call('add', a=1)}, {call('rm')}]", "{}", "[]"):
+        assert read_calls(text, names) == (text, ()), text
+    assert read_calls(call("add", a=1)) == (call("add", a=1), ())  # no tools offered: text
 
 
 def test_serve_reads_a_chat_template_by_file_or_shipped_name(tmp_path):
     """`forerun serve --chat-template`: a file, or a shipped template by name; an unreadable or empty file, an
     unknown name, a template that does not render are each one error naming the option."""
-    from forerun.cli.serve import read_chat_template, use_chat_template
+    from forerun.cli.common import read_chat_template, use_chat_template
 
     assert read_chat_template("chatml-tools") == shipped_template("chatml-tools")
     path = tmp_path / "mine.jinja"
@@ -255,8 +270,39 @@ def test_serve_reads_a_chat_template_by_file_or_shipped_name(tmp_path):
     assert tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False) == "Hi"
     path.write_text("  ")
     for bad, fragment in [(str(path), "empty"), (str(tmp_path / "none.jinja"), "cannot be read"),
-                          ("llama9", "no chat template named 'llama9'")]:  # fmt: skip
+                          ("/dev/zero", "longer"), ("llama9", "no chat template named 'llama9'")]:  # fmt: skip
         with pytest.raises(ValueError, match=fragment):
             read_chat_template(bad)
     with pytest.raises(ValueError, match="--chat-template: the template does not render"):
         use_chat_template(tokenizer, "{% for m in messages %}{{ m.content }")
+
+
+def test_a_run_record_offers_tools_and_its_row_carries_the_calls():
+    """`forerun run`: a record's tools and tool_choice reach its request; its output row lists the calls (and none
+    for a record without tools); a record whose history holds a call without content is taken."""
+    from forerun.runner import output_row, parse_record
+    from forerun.stats import GenerationStats
+
+    turns = [{"role": "user", "content": "Add 1 and 2."}, {"role": "assistant", "content": None, "tool_calls": [
+        {"type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}]},
+        {"role": "tool", "content": "3"}]  # fmt: skip
+    line = json.dumps({"id": 1, "messages": turns, "tools": [ADD], "tool_choice": "required"})
+    record = parse_record(line, 1, {"max_new_tokens": 8})
+    request = record.request()
+    assert request.tools == (ADD,) and request.tool_choice == "required" and request.held_format["name"] is None
+    with pytest.raises(ValueError, match="tool_choice"):
+        parse_record(json.dumps({"id": 2, "prompt": "Hi", "tool_choice": "nope", "tools": [ADD]}), 2, {
+            "max_new_tokens": 8}).request()  # fmt: skip
+    stats = GenerationStats(forwards=1, new_tokens=1)
+    made = GenerationResult(torch.tensor([[1, 2]]), 1, "x", stats, ["model"], tool_calls=(ToolCall("add", "{}"),))
+    assert output_row(record, made)["tool_calls"] == [{"name": "add", "arguments": "{}"}]
+    assert "tool_calls" not in output_row(record, GenerationResult(torch.tensor([[1, 2]]), 1, "x", stats, ["model"]))
+
+
+def test_a_required_call_of_a_schema_no_grammar_holds_is_refused_naming_the_tools(grammars):
+    grammars, _ = grammars
+    broken = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "a": {"$ref": "#/definitions/missing"}}}}}  # fmt: skip
+    request = GenerationRequest([{"role": "user", "content": "Hi"}], 8, tools=[broken], tool_choice="required")
+    with pytest.raises(ValueError, match="a tool's parameters are not a schema forerun can hold a call to"):
+        grammars.compile(request.held_format)

@@ -6,6 +6,7 @@ import gc
 import sys
 from collections.abc import Callable
 from functools import wraps
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import typer
@@ -61,6 +62,12 @@ def options(
 
 
 # The run options, shared by every command (one definition each, so they cannot drift apart).
+CHAT_TEMPLATE = typer.Option(
+    "",
+    "--chat-template",
+    help="A Jinja chat template file used instead of the model's own, or one forerun ships by name: 'chatml-tools' "
+    "(ChatML with tools, for SmolLM2 and Qwen2.5 models whose own template takes none).",
+)
 MODEL = typer.Option(DEFAULT_MODEL, "--model", "-m", help="Alias, local folder, .gguf file or cached hub id.")
 METHOD = typer.Option(
     DEFAULT_METHOD,
@@ -206,3 +213,35 @@ def legend(names: tuple[str, ...]) -> Text:
     for name in names:
         line.append(f"{name} ", style=source_style(name))
     return line
+
+
+MAX_TEMPLATE_CHARS = 1_000_000
+
+
+def read_chat_template(path: str) -> str:
+    """The text of a `--chat-template` file, or of a template forerun ships by name (`chatml-tools`), read before
+    the model loads; a ValueError naming it otherwise."""
+    from forerun.tool_specs import shipped_template
+
+    if not Path(path).expanduser().exists() and "/" not in path and not path.endswith(".jinja"):
+        return shipped_template(path)
+    try:
+        with Path(path).expanduser().open(encoding="utf-8") as file:
+            text = file.read(MAX_TEMPLATE_CHARS + 1)  # /dev/zero, or a model file given by mistake: not all of it
+    except (OSError, UnicodeDecodeError) as error:
+        raise ValueError(f"--chat-template {path}: cannot be read ({error})") from None
+    if len(text) > MAX_TEMPLATE_CHARS:
+        raise ValueError(f"--chat-template {path}: longer than {MAX_TEMPLATE_CHARS} characters; not a chat template")
+    if not text.strip():
+        raise ValueError(f"--chat-template {path}: the file is empty")
+    return text
+
+
+def use_chat_template(tokenizer, template: str) -> None:
+    """Make `template` the tokenizer's chat template, once it has rendered a conversation (a ValueError naming
+    `--chat-template` where it does not)."""
+    tokenizer.chat_template = template
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
+    except Exception as error:  # noqa: BLE001 - any template error is the file's
+        raise ValueError(f"--chat-template: the template does not render a conversation ({error})") from None

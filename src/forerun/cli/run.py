@@ -9,6 +9,7 @@ import typer
 from rich.markup import escape
 
 from forerun.cli.common import (
+    CHAT_TEMPLATE,
     COMPILE,
     DEVICE,
     DRAFT,
@@ -30,8 +31,10 @@ from forerun.cli.common import (
     errors,
     freeze_start_up,
     progress_bar,
+    read_chat_template,
     run_spec,
     sampling,
+    use_chat_template,
     user_errors,
 )
 
@@ -70,6 +73,7 @@ def run_file(
     quantize: str = QUANTIZE,
     pack: str = PACK,
     compile_buckets: bool = COMPILE,
+    chat_template: str = CHAT_TEMPLATE,
 ) -> None:
     """Decode a JSONL file of prompts, --batch-size rows at once; rerun to resume. Under torchrun each rank takes a
     shard."""
@@ -88,6 +92,7 @@ def run_file(
         defaults["seed"] = seed
     spec = run_spec(model, method, knob, device, dtype, threads, draft_model, max_tree_nodes, quantize, draft_head,
                     compile_buckets, pack)  # fmt: skip
+    template = read_chat_template(chat_template) if chat_template else None
     records, problems = read_records(source, defaults)
     shard = join_shard(spec.device)
     if shard.rank == 0:  # every rank reads the same file: one report
@@ -97,6 +102,8 @@ def run_file(
     if shard.world > 1:
         dist.barrier()  # every rank has read what is done before any rank appends
     lm, tokenizer, draft = spec.load()
+    if template is not None:
+        use_chat_template(tokenizer, template)
     decoder = spec.decoder(lm, tokenizer, draft)
     freeze_start_up()  # the model and its tokenizer: no full collection walks them again, for the whole run
     decoded, refused = decode_with_progress(decoder, shard.take(pending), pending, target, batch_size, shard)

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import typer
 
 from forerun.cli.common import (
+    CHAT_TEMPLATE,
     COMPILE,
     DEVICE,
     DRAFT,
@@ -22,10 +21,11 @@ from forerun.cli.common import (
     app,
     console,
     freeze_start_up,
+    read_chat_template,
     run_spec,
+    use_chat_template,
     user_errors,
 )
-from forerun.tool_specs import shipped_template
 
 HOST = typer.Option("127.0.0.1", "--host")
 PORT = typer.Option(8000, "--port")
@@ -57,12 +57,6 @@ WARM_UP_TOKENS = typer.Option(
     "--warm-up-tokens",
     help="On a GPU, capture every graph before serving, for texts (prompt + answer) of up to this many tokens, "
     "single rows and the batch's; 0: each at its first use, in some request's time",
-)
-CHAT_TEMPLATE = typer.Option(
-    "",
-    "--chat-template",
-    help="A Jinja chat template file used instead of the model's own, or one forerun ships by name: 'chatml-tools' "
-    "(ChatML with tools, for SmolLM2 and Qwen2.5 models whose own template takes none).",
 )
 REQUEST_METHODS = typer.Option(
     "any",
@@ -179,27 +173,3 @@ def parse_request_methods(text: str) -> tuple[str, ...] | None:
     if unknown:
         raise ValueError(f"--request-methods: unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
     return names
-
-
-def read_chat_template(path: str) -> str:
-    """The text of a `--chat-template` file, or of a template forerun ships by name (`chatml-tools`), read before
-    the model loads; a ValueError naming it otherwise."""
-    if not Path(path).expanduser().exists() and "/" not in path and not path.endswith(".jinja"):
-        return shipped_template(path)
-    try:
-        text = Path(path).expanduser().read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as error:
-        raise ValueError(f"--chat-template {path}: cannot be read ({error})") from None
-    if not text.strip():
-        raise ValueError(f"--chat-template {path}: the file is empty")
-    return text
-
-
-def use_chat_template(tokenizer, template: str) -> None:
-    """Make `template` the tokenizer's chat template, once it has rendered a conversation (a ValueError naming
-    `--chat-template` where it does not)."""
-    tokenizer.chat_template = template
-    try:
-        tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
-    except Exception as error:  # noqa: BLE001 - any template error is the file's
-        raise ValueError(f"--chat-template: the template does not render a conversation ({error})") from None

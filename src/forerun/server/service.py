@@ -146,7 +146,8 @@ class Service:
             echoes = [echo for echo, results in done for _ in results]
             return completion(answer, results, decoder.method, self.tokenizer, echoes, prompt_counts(done))
         loop, logprobs = asyncio.get_running_loop(), args.logprobs is not None
-        tools = bool(args.tools) and args.tool_choice != "none"
+        offered = bool(args.tools) and args.tool_choice != "none"
+        tools = frozenset(tool["function"]["name"] for tool in args.tools) if offered else None
         streams = [
             [TokenStream(self.tokenizer, loop, args.stop, logprobs, tools) for _ in range(g.runs)] for g in groups
         ]

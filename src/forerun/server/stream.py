@@ -38,9 +38,16 @@ class TokenStream:
     is held until the answer ends: then it is content (no calls in it) or its calls (a `Calls` item)."""
 
     def __init__(
-        self, tokenizer, loop: asyncio.AbstractEventLoop, stops: list[str], logprobs: bool = False, tools: bool = False
+        self,
+        tokenizer,
+        loop: asyncio.AbstractEventLoop,
+        stops: list[str],
+        logprobs: bool = False,
+        tools: frozenset[str] | None = None,
     ) -> None:
-        self.loop, self.tokenizer, self.tools = loop, tokenizer, tools
+        self.loop, self.tokenizer = loop, tokenizer
+        self.tools = tools
+        """The names of the tools offered (None: none; their calls are read out of the answer)."""
         self.entries: list | None = [] if logprobs else None
         """Entries of tokens whose text is not sent yet (`note_logprobs`)."""
         self.text = IncrementalText(tokenizer)
@@ -69,11 +76,11 @@ class TokenStream:
 
     def emit(self, final: bool) -> None:
         text, calls = self.text.text, ()
-        if self.tools:  # tools offered: what may be a call is held until the answer is whole
+        if self.tools is not None:  # tools offered: what may be a call is held until the answer is whole
             if final:
                 cut = first_stop(text, self.held.stops)
-                calls = read_calls(text if cut is None else text[:cut])[1]
-            text = text if final and not calls else text[: before_calls(text)]
+                calls = read_calls(text if cut is None else text[:cut], self.tools)[1]
+            text = text if final and not calls else text[: before_calls(text, bare=True)]
         delta = self.held.release(text, final)
         if delta:  # nothing is released after a stop string: one that has appeared appeared in this delta
             self.loop.call_soon_threadsafe(self.queue.put_nowait, (delta, self.released(delta, self.held.stopped)))

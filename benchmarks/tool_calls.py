@@ -1,0 +1,115 @@
+"""Tool calls end to end: forerun's methods against plain `generate` from the same prompt (the tools shown by the
+shipped `chatml-tools` template), holding the answer to calls with the same token mask (forerun's `Constraint` as
+its `logits_processor`: what a transformers user forcing a call with llguidance runs), interleaved per prompt in
+one process, every greedy output checked against that generate's, every call read back.
+
+Three workloads, each an agent's step on a real dataset's task:
+- `gsm8k`: a math question with a calculator and an answer tool ({"expression"}, {"answer": a number}), a call
+  required (`tool_choice` required);
+- `mbpp` and `humaneval`: a programming task with a Python runner ({"code"}), its call named (`tool_choice`
+  {"type": "function", "function": {"name": "run_python"}}): the model writes the code into the call.
+
+    python benchmarks/tool_calls.py --n 10 --threads 1 --out benchmarks/results/tool-calls-fp32-epyc-avx512.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+from compiled_cpu import report  # a sibling script (`python benchmarks/tool_calls.py` puts this folder first)
+from transformers import LogitsProcessorList
+
+import forerun
+from forerun.bench.datasets import load_dataset
+from forerun.tool_specs import shipped_template
+
+
+def function(name: str, description: str, **properties: dict) -> dict:
+    parameters = {"type": "object", "properties": properties, "required": list(properties),
+                  "additionalProperties": False}  # fmt: skip
+    return {"type": "function", "function": {"name": name, "description": description, "parameters": parameters}}
+
+
+CALCULATOR = function(
+    "calculator", "Evaluate an arithmetic expression", expression={"type": "string", "maxLength": 200}
+)
+ANSWER = function("submit_answer", "Give the final answer", answer={"type": "number"})
+RUNNER = function("run_python", "Run Python code and return what it prints", code={"type": "string"})
+WORKLOADS = {
+    "gsm8k": ([CALCULATOR, ANSWER], "required"),
+    "mbpp": ([RUNNER], {"type": "function", "function": {"name": "run_python"}}),
+    "humaneval": ([RUNNER], {"type": "function", "function": {"name": "run_python"}}),
+}
+
+
+def run(workloads: list[str], n: int, methods: list[str], new_tokens: int, dtype: str) -> dict:
+    """Per (workload, method): tokens, seconds, forwards, per-prompt speedups over held generate, outputs identical
+    to it, answers whose calls were read."""
+    model, tokenizer = forerun.load_model("smollm2-135m", dtype=dtype)
+    tokenizer.chat_template = shipped_template("chatml-tools")
+    decoders = {m: forerun.Decoder(model, tokenizer, m) for m in methods}
+    for decoder in decoders.values():  # the latency curve and llguidance's view of the tokenizer: once, untimed
+        decoder.generate("Hi", 8)
+    ends = frozenset({tokenizer.eos_token_id})
+    out = {}
+    for name in workloads:
+        tools, choice = WORKLOADS[name]
+        out |= {f"{name}, {label}": {"tokens": 0, "seconds": 0.0, "forwards": 0, "speedups": [], "identical": 0,
+                                      "calls": 0} for label in ["generate", *methods]}  # fmt: skip
+        for prompt in load_dataset(name, n):
+            messages = [prompt.messages[-1]]
+            request = forerun.GenerationRequest(messages, new_tokens, tools=tools, tool_choice=choice)
+            ids = decoders[methods[0]].encode(messages, tools=tools)
+            mask = decoders[methods[0]].grammars.constraint(request.held_format, ids.shape[1], ends)
+            started = time.perf_counter()
+            held = model.generate(ids, max_new_tokens=new_tokens, do_sample=False,
+                                  logits_processor=LogitsProcessorList([mask]))  # fmt: skip
+            seconds = time.perf_counter() - started
+            tokens = held[0, ids.shape[1] :].tolist()
+            add(out[f"{name}, generate"], len(tokens), seconds, 1.0, True, False)
+            for method in methods:
+                started = time.perf_counter()
+                result = decoders[method].generate(request)
+                took = time.perf_counter() - started
+                row = out[f"{name}, {method}"]
+                add(
+                    row,
+                    len(result.new_tokens),
+                    took,
+                    seconds / took,
+                    result.new_tokens == tokens,
+                    bool(result.tool_calls),
+                )
+                row["forwards"] += result.stats.forwards
+            print(" ".join(f"[{k}] {v['tokens'] / v['seconds']:.1f}" for k, v in out.items() if k.startswith(name)))
+    return out
+
+
+def add(row: dict, tokens: int, seconds: float, speedup: float, same: bool, called: bool) -> None:
+    """One prompt's run into its row."""
+    row["tokens"] += tokens
+    row["seconds"] += seconds
+    row["speedups"].append(speedup)
+    row["identical"] += int(same)
+    row["calls"] += int(called)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workloads", default="gsm8k,mbpp,humaneval")
+    parser.add_argument("--n", type=int, default=10)
+    parser.add_argument("--methods", default="plain,prompt_lookup,auto")
+    parser.add_argument("--new-tokens", type=int, default=192)
+    parser.add_argument("--dtype", default="fp32")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    report(run(args.workloads.split(","), args.n, args.methods.split(","), args.new_tokens, args.dtype), args)
+
+
+if __name__ == "__main__":
+    main()
