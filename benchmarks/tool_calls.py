@@ -9,7 +9,13 @@ Three workloads, each an agent's step on a real dataset's task:
 - `mbpp` and `humaneval`: a programming task with a Python runner ({"code"}), its call named (`tool_choice`
   {"type": "function", "function": {"name": "run_python"}}): the model writes the code into the call.
 
-    python benchmarks/tool_calls.py --n 10 --threads 1 --out benchmarks/results/tool-calls-fp32-epyc-avx512.json
+    python benchmarks/tool_calls.py --n 10 --threads 1 --new-tokens 256 \
+        --out benchmarks/results/tool-calls-fp32-epyc-avx512.json
+    python benchmarks/tool_calls.py --model qwen2.5-coder-0.5b --choice auto --n 10 --threads 1 --new-tokens 256 \
+        --out benchmarks/results/tool-calls-auto-qwen05-fp32-epyc-avx512.json
+
+With `--choice auto` the model decides whether to call (nothing is held: the baseline is plain generate from the
+same prompt); "calls" counts the answers it made calls in. Qwen2.5-Coder's own template takes tools.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from transformers import LogitsProcessorList
 
 import forerun
 from forerun.bench.datasets import load_dataset
-from forerun.tool_specs import shipped_template
+from forerun.tool_specs import shipped_template, takes_tools
 
 
 def function(name: str, description: str, **properties: dict) -> dict:
@@ -45,11 +51,13 @@ WORKLOADS = {
 }
 
 
-def run(workloads: list[str], n: int, methods: list[str], new_tokens: int, dtype: str) -> dict:
+def run(args: argparse.Namespace) -> dict:
     """Per (workload, method): tokens, seconds, forwards, per-prompt speedups over held generate, outputs identical
     to it, answers whose calls were read."""
-    model, tokenizer = forerun.load_model("smollm2-135m", dtype=dtype)
-    tokenizer.chat_template = shipped_template("chatml-tools")
+    workloads, n, methods, new_tokens = args.workloads.split(","), args.n, args.methods.split(","), args.new_tokens
+    model, tokenizer = forerun.load_model(args.model, dtype=args.dtype)
+    if not takes_tools(tokenizer):  # SmolLM2's own template takes no tools
+        tokenizer.chat_template = shipped_template("chatml-tools")
     decoders = {m: forerun.Decoder(model, tokenizer, m) for m in methods}
     for decoder in decoders.values():  # the latency curve and llguidance's view of the tokenizer: once, untimed
         decoder.generate("Hi", 8)
@@ -57,16 +65,19 @@ def run(workloads: list[str], n: int, methods: list[str], new_tokens: int, dtype
     out = {}
     for name in workloads:
         tools, choice = WORKLOADS[name]
+        choice = args.choice or choice
         out |= {f"{name}, {label}": {"tokens": 0, "seconds": 0.0, "forwards": 0, "speedups": [], "identical": 0,
                                       "calls": 0} for label in ["generate", *methods]}  # fmt: skip
         for prompt in load_dataset(name, n):
             messages = [prompt.messages[-1]]
             request = forerun.GenerationRequest(messages, new_tokens, tools=tools, tool_choice=choice)
             ids = decoders[methods[0]].encode(messages, tools=tools)
-            mask = decoders[methods[0]].grammars.constraint(request.held_format, ids.shape[1], ends)
+            masks = []
+            if request.held_format is not None:
+                masks.append(decoders[methods[0]].grammars.constraint(request.held_format, ids.shape[1], ends))
             started = time.perf_counter()
             held = model.generate(ids, max_new_tokens=new_tokens, do_sample=False,
-                                  logits_processor=LogitsProcessorList([mask]))  # fmt: skip
+                                  logits_processor=LogitsProcessorList(masks))  # fmt: skip
             seconds = time.perf_counter() - started
             tokens = held[0, ids.shape[1] :].tolist()
             add(out[f"{name}, generate"], len(tokens), seconds, 1.0, True, False)
@@ -99,6 +110,8 @@ def add(row: dict, tokens: int, seconds: float, speedup: float, same: bool, call
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--choice", default=None, help="tool_choice for every workload (default: each one's own)")
     parser.add_argument("--workloads", default="gsm8k,mbpp,humaneval")
     parser.add_argument("--n", type=int, default=10)
     parser.add_argument("--methods", default="plain,prompt_lookup,auto")
@@ -108,7 +121,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    report(run(args.workloads.split(","), args.n, args.methods.split(","), args.new_tokens, args.dtype), args)
+    report(run(args), args)
 
 
 if __name__ == "__main__":

@@ -25,8 +25,8 @@ Example:
     (None, (ToolCall(name='get_weather', arguments='{"city": "Paris"}'),))
     >>> before_calls("Sure. <tool_c"), before_calls("Sure. <tool_call>{"), before_calls("Sure.")
     (6, 6, 5)
-    >>> before_calls(' {"name', bare=True), before_calls("Sure.", bare=True)
-    (0, 5)
+    >>> before_calls(' {"name', bare=True), before_calls("Sure.", bare=True), before_calls("```js", bare=True)
+    (0, 5, 0)
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ from dataclasses import dataclass
 
 from forerun.tool_specs import CLOSE, OPEN
 
+FENCE = "```json"
+"""How a Markdown fence of JSON opens."""
 BLOCK = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|\Z)", re.S)
 """A call block; the last may be cut off by the answer's end (its JSON then decides whether it is calls)."""
 
@@ -60,10 +62,11 @@ class ToolCall:
 def read_calls(text: str, names: Collection[str] = ()) -> tuple[str | None, tuple[ToolCall, ...]]:
     """(content, calls) of an answer: the text outside the blocks (stripped; None where only calls were written)
     and each block's calls in order; (text, ()) where no block is there or one is not calls. An answer without
-    blocks that is nothing but calls of functions in `names` (the tools offered), as JSON, is read as those calls:
-    small models drop the tags their template teaches."""
+    blocks that is nothing but calls of functions in `names` (the tools offered), as JSON (alone, or in one
+    Markdown ```json fence), is read as those calls: small models drop the tags their template teaches."""
     if OPEN not in text:
-        bare = calls_in(text.strip()) if text.strip()[:1] in ("{", "[") else None
+        body = unfenced(text.strip())
+        bare = calls_in(body) if body[:1] in ("{", "[") else None
         if bare and all(call.name in names for call in bare):
             return None, tuple(bare)
         return text, ()
@@ -104,11 +107,21 @@ def calls_in(body: str) -> list[ToolCall] | None:
     return calls
 
 
+def unfenced(text: str) -> str:
+    """`text` without the Markdown fence it is wholly inside (```json ... ```), or as it is."""
+    if text.startswith(FENCE) and text.endswith("```") and len(text) > len(FENCE) + 3:
+        return text[len(FENCE) : -3].strip()
+    return text
+
+
 def before_calls(text: str, bare: bool = False) -> int:
     """How much of a growing answer may be streamed as content: up to its first block, less an end that could
     still become one (`<tool_c`); none of an answer that could still be bare calls (`bare`: it starts as JSON,
-    or with nothing but spaces so far)."""
-    if bare and text.lstrip()[:1] in ("", "{", "["):
+    in a ```json fence or not, or with nothing but spaces so far)."""
+    start = text.lstrip()
+    if start.startswith(FENCE):
+        start = start[len(FENCE) :].lstrip()
+    if bare and (start[:1] in ("", "{", "[") or FENCE.startswith(start)):
         return 0
     start = text.find(OPEN)
     if start >= 0:

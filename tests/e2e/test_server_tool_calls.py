@@ -145,3 +145,71 @@ def test_hostile_tools_are_400s_and_the_server_goes_on(served, client):
         refused = httpx.post(url, json={**body, "max_tokens": 4}, timeout=60)
         assert refused.status_code == 400 and refused.json()["error"]["param"] == param, refused.text
     assert client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4).choices[0].message.content
+
+
+def test_fuzzed_tools_never_reach_a_5xx_nor_an_honest_neighbour(served):
+    """Hypothesis over tools (hostile names, schemas with dangling references, contradictions, extreme bounds),
+    tool_choice and a conversation's calls, while an honest request runs beside them: every answer is OpenAI-shaped
+    JSON below 500, a 200's calls are of the offered tools, and the honest answer is plain generate's."""
+    import threading
+
+    import httpx
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    server, model, tokenizer = served
+    url = server.url + "/v1/chat/completions"
+    names = st.one_of(st.sampled_from(["get_weather", "add", "f", "a-b_9", "auto", "x" * 64]), st.text(max_size=8))
+    leaf = st.one_of(
+        st.fixed_dictionaries({"type": st.sampled_from(["string", "integer", "number", "boolean", "bogus"])}),
+        st.sampled_from([{"$ref": "#/nowhere"}, {"minimum": 5, "maximum": 1}, {"maxLength": -1}, {"enum": []},
+                         {"pattern": "(a{1,1000}){1,1000}"}, {}, {"type": "string", "maxLength": 3}]),
+    )  # fmt: skip
+    parameters = st.one_of(
+        st.fixed_dictionaries(
+            {"type": st.just("object"), "properties": st.dictionaries(st.text(max_size=5), leaf, max_size=3)},
+            optional={"required": st.lists(st.text(max_size=5), max_size=2), "additionalProperties": st.booleans()},
+        ),  # fmt: skip
+        st.sampled_from([{}, {"type": "array"}, "not a schema", None]),
+    )
+    functions = st.fixed_dictionaries(
+        {"name": names}, optional={"parameters": parameters, "description": st.text(max_size=20)}
+    )
+    tools = st.lists(st.fixed_dictionaries({"type": st.sampled_from(["function", "function", "code"]),
+                                            "function": functions}), max_size=3)  # fmt: skip
+    choices = st.one_of(
+        st.sampled_from([None, "auto", "none", "required", "any", 3]),
+        names.map(lambda name: {"type": "function", "function": {"name": name}}),
+    )
+    arguments = st.sampled_from(['{"city": "Oslo"}', "{}", "[1]", "{", '"x"', '{"a": 1}'])
+    function_calls = st.fixed_dictionaries({"name": names, "arguments": arguments})
+    calls = st.lists(st.fixed_dictionaries({"id": st.text(max_size=4), "type": st.just("function"),
+                                            "function": function_calls}), max_size=2)  # fmt: skip
+    seen: list[int] = []
+
+    @settings(max_examples=50, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @given(tools=tools, choice=choices, made=calls, parallel=st.sampled_from([None, True, False]))
+    def fuzzed(tools, choice, made, parallel):
+        messages = [*ASK, *([{"role": "assistant", "content": None, "tool_calls": made}] if made else [])]
+        body = {"messages": messages, "max_tokens": 8, "tools": tools}
+        body |= {"tool_choice": choice} if choice is not None else {}
+        body |= {"parallel_tool_calls": parallel} if parallel is not None else {}
+        response = httpx.post(url, json=body, timeout=120)
+        seen.append(response.status_code)
+        assert response.status_code < 500, (body, response.text[:300])
+        if response.status_code != 200:
+            assert response.json()["error"]["param"], response.text
+            return
+        offered = {tool["function"]["name"] for tool in tools}
+        for call in response.json()["choices"][0]["message"].get("tool_calls") or []:
+            assert call["function"]["name"] in offered and json.loads(call["function"]["arguments"]) is not None
+
+    expected = forerun.Decoder(model, tokenizer, "plain").generate(ASK, 24, tools=TOOLS).text
+    beside: dict = {}
+    honest = {"messages": ASK, "max_tokens": 24, "tools": TOOLS}
+    neighbour = threading.Thread(target=lambda: beside.update(answer=httpx.post(url, json=honest, timeout=300)))
+    neighbour.start()
+    fuzzed()
+    neighbour.join(timeout=300)
+    assert beside["answer"].json()["choices"][0]["message"]["content"] == expected
+    assert seen.count(200) >= 5 and 400 in seen, seen  # the fuzz reached both sides of the checks

@@ -244,14 +244,20 @@ def test_a_tools_stream_sends_content_as_it_comes_and_calls_whole_at_the_end():
     assert [extra.calls for _, extra in bare] == [(ToolCall("add", '{"a": 1}'),)]
     json_answer = streamed('{"name": "Ada", "arguments": {}}', [])  # JSON, but no offered tool's call: content
     assert "".join(delta for delta, _ in json_answer) == '{"name": "Ada", "arguments": {}}' and len(json_answer) == 1
+    fenced = streamed(f"```json\n{call('now')}\n```", [])
+    assert [extra.calls for _, extra in fenced] == [(ToolCall("now", "{}"),)]
+    code = streamed("```python\nprint(1)\n```", [])  # another fence: content as it comes
+    assert "".join(delta for delta, _ in code) == "```python\nprint(1)\n```" and len(code) > 2
 
 
 def test_an_answer_that_is_only_calls_of_offered_tools_is_read_without_its_tags():
     names = {"add", "now"}
     assert read_calls(f"\n{call('add', a=1)}\n", names) == (None, (ToolCall("add", '{"a": 1}'),))
+    assert read_calls(f"```json\n{call('add', a=1)}\n```", names) == (None, (ToolCall("add", '{"a": 1}'),))
     assert read_calls(f"[{call('add', a=1)}, {call('now')}]", names)[1] == (
         ToolCall("add", '{"a": 1}'), ToolCall("now", "{}"))  # fmt: skip
-    for text in (call("sub", a=1), f"Use {call('add', a=1)}", f"[{call('add', a=1)}, {call('rm')}]", "{}", "[]"):
+    for text in (call("sub", a=1), f"Use {call('add', a=1)}", f"[{call('add', a=1)}, {call('rm')}]", "{}", "[]",
+                 f"```python\n{call('add', a=1)}\n```", f"```json\n{call('add', a=1)}\n``` and more"):  # fmt: skip
         assert read_calls(text, names) == (text, ()), text
     assert read_calls(call("add", a=1)) == (call("add", a=1), ())  # no tools offered: text
 
