@@ -95,7 +95,8 @@ def ids_of_text(
     if tools and not takes_tools(tokenizer):
         raise ValueError(
             "tools: this model's chat template does not teach tool calls in the <tool_call> format forerun reads "
-            "(as Qwen2.5, Qwen3 and Hermes templates do); give the tokenizer such a chat template"
+            "(as Qwen2.5, Qwen3 and Hermes templates do); give the tokenizer such a chat template (ChatML models: "
+            "forerun.tool_specs.shipped_template('chatml-tools'), --chat-template chatml-tools on the command line)"
         )
     try:
         return tokenizer.apply_chat_template(

@@ -213,3 +213,23 @@ def test_fuzzed_tools_never_reach_a_5xx_nor_an_honest_neighbour(served):
     neighbour.join(timeout=300)
     assert beside["answer"].json()["choices"][0]["message"]["content"] == expected
     assert seen.count(200) >= 5 and 400 in seen, seen  # the fuzz reached both sides of the checks
+
+
+def test_cli_generate_prints_the_calls_as_json_lines(served, tmp_path):
+    """`forerun generate --tools FILE --tool-choice required --chat-template chatml-tools`: the call the server
+    makes, one JSON line; a bad choice or file is one error line before the model loads."""
+    from typer.testing import CliRunner
+
+    from forerun.cli import app
+
+    path = tmp_path / "tools.json"
+    path.write_text(json.dumps(TOOLS))
+    question = ASK[0]["content"]
+    args = ["generate", question, "--tools", str(path), "--tool-choice", "required", "--chat-template", "chatml-tools",
+            "--threads", "2", "-n", "64"]  # fmt: skip
+    run = CliRunner().invoke(app, args)
+    assert run.exit_code == 0, run.output
+    assert json.loads(run.stdout.strip().splitlines()[-1]) == {"name": "get_weather", "arguments": {"city": "Paris"}}
+    for bad, fragment in [(["--tool-choice", "sunny"], "--tool-choice"), (["--tools", str(tmp_path / "x")], "--tools")]:
+        refused = CliRunner().invoke(app, ["generate", question, "--tools", str(path), *bad])
+        assert refused.exit_code == 2 and fragment in refused.output, refused.output

@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 
 from forerun.cli.common import (
+    CHAT_TEMPLATE,
     COMPILE,
     DEVICE,
     DRAFT,
@@ -24,8 +25,10 @@ from forerun.cli.common import (
     app,
     console,
     legend,
+    read_chat_template,
     run_spec,
     sampling,
+    use_chat_template,
     user_errors,
 )
 
@@ -50,6 +53,13 @@ def generate(
     json_schema: str = typer.Option(
         None, "--json-schema", help="A JSON schema file: answer JSON that matches it (OpenAI's json_schema)."
     ),
+    tools: str = typer.Option(
+        None, "--tools", help="A JSON file of OpenAI function tools: shown to the model; its calls print as JSON lines."
+    ),
+    tool_choice: str = typer.Option(
+        "auto", "--tool-choice", help="With --tools: auto, required, none, or a function's name (one call of it)."
+    ),
+    chat_template: str = CHAT_TEMPLATE,
     knob: list[str] = KNOB,
     max_tree_nodes: int = NODES,
     threads: int = THREADS,
@@ -72,10 +82,16 @@ def generate(
         raise ValueError("prompt is empty")
     options = sampling(do_sample, temperature, top_p, top_k, seed)
     response_format = format_of(json_object, json_schema)
+    offered = tools_of(tools, tool_choice)
+    template = read_chat_template(chat_template) if chat_template else None
     spec = run_spec(model, method, knob, device, dtype, threads, draft_model, max_tree_nodes, quantize, draft_head,
                     compile_buckets, pack)  # fmt: skip
     lm, tokenizer, draft = spec.load()
+    if template is not None:
+        use_chat_template(tokenizer, template)
     decoder = spec.decoder(lm, tokenizer, draft)
+    if offered:
+        return print_calls(decoder.generate(prompt, max_new_tokens, chat=True, stop=tuple(stop), **offered, **options))
     from forerun.chat import AnswerStream, ConsoleStream  # imports torch: after the options are checked
 
     # the answer shows as it is written; -v: every token, coloured by where it came from, then the stats
@@ -110,6 +126,36 @@ def format_of(json_object: bool, json_schema: str | None) -> dict | None:
         return check_response_format({"type": "json_schema", "json_schema": entry})
     except ValueError as error:
         raise ValueError(f"--json-schema {json_schema}: {error}") from None
+
+
+def tools_of(path: str | None, choice: str) -> dict:
+    """The `tools` and `tool_choice` of `--tools FILE --tool-choice ...` ({} without a file), checked before the
+    model loads; a ValueError naming the option otherwise."""
+    import json
+    from pathlib import Path
+
+    from forerun.tool_specs import check_tool_choice, check_tools
+
+    if not path:
+        return {}
+    try:
+        tools = check_tools(json.loads(Path(path).read_text(encoding="utf-8")))
+    except (OSError, ValueError, RecursionError) as error:
+        raise ValueError(f"--tools {path}: {error}") from None
+    try:
+        return {"tools": tools, "tool_choice": check_tool_choice(choice, tools)}
+    except ValueError as error:
+        raise ValueError(f"--tool-choice: {error}") from None
+
+
+def print_calls(result) -> None:
+    """A tools answer: its content (where there is some), then each call as one JSON line."""
+    import json
+
+    if result.content:
+        console.print(result.content, highlight=False, markup=False)
+    for call in result.tool_calls or ():
+        print(json.dumps({"name": call.name, "arguments": json.loads(call.arguments)}, ensure_ascii=False))
 
 
 def standard_input() -> str:
