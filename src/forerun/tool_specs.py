@@ -68,6 +68,8 @@ def check_tools(tools: object) -> tuple[dict, ...]:
             raise ValueError(f"{where}.function.name must be 1-64 letters, digits, _ or -, got {name!r:.60}")
         if name in names:
             raise ValueError(f"{where}.function.name {name!r} names two tools")
+        if name in MODES:  # tool_choice's words: a function so named could not be the one chosen
+            raise ValueError(f"{where}.function.name {name!r} is one of tool_choice's words ({', '.join(MODES)})")
         names.add(name)
         check_function(where, function)
         checked.append({"type": "function", "function": json.loads(json.dumps(dict(function), ensure_ascii=False))})
@@ -98,7 +100,7 @@ def check_tool_choice(choice: object, tools: Sequence[dict]) -> str:
     if choice is None:
         return "auto" if tools else "none"
     names = {tool["function"]["name"] for tool in tools}
-    if isinstance(choice, str) and choice in names - set(MODES):
+    if isinstance(choice, str) and choice in names:
         return choice
     if isinstance(choice, str):
         if choice not in MODES:
@@ -111,7 +113,7 @@ def check_tool_choice(choice: object, tools: Sequence[dict]) -> str:
     if not isinstance(name, str):
         raise ValueError(f'tool_choice must name a function as {{"type": "function", "function": {{"name": ...}}}}, '
                          f"got {choice!r:.60}")  # fmt: skip
-    if name in MODES or name not in names:
+    if name not in names:
         raise ValueError(f"tool_choice names {name!r:.60}, which is not one of the tools")
     return name
 

@@ -98,6 +98,7 @@ def test_a_stream_holds_back_what_may_be_a_call():
         ([{"type": "function", "function": {"name": "a b"}}], "letters, digits"),
         ([{"type": "function", "function": {"name": "x" * 65}}], "letters, digits"),
         ([WEATHER, WEATHER], "names two tools"),
+        ([{"type": "function", "function": {"name": "required"}}], "one of tool_choice's words"),
         ([{"type": "function", "function": {"name": "a", "parameters": "{}"}}], "JSON schema object"),
         ([{"type": "function", "function": {"name": "a", "description": 3}}], "description must be a string"),
         ([{"type": "function", "function": {"name": "a", "strict": "yes"}}], "strict must be true or false"),
