@@ -13,9 +13,13 @@ Three workloads, each an agent's step on a real dataset's task:
         --out benchmarks/results/tool-calls-fp32-epyc-avx512.json
     python benchmarks/tool_calls.py --model qwen2.5-coder-0.5b --choice auto --n 10 --threads 1 --new-tokens 256 \
         --out benchmarks/results/tool-calls-auto-qwen05-fp32-epyc-avx512.json
+    python benchmarks/tool_calls.py --model qwen2.5-coder-1.5b --choice auto --dtype bf16 --n 5 --threads 2 \
+        --new-tokens 128 --methods plain,auto --out benchmarks/results/tool-calls-auto-qwen15-bf16-epyc-avx512.json
 
 With `--choice auto` the model decides whether to call (nothing is held: the baseline is plain generate from the
-same prompt); "calls" counts the answers it made calls in. Qwen2.5-Coder's own template takes tools.
+same prompt); "calls" counts the answers it made calls in. Qwen2.5-Coder's own template takes tools. In bf16,
+"ties" counts the answers that differ from generate's only from a numerical tie on (the low-precision contract,
+`forerun.exactness`, read on one forward's logits).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from transformers import LogitsProcessorList
 
 import forerun
 from forerun.bench.datasets import load_dataset
+from forerun.exactness import Divergence, judged_by_one_forward
 from forerun.tool_specs import shipped_template, takes_tools
 
 
@@ -53,7 +58,7 @@ WORKLOADS = {
 
 def run(args: argparse.Namespace) -> dict:
     """Per (workload, method): tokens, seconds, forwards, per-prompt speedups over held generate, outputs identical
-    to it, answers whose calls were read."""
+    to it, others first different at a tie (bf16), answers whose calls were read."""
     workloads, n, methods, new_tokens = args.workloads.split(","), args.n, args.methods.split(","), args.new_tokens
     model, tokenizer = forerun.load_model(args.model, dtype=args.dtype)
     if not takes_tools(tokenizer):  # SmolLM2's own template takes no tools
@@ -67,7 +72,7 @@ def run(args: argparse.Namespace) -> dict:
         tools, choice = WORKLOADS[name]
         choice = args.choice or choice
         out |= {f"{name}, {label}": {"tokens": 0, "seconds": 0.0, "forwards": 0, "speedups": [], "identical": 0,
-                                      "calls": 0} for label in ["generate", *methods]}  # fmt: skip
+                                      "ties": 0, "calls": 0} for label in ["generate", *methods]}  # fmt: skip
         for prompt in load_dataset(name, n):
             messages = [prompt.messages[-1]]
             request = forerun.GenerationRequest(messages, new_tokens, tools=tools, tool_choice=choice)
@@ -95,8 +100,19 @@ def run(args: argparse.Namespace) -> dict:
                     bool(result.tool_calls),
                 )
                 row["forwards"] += result.stats.forwards
+                row["ties"] += int(result.new_tokens != tokens and at_a_tie(model, ids, tokens, result.new_tokens))
             print(" ".join(f"[{k}] {v['tokens'] / v['seconds']:.1f}" for k, v in out.items() if k.startswith(name)))
     return out
+
+
+def at_a_tie(model, ids, reference: list[int], other: list[int]) -> bool:
+    """Whether two greedy answers first differ where the model's logits (one forward over the prompt and the
+    reference's tokens before it) hold a tie (`forerun.exactness`): the low-precision contract."""
+    position = next((i for i, (a, b) in enumerate(zip(reference, other, strict=False)) if a != b), None)
+    if position is None:  # one stopped earlier: no difference where both wrote
+        return True
+    found = Divergence(position, reference[position], other[position], 0.0, 0.0)
+    return judged_by_one_forward(model, ids, reference, found).is_tie
 
 
 def add(row: dict, tokens: int, seconds: float, speedup: float, same: bool, called: bool) -> None:
