@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from forerun.checks import check_text, check_text_length
+from forerun.checks import MAX_DEPTH, check_text, check_text_length, nesting
 from forerun.request import Prompt
 from forerun.tool_specs import takes_tools
 
@@ -121,6 +121,8 @@ def check_message(i: int, message: object) -> None:
     if calls is not None:
         if not isinstance(calls, list):
             raise ValueError(f"messages[{i}].tool_calls must be a list of calls")
+        if nesting(calls) > MAX_DEPTH:
+            raise ValueError(f"messages[{i}].tool_calls nest more than {MAX_DEPTH} levels")
         check_text(f"messages[{i}].tool_calls", json.dumps(calls, ensure_ascii=False, default=str))
 
 

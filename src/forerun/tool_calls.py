@@ -89,7 +89,7 @@ def calls_in(body: str) -> list[ToolCall] | None:
     arguments written as a JSON string are read too), or None where it is not that."""
     try:
         value = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # a model may write "[" a thousand times: not calls, and no failure
         return None
     calls = []
     for item in value if isinstance(value, list) else [value]:

@@ -19,6 +19,8 @@ TAKES = Limits(model_name="tiny", method="auto", max_tokens_limit=64, vocab_size
 PLAIN = Limits(model_name="tiny", method="auto", max_tokens_limit=64, vocab_size=1000)
 HI = [{"role": "user", "content": "Weather in Oslo?"}]
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+DEEP = '{"a":' * 80 + "1" + "}" * 80
+"""Arguments nested 80 levels: JSON, but deeper than anything a request may nest."""
 MADE = {"id": "call_9", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
 
 
@@ -67,6 +69,10 @@ def made(**function) -> dict:
          "messages[1].tool_calls[0]", "a JSON object's text"),
         (TAKES, {"messages": [*HI, {"role": "assistant", "tool_calls": [made(arguments="{")]}]},
          "messages[1].tool_calls[0]", "a JSON object's text"),
+        (TAKES, {"messages": [*HI, {"role": "assistant", "tool_calls": [made(arguments="[" * 100000)]}]},
+         "messages[1].tool_calls[0]", "a JSON object's text"),
+        (TAKES, {"messages": [*HI, {"role": "assistant", "tool_calls": [made(arguments=DEEP)]}]},
+         "messages[1].tool_calls[0]", "nest more than 64"),
         (TAKES, {"messages": [*HI, {"role": "assistant", "tool_calls": [{"id": "c", "function": "x"}]}]},
          "messages[1].tool_calls[0]", "must be"),
         (TAKES, {"messages": [*HI, {"role": "assistant", "tool_calls": [made(name=3)]}]},

@@ -73,6 +73,7 @@ def call(name: str, **arguments) -> str:
         # the answer's end cut the last block: the calls before it stand, the cut block stays in the content
         (f"<tool_call>{call('now')}</tool_call>\n<tool_call>" + '{"na', '<tool_call>{"na', (ToolCall("now", "{}"),)),
         ("<tool_call>{", "<tool_call>{", ()),
+        *[(text, text, ()) for text in ["<tool_call>" + "[" * 5000 + "</tool_call>", "[" * 5000]],  # no recursion error
     ],
 )
 def test_calls_are_read_out_of_the_text_and_nothing_else_is_lost(text, content, calls):

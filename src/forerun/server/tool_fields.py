@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 
+from forerun.checks import MAX_DEPTH, nesting
 from forerun.server.fields import refuse
 from forerun.server.schemas import ChatRequest
 from forerun.tool_specs import check_tool_choice, check_tools
@@ -69,10 +70,12 @@ def template_calls(where: str, calls: list) -> list[dict]:
             raise refuse(name, f"{name}.function needs a name and its arguments as JSON text")
         try:
             arguments = json.loads(function.get("arguments", "{}"))
-        except ValueError:
+        except (ValueError, RecursionError):  # json's decoder recurses per level: "[" * 100000 must not be a 500
             arguments = None
         if not isinstance(arguments, dict):
             raise refuse(name, f"{name}.function.arguments must be a JSON object's text")
+        if nesting(arguments) > MAX_DEPTH:
+            raise refuse(name, f"{name}.function.arguments nest more than {MAX_DEPTH} levels")
         ident = call.get("id")
         taken.append({"id": ident if isinstance(ident, str) else f"call_{j}", "type": "function",
                       "function": {"name": function["name"], "arguments": arguments}})  # fmt: skip
