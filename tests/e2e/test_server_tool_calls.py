@@ -140,7 +140,9 @@ def test_hostile_tools_are_400s_and_the_server_goes_on(served, client):
             "messages[1].tool_calls[0]",
         ),
         ({"messages": ASK, "tools": [WEATHER] * 2}, "tools"),
-    ]
+        ({"messages": [*ASK, {"role": "assistant", "tool_calls": [made | {"function": {"name": "f",
+          "arguments": "[" * 100000}}]}], "tools": TOOLS}, "messages[1].tool_calls[0]"),
+    ]  # fmt: skip
     for body, param in cases:
         refused = httpx.post(url, json={**body, "max_tokens": 4}, timeout=60)
         assert refused.status_code == 400 and refused.json()["error"]["param"] == param, refused.text
