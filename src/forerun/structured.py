@@ -192,7 +192,8 @@ class Grammars:
         `ends`: the request's EOS ids, which end the answer once the JSON is complete (none: a ValueError, as the
         answer could then never end where the JSON does)."""
         if not ends:
-            raise ValueError("response_format needs an end-of-text token to end the answer; this request has none")
+            held = "a required tool call" if response_format["type"] == "tool_calls" else "response_format"
+            raise ValueError(f"{held} needs an end-of-text token to end the answer; this request has none")
         return Constraint(self.compile(response_format), prompt_length, ends, self.end_token)
 
 

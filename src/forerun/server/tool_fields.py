@@ -52,6 +52,10 @@ def tools_of(body: ChatRequest, takes: bool) -> tuple[tuple[dict, ...], str, boo
         raise refuse("tool_choice", str(error)) from None
     if choice != "none" and body.response_format is not None and body.response_format.get("type") != "text":
         raise refuse("response_format", "tools and response_format cannot be used together: give one")
+    if choice not in ("none", "auto") and body.ignore_eos and not body.stop_token_ids:
+        raise refuse(
+            "ignore_eos", "a required tool call ends at an end-of-text token: with ignore_eos, give stop_token_ids"
+        )
     return tools, choice, True if body.parallel_tool_calls is None else body.parallel_tool_calls
 
 
