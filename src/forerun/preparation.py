@@ -33,6 +33,7 @@ from forerun.stopping import Cancelled, StopStrings, first_stop
 from forerun.structured import Constraint, Grammars
 from forerun.text import complete
 from forerun.tool_calls import read_calls
+from forerun.tool_specs import names_of
 
 
 def eos_ids_of(model: torch.nn.Module, eos_token_id: int | Sequence[int] | None) -> frozenset[int]:
@@ -189,8 +190,7 @@ def finished_result(tokenizer, prepared: Prepared, stats: GenerationStats) -> Ge
     reason = "length" if stop_at is None and not ended and full else "stop"
     calls = None
     if text is not None and prepared.request.shown_tools:
-        names = {tool["function"]["name"] for tool in prepared.request.shown_tools}
-        calls = read_calls(text if stop_at is None else text[:stop_at], names)[1]
+        calls = read_calls(text if stop_at is None else text[:stop_at], names_of(prepared.request.shown_tools))[1]
         reason = "tool_calls" if calls and reason == "stop" else reason
     return GenerationResult(
         sequences,

@@ -99,7 +99,7 @@ def check_tool_choice(choice: object, tools: Sequence[dict]) -> str:
     ({"type": "function", "function": {"name": ...}}, or the name alone); None: 'auto' with tools, 'none' without."""
     if choice is None:
         return "auto" if tools else "none"
-    names = {tool["function"]["name"] for tool in tools}
+    names = names_of(tools)
     if isinstance(choice, str) and choice in names:
         return choice
     if isinstance(choice, str):
@@ -116,6 +116,11 @@ def check_tool_choice(choice: object, tools: Sequence[dict]) -> str:
     if name not in names:
         raise ValueError(f"tool_choice names {name!r:.60}, which is not one of the tools")
     return name
+
+
+def names_of(tools: Sequence[dict]) -> frozenset[str]:
+    """The function names of checked `tools`."""
+    return frozenset(tool["function"]["name"] for tool in tools)
 
 
 def takes_tools(tokenizer: object) -> bool:
