@@ -94,8 +94,9 @@ def ids_of_text(
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
     if tools and not takes_tools(tokenizer):
         raise ValueError(
-            "tools: this model's chat template does not teach tool calls in the <tool_call> format forerun reads "
-            "(as Qwen2.5, Qwen3 and Hermes templates do); give the tokenizer such a chat template (ChatML models: "
+            "tools: this model's chat template does not teach tool calls in a format forerun reads (<tool_call> "
+            "blocks, as Qwen2.5, Qwen3 and Hermes templates do, or Llama 3's JSON calls); give the tokenizer such a "
+            "chat template (ChatML models: "
             "forerun.tool_specs.shipped_template('chatml-tools'), --chat-template chatml-tools on the command line)"
         )
     try:

@@ -6,6 +6,9 @@
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
 
+or, as Llama 3.1-3.3 are taught, a whole answer that is only calls as bare JSON (`{"name": "get_weather",
+"parameters": {"city": "Paris"}}`; several separated by "; ", as Llama 3.2 writes them).
+
 Reading changes nothing the model wrote: the text is the model's own (plain generate's), split after. A block that
 is not calls (not JSON, no name, arguments that are not an object) makes the whole text the answer's content and
 no call, as a client would rather see what the model wrote than lose it; a last block the answer's end cut off
@@ -23,6 +26,8 @@ Example:
     ('<tool_call>{"name": "b", "argu', (ToolCall(name='a', arguments='{}'),))
     >>> read_calls('{"name": "get_weather", "arguments": {"city": "Paris"}}', names={"get_weather"})
     (None, (ToolCall(name='get_weather', arguments='{"city": "Paris"}'),))
+    >>> read_calls('{"name": "a", "parameters": {}}; {"name": "b", "parameters": {"x": 1}}', names={"a", "b"})[1]
+    (ToolCall(name='a', arguments='{}'), ToolCall(name='b', arguments='{"x": 1}'))
     >>> before_calls("Sure. <tool_c"), before_calls("Sure. <tool_call>{"), before_calls("Sure.")
     (6, 6, 5)
     >>> before_calls(' {"name', bare=True), before_calls("Sure.", bare=True), before_calls("```js", bare=True)
@@ -41,6 +46,8 @@ from forerun.tool_specs import CLOSE, OPEN
 
 FENCE = "```json"
 """How a Markdown fence of JSON opens."""
+APART = re.compile(r"\s*;?\s*")
+"""What may stand between bare calls."""
 BLOCK = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|\Z)", re.S)
 """A call block; the last may be cut off by the answer's end (its JSON then decides whether it is calls)."""
 
@@ -63,10 +70,11 @@ def read_calls(text: str, names: Collection[str] = ()) -> tuple[str | None, tupl
     """(content, calls) of an answer: the text outside the blocks (stripped; None where only calls were written)
     and each block's calls in order; (text, ()) where no block is there or one is not calls. An answer without
     blocks that is nothing but calls of functions in `names` (the tools offered), as JSON (alone, or in one
-    Markdown ```json fence), is read as those calls: small models drop the tags their template teaches."""
+    Markdown ```json fence), is read as those calls: Llama 3's templates teach calls so, and small models drop the
+    tags theirs teach."""
     if OPEN not in text:
         body = unfenced(text.strip())
-        bare = calls_in(body) if body[:1] in ("{", "[") else None
+        bare = bare_calls(body) if body[:1] in ("{", "[") else None
         if bare and all(call.name in names for call in bare):
             return None, tuple(bare)
         return text, ()
@@ -85,12 +93,34 @@ def read_calls(text: str, names: Collection[str] = ()) -> tuple[str | None, tupl
 
 
 def calls_in(body: str) -> list[ToolCall] | None:
-    """The calls of one block's JSON (an object or a list of objects, each with a name and an arguments object;
-    arguments written as a JSON string are read too), or None where it is not that."""
+    """The calls of one block's JSON (`calls_of`), or None where it is not calls."""
     try:
         value = json.loads(body)
     except (ValueError, RecursionError):  # a model may write "[" a thousand times: not calls, and no failure
         return None
+    return calls_of(value)
+
+
+def bare_calls(body: str) -> list[ToolCall] | None:
+    """The calls of JSON values written one after another, apart by spaces or one ";" (`calls_of` each), or None
+    where any is not calls."""
+    decoder, calls, at = json.JSONDecoder(), [], 0
+    while at < len(body):
+        try:
+            value, at = decoder.raw_decode(body, at)
+        except (ValueError, RecursionError):
+            return None
+        found = calls_of(value)
+        if found is None:
+            return None
+        calls.extend(found)
+        at = APART.match(body, at).end()
+    return calls
+
+
+def calls_of(value: object) -> list[ToolCall] | None:
+    """The calls in a JSON value (an object or a list of objects, each with a name and an arguments object, or
+    parameters; arguments written as a JSON string are read too), or None where it is not that."""
     calls = []
     for item in value if isinstance(value, list) else [value]:
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
@@ -99,7 +129,7 @@ def calls_in(body: str) -> list[ToolCall] | None:
         if isinstance(arguments, str):
             try:
                 arguments = json.loads(arguments)
-            except ValueError:
+            except (ValueError, RecursionError):
                 return None
         if not isinstance(arguments, dict):
             return None

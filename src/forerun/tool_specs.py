@@ -2,9 +2,10 @@
 and, where a call is required, the grammar its answer is held to.
 
 The model learns of the tools from its chat template (`apply_chat_template(messages, tools=...)`) and writes its
-calls in the format the template teaches. forerun reads one format, the one Qwen2.5, Qwen3, Hermes and SmolLM2
-teach: JSON between `<tool_call>` and `</tool_call>` (`forerun.tool_calls` reads it back); a template that never
-writes `<tool_call>` teaches another, and its tools are refused by name (`takes_tools`).
+calls in the format the template teaches. forerun reads two (`forerun.tool_calls` reads them back): JSON between
+`<tool_call>` and `</tool_call>`, as Qwen2.5, Qwen3, Hermes and SmolLM2 are taught, and one bare JSON object whose
+arguments are its "parameters", as Llama 3.1-3.3 are (`{"name": "get_weather", "parameters": {"city": "Paris"}}`).
+A template that writes calls neither way teaches another format, and its tools are refused by name (`takes_tools`).
 
 `tool_choice`: "auto" (the model decides: its text is plain generate's, the calls read out of it after), "none"
 (the tools are not shown), "required" (one or more calls) or {"type": "function", "function": {"name": ...}} (one
@@ -42,7 +43,9 @@ NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 """A function's name, as OpenAI allows it."""
 MODES = ("none", "auto", "required")
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-"""What the format's calls are written between."""
+"""What the block format's calls are written between."""
+PARAMETERS = '"parameters": '
+"""What a chat template teaching Llama 3's JSON calls writes before an assistant call's arguments."""
 FUNCTION_KEYS = {"name", "description", "parameters", "strict"}
 
 
@@ -124,20 +127,39 @@ def names_of(tools: Sequence[dict]) -> frozenset[str]:
 
 
 def takes_tools(tokenizer: object) -> bool:
-    """Whether the tokenizer's chat template (any of its named ones) teaches the `<tool_call>` format."""
-    return any(OPEN in text for text in templates(tokenizer))
+    """Whether the tokenizer's chat template (any of its named ones) teaches a call format forerun reads."""
+    return kind_of(templates(tokenizer)) is not None
+
+
+def kind_of(texts: Sequence[str]) -> str | None:
+    """The call format chat templates `texts` teach: "blocks" (they write `<tool_call>`), "json" (Llama 3's bare
+    object: they write `"parameters": ` and take `tools`), or None (another, or none)."""
+    if any(OPEN in text for text in texts):
+        return "blocks"
+    if any(PARAMETERS in text and "tools" in text for text in texts):
+        return "json"
+    return None
 
 
 @dataclass(frozen=True)
 class CallForm:
-    """How a chat template writes calls, as a required call's grammar must: one JSON list in one block
-    (`<tool_call>[...]</tool_call>`, as SmolLM2's) or an object per block (Hermes, Qwen); and how the grammar
-    spells the block's marks: as text (`"<tool_call>"`), or as the one token of their own a tokenizer gives them
-    (`<tool_call>`: Qwen's, which llguidance reads as a special token, never as its text)."""
+    """How a chat template writes calls, as a required call's grammar must.
+
+    `kind` "blocks": in `<tool_call>` blocks, one JSON list in one block (`listed`: SmolLM2's) or an object per
+    block (Hermes, Qwen); `open` and `close` spell the block's marks for the grammar: as text (`"<tool_call>"`), or
+    as the one token of their own a tokenizer gives them (`<tool_call>`: Qwen's, which llguidance reads as a special
+    token, never as its text). `kind` "json": one bare JSON object, its arguments under "parameters" (Llama 3's
+    templates show one call per assistant message, and refuse more)."""
 
     listed: bool = False
     open: str = json.dumps(OPEN)
     close: str = json.dumps(CLOSE)
+    kind: str = "blocks"
+
+    @property
+    def arguments(self) -> str:
+        """The key a call's arguments are written under."""
+        return "parameters" if self.kind == "json" else "arguments"
 
 
 def call_form(tokenizer: object, special: Callable[[int], bool]) -> CallForm:
@@ -148,7 +170,10 @@ def call_form(tokenizer: object, special: Callable[[int], bool]) -> CallForm:
         ids = tokenizer(mark, add_special_tokens=False)["input_ids"]
         return mark if len(ids) == 1 and special(ids[0]) else json.dumps(mark)
 
-    listed = any(OPEN + "[" in text for text in templates(tokenizer))
+    texts = templates(tokenizer)
+    if kind_of(texts) == "json":
+        return CallForm(kind="json")
+    listed = any(OPEN + "[" in text for text in texts)
     return CallForm(listed, term(OPEN), term(CLOSE))
 
 
@@ -161,16 +186,17 @@ def templates(tokenizer: object) -> list[str]:
 
 def calls_grammar(tools: Sequence[dict], name: str | None, parallel: bool, form: CallForm = CallForm()) -> str:
     """llguidance's Lark grammar of an answer that is only calls: of function `name` (one), or of any of `tools`
-    (None: one, or several where `parallel`), each `{"name": ..., "arguments": ...}` with the arguments held to the
-    function's parameters, written in the template's `form` (one list in one block, or a block each, one per line).
-    The JSON is written as `json.dumps` and the templates' `tojson` write it (no room for a model to spin
-    whitespace until its answer's end)."""
+    (None: one, or several where `parallel` and the form writes several), each `{"name": ..., "arguments": ...}`
+    with the arguments held to the function's parameters, written in the template's `form` (one list in one block,
+    a block each, one per line, or one bare object whose arguments are its "parameters"). The JSON is written as
+    `json.dumps` and the templates' `tojson` write it (no room for a model to spin whitespace until its answer's
+    end)."""
     chosen = [tool["function"] for tool in tools if name is None or tool["function"]["name"] == name]
     schemas = [
         {
             "type": "object",
-            "properties": {"name": {"const": f["name"]}, "arguments": f.get("parameters") or {"type": "object"}},
-            "required": ["name", "arguments"],
+            "properties": {"name": {"const": f["name"]}, form.arguments: f.get("parameters") or {"type": "object"}},
+            "required": ["name", form.arguments],
             "additionalProperties": False,
         }
         for f in chosen
@@ -179,6 +205,8 @@ def calls_grammar(tools: Sequence[dict], name: str | None, parallel: bool, form:
     # written as json.dumps and the templates' tojson write it: no room to spin whitespace until the answer's end
     schema = {**schema, "x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
     call = f"call: %json {json.dumps(schema, ensure_ascii=False)}"
+    if form.kind == "json":
+        return f"start: call\n{call}\n"
     several = parallel and name is None
     if form.listed:
         calls = 'call (", " call)*' if several else "call"

@@ -16,6 +16,8 @@ import forerun
 from forerun.server import ServerConfig, create_app
 from forerun.tool_specs import shipped_template
 
+from tool_templates import LLAMA3_JSON
+
 pytestmark = pytest.mark.real_model
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The current weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
@@ -235,3 +237,41 @@ def test_cli_generate_prints_the_calls_as_json_lines(served, tmp_path):
     for bad, fragment in [(["--tool-choice", "sunny"], "--tool-choice"), (["--tools", str(tmp_path / "x")], "--tools")]:
         refused = CliRunner().invoke(app, ["generate", question, "--tools", str(path), *bad])
         assert refused.exit_code == 2 and fragment in refused.output, refused.output
+
+
+def test_a_llama_template_served_from_a_file_makes_bare_json_calls(smollm2, tmp_path):
+    """`forerun serve --chat-template FILE` with a template teaching Llama 3's calls: a required call is one bare
+    object (its arguments the function's parameters), plain generate's held text, streamed whole; the conversation
+    goes on with it; two calls in one assistant message, which the template refuses, are a 400."""
+    import httpx
+
+    from forerun.cli.common import read_chat_template
+
+    model, tokenizer = smollm2
+    path = tmp_path / "llama3.jinja"
+    path.write_text(LLAMA3_JSON)
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.chat_template = read_chat_template(str(path))
+    server = LiveServer(create_app(model, tokenizer, ServerConfig(MODEL, "auto", max_tokens_limit=64)))
+    try:
+        client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        response = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required")
+        (call,) = response.choices[0].message.tool_calls
+        assert response.choices[0].finish_reason == "tool_calls" and response.choices[0].message.content is None
+        text = held_generate(model, tokenizer, ASK, "required")
+        assert text == f'{{"name": "{call.function.name}", "parameters": {call.function.arguments}}}'
+        assert call.function.name in ("get_weather", "add") and json.loads(call.function.arguments)
+        chunks = list(client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
+                                                     stream=True))  # fmt: skip
+        streamed = [d.tool_calls for c in chunks if c.choices and (d := c.choices[0].delta).tool_calls]
+        assert len(streamed) == 1 and streamed[0][0].function.arguments == call.function.arguments
+        made = {"id": call.id, "type": "function", "function": {"name": call.function.name,
+                                                                 "arguments": call.function.arguments}}  # fmt: skip
+        turns = [*ASK, {"role": "assistant", "content": None, "tool_calls": [made]},
+                 {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "clear"}'}]  # fmt: skip
+        assert client.chat.completions.create(model=MODEL, messages=turns, tools=TOOLS, max_tokens=8).choices
+        two = [*ASK, {"role": "assistant", "content": None, "tool_calls": [made, made]}]
+        refused = httpx.post(server.url + "/v1/chat/completions", json={"messages": two, "tools": TOOLS}, timeout=60)
+        assert refused.status_code == 400 and "one tool call per message" in refused.text, refused.text
+    finally:
+        server.stop()

@@ -14,6 +14,7 @@ from forerun.tool_calls import read_calls
 from forerun.tool_specs import shipped_template
 
 from tiny_models import byte_tokenizer, tiny_model
+from tool_templates import LLAMA3_JSON
 
 CURVE = LatencyCurve((1, 8, 32), (1.0, 1.1, 1.5))
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -25,6 +26,7 @@ ADD = {"type": "function", "function": {"name": "add", "parameters": {
 TOOLS = [WEATHER, ADD]
 CHOICES = {"auto": "auto", "required": "required", "named": {"type": "function", "function": {"name": "add"}}}
 MESSAGES = [[{"role": "user", "content": "Weather in Oslo?"}], [{"role": "user", "content": "Add 2 and 3."}]]
+METHODS = ("plain", "prompt_lookup", "trie", "auto")
 NEW = 96
 """New tokens: room for a call in byte-sized tokens (about 80)."""
 
@@ -36,8 +38,8 @@ def tokenizer():
     return tokenizer
 
 
-def model_of(family: str, attention: str, tokenizer) -> torch.nn.Module:
-    model = tiny_model(family, attention, vocab_size=len(tokenizer), max_position_embeddings=1024)  # byte tokens
+def model_of(family: str, attention: str, tokenizer, context: int = 1024) -> torch.nn.Module:
+    model = tiny_model(family, attention, vocab_size=len(tokenizer), max_position_embeddings=context)  # byte tokens
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     return model
 
@@ -60,12 +62,24 @@ def expected(model, decoder, tokenizer, messages, choice) -> torch.Tensor:
 def test_every_method_writes_generates_text_with_the_tools_free_or_held_to_calls(family, attention, tokenizer):
     """Greedy, each tool_choice: every method, alone and as a batch of two, writes generate's text; a required or
     named call is a call of the tools (of the one named), and holding it changes the text (the control)."""
-    model = model_of(family, attention, tokenizer)
+    every_method_writes_generates_text(model_of(family, attention, tokenizer), tokenizer, METHODS)
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_llama_json_calls_are_written_as_generate_writes_them_free_or_held(attention):
+    """The same with a chat template teaching Llama 3's bare JSON calls: a required call is held to one object
+    whose arguments are its parameters, and read back."""
+    tokenizer = byte_tokenizer()
+    tokenizer.chat_template = LLAMA3_JSON
+    every_method_writes_generates_text(model_of("llama", attention, tokenizer, 2048), tokenizer, ("plain", "auto"))
+
+
+def every_method_writes_generates_text(model, tokenizer, methods: tuple[str, ...]) -> None:
     reference = forerun.Decoder(model, tokenizer, "plain", latency=CURVE)
     wanted = {kind: [expected(model, reference, tokenizer, m, c) for m in MESSAGES] for kind, c in CHOICES.items()}
     assert not torch.equal(wanted["auto"][0], wanted["required"][0])
     held_calls = 0
-    for method in ("plain", "prompt_lookup", "trie", "auto"):
+    for method in methods:
         decoder = forerun.Decoder(model, tokenizer, method, latency=CURVE)
         for kind, choice in CHOICES.items():
             options = {"tools": TOOLS, "tool_choice": choice, "parallel_tool_calls": False}
@@ -75,13 +89,13 @@ def test_every_method_writes_generates_text_with_the_tools_free_or_held_to_calls
             for row, want in zip(batch, wanted[kind], strict=True):
                 assert torch.equal(row.sequences, want), (method, kind, "batched")
             for result in (alone, *batch):
-                assert result.tool_calls == read_calls(result.text)[1]
+                assert result.tool_calls == read_calls(result.text, {"get_weather", "add"})[1]
                 if kind != "auto" and result.finish_reason != "length":  # held: one call, whole
                     assert result.finish_reason == "tool_calls" and len(result.tool_calls) == 1, result.text
                     held_calls += 1
                     assert result.content is None
                     assert kind != "named" or result.tool_calls[0].name == "add"
-    assert held_calls >= 8  # the held answers' calls were read, not all cut off by the length
+    assert held_calls >= 4 * len(methods)  # the held answers' calls were read, not all cut off by the length
 
 
 def test_tools_need_a_template_that_takes_them_and_a_chat_prompt(tokenizer):

@@ -25,6 +25,7 @@ from forerun.tool_specs import (
 )
 
 from tiny_models import byte_tokenizer
+from tool_templates import LLAMA3_JSON
 
 WEATHER = {
     "type": "function",
@@ -74,6 +75,7 @@ def call(name: str, **arguments) -> str:
         (f"<tool_call>{call('now')}</tool_call>\n<tool_call>" + '{"na', '<tool_call>{"na', (ToolCall("now", "{}"),)),
         ("<tool_call>{", "<tool_call>{", ()),
         *[(text, text, ()) for text in ["<tool_call>" + "[" * 5000 + "</tool_call>", "[" * 5000]],  # no recursion error
+        *[(text, text, ()) for text in ['<tool_call>{"name": "a", "arguments": "' + "[" * 5000 + '"}</tool_call>']],
     ],
 )
 def test_calls_are_read_out_of_the_text_and_nothing_else_is_lost(text, content, calls):
@@ -262,6 +264,56 @@ def test_an_answer_that_is_only_calls_of_offered_tools_is_read_without_its_tags(
                  f"```python\n{call('add', a=1)}\n```", f"```json\n{call('add', a=1)}\n``` and more"):  # fmt: skip
         assert read_calls(text, names) == (text, ()), text
     assert read_calls(call("add", a=1)) == (call("add", a=1), ())  # no tools offered: text
+
+
+def llama(name: str, **arguments) -> str:
+    return json.dumps({"name": name, "parameters": arguments})
+
+
+def test_llama_calls_are_read_bare_one_or_several():
+    """Llama 3's calls: a bare object whose arguments are its parameters; several apart by "; " or a new line
+    (Llama 3.2 writes them so). Anything else after them, or a function not offered, leaves the text as content."""
+    names = {"add", "now"}
+    assert read_calls(llama("add", a=1), names) == (None, (ToolCall("add", '{"a": 1}'),))
+    both = (ToolCall("add", '{"a": 1}'), ToolCall("now", "{}"))
+    for apart in ("; ", ";", "\n", " ;\n "):
+        assert read_calls(llama("add", a=1) + apart + llama("now"), names) == (None, both), apart
+    for text in (llama("add", a=1) + "; and more", llama("add", a=1) + ";;" + llama("now"), llama("rm") + "; ",
+                 llama("add", a=1) + "; " + llama("rm"), llama("add", a=1) + ' {"a": 1}'):  # fmt: skip
+        assert read_calls(text, names) == (text, ()), text
+    deep = '{"name": "add", "parameters": ' + "[" * 5000  # cut, and past json's recursion: text, no failure
+    assert read_calls(deep, names) == (deep, ())
+
+
+def test_a_llama_template_is_read_and_its_required_call_held_to_one_bare_object(grammars):
+    """A template writing Llama 3's calls takes tools and holds a required call to one bare object, its arguments
+    under "parameters" (never two: the template shows one call a message); what it writes of an assistant's call
+    reads back as that call."""
+    from llguidance import LLMatcher
+
+    grammars, _ = grammars
+    tokenizer = byte_tokenizer()
+    tokenizer.chat_template = LLAMA3_JSON
+    form = call_form(tokenizer, lambda token: False)
+    assert takes_tools(tokenizer) and form.kind == "json" and form.arguments == "parameters"
+    tools = check_tools([WEATHER, ADD])
+
+    def accepts(text: str, name: str | None) -> bool:
+        grammar = LLMatcher.grammar_from_lark(calls_grammar(tools, name, True, form))
+        matcher = LLMatcher(grammars.tokens(), grammar, log_level=0)
+        assert not matcher.is_error(), matcher.get_error()
+        return matcher.consume_tokens(tokenizer.encode(text, add_special_tokens=False)) and matcher.is_accepting()
+
+    assert accepts(llama("add", a=1, b=2), None) and accepts(llama("add", a=1, b=2), "add")
+    assert accepts(llama("get_weather", city="Oslo"), None) and not accepts(llama("get_weather", city="Oslo"), "add")
+    assert not accepts(call("add", a=1, b=2), None)  # "arguments": not this form
+    assert not accepts(llama("add", a=1, b=2) + "; " + llama("add", a=3, b=4), None)
+    assert not accepts(f"<tool_call>\n{llama('add', a=1, b=2)}\n</tool_call>", None)
+    made = [{"type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}]
+    messages = [{"role": "user", "content": "Add 1 and 2."}, {"role": "assistant", "content": None, "tool_calls": made}]
+    text = tokenizer.apply_chat_template(messages, tools=[ADD], tokenize=False)
+    written = text.split("<|start_header_id|>assistant<|end_header_id|>\n\n")[1].split("<|eot_id|>")[0]
+    assert accepts(written, "add") and read_calls(written, {"add"}) == (None, (ToolCall("add", '{"a": 1, "b": 2}'),))
 
 
 def test_serve_reads_a_chat_template_by_file_or_shipped_name(tmp_path):

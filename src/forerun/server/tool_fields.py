@@ -26,8 +26,8 @@ from forerun.server.schemas import ChatRequest
 from forerun.tool_specs import check_tool_choice, check_tools
 
 NO_TOOLS = (
-    "this model: its chat template does not teach tool calls in the <tool_call> format (serve it with "
-    "--chat-template FILE for one that does)"
+    "this model: its chat template does not teach tool calls in a format forerun reads (<tool_call> blocks or "
+    "Llama 3's JSON calls; serve it with --chat-template FILE for one that does)"
 )
 MAX_CALLS = 128
 """Calls one assistant message may carry."""
