@@ -36,6 +36,8 @@ def read_corpus(path: Path) -> list[dict]:
                 row = json.loads(line)
             except json.JSONDecodeError as error:
                 raise ValueError(f"{path}: line {number} is not JSON ({error.msg})") from None
+            except (ValueError, RecursionError) as error:  # an integer past 4300 digits; '[' * 100000
+                raise ValueError(f"{path}: line {number} is not JSON ({type(error).__name__})") from None
             if not isinstance(row, dict) or not any(k in row for k in (*TEXT_FIELDS, "prompt", "messages")):
                 raise ValueError(f"{path}: line {number} needs one of 'text', 'completion', 'prompt', 'messages'")
             rows.append(row)

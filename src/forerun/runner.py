@@ -228,7 +228,7 @@ def finished_rows(path: Path, repair: bool = False) -> dict[str, dict]:
                 f"{path}: line {number} is not UTF-8 (byte {error.start} of the line); fix or remove that line to "
                 "resume, or write the results elsewhere"
             ) from None
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # a line that is not a result (a torn or foreign one): done again
             continue
         if isinstance(row, dict) and "id" in row:
             rows[str(row["id"])] = row

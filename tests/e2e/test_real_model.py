@@ -240,4 +240,8 @@ def test_trie_build_rejects_a_bad_corpus_before_loading_a_model(tmp_path):
     corpus.write_text("not json\n")
     result = CliRunner().invoke(app, ["trie", "build", str(corpus), "-o", str(tmp_path / "c.safetensors")])
     assert result.exit_code == 2 and "line 1 is not JSON" in result.output
+    for hostile in ("[" * 100_000, "1" * 5000):  # past json's recursion; an integer past Python's digit limit
+        corpus.write_text(f'{{"text": "fine"}}\n{hostile}\n')
+        result = CliRunner().invoke(app, ["trie", "build", str(corpus), "-o", str(tmp_path / "c.safetensors")])
+        assert result.exit_code == 2 and "line 2 is not JSON" in result.output, result.output
     assert not (tmp_path / "c.safetensors").exists()

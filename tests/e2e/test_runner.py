@@ -149,6 +149,9 @@ def test_a_torn_last_line_is_dropped_and_merge_keeps_input_order(tmp_path):
     assert list(finished_rows(out)) == ["b"] and out.read_text().endswith('"te')  # reading alone changes nothing
     assert list(finished_rows(out, repair=True)) == ["b"]
     assert out.read_text() == '{"id": "b", "text": "B"}\n'  # appends now start on a fresh line
+    out.write_text('{"id": "b", "text": "B"}\n' + "[" * 100_000 + "\n" + "1" * 5000 + "\n")  # hostile lines: done again
+    assert list(finished_rows(out)) == ["b"]
+    out.write_text('{"id": "b", "text": "B"}\n')
     (tmp_path / "out.jsonl.part1-of-2").write_text('{"id": "a", "text": "A"}\n', encoding="utf-8")
     records = [Record("a", 0, "x", {}), Record("b", 1, "y", {})]
     assert merge_results(out, records) == 2
