@@ -172,7 +172,7 @@ def call_form(tokenizer: object, special: Callable[[int], bool]) -> CallForm:
 
     texts = templates(tokenizer)
     if kind_of(texts) == "json":
-        return CallForm(kind="json")
+        return CallForm(open="", close="", kind="json")  # no marks
     listed = any(OPEN + "[" in text for text in texts)
     return CallForm(listed, term(OPEN), term(CLOSE))
 
