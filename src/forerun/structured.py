@@ -97,13 +97,15 @@ def check_schema_entry(entry: object) -> None:
 
 def grammar_of(response_format: Mapping[str, Any], form: CallForm | None = None) -> str:
     """llguidance's grammar for a checked JSON format (any JSON object, or the given schema), or for a request's
-    required tool calls ({"type": "tool_calls", "tools", "name", "parallel"}: `GenerationRequest.held_format`,
-    in the chat template's `form`: `forerun.tool_specs.calls_grammar`)."""
+    required tool calls ({"type": "tool_calls", "tools", "name", "parallel"} and "lazy" for strict ones under
+    tool_choice auto: `GenerationRequest.held_format`, in the chat template's `form`:
+    `forerun.tool_specs.calls_grammar`)."""
     from llguidance import LLMatcher
 
     if response_format["type"] == "tool_calls":
         tools, name, parallel = response_format["tools"], response_format["name"], response_format["parallel"]
-        return LLMatcher.grammar_from_lark(calls_grammar(tools, name, parallel, form or CallForm()))
+        lazy = response_format.get("lazy", False)
+        return LLMatcher.grammar_from_lark(calls_grammar(tools, name, parallel, form or CallForm(), lazy))
     if response_format["type"] == "json_object":
         return LLMatcher.grammar_from_json_schema({"type": "object"})
     return LLMatcher.grammar_from_json_schema(response_format["json_schema"]["schema"])
@@ -192,7 +194,7 @@ class Grammars:
         `ends`: the request's EOS ids, which end the answer once the JSON is complete (none: a ValueError, as the
         answer could then never end where the JSON does)."""
         if not ends:
-            held = "a required tool call" if response_format["type"] == "tool_calls" else "response_format"
+            held = "a required or strict tool call" if response_format["type"] == "tool_calls" else "response_format"
             raise ValueError(f"{held} needs an end-of-text token to end the answer; this request has none")
         return Constraint(self.compile(response_format), prompt_length, ends, self.end_token)
 

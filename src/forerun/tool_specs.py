@@ -7,7 +7,8 @@ calls in the format the template teaches. forerun reads two (`forerun.tool_calls
 arguments are its "parameters", as Llama 3.1-3.3 are (`{"name": "get_weather", "parameters": {"city": "Paris"}}`).
 A template that writes calls neither way teaches another format, and its tools are refused by name (`takes_tools`).
 
-`tool_choice`: "auto" (the model decides: its text is plain generate's, the calls read out of it after), "none"
+`tool_choice`: "auto" (the model decides: its text is plain generate's, the calls read out of it after; where a
+function is `strict`, a call the answer opens is held from there to the end, `calls_grammar(lazy=True)`), "none"
 (the tools are not shown), "required" (one or more calls) or {"type": "function", "function": {"name": ...}} (one
 call of that function). The last two hold the answer to calls in that format, the arguments to the function's
 JSON schema, as `response_format` holds an answer to JSON (`forerun.structured`): a logits processor, so plain
@@ -19,7 +20,7 @@ Example:
     >>> check_tool_choice({"type": "function", "function": {"name": "get_weather"}}, tools)
     'get_weather'
     >>> print("\\n".join(calls_grammar(tools, "get_weather", parallel=False).splitlines()[:2]))
-    start: block
+    start: "<tool_call>" "\\n" call "\\n" "</tool_call>"
     block: "<tool_call>" "\\n" call "\\n" "</tool_call>"
     >>> check_tool_choice("required", ())
     Traceback (most recent call last):
@@ -184,13 +185,43 @@ def templates(tokenizer: object) -> list[str]:
     return [text for text in texts if isinstance(text, str)]
 
 
-def calls_grammar(tools: Sequence[dict], name: str | None, parallel: bool, form: CallForm = CallForm()) -> str:
+def calls_grammar(
+    tools: Sequence[dict], name: str | None, parallel: bool, form: CallForm = CallForm(), lazy: bool = False
+) -> str:
     """llguidance's Lark grammar of an answer that is only calls: of function `name` (one), or of any of `tools`
     (None: one, or several where `parallel` and the form writes several), each `{"name": ..., "arguments": ...}`
     with the arguments held to the function's parameters, written in the template's `form` (one list in one block,
     a block each, one per line, or one bare object whose arguments are its "parameters"). The JSON is written as
     `json.dumps` and the templates' `tojson` write it (no room for a model to spin whitespace until its answer's
-    end)."""
+    end). `lazy`: the answer is free text until it opens a call (the template's mark; for the bare form, a `{`
+    first), and held from there to the end as above (OpenAI's `strict` functions under tool_choice auto)."""
+    schema = {**call_schema(tools, name, form), "x-guidance": JSON_AS_DUMPED}
+    call = f"call: %json {json.dumps(schema, ensure_ascii=False)}"
+    if form.kind == "json":  # free text may not start as JSON: a `{` first is a call
+        return f"start: PLAIN | call\nPLAIN: /(?s:\\s*([^{{\\s].*)?)/\n{call}\n" if lazy else f"start: call\n{call}\n"
+    several = parallel and name is None
+    if form.listed:  # one list in one block
+        calls = 'call (", " call)*' if several else "call"
+        rest, rules = f'"[" {calls} "]" {form.close}', call
+    else:  # an object a block, one block a line
+        rest = f'"\\n" call "\\n" {form.close}' + (' ("\\n" block)*' if several else "")
+        rules = f'block: {form.open} "\\n" call "\\n" {form.close}\n{call}'
+    if not lazy:
+        return f"start: {form.open} {rest}\n{rules}\n"
+    if not form.open.startswith('"'):  # a mark of its own token: no text spells it
+        return f"start: PLAIN ({form.open} {rest})?\nPLAIN: /(?s:.*)/\n{rules}\n"
+    mark = regex_escaped(json.loads(form.open))  # free text up to the mark's first appearance, held after it
+    free = f"PLAIN: /(?s:.*)/ & ~/(?s:.*{mark}.*)/\nOPENED: /(?s:.*{mark})/ & ~/(?s:.*{mark}.+)/"
+    return f"start: PLAIN | OPENED {rest}\n{free}\n{rules}\n"
+
+
+JSON_AS_DUMPED = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+"""llguidance's JSON written as `json.dumps` and the templates' `tojson` write it: no room to spin whitespace until
+the answer's end."""
+
+
+def call_schema(tools: Sequence[dict], name: str | None, form: CallForm) -> dict:
+    """The JSON schema of one call of function `name` (None: of any of `tools`), in `form`'s keys."""
     chosen = [tool["function"] for tool in tools if name is None or tool["function"]["name"] == name]
     schemas = [
         {
@@ -201,18 +232,24 @@ def calls_grammar(tools: Sequence[dict], name: str | None, parallel: bool, form:
         }
         for f in chosen
     ]
-    schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
-    # written as json.dumps and the templates' tojson write it: no room to spin whitespace until the answer's end
-    schema = {**schema, "x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
-    call = f"call: %json {json.dumps(schema, ensure_ascii=False)}"
-    if form.kind == "json":
-        return f"start: call\n{call}\n"
-    several = parallel and name is None
-    if form.listed:
-        calls = 'call (", " call)*' if several else "call"
-        return f'start: {form.open} "[" {calls} "]" {form.close}\n{call}\n'
-    start = 'start: block ("\\n" block)*' if several else "start: block"
-    return f'{start}\nblock: {form.open} "\\n" call "\\n" {form.close}\n{call}\n'
+    return schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+
+
+def regex_escaped(text: str) -> str:
+    """`text` as a literal inside an llguidance (Rust) regular expression."""
+    return "".join("\\" + c if c in "\\.+*?()|[]{}^$#&-~/" else c for c in text)
+
+
+def strictly_held(tools: Sequence[dict]) -> tuple[dict, ...] | None:
+    """`tools` as a lazy grammar holds them under tool_choice auto, where any function is `strict`: the strict ones'
+    calls to their parameters, the others' to any JSON object (OpenAI's `strict` is per function); None where no
+    function is strict (the answer stays free)."""
+    if not any(tool["function"].get("strict") for tool in tools):
+        return None
+    return tuple(
+        tool if tool["function"].get("strict") else {**tool, "function": {"name": tool["function"]["name"]}}
+        for tool in tools
+    )
 
 
 def shipped_template(name: str) -> str:

@@ -44,13 +44,13 @@ def client(served):
     return OpenAI(base_url=served[0].url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-def held_generate(model, tokenizer, messages, choice) -> str:
+def held_generate(model, tokenizer, messages, choice, tools=TOOLS, new: int = 64) -> str:
     """Plain generate's text from the prompt with the tools, held by the request's constraint."""
     decoder = forerun.Decoder(model, tokenizer, "plain")
-    request = forerun.GenerationRequest(messages, 64, tools=TOOLS, tool_choice=choice)
-    ids = decoder.encode(messages, tools=TOOLS)
+    request = forerun.GenerationRequest(messages, new, tools=tools, tool_choice=choice)
+    ids = decoder.encode(messages, tools=tools)
     constraint = decoder.grammars.constraint(request.held_format, ids.shape[1], frozenset({tokenizer.eos_token_id}))
-    out = model.generate(ids, max_new_tokens=64, do_sample=False, logits_processor=LogitsProcessorList([constraint]))
+    out = model.generate(ids, max_new_tokens=new, do_sample=False, logits_processor=LogitsProcessorList([constraint]))
     return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
 
 
@@ -103,6 +103,19 @@ def test_a_conversation_answers_with_the_tools_result(served, client):
     assert choice.message.content == expected.text and choice.finish_reason == expected.finish_reason
     stream = client.chat.completions.create(model=MODEL, messages=turns, tools=TOOLS, max_tokens=48, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == expected.text
+
+
+def test_strict_functions_under_auto_answer_as_generate_with_the_lazy_mask(served, client):
+    """Strict functions under tool_choice auto: the answer is free until it opens a call (this model answers in
+    words), plain generate's text with that mask, streamed the same; the mask is on (a processed request)."""
+    _, model, tokenizer = served
+    strict = [{"type": "function", "function": {**tool["function"], "strict": True}} for tool in TOOLS]
+    assert forerun.GenerationRequest(ASK, 48, tools=strict).held_format["lazy"]
+    response = client.chat.completions.create(model=MODEL, messages=ASK, tools=strict, max_tokens=48)
+    expected = held_generate(model, tokenizer, ASK, "auto", strict, 48)
+    assert response.choices[0].message.content == expected and response.choices[0].message.tool_calls is None
+    stream = client.chat.completions.create(model=MODEL, messages=ASK, tools=strict, max_tokens=48, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == expected
 
 
 def test_tools_on_a_template_without_them_are_a_400_naming_tools(smollm2):

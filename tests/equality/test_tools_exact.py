@@ -24,7 +24,10 @@ ADD = {"type": "function", "function": {"name": "add", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["a"],
     "additionalProperties": False, "x-guidance": {"whitespace_flexible": False}}}}  # fmt: skip
 TOOLS = [WEATHER, ADD]
-CHOICES = {"auto": "auto", "required": "required", "named": {"type": "function", "function": {"name": "add"}}}
+STRICT = [{"type": "function", "function": {**tool["function"], "strict": True}} for tool in TOOLS]
+CHOICES = {"auto": (TOOLS, "auto"), "strict": (STRICT, "auto"), "required": (TOOLS, "required"),
+           "named": (TOOLS, {"type": "function", "function": {"name": "add"}})}  # fmt: skip
+"""(tools, tool_choice) per kind: free, free until a call opens (strict functions), held to calls, to one."""
 MESSAGES = [[{"role": "user", "content": "Weather in Oslo?"}], [{"role": "user", "content": "Add 2 and 3."}]]
 METHODS = ("plain", "prompt_lookup", "trie", "auto")
 NEW = 96
@@ -44,13 +47,14 @@ def model_of(family: str, attention: str, tokenizer, context: int = 1024) -> tor
     return model
 
 
-def expected(model, decoder, tokenizer, messages, choice) -> torch.Tensor:
-    """Plain generate from the prompt with the tools, with the request's constraint where it holds one."""
-    ids = tokenizer.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, return_tensors="pt",
+def expected(model, decoder, tokenizer, messages, tools, choice, held: bool = True) -> torch.Tensor:
+    """Plain generate from the prompt with the tools, with the request's constraint where it holds one (and
+    `held`)."""
+    ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, return_tensors="pt",
                                         return_dict=True)["input_ids"]  # fmt: skip
-    request = forerun.GenerationRequest(messages, NEW, tools=TOOLS, tool_choice=choice, parallel_tool_calls=False)
+    request = forerun.GenerationRequest(messages, NEW, tools=tools, tool_choice=choice, parallel_tool_calls=False)
     processors = []
-    if request.held_format is not None:
+    if request.held_format is not None and held:
         ends = frozenset({tokenizer.eos_token_id})
         processors.append(decoder.grammars.constraint(request.held_format, ids.shape[1], ends))
     return model.generate(ids, max_new_tokens=NEW, do_sample=False, pad_token_id=0,
@@ -76,13 +80,16 @@ def test_llama_json_calls_are_written_as_generate_writes_them_free_or_held(atten
 
 def every_method_writes_generates_text(model, tokenizer, methods: tuple[str, ...]) -> None:
     reference = forerun.Decoder(model, tokenizer, "plain", latency=CURVE)
-    wanted = {kind: [expected(model, reference, tokenizer, m, c) for m in MESSAGES] for kind, c in CHOICES.items()}
+    wanted = {kind: [expected(model, reference, tokenizer, m, *choice) for m in MESSAGES]
+              for kind, choice in CHOICES.items()}  # fmt: skip
     assert not torch.equal(wanted["auto"][0], wanted["required"][0])
+    free = expected(model, reference, tokenizer, MESSAGES[0], *CHOICES["strict"], held=False)
+    assert not torch.equal(free, wanted["strict"][0])  # strict holds these texts: a random model's bytes are not UTF-8
     held_calls = 0
     for method in methods:
         decoder = forerun.Decoder(model, tokenizer, method, latency=CURVE)
-        for kind, choice in CHOICES.items():
-            options = {"tools": TOOLS, "tool_choice": choice, "parallel_tool_calls": False}
+        for kind, (tools, choice) in CHOICES.items():
+            options = {"tools": tools, "tool_choice": choice, "parallel_tool_calls": False}
             alone = decoder.generate(MESSAGES[0], NEW, **options)
             assert torch.equal(alone.sequences, wanted[kind][0]), (method, kind)
             batch = decoder.generate(MESSAGES, NEW, **options)
@@ -90,7 +97,7 @@ def every_method_writes_generates_text(model, tokenizer, methods: tuple[str, ...
                 assert torch.equal(row.sequences, want), (method, kind, "batched")
             for result in (alone, *batch):
                 assert result.tool_calls == read_calls(result.text, {"get_weather", "add"})[1]
-                if kind != "auto" and result.finish_reason != "length":  # held: one call, whole
+                if kind in ("required", "named") and result.finish_reason != "length":  # held: one call, whole
                     assert result.finish_reason == "tool_calls" and len(result.tool_calls) == 1, result.text
                     held_calls += 1
                     assert result.content is None

@@ -64,6 +64,8 @@ def made(**function) -> dict:
         (TAKES, {"tool_choice": "required"}, "tool_choice", "needs tools"),
         (TAKES, {"tools": [WEATHER], "response_format": {"type": "json_object"}}, "response_format", "together"),
         (TAKES, {"tools": [WEATHER], "tool_choice": "required", "ignore_eos": True}, "ignore_eos", "stop_token_ids"),
+        (TAKES, {"tools": [{"type": "function", "function": {**WEATHER["function"], "strict": True}}],
+                 "ignore_eos": True}, "ignore_eos", "stop_token_ids"),  # held once a call opens
         (TAKES, {"messages": [{"role": "user", "content": "x", "tool_calls": [made()]}]}, "messages[0].tool_calls",
          "only an assistant's"),
         (TAKES, {"messages": [*HI, {"role": "assistant", "tool_calls": [made(arguments="[1]")]}]},

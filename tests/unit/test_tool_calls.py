@@ -21,6 +21,7 @@ from forerun.tool_specs import (
     check_tool_choice,
     check_tools,
     shipped_template,
+    strictly_held,
     takes_tools,
 )
 
@@ -366,3 +367,88 @@ def test_a_required_call_of_a_schema_no_grammar_holds_is_refused_naming_the_tool
     request = GenerationRequest([{"role": "user", "content": "Hi"}], 8, tools=[broken], tool_choice="required")
     with pytest.raises(ValueError, match="a tool's parameters are not a schema forerun can hold a call to"):
         grammars.compile(request.held_format)
+
+
+STRICT_ADD = {"type": "function", "function": {**ADD["function"], "strict": True}}
+LAZY_FORMS = {
+    "a block each": CallForm(),
+    "one list": CallForm(listed=True),
+    "marks of their own": CallForm(open="<tool_call>", close="</tool_call>"),
+    "bare": CallForm(open="", close="", kind="json"),
+}
+
+
+def written_in(form: CallForm, *calls: str) -> str:
+    """`calls` (each `call(...)`) as the form writes them."""
+    if form.kind == "json":
+        return calls[0].replace('"arguments"', '"parameters"')
+    if form.listed:
+        return f"<tool_call>[{', '.join(calls)}]</tool_call>"
+    return "\n".join(f"<tool_call>\n{c}\n</tool_call>" for c in calls)
+
+
+@pytest.mark.parametrize("kind", LAZY_FORMS)
+def test_a_lazy_grammar_leaves_text_free_and_holds_every_call_it_opens(kind):
+    """Under tool_choice auto with a strict function: any text without a call passes; once the answer opens a call
+    (the template's mark; for the bare form a `{` first) the call is held to its function's schema to the end."""
+    from llguidance import LLMatcher
+
+    form, tokenizer = LAZY_FORMS[kind], byte_tokenizer()
+    if form.open == "<tool_call>":  # the marks as tokens of their own, read by llguidance as special
+        tokenizer.add_tokens(["<tool_call>", "</tool_call>"])
+    grammars = Grammars(tokenizer, len(tokenizer), tokenizer.eos_token_id)
+    lark = calls_grammar(check_tools([WEATHER, ADD]), None, form.kind != "json", form, lazy=True)
+
+    def accepts(text: str) -> bool:
+        matcher = LLMatcher(grammars.tokens(), LLMatcher.grammar_from_lark(lark), log_level=0)
+        assert not matcher.is_error(), matcher.get_error()
+        return matcher.consume_tokens(tokenizer.encode(text, add_special_tokens=False)) and matcher.is_accepting()
+
+    good, bad = call("add", a=1, b=2), call("add", a=1, b="2")
+    lead = "" if form.kind == "json" else "Let me add them.\n"
+    for text in ("", "Paris is sunny.", "Use tools like add(1, 2).", lead + written_in(form, good)):
+        assert accepts(text), text
+    for text in (lead + written_in(form, bad), lead + written_in(form, call("sub", a=1)),
+                 lead + written_in(form, good) + " And that is all."):  # fmt: skip
+        assert not accepts(text), text
+    if form.kind != "json":
+        assert accepts(lead + written_in(form, good, call("get_weather", city="Oslo")))
+    else:
+        assert not accepts(" " + written_in(form, good)) and accepts("Sure: " + written_in(form, good))
+
+
+def test_strict_functions_hold_calls_under_auto_and_the_others_take_any_object():
+    """OpenAI's `strict` is per function: under tool_choice auto a strict one's calls are held to its schema, the
+    others' to any object; without a strict function nothing is held (the answer is plain generate's)."""
+    assert strictly_held(check_tools([WEATHER, ADD])) is None
+    held = strictly_held(check_tools([WEATHER, STRICT_ADD]))
+    assert held[1] == STRICT_ADD and held[0] == {"type": "function", "function": {"name": "get_weather"}}
+    asked = [{"role": "user", "content": "Add 1 and 2."}]
+    assert GenerationRequest(asked, 8, tools=[WEATHER, ADD]).held_format is None
+    request = GenerationRequest(asked, 8, tools=[WEATHER, STRICT_ADD])
+    assert request.held_format["lazy"] and request.processed
+    assert GenerationRequest(asked, 8, tools=[STRICT_ADD], tool_choice="none").held_format is None
+    assert "lazy" not in GenerationRequest(asked, 8, tools=[STRICT_ADD], tool_choice="required").held_format
+
+
+def test_a_strict_constraint_masks_only_inside_a_call():
+    """The processor itself (the control of the equality tests, whose tiny models never open a call): free text
+    keeps every token; inside an opened call only the schema's next tokens stay."""
+    tokenizer = byte_tokenizer()
+    tokenizer.chat_template = shipped_template("chatml-tools")
+    grammars = Grammars(tokenizer, len(tokenizer), tokenizer.eos_token_id)
+    asked = [{"role": "user", "content": "Add 1 and 2."}]
+    request = GenerationRequest(asked, 8, tools=[WEATHER, STRICT_ADD], parallel_tool_calls=False)
+    constraint = grammars.constraint(request.held_format, 0, frozenset({tokenizer.eos_token_id}))
+
+    def mask(text: str) -> torch.Tensor:
+        return constraint.allowed_after(tokenizer.encode(text, add_special_tokens=False))
+
+    def allowed(text: str) -> set[str]:
+        return {tokenizer.decode([i]) for i in torch.nonzero(mask(text)).flatten().tolist()}
+
+    text_tokens = [i for i in range(len(tokenizer)) if tokenizer.decode([i]).isascii()]  # UTF-8 text, and EOS
+    assert len(text_tokens) > 128 and bool(mask("Sure, ")[text_tokens].all())  # free text: any of them
+    assert allowed("Sure. <tool_call>") == {"["}  # SmolLM2's form: one list
+    assert allowed('<tool_call>[{"name": "add", "arguments": {"a": 1, "b": ') <= set("0123456789-")
+    assert allowed('<tool_call>[{"name": "add", "arguments": {"a": 1, "b": 2}}]</tool_call>') == {"<eos>"}
