@@ -17,7 +17,9 @@ Three workloads, each an agent's step on a real dataset's task:
         --new-tokens 128 --methods plain,auto --out benchmarks/results/tool-calls-auto-qwen15-bf16-epyc-avx512.json
 
 With `--choice auto` the model decides whether to call (nothing is held: the baseline is plain generate from the
-same prompt); "calls" counts the answers it made calls in. Qwen2.5-Coder's own template takes tools. In bf16,
+same prompt); "calls" counts the answers it made calls in. `--strict` marks every function strict: under auto the
+answer is free until it opens a call in the template's format, then held (the baseline is generate with that
+lazy mask). Qwen2.5-Coder's own template takes tools. In bf16,
 "ties" counts the answers that differ from generate's only from a numerical tie on (the low-precision contract,
 `forerun.exactness`, read on one forward's logits).
 """
@@ -71,6 +73,8 @@ def run(args: argparse.Namespace) -> dict:
     for name in workloads:
         tools, choice = WORKLOADS[name]
         choice = args.choice or choice
+        if args.strict:  # OpenAI's per-function flag: under auto, a call the answer opens is held from there
+            tools = [{"type": "function", "function": {**tool["function"], "strict": True}} for tool in tools]
         out |= {f"{name}, {label}": {"tokens": 0, "seconds": 0.0, "forwards": 0, "speedups": [], "identical": 0,
                                       "ties": 0, "calls": 0} for label in ["generate", *methods]}  # fmt: skip
         for prompt in load_dataset(name, n):
@@ -131,6 +135,7 @@ def main() -> None:
     parser.add_argument("--workloads", default="gsm8k,mbpp,humaneval")
     parser.add_argument("--n", type=int, default=10)
     parser.add_argument("--methods", default="plain,prompt_lookup,auto")
+    parser.add_argument("--strict", action="store_true", help="mark every function strict (held once called)")
     parser.add_argument("--new-tokens", type=int, default=192)
     parser.add_argument("--dtype", default="fp32")
     parser.add_argument("--threads", type=int, default=1)
