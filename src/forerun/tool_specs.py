@@ -193,26 +193,42 @@ def calls_grammar(
     with the arguments held to the function's parameters, written in the template's `form` (one list in one block,
     a block each, one per line, or one bare object whose arguments are its "parameters"). The JSON is written as
     `json.dumps` and the templates' `tojson` write it (no room for a model to spin whitespace until its answer's
-    end). `lazy`: the answer is free text until it opens a call (the template's mark; for the bare form, a `{`
-    first), and held from there to the end as above (OpenAI's `strict` functions under tool_choice auto)."""
+    end). `lazy`: free text until the answer opens a call, held from there (`lazy_start`)."""
     schema = {**call_schema(tools, name, form), "x-guidance": JSON_AS_DUMPED}
     call = f"call: %json {json.dumps(schema, ensure_ascii=False)}"
-    if form.kind == "json":  # free text may not start as JSON: a `{` first is a call
-        return f"start: PLAIN | call\nPLAIN: /(?s:\\s*([^{{\\s].*)?)/\n{call}\n" if lazy else f"start: call\n{call}\n"
-    several = parallel and name is None
-    if form.listed:  # one list in one block
+    several = parallel and name is None and form.kind != "json"
+    if form.kind == "json":  # one bare object
+        rest, rules = "", call
+    elif form.listed:  # one list in one block
         calls = 'call (", " call)*' if several else "call"
         rest, rules = f'"[" {calls} "]" {form.close}', call
     else:  # an object a block, one block a line
         rest = f'"\\n" call "\\n" {form.close}' + (' ("\\n" block)*' if several else "")
         rules = f'block: {form.open} "\\n" call "\\n" {form.close}\n{call}'
-    if not lazy:
-        return f"start: {form.open} {rest}\n{rules}\n"
-    if not form.open.startswith('"'):  # a mark of its own token: no text spells it
-        return f"start: PLAIN ({form.open} {rest})?\nPLAIN: /(?s:.*)/\n{rules}\n"
-    mark = regex_escaped(json.loads(form.open))  # free text up to the mark's first appearance, held after it
-    free = f"PLAIN: /(?s:.*)/ & ~/(?s:.*{mark}.*)/\nOPENED: /(?s:.*{mark})/ & ~/(?s:.*{mark}.+)/"
-    return f"start: PLAIN | OPENED {rest}\n{free}\n{rules}\n"
+    if lazy:
+        start = lazy_start(form, rest, several)
+    else:
+        start = "start: call" if form.kind == "json" else f"start: {form.open} {rest}"
+    return f"{start}\n{rules}\n"
+
+
+def lazy_start(form: CallForm, rest: str, several: bool) -> str:
+    """The start of a lazy calls grammar (OpenAI's `strict` functions under tool_choice auto): free text, held to
+    calls from where it opens one, to its end. A call opens at the template's mark (text before it free), or, as
+    `forerun.tool_calls.read_calls` reads an answer that is only calls, where the answer begins as JSON: `{`, or a
+    ```json fence (whose calls are then written compactly, one a line)."""
+    bare = 'call ("\\n" call)*' if several else "call"
+    starts = [f'({bare} | "```json\\n" {bare} "\\n```")']
+    not_json = r"~/(?s:\s*(\{|```json).*)/"  # free text does not begin as JSON
+    free, opened = ["/(?s:.*)/", not_json], ""
+    if form.kind == "blocks" and form.open.startswith('"'):  # the mark as text: free up to its first appearance
+        mark = regex_escaped(json.loads(form.open))
+        free.append(f"~/(?s:.*{mark}.*)/")
+        starts.append(f"OPENED {rest}")
+        opened = f"\nOPENED: /(?s:.*{mark})/ & ~/(?s:.*{mark}.+)/ & {not_json}"
+    elif form.kind == "blocks":  # a mark of its own token: no text spells it
+        starts.append(f"PLAIN {form.open} {rest}")
+    return f"start: PLAIN | {' | '.join(starts)}\nPLAIN: {' & '.join(free)}{opened}"
 
 
 JSON_AS_DUMPED = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}

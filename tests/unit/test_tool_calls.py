@@ -413,8 +413,13 @@ def test_a_lazy_grammar_leaves_text_free_and_holds_every_call_it_opens(kind):
         assert not accepts(text), text
     if form.kind != "json":
         assert accepts(lead + written_in(form, good, call("get_weather", city="Oslo")))
-    else:
-        assert not accepts(" " + written_in(form, good)) and accepts("Sure: " + written_in(form, good))
+    # an answer beginning as JSON is only calls, bare or in a ```json fence, as read_calls reads it
+    key = form.arguments
+    bare, wrong = good.replace('"arguments"', f'"{key}"'), bad.replace('"arguments"', f'"{key}"')
+    assert accepts(bare) and accepts(f"```json\n{bare}\n```") and accepts("```python\nprint(1)\n```")
+    for text in (wrong, f"```json\n{wrong}\n```", '{"answer": 3}', f"{bare} And that is all.", " " + bare):
+        assert not accepts(text), text
+    assert accepts("Sure: " + bare)  # inside free text: not a call (read_calls reads it as content too)
 
 
 def test_strict_functions_hold_calls_under_auto_and_the_others_take_any_object():
