@@ -190,7 +190,8 @@ def test_fuzzed_tools_never_reach_a_5xx_nor_an_honest_neighbour(served):
         st.sampled_from([{}, {"type": "array"}, "not a schema", None]),
     )
     functions = st.fixed_dictionaries(
-        {"name": names}, optional={"parameters": parameters, "description": st.text(max_size=20)}
+        {"name": names},
+        optional={"parameters": parameters, "description": st.text(max_size=20), "strict": st.booleans()},
     )
     tools = st.lists(st.fixed_dictionaries({"type": st.sampled_from(["function", "function", "code"]),
                                             "function": functions}), max_size=3)  # fmt: skip
