@@ -390,7 +390,7 @@ def written_in(form: CallForm, *calls: str) -> str:
 @pytest.mark.parametrize("kind", LAZY_FORMS)
 def test_a_lazy_grammar_leaves_text_free_and_holds_every_call_it_opens(kind):
     """Under tool_choice auto with a strict function: any text without a call passes; once the answer opens a call
-    (the template's mark; for the bare form a `{` first) the call is held to its function's schema to the end."""
+    (the template's mark, or an answer beginning as JSON) the calls are held to their schemas to the end."""
     from llguidance import LLMatcher
 
     form, tokenizer = LAZY_FORMS[kind], byte_tokenizer()
