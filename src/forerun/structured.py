@@ -37,7 +37,7 @@ import torch
 from transformers import LogitsProcessor
 
 from forerun.checks import MAX_DEPTH, check_text, nesting
-from forerun.tool_specs import CallForm, call_form, calls_grammar
+from forerun.tool_specs import CallForm, call_form, calls_grammar, templates
 from forerun.tree import TokenTree
 
 logger = logging.getLogger(__name__)
@@ -149,6 +149,7 @@ class Grammars:
         self.read: object | None = None  # llguidance's LLTokenizer, once built
         self.compiled: OrderedDict[str, object] = OrderedDict()  # grammar -> a matcher at an answer's start
         self.lock = threading.Lock()
+        self.forms: dict[tuple[str, ...], CallForm] = {}  # chat templates -> how they write calls (reads every token)
 
     def tokens(self) -> object:
         """The LLTokenizer (built once; a ValueError where the tokenizer is not a fast one)."""
@@ -172,7 +173,7 @@ class Grammars:
 
         form = None
         if response_format["type"] == "tool_calls":
-            form = call_form(self.tokenizer, self.tokens().is_special_token)
+            form = self.call_form()
         grammar = grammar_of(response_format, form)
         with self.lock:
             tokens = self.tokens()
@@ -188,6 +189,14 @@ class Grammars:
             while len(self.compiled) > MAX_COMPILED:
                 self.compiled.popitem(last=False)
         return matcher
+
+    def call_form(self) -> CallForm:
+        """How the tokenizer's chat template writes calls (`forerun.tool_specs.call_form`: it reads every token),
+        kept per template."""
+        key = tuple(templates(self.tokenizer))
+        if key not in self.forms:
+            self.forms[key] = call_form(self.tokenizer, self.tokens().is_special_token, self.vocab_size, self.end_token)
+        return self.forms[key]
 
     def constraint(self, response_format: Mapping[str, Any], prompt_length: int, ends: frozenset[int]) -> Constraint:
         """The processor holding one request's answer to `response_format` (checked by `check_response_format`);

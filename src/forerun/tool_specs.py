@@ -156,6 +156,9 @@ class CallForm:
     open: str = json.dumps(OPEN)
     close: str = json.dumps(CLOSE)
     kind: str = "blocks"
+    specials: str = ""
+    """The special tokens free text may hold in a lazy grammar ("blocks": a Qwen3's `<think>`, say), as llguidance's
+    set of token ids (`<[151643-151656,151659-151664]>`: the marks and the end token left out); "" where none."""
 
     @property
     def arguments(self) -> str:
@@ -163,19 +166,34 @@ class CallForm:
         return "parameters" if self.kind == "json" else "arguments"
 
 
-def call_form(tokenizer: object, special: Callable[[int], bool]) -> CallForm:
+def call_form(tokenizer: object, special: Callable[[int], bool], vocab: int = 0, end: int | None = None) -> CallForm:
     """The `CallForm` of a tokenizer's chat template; `special(id)`: whether llguidance reads token `id` as a
-    special token."""
-
-    def term(mark: str) -> str:
-        ids = tokenizer(mark, add_special_tokens=False)["input_ids"]
-        return mark if len(ids) == 1 and special(ids[0]) else json.dumps(mark)
-
+    special token, among the `vocab` ids (`end`: the id it reads as the answer's end)."""
+    marks = {mark: tokenizer(mark, add_special_tokens=False)["input_ids"] for mark in (OPEN, CLOSE)}
+    own = {ids[0]: mark for mark, ids in marks.items() if len(ids) == 1 and special(ids[0])}
     texts = templates(tokenizer)
     if kind_of(texts) == "json":
         return CallForm(open="", close="", kind="json")  # no marks
     listed = any(OPEN + "[" in text for text in texts)
-    return CallForm(listed, term(OPEN), term(CLOSE))
+    term = {mark: mark if mark in own.values() else json.dumps(mark) for mark in marks}
+    specials = token_set([i for i in range(vocab) if i not in own and i != end and special(i)])
+    return CallForm(listed, term[OPEN], term[CLOSE], specials=specials)
+
+
+def token_set(ids: Sequence[int]) -> str:
+    """llguidance's Lark token set of sorted `ids` ("" for none).
+
+    Example:
+        >>> token_set([3, 4, 5, 9]), token_set([])
+        ('<[3-5,9]>', '')
+    """
+    spans: list[list[int]] = []
+    for i in ids:
+        if spans and spans[-1][1] == i - 1:
+            spans[-1][1] = i
+        else:
+            spans.append([i, i])
+    return f"<[{','.join(str(a) if a == b else f'{a}-{b}' for a, b in spans)}]>" if spans else ""
 
 
 def templates(tokenizer: object) -> list[str]:
@@ -216,19 +234,29 @@ def lazy_start(form: CallForm, rest: str, several: bool) -> str:
     """The start of a lazy calls grammar (OpenAI's `strict` functions under tool_choice auto): free text, held to
     calls from where it opens one, to its end. A call opens at the template's mark (text before it free), or, as
     `forerun.tool_calls.read_calls` reads an answer that is only calls, where the answer begins as JSON: `{`, or a
-    ```json fence (whose calls are then written compactly, one a line)."""
+    ```json fence (whose calls are then written compactly, one a line). Free text may hold the special tokens of
+    `form.specials` (a `<think>`) between its pieces of text."""
     bare = 'call ("\\n" call)*' if several else "call"
-    starts = [f'({bare} | "```json\\n" {bare} "\\n```")']
-    not_json = r"~/(?s:\s*(\{|```json).*)/"  # free text does not begin as JSON
-    free, opened = ["/(?s:.*)/", not_json], ""
+    starts = ["free?", f'{bare} | "```json\\n" {bare} "\\n```"']
+    not_json, text = r"~/(?s:\s*(\{|```json).*)/", "/(?s:.+)/"  # free text does not begin as JSON
+    first, plain, opened = [text, not_json], [text], ""
     if form.kind == "blocks" and form.open.startswith('"'):  # the mark as text: free up to its first appearance
         mark = regex_escaped(json.loads(form.open))
-        free.append(f"~/(?s:.*{mark}.*)/")
-        starts.append(f"OPENED {rest}")
-        opened = f"\nOPENED: /(?s:.*{mark})/ & ~/(?s:.*{mark}.+)/ & {not_json}"
+        first.append(f"~/(?s:.*{mark}.*)/")
+        plain.append(f"~/(?s:.*{mark}.*)/")
+        upto = f"/(?s:.*{mark})/ & ~/(?s:.*{mark}.+)/"
+        opened = f"\nOPENED0: {upto} & {not_json}\nOPENED: {upto}"
+        starts.append(f"OPENED0 {rest}")
+        if form.specials:
+            starts.append(f"lead OPENED {rest}")
     elif form.kind == "blocks":  # a mark of its own token: no text spells it
-        starts.append(f"PLAIN {form.open} {rest}")
-    return f"start: PLAIN | {' | '.join(starts)}\nPLAIN: {' & '.join(free)}{opened}"
+        starts.append(f"free? {form.open} {rest}")
+    some = form.specials if form.kind == "blocks" else ""
+    free = (
+        f"free: (FIRST | {some}) (PLAIN | {some})*\nlead: (FIRST? {some}) (PLAIN? {some})*" if some else "free: FIRST"
+    )
+    lexemes = f"FIRST: {' & '.join(first)}\nPLAIN: {' & '.join(plain)}{opened}"
+    return f"start: {' | '.join(starts)}\n{free}\n{lexemes}"
 
 
 JSON_AS_DUMPED = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}

@@ -422,6 +422,31 @@ def test_a_lazy_grammar_leaves_text_free_and_holds_every_call_it_opens(kind):
     assert accepts("Sure: " + bare)  # inside free text: not a call (read_calls reads it as content too)
 
 
+@pytest.mark.parametrize("own_marks", [False, True], ids=["marks as text", "marks of their own"])
+def test_free_text_under_strict_may_think_in_special_tokens_before_its_call(own_marks):
+    """A lazy grammar's free text holds the tokenizer's other special tokens (a Qwen3's `<think>` ... `</think>`,
+    JSON inside it free), and a call opened after them is held all the same."""
+    from llguidance import LLMatcher
+
+    tokenizer = byte_tokenizer()
+    tokenizer.add_tokens(["<think>", "</think>", *(["<tool_call>", "</tool_call>"] if own_marks else [])])
+    tokenizer.chat_template = "{{ '<tool_call>' }}"  # teaches the block form
+    grammars = Grammars(tokenizer, len(tokenizer), tokenizer.eos_token_id)
+    form = grammars.call_form()
+    assert form.specials and (form.open == "<tool_call>") == own_marks
+    lark = calls_grammar(check_tools([WEATHER, ADD]), None, True, form, lazy=True)
+
+    def accepts(text: str) -> bool:
+        matcher = LLMatcher(grammars.tokens(), LLMatcher.grammar_from_lark(lark), log_level=0)
+        assert not matcher.is_error(), matcher.get_error()
+        return matcher.consume_tokens(tokenizer.encode(text, add_special_tokens=False)) and matcher.is_accepting()
+
+    good, bad = written_in(CallForm(), call("add", a=1, b=2)), written_in(CallForm(), call("add", a=1, b="2"))
+    thought = '<think>\nAdd {"a": 1}? Yes.\n</think>\n\n'
+    assert accepts(thought + "It is 3.") and accepts(thought + good) and accepts("<think></think>" + good)
+    assert not accepts(thought + bad) and not accepts(thought + good + " Done.")
+
+
 def test_strict_functions_hold_calls_under_auto_and_the_others_take_any_object():
     """OpenAI's `strict` is per function: under tool_choice auto a strict one's calls are held to its schema, the
     others' to any object; without a strict function nothing is held (the answer is plain generate's)."""
