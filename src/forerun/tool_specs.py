@@ -45,6 +45,8 @@ NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 MODES = ("none", "auto", "required")
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 """What the block format's calls are written between."""
+THINK = ("<think>", "</think>")
+"""What a reasoning model's thought is written between."""
 PARAMETERS = '"parameters": '
 """What a chat template teaching Llama 3's JSON calls writes before an assistant call's arguments."""
 FUNCTION_KEYS = {"name", "description", "parameters", "strict"}
@@ -159,6 +161,9 @@ class CallForm:
     specials: str = ""
     """The special tokens free text may hold in a lazy grammar ("blocks": a Qwen3's `<think>`, say), as llguidance's
     set of token ids (`<[151643-151656,151659-151664]>`: the marks and the end token left out); "" where none."""
+    thinks: bool = False
+    """Whether the tokenizer has `<think>` and `</think>` tokens of their own: a required call may then follow a
+    thought (`<think>` text `</think>`), as a reasoning model writes one before it answers."""
 
     @property
     def arguments(self) -> str:
@@ -169,15 +174,17 @@ class CallForm:
 def call_form(tokenizer: object, special: Callable[[int], bool], vocab: int = 0, end: int | None = None) -> CallForm:
     """The `CallForm` of a tokenizer's chat template; `special(id)`: whether llguidance reads token `id` as a
     special token, among the `vocab` ids (`end`: the id it reads as the answer's end)."""
-    marks = {mark: tokenizer(mark, add_special_tokens=False)["input_ids"] for mark in (OPEN, CLOSE)}
+    marks = {mark: tokenizer(mark, add_special_tokens=False)["input_ids"] for mark in (OPEN, CLOSE, *THINK)}
     own = {ids[0]: mark for mark, ids in marks.items() if len(ids) == 1 and special(ids[0])}
+    thinks = all(mark in own.values() for mark in THINK)
     texts = templates(tokenizer)
     if kind_of(texts) == "json":
-        return CallForm(open="", close="", kind="json")  # no marks
+        return CallForm(open="", close="", kind="json", thinks=thinks)  # no marks
     listed = any(OPEN + "[" in text for text in texts)
-    term = {mark: mark if mark in own.values() else json.dumps(mark) for mark in marks}
-    specials = token_set([i for i in range(vocab) if i not in own and i != end and special(i)])
-    return CallForm(listed, term[OPEN], term[CLOSE], specials=specials)
+    term = {mark: mark if mark in own.values() else json.dumps(mark) for mark in (OPEN, CLOSE)}
+    calls = {i for i, mark in own.items() if mark in (OPEN, CLOSE)}
+    specials = token_set([i for i in range(vocab) if i not in calls and i != end and special(i)])
+    return CallForm(listed, term[OPEN], term[CLOSE], specials=specials, thinks=thinks)
 
 
 def token_set(ids: Sequence[int]) -> str:
@@ -225,6 +232,9 @@ def calls_grammar(
         rules = f'block: {form.open} "\\n" call "\\n" {form.close}\n{call}'
     if lazy:
         start = lazy_start(form, rest, several)
+    elif form.thinks:  # a thought first, free, as a reasoning model writes one (lazy: free text holds it)
+        thought = "thinking: <think> THOUGHT? </think> BREAK?\nTHOUGHT: /(?s:.+)/\nBREAK: /\\s+/"
+        start = f"start: thinking? {'call' if form.kind == 'json' else f'{form.open} {rest}'}\n{thought}"
     else:
         start = "start: call" if form.kind == "json" else f"start: {form.open} {rest}"
     return f"{start}\n{rules}\n"

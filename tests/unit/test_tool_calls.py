@@ -482,3 +482,30 @@ def test_a_strict_constraint_masks_only_inside_a_call():
     assert allowed("Sure. <tool_call>") == {"["}  # SmolLM2's form: one list
     assert allowed('<tool_call>[{"name": "add", "arguments": {"a": 1, "b": ') <= set("0123456789-")
     assert allowed('<tool_call>[{"name": "add", "arguments": {"a": 1, "b": 2}}]</tool_call>') == {"<eos>"}
+
+
+@pytest.mark.parametrize("own_marks", [False, True], ids=["marks as text", "marks of their own"])
+def test_a_required_call_may_follow_a_thought_where_the_tokenizer_has_think_tokens(own_marks):
+    """A reasoning model's tokenizer (`<think>`, `</think>` tokens of their own): a required call may come after a
+    thought, free text between them, as such a model writes one first; nothing else may come before the call.
+    Without those tokens a thought is text, and the call comes first (the control)."""
+    from llguidance import LLMatcher
+
+    def accepts_with(tokenizer, text: str) -> bool:
+        grammars = Grammars(tokenizer, len(tokenizer), tokenizer.eos_token_id)
+        lark = calls_grammar(check_tools([WEATHER, ADD]), None, True, grammars.call_form())
+        matcher = LLMatcher(grammars.tokens(), LLMatcher.grammar_from_lark(lark), log_level=0)
+        assert not matcher.is_error(), matcher.get_error()
+        return matcher.consume_tokens(tokenizer.encode(text, add_special_tokens=False)) and matcher.is_accepting()
+
+    thinking, plain = byte_tokenizer(), byte_tokenizer()
+    thinking.add_tokens(["<think>", "</think>", *(["<tool_call>", "</tool_call>"] if own_marks else [])])
+    for tokenizer in (thinking, plain):
+        tokenizer.chat_template = "{{ '<tool_call>' }}"  # teaches the block form
+    good = written_in(CallForm(), call("add", a=1, b=2))
+    thought = '<think>\nThe user wants a sum: add {"a": 1, "b": 2}.\n</think>\n\n'
+    assert accepts_with(thinking, good) and accepts_with(thinking, thought + good)
+    assert accepts_with(thinking, "<think></think>" + good)
+    for text in (thought + "Sure. " + good, "Sure. " + good, thought + written_in(CallForm(), call("add", a="x"))):
+        assert not accepts_with(thinking, text), text
+    assert not accepts_with(plain, thought + good) and accepts_with(plain, good)
