@@ -16,6 +16,9 @@ Three workloads, each an agent's step on a real dataset's task:
     python benchmarks/tool_calls.py --model qwen2.5-coder-1.5b --choice auto --dtype bf16 --n 5 --threads 2 \
         --new-tokens 128 --methods plain,auto --out benchmarks/results/tool-calls-auto-qwen15-bf16-epyc-avx512.json
 
+`--chat-template FILE` shows the tools through another template (one teaching Llama 3's bare JSON calls, say: a
+required call is then held to that form).
+
 With `--choice auto` the model decides whether to call (nothing is held: the baseline is plain generate from the
 same prompt); "calls" counts the answers it made calls in. `--strict` marks every function strict: under auto the
 answer is free until it opens a call in the template's format, then held (the baseline is generate with that
@@ -36,6 +39,7 @@ from transformers import LogitsProcessorList
 
 import forerun
 from forerun.bench.datasets import load_dataset
+from forerun.cli.common import read_chat_template
 from forerun.exactness import Divergence, judged_by_one_forward
 from forerun.tool_specs import shipped_template, takes_tools
 
@@ -63,7 +67,9 @@ def run(args: argparse.Namespace) -> dict:
     to it, others first different at a tie (bf16), answers whose calls were read."""
     workloads, n, methods, new_tokens = args.workloads.split(","), args.n, args.methods.split(","), args.new_tokens
     model, tokenizer = forerun.load_model(args.model, dtype=args.dtype)
-    if not takes_tools(tokenizer):  # SmolLM2's own template takes no tools
+    if args.chat_template:  # a file, or a template forerun ships by name
+        tokenizer.chat_template = read_chat_template(args.chat_template)
+    elif not takes_tools(tokenizer):  # SmolLM2's own template takes no tools
         tokenizer.chat_template = shipped_template("chatml-tools")
     decoders = {m: forerun.Decoder(model, tokenizer, m) for m in methods}
     for decoder in decoders.values():  # the latency curve and llguidance's view of the tokenizer: once, untimed
@@ -136,6 +142,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=10)
     parser.add_argument("--methods", default="plain,prompt_lookup,auto")
     parser.add_argument("--strict", action="store_true", help="mark every function strict (held once called)")
+    parser.add_argument("--chat-template", default=None, help="a template file, or a shipped template's name")
     parser.add_argument("--new-tokens", type=int, default=192)
     parser.add_argument("--dtype", default="fp32")
     parser.add_argument("--threads", type=int, default=1)
