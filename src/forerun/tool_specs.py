@@ -182,8 +182,8 @@ def call_form(tokenizer: object, special: Callable[[int], bool], vocab: int = 0,
         return CallForm(open="", close="", kind="json", thinks=thinks)  # no marks
     listed = any(OPEN + "[" in text for text in texts)
     term = {mark: mark if mark in own.values() else json.dumps(mark) for mark in (OPEN, CLOSE)}
-    calls = {i for i, mark in own.items() if mark in (OPEN, CLOSE)}
-    specials = token_set([i for i in range(vocab) if i not in calls and i != end and special(i)])
+    marked = {i for i, mark in own.items() if mark in (OPEN, CLOSE) or thinks}  # a thought comes first, whole
+    specials = token_set([i for i in range(vocab) if i not in marked and i != end and special(i)])
     return CallForm(listed, term[OPEN], term[CLOSE], specials=specials, thinks=thinks)
 
 
@@ -231,21 +231,25 @@ def calls_grammar(
         rest = f'"\\n" call "\\n" {form.close}' + (' ("\\n" block)*' if several else "")
         rules = f'block: {form.open} "\\n" call "\\n" {form.close}\n{call}'
     if lazy:
-        start = lazy_start(form, rest, several)
-    elif form.thinks:  # a thought first, free, as a reasoning model writes one (lazy: free text holds it)
-        thought = "thinking: <think> THOUGHT? </think> BREAK?\nTHOUGHT: /(?s:.+)/\nBREAK: /\\s+/"
-        start = f"start: thinking? {'call' if form.kind == 'json' else f'{form.open} {rest}'}\n{thought}"
+        body, lexemes = lazy_start(form, rest, several)
     else:
-        start = "start: call" if form.kind == "json" else f"start: {form.open} {rest}"
-    return f"{start}\n{rules}\n"
+        body, lexemes = ("call" if form.kind == "json" else f"{form.open} {rest}"), ""
+    if form.thinks:  # a thought first, free, as a reasoning model writes one
+        return f"start: thinking? ({body})\n{THOUGHT_RULES}\n{lexemes}{rules}\n"
+    return f"start: {body}\n{lexemes}{rules}\n"
 
 
-def lazy_start(form: CallForm, rest: str, several: bool) -> str:
-    """The start of a lazy calls grammar (OpenAI's `strict` functions under tool_choice auto): free text, held to
-    calls from where it opens one, to its end. A call opens at the template's mark (text before it free), or, as
-    `forerun.tool_calls.read_calls` reads an answer that is only calls, where the answer begins as JSON: `{`, or a
-    ```json fence (whose calls are then written compactly, one a line). Free text may hold the special tokens of
-    `form.specials` (a `<think>`) between its pieces of text."""
+THOUGHT_RULES = "thinking: <think> THOUGHT? </think> BREAK?\nTHOUGHT: /(?s:.+)/\nBREAK: /\\s+/"
+"""A reasoning model's thought before its answer: free text between its own `<think>` and `</think>` tokens."""
+
+
+def lazy_start(form: CallForm, rest: str, several: bool) -> tuple[str, str]:
+    """(the alternatives an answer starts with, the rules they use) of a lazy calls grammar (OpenAI's `strict`
+    functions under tool_choice auto): free text, held to calls from where it opens one, to its end. A call opens at
+    the template's mark (text before it free), or, as `forerun.tool_calls.read_calls` reads an answer that is only
+    calls, where the answer (after a thought, where the model thinks) begins as JSON: `{`, or a ```json fence (whose
+    calls are then written compactly, one a line). Free text may hold the special tokens of `form.specials`
+    between its pieces of text."""
     bare = 'call ("\\n" call)*' if several else "call"
     starts = ["free?", f'{bare} | "```json\\n" {bare} "\\n```"']
     not_json, text = r"~/(?s:\s*(\{|```json).*)/", "/(?s:.+)/"  # free text does not begin as JSON
@@ -262,11 +266,15 @@ def lazy_start(form: CallForm, rest: str, several: bool) -> str:
     elif form.kind == "blocks":  # a mark of its own token: no text spells it
         starts.append(f"free? {form.open} {rest}")
     some = form.specials if form.kind == "blocks" else ""
+    # pieces of text only apart by a special token: a lexeme ends where it cannot go on, so FIRST PLAIN side by side
+    # would let "\n\n" end FIRST and a call's "{" begin PLAIN, free
     free = (
-        f"free: (FIRST | {some}) (PLAIN | {some})*\nlead: (FIRST? {some}) (PLAIN? {some})*" if some else "free: FIRST"
+        f"free: FIRST ({some} PLAIN?)* | ({some} PLAIN?)+\nlead: (FIRST? {some}) (PLAIN? {some})*"
+        if some
+        else "free: FIRST"
     )
     lexemes = f"FIRST: {' & '.join(first)}\nPLAIN: {' & '.join(plain)}{opened}"
-    return f"start: {' | '.join(starts)}\n{free}\n{lexemes}"
+    return " | ".join(starts), f"{free}\n{lexemes}\n"
 
 
 JSON_AS_DUMPED = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}

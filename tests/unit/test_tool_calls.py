@@ -424,8 +424,8 @@ def test_a_lazy_grammar_leaves_text_free_and_holds_every_call_it_opens(kind):
 
 @pytest.mark.parametrize("own_marks", [False, True], ids=["marks as text", "marks of their own"])
 def test_free_text_under_strict_may_think_in_special_tokens_before_its_call(own_marks):
-    """A lazy grammar's free text holds the tokenizer's other special tokens (a Qwen3's `<think>` ... `</think>`,
-    JSON inside it free), and a call opened after them is held all the same."""
+    """A lazy grammar's free text may begin with a thought (a Qwen3's `<think>` ... `</think>`, JSON inside it free),
+    and a call opened after it, at the mark or as JSON, is held all the same; a thought comes first or not at all."""
     from llguidance import LLMatcher
 
     tokenizer = byte_tokenizer()
@@ -445,6 +445,8 @@ def test_free_text_under_strict_may_think_in_special_tokens_before_its_call(own_
     thought = '<think>\nAdd {"a": 1}? Yes.\n</think>\n\n'
     assert accepts(thought + "It is 3.") and accepts(thought + good) and accepts("<think></think>" + good)
     assert not accepts(thought + bad) and not accepts(thought + good + " Done.")
+    bare, wrong = call("add", a=1, b=2), call("add", a=1, b="2")  # after a thought, an answer begun as JSON: calls
+    assert accepts(thought + bare) and not accepts(thought + wrong) and not accepts("It is 3. " + thought)
 
 
 def test_strict_functions_hold_calls_under_auto_and_the_others_take_any_object():
