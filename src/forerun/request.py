@@ -30,7 +30,7 @@ from transformers import GenerationConfig
 from forerun.checks import check_decoding_mode, check_logprobs, check_sampling, check_seed, check_stops
 from forerun.penalties import REQUEST_FIELDS as PENALTY_FIELDS
 from forerun.structured import check_response_format
-from forerun.tool_specs import check_tool_choice, check_tools, strictly_held
+from forerun.tool_specs import check_tool_choice, check_tools, held_calls
 
 Prompt = str | Sequence[dict] | Sequence[int] | torch.Tensor
 """Text, chat messages ([{"role": ..., "content": ...}]), token ids, or input_ids [1, L]."""
@@ -147,13 +147,8 @@ class GenerationRequest:
         """What the answer is held to: its `response_format`, or calls where `tool_choice` requires them (in the
         format the chat template teaches: `forerun.tool_specs.calls_grammar`), or, under tool_choice auto with a
         `strict` function, any call it opens ("lazy": free text until then); None: free text."""
-        if self.tools and self.tool_choice not in ("none", "auto"):
-            name = None if self.tool_choice == "required" else self.tool_choice
-            return {"type": "tool_calls", "tools": self.tools, "name": name, "parallel": self.parallel_tool_calls}
-        if self.tools and self.tool_choice == "auto" and (held := strictly_held(self.tools)) is not None:
-            return {"type": "tool_calls", "tools": held, "name": None, "parallel": self.parallel_tool_calls,
-                    "lazy": True}  # fmt: skip
-        return self.response_format
+        held = held_calls(self.tools or (), self.tool_choice, self.parallel_tool_calls)
+        return held if held is not None else self.response_format
 
     @property
     def processed(self) -> bool:

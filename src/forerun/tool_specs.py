@@ -265,7 +265,7 @@ def lazy_start(form: CallForm, rest: str, several: bool) -> tuple[str, str]:
             starts.append(f"lead OPENED {rest}")
     elif form.kind == "blocks":  # a mark of its own token: no text spells it
         starts.append(f"free? {form.open} {rest}")
-    some = form.specials if form.kind == "blocks" else ""
+    some = form.specials  # a bare form's are none
     # pieces of text only apart by a special token: a lexeme ends where it cannot go on, so FIRST PLAIN side by side
     # would let "\n\n" end FIRST and a call's "{" begin PLAIN, free
     free = (
@@ -300,6 +300,27 @@ def call_schema(tools: Sequence[dict], name: str | None, form: CallForm) -> dict
 def regex_escaped(text: str) -> str:
     """`text` as a literal inside an llguidance (Rust) regular expression."""
     return "".join("\\" + c if c in "\\.+*?()|[]{}^$#&-~/" else c for c in text)
+
+
+def held_calls(tools: Sequence[dict], choice: str, parallel: bool) -> dict | None:
+    """What a request's answer is held to for its tools and checked `choice`: calls where the choice requires them,
+    any call the answer opens where it is auto and a function is `strict` ("lazy"), else None (free); as
+    `GenerationRequest.held_format` gives it (`forerun.structured.grammar_of` compiles it).
+
+    Example:
+        >>> held_calls([{"type": "function", "function": {"name": "now"}}], "required", True)["name"] is None
+        True
+        >>> held_calls([{"type": "function", "function": {"name": "now"}}], "auto", True) is None
+        True
+    """
+    if not tools or choice == "none":
+        return None
+    if choice != "auto":
+        name = None if choice == "required" else choice
+        return {"type": "tool_calls", "tools": tools, "name": name, "parallel": parallel}
+    held = strictly_held(tools)
+    return None if held is None else {"type": "tool_calls", "tools": held, "name": None, "parallel": parallel,
+                                      "lazy": True}  # fmt: skip
 
 
 def strictly_held(tools: Sequence[dict]) -> tuple[dict, ...] | None:

@@ -23,7 +23,7 @@ import json
 from forerun.checks import MAX_DEPTH, nesting
 from forerun.server.fields import refuse
 from forerun.server.schemas import ChatRequest
-from forerun.tool_specs import check_tool_choice, check_tools, strictly_held
+from forerun.tool_specs import check_tool_choice, check_tools, held_calls
 
 NO_TOOLS = (
     "this model: its chat template does not teach tool calls in a format forerun reads (<tool_call> blocks or "
@@ -52,8 +52,7 @@ def tools_of(body: ChatRequest, takes: bool) -> tuple[tuple[dict, ...], str, boo
         raise refuse("tool_choice", str(error)) from None
     if choice != "none" and body.response_format is not None and body.response_format.get("type") != "text":
         raise refuse("response_format", "tools and response_format cannot be used together: give one")
-    held = choice not in ("none", "auto") or (choice == "auto" and strictly_held(tools) is not None)
-    if held and body.ignore_eos and not body.stop_token_ids:
+    if held_calls(tools, choice, True) is not None and body.ignore_eos and not body.stop_token_ids:
         raise refuse(
             "ignore_eos",
             "a required or strict tool call ends at an end-of-text token: with ignore_eos, give stop_token_ids",
