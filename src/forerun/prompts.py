@@ -95,7 +95,8 @@ def ids_of_text(
     if tools and not takes_tools(tokenizer):
         raise ValueError(
             "tools: this model's chat template does not teach tool calls in a format forerun reads (<tool_call> "
-            "blocks, as Qwen2.5, Qwen3 and Hermes templates do, or Llama 3's JSON calls); give the tokenizer such a "
+            "blocks, as Qwen2.5, Qwen3 and Hermes templates do, Llama 3's JSON calls, or JSON calls after a special "
+            "token, as Mistral's [TOOL_CALLS]); give the tokenizer such a "
             "chat template (ChatML models: "
             "forerun.tool_specs.shipped_template('chatml-tools'), --chat-template chatml-tools on the command line)"
         )

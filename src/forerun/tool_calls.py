@@ -60,10 +60,12 @@ class ToolCall:
     name: str
     arguments: str
 
-    def as_openai(self, ident: str | None = None) -> dict:
-        """OpenAI's tool call object, with `ident` (a fresh `call_...` id by default)."""
+    def as_openai(self, ident: str | None = None, short: bool = False) -> dict:
+        """OpenAI's tool call object, with `ident` (by default a fresh id: `call_...`, or 9 letters and digits where
+        `short`, as Mistral's chat templates take no others)."""
         function = {"name": self.name, "arguments": self.arguments}
-        return {"id": ident or f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": function}
+        fresh = uuid.uuid4().hex[:9] if short else f"call_{uuid.uuid4().hex[:24]}"
+        return {"id": ident or fresh, "type": "function", "function": function}
 
 
 def read_calls(text: str, names: Collection[str] = ()) -> tuple[str | None, tuple[ToolCall, ...]]:

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from forerun.checks import MAX_DEPTH, check_text, nesting
+from forerun.tool_probe import probed
 
 MAX_TOOLS = 128
 """As OpenAI."""
@@ -130,8 +131,17 @@ def names_of(tools: Sequence[dict]) -> frozenset[str]:
 
 
 def takes_tools(tokenizer: object) -> bool:
-    """Whether the tokenizer's chat template (any of its named ones) teaches a call format forerun reads."""
-    return kind_of(templates(tokenizer)) is not None
+    """Whether the tokenizer's chat template (any of its named ones) teaches a call format forerun reads: one it
+    knows by sight (`kind_of`), or JSON calls after a special token of the tokenizer's own, read off what the
+    template renders of a probe call (`forerun.tool_probe`)."""
+    return kind_of(templates(tokenizer)) is not None or probed(tokenizer) is not None
+
+
+def short_call_ids(tokenizer: object) -> bool:
+    """Whether the tokenizer's chat template takes only 9-character call ids (Mistral's): the ids an answer's calls
+    are given must then go back through it."""
+    written = None if kind_of(templates(tokenizer)) is not None else probed(tokenizer)
+    return written is not None and written.short_ids
 
 
 def kind_of(texts: Sequence[str]) -> str | None:
@@ -158,6 +168,13 @@ class CallForm:
     open: str = json.dumps(OPEN)
     close: str = json.dumps(CLOSE)
     kind: str = "blocks"
+    lead: str | None = None
+    """What stands between the opening mark and the JSON (None: "\n" before a block's object, nothing before a
+    list), as `trail` between the JSON and the closing mark; a `close` of "" ends the calls where the JSON ends
+    (Mistral's `[TOOL_CALLS] [...]`, the end token after it)."""
+    trail: str | None = None
+    key: str = ""
+    """The key a call's arguments are written under where the template says ("": `arguments` decides)."""
     specials: str = ""
     """The special tokens free text may hold in a lazy grammar ("blocks": a Qwen3's `<think>`, say), as llguidance's
     set of token ids (`<[151643-151656,151659-151664]>`: the marks and the end token left out); "" where none."""
@@ -168,22 +185,36 @@ class CallForm:
     @property
     def arguments(self) -> str:
         """The key a call's arguments are written under."""
-        return "parameters" if self.kind == "json" else "arguments"
+        return self.key or ("parameters" if self.kind == "json" else "arguments")
+
+    @property
+    def gaps(self) -> tuple[str, str]:
+        """(`lead`, `trail`) as written, their defaults filled in."""
+        default = "" if self.listed else "\n"
+        return (default if self.lead is None else self.lead), (default if self.trail is None else self.trail)
 
 
 def call_form(tokenizer: object, special: Callable[[int], bool], vocab: int = 0, end: int | None = None) -> CallForm:
     """The `CallForm` of a tokenizer's chat template; `special(id)`: whether llguidance reads token `id` as a
     special token, among the `vocab` ids (`end`: the id it reads as the answer's end)."""
-    marks = {mark: tokenizer(mark, add_special_tokens=False)["input_ids"] for mark in (OPEN, CLOSE, *THINK)}
-    own = {ids[0]: mark for mark, ids in marks.items() if len(ids) == 1 and special(ids[0])}
-    thinks = all(mark in own.values() for mark in THINK)
     texts = templates(tokenizer)
-    if kind_of(texts) == "json":
+    kind = kind_of(texts)
+    written = probed(tokenizer) if kind is None else None
+    opening, closing = (written.open, written.close) if written is not None else (OPEN, CLOSE)
+    marks = {mark: tokenizer(mark, add_special_tokens=False)["input_ids"] for mark in (opening, closing, *THINK)}
+    own = {ids[0]: mark for mark, ids in marks.items() if mark and len(ids) == 1 and special(ids[0])}
+    thinks = all(mark in own.values() for mark in THINK)
+    if kind == "json":
         return CallForm(open="", close="", kind="json", thinks=thinks)  # no marks
+    marked = {i for i, mark in own.items() if mark in (opening, closing) or thinks}  # a thought comes first, whole
+    specials = token_set([i for i in range(vocab) if i not in marked and i != end and special(i)])
+    if written is not None:  # marks of the tokenizer's own, spelt as their ids: such a mark may look like a set
+        term = {mark: f"<[{i}]>" for i, mark in own.items()}
+        return CallForm(written.listed, term.get(opening, json.dumps(opening)), term.get(closing, "") if closing
+                        else "", lead=written.lead, trail=written.trail, key=written.arguments, specials=specials,
+                        thinks=thinks)  # fmt: skip
     listed = any(OPEN + "[" in text for text in texts)
     term = {mark: mark if mark in own.values() else json.dumps(mark) for mark in (OPEN, CLOSE)}
-    marked = {i for i, mark in own.items() if mark in (OPEN, CLOSE) or thinks}  # a thought comes first, whole
-    specials = token_set([i for i in range(vocab) if i not in marked and i != end and special(i)])
     return CallForm(listed, term[OPEN], term[CLOSE], specials=specials, thinks=thinks)
 
 
@@ -222,14 +253,15 @@ def calls_grammar(
     schema = {**call_schema(tools, name, form), "x-guidance": JSON_AS_DUMPED}
     call = f"call: %json {json.dumps(schema, ensure_ascii=False)}"
     several = parallel and name is None and form.kind != "json"
+    lead, trail = (f"{json.dumps(gap)} " if gap else "" for gap in form.gaps)
     if form.kind == "json":  # one bare object
         rest, rules = "", call
     elif form.listed:  # one list in one block
         calls = 'call (", " call)*' if several else "call"
-        rest, rules = f'"[" {calls} "]" {form.close}', call
+        rest, rules = f'{lead}"[" {calls} "]" {trail}{form.close}', call
     else:  # an object a block, one block a line
-        rest = f'"\\n" call "\\n" {form.close}' + (' ("\\n" block)*' if several else "")
-        rules = f'block: {form.open} "\\n" call "\\n" {form.close}\n{call}'
+        rest = f"{lead}call {trail}{form.close}" + (' ("\\n" block)*' if several else "")
+        rules = f"block: {form.open} {lead}call {trail}{form.close}\n{call}"
     if lazy:
         body, lexemes = lazy_start(form, rest, several)
     else:

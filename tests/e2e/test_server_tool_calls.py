@@ -16,7 +16,7 @@ import forerun
 from forerun.server import ServerConfig, create_app
 from forerun.tool_specs import shipped_template
 
-from tool_templates import LLAMA3_JSON
+from tool_templates import LLAMA3_JSON, MISTRAL_TOOLS
 
 pytestmark = pytest.mark.real_model
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The current weather in a city",
@@ -44,10 +44,10 @@ def client(served):
     return OpenAI(base_url=served[0].url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-def held_generate(model, tokenizer, messages, choice, tools=TOOLS, new: int = 64) -> str:
+def held_generate(model, tokenizer, messages, choice, tools=TOOLS, new: int = 64, parallel: bool = True) -> str:
     """Plain generate's text from the prompt with the tools, held by the request's constraint."""
     decoder = forerun.Decoder(model, tokenizer, "plain")
-    request = forerun.GenerationRequest(messages, new, tools=tools, tool_choice=choice)
+    request = forerun.GenerationRequest(messages, new, tools=tools, tool_choice=choice, parallel_tool_calls=parallel)
     ids = decoder.encode(messages, tools=tools)
     constraint = decoder.grammars.constraint(request.held_format, ids.shape[1], frozenset({tokenizer.eos_token_id}))
     out = model.generate(ids, max_new_tokens=new, do_sample=False, logits_processor=LogitsProcessorList([constraint]))
@@ -287,5 +287,40 @@ def test_a_llama_template_served_from_a_file_makes_bare_json_calls(smollm2, tmp_
         two = [*ASK, {"role": "assistant", "content": None, "tool_calls": [made, made]}]
         refused = httpx.post(server.url + "/v1/chat/completions", json={"messages": two, "tools": TOOLS}, timeout=60)
         assert refused.status_code == 400 and "one tool call per message" in refused.text, refused.text
+    finally:
+        server.stop()
+
+
+def test_a_mistral_template_makes_calls_after_its_own_token_with_ids_it_takes_back(smollm2):
+    """A template teaching Mistral's calls (a list after a special token of the tokenizer's own: SmolLM2 has no
+    `[TOOL_CALLS]`, so one of its own special tokens stands in for it): a required call is plain generate's held
+    text, read from the answer the mark is decoded out of; its id is 9 letters and digits, as the template takes
+    back in the conversation that goes on (an OpenAI-shaped id there is the template's 400)."""
+    import httpx
+
+    model, tokenizer = smollm2
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.chat_template = MISTRAL_TOOLS.replace("[TOOL_CALLS]", "<jupyter_code>")
+    server = LiveServer(create_app(model, tokenizer, ServerConfig(MODEL, "auto", max_tokens_limit=64)))
+    try:
+        client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        one = {"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False}  # it would call on and on
+        response = client.chat.completions.create(model=MODEL, messages=ASK, **one)
+        (call,) = response.choices[0].message.tool_calls
+        assert response.choices[0].finish_reason == "tool_calls" and response.choices[0].message.content is None
+        assert len(call.id) == 9 and call.id.isalnum()
+        text = held_generate(model, tokenizer, ASK, "required", parallel=False)
+        assert text == f' [{{"name": "{call.function.name}", "arguments": {call.function.arguments}}}]', text
+        chunks = list(client.chat.completions.create(model=MODEL, messages=ASK, stream=True, **one))
+        streamed = [d.tool_calls for c in chunks if c.choices and (d := c.choices[0].delta).tool_calls]
+        assert len(streamed) == 1 and len(streamed[0][0].id) == 9
+        made = {"id": call.id, "type": "function", "function": {"name": call.function.name,
+                                                                 "arguments": call.function.arguments}}  # fmt: skip
+        turns = [*ASK, {"role": "assistant", "content": None, "tool_calls": [made]},
+                 {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "clear"}'}]  # fmt: skip
+        assert client.chat.completions.create(model=MODEL, messages=turns, tools=TOOLS, max_tokens=8).choices
+        turns[1] = {**turns[1], "tool_calls": [{**made, "id": "call_0"}]}
+        refused = httpx.post(server.url + "/v1/chat/completions", json={"messages": turns, "tools": TOOLS}, timeout=60)
+        assert refused.status_code == 400 and "9 letters and digits" in refused.text, refused.text
     finally:
         server.stop()

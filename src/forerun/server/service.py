@@ -47,7 +47,7 @@ from forerun.server.shaping import (
 )
 from forerun.server.stream import Calls, TokenStream, deltas, started, targets_of
 from forerun.server.translate import APIError, GenerationArgs, Limits, translate
-from forerun.tool_specs import names_of, takes_tools
+from forerun.tool_specs import names_of, short_call_ids, takes_tools
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +72,7 @@ class Service:
             vocab_size=getattr(model.config.get_text_config(decoder=True), "vocab_size", None),
             eos_token_ids=tuple(sorted(eos_ids_of(model, None))),
             tools=takes_tools(tokenizer),
+            short_call_ids=short_call_ids(tokenizer),
         )
         self.pool = DecoderPool(
             model, tokenizer, config.method, config.knobs, draft_model, PrefixCache(config.prefix_cache_tokens),
@@ -134,9 +135,8 @@ class Service:
         """One completion or chat request: its JSON response, or a stream of server-sent events."""
         request.state.deadline = time.monotonic() + self.config.request_timeout_s
         args = translate(body, self.limits)
-        answer = Answer(
-            f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", int(time.time()), self.config.model_name, chat
-        )
+        ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        answer = Answer(ident, int(time.time()), self.config.model_name, chat, self.limits.short_call_ids)
         cancel = threading.Event()
         groups = args.each()
         if not args.stream:

@@ -27,6 +27,8 @@ class Answer:
     created: int
     model: str
     chat: bool
+    short_call_ids: bool = False
+    """Whether its tool calls get 9-character ids (the chat template takes no others: Mistral's)."""
 
     @property
     def kind(self) -> str:
@@ -168,7 +170,7 @@ def choice_of(answer: Answer, result: GenerationResult | None, index: int, token
     if answer.chat:
         message = {"role": "assistant", "content": result.content, "refusal": None}
         if result.tool_calls:
-            message["tool_calls"] = [call.as_openai() for call in result.tool_calls]
+            message["tool_calls"] = [call.as_openai(short=answer.short_call_ids) for call in result.tool_calls]
         return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": result.finish_reason}
     logprobs = joined(echo_payload(tokenizer, echo), logprobs)
     return {"index": index, "text": shown + text, "logprobs": logprobs, "finish_reason": result.finish_reason}
@@ -203,7 +205,7 @@ def chunk(
 
 def calls_chunk(answer: Answer, calls: Sequence[ToolCall], index: int = 0) -> str:
     """A chat stream's chunk of choice `index` carrying its answer's tool calls, each whole."""
-    deltas = [{"index": k, **call.as_openai()} for k, call in enumerate(calls)]
+    deltas = [{"index": k, **call.as_openai(short=answer.short_call_ids)} for k, call in enumerate(calls)]
     choice = {"index": index, "delta": {"tool_calls": deltas}, "finish_reason": None, "logprobs": None}
     payload = {"id": answer.ident, "object": answer.chunk_kind, "created": answer.created, "model": answer.model}
     return f"data: {json.dumps({**payload, 'choices': [choice]})}\n\n"

@@ -26,8 +26,9 @@ from forerun.server.schemas import ChatRequest
 from forerun.tool_specs import check_tool_choice, check_tools, held_calls
 
 NO_TOOLS = (
-    "this model: its chat template does not teach tool calls in a format forerun reads (<tool_call> blocks or "
-    "Llama 3's JSON calls; serve it with --chat-template FILE for one that does)"
+    "this model: its chat template does not teach tool calls in a format forerun reads (<tool_call> blocks, "
+    "Llama 3's JSON calls, or JSON calls after a special token, as Mistral's [TOOL_CALLS]; serve it with "
+    "--chat-template FILE for one that does)"
 )
 MAX_CALLS = 128
 """Calls one assistant message may carry."""

@@ -69,6 +69,8 @@ class Limits:
     """The model's own end-of-text ids (`stop_token_ids` add to them; `ignore_eos` drops them)."""
     tools: bool = False
     """Whether the chat template teaches tool calls in the format forerun reads (`forerun.tool_specs.takes_tools`)."""
+    short_call_ids: bool = False
+    """Whether it takes only 9-character call ids (`forerun.tool_specs.short_call_ids`): the calls answered get such."""
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,120 @@
+"""Calls taught as JSON after a special token of the tokenizer's own (Mistral's `[TOOL_CALLS] [...]`, a
+`<TOOLCALL>[...]</TOOLCALL>`): read off what the template renders of a probe call (`forerun.tool_probe`), a
+required or strict call held to that form, the answer read back once the marks are decoded away; templates whose
+calls are not such JSON refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from forerun.structured import Grammars
+from forerun.tool_calls import ToolCall, read_calls
+from forerun.tool_probe import probed
+from forerun.tool_specs import calls_grammar, check_tools, short_call_ids, takes_tools
+
+from tiny_models import byte_tokenizer
+from tool_templates import LLAMA3_JSON, MISTRAL_TOOLS, TOOLCALL_MARKS
+
+ADD = {"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {
+    "a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"],
+    "additionalProperties": False}}}  # fmt: skip
+NOW = {"type": "function", "function": {"name": "now"}}
+
+
+def tokenizer_of(template: str, *marks: str):
+    """A byte tokenizer with `template`, `marks` special tokens of its own."""
+    tokenizer = byte_tokenizer()
+    if marks:
+        tokenizer.add_special_tokens({"additional_special_tokens": list(marks)})
+    tokenizer.chat_template = template
+    return tokenizer
+
+
+def test_a_mistral_template_is_read_off_its_probe_call():
+    """Mistral's: `[TOOL_CALLS]`, a space, one list, no closing mark, only 9-character ids; a `<TOOLCALL>` pair of
+    tokens of their own: one list between them, any id."""
+    written = probed(tokenizer_of(MISTRAL_TOOLS, "[TOOL_CALLS]"))
+    assert (written.open, written.lead, written.close, written.listed, written.short_ids) == (
+        "[TOOL_CALLS]", " ", "", True, True)  # fmt: skip
+    written = probed(tokenizer_of(TOOLCALL_MARKS, "<TOOLCALL>", "</TOOLCALL>"))
+    assert (written.open, written.lead, written.close, written.trail, written.listed, written.short_ids) == (
+        "<TOOLCALL>", "", "</TOOLCALL>", "", True, False)  # fmt: skip
+    for tokenizer in (tokenizer_of(MISTRAL_TOOLS, "[TOOL_CALLS]"), tokenizer_of(TOOLCALL_MARKS, "<TOOLCALL>",
+                                                                                "</TOOLCALL>")):  # fmt: skip
+        assert takes_tools(tokenizer)
+    assert short_call_ids(tokenizer_of(MISTRAL_TOOLS, "[TOOL_CALLS]"))
+    assert not short_call_ids(tokenizer_of(LLAMA3_JSON)) and not short_call_ids(tokenizer_of(TOOLCALL_MARKS))
+
+
+PYTHONIC = (
+    "{%- for m in messages -%}{%- if m.tool_calls -%}{{ '<|tool_call_start|>[' }}"
+    "{%- for c in m.tool_calls %}{{ c.function.name }}(probe_value={{ c.function.arguments.probe_value }}){% endfor -%}"
+    "{{ ']<|tool_call_end|>' }}{%- else -%}{{ m.role + ': ' + (m.content or '') + '\n' }}{%- endif -%}{%- endfor -%}"
+)
+NESTED = (
+    "{%- for m in messages -%}{%- if m.tool_calls -%}{{ '[TOOL_CALLS]' + (m.tool_calls | tojson) + '</s>' }}"
+    "{%- else -%}{{ (m.content or '') + '</s>' }}{%- endif -%}{%- endfor -%}"
+)
+REFUSING = "{{ raise_exception('no tools here') }}"
+SILENT = "{%- for m in messages -%}{{ (m.content or '') + '</s>' }}{%- endfor -%}"
+IN_TOOLS_ONLY = "{{ tools | tojson }}{%- for m in messages -%}{{ (m.content or '') + '</s>' }}{%- endfor -%}"
+
+
+@pytest.mark.parametrize(
+    "template, marks",
+    [
+        (MISTRAL_TOOLS, ()),  # its mark is text here: the decoded answer would keep it
+        (PYTHONIC, ("<|tool_call_start|>", "<|tool_call_end|>")),  # not JSON
+        (NESTED, ("[TOOL_CALLS]",)),  # OpenAI's nested objects written back
+        (REFUSING, ("[TOOL_CALLS]",)),
+        (SILENT, ("[TOOL_CALLS]",)),  # writes no calls at all
+        (IN_TOOLS_ONLY, ("[TOOL_CALLS]",)),  # the tools' JSON is not a call
+        ("", ()),
+    ],
+    ids=["text mark", "pythonic", "nested", "refusing", "silent", "tools only", "none"],
+)
+def test_templates_whose_calls_are_not_json_after_a_special_token_are_not_taken(template, marks):
+    assert probed(tokenizer_of(template, *marks)) is None and not takes_tools(tokenizer_of(template, *marks))
+
+
+def call(name: str, **arguments) -> str:
+    return json.dumps({"name": name, "arguments": arguments})
+
+
+@pytest.mark.parametrize("kind", ["mistral", "toolcall"])
+def test_a_required_call_is_held_to_the_probed_form_and_read_back_without_its_marks(kind):
+    """Required: the mark (its own token), the list, the close; several where parallel; text first, another form
+    or a call against the schema do not pass. The answer decoded (the marks dropped) reads as the calls."""
+    from llguidance import LLMatcher
+
+    mistral = kind == "mistral"
+    tokenizer = (tokenizer_of(MISTRAL_TOOLS, "[TOOL_CALLS]") if mistral else
+                 tokenizer_of(TOOLCALL_MARKS, "<TOOLCALL>", "</TOOLCALL>"))  # fmt: skip
+    grammars = Grammars(tokenizer, len(tokenizer), tokenizer.eos_token_id)
+    form = grammars.call_form()
+    tools = check_tools([ADD, NOW])
+
+    def written(*calls: str) -> str:
+        listed = f"[{', '.join(calls)}]"
+        return f"[TOOL_CALLS] {listed}" if mistral else f"<TOOLCALL>{listed}</TOOLCALL>"
+
+    def accepts(text: str, parallel: bool = True, lazy: bool = False) -> bool:
+        grammar = LLMatcher.grammar_from_lark(calls_grammar(tools, None, parallel, form, lazy))
+        matcher = LLMatcher(grammars.tokens(), grammar, log_level=0)
+        assert not matcher.is_error(), matcher.get_error()
+        return matcher.consume_tokens(tokenizer.encode(text, add_special_tokens=False)) and matcher.is_accepting()
+
+    add, now = call("add", a=1, b=2), call("now")
+    assert accepts(written(add)) and accepts(written(add, now)) and not accepts(written(add, now), parallel=False)
+    for text in (written(call("add", a=1, b="2")), "Sure. " + written(add), f"<tool_call>\n{add}\n</tool_call>",
+                 f"[{add}]", written(add).replace("[{", " [{", 1)):  # fmt: skip
+        assert not accepts(text), text
+    ids = tokenizer.encode(written(add, now), add_special_tokens=False)
+    assert ids[0] == len(tokenizer) - (1 if mistral else 2)  # the mark is its own token, not its letters
+    assert read_calls(tokenizer.decode(ids, skip_special_tokens=True), {"add", "now"}) == (
+        None, (ToolCall("add", '{"a": 1, "b": 2}'), ToolCall("now", "{}")))  # fmt: skip
+    # strict under auto: free text, then held from the mark on
+    assert accepts("It is 3.", lazy=True) and accepts(written(add), lazy=True)
+    assert not accepts(written(call("add", a=1, b="2")), lazy=True)
