@@ -161,8 +161,10 @@ class CallForm:
     `kind` "blocks": in `<tool_call>` blocks, one JSON list in one block (`listed`: SmolLM2's) or an object per
     block (Hermes, Qwen); `open` and `close` spell the block's marks for the grammar: as text (`"<tool_call>"`), or
     as the one token of their own a tokenizer gives them (`<tool_call>`: Qwen's, which llguidance reads as a special
-    token, never as its text). `kind` "json": one bare JSON object, its arguments under "parameters" (Llama 3's
-    templates show one call per assistant message, and refuse more)."""
+    token, never as its text); or marks read off the template's probe call (`forerun.tool_probe`), special tokens
+    spelt by id (`<[9]>`: Mistral's `[TOOL_CALLS]`, whose brackets would read as a set of ids). `kind` "json": one
+    bare JSON object, its arguments under "parameters" (Llama 3's templates show one call per assistant message,
+    and refuse more)."""
 
     listed: bool = False
     open: str = json.dumps(OPEN)
