@@ -95,3 +95,26 @@ TOOLCALL_MARKS = (
 )
 """Shaped as Nemotron's JSON tool template: calls as one JSON list between `<TOOLCALL>` and `</TOOLCALL>`, tokens
 of the tokenizer's own."""
+
+MISTRAL_NAMED = (
+    "{{- bos_token -}}"
+    "{%- for message in messages -%}"
+    "{%- if message.role == 'system' -%}"
+    "{{- '[SYSTEM_PROMPT]' + message.content + '[/SYSTEM_PROMPT]' -}}"
+    "{%- elif message.role == 'user' -%}"
+    "{%- if tools and loop.last -%}{{- '[AVAILABLE_TOOLS]' + (tools | tojson) + '[/AVAILABLE_TOOLS]' -}}{%- endif -%}"
+    "{{- '[INST]' + message.content + '[/INST]' -}}"
+    "{%- elif message.role == 'assistant' -%}"
+    "{{- message.content or '' -}}"
+    "{%- for call in message.tool_calls or [] -%}"
+    "{{- '[TOOL_CALLS]' + call.function.name + '[ARGS]' -}}"
+    "{{- call.function.arguments if call.function.arguments is string else call.function.arguments | tojson -}}"
+    "{%- endfor -%}"
+    "{{- eos_token -}}"
+    "{%- elif message.role == 'tool' -%}"
+    "{{- '[TOOL_RESULTS]' + message.content + '[/TOOL_RESULTS]' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+)
+"""Shaped as the templates of Mistral's newer models (Ministral 3, Devstral 2): each call its own `[TOOL_CALLS]`,
+the function's name, `[ARGS]`, the arguments' JSON, tokens of the tokenizer's own; no call ids."""

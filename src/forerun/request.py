@@ -145,7 +145,7 @@ class GenerationRequest:
     @property
     def held_format(self) -> Mapping[str, object] | None:
         """What the answer is held to: its `response_format`, or calls where `tool_choice` requires them (in the
-        format the chat template teaches: `forerun.tool_specs.calls_grammar`), or, under tool_choice auto with a
+        format the chat template teaches: `forerun.tool_grammar.calls_grammar`), or, under tool_choice auto with a
         `strict` function, any call it opens ("lazy": free text until then); None: free text."""
         held = held_calls(self.tools or (), self.tool_choice, self.parallel_tool_calls)
         return held if held is not None else self.response_format

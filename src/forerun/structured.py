@@ -37,7 +37,8 @@ import torch
 from transformers import LogitsProcessor
 
 from forerun.checks import MAX_DEPTH, check_text, nesting
-from forerun.tool_specs import CallForm, call_form, calls_grammar, templates
+from forerun.tool_grammar import calls_grammar
+from forerun.tool_specs import CallForm, call_form, templates
 from forerun.tree import TokenTree
 
 logger = logging.getLogger(__name__)
@@ -99,7 +100,7 @@ def grammar_of(response_format: Mapping[str, Any], form: CallForm | None = None)
     """llguidance's grammar for a checked JSON format (any JSON object, or the given schema), or for a request's
     required tool calls ({"type": "tool_calls", "tools", "name", "parallel"} and "lazy" for strict ones under
     tool_choice auto: `GenerationRequest.held_format`, in the chat template's `form`:
-    `forerun.tool_specs.calls_grammar`)."""
+    `forerun.tool_grammar.calls_grammar`)."""
     from llguidance import LLMatcher
 
     if response_format["type"] == "tool_calls":

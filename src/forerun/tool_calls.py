@@ -7,7 +7,8 @@
     </tool_call>
 
 or, as Llama 3.1-3.3 are taught, a whole answer that is only calls as bare JSON (`{"name": "get_weather",
-"parameters": {"city": "Paris"}}`; several separated by "; ", as Llama 3.2 writes them).
+"parameters": {"city": "Paris"}}`; several separated by "; ", as Llama 3.2 writes them), or as names each followed
+by their arguments (`get_weather{"city": "Paris"}`: Mistral's newer calls, their special tokens decoded out).
 
 Reading changes nothing the model wrote: the text is the model's own (plain generate's), split after. A block that
 is not calls (not JSON, no name, arguments that are not an object) makes the whole text the answer's content and
@@ -28,10 +29,14 @@ Example:
     (None, (ToolCall(name='get_weather', arguments='{"city": "Paris"}'),))
     >>> read_calls('{"name": "a", "parameters": {}}; {"name": "b", "parameters": {"x": 1}}', names={"a", "b"})[1]
     (ToolCall(name='a', arguments='{}'), ToolCall(name='b', arguments='{"x": 1}'))
+    >>> read_calls('get_weather{"city": "Paris"}add{"a": 1}', names={"get_weather", "add"})[1]
+    (ToolCall(name='get_weather', arguments='{"city": "Paris"}'), ToolCall(name='add', arguments='{"a": 1}'))
     >>> before_calls("Sure. <tool_c"), before_calls("Sure. <tool_call>{"), before_calls("Sure.")
     (6, 6, 5)
     >>> before_calls(' {"name', bare=True), before_calls("Sure.", bare=True), before_calls("```js", bare=True)
     (0, 5, 0)
+    >>> before_calls("get_wea", bare=True, names={"get_weather"}), before_calls("get it", True, {"get_weather"})
+    (0, 6)
 """
 
 from __future__ import annotations
@@ -48,6 +53,9 @@ FENCE = "```json"
 """How a Markdown fence of JSON opens."""
 APART = re.compile(r"\s*;?\s*")
 """What may stand between bare calls."""
+NAMED = re.compile(r"([A-Za-z0-9_-]{1,64})\{")
+"""A function's name right before its arguments' JSON (Mistral's newer calls, their marks decoded out)."""
+SPACES = re.compile(r"\s*")
 BLOCK = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|\Z)", re.S)
 """A call block; the last may be cut off by the answer's end (its JSON then decides whether it is calls)."""
 
@@ -76,7 +84,7 @@ def read_calls(text: str, names: Collection[str] = ()) -> tuple[str | None, tupl
     tags theirs teach."""
     if OPEN not in text:
         body = unfenced(text.strip())
-        bare = bare_calls(body) if body[:1] in ("{", "[") else None
+        bare = bare_calls(body) if body[:1] in ("{", "[") else named_calls(body)
         if bare and all(call.name in names for call in bare):
             return None, tuple(bare)
         return text, ()
@@ -120,6 +128,26 @@ def bare_calls(body: str) -> list[ToolCall] | None:
     return calls
 
 
+def named_calls(body: str) -> list[ToolCall] | None:
+    """The calls of names each followed by their arguments' JSON object (`get_weather{"city": "Paris"}`: what is
+    left of Mistral's newer calls once their marks are decoded out), apart by spaces at most, or None where `body`
+    is not that."""
+    decoder, calls, at = json.JSONDecoder(), [], 0
+    while at < len(body):
+        named = NAMED.match(body, at)
+        if named is None:
+            return None
+        try:
+            arguments, at = decoder.raw_decode(body, named.end() - 1)
+        except (ValueError, RecursionError):
+            return None
+        if not isinstance(arguments, dict):
+            return None
+        calls.append(ToolCall(named.group(1), json.dumps(arguments, ensure_ascii=False)))
+        at = SPACES.match(body, at).end()
+    return calls or None
+
+
 def calls_of(value: object) -> list[ToolCall] | None:
     """The calls in a JSON value (an object or a list of objects, each with a name and an arguments object, or
     parameters; arguments written as a JSON string are read too), or None where it is not that."""
@@ -146,14 +174,16 @@ def unfenced(text: str) -> str:
     return text
 
 
-def before_calls(text: str, bare: bool = False) -> int:
+def before_calls(text: str, bare: bool = False, names: Collection[str] = ()) -> int:
     """How much of a growing answer may be streamed as content: up to its first block, less an end that could
     still become one (`<tool_c`); none of an answer that could still be bare calls (`bare`: it starts as JSON,
-    in a ```json fence or not, or with nothing but spaces so far)."""
+    in a ```json fence or not, or with nothing but spaces so far, or as one of `names` then `{`)."""
     start = text.lstrip()
     if start.startswith(FENCE):
         start = start[len(FENCE) :].lstrip()
     if bare and (start[:1] in ("", "{", "[") or FENCE.startswith(start)):
+        return 0
+    if bare and any(start.startswith(name + "{") or (name + "{").startswith(start) for name in names):
         return 0
     start = text.find(OPEN)
     if start >= 0:

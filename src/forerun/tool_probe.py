@@ -1,12 +1,15 @@
 """How a chat template writes an assistant's calls, read off what it renders of a probe call: for templates that
-teach JSON calls after a special token of the tokenizer's own (Mistral's `[TOOL_CALLS] [{"name": ..., "arguments":
-...}]`, Granite's `<|tool_call|>[...]`, a `<TOOLCALL>[...]</TOOLCALL>` of tokens of their own) rather than the
-spellings `forerun.tool_specs` knows by sight (`<tool_call>` blocks, Llama 3's bare objects).
+teach calls after a special token of the tokenizer's own rather than the spellings `forerun.tool_specs` knows by
+sight (`<tool_call>` blocks, Llama 3's bare objects). Two shapes are read: JSON after the mark (Mistral v0.3's
+`[TOOL_CALLS] [{"name": ..., "arguments": ...}]`, Granite's `<|tool_call|>[...]`, a `<TOOLCALL>[...]</TOOLCALL>`
+pair of tokens of their own), and the name between two marks, then the arguments' JSON, each call after its own
+opening mark (Mistral's newer `[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}`: Ministral 3, Devstral 2).
 
-Such marks are tokens the decoded answer drops (`skip_special_tokens`), so what is left of a call is bare JSON, which
-`forerun.tool_calls.read_calls` reads; a required call's grammar spells the marks as those tokens
-(`forerun.tool_specs.call_form`). A template whose calls are not JSON (pythonic calls, Mistral's newer `name[ARGS]`),
-whose marks are text, or which writes OpenAI's nested objects back, is not taken: its tools are refused by name.
+Such marks are tokens the decoded answer drops (`skip_special_tokens`), so what is left of the calls is bare JSON,
+or names each followed by their arguments' JSON, which `forerun.tool_calls.read_calls` reads; a required call's
+grammar spells the marks as those tokens (`forerun.tool_specs.call_form`). A template whose calls are neither
+(pythonic calls), whose marks are text, or which writes OpenAI's nested objects back, is not taken: its tools are
+refused by name.
 
 Example:
     >>> template = ("{% for m in messages %}{% if m.role == 'user' %}{{ '[INST]' + m.content + '[/INST]' }}"
@@ -49,6 +52,9 @@ class Written:
     listed: bool
     arguments: str
     short_ids: bool
+    between: str = ""
+    """The mark between a call's name and its arguments' JSON where the name stands outside the JSON (Mistral's
+    newer `[TOOL_CALLS]name[ARGS]{...}`, each call after its own opening mark); "" where the JSON holds both."""
 
 
 def probed(tokenizer: object) -> Written | None:
@@ -80,21 +86,53 @@ def written_calls(render: Callable[[list[dict]], str], own: Callable[[str], bool
     except Exception:  # the template's own refusals and faults: it teaches no calls forerun reads
         return None
     start = shared(one, words)
-    found = call_json(one, start)
-    if found is None or words.find(TEXT, start) < 0:
+    if words.find(TEXT, start) < 0:
+        return None
+    ending = words[words.index(TEXT, start) + len(TEXT) :]  # how a turn ends after its text
+    if not one.endswith(ending) or len(one) - len(ending) < start:
+        return None
+    call = one[start : len(one) - len(ending)]  # the probe call as the template writes it, and nothing else
+    return json_form(call, own, short) or named_form(call, own, short)
+
+
+def json_form(call: str, own: Callable[[str], bool], short: bool) -> Written | None:
+    """The form of `call` where it is a mark, the JSON (a call object, or a list of them), and maybe a mark."""
+    found = call_json(call)
+    if found is None:
         return None
     at, end, value, key = found
-    mark = one[start:at]
-    opening, lead = mark.rstrip(), mark[len(mark.rstrip()) :]
-    ending = words[words.index(TEXT, start) + len(TEXT) :]
-    after = one[end:]
-    if not after.endswith(ending) or opening != opening.lstrip() or not opening or not own(opening):
-        return None
-    tail = after[: len(after) - len(ending)]
-    closing, trail = tail.lstrip(), tail[: len(tail) - len(tail.lstrip())]
-    if closing and (closing != closing.rstrip() or not own(closing)):
+    opening, lead = split_mark(call[:at], own, "lead")
+    closing, trail = split_mark(call[end:], own, "trail")
+    if not opening or closing is None:
         return None
     return Written(opening, lead, closing, trail, isinstance(value, list), key, short)
+
+
+def named_form(call: str, own: Callable[[str], bool], short: bool) -> Written | None:
+    """The form of `call` where it is a mark, the function's name, another mark, the arguments' JSON, and maybe a
+    mark (Mistral's newer `[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}`)."""
+    at = call.find(NAME)
+    brace = call.find("{", at + len(NAME))
+    if at <= 0 or brace < 0:
+        return None
+    try:
+        value, end = json.JSONDecoder().raw_decode(call, brace)
+    except ValueError:
+        return None
+    opening, between, closing = call[:at], call[at + len(NAME) : brace], call[end:]
+    if value != ARGUMENTS or not (own(opening) and own(between)) or (closing and not own(closing)):
+        return None
+    return Written(opening, "", closing, "", False, "arguments", short, between)
+
+
+def split_mark(text: str, own: Callable[[str], bool], side: str) -> tuple[str | None, str]:
+    """(the mark, the whitespace beside it) of the `text` before ("lead") or after ("trail") a call's JSON: the
+    mark "" where there is none, None where it is not one special token of the tokenizer's own."""
+    mark = text.rstrip() if side == "lead" else text.lstrip()
+    gap = text[len(mark) :] if side == "lead" else text[: len(text) - len(mark)]
+    if mark and (mark != mark.strip() or not own(mark)):
+        return None, gap
+    return mark, gap
 
 
 def assistant(calls: int, ident: str) -> dict:
@@ -111,12 +149,12 @@ def shared(first: str, second: str) -> int:
     return min(len(first), len(second))
 
 
-def call_json(text: str, start: int) -> tuple[int, int, object, str] | None:
-    """(where it begins, where it ends, the value, the arguments' key) of the outermost JSON value from `start` on
-    that is the probe call or a list of it, or None."""
-    name = text.find(json.dumps(NAME), start)
+def call_json(text: str) -> tuple[int, int, object, str] | None:
+    """(where it begins, where it ends, the value, the arguments' key) of the outermost JSON value in `text` that is
+    the probe call or a list of it, or None."""
+    name = text.find(json.dumps(NAME))
     found = None
-    for at in range(name - 1, max(start, name - REACH) - 1, -1):
+    for at in range(name - 1, max(0, name - REACH) - 1, -1):
         if name < 0 or text[at] not in "[{":
             continue
         try:

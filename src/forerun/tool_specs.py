@@ -2,26 +2,25 @@
 and, where a call is required, the grammar its answer is held to.
 
 The model learns of the tools from its chat template (`apply_chat_template(messages, tools=...)`) and writes its
-calls in the format the template teaches. forerun reads two (`forerun.tool_calls` reads them back): JSON between
-`<tool_call>` and `</tool_call>`, as Qwen2.5, Qwen3, Hermes and SmolLM2 are taught, and one bare JSON object whose
-arguments are its "parameters", as Llama 3.1-3.3 are (`{"name": "get_weather", "parameters": {"city": "Paris"}}`).
-A template that writes calls neither way teaches another format, and its tools are refused by name (`takes_tools`).
+calls in the format the template teaches. forerun reads these (`forerun.tool_calls` reads them back): JSON between
+`<tool_call>` and `</tool_call>`, as Qwen2.5, Qwen3, Hermes and SmolLM2 are taught; one bare JSON object whose
+arguments are its "parameters", as Llama 3.1-3.3 are (`{"name": "get_weather", "parameters": {"city": "Paris"}}`);
+and calls after a special token of the tokenizer's own, read off a probe call the template renders
+(`forerun.tool_probe`: Mistral's `[TOOL_CALLS] [...]` and `[TOOL_CALLS]name[ARGS]{...}`). A template that writes
+calls no such way teaches another format, and its tools are refused by name (`takes_tools`).
 
 `tool_choice`: "auto" (the model decides: its text is plain generate's, the calls read out of it after; where a
-function is `strict`, a call the answer opens is held from there to the end, `calls_grammar(lazy=True)`), "none"
+function is `strict`, a call the answer opens is held from there to the end, `forerun.tool_grammar`), "none"
 (the tools are not shown), "required" (one or more calls) or {"type": "function", "function": {"name": ...}} (one
 call of that function). The last two hold the answer to calls in that format, the arguments to the function's
-JSON schema, as `response_format` holds an answer to JSON (`forerun.structured`): a logits processor, so plain
-`model.generate` with it writes the same text.
+JSON schema (`forerun.tool_grammar`), as `response_format` holds an answer to JSON (`forerun.structured`): a logits
+processor, so plain `model.generate` with it writes the same text.
 
 Example:
     >>> tools = check_tools([{"type": "function", "function": {"name": "get_weather", "parameters": {
     ...     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}])
     >>> check_tool_choice({"type": "function", "function": {"name": "get_weather"}}, tools)
     'get_weather'
-    >>> print("\\n".join(calls_grammar(tools, "get_weather", parallel=False).splitlines()[:2]))
-    start: "<tool_call>" "\\n" call "\\n" "</tool_call>"
-    block: "<tool_call>" "\\n" call "\\n" "</tool_call>"
     >>> check_tool_choice("required", ())
     Traceback (most recent call last):
     ...
@@ -37,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from forerun.checks import MAX_DEPTH, check_text, nesting
-from forerun.tool_probe import probed
+from forerun.tool_probe import Written, probed
 
 MAX_TOOLS = 128
 """As OpenAI."""
@@ -175,6 +174,8 @@ class CallForm:
     list), as `trail` between the JSON and the closing mark; a `close` of "" ends the calls where the JSON ends
     (Mistral's `[TOOL_CALLS] [...]`, the end token after it)."""
     trail: str | None = None
+    between: str = ""
+    """`kind` "named": the mark between a call's name and its arguments' JSON (Mistral's `[ARGS]`, by id)."""
     key: str = ""
     """The key a call's arguments are written under where the template says ("": `arguments` decides)."""
     specials: str = ""
@@ -203,21 +204,35 @@ def call_form(tokenizer: object, special: Callable[[int], bool], vocab: int = 0,
     kind = kind_of(texts)
     written = probed(tokenizer) if kind is None else None
     opening, closing = (written.open, written.close) if written is not None else (OPEN, CLOSE)
-    marks = {mark: tokenizer(mark, add_special_tokens=False)["input_ids"] for mark in (opening, closing, *THINK)}
+    between = written.between if written is not None else ""
+    marks = {
+        mark: tokenizer(mark, add_special_tokens=False)["input_ids"] for mark in (opening, closing, between, *THINK)
+    }
     own = {ids[0]: mark for mark, ids in marks.items() if mark and len(ids) == 1 and special(ids[0])}
     thinks = all(mark in own.values() for mark in THINK)
     if kind == "json":
         return CallForm(open="", close="", kind="json", thinks=thinks)  # no marks
-    marked = {i for i, mark in own.items() if mark in (opening, closing) or thinks}  # a thought comes first, whole
+    marked = {i for i, mark in own.items() if mark in (opening, closing, between) or thinks}  # a thought: whole
     specials = token_set([i for i in range(vocab) if i not in marked and i != end and special(i)])
-    if written is not None:  # marks of the tokenizer's own, spelt as their ids: such a mark may look like a set
-        term = {mark: f"<[{i}]>" for i, mark in own.items()}
-        return CallForm(written.listed, term.get(opening, json.dumps(opening)), term.get(closing, "") if closing
-                        else "", lead=written.lead, trail=written.trail, key=written.arguments, specials=specials,
-                        thinks=thinks)  # fmt: skip
+    if written is not None:
+        return probed_form(tokenizer, written, special, specials, thinks)
     listed = any(OPEN + "[" in text for text in texts)
     term = {mark: mark if mark in own.values() else json.dumps(mark) for mark in (OPEN, CLOSE)}
     return CallForm(listed, term[OPEN], term[CLOSE], specials=specials, thinks=thinks)
+
+
+def probed_form(tokenizer: object, written: Written, special: Callable[[int], bool], specials: str,
+                thinks: bool) -> CallForm:  # fmt: skip
+    """The `CallForm` of calls read off a template's probe call (`forerun.tool_probe`): its marks are special
+    tokens of the tokenizer's own, spelt by id (such a mark may look like a set of ids: `[TOOL_CALLS]`)."""
+
+    def term(mark: str) -> str:
+        ids = tokenizer(mark, add_special_tokens=False)["input_ids"] if mark else []
+        return f"<[{ids[0]}]>" if len(ids) == 1 and special(ids[0]) else json.dumps(mark) if mark else ""
+
+    kind = "named" if written.between else "blocks"
+    return CallForm(written.listed, term(written.open), term(written.close), kind, written.lead, written.trail,
+                    term(written.between), written.arguments, specials, thinks)  # fmt: skip
 
 
 def token_set(ids: Sequence[int]) -> str:
@@ -241,99 +256,6 @@ def templates(tokenizer: object) -> list[str]:
     template = getattr(tokenizer, "chat_template", None)
     texts = template.values() if isinstance(template, Mapping) else [template]
     return [text for text in texts if isinstance(text, str)]
-
-
-def calls_grammar(
-    tools: Sequence[dict], name: str | None, parallel: bool, form: CallForm = CallForm(), lazy: bool = False
-) -> str:
-    """llguidance's Lark grammar of an answer that is only calls: of function `name` (one), or of any of `tools`
-    (None: one, or several where `parallel` and the form writes several), each `{"name": ..., "arguments": ...}`
-    with the arguments held to the function's parameters, written in the template's `form` (one list in one block,
-    a block each, one per line, or one bare object whose arguments are its "parameters"). The JSON is written as
-    `json.dumps` and the templates' `tojson` write it (no room for a model to spin whitespace until its answer's
-    end). `lazy`: free text until the answer opens a call, held from there (`lazy_start`)."""
-    schema = {**call_schema(tools, name, form), "x-guidance": JSON_AS_DUMPED}
-    call = f"call: %json {json.dumps(schema, ensure_ascii=False)}"
-    several = parallel and name is None and form.kind != "json"
-    lead, trail = (f"{json.dumps(gap)} " if gap else "" for gap in form.gaps)
-    if form.kind == "json":  # one bare object
-        rest, rules = "", call
-    elif form.listed:  # one list in one block
-        calls = 'call (", " call)*' if several else "call"
-        rest, rules = f'{lead}"[" {calls} "]" {trail}{form.close}', call
-    else:  # an object a block, one block a line
-        rest = f"{lead}call {trail}{form.close}" + (' ("\\n" block)*' if several else "")
-        rules = f"block: {form.open} {lead}call {trail}{form.close}\n{call}"
-    if lazy:
-        body, lexemes = lazy_start(form, rest, several)
-    else:
-        body, lexemes = ("call" if form.kind == "json" else f"{form.open} {rest}"), ""
-    if form.thinks:  # a thought first, free, as a reasoning model writes one
-        return f"start: thinking? ({body})\n{THOUGHT_RULES}\n{lexemes}{rules}\n"
-    return f"start: {body}\n{lexemes}{rules}\n"
-
-
-THOUGHT_RULES = "thinking: <think> THOUGHT? </think> BREAK?\nTHOUGHT: /(?s:.+)/\nBREAK: /\\s+/"
-"""A reasoning model's thought before its answer: free text between its own `<think>` and `</think>` tokens."""
-
-
-def lazy_start(form: CallForm, rest: str, several: bool) -> tuple[str, str]:
-    """(the alternatives an answer starts with, the rules they use) of a lazy calls grammar (OpenAI's `strict`
-    functions under tool_choice auto): free text, held to calls from where it opens one, to its end. A call opens at
-    the template's mark (text before it free), or, as `forerun.tool_calls.read_calls` reads an answer that is only
-    calls, where the answer (after a thought, where the model thinks) begins as JSON: `{`, or a ```json fence (whose
-    calls are then written compactly, one a line). Free text may hold the special tokens of `form.specials`
-    between its pieces of text."""
-    bare = 'call ("\\n" call)*' if several else "call"
-    starts = ["free?", f'{bare} | "```json\\n" {bare} "\\n```"']
-    not_json, text = r"~/(?s:\s*(\{|```json).*)/", "/(?s:.+)/"  # free text does not begin as JSON
-    first, plain, opened = [text, not_json], [text], ""
-    if form.kind == "blocks" and form.open.startswith('"'):  # the mark as text: free up to its first appearance
-        mark = regex_escaped(json.loads(form.open))
-        first.append(f"~/(?s:.*{mark}.*)/")
-        plain.append(f"~/(?s:.*{mark}.*)/")
-        upto = f"/(?s:.*{mark})/ & ~/(?s:.*{mark}.+)/"
-        opened = f"\nOPENED0: {upto} & {not_json}\nOPENED: {upto}"
-        starts.append(f"OPENED0 {rest}")
-        if form.specials:
-            starts.append(f"lead OPENED {rest}")
-    elif form.kind == "blocks":  # a mark of its own token: no text spells it
-        starts.append(f"free? {form.open} {rest}")
-    some = form.specials  # a bare form's are none
-    # pieces of text only apart by a special token: a lexeme ends where it cannot go on, so FIRST PLAIN side by side
-    # would let "\n\n" end FIRST and a call's "{" begin PLAIN, free
-    free = (
-        f"free: FIRST ({some} PLAIN?)* | ({some} PLAIN?)+\nlead: (FIRST? {some}) (PLAIN? {some})*"
-        if some
-        else "free: FIRST"
-    )
-    lexemes = f"FIRST: {' & '.join(first)}\nPLAIN: {' & '.join(plain)}{opened}"
-    return " | ".join(starts), f"{free}\n{lexemes}\n"
-
-
-JSON_AS_DUMPED = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-"""llguidance's JSON written as `json.dumps` and the templates' `tojson` write it: no room to spin whitespace until
-the answer's end."""
-
-
-def call_schema(tools: Sequence[dict], name: str | None, form: CallForm) -> dict:
-    """The JSON schema of one call of function `name` (None: of any of `tools`), in `form`'s keys."""
-    chosen = [tool["function"] for tool in tools if name is None or tool["function"]["name"] == name]
-    schemas = [
-        {
-            "type": "object",
-            "properties": {"name": {"const": f["name"]}, form.arguments: f.get("parameters") or {"type": "object"}},
-            "required": ["name", form.arguments],
-            "additionalProperties": False,
-        }
-        for f in chosen
-    ]
-    return schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
-
-
-def regex_escaped(text: str) -> str:
-    """`text` as a literal inside an llguidance (Rust) regular expression."""
-    return "".join("\\" + c if c in "\\.+*?()|[]{}^$#&-~/" else c for c in text)
 
 
 def held_calls(tools: Sequence[dict], choice: str, parallel: bool) -> dict | None:

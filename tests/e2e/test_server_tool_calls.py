@@ -16,7 +16,7 @@ import forerun
 from forerun.server import ServerConfig, create_app
 from forerun.tool_specs import shipped_template
 
-from tool_templates import LLAMA3_JSON, MISTRAL_TOOLS
+from tool_templates import LLAMA3_JSON, MISTRAL_NAMED, MISTRAL_TOOLS
 
 pytestmark = pytest.mark.real_model
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The current weather in a city",
@@ -322,5 +322,35 @@ def test_a_mistral_template_makes_calls_after_its_own_token_with_ids_it_takes_ba
         turns[1] = {**turns[1], "tool_calls": [{**made, "id": "call_0"}]}
         refused = httpx.post(server.url + "/v1/chat/completions", json={"messages": turns, "tools": TOOLS}, timeout=60)
         assert refused.status_code == 400 and "9 letters and digits" in refused.text, refused.text
+    finally:
+        server.stop()
+
+
+def test_mistrals_newer_calls_name_their_function_between_marks_and_stream_whole(smollm2):
+    """A template teaching Mistral's newer calls (`[TOOL_CALLS]name[ARGS]{...}`; two of SmolLM2's own special tokens
+    stand in for the marks): a required call, streamed or not, is plain generate's held text, read from the
+    answer the marks are decoded out of (`name{...}`), which no content chunk shows; the conversation goes on."""
+    model, tokenizer = smollm2
+    tokenizer = copy.deepcopy(tokenizer)
+    template = MISTRAL_NAMED.replace("[TOOL_CALLS]", "<jupyter_code>").replace("[ARGS]", "<jupyter_output>")
+    tokenizer.chat_template = template
+    server = LiveServer(create_app(model, tokenizer, ServerConfig(MODEL, "auto", max_tokens_limit=64)))
+    try:
+        client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        one = {"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False}
+        response = client.chat.completions.create(model=MODEL, messages=ASK, **one)
+        (call,) = response.choices[0].message.tool_calls
+        assert response.choices[0].finish_reason == "tool_calls" and response.choices[0].message.content is None
+        text = held_generate(model, tokenizer, ASK, "required", parallel=False)
+        assert text == f"{call.function.name}{call.function.arguments}", text
+        chunks = list(client.chat.completions.create(model=MODEL, messages=ASK, stream=True, **one))
+        content = "".join(d.content or "" for c in chunks if c.choices and (d := c.choices[0].delta))
+        streamed = [d.tool_calls for c in chunks if c.choices and (d := c.choices[0].delta).tool_calls]
+        assert content == "" and streamed[0][0].function.arguments == call.function.arguments
+        made = {"id": call.id, "type": "function", "function": {"name": call.function.name,
+                                                                 "arguments": call.function.arguments}}  # fmt: skip
+        turns = [*ASK, {"role": "assistant", "content": None, "tool_calls": [made]},
+                 {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "clear"}'}]  # fmt: skip
+        assert client.chat.completions.create(model=MODEL, messages=turns, tools=TOOLS, max_tokens=8).choices
     finally:
         server.stop()

@@ -14,7 +14,7 @@ from forerun.tool_calls import read_calls
 from forerun.tool_specs import shipped_template
 
 from tiny_models import byte_tokenizer, tiny_model
-from tool_templates import LLAMA3_JSON, MISTRAL_TOOLS
+from tool_templates import LLAMA3_JSON, MISTRAL_NAMED, MISTRAL_TOOLS
 
 CURVE = LatencyCurve((1, 8, 32), (1.0, 1.1, 1.5))
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -79,12 +79,15 @@ def test_llama_json_calls_are_written_as_generate_writes_them_free_or_held(atten
 
 
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])
-def test_calls_after_a_special_token_are_written_as_generate_writes_them_free_or_held(attention):
-    """The same with a template teaching Mistral's calls (one list after its own `[TOOL_CALLS]` token): a required
-    call is held to that form and read back from the text the mark is decoded out of."""
+@pytest.mark.parametrize("form", ["list", "named"])
+def test_calls_after_a_special_token_are_written_as_generate_writes_them_free_or_held(attention, form):
+    """The same with a template teaching Mistral's calls (one list after its own `[TOOL_CALLS]` token, or each
+    call's name and `[ARGS]` after its own): a required call is held to that form and read back from the text the
+    marks are decoded out of."""
     tokenizer = byte_tokenizer()
-    tokenizer.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]"]})
-    tokenizer.chat_template = MISTRAL_TOOLS
+    marks = ["[TOOL_CALLS]", "[ARGS]"] if form == "named" else ["[TOOL_CALLS]"]
+    tokenizer.add_special_tokens({"additional_special_tokens": marks})
+    tokenizer.chat_template = MISTRAL_NAMED if form == "named" else MISTRAL_TOOLS
     every_method_writes_generates_text(model_of("llama", attention, tokenizer, 2048), tokenizer, ("plain", "auto"))
 
 

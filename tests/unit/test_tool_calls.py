@@ -13,11 +13,11 @@ from forerun import GenerationRequest, GenerationResult
 from forerun.server.stream import Calls, TokenStream
 from forerun.structured import Grammars
 from forerun.tool_calls import ToolCall, before_calls, read_calls
+from forerun.tool_grammar import calls_grammar
 from forerun.tool_specs import (
     MAX_TOOLS,
     CallForm,
     call_form,
-    calls_grammar,
     check_tool_choice,
     check_tools,
     shipped_template,

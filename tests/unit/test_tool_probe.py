@@ -1,7 +1,7 @@
-"""Calls taught as JSON after a special token of the tokenizer's own (Mistral's `[TOOL_CALLS] [...]`, a
-`<TOOLCALL>[...]</TOOLCALL>`): read off what the template renders of a probe call (`forerun.tool_probe`), a
-required or strict call held to that form, the answer read back once the marks are decoded away; templates whose
-calls are not such JSON refused."""
+"""Calls taught after a special token of the tokenizer's own (Mistral's `[TOOL_CALLS] [...]`, a
+`<TOOLCALL>[...]</TOOLCALL>`, Mistral's newer `[TOOL_CALLS]name[ARGS]{...}`): read off what the template renders of
+a probe call (`forerun.tool_probe`), a required or strict call held to that form, the answer read back once the
+marks are decoded away; templates whose calls are neither refused."""
 
 from __future__ import annotations
 
@@ -11,11 +11,12 @@ import pytest
 
 from forerun.structured import Grammars
 from forerun.tool_calls import ToolCall, read_calls
+from forerun.tool_grammar import calls_grammar
 from forerun.tool_probe import probed
-from forerun.tool_specs import calls_grammar, check_tools, short_call_ids, takes_tools
+from forerun.tool_specs import check_tools, short_call_ids, takes_tools
 
 from tiny_models import byte_tokenizer
-from tool_templates import LLAMA3_JSON, MISTRAL_TOOLS, TOOLCALL_MARKS
+from tool_templates import LLAMA3_JSON, MISTRAL_NAMED, MISTRAL_TOOLS, TOOLCALL_MARKS
 
 ADD = {"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {
     "a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"],
@@ -44,6 +45,9 @@ def test_a_mistral_template_is_read_off_its_probe_call():
     for tokenizer in (tokenizer_of(MISTRAL_TOOLS, "[TOOL_CALLS]"), tokenizer_of(TOOLCALL_MARKS, "<TOOLCALL>",
                                                                                 "</TOOLCALL>")):  # fmt: skip
         assert takes_tools(tokenizer)
+    written = probed(tokenizer_of(MISTRAL_NAMED, "[TOOL_CALLS]", "[ARGS]"))
+    assert (written.open, written.between, written.close, written.listed, written.short_ids) == (
+        "[TOOL_CALLS]", "[ARGS]", "", False, False)  # fmt: skip
     assert short_call_ids(tokenizer_of(MISTRAL_TOOLS, "[TOOL_CALLS]"))
     assert not short_call_ids(tokenizer_of(LLAMA3_JSON)) and not short_call_ids(tokenizer_of(TOOLCALL_MARKS))
 
@@ -66,6 +70,7 @@ IN_TOOLS_ONLY = "{{ tools | tojson }}{%- for m in messages -%}{{ (m.content or '
     "template, marks",
     [
         (MISTRAL_TOOLS, ()),  # its mark is text here: the decoded answer would keep it
+        (MISTRAL_NAMED, ("[TOOL_CALLS]",)),  # [ARGS] is text here
         (PYTHONIC, ("<|tool_call_start|>", "<|tool_call_end|>")),  # not JSON
         (NESTED, ("[TOOL_CALLS]",)),  # OpenAI's nested objects written back
         (REFUSING, ("[TOOL_CALLS]",)),
@@ -73,7 +78,7 @@ IN_TOOLS_ONLY = "{{ tools | tojson }}{%- for m in messages -%}{{ (m.content or '
         (IN_TOOLS_ONLY, ("[TOOL_CALLS]",)),  # the tools' JSON is not a call
         ("", ()),
     ],
-    ids=["text mark", "pythonic", "nested", "refusing", "silent", "tools only", "none"],
+    ids=["text mark", "text mark between", "pythonic", "nested", "refusing", "silent", "tools only", "none"],
 )
 def test_templates_whose_calls_are_not_json_after_a_special_token_are_not_taken(template, marks):
     assert probed(tokenizer_of(template, *marks)) is None and not takes_tools(tokenizer_of(template, *marks))
@@ -118,3 +123,43 @@ def test_a_required_call_is_held_to_the_probed_form_and_read_back_without_its_ma
     # strict under auto: free text, then held from the mark on
     assert accepts("It is 3.", lazy=True) and accepts(written(add), lazy=True)
     assert not accepts(written(call("add", a=1, b="2")), lazy=True)
+
+
+def test_named_calls_are_held_to_their_marks_and_each_functions_arguments_and_read_back():
+    """Mistral's newer form: each call its own `[TOOL_CALLS]`, the name, `[ARGS]`, the arguments held to that
+    function's parameters; the decoded answer (names each before their arguments) reads as the calls, and a stream
+    holds back an answer that may still become one."""
+    from llguidance import LLMatcher
+
+    from forerun.tool_calls import before_calls
+
+    tokenizer = tokenizer_of(MISTRAL_NAMED, "[TOOL_CALLS]", "[ARGS]")
+    grammars = Grammars(tokenizer, len(tokenizer), tokenizer.eos_token_id)
+    form = grammars.call_form()
+    assert form.kind == "named"
+    tools = check_tools([ADD, NOW])
+
+    def accepts(text: str, name: str | None = None, parallel: bool = True, lazy: bool = False) -> bool:
+        grammar = LLMatcher.grammar_from_lark(calls_grammar(tools, name, parallel, form, lazy))
+        matcher = LLMatcher(grammars.tokens(), grammar, log_level=0)
+        assert not matcher.is_error(), matcher.get_error()
+        return matcher.consume_tokens(tokenizer.encode(text, add_special_tokens=False)) and matcher.is_accepting()
+
+    add, now = '[TOOL_CALLS]add[ARGS]{"a": 1, "b": 2}', "[TOOL_CALLS]now[ARGS]{}"
+    assert accepts(add) and accepts(now) and accepts(add + now) and accepts(add, "add")
+    assert not accepts(add + now, parallel=False) and not accepts(now, "add")
+    for text in ('[TOOL_CALLS]add[ARGS]{"a": 1, "b": "2"}', '[TOOL_CALLS]add[ARGS]{"a": 1}', "Sure. " + add,
+                 '[TOOL_CALLS]sub[ARGS]{"a": 1, "b": 2}', 'add[ARGS]{"a": 1, "b": 2}',
+                 '[TOOL_CALLS] add[ARGS]{"a": 1, "b": 2}', call("add", a=1, b=2)):  # fmt: skip
+        assert not accepts(text), text
+    ids = tokenizer.encode(add + now, add_special_tokens=False)
+    decoded = tokenizer.decode(ids, skip_special_tokens=True)
+    assert decoded == 'add{"a": 1, "b": 2}now{}'
+    assert read_calls(decoded, {"add", "now"}) == (None, (ToolCall("add", '{"a": 1, "b": 2}'), ToolCall("now", "{}")))
+    assert read_calls(decoded, {"add"}) == (decoded, ())  # a name not offered: the text, no call
+    assert read_calls('add{"a": 1} and more', {"add"})[1] == ()
+    assert before_calls("ad", True, {"add"}) == 0 and before_calls('add{"a"', True, {"add"}) == 0
+    assert before_calls("adding", True, {"add"}) == 6
+    # strict under auto: free text, then held from the mark on
+    assert accepts("It is 3.", lazy=True) and accepts(add + now, lazy=True)
+    assert not accepts('[TOOL_CALLS]add[ARGS]{"a": "1", "b": 2}', lazy=True)

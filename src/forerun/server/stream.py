@@ -80,7 +80,7 @@ class TokenStream:
             if final:
                 cut = first_stop(text, self.held.stops)
                 calls = read_calls(text if cut is None else text[:cut], self.tools)[1]
-            text = text if final and not calls else text[: before_calls(text, bare=True)]
+            text = text if final and not calls else text[: before_calls(text, bare=True, names=self.tools)]
         delta = self.held.release(text, final)
         if delta:  # nothing is released after a stop string: one that has appeared appeared in this delta
             self.loop.call_soon_threadsafe(self.queue.put_nowait, (delta, self.released(delta, self.held.stopped)))
