@@ -32,8 +32,8 @@ from forerun.stats import GenerationStats
 from forerun.stopping import Cancelled, StopStrings, first_stop
 from forerun.structured import Constraint, Grammars
 from forerun.text import complete
-from forerun.tool_calls import read_calls
-from forerun.tool_specs import names_of
+from forerun.tool_calls import marked_at, read_calls
+from forerun.tool_specs import call_mark, names_of
 
 
 def eos_ids_of(model: torch.nn.Module, eos_token_id: int | Sequence[int] | None) -> frozenset[int]:
@@ -188,9 +188,11 @@ def finished_result(tokenizer, prepared: Prepared, stats: GenerationStats) -> Ge
     ended = bool(new) and new[-1] in prepared.job.eos
     full = len(new) >= prepared.request.max_new_tokens
     reason = "length" if stop_at is None and not ended and full else "stop"
-    calls = None
+    calls = at = None
     if text is not None and prepared.request.shown_tools:
-        calls = read_calls(text if stop_at is None else text[:stop_at], names_of(prepared.request.shown_tools))[1]
+        at = marked_at(tokenizer, new, call_mark(tokenizer))  # Mistral's mark, after a thought or words
+        shown = text if stop_at is None else text[:stop_at]
+        calls = read_calls(shown, names_of(prepared.request.shown_tools), at)[1]
         reason = "tool_calls" if calls and reason == "stop" else reason
     return GenerationResult(
         sequences,
@@ -203,6 +205,7 @@ def finished_result(tokenizer, prepared: Prepared, stats: GenerationStats) -> Ge
         reason,
         stop_at,
         calls,
+        at,
     )
 
 

@@ -35,6 +35,8 @@ class GenerationResult:
     tool_calls: tuple[ToolCall, ...] | None = None
     """The calls the answer makes, in order, where the request offered tools (`forerun.tool_calls`); None where it
     offered none. An answer that makes calls finishes with 'tool_calls'."""
+    calls_at: int | None = None
+    """Where in `text` a mark the decoded text drops opened the calls (`forerun.tool_calls.marked_at`), or None."""
 
     @property
     def shown_text(self) -> str:
@@ -48,7 +50,7 @@ class GenerationResult:
         offered."""
         if self.tool_calls is None:
             return self.shown_text
-        return read_calls(self.shown_text, {call.name for call in self.tool_calls})[0]
+        return read_calls(self.shown_text, {call.name for call in self.tool_calls}, self.calls_at)[0]
 
     @property
     def new_tokens(self) -> list[int]:

@@ -44,11 +44,13 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from forerun.tool_specs import CLOSE, OPEN
 
+REPLACEMENT = "\ufffd"
+"""What a character cut between tokens decodes to."""
 FENCE = "```json"
 """How a Markdown fence of JSON opens."""
 APART = re.compile(r"\s*;?\s*")
@@ -76,12 +78,19 @@ class ToolCall:
         return {"id": ident or fresh, "type": "function", "function": function}
 
 
-def read_calls(text: str, names: Collection[str] = ()) -> tuple[str | None, tuple[ToolCall, ...]]:
+def read_calls(
+    text: str, names: Collection[str] = (), at: int | None = None
+) -> tuple[str | None, tuple[ToolCall, ...]]:
     """(content, calls) of an answer: the text outside the blocks (stripped; None where only calls were written)
     and each block's calls in order; (text, ()) where no block is there or one is not calls. An answer without
     blocks that is nothing but calls of functions in `names` (the tools offered), as JSON (alone, or in one
     Markdown ```json fence), is read as those calls: Llama 3's templates teach calls so, and small models drop the
-    tags theirs teach."""
+    tags theirs teach. `at`: where a mark the decoded text dropped opened the calls (`marked_at`: Mistral's
+    `[TOOL_CALLS]` after a thought or words): the text from there on is read so, the text before it is content."""
+    if at is not None and 0 < at <= len(text):
+        found = read_calls(text[at:], names)
+        if found[1] and found[0] is None:
+            return text[:at].strip() or None, found[1]
     if OPEN not in text:
         body = unfenced(text.strip())
         bare = bare_calls(body) if body[:1] in ("{", "[") else named_calls(body)
@@ -100,6 +109,15 @@ def read_calls(text: str, names: Collection[str] = ()) -> tuple[str | None, tupl
         end = match.end()
     content = "".join([*kept, text[end:]]).strip()
     return (content or None) if calls else content, tuple(calls)
+
+
+def marked_at(tokenizer, ids: Sequence[int], mark: int | None) -> int | None:
+    """Where in the decoded text of answer `ids` (special tokens skipped) the first `mark` token stood (a probed
+    template's opening mark, `forerun.tool_specs.call_mark`), or None where it does not."""
+    if mark is None or mark not in ids:
+        return None
+    before = list(ids[: list(ids).index(mark)])
+    return len(tokenizer.decode(before, skip_special_tokens=True).rstrip(REPLACEMENT))
 
 
 def calls_in(body: str) -> list[ToolCall] | None:

@@ -51,12 +51,15 @@ def calls_grammar(
     else:
         body, lexemes = ("call" if form.kind == "json" else f"{form.open} {rest}"), ""
     if form.thinks:  # a thought first, free, as a reasoning model writes one
-        return f"start: thinking? ({body})\n{THOUGHT_RULES}\n{lexemes}{rules}\n"
+        return f"start: thinking? ({body})\n{thought_rules(form)}\n{lexemes}{rules}\n"
     return f"start: {body}\n{lexemes}{rules}\n"
 
 
-THOUGHT_RULES = "thinking: <think> THOUGHT? </think> BREAK?\nTHOUGHT: /(?s:.+)/\nBREAK: /\\s+/"
-"""A reasoning model's thought before its answer: free text between its own `<think>` and `</think>` tokens."""
+def thought_rules(form: CallForm) -> str:
+    """A reasoning model's thought before its answer: free text between its own marks (`<think>` and `</think>`,
+    or `[THINK]` and `[/THINK]`), then maybe whitespace."""
+    opening, closing = form.thought
+    return f"thinking: {opening} THOUGHT? {closing} BREAK?\nTHOUGHT: /(?s:.+)/\nBREAK: /\\s+/"
 
 
 def lazy_start(form: CallForm, rest: str, several: bool) -> tuple[str, str]:

@@ -45,8 +45,9 @@ NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 MODES = ("none", "auto", "required")
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 """What the block format's calls are written between."""
-THINK = ("<think>", "</think>")
-"""What a reasoning model's thought is written between."""
+THOUGHTS = (("<think>", "</think>"), ("[THINK]", "[/THINK]"))
+"""What a reasoning model's thought is written between: Qwen3's marks, Mistral's (Magistral, Ministral 3
+Reasoning)."""
 PARAMETERS = '"parameters": '
 """What a chat template teaching Llama 3's JSON calls writes before an assistant call's arguments."""
 FUNCTION_KEYS = {"name", "description", "parameters", "strict"}
@@ -143,6 +144,15 @@ def short_call_ids(tokenizer: object) -> bool:
     return written is not None and written.short_ids
 
 
+def call_mark(tokenizer: object) -> int | None:
+    """The id of the special token a probed template's calls open with (Mistral's `[TOOL_CALLS]`,
+    `forerun.tool_probe`): the decoded answer drops it, so where an answer holds it its calls are read from there
+    on (`forerun.tool_calls.marked_at`); None where the template's calls are known by sight or not taught."""
+    written = None if kind_of(templates(tokenizer)) is not None else probed(tokenizer)
+    ids = tokenizer(written.open, add_special_tokens=False)["input_ids"] if written is not None else []
+    return ids[0] if len(ids) == 1 else None
+
+
 def kind_of(texts: Sequence[str]) -> str | None:
     """The call format chat templates `texts` teach: "blocks" (they write `<tool_call>`), "json" (Llama 3's bare
     object: they write `"parameters": ` and take `tools`), or None (another, or none)."""
@@ -181,14 +191,20 @@ class CallForm:
     specials: str = ""
     """The special tokens free text may hold in a lazy grammar ("blocks": a Qwen3's `<think>`, say), as llguidance's
     set of token ids (`<[151643-151656,151659-151664]>`: the marks and the end token left out); "" where none."""
-    thinks: bool = False
-    """Whether the tokenizer has `<think>` and `</think>` tokens of their own: a required call may then follow a
-    thought (`<think>` text `</think>`), as a reasoning model writes one before it answers."""
+    thought: tuple[str, ...] = ()
+    """The grammar's terms of the marks a thought is written between, where the tokenizer has them as tokens of
+    their own (`<think>` and `</think>`, or Mistral's `[THINK]` and `[/THINK]`, by id): a required call may then
+    follow a thought, as a reasoning model writes one before it answers."""
 
     @property
     def arguments(self) -> str:
         """The key a call's arguments are written under."""
         return self.key or ("parameters" if self.kind == "json" else "arguments")
+
+    @property
+    def thinks(self) -> bool:
+        """Whether a thought may come first (`thought`)."""
+        return bool(self.thought)
 
     @property
     def gaps(self) -> tuple[str, str]:
@@ -206,23 +222,26 @@ def call_form(tokenizer: object, special: Callable[[int], bool], vocab: int = 0,
     opening, closing = (written.open, written.close) if written is not None else (OPEN, CLOSE)
     between = written.between if written is not None else ""
     marks = {
-        mark: tokenizer(mark, add_special_tokens=False)["input_ids"] for mark in (opening, closing, between, *THINK)
+        mark: tokenizer(mark, add_special_tokens=False)["input_ids"]
+        for mark in (opening, closing, between, *THOUGHTS[0], *THOUGHTS[1])
     }
     own = {ids[0]: mark for mark, ids in marks.items() if mark and len(ids) == 1 and special(ids[0])}
-    thinks = all(mark in own.values() for mark in THINK)
+    ids = {mark: i for i, mark in own.items()}
+    pair = next((pair for pair in THOUGHTS if all(mark in ids for mark in pair)), ())
+    thought = tuple(f"<[{ids[mark]}]>" for mark in pair)
     if kind == "json":
-        return CallForm(open="", close="", kind="json", thinks=thinks)  # no marks
-    marked = {i for i, mark in own.items() if mark in (opening, closing, between) or thinks}  # a thought: whole
+        return CallForm(open="", close="", kind="json", thought=thought)  # no marks
+    marked = {i for i, mark in own.items() if mark in (opening, closing, between, *pair)}  # a thought comes whole
     specials = token_set([i for i in range(vocab) if i not in marked and i != end and special(i)])
     if written is not None:
-        return probed_form(tokenizer, written, special, specials, thinks)
+        return probed_form(tokenizer, written, special, specials, thought)
     listed = any(OPEN + "[" in text for text in texts)
     term = {mark: mark if mark in own.values() else json.dumps(mark) for mark in (OPEN, CLOSE)}
-    return CallForm(listed, term[OPEN], term[CLOSE], specials=specials, thinks=thinks)
+    return CallForm(listed, term[OPEN], term[CLOSE], specials=specials, thought=thought)
 
 
 def probed_form(tokenizer: object, written: Written, special: Callable[[int], bool], specials: str,
-                thinks: bool) -> CallForm:  # fmt: skip
+                thought: tuple[str, ...]) -> CallForm:  # fmt: skip
     """The `CallForm` of calls read off a template's probe call (`forerun.tool_probe`): its marks are special
     tokens of the tokenizer's own, spelt by id (such a mark may look like a set of ids: `[TOOL_CALLS]`)."""
 
@@ -232,7 +251,7 @@ def probed_form(tokenizer: object, written: Written, special: Callable[[int], bo
 
     kind = "named" if written.between else "blocks"
     return CallForm(written.listed, term(written.open), term(written.close), kind, written.lead, written.trail,
-                    term(written.between), written.arguments, specials, thinks)  # fmt: skip
+                    term(written.between), written.arguments, specials, thought)  # fmt: skip
 
 
 def token_set(ids: Sequence[int]) -> str:

@@ -163,3 +163,61 @@ def test_named_calls_are_held_to_their_marks_and_each_functions_arguments_and_re
     # strict under auto: free text, then held from the mark on
     assert accepts("It is 3.", lazy=True) and accepts(add + now, lazy=True)
     assert not accepts('[TOOL_CALLS]add[ARGS]{"a": "1", "b": 2}', lazy=True)
+
+
+def test_a_thought_or_words_before_mistrals_mark_are_content_and_the_calls_after_it_are_read():
+    """The decoded answer drops `[TOOL_CALLS]` (and a Magistral's `[THINK]` ... `[/THINK]`): where the answer holds
+    the mark after words, the text before it is content and what follows it is read as calls, by the result and by
+    a stream (which never sends the calls' text as content); a required call may follow a thought in those marks."""
+    import asyncio
+
+    import torch
+    from llguidance import LLMatcher
+
+    from forerun import GenerationResult
+    from forerun.server.stream import Calls, TokenStream
+    from forerun.stats import GenerationStats
+    from forerun.tool_calls import marked_at
+    from forerun.tool_specs import call_mark
+
+    tokenizer = tokenizer_of(MISTRAL_NAMED, "[TOOL_CALLS]", "[ARGS]", "[THINK]", "[/THINK]")
+    mark, names = call_mark(tokenizer), {"add", "now"}
+    assert mark == tokenizer.convert_tokens_to_ids("[TOOL_CALLS]") and call_mark(tokenizer_of(LLAMA3_JSON)) is None
+    answer = '[THINK]Add them.[/THINK]Let me add.[TOOL_CALLS]add[ARGS]{"a": 1, "b": 2}'
+    ids = tokenizer.encode(answer, add_special_tokens=False)
+    text, at = tokenizer.decode(ids, skip_special_tokens=True), marked_at(tokenizer, ids, mark)
+    assert text == 'Add them.Let me add.add{"a": 1, "b": 2}' and text[:at] == "Add them.Let me add."
+    calls = (ToolCall("add", '{"a": 1, "b": 2}'),)
+    assert read_calls(text, names, at) == ("Add them.Let me add.", calls)
+    assert read_calls(text, names) == (text, ())  # without the mark's place: words, then what reads as words
+    assert read_calls(text[:at] + "not a call", names, at)[1] == ()
+    stats = GenerationStats(forwards=1, new_tokens=len(ids))
+    result = GenerationResult(torch.tensor([[0, *ids]]), 1, text, stats, ["model"] * len(ids), tool_calls=calls,
+                              calls_at=at)  # fmt: skip
+    assert result.content == "Add them.Let me add."
+
+    loop = asyncio.new_event_loop()
+    try:
+        stream = TokenStream(tokenizer, loop, [], tools=frozenset(names), mark=mark)
+        stream.put(torch.tensor([[1, 2]]))  # the prompt
+        for token in ids:
+            stream.put(torch.tensor([token]))
+        stream.end()
+        loop.run_until_complete(asyncio.sleep(0))
+        items = []
+        while (item := stream.queue.get_nowait()) is not None:
+            items.append(item)
+    finally:
+        loop.close()
+    assert "".join(delta for delta, extra in items if not isinstance(extra, Calls)) == "Add them.Let me add."
+    assert items[-1][1].calls == calls and len(items) > 2  # the words streamed as they came
+
+    grammars = Grammars(tokenizer, len(tokenizer), tokenizer.eos_token_id)
+    form = grammars.call_form()
+    assert form.thinks
+    grammar = LLMatcher.grammar_from_lark(calls_grammar(check_tools([ADD, NOW]), None, True, form))
+    for text, held in (('[THINK]Add them.[/THINK][TOOL_CALLS]add[ARGS]{"a": 1, "b": 2}', True),
+                       ('Add them.[TOOL_CALLS]add[ARGS]{"a": 1, "b": 2}', False)):  # fmt: skip
+        matcher = LLMatcher(grammars.tokens(), grammar, log_level=0)
+        ok = matcher.consume_tokens(tokenizer.encode(text, add_special_tokens=False)) and matcher.is_accepting()
+        assert ok == held, text

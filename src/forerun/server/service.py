@@ -47,7 +47,7 @@ from forerun.server.shaping import (
 )
 from forerun.server.stream import Calls, TokenStream, deltas, started, targets_of
 from forerun.server.translate import APIError, GenerationArgs, Limits, translate
-from forerun.tool_specs import names_of, short_call_ids, takes_tools
+from forerun.tool_specs import call_mark, names_of, short_call_ids, takes_tools
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +73,7 @@ class Service:
             eos_token_ids=tuple(sorted(eos_ids_of(model, None))),
             tools=takes_tools(tokenizer),
             short_call_ids=short_call_ids(tokenizer),
+            call_mark=call_mark(tokenizer),
         )
         self.pool = DecoderPool(
             model, tokenizer, config.method, config.knobs, draft_model, PrefixCache(config.prefix_cache_tokens),
@@ -148,7 +149,11 @@ class Service:
         loop, logprobs = asyncio.get_running_loop(), args.logprobs is not None
         tools = names_of(args.tools) if args.tools and args.tool_choice != "none" else None
         streams = [
-            [TokenStream(self.tokenizer, loop, args.stop, logprobs, tools) for _ in range(g.runs)] for g in groups
+            [
+                TokenStream(self.tokenizer, loop, args.stop, logprobs, tools, self.limits.call_mark)
+                for _ in range(g.runs)
+            ]
+            for g in groups
         ]
         task = asyncio.create_task(self.generate_groups(groups, request, streams, cancel))
         await started([stream for each in streams for stream in each], task, cancel)

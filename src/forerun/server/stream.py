@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from forerun.logprobs import entries_before
 from forerun.stopping import HeldText, first_stop
 from forerun.text import IncrementalText
-from forerun.tool_calls import ToolCall, before_calls, read_calls
+from forerun.tool_calls import ToolCall, before_calls, marked_at, read_calls
 
 
 @dataclass(frozen=True)
@@ -44,10 +44,14 @@ class TokenStream:
         stops: list[str],
         logprobs: bool = False,
         tools: frozenset[str] | None = None,
+        mark: int | None = None,
     ) -> None:
         self.loop, self.tokenizer = loop, tokenizer
         self.tools = tools
         """The names of the tools offered (None: none; their calls are read out of the answer)."""
+        self.mark, self.calls_at = mark, None
+        """The special token a probed template's calls open with (`forerun.tool_specs.call_mark`), and where in the
+        text it stood once the answer holds it (`forerun.tool_calls.marked_at`): the decoded text drops it."""
         self.entries: list | None = [] if logprobs else None
         """Entries of tokens whose text is not sent yet (`note_logprobs`)."""
         self.text = IncrementalText(tokenizer)
@@ -61,7 +65,10 @@ class TokenStream:
             self.prompt_seen = True
             self.loop.call_soon_threadsafe(self.started.set)
             return
-        self.text.push(value.flatten().tolist())
+        ids = value.flatten().tolist()
+        if self.tools is not None and self.calls_at is None and self.mark in ids:
+            self.calls_at = marked_at(self.tokenizer, self.text.ids + ids, self.mark)
+        self.text.push(ids)
         self.emit(final=False)
 
     def note_logprobs(self, entries) -> None:
@@ -79,8 +86,10 @@ class TokenStream:
         if self.tools is not None:  # tools offered: what may be a call is held until the answer is whole
             if final:
                 cut = first_stop(text, self.held.stops)
-                calls = read_calls(text if cut is None else text[:cut], self.tools)[1]
-            text = text if final and not calls else text[: before_calls(text, bare=True, names=self.tools)]
+                calls = read_calls(text if cut is None else text[:cut], self.tools, self.calls_at)[1]
+            held = before_calls(text, bare=True, names=self.tools)
+            held = held if self.calls_at is None else min(held, self.calls_at)
+            text = text if final and not calls else text[:held]
         delta = self.held.release(text, final)
         if delta:  # nothing is released after a stop string: one that has appeared appeared in this delta
             self.loop.call_soon_threadsafe(self.queue.put_nowait, (delta, self.released(delta, self.held.stopped)))

@@ -71,6 +71,8 @@ class Limits:
     """Whether the chat template teaches tool calls in the format forerun reads (`forerun.tool_specs.takes_tools`)."""
     short_call_ids: bool = False
     """Whether it takes only 9-character call ids (`forerun.tool_specs.short_call_ids`): the calls answered get such."""
+    call_mark: int | None = None
+    """The special token its calls open with where the decoded text drops it (`forerun.tool_specs.call_mark`)."""
 
 
 @dataclass(frozen=True)
