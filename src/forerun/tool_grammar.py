@@ -25,7 +25,8 @@ def calls_grammar(
     """llguidance's Lark grammar of an answer that is only calls: of function `name` (one), or of any of `tools`
     (None: one, or several where `parallel` and the form writes several), each `{"name": ..., "arguments": ...}`
     with the arguments held to the function's parameters, written in the template's `form` (one list in one block,
-    a block each, one per line, or one bare object whose arguments are its "parameters"). The JSON is written as
+    a block each, one per line, one bare object whose arguments are its "parameters", or each call's name between
+    marks before its arguments: "named"). The JSON is written as
     `json.dumps` and the templates' `tojson` write it (no room for a model to spin whitespace until its answer's
     end). `lazy`: free text until the answer opens a call, held from there (`lazy_start`); `form` None: `CallForm()`."""
     form = form or CallForm()  # the block form's defaults

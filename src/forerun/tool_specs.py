@@ -137,10 +137,16 @@ def takes_tools(tokenizer: object) -> bool:
     return kind_of(templates(tokenizer)) is not None or probed(tokenizer) is not None
 
 
+def probed_calls(tokenizer: object) -> Written | None:
+    """How the tokenizer's chat template writes calls where that is read off a probe call (`forerun.tool_probe`):
+    None where it writes them in a form known by sight (`kind_of`), or teaches none."""
+    return None if kind_of(templates(tokenizer)) is not None else probed(tokenizer)
+
+
 def short_call_ids(tokenizer: object) -> bool:
     """Whether the tokenizer's chat template takes only 9-character call ids (Mistral's): the ids an answer's calls
     are given must then go back through it."""
-    written = None if kind_of(templates(tokenizer)) is not None else probed(tokenizer)
+    written = probed_calls(tokenizer)
     return written is not None and written.short_ids
 
 
@@ -148,7 +154,7 @@ def call_mark(tokenizer: object) -> int | None:
     """The id of the special token a probed template's calls open with (Mistral's `[TOOL_CALLS]`,
     `forerun.tool_probe`): the decoded answer drops it, so where an answer holds it its calls are read from there
     on (`forerun.tool_calls.marked_at`); None where the template's calls are known by sight or not taught."""
-    written = None if kind_of(templates(tokenizer)) is not None else probed(tokenizer)
+    written = probed_calls(tokenizer)
     ids = tokenizer(written.open, add_special_tokens=False)["input_ids"] if written is not None else []
     return ids[0] if len(ids) == 1 else None
 
@@ -218,7 +224,7 @@ def call_form(tokenizer: object, special: Callable[[int], bool], vocab: int = 0,
     special token, among the `vocab` ids (`end`: the id it reads as the answer's end)."""
     texts = templates(tokenizer)
     kind = kind_of(texts)
-    written = probed(tokenizer) if kind is None else None
+    written = probed_calls(tokenizer)
     opening, closing = (written.open, written.close) if written is not None else (OPEN, CLOSE)
     between = written.between if written is not None else ""
     marks = {
@@ -234,20 +240,19 @@ def call_form(tokenizer: object, special: Callable[[int], bool], vocab: int = 0,
     marked = {i for i, mark in own.items() if mark in (opening, closing, between, *pair)}  # a thought comes whole
     specials = token_set([i for i in range(vocab) if i not in marked and i != end and special(i)])
     if written is not None:
-        return probed_form(tokenizer, written, special, specials, thought)
+        return probed_form(written, ids, specials, thought)
     listed = any(OPEN + "[" in text for text in texts)
     term = {mark: mark if mark in own.values() else json.dumps(mark) for mark in (OPEN, CLOSE)}
     return CallForm(listed, term[OPEN], term[CLOSE], specials=specials, thought=thought)
 
 
-def probed_form(tokenizer: object, written: Written, special: Callable[[int], bool], specials: str,
-                thought: tuple[str, ...]) -> CallForm:  # fmt: skip
-    """The `CallForm` of calls read off a template's probe call (`forerun.tool_probe`): its marks are special
-    tokens of the tokenizer's own, spelt by id (such a mark may look like a set of ids: `[TOOL_CALLS]`)."""
+def probed_form(written: Written, ids: dict[str, int], specials: str, thought: tuple[str, ...]) -> CallForm:
+    """The `CallForm` of calls read off a template's probe call (`forerun.tool_probe`); `ids`: the marks llguidance
+    reads as special tokens, spelt by id (such a mark may look like a set of ids: `[TOOL_CALLS]`), the others as
+    text."""
 
     def term(mark: str) -> str:
-        ids = tokenizer(mark, add_special_tokens=False)["input_ids"] if mark else []
-        return f"<[{ids[0]}]>" if len(ids) == 1 and special(ids[0]) else json.dumps(mark) if mark else ""
+        return f"<[{ids[mark]}]>" if mark in ids else json.dumps(mark) if mark else ""
 
     kind = "named" if written.between else "blocks"
     return CallForm(written.listed, term(written.open), term(written.close), kind, written.lead, written.trail,
