@@ -118,3 +118,19 @@ MISTRAL_NAMED = (
 )
 """Shaped as the templates of Mistral's newer models (Ministral 3, Devstral 2): each call its own `[TOOL_CALLS]`,
 the function's name, `[ARGS]`, the arguments' JSON, tokens of the tokenizer's own; no call ids."""
+
+GRANITE_TOOLS = (
+    "{%- if tools -%}{{- '<|start_of_role|>available_tools<|end_of_role|>' + (tools | tojson(indent=4)) -}}"
+    "{{- '<|end_of_text|>\n' -}}{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- if message.role == 'assistant' and message.tool_calls is defined -%}"
+    "{{- '<|start_of_role|>assistant<|end_of_role|><|tool_call|>' -}}"
+    "{{- message.tool_calls | map(attribute='function') | list | tojson(indent=4) -}}{{- '<|end_of_text|>\n' -}}"
+    "{%- else -%}"
+    "{{- '<|start_of_role|>' + message.role + '<|end_of_role|>' + message.content + '<|end_of_text|>\n' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|start_of_role|>assistant<|end_of_role|>' -}}{%- endif -%}"
+)
+"""Shaped as Granite 3.1's template: calls as one JSON list after its own `<|tool_call|>` token, written back
+indented (`tojson(indent=4)`), no closing mark."""

@@ -16,7 +16,7 @@ from forerun.tool_probe import probed
 from forerun.tool_specs import check_tools, short_call_ids, takes_tools
 
 from tiny_models import byte_tokenizer
-from tool_templates import LLAMA3_JSON, MISTRAL_NAMED, MISTRAL_TOOLS, TOOLCALL_MARKS
+from tool_templates import GRANITE_TOOLS, LLAMA3_JSON, MISTRAL_NAMED, MISTRAL_TOOLS, TOOLCALL_MARKS
 
 ADD = {"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {
     "a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"],
@@ -35,7 +35,8 @@ def tokenizer_of(template: str, *marks: str):
 
 def test_a_mistral_template_is_read_off_its_probe_call():
     """Mistral's: `[TOOL_CALLS]`, a space, one list, no closing mark, only 9-character ids; a `<TOOLCALL>` pair of
-    tokens of their own: one list between them, any id."""
+    tokens of their own: one list between them, any id; Granite's `<|tool_call|>` and a list written back indented;
+    Mistral's newer name between `[TOOL_CALLS]` and `[ARGS]`."""
     written = probed(tokenizer_of(MISTRAL_TOOLS, "[TOOL_CALLS]"))
     assert (written.open, written.lead, written.close, written.listed, written.short_ids) == (
         "[TOOL_CALLS]", " ", "", True, True)  # fmt: skip
@@ -45,6 +46,8 @@ def test_a_mistral_template_is_read_off_its_probe_call():
     for tokenizer in (tokenizer_of(MISTRAL_TOOLS, "[TOOL_CALLS]"), tokenizer_of(TOOLCALL_MARKS, "<TOOLCALL>",
                                                                                 "</TOOLCALL>")):  # fmt: skip
         assert takes_tools(tokenizer)
+    written = probed(tokenizer_of(GRANITE_TOOLS, "<|start_of_role|>", "<|end_of_role|>", "<|tool_call|>"))
+    assert (written.open, written.lead, written.close, written.listed) == ("<|tool_call|>", "", "", True)  # indented
     written = probed(tokenizer_of(MISTRAL_NAMED, "[TOOL_CALLS]", "[ARGS]"))
     assert (written.open, written.between, written.close, written.listed, written.short_ids) == (
         "[TOOL_CALLS]", "[ARGS]", "", False, False)  # fmt: skip
