@@ -143,6 +143,27 @@ def probed_calls(tokenizer: object) -> Written | None:
     return None if kind_of(templates(tokenizer)) is not None else probed(tokenizer)
 
 
+def calls_taught(tokenizer: object) -> str:
+    """In words, the call format the tokenizer's chat template teaches, as `forerun serve` says it at start.
+
+    Example:
+        >>> class Tokenizer:
+        ...     chat_template = "{{ '<tool_call>' }}"
+        >>> calls_taught(Tokenizer())
+        'JSON in <tool_call> blocks'
+    """
+    kind = kind_of(templates(tokenizer))
+    if kind is not None:
+        return "JSON in <tool_call> blocks" if kind == "blocks" else "one bare JSON object (Llama 3's)"
+    written = probed(tokenizer)
+    if written is None:
+        return "none forerun reads (tools are refused)"
+    if written.between:
+        return f"{written.open}name{written.between}{{arguments}}, read off the template"
+    shape = "a JSON list" if written.listed else "JSON"
+    return f"{shape} after {written.open}{f' ... {written.close}' if written.close else ''}, read off the template"
+
+
 def short_call_ids(tokenizer: object) -> bool:
     """Whether the tokenizer's chat template takes only 9-character call ids (Mistral's): the ids an answer's calls
     are given must then go back through it."""

@@ -13,7 +13,7 @@ from forerun.structured import Grammars
 from forerun.tool_calls import ToolCall, read_calls
 from forerun.tool_grammar import calls_grammar
 from forerun.tool_probe import probed
-from forerun.tool_specs import check_tools, short_call_ids, takes_tools
+from forerun.tool_specs import calls_taught, check_tools, short_call_ids, takes_tools
 
 from tiny_models import byte_tokenizer
 from tool_templates import GRANITE_TOOLS, LLAMA3_JSON, MISTRAL_NAMED, MISTRAL_TOOLS, TOOLCALL_MARKS
@@ -51,6 +51,10 @@ def test_a_mistral_template_is_read_off_its_probe_call():
     written = probed(tokenizer_of(MISTRAL_NAMED, "[TOOL_CALLS]", "[ARGS]"))
     assert (written.open, written.between, written.close, written.listed, written.short_ids) == (
         "[TOOL_CALLS]", "[ARGS]", "", False, False)  # fmt: skip
+    assert calls_taught(tokenizer_of(MISTRAL_NAMED, "[TOOL_CALLS]", "[ARGS]")).startswith("[TOOL_CALLS]name[ARGS]")
+    assert calls_taught(tokenizer_of(TOOLCALL_MARKS, "<TOOLCALL>", "</TOOLCALL>")).startswith(
+        "a JSON list after <TOOLCALL> ... </TOOLCALL>")  # fmt: skip
+    assert calls_taught(tokenizer_of(MISTRAL_TOOLS)) == "none forerun reads (tools are refused)"
     assert short_call_ids(tokenizer_of(MISTRAL_TOOLS, "[TOOL_CALLS]"))
     assert not short_call_ids(tokenizer_of(LLAMA3_JSON)) and not short_call_ids(tokenizer_of(TOOLCALL_MARKS))
 

@@ -102,6 +102,7 @@ def serve(
     from forerun.server import ServerConfig, create_app
     from forerun.server.lifecycle import GracefulServer
     from forerun.server.protocol import guarded_h11
+    from forerun.tool_specs import calls_taught
 
     check_limits(port, max_tokens_limit, timeout, max_queue, max_batch, prefix_cache, prefill_chunk, warm_up_tokens)
     spec = run_spec(model, method, knob, device, dtype, threads, draft_model, max_tree_nodes, quantize, draft_head,
@@ -120,6 +121,7 @@ def serve(
         use_chat_template(tokenizer, template)
     with console.status("preparing the server (latency curves measured once per model, dtype and device; graphs)"):
         app = create_app(lm, tokenizer, config, draft)  # a bad cache file or knob stops here, in one line
+    console.print(f"tool calls: {calls_taught(tokenizer)}", markup=False)  # marks such as [TOOL_CALLS]
     freeze_start_up()  # the model, its tokenizer and the captured graphs: no full collection walks them again
     # On SIGTERM/SIGINT: stop accepting, give open requests 5 s, answer those left with 503 (streams: an error
     # event and [DONE]); the trie is saved after. guarded_h11: uvicorn's h11 with a deadline for request heads and
