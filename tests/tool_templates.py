@@ -134,3 +134,36 @@ GRANITE_TOOLS = (
 )
 """Shaped as Granite 3.1's template: calls as one JSON list after its own `<|tool_call|>` token, written back
 indented (`tojson(indent=4)`), no closing mark."""
+
+QWEN35_XML = (
+    "{%- if tools -%}"
+    "{{- '<|im_start|>system\n# Tools\n\n<tools>' -}}"
+    "{%- for tool in tools %}{{- '\n' + (tool | tojson) -}}{% endfor -%}"
+    "{{- '\n</tools>\n\nCall a function as:\n<tool_call>\n<function=name>\n<parameter=key>\nvalue\n</parameter>\n'"
+    " + '</function>\n</tool_call><|im_end|>\n' -}}"
+    "{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- if message.role == 'assistant' -%}"
+    "{{- '<|im_start|>assistant\n' + (message.content or '') -}}"
+    "{%- for call in message.tool_calls or [] -%}"
+    "{%- set call = call.function if call.function is defined else call -%}"
+    "{{- ('\n' if not loop.first or (message.content or '') | trim else '') + '<tool_call>\n<function=' -}}"
+    "{{- call.name + '>\n' -}}"
+    "{%- for key, value in call.arguments | items -%}"
+    "{{- '<parameter=' + key + '>\n' -}}"
+    "{{- value | tojson if value is mapping or (value is sequence and value is not string) else value | string -}}"
+    "{{- '\n</parameter>\n' -}}"
+    "{%- endfor -%}"
+    "{{- '</function>\n</tool_call>' -}}"
+    "{%- endfor -%}"
+    "{{- '<|im_end|>\n' -}}"
+    "{%- elif message.role == 'tool' -%}"
+    "{{- '<|im_start|>user\n<tool_response>\n' + message.content + '\n</tool_response><|im_end|>\n' -}}"
+    "{%- else -%}"
+    "{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}"
+)
+"""Shaped as Qwen3.5's (and Qwen3-Coder's) template: each call XML in its own `<tool_call>` block, `<function=name>`
+and a `<parameter=key>` element per argument, a string's value as it is, an object or a list as JSON."""

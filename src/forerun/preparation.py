@@ -33,7 +33,7 @@ from forerun.stopping import Cancelled, StopStrings, first_stop
 from forerun.structured import Constraint, Grammars
 from forerun.text import complete
 from forerun.tool_calls import marked_at, read_calls
-from forerun.tool_specs import call_mark, names_of
+from forerun.tool_specs import call_mark, parameters_of
 
 
 def eos_ids_of(model: torch.nn.Module, eos_token_id: int | Sequence[int] | None) -> frozenset[int]:
@@ -192,7 +192,7 @@ def finished_result(tokenizer, prepared: Prepared, stats: GenerationStats) -> Ge
     if text is not None and prepared.request.shown_tools:
         at = marked_at(tokenizer, new, call_mark(tokenizer))  # Mistral's mark, after a thought or words
         shown = text if stop_at is None else text[:stop_at]
-        calls = read_calls(shown, names_of(prepared.request.shown_tools), at)[1]
+        calls = read_calls(shown, parameters_of(prepared.request.shown_tools), at)[1]
         reason = "tool_calls" if calls and reason == "stop" else reason
     return GenerationResult(
         sequences,

@@ -48,6 +48,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from forerun.tool_specs import CLOSE, OPEN
+from forerun.tool_xml import xml_call
 
 REPLACEMENT = "\ufffd"
 """What a character cut between tokens decodes to."""
@@ -102,6 +103,8 @@ def read_calls(
     end = 0
     for match in BLOCK.finditer(text):
         found = calls_in(match.group(1))
+        if found is None and (xml := xml_call(match.group(1), names)) is not None:  # Qwen3.5's XML
+            found = [ToolCall(xml[0], json.dumps(xml[1], ensure_ascii=False))]
         if found is None and match.group(0).endswith(CLOSE):
             return text, ()
         kept.append(text[end : match.start()] if found is not None else text[end : match.end()])

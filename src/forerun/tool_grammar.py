@@ -17,6 +17,7 @@ import json
 from collections.abc import Sequence
 
 from forerun.tool_specs import CallForm
+from forerun.tool_xml import xml_rules
 
 
 def calls_grammar(
@@ -41,6 +42,9 @@ def calls_grammar(
             "named" + (f" ({form.open} named)*" if several else ""),
             f"{named_rules(tools, name, form)}\n{call}",
         )
+    elif form.kind == "xml":  # a call's XML a block, one block a line
+        rest = f'"\\n" xcall "\\n" {form.close}' + (' ("\\n" block)*' if several else "")
+        rules = f'block: {form.open} "\\n" xcall "\\n" {form.close}\n{xml_rules(tools, name)}\n{call}'
     elif form.listed:  # one list in one block
         calls = 'call (", " call)*' if several else "call"
         rest, rules = f'{lead}"[" {calls} "]" {trail}{form.close}', call
@@ -74,7 +78,7 @@ def lazy_start(form: CallForm, rest: str, several: bool) -> tuple[str, str]:
     starts = ["free?", f'{bare} | "```json\\n" {bare} "\\n```"']
     not_json, text = r"~/(?s:\s*(\{|```json).*)/", "/(?s:.+)/"  # free text does not begin as JSON
     first, plain, opened = [text, not_json], [text], ""
-    if form.kind == "blocks" and form.open.startswith('"'):  # the mark as text: free up to its first appearance
+    if form.kind in ("blocks", "xml") and form.open.startswith('"'):  # the mark as text: free up to where it is
         mark = regex_escaped(json.loads(form.open))
         first.append(f"~/(?s:.*{mark}.*)/")
         plain.append(f"~/(?s:.*{mark}.*)/")

@@ -130,6 +130,12 @@ def names_of(tools: Sequence[dict]) -> frozenset[str]:
     return frozenset(tool["function"]["name"] for tool in tools)
 
 
+def parameters_of(tools: Sequence[dict]) -> dict[str, dict]:
+    """The parameters' schema of each of checked `tools`, by function name: the names of the tools a call may
+    name, and the types its arguments are read as where they are written as text (`forerun.tool_xml`)."""
+    return {tool["function"]["name"]: tool["function"].get("parameters") or {} for tool in tools}
+
+
 def takes_tools(tokenizer: object) -> bool:
     """Whether the tokenizer's chat template (any of its named ones) teaches a call format forerun reads: one it
     knows by sight (`kind_of`), or JSON calls after a special token of the tokenizer's own, read off what the
@@ -154,7 +160,9 @@ def calls_taught(tokenizer: object) -> str:
     """
     kind = kind_of(templates(tokenizer))
     if kind is not None:
-        return "JSON in <tool_call> blocks" if kind == "blocks" else "one bare JSON object (Llama 3's)"
+        return {"xml": "XML in <tool_call> blocks (Qwen3.5's)", "blocks": "JSON in <tool_call> blocks"}.get(
+            kind, "one bare JSON object (Llama 3's)"
+        )
     written = probed(tokenizer)
     if written is None:
         return "none forerun reads (tools are refused)"
@@ -181,8 +189,11 @@ def call_mark(tokenizer: object) -> int | None:
 
 
 def kind_of(texts: Sequence[str]) -> str | None:
-    """The call format chat templates `texts` teach: "blocks" (they write `<tool_call>`), "json" (Llama 3's bare
-    object: they write `"parameters": ` and take `tools`), or None (another, or none)."""
+    """The call format chat templates `texts` teach: "xml" (they write `<tool_call>` and `<function=`: Qwen3.5's,
+    Qwen3-Coder's), "blocks" (`<tool_call>`), "json" (Llama 3's bare object: they write `"parameters": ` and take
+    `tools`), or None (another, or none)."""
+    if any(OPEN in text and "<function=" in text for text in texts):
+        return "xml"
     if any(OPEN in text for text in texts):
         return "blocks"
     if any(PARAMETERS in text and "tools" in text for text in texts):
@@ -198,9 +209,10 @@ class CallForm:
     block (Hermes, Qwen); `open` and `close` spell the block's marks for the grammar: as text (`"<tool_call>"`), or
     as the one token of their own a tokenizer gives them (`<tool_call>`: Qwen's, which llguidance reads as a special
     token, never as its text); or marks read off the template's probe call (`forerun.tool_probe`), special tokens
-    spelt by id (`<[9]>`: Mistral's `[TOOL_CALLS]`, whose brackets would read as a set of ids). `kind` "json": one
-    bare JSON object, its arguments under "parameters" (Llama 3's templates show one call per assistant message,
-    and refuse more)."""
+    spelt by id (`<[9]>`: Mistral's `[TOOL_CALLS]`, whose brackets would read as a set of ids). `kind` "xml": such
+    blocks, each holding one call as XML (`forerun.tool_xml`: Qwen3.5's). `kind` "named": a call's name between
+    two marks before its arguments. `kind` "json": one bare JSON object, its arguments under "parameters" (Llama
+    3's templates show one call per assistant message, and refuse more)."""
 
     listed: bool = False
     open: str = json.dumps(OPEN)
@@ -264,7 +276,7 @@ def call_form(tokenizer: object, special: Callable[[int], bool], vocab: int = 0,
         return probed_form(written, ids, specials, thought)
     listed = any(OPEN + "[" in text for text in texts)
     term = {mark: mark if mark in own.values() else json.dumps(mark) for mark in (OPEN, CLOSE)}
-    return CallForm(listed, term[OPEN], term[CLOSE], specials=specials, thought=thought)
+    return CallForm(listed, term[OPEN], term[CLOSE], kind, specials=specials, thought=thought)
 
 
 def probed_form(written: Written, ids: dict[str, int], specials: str, thought: tuple[str, ...]) -> CallForm:

@@ -11,10 +11,10 @@ from transformers import LogitsProcessorList
 import forerun
 from forerun.costmodel import LatencyCurve
 from forerun.tool_calls import read_calls
-from forerun.tool_specs import shipped_template
+from forerun.tool_specs import parameters_of, shipped_template
 
 from tiny_models import byte_tokenizer, tiny_model
-from tool_templates import LLAMA3_JSON, MISTRAL_NAMED, MISTRAL_TOOLS
+from tool_templates import LLAMA3_JSON, MISTRAL_NAMED, MISTRAL_TOOLS, QWEN35_XML
 
 CURVE = LatencyCurve((1, 8, 32), (1.0, 1.1, 1.5))
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -41,8 +41,8 @@ def tokenizer():
     return tokenizer
 
 
-def model_of(family: str, attention: str, tokenizer, context: int = 1024) -> torch.nn.Module:
-    model = tiny_model(family, attention, vocab_size=len(tokenizer), max_position_embeddings=context)  # byte tokens
+def model_of(family: str, attention: str, tokenizer, context: int = 1024, seed: int = 0) -> torch.nn.Module:
+    model = tiny_model(family, attention, seed, vocab_size=len(tokenizer), max_position_embeddings=context)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     return model
 
@@ -91,17 +91,33 @@ def test_calls_after_a_special_token_are_written_as_generate_writes_them_free_or
     every_method_writes_generates_text(model_of("llama", attention, tokenizer, 2048), tokenizer, ("plain", "auto"))
 
 
-def every_method_writes_generates_text(model, tokenizer, methods: tuple[str, ...]) -> None:
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_xml_calls_are_written_as_generate_writes_them_free_or_held(attention):
+    """The same with a template teaching Qwen3.5's XML calls: a required call is held to `<function=...>` and a
+    `<parameter=...>` per argument, each value to its type, and read back typed."""
+    tokenizer = byte_tokenizer()
+    tokenizer.chat_template = QWEN35_XML
+    model = model_of("llama", attention, tokenizer, 2048, seed=1)  # seed 0 meets a 5-ulp tie batched (fp32's ties)
+    # an XML string's value is any text up to its closing tag (no length held): a random model's city would run on
+    city = {"type": "string", "enum": ["Oslo", "Paris"]}
+    weather = {"type": "function", "function": {**WEATHER["function"], "parameters": {
+        **WEATHER["function"]["parameters"], "properties": {"city": city}}}}  # fmt: skip
+    choices = {kind: ([weather, ADD] if tools[0] is WEATHER else tools, choice) for kind, (tools, choice) in
+               CHOICES.items()}  # fmt: skip
+    every_method_writes_generates_text(model, tokenizer, ("plain", "auto"), choices)
+
+
+def every_method_writes_generates_text(model, tokenizer, methods: tuple[str, ...], choices: dict = CHOICES) -> None:
     reference = forerun.Decoder(model, tokenizer, "plain", latency=CURVE)
     wanted = {kind: [expected(model, reference, tokenizer, m, *choice) for m in MESSAGES]
-              for kind, choice in CHOICES.items()}  # fmt: skip
+              for kind, choice in choices.items()}  # fmt: skip
     assert not torch.equal(wanted["auto"][0], wanted["required"][0])
-    free = expected(model, reference, tokenizer, MESSAGES[0], *CHOICES["strict"], held=False)
+    free = expected(model, reference, tokenizer, MESSAGES[0], *choices["strict"], held=False)
     assert not torch.equal(free, wanted["strict"][0])  # strict holds these texts: a random model's bytes are not UTF-8
     held_calls = 0
     for method in methods:
         decoder = forerun.Decoder(model, tokenizer, method, latency=CURVE)
-        for kind, (tools, choice) in CHOICES.items():
+        for kind, (tools, choice) in choices.items():
             options = {"tools": tools, "tool_choice": choice, "parallel_tool_calls": False}
             alone = decoder.generate(MESSAGES[0], NEW, **options)
             assert torch.equal(alone.sequences, wanted[kind][0]), (method, kind)
@@ -109,7 +125,7 @@ def every_method_writes_generates_text(model, tokenizer, methods: tuple[str, ...
             for row, want in zip(batch, wanted[kind], strict=True):
                 assert torch.equal(row.sequences, want), (method, kind, "batched")
             for result in (alone, *batch):
-                assert result.tool_calls == read_calls(result.text, {"get_weather", "add"})[1]
+                assert result.tool_calls == read_calls(result.text, parameters_of(tools))[1]
                 if kind in ("required", "named") and result.finish_reason != "length":  # held: one call, whole
                     assert result.finish_reason == "tool_calls" and len(result.tool_calls) == 1, result.text
                     held_calls += 1

@@ -47,7 +47,7 @@ from forerun.server.shaping import (
 )
 from forerun.server.stream import Calls, TokenStream, deltas, started, targets_of
 from forerun.server.translate import APIError, GenerationArgs, Limits, translate
-from forerun.tool_specs import call_mark, names_of, short_call_ids, takes_tools
+from forerun.tool_specs import call_mark, parameters_of, short_call_ids, takes_tools
 
 logger = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ class Service:
             echoes = [echo for echo, results in done for _ in results]
             return completion(answer, results, decoder.method, self.tokenizer, echoes, prompt_counts(done))
         loop, logprobs = asyncio.get_running_loop(), args.logprobs is not None
-        tools = names_of(args.tools) if args.tools and args.tool_choice != "none" else None
+        tools = parameters_of(args.tools) if args.tools and args.tool_choice != "none" else None
         streams = [
             [
                 TokenStream(self.tokenizer, loop, args.stop, logprobs, tools, self.limits.call_mark)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 
 from forerun.logprobs import entries_before
@@ -43,12 +43,13 @@ class TokenStream:
         loop: asyncio.AbstractEventLoop,
         stops: list[str],
         logprobs: bool = False,
-        tools: frozenset[str] | None = None,
+        tools: Mapping[str, dict] | frozenset[str] | None = None,
         mark: int | None = None,
     ) -> None:
         self.loop, self.tokenizer = loop, tokenizer
         self.tools = tools
-        """The names of the tools offered (None: none; their calls are read out of the answer)."""
+        """The tools offered, their names (or their parameters' schemas by name, which type an XML call's values;
+        None: none; their calls are read out of the answer)."""
         self.mark, self.calls_at = mark, None
         """The special token a probed template's calls open with (`forerun.tool_specs.call_mark`), and where in the
         text it stood once the answer holds it (`forerun.tool_calls.marked_at`): the decoded text drops it."""

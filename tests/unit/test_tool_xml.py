@@ -1,0 +1,75 @@
+"""Calls as Qwen3.5's template teaches them: XML in `<tool_call>` blocks (`forerun.tool_xml`): the template known by
+sight, a call read back with its values typed by the function's schema, a required call held to that XML."""
+
+from __future__ import annotations
+
+import pytest
+
+from forerun.structured import Grammars
+from forerun.tool_calls import ToolCall, read_calls
+from forerun.tool_grammar import calls_grammar
+from forerun.tool_specs import calls_taught, check_tools, kind_of, parameters_of
+
+from tiny_models import byte_tokenizer
+from tool_templates import QWEN35_XML
+
+ADD = {"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {
+    "a": {"type": "integer"}, "b": {"type": "number"}, "note": {"type": "string"}, "exact": {"type": "boolean"},
+    "unit": {"enum": ["kg", "lb"]}, "tags": {"type": "array", "items": {"type": "string"}}},
+    "required": ["a", "b"], "additionalProperties": False}}}  # fmt: skip
+NOW = {"type": "function", "function": {"name": "now"}}
+TOOLS = check_tools([ADD, NOW])
+
+
+def xml(name: str, **arguments: str) -> str:
+    parameters = "".join(f"<parameter={key}>\n{value}\n</parameter>\n" for key, value in arguments.items())
+    return f"<tool_call>\n<function={name}>\n{parameters}</function>\n</tool_call>"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    tokenizer = byte_tokenizer()
+    tokenizer.chat_template = QWEN35_XML
+    return tokenizer
+
+
+def test_the_template_is_known_and_what_it_writes_of_a_call_reads_back_typed(tokenizer):
+    assert kind_of([QWEN35_XML]) == "xml" and calls_taught(tokenizer).startswith("XML in <tool_call> blocks")
+    made = [{"type": "function", "function": {"name": "add", "arguments": {"a": 7, "b": 2.5, "note": "x < y\n42",
+             "exact": True, "tags": ["p", "q"]}}}]  # fmt: skip
+    messages = [{"role": "user", "content": "Add."}, {"role": "assistant", "content": "", "tool_calls": made}]
+    text = tokenizer.apply_chat_template(messages, tools=TOOLS, tokenize=False).split("<|im_start|>assistant\n")[1]
+    answer = text.removesuffix("<|im_end|>\n")
+    arguments = '{"a": 7, "b": 2.5, "note": "x < y\\n42", "exact": true, "tags": ["p", "q"]}'
+    assert read_calls(answer, parameters_of(TOOLS)) == (None, (ToolCall("add", arguments),))
+    # a string parameter keeps digits as text; untyped, JSON where it reads so
+    assert read_calls(xml("add", a="1", b="2", note="42"), parameters_of(TOOLS))[1][0].arguments == (
+        '{"a": 1, "b": 2, "note": "42"}')  # fmt: skip
+    assert read_calls("Sure.\n" + xml("now"), {"now"}) == ("Sure.", (ToolCall("now", "{}"),))
+    for broken in ("<tool_call>\n<function=add>\n<parameter=a>\n1\n</function>\n</tool_call>",
+                   "<tool_call>\n<function=add>\nstray\n</function>\n</tool_call>"):  # fmt: skip
+        assert read_calls(broken, parameters_of(TOOLS)) == (broken, ())
+
+
+def test_a_required_call_is_held_to_the_xml_and_each_parameters_type(tokenizer):
+    from llguidance import LLMatcher
+
+    grammars = Grammars(tokenizer, len(tokenizer), tokenizer.eos_token_id)
+    form = grammars.call_form()
+    assert form.kind == "xml"
+
+    def accepts(text: str, name: str | None = None, parallel: bool = True, lazy: bool = False) -> bool:
+        grammar = LLMatcher.grammar_from_lark(calls_grammar(TOOLS, name, parallel, form, lazy))
+        matcher = LLMatcher(grammars.tokens(), grammar, log_level=0)
+        assert not matcher.is_error(), matcher.get_error()
+        return matcher.consume_tokens(tokenizer.encode(text, add_special_tokens=False)) and matcher.is_accepting()
+
+    good = xml("add", a="1", b="2.5", note="a </parameter b\nc", exact="true", unit="kg", tags='["x"]')
+    assert accepts(good) and accepts(xml("add", a="-3", b="0")) and accepts(xml("now"), "now")
+    assert accepts(good + "\n" + xml("now")) and not accepts(good + "\n" + xml("now"), parallel=False)
+    for text in (xml("add", a="1.5", b="2"), xml("add", b="2"), xml("add", b="2", a="1"), xml("add", a="1", b="x"),
+                 xml("add", a="1", b="2", unit="g"), xml("add", a="1", b="2", exact="yes"), xml("sub", a="1"),
+                 '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>', "Sure. " + xml("now")):  # fmt: skip
+        assert not accepts(text), text
+    assert accepts("It is 3.", lazy=True) and accepts("Let me add.\n" + good, lazy=True)
+    assert not accepts("Let me add.\n" + xml("add", a="x", b="2"), lazy=True)
