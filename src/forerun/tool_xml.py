@@ -73,14 +73,18 @@ def xml_rules(tools: Sequence[dict], name: str | None) -> str:
     chosen = [tool["function"] for tool in tools if name is None or tool["function"]["name"] == name]
     calls, rules = [], []
     for i, function in enumerate(chosen):
+        opening = json.dumps(f"{FUNCTION}{function['name']}>\n")
+        if "parameters" not in function:  # any arguments (a function not strict, beside strict ones)
+            rules.append(f"any{i}[stop={json.dumps(END)}]: /(?s:.*)/")
+            calls.append(f'{opening} ("<parameter=" /[^>\\n]{{1,256}}/ ">\\n" any{i})* "</function>"')
+            continue
         schema = function.get("parameters") or {}
         required = set(schema.get("required", []))
         items = []
         for j, (key, prop) in enumerate((schema.get("properties") or {}).items()):
-            opening = json.dumps(f"<parameter={key}>\n", ensure_ascii=False)
-            rules.append(f"p{i}_{j}: {opening} {value_rule(f'v{i}_{j}', prop, rules)}")
+            tag = json.dumps(f"<parameter={key}>\n", ensure_ascii=False)
+            rules.append(f"p{i}_{j}: {tag} {value_rule(f'v{i}_{j}', prop, rules)}")
             items.append(f"p{i}_{j}" + ("" if key in required else "?"))
-        opening = json.dumps(f"{FUNCTION}{function['name']}>\n")
         calls.append(f'{opening} {" ".join(items)} "</function>"')
     return "\n".join([f"xcall: {' | '.join(calls)}", *rules])
 

@@ -73,3 +73,21 @@ def test_a_required_call_is_held_to_the_xml_and_each_parameters_type(tokenizer):
         assert not accepts(text), text
     assert accepts("It is 3.", lazy=True) and accepts("Let me add.\n" + good, lazy=True)
     assert not accepts("Let me add.\n" + xml("add", a="x", b="2"), lazy=True)
+
+
+def test_under_strict_a_function_not_strict_takes_any_parameters_and_a_strict_one_its_own(tokenizer):
+    from llguidance import LLMatcher
+
+    from forerun.tool_specs import strictly_held
+
+    grammars = Grammars(tokenizer, len(tokenizer), tokenizer.eos_token_id)
+    strict = check_tools([{"type": "function", "function": {**ADD["function"], "strict": True}}, NOW])
+    lark = calls_grammar(strictly_held(strict), None, True, grammars.call_form(), lazy=True)
+
+    def accepts(text: str) -> bool:
+        matcher = LLMatcher(grammars.tokens(), LLMatcher.grammar_from_lark(lark), log_level=0)
+        assert not matcher.is_error(), matcher.get_error()
+        return matcher.consume_tokens(tokenizer.encode(text, add_special_tokens=False)) and matcher.is_accepting()
+
+    assert accepts(xml("now", anything="goes\nhere", more="1")) and accepts(xml("add", a="1", b="2"))
+    assert not accepts(xml("add", a="x", b="2")) and not accepts(xml("add", b="2"))
