@@ -55,6 +55,9 @@ def calls_grammar(
         body, lexemes = lazy_start(form, rest, several)
     else:
         body, lexemes = ("call" if form.kind == "json" else f"{form.open} {rest}"), ""
+    if form.opened:  # the prompt opened a thought: the answer closes it first (or, free, may think to its end)
+        start = f"closing ({body})" + (" | THOUGHT" if lazy else "")
+        return f"start: {start}\n{thought_rules(form)}\n{lexemes}{rules}\n"
     if form.thinks:  # a thought first, free, as a reasoning model writes one
         return f"start: thinking? ({body})\n{thought_rules(form)}\n{lexemes}{rules}\n"
     return f"start: {body}\n{lexemes}{rules}\n"
@@ -64,7 +67,8 @@ def thought_rules(form: CallForm) -> str:
     """A reasoning model's thought before its answer: free text between its own marks (`<think>` and `</think>`,
     or `[THINK]` and `[/THINK]`), then maybe whitespace."""
     opening, closing = form.thought
-    return f"thinking: {opening} THOUGHT? {closing} BREAK?\nTHOUGHT: /(?s:.+)/\nBREAK: /\\s+/"
+    return (f"thinking: {opening} closing\nclosing: THOUGHT? {closing} BREAK?\nTHOUGHT: /(?s:.+)/\n"
+            "BREAK: /\\s+/")  # fmt: skip
 
 
 def lazy_start(form: CallForm, rest: str, several: bool) -> tuple[str, str]:

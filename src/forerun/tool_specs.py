@@ -32,7 +32,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from forerun.checks import MAX_DEPTH, check_text, nesting
@@ -240,6 +240,10 @@ class CallForm:
         """The key a call's arguments are written under."""
         return self.key or ("parameters" if self.kind == "json" else "arguments")
 
+    opened: bool = False
+    """Whether the generation prompt opens the thought itself (Qwen3.5's ends in `<think>\\n`): the answer then
+    begins inside it, and closes it before its calls."""
+
     @property
     def thinks(self) -> bool:
         """Whether a thought may come first (`thought`)."""
@@ -268,15 +272,26 @@ def call_form(tokenizer: object, special: Callable[[int], bool], vocab: int = 0,
     ids = {mark: i for i, mark in own.items()}
     pair = next((pair for pair in THOUGHTS if all(mark in ids for mark in pair)), ())
     thought = tuple(f"<[{ids[mark]}]>" for mark in pair)
+    opened = bool(pair) and opens_thought(tokenizer, pair[0])
     if kind == "json":
-        return CallForm(open="", close="", kind="json", thought=thought)  # no marks
+        return CallForm(open="", close="", kind="json", thought=thought, opened=opened)  # no marks
     marked = {i for i, mark in own.items() if mark in (opening, closing, between, *pair)}  # a thought comes whole
     specials = token_set([i for i in range(vocab) if i not in marked and i != end and special(i)])
     if written is not None:
-        return probed_form(written, ids, specials, thought)
+        return replace(probed_form(written, ids, specials, thought), opened=opened)
     listed = any(OPEN + "[" in text for text in texts)
     term = {mark: mark if mark in own.values() else json.dumps(mark) for mark in (OPEN, CLOSE)}
-    return CallForm(listed, term[OPEN], term[CLOSE], kind, specials=specials, thought=thought)
+    return CallForm(listed, term[OPEN], term[CLOSE], kind, specials=specials, thought=thought, opened=opened)
+
+
+def opens_thought(tokenizer: object, mark: str) -> bool:
+    """Whether the chat template's generation prompt ends in the thought's opening `mark` (and whitespace)."""
+    try:
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True,
+                                               tokenize=False)  # fmt: skip
+    except Exception:  # the template's own refusals: no thought opened
+        return False
+    return isinstance(prompt, str) and prompt.rstrip().endswith(mark)
 
 
 def probed_form(written: Written, ids: dict[str, int], specials: str, thought: tuple[str, ...]) -> CallForm:

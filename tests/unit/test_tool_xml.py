@@ -91,3 +91,36 @@ def test_under_strict_a_function_not_strict_takes_any_parameters_and_a_strict_on
 
     assert accepts(xml("now", anything="goes\nhere", more="1")) and accepts(xml("add", a="1", b="2"))
     assert not accepts(xml("add", a="x", b="2")) and not accepts(xml("add", b="2"))
+
+
+def test_where_the_prompt_opens_a_thought_the_answer_closes_it_before_its_calls():
+    """Qwen3.5's generation prompt ends in `<think>`: a required call follows the rest of the thought and its
+    `</think>` (a call inside the thought is none), and under strict the free answer may close its thought too (it
+    was masked out of free text) or think to its end."""
+    from llguidance import LLMatcher
+
+    tokenizer = byte_tokenizer()
+    tokenizer.add_tokens(["<think>", "</think>"])  # tokens of their own, as Qwen's
+    ending = "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}"
+    assert ending in QWEN35_XML
+    tokenizer.chat_template = QWEN35_XML.replace(ending, ending.replace("assistant\n", "assistant\n<think>\n"))
+    grammars = Grammars(tokenizer, len(tokenizer), tokenizer.eos_token_id)
+    form = grammars.call_form()
+    assert form.thinks and form.opened
+
+    def accepts(text: str, lazy: bool = False) -> bool:
+        grammar = LLMatcher.grammar_from_lark(calls_grammar(TOOLS, None, True, form, lazy))
+        matcher = LLMatcher(grammars.tokens(), grammar, log_level=0)
+        assert not matcher.is_error(), matcher.get_error()
+        return matcher.consume_tokens(tokenizer.encode(text, add_special_tokens=False)) and matcher.is_accepting()
+
+    call = xml("now")
+    assert accepts("The clock.\n</think>\n\n" + call) and accepts("</think>" + call)
+    assert not accepts(call) and not accepts("<think>Again.</think>" + call) and not accepts("The clock." + call)
+    assert accepts("Easy.\n</think>\n\nIt is 3.", lazy=True) and accepts("Easy.</think>\n\n" + call, lazy=True)
+    assert accepts("Still thinking, never done", lazy=True)
+    assert not accepts("Easy.</think>\n\n" + xml("add", a="x", b="1"), lazy=True)
+    plain = byte_tokenizer()
+    plain.add_tokens(["<think>", "</think>"])
+    plain.chat_template = QWEN35_XML
+    assert not Grammars(plain, len(plain), plain.eos_token_id).call_form().opened
