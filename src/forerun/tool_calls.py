@@ -47,11 +47,10 @@ import uuid
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
+from forerun.text import complete
 from forerun.tool_specs import CLOSE, OPEN
 from forerun.tool_xml import xml_call
 
-REPLACEMENT = "\ufffd"
-"""What a character cut between tokens decodes to."""
 FENCE = "```json"
 """How a Markdown fence of JSON opens."""
 APART = re.compile(r"\s*;?\s*")
@@ -120,7 +119,7 @@ def marked_at(tokenizer, ids: Sequence[int], mark: int | None) -> int | None:
     if mark is None or mark not in ids:
         return None
     before = list(ids[: list(ids).index(mark)])
-    return len(tokenizer.decode(before, skip_special_tokens=True).rstrip(REPLACEMENT))
+    return len(complete(tokenizer.decode(before, skip_special_tokens=True)))
 
 
 def calls_in(body: str) -> list[ToolCall] | None:

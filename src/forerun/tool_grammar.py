@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
-from forerun.tool_specs import CallForm
+from forerun.tool_specs import CallForm, functions_of
 from forerun.tool_xml import xml_rules
 
 
@@ -42,24 +42,22 @@ def calls_grammar(
             "named" + (f" ({form.open} named)*" if several else ""),
             f"{named_rules(tools, name, form)}\n{call}",
         )
-    elif form.kind == "xml":  # a call's XML a block, one block a line
-        rest = f'"\\n" xcall "\\n" {form.close}' + (' ("\\n" block)*' if several else "")
-        rules = f'block: {form.open} "\\n" xcall "\\n" {form.close}\n{xml_rules(tools, name)}\n{call}'
     elif form.listed:  # one list in one block
         calls = 'call (", " call)*' if several else "call"
         rest, rules = f'{lead}"[" {calls} "]" {trail}{form.close}', call
-    else:  # an object a block, one block a line
-        rest = f"{lead}call {trail}{form.close}" + (' ("\\n" block)*' if several else "")
-        rules = f"block: {form.open} {lead}call {trail}{form.close}\n{call}"
+    else:  # a call a block (its JSON, or its XML: Qwen3.5's), one block a line
+        one = "xcall" if form.kind == "xml" else "call"
+        rest = f"{lead}{one} {trail}{form.close}" + (' ("\\n" block)*' if several else "")
+        rules = f"block: {form.open} {lead}{one} {trail}{form.close}\n{call}"
+        rules += f"\n{xml_rules(tools, name)}" if form.kind == "xml" else ""
     if lazy:
         body, lexemes = lazy_start(form, rest, several)
     else:
         body, lexemes = ("call" if form.kind == "json" else f"{form.open} {rest}"), ""
-    if form.opened:  # the prompt opened a thought: the answer closes it first (or, free, may think to its end)
-        start = f"closing ({body})" + (" | THOUGHT" if lazy else "")
+    if form.thinks:  # a thought first, free, as a reasoning model writes one; one the prompt opened closes first
+        # (or, free, goes on to the answer's end)
+        start = (f"closing ({body})" + (" | THOUGHT" if lazy else "")) if form.opened else f"thinking? ({body})"
         return f"start: {start}\n{thought_rules(form)}\n{lexemes}{rules}\n"
-    if form.thinks:  # a thought first, free, as a reasoning model writes one
-        return f"start: thinking? ({body})\n{thought_rules(form)}\n{lexemes}{rules}\n"
     return f"start: {body}\n{lexemes}{rules}\n"
 
 
@@ -113,7 +111,7 @@ the answer's end."""
 def named_rules(tools: Sequence[dict], name: str | None, form: CallForm) -> str:
     """The rules of one call in the "named" form: a function's name (`name`'s, or any of `tools`'), the mark
     between, its arguments held to its parameters."""
-    chosen = [tool["function"] for tool in tools if name is None or tool["function"]["name"] == name]
+    chosen = functions_of(tools, name)
     rules = [
         "named: " + " | ".join(f"{json.dumps(f['name'])} {form.between} arguments{i}" for i, f in enumerate(chosen))
     ]
@@ -125,7 +123,7 @@ def named_rules(tools: Sequence[dict], name: str | None, form: CallForm) -> str:
 
 def call_schema(tools: Sequence[dict], name: str | None, form: CallForm) -> dict:
     """The JSON schema of one call of function `name` (None: of any of `tools`), in `form`'s keys."""
-    chosen = [tool["function"] for tool in tools if name is None or tool["function"]["name"] == name]
+    chosen = functions_of(tools, name)
     schemas = [
         {
             "type": "object",

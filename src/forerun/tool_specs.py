@@ -45,6 +45,8 @@ NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 MODES = ("none", "auto", "required")
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 """What the block format's calls are written between."""
+FUNCTION = "<function="
+"""What a chat template teaching XML calls writes (Qwen3.5's, Qwen3-Coder's: `forerun.tool_xml`)."""
 THOUGHTS = (("<think>", "</think>"), ("[THINK]", "[/THINK]"))
 """What a reasoning model's thought is written between: Qwen3's marks, Mistral's (Magistral, Ministral 3
 Reasoning)."""
@@ -130,6 +132,11 @@ def names_of(tools: Sequence[dict]) -> frozenset[str]:
     return frozenset(tool["function"]["name"] for tool in tools)
 
 
+def functions_of(tools: Sequence[dict], name: str | None) -> list[dict]:
+    """The function objects of checked `tools`: the one named `name`, or all (None)."""
+    return [tool["function"] for tool in tools if name is None or tool["function"]["name"] == name]
+
+
 def parameters_of(tools: Sequence[dict]) -> dict[str, dict]:
     """The parameters' schema of each of checked `tools`, by function name: the names of the tools a call may
     name, and the types its arguments are read as where they are written as text (`forerun.tool_xml`)."""
@@ -192,7 +199,7 @@ def kind_of(texts: Sequence[str]) -> str | None:
     """The call format chat templates `texts` teach: "xml" (they write `<tool_call>` and `<function=`: Qwen3.5's,
     Qwen3-Coder's), "blocks" (`<tool_call>`), "json" (Llama 3's bare object: they write `"parameters": ` and take
     `tools`), or None (another, or none)."""
-    if any(OPEN in text and "<function=" in text for text in texts):
+    if any(OPEN in text and FUNCTION in text for text in texts):
         return "xml"
     if any(OPEN in text for text in texts):
         return "blocks"
@@ -268,19 +275,18 @@ def call_form(tokenizer: object, special: Callable[[int], bool], vocab: int = 0,
         mark: tokenizer(mark, add_special_tokens=False)["input_ids"]
         for mark in (opening, closing, between, *THOUGHTS[0], *THOUGHTS[1])
     }
-    own = {ids[0]: mark for mark, ids in marks.items() if mark and len(ids) == 1 and special(ids[0])}
-    ids = {mark: i for i, mark in own.items()}
+    ids = {mark: found[0] for mark, found in marks.items() if mark and len(found) == 1 and special(found[0])}
     pair = next((pair for pair in THOUGHTS if all(mark in ids for mark in pair)), ())
     thought = tuple(f"<[{ids[mark]}]>" for mark in pair)
     opened = bool(pair) and opens_thought(tokenizer, pair[0])
     if kind == "json":
         return CallForm(open="", close="", kind="json", thought=thought, opened=opened)  # no marks
-    marked = {i for i, mark in own.items() if mark in (opening, closing, between, *pair)}  # a thought comes whole
+    marked = {ids[mark] for mark in (opening, closing, between, *pair) if mark in ids}  # a thought comes whole
     specials = token_set([i for i in range(vocab) if i not in marked and i != end and special(i)])
     if written is not None:
         return replace(probed_form(written, ids, specials, thought), opened=opened)
-    listed = any(OPEN + "[" in text for text in texts)
-    term = {mark: mark if mark in own.values() else json.dumps(mark) for mark in (OPEN, CLOSE)}
+    listed = kind == "blocks" and any(OPEN + "[" in text for text in texts)
+    term = {mark: mark if mark in ids else json.dumps(mark) for mark in (OPEN, CLOSE)}
     return CallForm(listed, term[OPEN], term[CLOSE], kind, specials=specials, thought=thought, opened=opened)
 
 

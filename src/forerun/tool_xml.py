@@ -25,8 +25,8 @@ import json
 import re
 from collections.abc import Collection, Mapping, Sequence
 
-FUNCTION = "<function="
-"""What a chat template teaching XML calls writes (Qwen3.5's, Qwen3-Coder's)."""
+from forerun.tool_specs import FUNCTION, functions_of
+
 CALL = re.compile(r"\s*<function=([A-Za-z0-9_-]{1,64})>\n(.*?)</function>\s*", re.S)
 PARAMETER = re.compile(r"<parameter=([^>\n]{1,256})>\n(.*?)\n</parameter>\n?", re.S)
 
@@ -70,9 +70,8 @@ def typed(value: str, schema: object) -> object:
 def xml_rules(tools: Sequence[dict], name: str | None) -> str:
     """The grammar of one XML call (`xcall`) of function `name` (or of any of `tools`): its parameters in the
     schema's order (the required ones always, the others maybe), each value held to its type."""
-    chosen = [tool["function"] for tool in tools if name is None or tool["function"]["name"] == name]
     calls, rules = [], []
-    for i, function in enumerate(chosen):
+    for i, function in enumerate(functions_of(tools, name)):
         opening = json.dumps(f"{FUNCTION}{function['name']}>\n")
         if "parameters" not in function:  # any arguments (a function not strict, beside strict ones)
             rules.append(f"any{i}[stop={json.dumps(END)}]: /(?s:.*)/")
