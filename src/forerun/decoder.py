@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from functools import cached_property
 from pathlib import Path
 
@@ -220,10 +220,16 @@ class Decoder:
             longest = max_len + self.budget.max_nodes
             return warm_graphs(self.base, self.drafters, longest, batch_size, single, batched)
 
-    def encode(self, prompt: Prompt, chat: bool = False, tools: Sequence[dict] | None = None) -> torch.Tensor:
+    def encode(
+        self,
+        prompt: Prompt,
+        chat: bool = False,
+        tools: Sequence[dict] | None = None,
+        template_kwargs: Mapping[str, object] | None = None,
+    ) -> torch.Tensor:
         """Prompt -> input_ids [1, L] on the host: a string (chat=True wraps it as one user message), messages, or
-        ids (`forerun.prompts`); `tools` shown by the chat template."""
-        return encode_prompt(self.model, self.tokenizer, prompt, chat, tools)
+        ids (`forerun.prompts`); `tools` shown by the chat template, `template_kwargs` given to it."""
+        return encode_prompt(self.model, self.tokenizer, prompt, chat, tools, template_kwargs)
 
     def generate(
         self,
@@ -343,7 +349,7 @@ class Decoder:
         own (one row at a time: per-request adaptation such as a draft model's length carries over).
         `prefixes`: scoped prefix-cache views by salt, shared by the rows of one batch."""
         eos = eos_ids_of(self.model, request.eos_token_id)
-        ids = self.encode(request.prompt, request.chat, request.shown_tools)
+        ids = self.encode(request.prompt, request.chat, request.shown_tools, request.chat_template_kwargs)
         check_context(self.model, ids, request.max_new_tokens)
         salt = request.cache_salt or ""
         scoped = prefixes.get(salt) if prefixes is not None else None

@@ -32,6 +32,7 @@ from forerun.stats import GenerationStats
 from forerun.stopping import Cancelled, StopStrings, first_stop
 from forerun.structured import Constraint, Grammars
 from forerun.text import complete
+from forerun.thoughts import opened_by, split, thought_in, thought_marks
 from forerun.tool_calls import marked_at, read_calls
 from forerun.tool_specs import call_mark, parameters_of
 
@@ -105,7 +106,7 @@ def request_criteria(
     if request.held_format is not None:
         if grammars is None:
             raise ValueError("response_format and required tool calls need the Decoder's tokenizer")
-        constraint = grammars.constraint(request.held_format, prompt_len, eos)
+        constraint = grammars.constraint(request.held_format, prompt_len, eos, ids[0].tolist())
     processor, theirs = transformers_processors(model, ids, request, tokenizer, constraint)
     criteria.extend(c for c in theirs if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria)))
     return processor or None, criteria
@@ -188,11 +189,16 @@ def finished_result(tokenizer, prepared: Prepared, stats: GenerationStats) -> Ge
     ended = bool(new) and new[-1] in prepared.job.eos
     full = len(new) >= prepared.request.max_new_tokens
     reason = "length" if stop_at is None and not ended and full else "stop"
-    calls = at = None
+    calls = at = thought = None
+    if text is not None and (marks := thought_marks(tokenizer)) is not None:
+        thought = thought_in(tokenizer, marks, new, opened_by(tokenizer, marks, prepared.job.input_ids[0].tolist()))
     if text is not None and prepared.request.shown_tools:
         at = marked_at(tokenizer, new, call_mark(tokenizer))  # Mistral's mark, after a thought or words
         shown = text if stop_at is None else text[:stop_at]
-        calls = read_calls(shown, parameters_of(prepared.request.shown_tools), at)[1]
+        answer = split(shown, thought)[1]  # calls come after a thought
+        if at is not None:
+            at -= len(shown) - len(answer)
+        calls = read_calls(answer, parameters_of(prepared.request.shown_tools), at)[1]
         reason = "tool_calls" if calls and reason == "stop" else reason
     return GenerationResult(
         sequences,
@@ -206,6 +212,7 @@ def finished_result(tokenizer, prepared: Prepared, stats: GenerationStats) -> Ge
         stop_at,
         calls,
         at,
+        thought,
     )
 
 

@@ -11,13 +11,14 @@ Example:
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from forerun.checks import MAX_DEPTH, check_text, check_text_length, nesting
 from forerun.request import Prompt
+from forerun.template_kwargs import checked_template_kwargs, template_variables
 from forerun.tool_specs import takes_tools
 
 
@@ -27,9 +28,11 @@ def encode_prompt(
     prompt: Prompt,
     chat: bool = False,
     tools: Sequence[dict] | None = None,
+    template_kwargs: Mapping[str, object] | None = None,
 ) -> torch.Tensor:
     """Prompt -> input_ids [1, L] (long, on the host): a string (chat=True wraps it as one user message), messages,
-    or ids (a list, or a [L] / [1, L] tensor); `tools` (checked, `forerun.tool_specs`) shown by the chat template."""
+    or ids (a list, or a [L] / [1, L] tensor); `tools` (checked, `forerun.tool_specs`) shown by the chat template,
+    `template_kwargs` given to it (`forerun.template_kwargs`: each a variable it reads)."""
     if isinstance(prompt, (bytes, bytearray)):  # iterating bytes gives ints: it would pass as token ids
         raise ValueError("prompt is bytes: decode it to text first, or pass token ids as a list")
     if not isinstance(prompt, (torch.Tensor, str, list, tuple)):
@@ -38,10 +41,12 @@ def encode_prompt(
     messages = isinstance(prompt, (list, tuple)) and bool(prompt) and isinstance(prompt[0], dict)
     if tools and not (messages or (isinstance(prompt, str) and chat)):
         raise ValueError("tools are shown by the chat template: give chat messages (or text with chat=True)")
+    if template_kwargs and not (messages or (isinstance(prompt, str) and chat)):
+        raise ValueError("chat_template_kwargs are given to the chat template: give chat messages (or chat=True)")
     if isinstance(prompt, torch.Tensor):
         ids = ids_of_tensor(prompt)
     elif isinstance(prompt, str) or messages:
-        ids = ids_of_text(model, tokenizer, prompt, chat, tools)
+        ids = ids_of_text(model, tokenizer, prompt, chat, tools, template_kwargs)
     else:
         values = list(prompt)
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
@@ -73,9 +78,10 @@ def ids_of_text(
     prompt: str | Sequence[dict],
     chat: bool,
     tools: Sequence[dict] | None = None,
+    template_kwargs: Mapping[str, object] | None = None,
 ) -> torch.Tensor:
     """Text or chat messages -> input_ids [1, L], through the tokenizer (and its chat template for messages, which
-    shows `tools`)."""
+    shows `tools` and is given `template_kwargs`)."""
     if tokenizer is None:
         raise ValueError("a text prompt needs a tokenizer; pass token ids or give Decoder a tokenizer")
     if isinstance(prompt, str) and not prompt.strip():
@@ -87,7 +93,8 @@ def ids_of_text(
     else:
         for i, message in enumerate(prompt):
             check_message(i, message)
-        total = sum(len(message.get("content") or "") + len(str(message.get("tool_calls", ""))) for message in prompt)
+        total = sum(len(message.get("content") or "") + len(str(message.get("tool_calls", "")))
+                    + len(message.get("reasoning_content") or "") for message in prompt)  # fmt: skip
         check_text_length("the messages' content", total, context)
     if isinstance(prompt, str) and not chat:
         return tokenizer(prompt, return_tensors="pt").input_ids
@@ -100,10 +107,11 @@ def ids_of_text(
             "chat template (ChatML models: "
             "forerun.tool_specs.shipped_template('chatml-tools'), --chat-template chatml-tools on the command line)"
         )
+    kwargs = checked_template_kwargs(template_kwargs, template_variables(tokenizer)) if template_kwargs else {}
     try:
         return tokenizer.apply_chat_template(
             messages, tools=list(tools) if tools else None, add_generation_prompt=True, return_tensors="pt",
-            return_dict=True,
+            return_dict=True, **kwargs,
         )["input_ids"]  # fmt: skip
     except Exception as error:  # the template runs on the caller's messages: its refusals are theirs
         raise ValueError(f"the chat template refused these messages: {error}") from error
@@ -120,6 +128,11 @@ def check_message(i: int, message: object) -> None:
     if not isinstance(message.get("role", "user"), str):
         raise ValueError(f"messages[{i}].role must be a string, got {message['role']!r:.40}")
     check_text(f"messages[{i}].content", message.get("content") or "")
+    thought = message.get("reasoning_content")
+    if thought is not None:  # an assistant's thought, as Qwen3's template shows it
+        if not isinstance(thought, str):
+            raise ValueError(f"messages[{i}].reasoning_content must be a string, got {type(thought).__name__}")
+        check_text(f"messages[{i}].reasoning_content", thought)
     if calls is not None:
         if not isinstance(calls, list):
             raise ValueError(f"messages[{i}].tool_calls must be a list of calls")

@@ -72,6 +72,9 @@ class GenerationRequest:
     as one string: 'auto', 'none', 'required' or the function's name."""
     parallel_tool_calls: bool = True
     """Whether a required call may be several (False: exactly one)."""
+    chat_template_kwargs: Mapping[str, object] | None = None
+    """Variables the chat template reads, given to it (Qwen3's `{"enable_thinking": False}`); each must be one it
+    reads (`forerun.template_kwargs`)."""
     prediction: str | tuple[int, ...] | None = None
     """Text or ids the answer is expected to resemble, drafted from (OpenAI's predicted outputs)."""
     logprobs: int | None = None
@@ -113,6 +116,11 @@ class GenerationRequest:
             set_field("prediction", tuple(self.prediction))
         if isinstance(self.eos_token_id, list):
             set_field("eos_token_id", tuple(self.eos_token_id))
+        if self.chat_template_kwargs is not None:
+            if not isinstance(self.chat_template_kwargs, Mapping):
+                kind = type(self.chat_template_kwargs).__name__
+                raise ValueError(f"chat_template_kwargs must be a mapping of the template's variables, got {kind}")
+            set_field("chat_template_kwargs", dict(self.chat_template_kwargs))
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
             raise ValueError(f"cache_salt must be a string, got {type(self.cache_salt).__name__}")
 

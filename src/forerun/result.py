@@ -8,6 +8,7 @@ import torch
 
 from forerun.logprobs import TokenLogprob
 from forerun.stats import GenerationStats
+from forerun.thoughts import Thought, split
 from forerun.tool_calls import ToolCall, read_calls
 
 
@@ -37,6 +38,8 @@ class GenerationResult:
     offered none. An answer that makes calls finishes with 'tool_calls'."""
     calls_at: int | None = None
     """Where in `text` a mark the decoded text drops opened the calls (`forerun.tool_calls.marked_at`), or None."""
+    thought: Thought | None = None
+    """Where in `text` a reasoning model's thought stands (`forerun.thoughts`), or None where it wrote none."""
 
     @property
     def shown_text(self) -> str:
@@ -45,12 +48,21 @@ class GenerationResult:
         return text if self.stop_at is None else text[: self.stop_at]
 
     @property
+    def reasoning(self) -> str | None:
+        """The thought's text (`thought`), stripped; None where the answer has none."""
+        return split(self.shown_text, self.thought)[0]
+
+    @property
     def content(self) -> str | None:
-        """The answer's text less its calls (None where it is only calls): `shown_text` where no tools were
-        offered."""
+        """The answer's text less its thought and its calls (None where it is only calls): `shown_text` where
+        the model neither thought nor was offered tools."""
+        answer = split(self.shown_text, self.thought)[1]
         if self.tool_calls is None:
-            return self.shown_text
-        return read_calls(self.shown_text, {call.name for call in self.tool_calls}, self.calls_at)[0]
+            return answer
+        at = self.calls_at
+        if at is not None:  # counted in the whole text
+            at -= len(self.shown_text) - len(answer)
+        return read_calls(answer, {call.name for call in self.tool_calls}, at)[0]
 
     @property
     def new_tokens(self) -> list[int]:

@@ -31,12 +31,14 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any, Literal
 
 import torch
 from transformers import LogitsProcessor
 
 from forerun.checks import MAX_DEPTH, check_text, nesting
+from forerun.thoughts import opened_by, thought_marks
 from forerun.tool_grammar import calls_grammar
 from forerun.tool_specs import CallForm, call_form, templates
 from forerun.tree import TokenTree
@@ -165,16 +167,20 @@ class Grammars:
                 raise ValueError(f"response_format needs a fast (Rust) tokenizer: {error}") from None
         return self.read
 
-    def compile(self, response_format: Mapping[str, Any]) -> object:
+    def compile(self, response_format: Mapping[str, Any], prompt: Sequence[int] | None = None) -> object:
         """A matcher at an answer's start for a checked `response_format` (a ValueError where its schema does not
         compile): built once, then kept for the next MAX_COMPILED formats asked for. Compiling a large schema takes
         up to about half a second with the GIL released: a server calls this off its event loop and its batch's
-        thread, so the row built there finds it ready."""
+        thread, so the row built there finds it ready. `prompt` (its ids): whether it leaves a thought open decides
+        whether a required call must close it first (the template's default prompt decides where it is not given;
+        a request's `chat_template_kwargs` may change it, as Qwen3.5's `enable_thinking`)."""
         from llguidance import LLMatcher
 
         form = None
         if response_format["type"] == "tool_calls":
             form = self.call_form()
+            if form.thinks and prompt is not None and (marks := thought_marks(self.tokenizer)) is not None:
+                form = replace(form, opened=opened_by(self.tokenizer, marks, prompt))
         grammar = grammar_of(response_format, form)
         with self.lock:
             tokens = self.tokens()
@@ -199,14 +205,20 @@ class Grammars:
             self.forms[key] = call_form(self.tokenizer, self.tokens().is_special_token, self.vocab_size, self.end_token)
         return self.forms[key]
 
-    def constraint(self, response_format: Mapping[str, Any], prompt_length: int, ends: frozenset[int]) -> Constraint:
+    def constraint(
+        self,
+        response_format: Mapping[str, Any],
+        prompt_length: int,
+        ends: frozenset[int],
+        prompt: Sequence[int] | None = None,
+    ) -> Constraint:
         """The processor holding one request's answer to `response_format` (checked by `check_response_format`);
         `ends`: the request's EOS ids, which end the answer once the JSON is complete (none: a ValueError, as the
-        answer could then never end where the JSON does)."""
+        answer could then never end where the JSON does); `prompt`: its ids (`compile`)."""
         if not ends:
             held = "a required or strict tool call" if response_format["type"] == "tool_calls" else "response_format"
             raise ValueError(f"{held} needs an end-of-text token to end the answer; this request has none")
-        return Constraint(self.compile(response_format), prompt_length, ends, self.end_token)
+        return Constraint(self.compile(response_format, prompt), prompt_length, ends, self.end_token)
 
 
 class Constraint(LogitsProcessor):

@@ -36,6 +36,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from forerun.checks import MAX_DEPTH, check_text, nesting
+from forerun.thoughts import THOUGHTS
 from forerun.tool_probe import Written, probed
 
 MAX_TOOLS = 128
@@ -47,9 +48,6 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 """What the block format's calls are written between."""
 FUNCTION = "<function="
 """What a chat template teaching XML calls writes (Qwen3.5's, Qwen3-Coder's: `forerun.tool_xml`)."""
-THOUGHTS = (("<think>", "</think>"), ("[THINK]", "[/THINK]"))
-"""What a reasoning model's thought is written between: Qwen3's marks, Mistral's (Magistral, Ministral 3
-Reasoning)."""
 PARAMETERS = '"parameters": '
 """What a chat template teaching Llama 3's JSON calls writes before an assistant call's arguments."""
 FUNCTION_KEYS = {"name", "description", "parameters", "strict"}

@@ -43,7 +43,11 @@ def test_a_chat_completion_shows_the_text_before_the_stop_string_and_only_its_lo
         "completion_tokens": 5,
         "total_tokens": 8,
         "prompt_tokens_details": {"cached_tokens": 2},
-        "completion_tokens_details": {"accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0},
+        "completion_tokens_details": {
+            "accepted_prediction_tokens": 0,
+            "rejected_prediction_tokens": 0,
+            "reasoning_tokens": 0,
+        },
     }
     assert body["forerun"]["method"] == "auto" and body["forerun"]["forwards"] == 3
 

@@ -315,3 +315,30 @@ def test_echo_takes_max_tokens_0_and_then_generates_nothing():
     assert echoed.echo and echoed.max_new_tokens == 0 and echoed.runs == 0 and echoed.logprobs == 2
     assert completion(echo=True, n=3).runs == 1 and completion(echo=True, n=3, temperature=1.0).runs == 3
     assert not completion().echo
+
+
+def test_template_variables_and_reasoning_effort_reach_the_template_only_where_it_reads_them():
+    """`chat_template_kwargs` names variables the template reads (a 400 naming any other); `reasoning_effort` is
+    given to a template that reads one (gpt-oss's), as vLLM gives it, and refused by name where it reads none."""
+
+    def body(**fields) -> ChatRequest:
+        return ChatRequest(messages=HI, **fields)
+
+    reads = Limits(model_name="m", template_variables=frozenset({"enable_thinking", "reasoning_effort"}))
+    args = translate(body(chat_template_kwargs={"enable_thinking": False}, reasoning_effort="low"), reads)
+    assert args.chat_template_kwargs == {"enable_thinking": False, "reasoning_effort": "low"}
+    assert args.request().chat_template_kwargs == args.chat_template_kwargs
+    assert translate(body(), reads).chat_template_kwargs is None
+    for fields, param, fragment in (
+        ({"chat_template_kwargs": {"enable_thinkng": False}}, "chat_template_kwargs", "'enable_thinkng' is not"),
+        ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs", "'tools' is not a variable"),
+        ({"reasoning_effort": "max"}, "reasoning_effort", "must be one of none, minimal"),
+        ({"reasoning_effort": "low", "chat_template_kwargs": {"reasoning_effort": "high"}}, "reasoning_effort",
+         "differs"),
+    ):  # fmt: skip
+        with pytest.raises(APIError) as refused:
+            translate(body(**fields), reads)
+        assert refused.value.param == param and fragment in refused.value.message, refused.value.message
+    with pytest.raises(APIError) as refused:
+        translate(body(reasoning_effort="low"), Limits(model_name="m"))
+    assert refused.value.param == "reasoning_effort" and "reads no reasoning_effort" in refused.value.message

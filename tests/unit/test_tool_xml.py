@@ -124,3 +124,27 @@ def test_where_the_prompt_opens_a_thought_the_answer_closes_it_before_its_calls(
     plain.add_tokens(["<think>", "</think>"])
     plain.chat_template = QWEN35_XML
     assert not Grammars(plain, len(plain), plain.eos_token_id).call_form().opened
+
+
+def test_a_prompt_whose_template_closed_the_thought_takes_its_call_at_once():
+    """Qwen3.5's template opens the thought unless a request's `enable_thinking` is false (then the generation
+    prompt closes it empty): a required call's grammar reads which from the request's own prompt, so with the
+    thought off the call comes at once (a `</think>` demanded again would have forced a second close)."""
+    from forerun.tool_specs import held_calls
+
+    tokenizer = byte_tokenizer()
+    tokenizer.add_tokens(["<think>", "</think>"])
+    ending = "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}"
+    toggled = ("{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- if enable_thinking is defined and "
+               "not enable_thinking -%}{{- '<think>\n\n</think>\n\n' -}}{%- else -%}{{- '<think>\n' -}}{%- endif -%}"
+               "{%- endif -%}")  # fmt: skip
+    tokenizer.chat_template = QWEN35_XML.replace(ending, toggled)
+    grammars = Grammars(tokenizer, len(tokenizer), tokenizer.eos_token_id)
+    assert grammars.call_form().opened  # by default the prompt opens the thought
+    held, ends = held_calls(TOOLS, "required", True), frozenset({tokenizer.eos_token_id})
+    call = tokenizer.encode(xml("now"), add_special_tokens=False)
+    for kwargs, at_once in (({}, False), ({"enable_thinking": False}, True)):
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Time?"}], add_generation_prompt=True,
+                                               **kwargs)["input_ids"]  # fmt: skip
+        matcher = grammars.constraint(held, len(prompt), ends, prompt).fresh()
+        assert (matcher.consume_tokens(call) and matcher.is_accepting()) == at_once, kwargs

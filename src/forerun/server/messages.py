@@ -40,6 +40,8 @@ def message_of(where: str, message: Message) -> dict:
     entry = {"role": message.role, "content": content}
     if calls:
         entry["tool_calls"] = calls
+    if (thought := thought_of(where, message)) is not None:
+        entry["reasoning_content"] = thought
     if message.role == "tool" and message.tool_call_id is not None:
         entry["tool_call_id"] = checked(f"{where}.tool_call_id", message.tool_call_id)
     return entry
@@ -57,3 +59,17 @@ def text_of(where: str, part: dict) -> str:
     if not isinstance(part.get("text"), str):
         raise refuse(where, f"{where}: a text part needs a string 'text'")
     return part["text"]
+
+
+def thought_of(where: str, message: Message) -> str | None:
+    """An assistant's thought sent back (`reasoning_content`, or `reasoning`: one, or both the same), as the
+    chat template reads it (`reasoning_content`, Qwen3's name)."""
+    named = {"reasoning_content": message.reasoning_content, "reasoning": message.reasoning}
+    given = {name: value for name, value in named.items() if value is not None}
+    if not given:
+        return None
+    if message.role != "assistant":
+        raise refuse(f"{where}.{next(iter(given))}", f"{where}: only an assistant's message holds a thought")
+    if len(set(given.values())) > 1:
+        raise refuse(f"{where}.reasoning", f"{where}: reasoning and reasoning_content differ; send one")
+    return checked(f"{where}.{next(iter(given))}", given.popitem()[1])

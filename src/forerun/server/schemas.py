@@ -28,6 +28,11 @@ class Message(BaseModel):
     tool_call_id: StrictStr | None = None
     function_call: Any | None = None
     refusal: StrictStr | None = None
+    reasoning_content: StrictStr | None = None
+    """An assistant's thought, as this server (DeepSeek's and llama.cpp's name) sent it: a client that sends the
+    message back as it came keeps it, and a reasoning model's template may show it (Qwen3's does)."""
+    reasoning: StrictStr | None = None
+    """The same thought under vLLM's name."""
 
 
 class CommonRequest(BaseModel):
@@ -101,6 +106,8 @@ class ChatRequest(CommonRequest):
     metadata: dict[str, Any] | None = None
     store: StrictBool | None = None
     service_tier: StrictStr | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    """vLLM's, SGLang's and llama.cpp's: variables the chat template reads (Qwen3's `enable_thinking`)."""
 
 
 class ErrorBody(BaseModel):

@@ -45,8 +45,10 @@ from forerun.server.shaping import (
     opening,
     usage,
 )
-from forerun.server.stream import Calls, TokenStream, deltas, started, targets_of
+from forerun.server.stream import Calls, Reasoning, TokenStream, deltas, started, targets_of
 from forerun.server.translate import APIError, GenerationArgs, Limits, translate
+from forerun.template_kwargs import template_variables
+from forerun.thoughts import thought_marks
 from forerun.tool_specs import call_mark, parameters_of, short_call_ids, takes_tools
 
 logger = logging.getLogger(__name__)
@@ -74,7 +76,10 @@ class Service:
             tools=takes_tools(tokenizer),
             short_call_ids=short_call_ids(tokenizer),
             call_mark=call_mark(tokenizer),
+            template_variables=template_variables(tokenizer),
         )
+        self.thoughts = thought_marks(tokenizer)
+        """The marks of a reasoning model's thought, which chat answers send apart (`forerun.thoughts`)."""
         self.pool = DecoderPool(
             model, tokenizer, config.method, config.knobs, draft_model, PrefixCache(config.prefix_cache_tokens),
             config.max_tree_nodes, config.draft_head, config.compile_buckets,
@@ -148,9 +153,10 @@ class Service:
             return completion(answer, results, decoder.method, self.tokenizer, echoes, prompt_counts(done))
         loop, logprobs = asyncio.get_running_loop(), args.logprobs is not None
         tools = parameters_of(args.tools) if args.tools and args.tool_choice != "none" else None
+        thoughts = self.thoughts if chat else None
         streams = [
             [
-                TokenStream(self.tokenizer, loop, args.stop, logprobs, tools, self.limits.call_mark)
+                TokenStream(self.tokenizer, loop, args.stop, logprobs, tools, self.limits.call_mark, thoughts)
                 for _ in range(g.runs)
             ]
             for g in groups
@@ -324,6 +330,10 @@ class Service:
             for index in targets[run]:
                 if isinstance(entries, Calls):
                     yield calls_chunk(answer, entries.calls, index)
+                    continue
+                if isinstance(entries, Reasoning):
+                    logprobs = logprobs_payload(self.tokenizer, entries.entries, answer.chat)
+                    yield chunk(answer, None, logprobs=logprobs, index=index, reasoning=entries.text)
                     continue
                 if isinstance(entries, Echo):
                     logprobs = echo_payload(self.tokenizer, entries)

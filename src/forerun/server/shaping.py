@@ -75,6 +75,7 @@ def usage(results: Sequence[GenerationResult | None], method: str, prompts: tupl
             "completion_tokens_details": {
                 "accepted_prediction_tokens": sum(result.accepted_prediction_tokens for result in written),
                 "rejected_prediction_tokens": sum(result.rejected_prediction_tokens for result in written),
+                "reasoning_tokens": sum(result.thought.tokens for result in written if result.thought is not None),
             },
         },
         "forerun": {
@@ -168,12 +169,18 @@ def choice_of(answer: Answer, result: GenerationResult | None, index: int, token
     entries = None if result.logprobs is None else entries_before(tokenizer, result.logprobs, result.stop_at)
     logprobs = logprobs_payload(tokenizer, entries, answer.chat, len(shown))
     if answer.chat:
-        message = {"role": "assistant", "content": result.content, "refusal": None}
+        message = {"role": "assistant", "content": result.content, "refusal": None, **thought_fields(result.reasoning)}
         if result.tool_calls:
             message["tool_calls"] = [call.as_openai(short=answer.short_call_ids) for call in result.tool_calls]
         return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": result.finish_reason}
     logprobs = joined(echo_payload(tokenizer, echo), logprobs)
     return {"index": index, "text": shown + text, "logprobs": logprobs, "finish_reason": result.finish_reason}
+
+
+def thought_fields(reasoning: str | None) -> dict:
+    """A message's (or a delta's) thought: under vLLM's and OpenRouter's name (`reasoning`) and DeepSeek's and
+    llama.cpp's (`reasoning_content`), as clients read one or the other; none where there is no thought."""
+    return {} if reasoning is None else {"reasoning": reasoning, "reasoning_content": reasoning}
 
 
 def chunk(
@@ -184,11 +191,13 @@ def chunk(
     choices: bool = True,
     logprobs: dict | None = None,
     index: int = 0,
+    reasoning: str | None = None,
 ) -> str:
     """One server-sent event of a stream: a text delta of choice `index` (None: no content, e.g. the last chunk
-    with its reason)."""
+    with its reason), or a delta of its thought (`reasoning`)."""
     if answer.chat:
-        choice = {"index": index, "delta": {} if delta is None else {"content": delta}, "finish_reason": reason}
+        delta_of = thought_fields(reasoning) if reasoning is not None else {} if delta is None else {"content": delta}
+        choice = {"index": index, "delta": delta_of, "finish_reason": reason}
     else:
         choice = {"index": index, "text": delta or "", "finish_reason": reason}
     choice["logprobs"] = logprobs

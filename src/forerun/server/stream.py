@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from forerun.logprobs import entries_before
 from forerun.stopping import HeldText, first_stop
 from forerun.text import IncrementalText
+from forerun.thoughts import Thought, ThoughtMarks, ThoughtWatch, split
 from forerun.tool_calls import ToolCall, before_calls, marked_at, read_calls
 
 
@@ -30,12 +31,23 @@ class Calls:
     calls: tuple[ToolCall, ...]
 
 
+@dataclass(frozen=True)
+class Reasoning:
+    """A delta of a reasoning model's thought (`forerun.thoughts`), with the log-probability entries of the tokens
+    released with it (None where none were asked)."""
+
+    text: str
+    entries: list | None
+
+
 class TokenStream:
     """Streams (text delta, log-probability entries of its tokens) of a generation to `queue`; None marks the end.
     `started` is set once the generation has seen its prompt (checked, and given its place: the server sends the
     response's headers then). The entries ride with the delta their tokens' text is released in (none after a stop
     string); without logprobs asked, they are None. Where tools are offered, text from a possible `<tool_call>` on
-    is held until the answer ends: then it is content (no calls in it) or its calls (a `Calls` item)."""
+    is held until the answer ends: then it is content (no calls in it) or its calls (a `Calls` item). Where
+    `thoughts` (a chat's), a thought the answer (or its prompt) opens goes out as `Reasoning` items, the answer
+    after it as content; while only whitespace has come, whether a thought opens is not known and it is held."""
 
     def __init__(
         self,
@@ -45,6 +57,7 @@ class TokenStream:
         logprobs: bool = False,
         tools: Mapping[str, dict] | frozenset[str] | None = None,
         mark: int | None = None,
+        thoughts: ThoughtMarks | None = None,
     ) -> None:
         self.loop, self.tokenizer = loop, tokenizer
         self.tools = tools
@@ -60,13 +73,23 @@ class TokenStream:
         self.started = asyncio.Event()
         self.held = HeldText(stops)
         self.prompt_seen = False
+        self.thoughts, self.watch = thoughts, None
+        """The tokenizer's thought marks, and the answer's thought as it is written (`forerun.thoughts`)."""
+        self.sent = ["", ""]
+        """The reasoning and the content sent so far."""
+        self.unsent = 0
+        """Characters of the text released since the last entries went out."""
 
     def put(self, value) -> None:
         if not self.prompt_seen:  # transformers' convention: the prompt comes first
             self.prompt_seen = True
+            if self.thoughts is not None:
+                self.watch = ThoughtWatch(self.tokenizer, self.thoughts, value.flatten().tolist())
             self.loop.call_soon_threadsafe(self.started.set)
             return
         ids = value.flatten().tolist()
+        if self.watch is not None:
+            self.watch.push(ids)
         if self.tools is not None and self.calls_at is None and self.mark in ids:
             self.calls_at = marked_at(self.tokenizer, self.text.ids + ids, self.mark)
         self.text.push(ids)
@@ -84,26 +107,45 @@ class TokenStream:
 
     def emit(self, final: bool) -> None:
         text, calls = self.text.text, ()
+        thought = None if self.watch is None else self.watch.thought(len(text))
+        after = 0 if thought is None else thought.after
+        limit = len(text) if final or self.watch is None or not self.watch.undecided else 0
         if self.tools is not None:  # tools offered: what may be a call is held until the answer is whole
+            at = None if self.calls_at is None else self.calls_at - after
             if final:
                 cut = first_stop(text, self.held.stops)
-                calls = read_calls(text if cut is None else text[:cut], self.tools, self.calls_at)[1]
-            held = before_calls(text, bare=True, names=self.tools)
-            held = held if self.calls_at is None else min(held, self.calls_at)
-            text = text if final and not calls else text[:held]
-        delta = self.held.release(text, final)
-        if delta:  # nothing is released after a stop string: one that has appeared appeared in this delta
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, (delta, self.released(delta, self.held.stopped)))
+                calls = read_calls((text if cut is None else text[:cut])[after:], self.tools, at)[1]
+            held = before_calls(text[after:], bare=True, names=self.tools)
+            held = held if at is None else min(held, max(at, 0))
+            limit = limit if final and not calls else min(limit, after + held)
+        self.unsent += len(self.held.release(text[:limit], final))
+        self.send(text[: self.held.shown], thought)
         if calls:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, ("", Calls(calls)))
 
-    def released(self, delta: str, stopped: bool) -> list | None:
-        """The entries to send with `delta`: all noted so far, or at a stop string those whose text the delta
-        shows."""
+    def send(self, shown: str, thought: Thought | None) -> None:
+        """Queue what of the released text `shown` was not sent: its thought's part as `Reasoning`, the rest as
+        content (the thought's marks and the whitespace at its ends are neither)."""
+        reasoning, content = split(shown, thought) if thought is not None else (None, shown)
+        deltas = [(now or "")[len(sent) :] for now, sent in zip((reasoning, content), self.sent, strict=True)]
+        self.sent = [(reasoning or ""), content]
+        if not any(deltas):
+            return
+        entries = self.released(self.unsent, self.held.stopped)
+        self.unsent = 0
+        if deltas[0]:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, ("", Reasoning(deltas[0], entries)))
+            entries = None if entries is None else []
+        if deltas[1]:  # nothing is released after a stop string: one that has appeared appeared in this delta
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (deltas[1], entries))
+
+    def released(self, shown: int, stopped: bool) -> list | None:
+        """The entries to send with text just released, `shown` characters of it: all noted so far, or at a stop
+        string those whose text it shows."""
         if self.entries is None:
             return None
         entries, self.entries = self.entries, []
-        return entries_before(self.tokenizer, entries, len(delta) if stopped else None)
+        return entries_before(self.tokenizer, entries, shown if stopped else None)
 
 
 def targets_of(runs: list[int], n: int) -> list[list[int]]:

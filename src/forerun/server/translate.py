@@ -40,9 +40,12 @@ from forerun.server.fields import (
 from forerun.server.messages import chat_messages
 from forerun.server.schemas import ChatRequest, CommonRequest, CompletionRequest
 from forerun.server.tool_fields import tools_of
+from forerun.template_kwargs import FIELD, checked_template_kwargs
 
 __all__ = ["APIError", "GenerationArgs", "Limits", "translate"]
 MAX_CHOICES = 16
+EFFORTS = ("none", "minimal", "low", "medium", "high")
+"""OpenAI's `reasoning_effort` values."""
 """Choices one request may ask for (`n`): each sampled one is a row of its own in the batch."""
 
 
@@ -69,6 +72,8 @@ class Limits:
     """The model's own end-of-text ids (`stop_token_ids` add to them; `ignore_eos` drops them)."""
     tools: bool = False
     """Whether the chat template teaches tool calls in the format forerun reads (`forerun.tool_specs.takes_tools`)."""
+    template_variables: frozenset[str] = frozenset()
+    """The variables of the chat template a request may set (`forerun.template_kwargs`)."""
     short_call_ids: bool = False
     """Whether it takes only 9-character call ids (`forerun.tool_specs.short_call_ids`): the calls answered get such."""
     call_mark: int | None = None
@@ -113,6 +118,8 @@ class GenerationArgs:
     tool_choice: str = "none"
     """'none', 'auto', 'required' or the one function's name."""
     parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    """A chat request's own variables for the chat template, checked (`forerun.template_kwargs`)."""
 
     @property
     def runs(self) -> int:
@@ -147,6 +154,7 @@ class GenerationArgs:
             tools=self.tools or None,
             tool_choice=self.tool_choice,
             parallel_tool_calls=self.parallel_tool_calls,
+            chat_template_kwargs=self.chat_template_kwargs,
             streamer=streamer,
             cancel=cancel,
             **self.sampling,  # do_sample and the processors' settings
@@ -162,7 +170,6 @@ def unsupported(body: CommonRequest) -> None:
         checks += [
             ("functions", body.functions, "functions is OpenAI's old form of tools: send tools"),
             ("audio", body.audio, f"audio output is not supported: {plain}"),
-            ("reasoning_effort", body.reasoning_effort, f"reasoning_effort is not supported: {plain}"),
             ("web_search_options", body.web_search_options, f"web search is not supported: {plain}"),
         ]
         if body.function_call not in (None, "none"):
@@ -247,7 +254,28 @@ def translate(body: ChatRequest | CompletionRequest, limits: Limits) -> Generati
         tools=tools,
         tool_choice=tool_choice,
         parallel_tool_calls=parallel,
+        chat_template_kwargs=template_kwargs_of(body, limits) if chat else None,
     )
+
+
+def template_kwargs_of(body: ChatRequest, limits: Limits) -> dict[str, Any] | None:
+    """A chat request's `chat_template_kwargs`, each a variable the chat template reads, and its
+    `reasoning_effort` given to the template as vLLM gives it (gpt-oss's reads one); else a 400 naming the field."""
+    kwargs = dict(body.chat_template_kwargs or {})
+    if body.reasoning_effort is not None:
+        if "reasoning_effort" not in limits.template_variables:
+            why = "this model's chat template reads no reasoning_effort (its thought's length is its own)"
+            raise refuse("reasoning_effort", f"reasoning_effort is not supported: {why}")
+        if body.reasoning_effort not in EFFORTS:
+            raise refuse("reasoning_effort", f"reasoning_effort must be one of {', '.join(EFFORTS)}")
+        if kwargs.setdefault("reasoning_effort", body.reasoning_effort) != body.reasoning_effort:
+            raise refuse("reasoning_effort", "reasoning_effort differs from chat_template_kwargs' reasoning_effort")
+    if not kwargs:
+        return None
+    try:
+        return checked_template_kwargs(kwargs, limits.template_variables)
+    except ValueError as error:
+        raise refuse(FIELD, str(error)) from None
 
 
 def method_of(body: ChatRequest | CompletionRequest, limits: Limits) -> tuple[str, dict]:

@@ -1,0 +1,143 @@
+"""A reasoning model served: its thought comes as `reasoning` (and `reasoning_content`) beside the answer's
+`content`, streamed or not, counted in `reasoning_tokens`; `chat_template_kwargs` turn it off where the template
+reads such a variable; a thought sent back in the conversation reaches the template. A tiny random model with
+`<think>` tokens of its own stands in for a Qwen3, nudged towards `</think>` by a logit bias, and every text is
+plain generate's from the same prompt, with the same bias."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from openai import OpenAI
+from test_server import LiveServer
+
+import forerun
+from forerun.server import ServerConfig, create_app
+from forerun.text import complete
+from forerun.thoughts import split, thought_in, thought_marks
+
+from tiny_models import byte_tokenizer, tiny_model
+
+MODEL = "tiny-thinker"
+TEMPLATE = (
+    "{%- for m in messages %}<|{{ m.role }}|>\n"
+    "{%- if m.reasoning_content %}<think>\n{{ m.reasoning_content }}\n</think>\n\n{% endif %}"
+    "{{ m.content }}\n{%- endfor %}"
+    "{%- if add_generation_prompt %}<|assistant|>\n"
+    "{%- if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
+    "{%- else %}<think>\n{% endif %}{% endif %}"
+)
+"""A Qwen3-shaped template: the generation prompt opens the thought unless `enable_thinking` is false."""
+ASK = [{"role": "user", "content": "Add 2 and 3."}]
+NEW = 40
+BIAS = 0.3
+"""Added to `</think>`'s logit: the seed-0 model closes its thought at its 32nd token, once."""
+
+
+@pytest.fixture(scope="module")
+def served():
+    tokenizer = byte_tokenizer()
+    tokenizer.add_tokens(["<think>", "</think>"])
+    tokenizer.chat_template = TEMPLATE
+    model = tiny_model("llama", "sdpa", seed=0, vocab_size=len(tokenizer), max_position_embeddings=1024)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    server = LiveServer(create_app(model, tokenizer, ServerConfig(MODEL, "auto", max_tokens_limit=NEW)))
+    yield server, model, tokenizer
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return OpenAI(base_url=served[0].url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def closing_bias(tokenizer) -> dict[str, float]:
+    return {str(tokenizer.convert_tokens_to_ids("</think>")): BIAS}
+
+
+def plain(model, tokenizer, messages, biased: bool = True, **template) -> tuple[str | None, str, int]:
+    """(reasoning, content, reasoning tokens) of plain generate's answer with the same bias (the random model's
+    bytes may end inside a character: the answer ends before it, as the server's)."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True,
+                                        **template)["input_ids"]  # fmt: skip
+    closing = tokenizer.convert_tokens_to_ids("</think>")
+    bias = {"sequence_bias": {(closing,): BIAS}} if biased else {}
+    out = model.generate(ids, max_new_tokens=NEW, do_sample=False, pad_token_id=0, **bias)
+    new = out[0, ids.shape[1] :].tolist()
+    marks = thought_marks(tokenizer)
+    thought = thought_in(tokenizer, marks, new, opened=marks.opening in ids[0, -3:].tolist())
+    reasoning, content = split(complete(tokenizer.decode(new, skip_special_tokens=True)), thought)
+    return reasoning, content, 0 if thought is None else thought.tokens
+
+
+def test_the_thought_comes_apart_from_the_answer_streamed_or_not(served, client):
+    _, model, tokenizer = served
+    bias = closing_bias(tokenizer)
+    reasoning, content, tokens = plain(model, tokenizer, ASK)
+    assert reasoning and content and 0 < tokens < NEW  # the test means something: a thought, then an answer
+    whole = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=NEW, logit_bias=bias)
+    message = whole.choices[0].message
+    assert (message.reasoning, message.reasoning_content, message.content) == (reasoning, reasoning, content)
+    assert whole.usage.completion_tokens_details.reasoning_tokens == tokens
+    chunks = list(client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=NEW, logit_bias=bias,
+                                                 stream=True))  # fmt: skip
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    thought = [d.reasoning_content for d in deltas if getattr(d, "reasoning_content", None)]
+    assert all(getattr(d, "reasoning", None) == getattr(d, "reasoning_content", None) for d in deltas)
+    assert "".join(thought) == reasoning and len(thought) > 1  # streamed piece by piece
+    assert "".join(d.content or "" for d in deltas) == content
+
+
+def test_template_kwargs_turn_the_thought_off_and_unknown_ones_are_refused(served, client):
+    server, model, tokenizer = served
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    reasoning, content, _ = plain(model, tokenizer, ASK, biased=False, enable_thinking=False)
+    whole = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=NEW, extra_body=off)
+    message = whole.choices[0].message
+    assert reasoning is None and getattr(message, "reasoning", None) is None and message.content == content
+    assert whole.usage.completion_tokens_details.reasoning_tokens == 0
+    for kwargs, named in (({"enable_thinkng": False}, "'enable_thinkng' is not a variable"),
+                          ({"chat_template": "{{ 1 }}"}, "'chat_template' is not a variable"),
+                          ({"eos_token": "x"}, "'eos_token' is not a variable"),
+                          ([1], "valid dictionary")):  # fmt: skip
+        body = {"messages": ASK, "max_tokens": 4, "chat_template_kwargs": kwargs}
+        refused = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+        assert refused.status_code == 400 and named in refused.text, refused.text
+    effort = {"messages": ASK, "max_tokens": 4, "reasoning_effort": "low"}  # the template reads none
+    refused = httpx.post(server.url + "/v1/chat/completions", json=effort, timeout=60)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "reasoning_effort"
+
+
+def test_a_thought_sent_back_reaches_the_template_as_the_server_sent_it(served, client):
+    server, model, tokenizer = served
+    first = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=NEW,
+                                           logit_bias=closing_bias(tokenizer))  # fmt: skip
+    said = first.choices[0].message.model_dump(exclude_none=True)  # as clients send it back
+    turns = [*ASK, said, {"role": "user", "content": "And 4?"}]
+    again = client.chat.completions.create(model=MODEL, messages=turns, max_tokens=4)
+    bare = [*ASK, {"role": "assistant", "content": said["content"]}, turns[-1]]
+    without = client.chat.completions.create(model=MODEL, messages=bare, max_tokens=4)
+    thought = len(tokenizer.encode(f"<think>\n{said['reasoning_content']}\n</think>\n\n", add_special_tokens=False))
+    assert again.usage.prompt_tokens == without.usage.prompt_tokens + thought
+    back = [*ASK, {k: v for k, v in said.items() if k != "reasoning"}, turns[-1]]
+    expected = plain(model, tokenizer, back, biased=False)
+    assert again.choices[0].message.content == expected[1][: len(again.choices[0].message.content or "")]
+    url = server.url + "/v1/chat/completions"
+    not_said = {"role": "user", "content": "x", "reasoning_content": "y"}
+    for message, named in (({**said, "reasoning": "other"}, "differ"), (not_said, "only an assistant's")):
+        refused = httpx.post(url, json={"messages": [*ASK, message], "max_tokens": 4}, timeout=60)
+        assert refused.status_code == 400 and named in refused.text, refused.text
+
+
+def test_the_library_gives_the_thought_apart_and_the_whole_text_as_generate_wrote_it(served):
+    _, model, tokenizer = served
+    closing = tokenizer.convert_tokens_to_ids("</think>")
+    decoder = forerun.Decoder(model, tokenizer, "auto")
+    result = decoder.generate(ASK, NEW, sequence_bias={(closing,): BIAS})
+    reasoning, content, _ = plain(model, tokenizer, ASK)
+    assert (result.reasoning, result.content) == (reasoning, content)
+    assert result.text.startswith(reasoning) and result.text.endswith(content)
+    off = decoder.generate(forerun.GenerationRequest(ASK, NEW, chat_template_kwargs={"enable_thinking": False}))
+    assert off.reasoning is None and off.content == plain(model, tokenizer, ASK, False, enable_thinking=False)[1]
+    with pytest.raises(ValueError, match="'enable_thinkng' is not a variable"):
+        decoder.generate(forerun.GenerationRequest(ASK, 4, chat_template_kwargs={"enable_thinkng": False}))
