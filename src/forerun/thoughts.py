@@ -59,6 +59,15 @@ def thought_marks(tokenizer: object) -> ThoughtMarks | None:
     return None
 
 
+def thoughts_told(tokenizer: object) -> str:
+    """What `forerun serve` says at start of the thoughts it tells apart (the tokenizer's marks, or none)."""
+    marks = thought_marks(tokenizer)
+    if marks is None:
+        return "none told apart (the tokenizer has no thought marks of its own): a thought stays in content"
+    opening, closing = (tokenizer.convert_ids_to_tokens(mark) for mark in (marks.opening, marks.closing))
+    return f"between {opening} and {closing}, sent as reasoning (and reasoning_content)"
+
+
 def opened_by(tokenizer: object, marks: ThoughtMarks, prompt: Sequence[int]) -> bool:
     """Whether `prompt` (token ids) leaves a thought open: its last opening mark comes after its last closing mark
     and nothing but whitespace follows it (Qwen3.5's `...<|im_start|>assistant\\n<think>\\n`)."""

@@ -141,3 +141,21 @@ def test_the_library_gives_the_thought_apart_and_the_whole_text_as_generate_wrot
     assert off.reasoning is None and off.content == plain(model, tokenizer, ASK, False, enable_thinking=False)[1]
     with pytest.raises(ValueError, match="'enable_thinkng' is not a variable"):
         decoder.generate(forerun.GenerationRequest(ASK, 4, chat_template_kwargs={"enable_thinkng": False}))
+
+
+def test_a_servers_own_template_variables_hold_for_every_request_and_are_checked_at_start(served):
+    _, model, tokenizer = served
+    config = ServerConfig(MODEL, "plain", max_tokens_limit=NEW, chat_template_kwargs={"enable_thinking": False})
+    server = LiveServer(create_app(model, tokenizer, config))
+    try:
+        client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        message = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=NEW).choices[0].message
+        assert getattr(message, "reasoning", None) is None
+        assert message.content == plain(model, tokenizer, ASK, False, enable_thinking=False)[1]
+        on = {"chat_template_kwargs": {"enable_thinking": True}}
+        thinking = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=NEW, extra_body=on)
+        assert thinking.choices[0].message.reasoning == plain(model, tokenizer, ASK, False)[0]
+    finally:
+        server.stop()
+    with pytest.raises(ValueError, match="'enable_thinkng' is not a variable"):
+        create_app(model, tokenizer, ServerConfig(MODEL, "plain", chat_template_kwargs={"enable_thinkng": False}))

@@ -342,3 +342,11 @@ def test_template_variables_and_reasoning_effort_reach_the_template_only_where_i
     with pytest.raises(APIError) as refused:
         translate(body(reasoning_effort="low"), Limits(model_name="m"))
     assert refused.value.param == "reasoning_effort" and "reads no reasoning_effort" in refused.value.message
+
+
+def test_the_servers_template_variables_stand_unless_a_request_sets_its_own():
+    defaults = {"enable_thinking": False, "reasoning_effort": "high"}
+    limits = Limits(model_name="m", template_variables=frozenset(defaults), template_defaults=defaults)
+    assert translate(ChatRequest(messages=HI), limits).chat_template_kwargs == defaults
+    own = ChatRequest(messages=HI, chat_template_kwargs={"enable_thinking": True}, reasoning_effort="low")
+    assert translate(own, limits).chat_template_kwargs == {"enable_thinking": True, "reasoning_effort": "low"}

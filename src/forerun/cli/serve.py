@@ -58,6 +58,12 @@ WARM_UP_TOKENS = typer.Option(
     help="On a GPU, capture every graph before serving, for texts (prompt + answer) of up to this many tokens, "
     "single rows and the batch's; 0: each at its first use, in some request's time",
 )
+TEMPLATE_KWARGS = typer.Option(
+    "",
+    "--chat-template-kwargs",
+    help="""JSON object of chat template variables for every chat request, e.g. '{"enable_thinking": false}' """
+    "(Qwen3: no thought); a request's own chat_template_kwargs override them by name",
+)
 REQUEST_METHODS = typer.Option(
     "any",
     "--request-methods",
@@ -95,6 +101,7 @@ def serve(
     pack: str = PACK,
     compile_buckets: bool = COMPILE,
     chat_template: str = CHAT_TEMPLATE,
+    chat_template_kwargs: str = TEMPLATE_KWARGS,
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (completions, chat, streaming, /metrics)."""
     import uvicorn
@@ -102,6 +109,7 @@ def serve(
     from forerun.server import ServerConfig, create_app
     from forerun.server.lifecycle import GracefulServer
     from forerun.server.protocol import guarded_h11
+    from forerun.thoughts import thoughts_told
     from forerun.tool_specs import calls_taught
 
     check_limits(port, max_tokens_limit, timeout, max_queue, max_batch, prefix_cache, prefill_chunk, warm_up_tokens)
@@ -113,7 +121,7 @@ def serve(
         request_timeout_s=timeout, allowed_hosts=tuple(allow_host) or None, max_queue=max_queue, max_batch=max_batch,
         prefix_cache_tokens=prefix_cache, prefill_chunk=prefill_chunk, warm_up_tokens=warm_up_tokens,
         request_methods=parse_request_methods(request_methods), max_tree_nodes=spec.max_tree_nodes,
-        compile_buckets=spec.compile_buckets,
+        compile_buckets=spec.compile_buckets, chat_template_kwargs=parse_template_kwargs(chat_template_kwargs),
     )  # fmt: skip
     template = read_chat_template(chat_template) if chat_template else None
     lm, tokenizer, draft = spec.load()
@@ -122,6 +130,7 @@ def serve(
     with console.status("preparing the server (latency curves measured once per model, dtype and device; graphs)"):
         app = create_app(lm, tokenizer, config, draft)  # a bad cache file or knob stops here, in one line
     console.print(f"tool calls: {calls_taught(tokenizer)}", markup=False)  # marks such as [TOOL_CALLS]
+    console.print(f"thoughts: {thoughts_told(tokenizer)}", markup=False)
     freeze_start_up()  # the model, its tokenizer and the captured graphs: no full collection walks them again
     # On SIGTERM/SIGINT: stop accepting, give open requests 5 s, answer those left with 503 (streams: an error
     # event and [DONE]); the trie is saved after. guarded_h11: uvicorn's h11 with a deadline for request heads and
@@ -175,3 +184,24 @@ def parse_request_methods(text: str) -> tuple[str, ...] | None:
     if unknown:
         raise ValueError(f"--request-methods: unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
     return names
+
+
+def parse_template_kwargs(text: str) -> dict:
+    """`--chat-template-kwargs`: '' -> {}, a JSON object -> it (its names are checked against the template once
+    the model is loaded); anything else a ValueError naming the option.
+
+    Example:
+        >>> parse_template_kwargs('{"enable_thinking": false}')
+        {'enable_thinking': False}
+    """
+    import json
+
+    if not text.strip():
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError as error:
+        raise ValueError(f"--chat-template-kwargs must be a JSON object: {error}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"--chat-template-kwargs must be a JSON object, got {type(value).__name__}")
+    return value

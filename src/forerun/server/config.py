@@ -55,6 +55,10 @@ class ServerConfig:
     steps, minutes of compiling in the warm-up at start, once per process."""
     max_tree_nodes: int | None = None
     """Most tokens any request's forward may carry (`serve --max-tree-nodes`); None: what the curve affords."""
+    chat_template_kwargs: dict = field(default_factory=dict)
+    """Variables given to the chat template for every chat request (`serve --chat-template-kwargs`: Qwen3's
+    `{"enable_thinking": false}`); a request's own `chat_template_kwargs` override them by name. Each must be one the
+    template reads (`forerun.template_kwargs`), checked before serving."""
     request_methods: tuple[str, ...] | None = None
     """Methods a request may name in `forerun.method` besides the server's own (None: any). State learned from
     requests (the trie, the n-gram pool) is kept per `cache_salt` whatever is allowed; `()` keeps every request on

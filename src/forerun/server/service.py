@@ -47,7 +47,7 @@ from forerun.server.shaping import (
 )
 from forerun.server.stream import Calls, Reasoning, TokenStream, deltas, started, targets_of
 from forerun.server.translate import APIError, GenerationArgs, Limits, translate
-from forerun.template_kwargs import template_variables
+from forerun.template_kwargs import checked_template_kwargs, template_variables
 from forerun.thoughts import thought_marks
 from forerun.tool_specs import call_mark, parameters_of, short_call_ids, takes_tools
 
@@ -77,6 +77,7 @@ class Service:
             short_call_ids=short_call_ids(tokenizer),
             call_mark=call_mark(tokenizer),
             template_variables=template_variables(tokenizer),
+            template_defaults=checked_template_kwargs(config.chat_template_kwargs, template_variables(tokenizer)),
         )
         self.thoughts = thought_marks(tokenizer)
         """The marks of a reasoning model's thought, which chat answers send apart (`forerun.thoughts`)."""

@@ -74,6 +74,8 @@ class Limits:
     """Whether the chat template teaches tool calls in the format forerun reads (`forerun.tool_specs.takes_tools`)."""
     template_variables: frozenset[str] = frozenset()
     """The variables of the chat template a request may set (`forerun.template_kwargs`)."""
+    template_defaults: dict = field(default_factory=dict)
+    """Variables given to the template for every chat request (`ServerConfig.chat_template_kwargs`), checked."""
     short_call_ids: bool = False
     """Whether it takes only 9-character call ids (`forerun.tool_specs.short_call_ids`): the calls answered get such."""
     call_mark: int | None = None
@@ -260,16 +262,18 @@ def translate(body: ChatRequest | CompletionRequest, limits: Limits) -> Generati
 
 def template_kwargs_of(body: ChatRequest, limits: Limits) -> dict[str, Any] | None:
     """A chat request's `chat_template_kwargs`, each a variable the chat template reads, and its
-    `reasoning_effort` given to the template as vLLM gives it (gpt-oss's reads one); else a 400 naming the field."""
-    kwargs = dict(body.chat_template_kwargs or {})
+    `reasoning_effort` given to the template as vLLM gives it (gpt-oss's reads one), over the server's own
+    (`template_defaults`); else a 400 naming the field."""
+    own = dict(body.chat_template_kwargs or {})
     if body.reasoning_effort is not None:
         if "reasoning_effort" not in limits.template_variables:
             why = "this model's chat template reads no reasoning_effort (its thought's length is its own)"
             raise refuse("reasoning_effort", f"reasoning_effort is not supported: {why}")
         if body.reasoning_effort not in EFFORTS:
             raise refuse("reasoning_effort", f"reasoning_effort must be one of {', '.join(EFFORTS)}")
-        if kwargs.setdefault("reasoning_effort", body.reasoning_effort) != body.reasoning_effort:
+        if own.setdefault("reasoning_effort", body.reasoning_effort) != body.reasoning_effort:
             raise refuse("reasoning_effort", "reasoning_effort differs from chat_template_kwargs' reasoning_effort")
+    kwargs = {**limits.template_defaults, **own}
     if not kwargs:
         return None
     try:
