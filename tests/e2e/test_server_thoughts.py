@@ -86,6 +86,10 @@ def test_the_thought_comes_apart_from_the_answer_streamed_or_not(served, client)
     assert all(getattr(d, "reasoning", None) == getattr(d, "reasoning_content", None) for d in deltas)
     assert "".join(thought) == reasoning and len(thought) > 1  # streamed piece by piece
     assert "".join(d.content or "" for d in deltas) == content
+    scored = list(client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=NEW, logit_bias=bias,
+                                                 stream=True, logprobs=True))  # fmt: skip
+    entries = [e for c in scored if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert len(entries) == whole.usage.completion_tokens  # the thought's tokens ride with its deltas
 
 
 def test_template_kwargs_turn_the_thought_off_and_unknown_ones_are_refused(served, client):
