@@ -39,8 +39,8 @@ from transformers import LogitsProcessor
 
 from forerun.checks import MAX_DEPTH, check_text, nesting
 from forerun.thoughts import opened_by, thought_marks
-from forerun.tool_grammar import calls_grammar
-from forerun.tool_specs import CallForm, call_form, templates
+from forerun.tool_grammar import calls_grammar, thought_rules
+from forerun.tool_specs import CallForm, call_form, opens_thought, templates
 from forerun.tree import TokenTree
 
 logger = logging.getLogger(__name__)
@@ -98,20 +98,32 @@ def check_schema_entry(entry: object) -> None:
         raise ValueError("response_format's json_schema.strict must be true or false")
 
 
-def grammar_of(response_format: Mapping[str, Any], form: CallForm | None = None) -> str:
+def grammar_of(
+    response_format: Mapping[str, Any],
+    form: CallForm | None = None,
+    thought: tuple[str, ...] = (),
+    opened: bool = False,
+) -> str:
     """llguidance's grammar for a checked JSON format (any JSON object, or the given schema), or for a request's
     required tool calls ({"type": "tool_calls", "tools", "name", "parallel"} and "lazy" for strict ones under
     tool_choice auto: `GenerationRequest.held_format`, in the chat template's `form`:
-    `forerun.tool_grammar.calls_grammar`)."""
+    `forerun.tool_grammar.calls_grammar`). `thought`: a reasoning model's thought marks as grammar terms (`<[id]>`):
+    the JSON may follow a free thought, as vLLM holds only the answer after it; `opened`: the prompt opened the
+    thought, which the answer closes before its JSON."""
     from llguidance import LLMatcher
 
     if response_format["type"] == "tool_calls":
         tools, name, parallel = response_format["tools"], response_format["name"], response_format["parallel"]
         lazy = response_format.get("lazy", False)
         return LLMatcher.grammar_from_lark(calls_grammar(tools, name, parallel, form or CallForm(), lazy))
-    if response_format["type"] == "json_object":
-        return LLMatcher.grammar_from_json_schema({"type": "object"})
-    return LLMatcher.grammar_from_json_schema(response_format["json_schema"]["schema"])
+    schema = (
+        {"type": "object"} if response_format["type"] == "json_object" else response_format["json_schema"]["schema"]
+    )
+    if not thought:
+        return LLMatcher.grammar_from_json_schema(schema)
+    start = "closing data" if opened else "thinking? data"
+    lark = f"start: {start}\ndata: %json {json.dumps(schema, ensure_ascii=False)}\n{thought_rules(thought)}\n"
+    return LLMatcher.grammar_from_lark(lark)
 
 
 def shared_prefix(a: list[int], b: list[int]) -> int:
@@ -176,12 +188,14 @@ class Grammars:
         a request's `chat_template_kwargs` may change it, as Qwen3.5's `enable_thinking`)."""
         from llguidance import LLMatcher
 
-        form = None
+        form, thought, opened = None, (), False
         if response_format["type"] == "tool_calls":
             form = self.call_form()
             if form.thinks and prompt is not None and (marks := thought_marks(self.tokenizer)) is not None:
                 form = replace(form, opened=opened_by(self.tokenizer, marks, prompt))
-        grammar = grammar_of(response_format, form)
+        else:
+            thought, opened = self.thought(prompt)
+        grammar = grammar_of(response_format, form, thought, opened)
         with self.lock:
             tokens = self.tokens()
             if grammar in self.compiled:
@@ -196,6 +210,19 @@ class Grammars:
             while len(self.compiled) > MAX_COMPILED:
                 self.compiled.popitem(last=False)
         return matcher
+
+    def thought(self, prompt: Sequence[int] | None) -> tuple[tuple[str, ...], bool]:
+        """(the thought marks' grammar terms, whether `prompt` opened the thought) where the tokenizer has thought
+        marks of its own that llguidance reads as special tokens (`forerun.thoughts`); ((), False) elsewhere.
+        Without a prompt, the chat template's own generation prompt tells whether it opens the thought."""
+        marks = thought_marks(self.tokenizer)
+        if marks is None or not all(self.tokens().is_special_token(mark) for mark in (marks.opening, marks.closing)):
+            return (), False
+        if prompt is None:
+            opened = opens_thought(self.tokenizer, self.tokenizer.convert_ids_to_tokens(marks.opening))
+        else:
+            opened = opened_by(self.tokenizer, marks, prompt)
+        return (f"<[{marks.opening}]>", f"<[{marks.closing}]>"), opened
 
     def call_form(self) -> CallForm:
         """How the tokenizer's chat template writes calls (`forerun.tool_specs.call_form`: it reads every token),

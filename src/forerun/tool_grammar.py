@@ -57,14 +57,14 @@ def calls_grammar(
     if form.thinks:  # a thought first, free, as a reasoning model writes one; one the prompt opened closes first
         # (or, free, goes on to the answer's end)
         start = (f"closing ({body})" + (" | THOUGHT" if lazy else "")) if form.opened else f"thinking? ({body})"
-        return f"start: {start}\n{thought_rules(form)}\n{lexemes}{rules}\n"
+        return f"start: {start}\n{thought_rules(form.thought)}\n{lexemes}{rules}\n"
     return f"start: {body}\n{lexemes}{rules}\n"
 
 
-def thought_rules(form: CallForm) -> str:
+def thought_rules(thought: tuple[str, ...]) -> str:
     """A reasoning model's thought before its answer: free text between its own marks (`<think>` and `</think>`,
-    or `[THINK]` and `[/THINK]`), then maybe whitespace."""
-    opening, closing = form.thought
+    or `[THINK]` and `[/THINK]`: `thought`, their grammar terms), then maybe whitespace."""
+    opening, closing = thought
     return (f"thinking: {opening} closing\nclosing: THOUGHT? {closing} BREAK?\nTHOUGHT: /(?s:.+)/\n"
             "BREAK: /\\s+/")  # fmt: skip
 

@@ -10,6 +10,7 @@ import httpx
 import pytest
 from openai import OpenAI
 from test_server import LiveServer
+from transformers import LogitsProcessorList
 
 import forerun
 from forerun.server import ServerConfig, create_app
@@ -163,3 +164,29 @@ def test_a_servers_own_template_variables_hold_for_every_request_and_are_checked
         server.stop()
     with pytest.raises(ValueError, match="'enable_thinkng' is not a variable"):
         create_app(model, tokenizer, ServerConfig(MODEL, "plain", chat_template_kwargs={"enable_thinkng": False}))
+
+
+def test_a_json_answer_follows_the_thought_the_prompt_opened(served):
+    """`response_format` holds the answer after the thought: the thought is free and comes apart, the JSON is the
+    content; the text is plain generate's with the request's constraint (and the bias). A seed-1 model: it closes
+    its thought after 21 tokens, then opens its object."""
+    _, _, tokenizer = served
+    model = tiny_model("llama", "sdpa", seed=1, vocab_size=len(tokenizer), max_position_embeddings=1024)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "x-guidance": {"whitespace_flexible": False}}
+    held = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+    decoder = forerun.Decoder(model, tokenizer, "auto")
+    ids = decoder.encode(ASK)
+    ends = frozenset({tokenizer.eos_token_id})
+    constraint = decoder.grammars.constraint(held, ids.shape[1], ends, ids[0].tolist())
+    closing = tokenizer.convert_tokens_to_ids("</think>")
+    bias = {(closing,): 0.35}
+    out = model.generate(ids, max_new_tokens=NEW, do_sample=False, pad_token_id=0, sequence_bias=bias,
+                         logits_processor=LogitsProcessorList([constraint]))  # fmt: skip
+    new = out[0, ids.shape[1] :].tolist()
+    thought = thought_in(tokenizer, thought_marks(tokenizer), new, opened=True)
+    reasoning, content = split(complete(tokenizer.decode(new, skip_special_tokens=True)), thought)
+    assert reasoning and content.startswith("{")  # a thought, then JSON (cut off by max_tokens, perhaps)
+    result = decoder.generate(ASK, NEW, response_format=held, sequence_bias=bias)
+    assert result.sequences[0, ids.shape[1] :].tolist() == new
+    assert (result.reasoning, result.content) == (reasoning, content)

@@ -151,3 +151,26 @@ def test_a_result_shows_its_thought_apart_and_reads_its_calls_after_it():
     cut = GenerationResult(torch.tensor([[0, *new]]), 1, text, stats, ["model"] * len(new), stop_at=9,
                            thought=thought)  # fmt: skip
     assert (cut.reasoning, cut.content) == ("Ad", "")
+
+
+def test_a_json_answer_may_follow_a_thought_and_closes_one_its_prompt_opened():
+    """`response_format` holds the answer after the thought (as vLLM does with a reasoning parser), not the thought:
+    JSON at once or after a free thought; where the prompt opened the thought, it is closed before the JSON. A
+    tokenizer without marks gets JSON from the first token, as before."""
+    from forerun.structured import Grammars
+
+    def accepts(tokenizer, text: str, prompt: str) -> bool:
+        grammars = Grammars(tokenizer, len(tokenizer), tokenizer.eos_token_id)
+        prompt_ids = ids(tokenizer, prompt)
+        matcher = grammars.constraint({"type": "json_object"}, len(prompt_ids), ends, prompt_ids).fresh()
+        return matcher.consume_tokens(ids(tokenizer, text)) and matcher.is_accepting()
+
+    tokenizer, plain = qwen_tokenizer(), byte_tokenizer()
+    ends = frozenset({tokenizer.eos_token_id})
+    answer = '{"a": 1}'
+    assert accepts(tokenizer, answer, "Hi") and accepts(
+        tokenizer, f'<think>\nIt is {{"a": 1}}?\n</think>\n\n{answer}', "Hi"
+    )
+    assert not accepts(tokenizer, "<think>x</think>not JSON", "Hi") and not accepts(tokenizer, "<think>x", "Hi")
+    assert accepts(tokenizer, f"x</think>\n{answer}", "Hi<think>\n") and not accepts(tokenizer, answer, "Hi<think>\n")
+    assert accepts(plain, answer, "Hi") and not accepts(plain, f"<think>x</think>{answer}", "Hi")
