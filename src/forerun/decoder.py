@@ -322,10 +322,13 @@ class Decoder:
 
         return finished()
 
-    def check_prompt(self, prompt: Prompt, max_new_tokens: int = 256, chat: bool = False) -> torch.Tensor:
+    def check_prompt(
+        self, prompt: Prompt, max_new_tokens: int = 256, chat: bool = False, **shown: object
+    ) -> torch.Tensor:
         """The prompt's input_ids [1, L] if `generate` would take it with `max_new_tokens`; otherwise the
-        ValueError `generate` would raise (empty, ids outside the vocabulary, beyond the model's context)."""
-        ids = self.encode(prompt, chat)
+        ValueError `generate` would raise (empty, ids outside the vocabulary, beyond the model's context).
+        `shown`: `tools` and `template_kwargs`, as `encode` takes them."""
+        ids = self.encode(prompt, chat, **shown)
         check_context(self.model, ids, max_new_tokens)
         return ids
 

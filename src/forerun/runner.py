@@ -3,9 +3,11 @@
 Input rows: `{"id": ..., "prompt": "..."}` or `{"id": ..., "messages": [...]}`, with optional per-row settings that
 override the command's (`max_new_tokens`, `chat`, `stop`, `do_sample`, `temperature`, `top_p`, `top_k`, `min_p`,
 `repetition_penalty`, `frequency_penalty`, `presence_penalty`, `seed`; the penalties act on greedy rows too;
-`response_format`, OpenAI's, for JSON answers; `tools` and `tool_choice`, OpenAI's, for calls).
+`response_format`, OpenAI's, for JSON answers; `tools` and `tool_choice`, OpenAI's, for calls; `chat_template_kwargs`,
+variables the chat template reads, such as Qwen3's `enable_thinking`).
 Output rows: `{"id", "text", "tokens", "prompt_tokens", "stats"}`, one per record, and `"tool_calls"` (each
-`{"name", "arguments"}`, the arguments as JSON text) where the record offered tools;
+`{"name", "arguments"}`, the arguments as JSON text) where the record offered tools, `"reasoning"` and `"content"`
+where a reasoning model thought first (`forerun.thoughts`: the thought, and the answer after it);
 `text` ends before the first stop string, as the server's answers do.
 
 Batching: every record is its own `GenerationRequest`, so records with different settings (greedy beside sampled,
@@ -46,7 +48,8 @@ from forerun.penalties import REQUEST_FIELDS as PENALTY_FIELDS
 from forerun.request import GenerationRequest
 
 SETTINGS = ("max_new_tokens", "chat", "stop", "do_sample", "temperature", "top_p", "top_k", "min_p",
-            "repetition_penalty", *PENALTY_FIELDS, "seed", "response_format", "tools", "tool_choice")  # fmt: skip
+            "repetition_penalty", *PENALTY_FIELDS, "seed", "response_format", "tools", "tool_choice",
+            "chat_template_kwargs")  # fmt: skip
 """Per-row settings a record may carry (they override the command's)."""
 
 
@@ -71,6 +74,7 @@ class Record:
         penalties = {k: settings.pop(k) for k in PENALTY_FIELDS if k in settings}
         response_format = settings.pop("response_format", None)
         tools, tool_choice = settings.pop("tools", None), settings.pop("tool_choice", None)
+        template_kwargs = settings.pop("chat_template_kwargs", None)
         generation = {k: v for k, v in settings.items() if v is not None}
         do_sample = bool(generation.pop("do_sample", False))
         if not do_sample:  # the command's sampling settings idle; a repetition penalty acts on greedy rows too
@@ -86,6 +90,7 @@ class Record:
             response_format=response_format,
             tools=tools,
             tool_choice=tool_choice,
+            chat_template_kwargs=template_kwargs,
             **{k: v for k, v in penalties.items() if v is not None},  # request fields, not transformers settings
         )
 
@@ -280,8 +285,11 @@ def decode_records(decoder, records: list[Record], batch_size: int) -> Iterator[
     for record in records:
         try:
             request = record.request()
-            ids = decoder.check_prompt(record.prompt, request.max_new_tokens, request.chat)  # encoded once, here
-            requests.append(replace(request, prompt=ids))
+            shown = {"tools": request.shown_tools, "template_kwargs": request.chat_template_kwargs}
+            ids = decoder.check_prompt(record.prompt, request.max_new_tokens, request.chat, **shown)
+            # encoded once, here; a record with tools keeps its messages, which show them (its calls are read back
+            # by the tools it was asked with)
+            requests.append(request if request.shown_tools else replace(request, prompt=ids, chat_template_kwargs=None))
             admitted.append(record)
         except ValueError as error:
             yield {"id": record.ident, "error": str(error)}
@@ -294,10 +302,13 @@ def decode_records(decoder, records: list[Record], batch_size: int) -> Iterator[
 def output_row(record: Record, result) -> dict:
     """{"id", "text", "tokens", "prompt_tokens", "stats"} of one decoded record. `text` ends where the first stop
     string begins (as the server's answers do); `tokens` are every token generated, the one that completed the stop
-    string included; `tool_calls` where the record offered tools."""
-    calls = {}
+    string included; `tool_calls` where the record offered tools; `reasoning` and `content` where the model
+    thought first."""
+    extra = {}
     if result.tool_calls is not None:
-        calls = {"tool_calls": [{"name": call.name, "arguments": call.arguments} for call in result.tool_calls]}
+        extra = {"tool_calls": [{"name": call.name, "arguments": call.arguments} for call in result.tool_calls]}
+    if result.thought is not None:  # a reasoning model's thought, apart from its answer
+        extra |= {"reasoning": result.reasoning, "content": result.content}
     return {
         "id": record.ident,
         "text": result.shown_text if result.text is not None else None,
@@ -309,7 +320,7 @@ def output_row(record: Record, result) -> dict:
             "acceptance": round(result.stats.acceptance_rate, 3),
             "seconds": round(result.stats.total_seconds, 3),
         },
-        **calls,
+        **extra,
     }
 
 

@@ -6,6 +6,8 @@ plain generate's from the same prompt, with the same bias."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 from openai import OpenAI
@@ -190,3 +192,25 @@ def test_a_json_answer_follows_the_thought_the_prompt_opened(served):
     result = decoder.generate(ASK, NEW, response_format=held, sequence_bias=bias)
     assert result.sequences[0, ids.shape[1] :].tolist() == new
     assert (result.reasoning, result.content) == (reasoning, content)
+
+
+def test_a_jsonl_run_writes_the_thought_apart_and_takes_a_records_template_variables(served, tmp_path):
+    """`forerun run`: a record's row carries `reasoning` and `content` where the model thought (its `text` still
+    the whole text), and a record's own `chat_template_kwargs` reach the template (a misspelt one fails only its
+    record)."""
+    from forerun.runner import parse_record, run_records
+
+    _, model, tokenizer = served
+    lines = [{"id": "think", "messages": ASK},
+             {"id": "off", "messages": ASK, "chat_template_kwargs": {"enable_thinking": False}},
+             {"id": "bad", "messages": ASK, "chat_template_kwargs": {"enable_thinkng": False}}]  # fmt: skip
+    records = [parse_record(json.dumps(line), k + 1, {"max_new_tokens": NEW}, k) for k, line in enumerate(lines)]
+    out = tmp_path / "out.jsonl"
+    run_records(forerun.Decoder(model, tokenizer, "auto"), records, out, batch_size=2)
+    rows = {row["id"]: row for row in map(json.loads, out.read_text().splitlines())}
+    reasoning, content, _ = plain(model, tokenizer, ASK, biased=False)
+    assert (rows["think"]["reasoning"], rows["think"]["content"]) == (reasoning, content)
+    assert rows["think"]["text"].startswith(reasoning)
+    assert "reasoning" not in rows["off"]
+    assert rows["off"]["text"] == plain(model, tokenizer, ASK, False, enable_thinking=False)[1]
+    assert "'enable_thinkng' is not a variable" in rows["bad"]["error"]

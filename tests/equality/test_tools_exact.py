@@ -145,3 +145,35 @@ def test_tools_need_a_template_that_takes_them_and_a_chat_prompt(tokenizer):
         decoder.generate("Weather?", 4, tools=TOOLS)
     assert decoder.generate("Weather?", 4, tools=TOOLS, chat=True).tool_calls is not None
     assert decoder.generate(MESSAGES[0], 4).tool_calls is None
+
+
+def test_a_jsonl_run_offers_each_records_tools_and_writes_generates_held_text(tokenizer, tmp_path):
+    """`forerun run`: a record with tools and a required call writes plain generate's held text and its row lists
+    the call; a record without tools beside it writes generate's text (the records had been encoded without their
+    tools, and such a record failed)."""
+    import json
+
+    from forerun.runner import parse_record, run_records
+
+    model = model_of("llama", "sdpa", tokenizer)
+    decoder = forerun.Decoder(model, tokenizer, "auto", latency=CURVE)
+    messages = MESSAGES[1]
+    lines = [{"id": "call", "messages": messages, "tools": TOOLS, "tool_choice": "required"},
+             {"id": "free", "messages": messages}]  # fmt: skip
+    records = [parse_record(json.dumps(line), k + 1, {"max_new_tokens": NEW}, k) for k, line in enumerate(lines)]
+    out = tmp_path / "out.jsonl"
+    run_records(decoder, records, out, batch_size=2)
+    rows = {row["id"]: row for row in map(json.loads, out.read_text().splitlines())}
+    assert "error" not in rows["call"], rows["call"]
+    for name, tools in (("call", TOOLS), ("free", None)):
+        ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, return_tensors="pt",
+                                            return_dict=True)["input_ids"]  # fmt: skip
+        request = forerun.GenerationRequest(messages, NEW, tools=tools, tool_choice="required" if tools else None)
+        held = request.held_format and decoder.grammars.constraint(request.held_format, ids.shape[1],
+                                                                   frozenset({tokenizer.eos_token_id}))  # fmt: skip
+        out = model.generate(ids, max_new_tokens=NEW, do_sample=False, pad_token_id=0,
+                             logits_processor=LogitsProcessorList([held] if held else []))  # fmt: skip
+        assert rows[name]["tokens"] == out[0, ids.shape[1] :].tolist(), name
+    calls = read_calls(rows["call"]["text"], parameters_of(TOOLS))[1]  # a list of calls, perhaps cut by the end
+    assert rows["call"]["tool_calls"] == [{"name": c.name, "arguments": c.arguments} for c in calls]
+    assert rows["call"]["text"].startswith("<tool_call>") and "tool_calls" not in rows["free"]
