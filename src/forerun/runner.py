@@ -287,6 +287,8 @@ def decode_records(decoder, records: list[Record], batch_size: int) -> Iterator[
             request = record.request()
             shown = {"tools": request.shown_tools, "template_kwargs": request.chat_template_kwargs}
             ids = decoder.check_prompt(record.prompt, request.max_new_tokens, request.chat, **shown)
+            if request.held_format is not None:  # a schema no grammar holds fails its record here, not the run
+                decoder.grammars.compile(request.held_format, ids[0].tolist())
             # encoded once, here; a record with tools keeps its messages, which show them (its calls are read back
             # by the tools it was asked with)
             requests.append(request if request.shown_tools else replace(request, prompt=ids, chat_template_kwargs=None))

@@ -150,7 +150,7 @@ def test_tools_need_a_template_that_takes_them_and_a_chat_prompt(tokenizer):
 def test_a_jsonl_run_offers_each_records_tools_and_writes_generates_held_text(tokenizer, tmp_path):
     """`forerun run`: a record with tools and a required call writes plain generate's held text and its row lists
     the call; a record without tools beside it writes generate's text (the records had been encoded without their
-    tools, and such a record failed)."""
+    tools, and such a record stopped the run); a schema no grammar holds fails its own record, not the run."""
     import json
 
     from forerun.runner import parse_record, run_records
@@ -158,8 +158,13 @@ def test_a_jsonl_run_offers_each_records_tools_and_writes_generates_held_text(to
     model = model_of("llama", "sdpa", tokenizer)
     decoder = forerun.Decoder(model, tokenizer, "auto", latency=CURVE)
     messages = MESSAGES[1]
+    broken = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "a": {"$ref": "#/definitions/missing"}}}}}  # fmt: skip
+    unheld = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nope"}}}
     lines = [{"id": "call", "messages": messages, "tools": TOOLS, "tool_choice": "required"},
-             {"id": "free", "messages": messages}]  # fmt: skip
+             {"id": "free", "messages": messages},
+             {"id": "broken", "messages": messages, "tools": [broken], "tool_choice": "required"},
+             {"id": "unheld", "messages": messages, "response_format": unheld}]  # fmt: skip
     records = [parse_record(json.dumps(line), k + 1, {"max_new_tokens": NEW}, k) for k, line in enumerate(lines)]
     out = tmp_path / "out.jsonl"
     run_records(decoder, records, out, batch_size=2)
@@ -177,3 +182,5 @@ def test_a_jsonl_run_offers_each_records_tools_and_writes_generates_held_text(to
     calls = read_calls(rows["call"]["text"], parameters_of(TOOLS))[1]  # a list of calls, perhaps cut by the end
     assert rows["call"]["tool_calls"] == [{"name": c.name, "arguments": c.arguments} for c in calls]
     assert rows["call"]["text"].startswith("<tool_call>") and "tool_calls" not in rows["free"]
+    assert "not a schema forerun can hold a call to" in rows["broken"]["error"]  # its own record only, not the run
+    assert "not one forerun can hold an answer to" in rows["unheld"]["error"]
