@@ -8,11 +8,12 @@ one (its first token past whitespace is the opening mark) or where the prompt di
 generation prompts end in `<think>\\n`), and it runs to the first closing mark, or to the answer's end where the
 answer ended inside it.
 
-Example (Qwen3's marks, `<think>` = 7 and `</think>` = 8, other tokens one letter each):
-    >>> marks = ThoughtMarks(7, 8)
-    >>> ids = [7, *letters("hmm"), 8, *letters("Hi")]          # doctest: +SKIP
-    >>> thought_in(tokenizer, marks, ids, opened=False)       # doctest: +SKIP
-    Thought(start=7, end=10, after=18, tokens=4)              # "<think>hmm</think>Hi": text[7:10] is "hmm"
+Example (a Qwen3 answer of 4 tokens, `<think>`, "hmm", `</think>` and "Hi", whose marks the text shows):
+    >>> thought = thought_in(tokenizer, thought_marks(tokenizer), answer_ids, opened=False)  # doctest: +SKIP
+    >>> thought                                                                             # doctest: +SKIP
+    Thought(start=7, end=10, after=18, tokens=3)
+    >>> split("<think>hmm</think>Hi", Thought(start=7, end=10, after=18, tokens=3))
+    ('hmm', 'Hi')
 """
 
 from __future__ import annotations

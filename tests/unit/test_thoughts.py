@@ -4,10 +4,9 @@ result's `reasoning` and `content`, and a chat stream's `Reasoning` and content 
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 import torch
+from streams import queued
 
 from forerun import GenerationResult
 from forerun.server.stream import Calls, Reasoning, TokenStream
@@ -105,19 +104,9 @@ def test_a_watch_follows_the_answer_token_by_token_as_the_whole_reads_it():
 
 def streamed(tokenizer, answer: str, prompt: str = "Hi", stops=(), tools=None) -> tuple[str, str, list]:
     """(reasoning, content, calls) a chat stream sends for `answer`, put a token at a time."""
-    loop = asyncio.new_event_loop()
-    try:
-        stream = TokenStream(tokenizer, loop, list(stops), tools=tools, thoughts=thought_marks(tokenizer))
-        stream.put(torch.tensor([ids(tokenizer, prompt)]))
-        for token in ids(tokenizer, answer):
-            stream.put(torch.tensor([token]))
-        stream.end()
-        loop.run_until_complete(asyncio.sleep(0))
-        items = []
-        while (item := stream.queue.get_nowait()) is not None:
-            items.append(item)
-    finally:
-        loop.close()
+    marks = thought_marks(tokenizer)
+    stream = lambda loop: TokenStream(tokenizer, loop, list(stops), tools=tools, thoughts=marks)  # noqa: E731
+    items = queued(stream, ids(tokenizer, prompt), ids(tokenizer, answer))
     reasoning = "".join(extra.text for _, extra in items if isinstance(extra, Reasoning))
     content = "".join(delta for delta, extra in items if not isinstance(extra, (Reasoning, Calls)))
     assert sum(isinstance(extra, Reasoning) for _, extra in items) > 1 or len(reasoning) < 3  # piece by piece

@@ -3,11 +3,11 @@ shipped chat template, and a stream that holds a call back until the answer ends
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import pytest
 import torch
+from streams import queued
 
 from forerun import GenerationRequest, GenerationResult
 from forerun.server.stream import Calls, TokenStream
@@ -218,21 +218,9 @@ def test_the_shipped_template_shows_tools_calls_and_answers():
 def streamed(text: str, stops: list[str], pieces: int = 1) -> list:
     """The items a tools stream queues for `text` put `pieces` tokens at a time."""
     tokenizer = byte_tokenizer()
-    loop = asyncio.new_event_loop()
-    try:
-        stream = TokenStream(tokenizer, loop, stops, tools=frozenset({"add", "now"}))
-        stream.put(torch.tensor([[1, 2]]))  # the prompt
-        ids = tokenizer.encode(text, add_special_tokens=False)
-        for start in range(0, len(ids), pieces):
-            stream.put(torch.tensor(ids[start : start + pieces]))
-        stream.end()
-        loop.run_until_complete(asyncio.sleep(0))
-        items = []
-        while (item := stream.queue.get_nowait()) is not None:
-            items.append(item)
-        return items
-    finally:
-        loop.close()
+    answer = tokenizer.encode(text, add_special_tokens=False)
+    return queued(lambda loop: TokenStream(tokenizer, loop, stops, tools=frozenset({"add", "now"})), [1, 2], answer,
+                  pieces)  # fmt: skip
 
 
 def test_a_tools_stream_sends_content_as_it_comes_and_calls_whole_at_the_end():

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from streams import queued
 
 from forerun.structured import Grammars
 from forerun.tool_calls import ToolCall, read_calls
@@ -176,7 +177,6 @@ def test_a_thought_or_words_before_mistrals_mark_are_content_and_the_calls_after
     """The decoded answer drops `[TOOL_CALLS]` (and a Magistral's `[THINK]` ... `[/THINK]`): where the answer holds
     the mark after words, the text before it is content and what follows it is read as calls, by the result and by
     a stream (which never sends the calls' text as content); a required call may follow a thought in those marks."""
-    import asyncio
 
     import torch
     from llguidance import LLMatcher
@@ -203,19 +203,7 @@ def test_a_thought_or_words_before_mistrals_mark_are_content_and_the_calls_after
                               calls_at=at)  # fmt: skip
     assert result.content == "Add them.Let me add."
 
-    loop = asyncio.new_event_loop()
-    try:
-        stream = TokenStream(tokenizer, loop, [], tools=frozenset(names), mark=mark)
-        stream.put(torch.tensor([[1, 2]]))  # the prompt
-        for token in ids:
-            stream.put(torch.tensor([token]))
-        stream.end()
-        loop.run_until_complete(asyncio.sleep(0))
-        items = []
-        while (item := stream.queue.get_nowait()) is not None:
-            items.append(item)
-    finally:
-        loop.close()
+    items = queued(lambda loop: TokenStream(tokenizer, loop, [], tools=frozenset(names), mark=mark), [1, 2], ids)
     assert "".join(delta for delta, extra in items if not isinstance(extra, Calls)) == "Add them.Let me add."
     assert items[-1][1].calls == calls and len(items) > 2  # the words streamed as they came
 

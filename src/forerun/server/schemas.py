@@ -110,6 +110,31 @@ class ChatRequest(CommonRequest):
     """vLLM's, SGLang's and llama.cpp's: variables the chat template reads (Qwen3's `enable_thinking`)."""
 
 
+class TokenizeRequest(BaseModel):
+    """vLLM's `/tokenize`: a text prompt, or chat messages through the chat template (with its tools and
+    variables), into the ids the model would read."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: StrictStr | None = None
+    prompt: StrictStr | None = None
+    messages: list[Message] | None = Field(default=None, min_length=1, max_length=MAX_MESSAGES)
+    add_special_tokens: StrictBool = True
+    """A text prompt's: the tokenizer's own special tokens (a BOS) added, as a completion's prompt gets them."""
+    add_generation_prompt: StrictBool = True
+    """Messages': the assistant's turn opened after them, as a chat completion's prompt ends."""
+    tools: list[Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: StrictBool = False
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's `/detokenize`: token ids into text."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: StrictStr | None = None
+    tokens: list[StrictInt]
+
+
 class ErrorBody(BaseModel):
     message: str
     type: str

@@ -72,6 +72,7 @@ class Service:
             request_methods=config.request_methods,
             head=config.draft_head is not None,
             vocab_size=getattr(model.config.get_text_config(decoder=True), "vocab_size", None),
+            context=getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None),
             eos_token_ids=tuple(sorted(eos_ids_of(model, None))),
             tools=takes_tools(tokenizer),
             short_call_ids=short_call_ids(tokenizer),

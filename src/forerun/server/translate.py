@@ -74,6 +74,8 @@ class Limits:
     """Whether the chat template teaches tool calls in the format forerun reads (`forerun.tool_specs.takes_tools`)."""
     template_variables: frozenset[str] = frozenset()
     """The variables of the chat template a request may set (`forerun.template_kwargs`)."""
+    context: int | None = None
+    """The model's context length in tokens (`/tokenize`'s `max_model_len`), where its config gives one."""
     template_defaults: dict = field(default_factory=dict)
     """Variables given to the template for every chat request (`ServerConfig.chat_template_kwargs`), checked."""
     short_call_ids: bool = False

@@ -1,0 +1,71 @@
+"""vLLM's `/tokenize` and `/detokenize`: a prompt into the ids the model reads (a chat's through its template, as
+a chat completion renders it: a client counts a conversation's tokens before it sends it), and ids into text.
+
+Example:
+    >>> import httpx                                                                             # doctest: +SKIP
+    >>> httpx.post(url + "/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}).json()  # doctest: +SKIP
+    {'count': 13, 'max_model_len': 8192, 'tokens': [1, 9690, ...]}
+    >>> httpx.post(url + "/detokenize", json={"tokens": [9690]}).json()                         # doctest: +SKIP
+    {'prompt': 'system'}
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from forerun.checks import check_text
+from forerun.server.fields import APIError, refuse
+from forerun.server.schemas import ChatRequest, DetokenizeRequest, TokenizeRequest
+from forerun.server.translate import Limits, translate
+
+
+async def tokenized(service, body: TokenizeRequest) -> dict:
+    """`/tokenize`'s answer: {"count", "max_model_len", "tokens"} and "token_strs" where asked; a 400 names what
+    is wrong (both or neither of prompt and messages, anything a chat completion refuses in its messages)."""
+    check_model(body.model, service.limits)
+    if (body.prompt is None) == (body.messages is None):
+        raise refuse("prompt", "give a prompt or messages, one of them")
+    tokenizer = service.tokenizer
+    if body.prompt is not None:
+        try:
+            check_text("prompt", body.prompt)
+        except ValueError as error:
+            raise refuse("prompt", str(error)) from None
+        ids = (await asyncio.to_thread(tokenizer, body.prompt, add_special_tokens=body.add_special_tokens))["input_ids"]
+    else:
+        chat = ChatRequest(messages=body.messages, tools=body.tools, chat_template_kwargs=body.chat_template_kwargs)
+        args = translate(chat, service.limits)  # the messages, tools and variables a chat completion takes
+        ids = await asyncio.to_thread(rendered, tokenizer, args, body.add_generation_prompt)
+    answer = {"count": len(ids), "max_model_len": service.limits.context, "tokens": ids}
+    if body.return_token_strs:
+        answer["token_strs"] = tokenizer.convert_ids_to_tokens(ids)
+    return answer
+
+
+def rendered(tokenizer, args, generation_prompt: bool) -> list[int]:
+    """The ids a chat completion's prompt would be (its messages, tools and template variables, as `translate`
+    checked them), its assistant turn opened where `generation_prompt`; the template's refusal is a 400."""
+    try:
+        return tokenizer.apply_chat_template(
+            args.prompt, tools=list(args.tools) or None, add_generation_prompt=generation_prompt, tokenize=True,
+            return_dict=True, **(args.chat_template_kwargs or {}),
+        )["input_ids"]  # fmt: skip
+    except Exception as error:  # the template runs on the caller's messages: its refusals are theirs
+        raise APIError(400, f"the chat template refused these messages: {error}", "messages") from None
+
+
+def detokenized(service, body: DetokenizeRequest) -> dict:
+    """`/detokenize`'s answer: {"prompt": the text of `tokens`}; an id outside the vocabulary is a 400."""
+    check_model(body.model, service.limits)
+    vocab = service.limits.vocab_size or len(service.tokenizer)
+    bad = next((i for i, token in enumerate(body.tokens) if not 0 <= token < vocab), None)
+    if bad is not None:
+        raise refuse("tokens", f"tokens[{bad}] is {body.tokens[bad]}, outside the vocabulary [0, {vocab})")
+    return {"prompt": service.tokenizer.decode(body.tokens)}
+
+
+def check_model(model: str | None, limits: Limits) -> None:
+    """A named model must be the one served (404 otherwise), as the completions' `model` field."""
+    if model not in (None, limits.model_name):
+        message = f"model {model!r} is not served here; this server runs {limits.model_name!r}"
+        raise APIError(404, message, "model", "not_found_error")
