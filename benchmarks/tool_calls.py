@@ -17,7 +17,10 @@ Three workloads, each an agent's step on a real dataset's task:
         --new-tokens 128 --methods plain,auto --out benchmarks/results/tool-calls-auto-qwen15-bf16-epyc-avx512.json
 
 `--chat-template FILE` shows the tools through another template (one teaching Llama 3's bare JSON calls, say: a
-required call is then held to that form).
+required call is then held to that form). `--add-tokens A,B` adds special tokens the template's calls are marked
+with where the model's tokenizer lacks them (LFM2's `<|tool_call_start|>`, on SmolLM2), the model's embeddings
+grown to match (transformers' mean of the others: the same model for every run; its weights then stay as
+transformers lays them out).
 
 With `--choice auto` the model decides whether to call (nothing is held: the baseline is plain generate from the
 same prompt); "calls" counts the answers it made calls in. `--strict` marks every function strict: under auto the
@@ -66,9 +69,13 @@ def run(args: argparse.Namespace) -> dict:
     """Per (workload, method): tokens, seconds, forwards, per-prompt speedups over held generate, outputs identical
     to it, others first different at a tie (bf16), answers whose calls were read."""
     workloads, n, methods, new_tokens = args.workloads.split(","), args.n, args.methods.split(","), args.new_tokens
-    model, tokenizer = forerun.load_model(args.model, dtype=args.dtype)
+    # added tokens grow the embeddings, which a layout for oneDNN's kernels cannot: transformers' own then
+    model, tokenizer = forerun.load_model(args.model, dtype=args.dtype, pack=False if args.add_tokens else None)
     if args.chat_template:  # a file, or a template forerun ships by name
         tokenizer.chat_template = read_chat_template(args.chat_template)
+    if args.add_tokens:  # marks the template's calls need and this tokenizer lacks
+        tokenizer.add_special_tokens({"additional_special_tokens": args.add_tokens.split(",")})
+        model.resize_token_embeddings(len(tokenizer))
     elif not takes_tools(tokenizer):  # SmolLM2's own template takes no tools
         tokenizer.chat_template = shipped_template("chatml-tools")
     decoders = {m: forerun.Decoder(model, tokenizer, m) for m in methods}
@@ -143,6 +150,7 @@ def main() -> None:
     parser.add_argument("--methods", default="plain,prompt_lookup,auto")
     parser.add_argument("--strict", action="store_true", help="mark every function strict (held once called)")
     parser.add_argument("--chat-template", default=None, help="a template file, or a shipped template's name")
+    parser.add_argument("--add-tokens", default="", help="special tokens to add (comma-separated), embeddings grown")
     parser.add_argument("--new-tokens", type=int, default=192)
     parser.add_argument("--dtype", default="fp32")
     parser.add_argument("--threads", type=int, default=1)

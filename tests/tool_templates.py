@@ -167,3 +167,27 @@ QWEN35_XML = (
 )
 """Shaped as Qwen3.5's (and Qwen3-Coder's) template: each call XML in its own `<tool_call>` block, `<function=name>`
 and a `<parameter=key>` element per argument, a string's value as it is, an object or a list as JSON."""
+
+LFM2_PYTHONIC = (
+    "{%- set ns = namespace(system='') -%}"
+    "{%- if messages[0].role == 'system' -%}{%- set ns.system = messages[0].content -%}"
+    "{%- set messages = messages[1:] -%}{%- endif -%}"
+    "{%- if tools -%}{%- set ns.system = ns.system + ('\n' if ns.system else '') + 'List of tools: "
+    "<|tool_list_start|>[' -%}"
+    "{%- for tool in tools -%}{%- set ns.system = ns.system + (tool | tojson) + ('' if loop.last else ', ') -%}"
+    "{%- endfor -%}{%- set ns.system = ns.system + ']<|tool_list_end|>' -%}{%- endif -%}"
+    "{%- if ns.system -%}{{ '<|im_start|>system\n' + ns.system + '<|im_end|>\n' }}{%- endif -%}"
+    "{%- for message in messages -%}{{ '<|im_start|>' + message.role + '\n' }}"
+    "{%- set content = message.content if message.content is string else '' -%}"
+    "{%- if message.role == 'tool' -%}{%- set content = '<|tool_response_start|>' + content + "
+    "'<|tool_response_end|>' -%}{%- endif -%}"
+    "{{ content + '<|im_end|>\n' }}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}"
+)
+"""Shaped as LFM2's template: the tools as JSON after `<|tool_list_start|>` in the system message, a tool's answer
+between `<|tool_response_start|>` and `<|tool_response_end|>`, an assistant's calls only as its content (the model
+writes `<|tool_call_start|>[name(key=value)]<|tool_call_end|>`); the words are ours."""
+
+LFM2_MARKS = ["<|tool_call_start|>", "<|tool_call_end|>", "<|tool_list_start|>", "<|tool_list_end|>",
+              "<|tool_response_start|>", "<|tool_response_end|>"]  # fmt: skip
+"""LFM2's special tokens of its tool calls."""

@@ -19,7 +19,8 @@ from transformers import PreTrainedTokenizerBase
 from forerun.checks import MAX_DEPTH, check_text, check_text_length, nesting
 from forerun.request import Prompt
 from forerun.template_kwargs import checked_template_kwargs, template_variables
-from forerun.tool_specs import takes_tools
+from forerun.tool_pythonic import into_content
+from forerun.tool_specs import kind_of, takes_tools, templates
 
 
 def encode_prompt(
@@ -108,10 +109,25 @@ def ids_of_text(
             "forerun.tool_specs.shipped_template('chatml-tools'), --chat-template chatml-tools on the command line)"
         )
     kwargs = checked_template_kwargs(template_kwargs, template_variables(tokenizer)) if template_kwargs else {}
+    return torch.tensor([rendered(tokenizer, messages, tools, kwargs)])
+
+
+def rendered(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[dict],
+    tools: Sequence[dict] | None = None,
+    template_kwargs: Mapping[str, object] | None = None,
+    generation_prompt: bool = True,
+) -> list[int]:
+    """The ids of checked `messages` through the chat template (with `tools` and its checked `template_kwargs`),
+    the assistant's turn opened where `generation_prompt`: every prompt a chat gives, and `/tokenize`'s count. A
+    template that shows an assistant's calls only as its content (LFM2's) gets them written there."""
     try:
+        if kind_of(templates(tokenizer)) == "pythonic":
+            messages = into_content(messages)  # a call it cannot write is the messages' fault too
         return tokenizer.apply_chat_template(
-            messages, tools=list(tools) if tools else None, add_generation_prompt=True, return_tensors="pt",
-            return_dict=True, **kwargs,
+            list(messages), tools=list(tools) if tools else None, add_generation_prompt=generation_prompt,
+            return_dict=True, **(template_kwargs or {}),
         )["input_ids"]  # fmt: skip
     except Exception as error:  # the template runs on the caller's messages: its refusals are theirs
         raise ValueError(f"the chat template refused these messages: {error}") from error

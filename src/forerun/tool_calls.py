@@ -48,6 +48,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from forerun.text import complete
+from forerun.tool_pythonic import list_end, pythonic_calls
 from forerun.tool_specs import CLOSE, OPEN
 from forerun.tool_xml import xml_call
 
@@ -87,13 +88,20 @@ def read_calls(
     Markdown ```json fence), is read as those calls: Llama 3's templates teach calls so, and small models drop the
     tags theirs teach. `at`: where a mark the decoded text dropped opened the calls (`marked_at`: Mistral's
     `[TOOL_CALLS]` after a thought or words): the text from there on is read so, the text before it is content."""
-    if at is not None and 0 < at <= len(text):
-        found = read_calls(text[at:], names)
+    if at is not None and 0 <= at <= len(text):
+        listed = listed_calls(text[at:], names)  # LFM2's: its Python list, then perhaps words
+        if listed is not None:
+            words = " ".join(part for part in (text[:at].strip(), listed[1].strip()) if part)
+            return words or None, listed[0]
+        found = read_calls(text[at:], names) if at > 0 else (None, ())
         if found[1] and found[0] is None:
             return text[:at].strip() or None, found[1]
     if OPEN not in text:
         body = unfenced(text.strip())
         bare = bare_calls(body) if body[:1] in ("{", "[") else named_calls(body)
+        if bare is None and body[:1] == "[":  # a Python list of calls, the marks dropped or never written
+            bare = [ToolCall(name, json.dumps(arguments, ensure_ascii=False)) for name, arguments in
+                    pythonic_calls(body) or []] or None  # fmt: skip
         if bare and all(call.name in names for call in bare):
             return None, tuple(bare)
         return text, ()
@@ -111,6 +119,17 @@ def read_calls(
         end = match.end()
     content = "".join([*kept, text[end:]]).strip()
     return (content or None) if calls else content, tuple(calls)
+
+
+def listed_calls(text: str, names: Collection[str]) -> tuple[tuple[ToolCall, ...], str] | None:
+    """(calls, the words after them) where `text` opens with a Python list of calls of functions in `names`
+    (`forerun.tool_pythonic`: LFM2's, its marks decoded out), else None."""
+    end = list_end(text)
+    found = pythonic_calls(text[:end]) if end is not None else None
+    if not found or not all(name in names for name, _ in found):
+        return None
+    calls = tuple(ToolCall(name, json.dumps(arguments, ensure_ascii=False)) for name, arguments in found)
+    return calls, text[end:]
 
 
 def marked_at(tokenizer, ids: Sequence[int], mark: int | None) -> int | None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
+from forerun.tool_pythonic import pythonic_rules
 from forerun.tool_specs import CallForm, functions_of
 from forerun.tool_xml import xml_rules
 
@@ -26,8 +27,8 @@ def calls_grammar(
     """llguidance's Lark grammar of an answer that is only calls: of function `name` (one), or of any of `tools`
     (None: one, or several where `parallel` and the form writes several), each `{"name": ..., "arguments": ...}`
     with the arguments held to the function's parameters, written in the template's `form` (one list in one block,
-    a block each, one per line, one bare object whose arguments are its "parameters", or each call's name between
-    marks before its arguments: "named"). The JSON is written as
+    a block each, one per line, one bare object whose arguments are its "parameters", each call's name between
+    marks before its arguments: "named", or a Python list of calls between marks: "pythonic"). The JSON is written as
     `json.dumps` and the templates' `tojson` write it (no room for a model to spin whitespace until its answer's
     end). `lazy`: free text until the answer opens a call, held from there (`lazy_start`); `form` None: `CallForm()`."""
     form = form or CallForm()  # the block form's defaults
@@ -42,6 +43,9 @@ def calls_grammar(
             "named" + (f" ({form.open} named)*" if several else ""),
             f"{named_rules(tools, name, form)}\n{call}",
         )
+    elif form.kind == "pythonic":  # one Python list of calls between marks (LFM2's)
+        calls = 'pcall (", " pcall)*' if several else "pcall"
+        rest, rules = f'"[" {calls} "]" {form.close}', f"{pythonic_rules(functions_of(tools, name))}\n{call}"
     elif form.listed:  # one list in one block
         calls = 'call (", " call)*' if several else "call"
         rest, rules = f'{lead}"[" {calls} "]" {trail}{form.close}', call

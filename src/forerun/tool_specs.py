@@ -38,6 +38,9 @@ from pathlib import Path
 from forerun.checks import MAX_DEPTH, check_text, nesting
 from forerun.thoughts import THOUGHTS
 from forerun.tool_probe import Written, probed
+from forerun.tool_pythonic import CLOSE as PY_CLOSE
+from forerun.tool_pythonic import OPEN as PY_OPEN
+from forerun.tool_pythonic import TOOL_LIST
 
 MAX_TOOLS = 128
 """As OpenAI."""
@@ -165,9 +168,10 @@ def calls_taught(tokenizer: object) -> str:
     """
     kind = kind_of(templates(tokenizer))
     if kind is not None:
-        return {"xml": "XML in <tool_call> blocks (Qwen3.5's)", "blocks": "JSON in <tool_call> blocks"}.get(
+        return {"xml": "XML in <tool_call> blocks (Qwen3.5's)", "blocks": "JSON in <tool_call> blocks",
+                "pythonic": f"a Python list of calls between {PY_OPEN} and {PY_CLOSE} (LFM2's)"}.get(
             kind, "one bare JSON object (Llama 3's)"
-        )
+        )  # fmt: skip
     written = probed(tokenizer)
     if written is None:
         return "none forerun reads (tools are refused)"
@@ -187,16 +191,21 @@ def short_call_ids(tokenizer: object) -> bool:
 def call_mark(tokenizer: object) -> int | None:
     """The id of the special token a probed template's calls open with (Mistral's `[TOOL_CALLS]`,
     `forerun.tool_probe`): the decoded answer drops it, so where an answer holds it its calls are read from there
-    on (`forerun.tool_calls.marked_at`); None where the template's calls are known by sight or not taught."""
+    on (`forerun.tool_calls.marked_at`); LFM2's `<|tool_call_start|>` alike; None where the template's calls are
+    known by sight (but LFM2's) or not taught."""
     written = probed_calls(tokenizer)
-    ids = tokenizer(written.open, add_special_tokens=False)["input_ids"] if written is not None else []
+    mark = written.open if written is not None else PY_OPEN if kind_of(templates(tokenizer)) == "pythonic" else ""
+    ids = tokenizer(mark, add_special_tokens=False)["input_ids"] if mark else []
     return ids[0] if len(ids) == 1 else None
 
 
 def kind_of(texts: Sequence[str]) -> str | None:
     """The call format chat templates `texts` teach: "xml" (they write `<tool_call>` and `<function=`: Qwen3.5's,
     Qwen3-Coder's), "blocks" (`<tool_call>`), "json" (Llama 3's bare object: they write `"parameters": ` and take
-    `tools`), or None (another, or none)."""
+    `tools`), "pythonic" (LFM2's: they list the tools after `<|tool_list_start|>`, `forerun.tool_pythonic`), or
+    None (another, or none)."""
+    if any(TOOL_LIST in text for text in texts):
+        return "pythonic"
     if any(OPEN in text and FUNCTION in text for text in texts):
         return "xml"
     if any(OPEN in text for text in texts):
@@ -268,6 +277,8 @@ def call_form(tokenizer: object, special: Callable[[int], bool], vocab: int = 0,
     kind = kind_of(texts)
     written = probed_calls(tokenizer)
     opening, closing = (written.open, written.close) if written is not None else (OPEN, CLOSE)
+    if kind == "pythonic":
+        opening, closing = PY_OPEN, PY_CLOSE
     between = written.between if written is not None else ""
     marks = {
         mark: tokenizer(mark, add_special_tokens=False)["input_ids"]
@@ -284,8 +295,11 @@ def call_form(tokenizer: object, special: Callable[[int], bool], vocab: int = 0,
     if written is not None:
         return replace(probed_form(written, ids, specials, thought), opened=opened)
     listed = kind == "blocks" and any(OPEN + "[" in text for text in texts)
-    term = {mark: mark if mark in ids else json.dumps(mark) for mark in (OPEN, CLOSE)}
-    return CallForm(listed, term[OPEN], term[CLOSE], kind, specials=specials, thought=thought, opened=opened)
+    if kind == "pythonic":  # special tokens, spelt by id (their bars would read as a regex's)
+        term = {mark: f"<[{ids[mark]}]>" if mark in ids else json.dumps(mark) for mark in (opening, closing)}
+    else:
+        term = {mark: mark if mark in ids else json.dumps(mark) for mark in (OPEN, CLOSE)}
+    return CallForm(listed, term[opening], term[closing], kind, specials=specials, thought=thought, opened=opened)
 
 
 def opens_thought(tokenizer: object, mark: str) -> bool:

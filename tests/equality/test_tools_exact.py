@@ -14,7 +14,7 @@ from forerun.tool_calls import read_calls
 from forerun.tool_specs import parameters_of, shipped_template
 
 from tiny_models import byte_tokenizer, tiny_model
-from tool_templates import LLAMA3_JSON, MISTRAL_NAMED, MISTRAL_TOOLS, QWEN35_XML
+from tool_templates import LFM2_MARKS, LFM2_PYTHONIC, LLAMA3_JSON, MISTRAL_NAMED, MISTRAL_TOOLS, QWEN35_XML
 
 CURVE = LatencyCurve((1, 8, 32), (1.0, 1.1, 1.5))
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -101,6 +101,23 @@ def test_xml_calls_are_written_as_generate_writes_them_free_or_held(attention):
     # an XML string's value is any text up to its closing tag (no length held): a random model's city would run on
     city = {"type": "string", "enum": ["Oslo", "Paris"]}
     weather = {"type": "function", "function": {**WEATHER["function"], "parameters": {
+        **WEATHER["function"]["parameters"], "properties": {"city": city}}}}  # fmt: skip
+    choices = {kind: ([weather, ADD] if tools[0] is WEATHER else tools, choice) for kind, (tools, choice) in
+               CHOICES.items()}  # fmt: skip
+    every_method_writes_generates_text(model, tokenizer, ("plain", "auto"), choices)
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_pythonic_calls_are_written_as_generate_writes_them_free_or_held(attention):
+    """The same with a template teaching LFM2's calls (a Python list of calls between its own special tokens): a
+    required call is held to `[name(key=value)]`, each value to its type, and read back from the text the marks
+    are decoded out of."""
+    tokenizer = byte_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": LFM2_MARKS})
+    tokenizer.chat_template = LFM2_PYTHONIC
+    model = model_of("llama", attention, tokenizer, 2048)
+    city = {"type": "string", "enum": ["Oslo", "Paris"]}  # a Python string's length is not held: a random model's
+    weather = {"type": "function", "function": {**WEATHER["function"], "parameters": {  # would run on
         **WEATHER["function"]["parameters"], "properties": {"city": city}}}}  # fmt: skip
     choices = {kind: ([weather, ADD] if tools[0] is WEATHER else tools, choice) for kind, (tools, choice) in
                CHOICES.items()}  # fmt: skip

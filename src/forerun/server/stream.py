@@ -106,7 +106,7 @@ class TokenStream:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, None)
 
     def emit(self, final: bool) -> None:
-        text, calls = self.text.text, ()
+        text, calls, words = self.text.text, (), ""
         thought = None if self.watch is None else self.watch.thought(len(text))
         after = 0 if thought is None else thought.after
         limit = len(text) if final or self.watch is None or not self.watch.undecided else 0
@@ -114,13 +114,16 @@ class TokenStream:
             at = None if self.calls_at is None else self.calls_at - after
             if final:
                 cut = first_stop(text, self.held.stops)
-                calls = read_calls((text if cut is None else text[:cut])[after:], self.tools, at)[1]
+                words, calls = read_calls((text if cut is None else text[:cut])[after:], self.tools, at)
+                words = words or ""
             held = before_calls(text[after:], bare=True, names=self.tools)
             held = held if at is None else min(held, max(at, 0))
             limit = limit if final and not calls else min(limit, after + held)
         self.unsent += len(self.held.release(text[:limit], final))
         self.send(text[: self.held.shown], thought)
         if calls:
+            if words.startswith(self.sent[1]) and words[len(self.sent[1]) :]:  # LFM2's words after its calls
+                self.loop.call_soon_threadsafe(self.queue.put_nowait, (words[len(self.sent[1]) :], None))
             self.loop.call_soon_threadsafe(self.queue.put_nowait, ("", Calls(calls)))
 
     def send(self, shown: str, thought: Thought | None) -> None:

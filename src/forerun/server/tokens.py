@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 
 from forerun.checks import check_text
+from forerun.prompts import rendered
 from forerun.server.fields import APIError, refuse
 from forerun.server.schemas import ChatRequest, DetokenizeRequest, TokenizeRequest
 from forerun.server.translate import Limits, translate
@@ -35,23 +36,15 @@ async def tokenized(service, body: TokenizeRequest) -> dict:
     else:
         chat = ChatRequest(messages=body.messages, tools=body.tools, chat_template_kwargs=body.chat_template_kwargs)
         args = translate(chat, service.limits)  # the messages, tools and variables a chat completion takes
-        ids = await asyncio.to_thread(rendered, tokenizer, args, body.add_generation_prompt)
+        try:
+            ids = await asyncio.to_thread(rendered, tokenizer, args.prompt, args.tools, args.chat_template_kwargs,
+                                          body.add_generation_prompt)  # fmt: skip
+        except ValueError as error:
+            raise APIError(400, str(error), "messages") from None
     answer = {"count": len(ids), "max_model_len": service.limits.context, "tokens": ids}
     if body.return_token_strs:
         answer["token_strs"] = tokenizer.convert_ids_to_tokens(ids)
     return answer
-
-
-def rendered(tokenizer, args, generation_prompt: bool) -> list[int]:
-    """The ids a chat completion's prompt would be (its messages, tools and template variables, as `translate`
-    checked them), its assistant turn opened where `generation_prompt`; the template's refusal is a 400."""
-    try:
-        return tokenizer.apply_chat_template(
-            args.prompt, tools=list(args.tools) or None, add_generation_prompt=generation_prompt, tokenize=True,
-            return_dict=True, **(args.chat_template_kwargs or {}),
-        )["input_ids"]  # fmt: skip
-    except Exception as error:  # the template runs on the caller's messages: its refusals are theirs
-        raise APIError(400, f"the chat template refused these messages: {error}", "messages") from None
 
 
 def detokenized(service, body: DetokenizeRequest) -> dict:
