@@ -8,7 +8,8 @@
 
 or, as Llama 3.1-3.3 are taught, a whole answer that is only calls as bare JSON (`{"name": "get_weather",
 "parameters": {"city": "Paris"}}`; several separated by "; ", as Llama 3.2 writes them), or as names each followed
-by their arguments (`get_weather{"city": "Paris"}`: Mistral's newer calls, their special tokens decoded out).
+by their arguments (`get_weather{"city": "Paris"}`: Mistral's newer calls, their special tokens decoded out), or as
+a Python list of calls (`[get_weather(city="Paris")]`: LFM2's, `forerun.tool_pythonic`).
 
 Reading changes nothing the model wrote: the text is the model's own (plain generate's), split after. A block that
 is not calls (not JSON, no name, arguments that are not an object) makes the whole text the answer's content and
@@ -87,7 +88,8 @@ def read_calls(
     blocks that is nothing but calls of functions in `names` (the tools offered), as JSON (alone, or in one
     Markdown ```json fence), is read as those calls: Llama 3's templates teach calls so, and small models drop the
     tags theirs teach. `at`: where a mark the decoded text dropped opened the calls (`marked_at`: Mistral's
-    `[TOOL_CALLS]` after a thought or words): the text from there on is read so, the text before it is content."""
+    `[TOOL_CALLS]` after a thought or words): the text from there on is read so, the text before it is content; or
+    LFM2's `<|tool_call_start|>`, whose Python list of calls words may follow (content too)."""
     if at is not None and 0 <= at <= len(text):
         listed = listed_calls(text[at:], names)  # LFM2's: its Python list, then perhaps words
         if listed is not None:
@@ -100,8 +102,7 @@ def read_calls(
         body = unfenced(text.strip())
         bare = bare_calls(body) if body[:1] in ("{", "[") else named_calls(body)
         if bare is None and body[:1] == "[":  # a Python list of calls, the marks dropped or never written
-            bare = [ToolCall(name, json.dumps(arguments, ensure_ascii=False)) for name, arguments in
-                    pythonic_calls(body) or []] or None  # fmt: skip
+            bare = python_calls(body)
         if bare and all(call.name in names for call in bare):
             return None, tuple(bare)
         return text, ()
@@ -125,11 +126,16 @@ def listed_calls(text: str, names: Collection[str]) -> tuple[tuple[ToolCall, ...
     """(calls, the words after them) where `text` opens with a Python list of calls of functions in `names`
     (`forerun.tool_pythonic`: LFM2's, its marks decoded out), else None."""
     end = list_end(text)
-    found = pythonic_calls(text[:end]) if end is not None else None
-    if not found or not all(name in names for name, _ in found):
+    calls = python_calls(text[:end]) if end is not None else None
+    if not calls or not all(call.name in names for call in calls):
         return None
-    calls = tuple(ToolCall(name, json.dumps(arguments, ensure_ascii=False)) for name, arguments in found)
-    return calls, text[end:]
+    return tuple(calls), text[end:]
+
+
+def python_calls(text: str) -> list[ToolCall] | None:
+    """The calls of a Python list of calls (`forerun.tool_pythonic.pythonic_calls`), or None where it is not one."""
+    found = pythonic_calls(text)
+    return None if found is None else [ToolCall(name, json.dumps(args, ensure_ascii=False)) for name, args in found]
 
 
 def marked_at(tokenizer, ids: Sequence[int], mark: int | None) -> int | None:

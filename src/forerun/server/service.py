@@ -77,8 +77,8 @@ class Service:
             tools=takes_tools(tokenizer),
             short_call_ids=short_call_ids(tokenizer),
             call_mark=call_mark(tokenizer),
-            template_variables=template_variables(tokenizer),
-            template_defaults=checked_template_kwargs(config.chat_template_kwargs, template_variables(tokenizer)),
+            template_variables=(variables := template_variables(tokenizer)),
+            template_defaults=checked_template_kwargs(config.chat_template_kwargs, variables),
         )
         self.thoughts = thought_marks(tokenizer)
         """The marks of a reasoning model's thought, which chat answers send apart (`forerun.thoughts`)."""
