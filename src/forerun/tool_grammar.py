@@ -67,10 +67,11 @@ def calls_grammar(
 
 def thought_rules(thought: tuple[str, ...]) -> str:
     """A reasoning model's thought before its answer: free text between its own marks (`<think>` and `</think>`,
-    or `[THINK]` and `[/THINK]`: `thought`, their grammar terms), then maybe whitespace."""
+    or `[THINK]` and `[/THINK]`: `thought`, their grammar terms), then a few spaces or line breaks at most (the
+    "\\n\\n" models write there; no room to spin whitespace until the answer's end, as `JSON_AS_DUMPED` says)."""
     opening, closing = thought
     return (f"thinking: {opening} closing\nclosing: THOUGHT? {closing} BREAK?\nTHOUGHT: /(?s:.+)/\n"
-            "BREAK: /\\s+/")  # fmt: skip
+            "BREAK: /[ \\t\\r\\n]{1,4}/")  # fmt: skip
 
 
 def lazy_start(form: CallForm, rest: str, several: bool) -> tuple[str, str]:

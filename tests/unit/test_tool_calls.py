@@ -496,6 +496,8 @@ def test_a_required_call_may_follow_a_thought_where_the_tokenizer_has_think_toke
     thought = '<think>\nThe user wants a sum: add {"a": 1, "b": 2}.\n</think>\n\n'
     assert accepts_with(thinking, good) and accepts_with(thinking, thought + good)
     assert accepts_with(thinking, "<think></think>" + good)
-    for text in (thought + "Sure. " + good, "Sure. " + good, thought + written_in(CallForm(), call("add", a="x"))):
+    spun = thought + "\n" * 6 + good  # no room to spin whitespace between the thought and the call
+    wrong = thought + written_in(CallForm(), call("add", a="x"))
+    for text in (thought + "Sure. " + good, "Sure. " + good, wrong, spun):
         assert not accepts_with(thinking, text), text
     assert not accepts_with(plain, thought + good) and accepts_with(plain, good)
