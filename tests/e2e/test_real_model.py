@@ -245,3 +245,14 @@ def test_trie_build_rejects_a_bad_corpus_before_loading_a_model(tmp_path):
         result = CliRunner().invoke(app, ["trie", "build", str(corpus), "-o", str(tmp_path / "c.safetensors")])
         assert result.exit_code == 2 and "line 2 is not JSON" in result.output, result.output
     assert not (tmp_path / "c.safetensors").exists()
+
+
+def test_cli_chat_template_kwargs_are_json_and_the_templates_own_variables():
+    """`--chat-template-kwargs`: not a JSON object is refused before the model loads; a name the model's template
+    does not read (SmolLM2's reads none) is refused naming it."""
+    for flags in (["--chat-template-kwargs", "[1]"], ["--chat-template-kwargs", "{nope"]):
+        refused = CliRunner().invoke(app, ["generate", "Hi", "--chat", *flags])
+        assert refused.exit_code == 2 and "--chat-template-kwargs must be a JSON object" in refused.output
+    off = ["--chat-template-kwargs", '{"enable_thinking": false}']
+    unread = CliRunner().invoke(app, ["generate", "Hi", "--chat", *off])
+    assert unread.exit_code == 2 and "'enable_thinking' is not a variable" in unread.output, unread.output

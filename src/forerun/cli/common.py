@@ -68,6 +68,12 @@ CHAT_TEMPLATE = typer.Option(
     help="A Jinja chat template file used instead of the model's own, or one forerun ships by name: 'chatml-tools' "
     "(ChatML with tools, for SmolLM2 and Qwen2.5 models whose own template takes none).",
 )
+TEMPLATE_KWARGS = typer.Option(
+    "",
+    "--chat-template-kwargs",
+    help="""A JSON object of chat template variables, e.g. '{"enable_thinking": false}' (Qwen3: no thought); """
+    "checked against the template once the model is loaded (a request's or record's own override them by name)",
+)
 MODEL = typer.Option(DEFAULT_MODEL, "--model", "-m", help="Alias, local folder, .gguf file or cached hub id.")
 METHOD = typer.Option(
     DEFAULT_METHOD,
@@ -245,3 +251,24 @@ def use_chat_template(tokenizer, template: str) -> None:
         tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
     except Exception as error:  # noqa: BLE001 - any template error is the file's
         raise ValueError(f"--chat-template: the template does not render a conversation ({error})") from None
+
+
+def template_kwargs_of(text: str) -> dict:
+    """`--chat-template-kwargs`: '' -> {}, a JSON object -> it (its names are checked against the template once
+    the model is loaded); anything else a ValueError naming the option.
+
+    Example:
+        >>> template_kwargs_of('{"enable_thinking": false}')
+        {'enable_thinking': False}
+    """
+    import json
+
+    if not text.strip():
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError as error:
+        raise ValueError(f"--chat-template-kwargs must be a JSON object: {error}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"--chat-template-kwargs must be a JSON object, got {type(value).__name__}")
+    return value

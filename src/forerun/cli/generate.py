@@ -19,6 +19,7 @@ from forerun.cli.common import (
     QUANTIZE,
     SAMPLE,
     TEMPERATURE,
+    TEMPLATE_KWARGS,
     THREADS,
     TOP_K,
     TOP_P,
@@ -28,6 +29,7 @@ from forerun.cli.common import (
     read_chat_template,
     run_spec,
     sampling,
+    template_kwargs_of,
     use_chat_template,
     user_errors,
 )
@@ -60,6 +62,7 @@ def generate(
         "auto", "--tool-choice", help="With --tools: auto, required, none, or a function's name (one call of it)."
     ),
     chat_template: str = CHAT_TEMPLATE,
+    chat_template_kwargs: str = TEMPLATE_KWARGS,
     knob: list[str] = KNOB,
     max_tree_nodes: int = NODES,
     threads: int = THREADS,
@@ -80,7 +83,7 @@ def generate(
         prompt = standard_input()
     if not prompt.strip():
         raise ValueError("prompt is empty")
-    options = sampling(do_sample, temperature, top_p, top_k, seed)
+    options = sampling(do_sample, temperature, top_p, top_k, seed) | variables_of(chat_template_kwargs)
     response_format = format_of(json_object, json_schema)
     offered = tools_of(tools, tool_choice)
     template = read_chat_template(chat_template) if chat_template else None
@@ -191,6 +194,7 @@ def chat(
     dtype: str = DTYPE,
     quantize: str = QUANTIZE,
     pack: str = PACK,
+    chat_template_kwargs: str = TEMPLATE_KWARGS,
 ) -> None:
     """Chat in the terminal: streaming answers, draft-accepted tokens coloured, a stats line per answer (greedy, or
     sampled with --sample)."""
@@ -198,8 +202,14 @@ def chat(
 
     if max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
-    options = sampling(do_sample, temperature, top_p, top_k, seed)
+    options = sampling(do_sample, temperature, top_p, top_k, seed) | variables_of(chat_template_kwargs)
     spec = run_spec(model, method, knob, device, dtype, threads, draft_model, max_tree_nodes, quantize, draft_head,
                     compile_buckets, pack)  # fmt: skip
     lm, tokenizer, draft = spec.load()
     chat_loop(spec, lm, tokenizer, draft, max_new_tokens, console, options)
+
+
+def variables_of(text: str) -> dict:
+    """The generation option `--chat-template-kwargs` gives ({} without one)."""
+    variables = template_kwargs_of(text)
+    return {"chat_template_kwargs": variables} if variables else {}

@@ -23,6 +23,7 @@ from forerun.cli.common import (
     QUANTIZE,
     SAMPLE,
     TEMPERATURE,
+    TEMPLATE_KWARGS,
     THREADS,
     TOP_K,
     TOP_P,
@@ -34,6 +35,7 @@ from forerun.cli.common import (
     read_chat_template,
     run_spec,
     sampling,
+    template_kwargs_of,
     use_chat_template,
     user_errors,
 )
@@ -74,6 +76,7 @@ def run_file(
     pack: str = PACK,
     compile_buckets: bool = COMPILE,
     chat_template: str = CHAT_TEMPLATE,
+    chat_template_kwargs: str = TEMPLATE_KWARGS,
 ) -> None:
     """Decode a JSONL file of prompts, --batch-size rows at once; rerun to resume. Under torchrun each rank takes a
     shard."""
@@ -90,6 +93,8 @@ def run_file(
     defaults = {"max_new_tokens": max_new_tokens, "chat": chat} | sampling(do_sample, temperature, top_p, top_k)
     if seed is not None:
         defaults["seed"] = seed
+    if variables := template_kwargs_of(chat_template_kwargs):  # a record's own take their place
+        defaults["chat_template_kwargs"] = variables
     spec = run_spec(model, method, knob, device, dtype, threads, draft_model, max_tree_nodes, quantize, draft_head,
                     compile_buckets, pack)  # fmt: skip
     template = read_chat_template(chat_template) if chat_template else None

@@ -17,12 +17,14 @@ from forerun.cli.common import (
     NODES,
     PACK,
     QUANTIZE,
+    TEMPLATE_KWARGS,
     THREADS,
     app,
     console,
     freeze_start_up,
     read_chat_template,
     run_spec,
+    template_kwargs_of,
     use_chat_template,
     user_errors,
 )
@@ -57,12 +59,6 @@ WARM_UP_TOKENS = typer.Option(
     "--warm-up-tokens",
     help="On a GPU, capture every graph before serving, for texts (prompt + answer) of up to this many tokens, "
     "single rows and the batch's; 0: each at its first use, in some request's time",
-)
-TEMPLATE_KWARGS = typer.Option(
-    "",
-    "--chat-template-kwargs",
-    help="""JSON object of chat template variables for every chat request, e.g. '{"enable_thinking": false}' """
-    "(Qwen3: no thought); a request's own chat_template_kwargs override them by name",
 )
 REQUEST_METHODS = typer.Option(
     "any",
@@ -121,7 +117,7 @@ def serve(
         request_timeout_s=timeout, allowed_hosts=tuple(allow_host) or None, max_queue=max_queue, max_batch=max_batch,
         prefix_cache_tokens=prefix_cache, prefill_chunk=prefill_chunk, warm_up_tokens=warm_up_tokens,
         request_methods=parse_request_methods(request_methods), max_tree_nodes=spec.max_tree_nodes,
-        compile_buckets=spec.compile_buckets, chat_template_kwargs=parse_template_kwargs(chat_template_kwargs),
+        compile_buckets=spec.compile_buckets, chat_template_kwargs=template_kwargs_of(chat_template_kwargs),
     )  # fmt: skip
     template = read_chat_template(chat_template) if chat_template else None
     lm, tokenizer, draft = spec.load()
@@ -184,24 +180,3 @@ def parse_request_methods(text: str) -> tuple[str, ...] | None:
     if unknown:
         raise ValueError(f"--request-methods: unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
     return names
-
-
-def parse_template_kwargs(text: str) -> dict:
-    """`--chat-template-kwargs`: '' -> {}, a JSON object -> it (its names are checked against the template once
-    the model is loaded); anything else a ValueError naming the option.
-
-    Example:
-        >>> parse_template_kwargs('{"enable_thinking": false}')
-        {'enable_thinking': False}
-    """
-    import json
-
-    if not text.strip():
-        return {}
-    try:
-        value = json.loads(text)
-    except ValueError as error:
-        raise ValueError(f"--chat-template-kwargs must be a JSON object: {error}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"--chat-template-kwargs must be a JSON object, got {type(value).__name__}")
-    return value
