@@ -118,14 +118,16 @@ def chat_loop(
         if answer is None:  # the turn failed: the history stays as it was, so the next turn is not broken by it
             history.pop()
             continue
-        history.append({"role": "assistant", "content": answer})
+        history.append(answer)
 
 
 def answer_once(
     decoder: Decoder, history: list[dict], max_new_tokens: int, console: Console, options: dict | None = None
-) -> str | None:
-    """Stream one answer to `history` (`options`: `Decoder.generate`'s); its text, or None when it failed (the
-    error is shown)."""
+) -> dict | None:
+    """Stream one answer to `history` (`options`: `Decoder.generate`'s); its message for the history, or None when
+    it failed (the error is shown). A reasoning model's thought goes into the message as `reasoning_content`, apart
+    from its content, as a template that shows thoughts takes it (Qwen3's shows the last turn's, drops older ones):
+    a thought whose marks the decoded text drops (Mistral's) would otherwise read as the answer's words."""
     stream = ConsoleStream(console, decoder.tokenizer)
     cancel = threading.Event()
     box: dict = {}
@@ -155,4 +157,5 @@ def answer_once(
         return None
     result = box["result"]
     console.print(f"[dim]{result.stats.summary()}[/]", highlight=False)
-    return result.text or ""
+    thought = {} if result.reasoning is None else {"reasoning_content": result.reasoning}
+    return {"role": "assistant", "content": result.content or "", **thought}

@@ -214,3 +214,23 @@ def test_a_jsonl_run_writes_the_thought_apart_and_takes_a_records_template_varia
     assert "reasoning" not in rows["off"]
     assert rows["off"]["text"] == plain(model, tokenizer, ASK, False, enable_thinking=False)[1]
     assert "'enable_thinkng' is not a variable" in rows["bad"]["error"]
+
+
+def test_the_terminal_chat_keeps_a_thought_apart_in_its_history(served):
+    """`forerun chat`: an answer goes into the history as its content, its thought as `reasoning_content` (where the
+    template shows thoughts it takes them so; a thought whose marks the text drops would read as words)."""
+    import io
+
+    from rich.console import Console
+
+    from forerun.chat import answer_once
+
+    _, model, tokenizer = served
+    closing = tokenizer.convert_tokens_to_ids("</think>")
+    decoder = forerun.Decoder(model, tokenizer, "auto")
+    message = answer_once(decoder, list(ASK), NEW, Console(file=io.StringIO()), {"sequence_bias": {(closing,): BIAS}})
+    reasoning, content, _ = plain(model, tokenizer, ASK)
+    assert message == {"role": "assistant", "content": content, "reasoning_content": reasoning}
+    plain_answer = answer_once(forerun.Decoder(model, tokenizer, "plain"), list(ASK), 4, Console(file=io.StringIO()),
+                               {"chat_template_kwargs": {"enable_thinking": False}})  # fmt: skip
+    assert set(plain_answer) == {"role", "content"}
