@@ -419,4 +419,5 @@ class Decoder:
 
     def result(self, prepared: Prepared, stats: GenerationStats) -> GenerationResult:
         """A finished row's GenerationResult."""
-        return finished_result(self.tokenizer, prepared, self.told(stats))
+        mark = self.grammars.call_mark() if prepared.request.shown_tools and self.tokenizer is not None else None
+        return finished_result(self.tokenizer, prepared, self.told(stats), mark)

@@ -32,9 +32,9 @@ from forerun.stats import GenerationStats
 from forerun.stopping import Cancelled, StopStrings, first_stop
 from forerun.structured import Constraint, Grammars
 from forerun.text import complete
-from forerun.thoughts import opened_by, split, thought_in, thought_marks
-from forerun.tool_calls import marked_at, read_calls
-from forerun.tool_specs import call_mark, parameters_of
+from forerun.thoughts import opened_by, thought_in, thought_marks
+from forerun.tool_calls import marked_at, read_answer
+from forerun.tool_specs import parameters_of
 
 
 def eos_ids_of(model: torch.nn.Module, eos_token_id: int | Sequence[int] | None) -> frozenset[int]:
@@ -176,8 +176,9 @@ def transformers_processors(
     return processor, criteria
 
 
-def finished_result(tokenizer, prepared: Prepared, stats: GenerationStats) -> GenerationResult:
-    """A finished row's GenerationResult."""
+def finished_result(tokenizer, prepared: Prepared, stats: GenerationStats, mark: int | None = None) -> GenerationResult:
+    """A finished row's GenerationResult; `mark`: the special token its template's calls open with
+    (`forerun.tool_specs.call_mark`), where the decoded text drops it."""
     transcript, prompt_len = prepared.job.transcript, prepared.job.input_ids.shape[1]
     sequences = transcript.sequence.cpu()
     text = None
@@ -193,12 +194,9 @@ def finished_result(tokenizer, prepared: Prepared, stats: GenerationStats) -> Ge
     if text is not None and (marks := thought_marks(tokenizer)) is not None:
         thought = thought_in(tokenizer, marks, new, opened_by(tokenizer, marks, prepared.job.input_ids[0].tolist()))
     if text is not None and prepared.request.shown_tools:
-        at = marked_at(tokenizer, new, call_mark(tokenizer))  # Mistral's mark, after a thought or words
+        at = marked_at(tokenizer, new, mark)  # Mistral's or LFM2's mark, after a thought or words
         shown = text if stop_at is None else text[:stop_at]
-        answer = split(shown, thought)[1]  # calls come after a thought
-        if at is not None:
-            at -= len(shown) - len(answer)
-        calls = read_calls(answer, parameters_of(prepared.request.shown_tools), at)[1]
+        calls = read_answer(shown, thought, parameters_of(prepared.request.shown_tools), at)[1]
         reason = "tool_calls" if calls and reason == "stop" else reason
     return GenerationResult(
         sequences,

@@ -9,7 +9,7 @@ import torch
 from forerun.logprobs import TokenLogprob
 from forerun.stats import GenerationStats
 from forerun.thoughts import Thought, split
-from forerun.tool_calls import ToolCall, read_calls
+from forerun.tool_calls import ToolCall, read_answer
 
 
 @dataclass
@@ -56,13 +56,9 @@ class GenerationResult:
     def content(self) -> str | None:
         """The answer's text less its thought and its calls (None where it is only calls): `shown_text` where
         the model neither thought nor was offered tools."""
-        answer = split(self.shown_text, self.thought)[1]
         if self.tool_calls is None:
-            return answer
-        at = self.calls_at
-        if at is not None:  # counted in the whole text
-            at -= len(self.shown_text) - len(answer)
-        return read_calls(answer, {call.name for call in self.tool_calls}, at)[0]
+            return split(self.shown_text, self.thought)[1]
+        return read_answer(self.shown_text, self.thought, {call.name for call in self.tool_calls}, self.calls_at)[0]
 
     @property
     def new_tokens(self) -> list[int]:

@@ -38,9 +38,9 @@ import torch
 from transformers import LogitsProcessor
 
 from forerun.checks import MAX_DEPTH, check_text, nesting
-from forerun.thoughts import opened_by, thought_marks
+from forerun.thoughts import thought_terms
 from forerun.tool_grammar import calls_grammar, thought_rules
-from forerun.tool_specs import CallForm, call_form, opens_thought, templates
+from forerun.tool_specs import CallForm, call_form, call_mark, templates
 from forerun.tree import TokenTree
 
 logger = logging.getLogger(__name__)
@@ -165,6 +165,7 @@ class Grammars:
         self.compiled: OrderedDict[str, object] = OrderedDict()  # grammar -> a matcher at an answer's start
         self.lock = threading.Lock()
         self.forms: dict[tuple[str, ...], CallForm] = {}  # chat templates -> how they write calls (reads every token)
+        self.marks: dict[tuple[str, ...], int | None] = {}  # chat templates -> their calls' opening mark
 
     def tokens(self) -> object:
         """The LLTokenizer (built once; a ValueError where the tokenizer is not a fast one)."""
@@ -188,13 +189,10 @@ class Grammars:
         a request's `chat_template_kwargs` may change it, as Qwen3.5's `enable_thinking`)."""
         from llguidance import LLMatcher
 
-        form, thought, opened = None, (), False
-        if response_format["type"] == "tool_calls":
-            form = self.call_form()
-            if form.thinks and prompt is not None and (marks := thought_marks(self.tokenizer)) is not None:
-                form = replace(form, opened=opened_by(self.tokenizer, marks, prompt))
-        else:
-            thought, opened = self.thought(prompt)
+        thought, opened = thought_terms(self.tokenizer, self.tokens().is_special_token, prompt)
+        form = None
+        if response_format["type"] == "tool_calls":  # the form's thought, opened or not by this prompt
+            form = replace(self.call_form(), opened=opened)
         grammar = grammar_of(response_format, form, thought, opened)
         with self.lock:
             tokens = self.tokens()
@@ -211,19 +209,6 @@ class Grammars:
                 self.compiled.popitem(last=False)
         return matcher
 
-    def thought(self, prompt: Sequence[int] | None) -> tuple[tuple[str, ...], bool]:
-        """(the thought marks' grammar terms, whether `prompt` opened the thought) where the tokenizer has thought
-        marks of its own that llguidance reads as special tokens (`forerun.thoughts`); ((), False) elsewhere.
-        Without a prompt, the chat template's own generation prompt tells whether it opens the thought."""
-        marks = thought_marks(self.tokenizer)
-        if marks is None or not all(self.tokens().is_special_token(mark) for mark in (marks.opening, marks.closing)):
-            return (), False
-        if prompt is None:
-            opened = opens_thought(self.tokenizer, self.tokenizer.convert_ids_to_tokens(marks.opening))
-        else:
-            opened = opened_by(self.tokenizer, marks, prompt)
-        return (f"<[{marks.opening}]>", f"<[{marks.closing}]>"), opened
-
     def call_form(self) -> CallForm:
         """How the tokenizer's chat template writes calls (`forerun.tool_specs.call_form`: it reads every token),
         kept per template."""
@@ -231,6 +216,13 @@ class Grammars:
         if key not in self.forms:
             self.forms[key] = call_form(self.tokenizer, self.tokens().is_special_token, self.vocab_size, self.end_token)
         return self.forms[key]
+
+    def call_mark(self) -> int | None:
+        """`forerun.tool_specs.call_mark` (it renders a probe call through the template), kept per template."""
+        key = tuple(templates(self.tokenizer))
+        if key not in self.marks:
+            self.marks[key] = call_mark(self.tokenizer)
+        return self.marks[key]
 
     def constraint(
         self,

@@ -18,7 +18,7 @@ Example (a Qwen3 answer of 4 tokens, `<think>`, "hmm", `</think>` and "Hi", whos
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from forerun.text import complete
@@ -77,6 +77,24 @@ def opened_by(tokenizer: object, marks: ThoughtMarks, prompt: Sequence[int]) -> 
         return False
     last = len(ids) - 1 - ids[::-1].index(marks.opening)
     return marks.closing not in ids[last:] and not tokenizer.decode(ids[last + 1 :]).strip()
+
+
+def thought_terms(
+    tokenizer: object, special: Callable[[int], bool], prompt: Sequence[int] | None = None
+) -> tuple[tuple[str, ...], bool]:
+    """(the thought marks as grammar terms, by id: `<[7]>`, whether `prompt` leaves a thought open) where the
+    tokenizer has thought marks that llguidance reads as special tokens (`special(id)`); ((), False) elsewhere.
+    Without a prompt, the chat template's own generation prompt for a greeting tells (Qwen3.5's opens it)."""
+    marks = thought_marks(tokenizer)
+    if marks is None or not (special(marks.opening) and special(marks.closing)):
+        return (), False
+    if prompt is None:
+        try:
+            prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True,
+                                                   return_dict=True)["input_ids"]  # fmt: skip
+        except Exception:  # the template's own refusals: no thought opened
+            prompt = []
+    return (f"<[{marks.opening}]>", f"<[{marks.closing}]>"), opened_by(tokenizer, marks, prompt)
 
 
 def thought_in(tokenizer: object, marks: ThoughtMarks, ids: Sequence[int], opened: bool) -> Thought | None:

@@ -49,6 +49,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from forerun.text import complete
+from forerun.thoughts import Thought, split
 from forerun.tool_pythonic import list_end, pythonic_calls
 from forerun.tool_specs import CLOSE, OPEN
 from forerun.tool_xml import xml_call
@@ -120,6 +121,17 @@ def read_calls(
         end = match.end()
     content = "".join([*kept, text[end:]]).strip()
     return (content or None) if calls else content, tuple(calls)
+
+
+def read_answer(
+    shown: str, thought: Thought | None, names: Collection[str] = (), at: int | None = None
+) -> tuple[str | None, tuple[ToolCall, ...]]:
+    """`read_calls` of an answer's text after its thought (`forerun.thoughts`: calls come after it), `at` counted in
+    the whole `shown` text."""
+    answer = split(shown, thought)[1]
+    if at is not None:
+        at -= len(shown) - len(answer)
+    return read_calls(answer, names, at)
 
 
 def listed_calls(text: str, names: Collection[str]) -> tuple[tuple[ToolCall, ...], str] | None:

@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from forerun.checks import MAX_DEPTH, check_text, nesting
-from forerun.thoughts import THOUGHTS
+from forerun.thoughts import thought_marks, thought_terms
 from forerun.tool_probe import Written, probed
 from forerun.tool_pythonic import CLOSE as PY_CLOSE
 from forerun.tool_pythonic import OPEN as PY_OPEN
@@ -280,17 +280,13 @@ def call_form(tokenizer: object, special: Callable[[int], bool], vocab: int = 0,
     if kind == "pythonic":
         opening, closing = PY_OPEN, PY_CLOSE
     between = written.between if written is not None else ""
-    marks = {
-        mark: tokenizer(mark, add_special_tokens=False)["input_ids"]
-        for mark in (opening, closing, between, *THOUGHTS[0], *THOUGHTS[1])
-    }
+    marks = {mark: tokenizer(mark, add_special_tokens=False)["input_ids"] for mark in (opening, closing, between)}
     ids = {mark: found[0] for mark, found in marks.items() if mark and len(found) == 1 and special(found[0])}
-    pair = next((pair for pair in THOUGHTS if all(mark in ids for mark in pair)), ())
-    thought = tuple(f"<[{ids[mark]}]>" for mark in pair)
-    opened = bool(pair) and opens_thought(tokenizer, pair[0])
+    thought, opened = thought_terms(tokenizer, special)
     if kind == "json":
         return CallForm(open="", close="", kind="json", thought=thought, opened=opened)  # no marks
-    marked = {ids[mark] for mark in (opening, closing, between, *pair) if mark in ids}  # a thought comes whole
+    pair = (marks.opening, marks.closing) if thought and (marks := thought_marks(tokenizer)) else ()
+    marked = {*ids.values(), *pair}  # a thought comes whole
     specials = token_set([i for i in range(vocab) if i not in marked and i != end and special(i)])
     if written is not None:
         return replace(probed_form(written, ids, specials, thought), opened=opened)
@@ -300,16 +296,6 @@ def call_form(tokenizer: object, special: Callable[[int], bool], vocab: int = 0,
     else:
         term = {mark: mark if mark in ids else json.dumps(mark) for mark in (OPEN, CLOSE)}
     return CallForm(listed, term[opening], term[closing], kind, specials=specials, thought=thought, opened=opened)
-
-
-def opens_thought(tokenizer: object, mark: str) -> bool:
-    """Whether the chat template's generation prompt ends in the thought's opening `mark` (and whitespace)."""
-    try:
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True,
-                                               tokenize=False)  # fmt: skip
-    except Exception:  # the template's own refusals: no thought opened
-        return False
-    return isinstance(prompt, str) and prompt.rstrip().endswith(mark)
 
 
 def probed_form(written: Written, ids: dict[str, int], specials: str, thought: tuple[str, ...]) -> CallForm:

@@ -21,7 +21,7 @@ from forerun.logprobs import entries_before
 from forerun.stopping import HeldText, first_stop
 from forerun.text import IncrementalText
 from forerun.thoughts import Thought, ThoughtMarks, ThoughtWatch, split
-from forerun.tool_calls import ToolCall, before_calls, marked_at, read_calls
+from forerun.tool_calls import ToolCall, before_calls, marked_at, read_answer
 
 
 @dataclass(frozen=True)
@@ -114,8 +114,8 @@ class TokenStream:
             at = None if self.calls_at is None else self.calls_at - after
             if final:
                 cut = first_stop(text, self.held.stops)
-                words, calls = read_calls((text if cut is None else text[:cut])[after:], self.tools, at)
-                words = words or ""
+                found, calls = read_answer(text if cut is None else text[:cut], thought, self.tools, self.calls_at)
+                words = found or ""
             held = before_calls(text[after:], bare=True, names=self.tools)
             held = held if at is None else min(held, max(at, 0))
             limit = limit if final and not calls else min(limit, after + held)

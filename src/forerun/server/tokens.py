@@ -17,7 +17,7 @@ from forerun.checks import check_text
 from forerun.prompts import rendered
 from forerun.server.fields import APIError, refuse
 from forerun.server.schemas import ChatRequest, DetokenizeRequest, TokenizeRequest
-from forerun.server.translate import Limits, translate
+from forerun.server.translate import check_model, translate
 
 
 async def tokenized(service, body: TokenizeRequest) -> dict:
@@ -55,10 +55,3 @@ def detokenized(service, body: DetokenizeRequest) -> dict:
     if bad is not None:
         raise refuse("tokens", f"tokens[{bad}] is {body.tokens[bad]}, outside the vocabulary [0, {vocab})")
     return {"prompt": service.tokenizer.decode(body.tokens)}
-
-
-def check_model(model: str | None, limits: Limits) -> None:
-    """A named model must be the one served (404 otherwise), as the completions' `model` field."""
-    if model not in (None, limits.model_name):
-        message = f"model {model!r} is not served here; this server runs {limits.model_name!r}"
-        raise APIError(404, message, "model", "not_found_error")

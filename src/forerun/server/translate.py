@@ -204,13 +204,7 @@ def echo_of(body: ChatRequest | CompletionRequest) -> bool:
 def translate(body: ChatRequest | CompletionRequest, limits: Limits) -> GenerationArgs:
     """The generation a request asks for, or an APIError saying which field is wrong and why."""
     chat = isinstance(body, ChatRequest)
-    if body.model not in (None, limits.model_name):
-        raise APIError(
-            404,
-            f"model {body.model!r} is not served here; this server runs {limits.model_name!r}",
-            "model",
-            "not_found_error",
-        )
+    check_model(body.model, limits)
     n = 1 if body.n is None else body.n
     if not 1 <= n <= MAX_CHOICES:
         raise refuse("n", f"n must be between 1 and {MAX_CHOICES} (choices per request), got {n}")
@@ -282,6 +276,13 @@ def template_kwargs_of(body: ChatRequest, limits: Limits) -> dict[str, Any] | No
         return checked_template_kwargs(kwargs, limits.template_variables)
     except ValueError as error:
         raise refuse(FIELD, str(error)) from None
+
+
+def check_model(model: str | None, limits: Limits) -> None:
+    """A request that names a model names the one served (404 otherwise)."""
+    if model not in (None, limits.model_name):
+        message = f"model {model!r} is not served here; this server runs {limits.model_name!r}"
+        raise APIError(404, message, "model", "not_found_error")
 
 
 def method_of(body: ChatRequest | CompletionRequest, limits: Limits) -> tuple[str, dict]:
