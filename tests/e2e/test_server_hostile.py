@@ -284,6 +284,41 @@ def test_shutdown_cancels_in_flight_work_and_still_saves_the_cache(smollm2, tmp_
     assert len(again.state.pool.trie_decoder().trie_drafter().trie) > 0
 
 
+@pytest.mark.parametrize(
+    ("raw", "param"),
+    [
+        (b'{"input": [{"role": "user", "content": "a\\ud800b"}]}', "input[0].content"),
+        (b'{"input": [{"type": "function_call", "call_id": "c", "name": "f\\udfff", "arguments": "{}"}]}', None),
+        (b'{"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "' + b"[" * 50000 + b'"}]}',
+         "input[0].arguments"),
+        (b'{"input": [{"role": "user", "content": [' + b"[" * 5000 + b"]" * 5000 + b"]}]}", None),
+        (b'{"input": [{"role": "user", "content": [1, null]}]}', "input[0].content[0]"),
+        (b'{"input": [{"type": "function_call_output", "call_id": "c", "output": {"a": 1}}]}', "input[0].output"),
+        (b'{"input": "hi", "tools": [1]}', "tools[0]"),
+        (b'{"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": {"type": "nope"}}]}', "tools"),
+        (b'{"input": "hi", "text": {"format": 1}}', "text.format"),
+        (b'{"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}}', "text.format"),
+        (b'{"input": "hi", "tool_choice": {"type": "function"}}', "tool_choice"),
+        (b'{"input": "hi", "reasoning": {"effort": 5}}', None),
+        (b'{"input": [{"type": "reasoning", "content": [{"type": "reasoning_text", "text": 1}]}]}', "input[0]"),
+        (b'{"input": "hi", "max_output_tokens": 1e999}', "max_output_tokens"),
+        (b'{"input": [' + b'{"role": "user", "content": "x"},' * 3000 + b'{"role": "user", "content": "x"}]}', None),
+    ],
+)  # fmt: skip
+def test_hostile_responses_bodies_are_400s_naming_what_was_sent(guarded, raw, param):
+    response = httpx.post(
+        guarded[0].url + "/v1/responses",
+        content=raw,
+        headers={"authorization": f"Bearer {KEY}", "content-type": "application/json"},
+        timeout=60,
+    )
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["message"]
+    if param:
+        assert error["param"] == param, error
+
+
 def test_schemathesis_finds_no_server_error(guarded):
     """A bounded property-based run over every operation of /openapi.json (with the key): no 5xx."""
     import schemathesis
@@ -301,11 +336,12 @@ def test_schemathesis_finds_no_server_error(guarded):
         )
         @given(case=operation.as_strategy())
         def no_server_error(case):
-            tokens = case.body.get("max_tokens") if isinstance(case.body, dict) else None
+            field = "max_output_tokens" if case.operation.path == "/v1/responses" else "max_tokens"
+            tokens = case.body.get(field) if isinstance(case.body, dict) else None
             if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens > 8:
-                case.body["max_tokens"] = 8  # keep the run short; validation of other values is what is tested
-            if isinstance(case.body, dict) and not {"max_tokens", "max_completion_tokens"} & set(case.body):
-                case.body["max_tokens"] = 8  # not the server's default of 128 tokens either
+                case.body[field] = 8  # keep the run short; validation of other values is what is tested
+            if isinstance(case.body, dict) and not {field, "max_completion_tokens"} & set(case.body):
+                case.body[field] = 8  # not the server's default of 128 tokens either
             response = case.call(base_url=url, headers=headers, timeout=120)
             assert response.status_code < 500, (case.operation.label, case.body, response.text[:300])
 

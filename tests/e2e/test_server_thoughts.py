@@ -95,6 +95,42 @@ def test_the_thought_comes_apart_from_the_answer_streamed_or_not(served, client)
     assert len(entries) == whole.usage.completion_tokens  # the thought's tokens ride with its deltas
 
 
+def test_a_response_gives_the_thought_as_a_reasoning_item_and_takes_it_back(served, client):
+    """The Responses API: the thought is a reasoning item (its text whole: nothing is summarised), the answer the
+    message after it, streamed as reasoning_text then output_text events; a reasoning item sent back before the
+    assistant's message reaches the template as that message's thought, as chat's `reasoning_content` does."""
+    _, model, tokenizer = served
+    bias = {"logit_bias": closing_bias(tokenizer)}  # vLLM's extension, as in chat
+    reasoning, content, tokens = plain(model, tokenizer, ASK)
+    response = client.responses.create(model=MODEL, input=ASK, max_output_tokens=NEW, extra_body=bias)
+    thought, message = response.output
+    assert (thought.type, thought.content[0].text, thought.summary) == ("reasoning", reasoning, [])
+    assert response.output_text == content and response.usage.output_tokens_details.reasoning_tokens == tokens
+    with client.responses.stream(model=MODEL, input=ASK, max_output_tokens=NEW, extra_body=bias) as stream:
+        events = list(stream)
+    kinds = [event.type for event in events]
+    pieces = [event.delta for event in events if event.type == "response.reasoning_text.delta"]
+    assert "".join(pieces) == reasoning and len(pieces) > 1
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
+    assert [item.type for item in events[-1].response.output] == ["reasoning", "message"]
+    back = [
+        *ASK,
+        {
+            "type": "reasoning",
+            "id": thought.id,
+            "summary": [],
+            "content": [{"type": "reasoning_text", "text": reasoning}],
+        },
+        {"role": "assistant", "content": content},
+        {"role": "user", "content": "And 4?"},
+    ]
+    again = client.responses.create(model=MODEL, input=back, max_output_tokens=4)
+    turns = [*ASK, {"role": "assistant", "content": content, "reasoning_content": reasoning}, back[-1]]
+    chat = client.chat.completions.create(model=MODEL, messages=turns, max_tokens=4)
+    assert again.usage.input_tokens == chat.usage.prompt_tokens
+    assert again.output_text == (chat.choices[0].message.content or "")
+
+
 def test_template_kwargs_turn_the_thought_off_and_unknown_ones_are_refused(served, client):
     server, model, tokenizer = served
     off = {"chat_template_kwargs": {"enable_thinking": False}}

@@ -3,10 +3,11 @@
 The layers: `schemas` (request bodies), `translate` (request -> a `GenerationRequest`, every 400 decided there),
 `pool` (the Decoders and the worker thread), `service` (the request path: admission, backpressure, deadline),
 `shaping` (OpenAI's JSON and stream chunks), `stream` (text deltas), `errors` (OpenAI-shaped errors), `metrics`,
-`tokens` (vLLM's /tokenize and /detokenize), and the routes below, which only hand over. In front of them the pure
-ASGI `guard` checks the Host header (no DNS rebinding against a local server), the API key (constant-time), and
-the body size while the body is read. Every request has one deadline, from arrival to the last token; a client
-that goes away, the deadline or shutdown cancel its generation after the current step.
+`tokens` (vLLM's /tokenize and /detokenize), `responses` (OpenAI's Responses API, stateless), and the routes
+below, which only hand over. In front of them the pure ASGI `guard` checks the Host header (no DNS rebinding
+against a local server), the API key (constant-time), and the body size while the body is read. Every request
+has one deadline, from arrival to the last token; a client that goes away, the deadline or shutdown cancel its
+generation after the current step.
 
 Example:
     forerun serve --method auto --cache trie.safetensors --port 8000
@@ -29,7 +30,15 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from forerun.server.config import CacheError, ServerConfig  # noqa: F401 - re-exported
 from forerun.server.errors import install as install_error_handlers
 from forerun.server.guard import Guard
-from forerun.server.schemas import ChatRequest, CompletionRequest, DetokenizeRequest, ErrorResponse, TokenizeRequest
+from forerun.server.responses import respond
+from forerun.server.schemas import (
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ErrorResponse,
+    ResponsesRequest,
+    TokenizeRequest,
+)
 from forerun.server.service import Service
 from forerun.server.tokens import detokenized, tokenized
 
@@ -60,6 +69,7 @@ def create_app(model, tokenizer, config: ServerConfig, draft_model=None) -> Fast
     app.add_api_route("/v1/models", models, methods=["GET"])
     app.add_api_route("/v1/completions", completions, methods=["POST"], responses=RESPONSES)
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"], responses=RESPONSES)
+    app.add_api_route("/v1/responses", responses, methods=["POST"], responses=RESPONSES)
     app.add_api_route("/tokenize", tokenize, methods=["POST"], responses=RESPONSES)
     app.add_api_route("/detokenize", detokenize, methods=["POST"], responses=RESPONSES)
     app.openapi = lambda: openapi(app)
@@ -86,6 +96,10 @@ async def completions(body: CompletionRequest, request: Request):
 
 async def chat_completions(body: ChatRequest, request: Request):
     return await request.app.state.service.answer(body, request, chat=True)
+
+
+async def responses(body: ResponsesRequest, request: Request):
+    return await respond(request.app.state.service, body, request)
 
 
 async def tokenize(body: TokenizeRequest, request: Request) -> dict:

@@ -4,7 +4,16 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-ROUTES = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
+ROUTES = (
+    "/health",
+    "/metrics",
+    "/v1/models",
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/responses",
+    "/tokenize",
+    "/detokenize",
+)
 """Metric labels are these (or 'other'), never a raw path a client chose."""
 
 

@@ -110,6 +110,61 @@ class ChatRequest(CommonRequest):
     """vLLM's, SGLang's and llama.cpp's: variables the chat template reads (Qwen3's `enable_thinking`)."""
 
 
+class ResponsesRequest(BaseModel):
+    """OpenAI's Responses API (`/v1/responses`), stateless: every OpenAI field is named, so each is honoured or
+    refused by name (`forerun.server.responses_input`); a few of vLLM's besides, as in a chat request."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: StrictStr | None = None
+    input: StrictStr | list[Any] = Field(json_schema_extra=NON_EMPTY_PROMPT)
+    """A user's text, or the conversation's items: messages, function calls and their outputs, reasoning."""
+    instructions: StrictStr | None = None
+    max_output_tokens: StrictInt | None = None
+    temperature: Number | None = None
+    top_p: Number | None = None
+    top_logprobs: StrictInt | None = None
+    include: list[StrictStr] | None = None
+    stream: StrictBool = False
+    stream_options: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any | None = None
+    parallel_tool_calls: StrictBool | None = None
+    max_tool_calls: StrictInt | None = None
+    text: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None
+    store: StrictBool | None = None
+    previous_response_id: StrictStr | None = None
+    conversation: Any | None = None
+    background: StrictBool | None = None
+    prompt: Any | None = None
+    truncation: StrictStr | None = None
+    service_tier: StrictStr | None = None
+    metadata: dict[str, Any] | None = None
+    user: StrictStr | None = None
+    safety_identifier: StrictStr | None = None
+    prompt_cache_key: StrictStr | None = None
+    prompt_cache_retention: StrictStr | None = None
+    top_k: StrictInt | None = None
+    min_p: Number | None = None
+    repetition_penalty: Number | None = None
+    seed: StrictInt | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    logit_bias: dict[str, Any] | None = None
+    ignore_eos: StrictBool | None = None
+    stop_token_ids: list[StrictInt] | None = None
+    min_tokens: StrictInt | None = None
+    cache_salt: StrictStr | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    forerun: dict[str, Any] | None = None
+
+    @field_validator("input")
+    @classmethod
+    def non_empty(cls, given: str | list) -> str | list:
+        if len(given) == 0:
+            raise ValueError("input is empty")
+        return given
+
+
 class TokenizeRequest(BaseModel):
     """vLLM's `/tokenize`: a text prompt, or chat messages through the chat template (with its tools and
     variables), into the ids the model would read."""

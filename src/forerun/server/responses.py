@@ -1,0 +1,103 @@
+"""The Responses API's request path (`/v1/responses`): a request read as the chat request it stands for
+(`forerun.server.responses_input`), generated on the same worker, queue and deadline as a chat completion
+(`Service.generate_groups`), shaped as a response or its named events (`forerun.server.responses_shaping`).
+
+Example:
+    >>> from openai import OpenAI                                                        # doctest: +SKIP
+    >>> client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none")           # doctest: +SKIP
+    >>> client.responses.create(model="smollm2-135m", input="Hi", store=False).output_text  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from forerun.server.errors import failed
+from forerun.server.fields import APIError
+from forerun.server.responses_input import chat_request, renamed
+from forerun.server.responses_shaping import Events, Reply, answered, settings_of
+from forerun.server.schemas import ResponsesRequest
+from forerun.server.shaping import logprobs_payload
+from forerun.server.stream import Calls, Reasoning, TokenStream, deltas, started
+from forerun.server.translate import translate
+from forerun.tool_specs import parameters_of
+
+if TYPE_CHECKING:
+    from forerun.server.service import Service
+
+
+async def respond(service: Service, body: ResponsesRequest, request: Request):
+    """One Responses API request: its response object, or a stream of its events."""
+    request.state.deadline = time.monotonic() + service.config.request_timeout_s
+    chat, origins = chat_request(body)
+    try:
+        args = translate(chat, service.limits)
+    except APIError as error:
+        raise renamed(error, origins) from None
+    ident = f"resp_{uuid.uuid4().hex[:24]}"
+    reply = Reply(ident, int(time.time()), service.config.model_name, settings_of(body), service.limits.short_call_ids)
+    cancel, logprobs = threading.Event(), args.logprobs is not None
+    if not args.stream:
+        decoder, done = await named(service.generate_groups([args], request, None, cancel), origins)
+        service.metrics.count(request.url.path, 200)
+        return answered(reply, done[0][1][0], service.tokenizer, decoder.method, logprobs)
+    tools = parameters_of(args.tools) if args.tools and args.tool_choice != "none" else None
+    loop, mark = asyncio.get_running_loop(), service.limits.call_mark
+    stream = TokenStream(service.tokenizer, loop, args.stop, logprobs, tools, mark, service.thoughts)
+    task = asyncio.create_task(named(service.generate_groups([args], request, [[stream]], cancel), origins))
+    await started([stream], task, cancel)
+    service.metrics.count(request.url.path, 200)
+    events = streamed(service, Events(reply), stream, task, cancel)
+    return StreamingResponse(events, media_type="text/event-stream")
+
+
+async def named(work: Awaitable, origins: list[str]) -> Any:
+    """`work`'s result, its 400s naming the Responses fields (`renamed`)."""
+    try:
+        return await work
+    except APIError as error:
+        raise renamed(error, origins) from None
+
+
+async def streamed(
+    service: Service, events: Events, stream: TokenStream, task: asyncio.Task, cancel: threading.Event
+) -> AsyncIterator[str]:
+    """The response's events as its generation writes it; if the client goes away, the generation is cancelled."""
+    try:
+        for event in events.opening():
+            yield event
+        async for _, delta, entries in deltas([stream], task):
+            if isinstance(entries, Calls):
+                written = events.calls(entries.calls)
+            elif isinstance(entries, Reasoning):
+                written = events.reasoning(entries.text)
+            else:
+                shown = None if entries is None else logprobs_payload(service.tokenizer, entries, True)["content"]
+                written = events.text(delta, shown)
+            for event in written:
+                yield event
+        for event in await ending(events, task):
+            yield event
+    finally:
+        if not task.done():
+            cancel.set()
+
+
+async def ending(events: Events, task: asyncio.Task) -> list[str]:
+    """The last events: the response completed (or incomplete), or failed with its error."""
+    try:
+        decoder, done = await task
+    except APIError as error:
+        return events.fail(error.message, error.kind)
+    except Exception as error:  # noqa: BLE001 - a stream ends with its failure told, never cut
+        failure = failed(error)
+        return events.fail(failure.message, failure.kind)
+    return events.finish(done[0][1][0], decoder.method)
