@@ -116,8 +116,13 @@ def test_a_dropped_non_streaming_request_stops_generating(guarded):
     ],
 )
 def test_former_500s_are_400s_in_openai_shape(guarded, raw, param):
+    refused_naming(guarded[0], "/v1/chat/completions", raw, param)
+
+
+def refused_naming(server, path: str, raw: bytes, param: str | None) -> None:
+    """`raw` posted to `path` is a 400 in OpenAI's shape, naming `param` where one is given."""
     response = httpx.post(
-        guarded[0].url + "/v1/chat/completions",
+        server.url + path,
         content=raw,
         headers={"authorization": f"Bearer {KEY}", "content-type": "application/json"},
         timeout=60,
@@ -126,7 +131,7 @@ def test_former_500s_are_400s_in_openai_shape(guarded, raw, param):
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error" and error["message"]
     if param:
-        assert error["param"] == param
+        assert error["param"] == param, error
 
 
 def test_timeout_is_a_504_not_a_finished_answer(smollm2):
@@ -306,17 +311,7 @@ def test_shutdown_cancels_in_flight_work_and_still_saves_the_cache(smollm2, tmp_
     ],
 )  # fmt: skip
 def test_hostile_responses_bodies_are_400s_naming_what_was_sent(guarded, raw, param):
-    response = httpx.post(
-        guarded[0].url + "/v1/responses",
-        content=raw,
-        headers={"authorization": f"Bearer {KEY}", "content-type": "application/json"},
-        timeout=60,
-    )
-    assert response.status_code == 400, response.text
-    error = response.json()["error"]
-    assert error["type"] == "invalid_request_error" and error["message"]
-    if param:
-        assert error["param"] == param, error
+    refused_naming(guarded[0], "/v1/responses", raw, param)
 
 
 def test_schemathesis_finds_no_server_error(guarded):

@@ -68,6 +68,17 @@ def test_a_response_is_plain_generates_answer_streamed_or_not(served, client):
     assert events[-1].response.output_text == expected.text and events[-1].response.usage.output_tokens == NEW
 
 
+def test_a_developer_message_joins_the_instructions_as_the_system_message(served, client):
+    """Codex sends its instructions as a developer message: this template names no such role, so it is a system
+    message, one with `instructions` (a template takes a system message only first), as plain generate reads it."""
+    items = [{"role": "developer", "content": "Answer in French."}, {"role": "user", "content": ASK}]
+    merged = [{"role": "system", "content": "Answer in one sentence.\n\nAnswer in French."}, items[1]]
+    expected = plain(served, merged)
+    response = client.responses.create(model=MODEL, instructions="Answer in one sentence.", input=items,
+                                       max_output_tokens=NEW)  # fmt: skip
+    assert response.output_text == expected.text and response.usage.input_tokens == expected.prompt_len
+
+
 def test_a_required_call_is_the_chat_completions_call(client):
     """Tools in the Responses shape; a required call comes as a function_call item, the same call the chat
     completion makes; streamed, its arguments come in the events OpenAI sends."""
@@ -168,3 +179,22 @@ def test_a_bad_request_leaves_the_next_one_answered(served, client):
     with pytest.raises(BadRequestError):
         client.responses.create(model=MODEL, input=[{"type": "computer_call"}])
     assert client.responses.create(model=MODEL, input="Hi", max_output_tokens=4).output_text
+
+
+def test_a_stream_the_client_leaves_stops_and_frees_its_place(served, client):
+    """A Responses stream read to its first delta, then dropped: its generation stops (the queue empties at once,
+    not after 64 tokens) and the next request is answered as plain generate writes it; metrics count the route."""
+    server = served[0]
+    body = {"model": MODEL, "input": "Write a long story about a lighthouse keeper.", "max_output_tokens": 64,
+            "stream": True}  # fmt: skip
+    with httpx.stream("POST", server.url + "/v1/responses", json=body, timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: ") and json.loads(line[6:])["type"] == "response.output_text.delta":
+                break  # one delta read, then hang up
+    assert server.queue_after(10) == 0
+    messages = [{"role": "user", "content": "Name three colours."}]
+    assert client.responses.create(model=MODEL, input=messages, max_output_tokens=8).output_text == (
+        plain(served, messages, 8).text
+    )
+    metrics = httpx.get(server.url + "/metrics", timeout=10).text
+    assert 'forerun_requests_total{endpoint="/v1/responses",status="200"}' in metrics

@@ -106,7 +106,8 @@ def test_a_response_gives_the_thought_as_a_reasoning_item_and_takes_it_back(serv
     thought, message = response.output
     assert (thought.type, thought.content[0].text, thought.summary) == ("reasoning", reasoning, [])
     assert response.output_text == content and response.usage.output_tokens_details.reasoning_tokens == tokens
-    with client.responses.stream(model=MODEL, input=ASK, max_output_tokens=NEW, extra_body=bias) as stream:
+    one_by_one = {**bias, "forerun": {"method": "plain"}}  # the trie has learnt this answer: it would come at once
+    with client.responses.stream(model=MODEL, input=ASK, max_output_tokens=NEW, extra_body=one_by_one) as stream:
         events = list(stream)
     kinds = [event.type for event in events]
     pieces = [event.delta for event in events if event.type == "response.reasoning_text.delta"]

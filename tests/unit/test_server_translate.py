@@ -350,3 +350,25 @@ def test_the_servers_template_variables_stand_unless_a_request_sets_its_own():
     assert translate(ChatRequest(messages=HI), limits).chat_template_kwargs == defaults
     own = ChatRequest(messages=HI, chat_template_kwargs={"enable_thinking": True}, reasoning_effort="low")
     assert translate(own, limits).chat_template_kwargs == {"enable_thinking": True, "reasoning_effort": "low"}
+
+
+def test_developer_messages_are_system_ones_unless_the_template_names_the_role():
+    """OpenAI's developer role (Codex sends its instructions so): a system message for a template that does not
+    name it (most refuse or drop an unknown role), the leading ones one message; passed on to one that does."""
+    from forerun.server.messages import takes_developer
+
+    sent = [{"role": "system", "content": "Be brief."}, {"role": "developer", "content": "Use French."}, *HI,
+            {"role": "developer", "content": "Now English."}]  # fmt: skip
+    assert chat(messages=sent).prompt == [
+        {"role": "system", "content": "Be brief.\n\nUse French."},
+        *HI,
+        {"role": "system", "content": "Now English."},
+    ]
+    assert chat(messages=[sent[0], *HI]).prompt == [sent[0], *HI]  # no developer: nothing merged
+    named = Limits(model_name="tiny", developer=True)
+    assert translate(ChatRequest(messages=sent), named).prompt == sent
+
+    class Tokenizer:
+        chat_template = {"default": "{{ messages }}", "tool_use": "{% if m.role == 'developer' %}{% endif %}"}
+
+    assert takes_developer(Tokenizer()) and not takes_developer(type("T", (), {"chat_template": "{{ x }}"})())

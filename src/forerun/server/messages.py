@@ -11,14 +11,41 @@ from __future__ import annotations
 from forerun.server.fields import checked, refuse
 from forerun.server.schemas import ChatRequest, Message
 from forerun.server.tool_fields import template_calls
+from forerun.tool_specs import templates
 
 
-def chat_messages(body: ChatRequest) -> list[dict]:
-    """Messages as the chat template takes them: content parts joined, everything checked."""
+def chat_messages(body: ChatRequest, developer: bool = False) -> list[dict]:
+    """Messages as the chat template takes them: content parts joined, everything checked; `developer`: whether
+    the template names OpenAI's developer role (`takes_developer`; where it does not, such messages are system
+    messages: `as_system`)."""
     messages = [message_of(f"messages[{i}]", message) for i, message in enumerate(body.messages)]
     if all(not (m["content"] or "").strip() and "tool_calls" not in m for m in messages):
         raise refuse("messages", "every message's content is empty or only whitespace: there is nothing to answer")
-    return messages
+    return messages if developer else as_system(messages)
+
+
+def takes_developer(tokenizer: object) -> bool:
+    """Whether the tokenizer's chat template names the `developer` role (gpt-oss's does; most do not)."""
+    return any("developer" in text for text in templates(tokenizer))
+
+
+def as_system(messages: list[dict]) -> list[dict]:
+    """OpenAI's `developer` messages (Codex sends its instructions so) as `system` ones, for a template that does
+    not name that role: Qwen's refuse an unknown role, others drop it or write a role the model never saw. Where
+    they lead the conversation with other system messages (a Responses request's `instructions`), the leading
+    ones are one message, their texts apart by a blank line: many templates take a system message only first.
+
+    Example:
+        >>> as_system([{"role": "system", "content": "Be brief."}, {"role": "developer", "content": "Use French."},
+        ...            {"role": "user", "content": "Hi"}])
+        [{'role': 'system', 'content': 'Be brief.\\n\\nUse French.'}, {'role': 'user', 'content': 'Hi'}]
+    """
+    leading = next((i for i, m in enumerate(messages) if m["role"] not in ("system", "developer")), len(messages))
+    merge = leading > 1 and any(m["role"] == "developer" for m in messages[:leading])
+    shown = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
+    if merge:
+        return [{"role": "system", "content": "\n\n".join(m["content"] for m in shown[:leading])}, *shown[leading:]]
+    return shown
 
 
 def message_of(where: str, message: Message) -> dict:

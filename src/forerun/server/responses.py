@@ -26,7 +26,7 @@ from forerun.server.responses_input import chat_request, renamed
 from forerun.server.responses_shaping import Events, Reply, answered, settings_of
 from forerun.server.schemas import ResponsesRequest
 from forerun.server.shaping import logprobs_payload
-from forerun.server.stream import Calls, Reasoning, TokenStream, deltas, started
+from forerun.server.stream import Calls, Reasoning, TokenStream, cancelling, deltas, started
 from forerun.server.translate import translate
 from forerun.tool_specs import parameters_of
 
@@ -55,8 +55,8 @@ async def respond(service: Service, body: ResponsesRequest, request: Request):
     task = asyncio.create_task(named(service.generate_groups([args], request, [[stream]], cancel), origins))
     await started([stream], task, cancel)
     service.metrics.count(request.url.path, 200)
-    events = streamed(service, Events(reply), stream, task, cancel)
-    return StreamingResponse(events, media_type="text/event-stream")
+    events = streamed(service, Events(reply), stream, task)
+    return StreamingResponse(cancelling(events, task, cancel), media_type="text/event-stream")
 
 
 async def named(work: Awaitable, origins: list[str]) -> Any:
@@ -67,28 +67,22 @@ async def named(work: Awaitable, origins: list[str]) -> Any:
         raise renamed(error, origins) from None
 
 
-async def streamed(
-    service: Service, events: Events, stream: TokenStream, task: asyncio.Task, cancel: threading.Event
-) -> AsyncIterator[str]:
-    """The response's events as its generation writes it; if the client goes away, the generation is cancelled."""
-    try:
-        for event in events.opening():
+async def streamed(service: Service, events: Events, stream: TokenStream, task: asyncio.Task) -> AsyncIterator[str]:
+    """The response's events as its generation writes it, then its end (`ending`)."""
+    for event in events.opening():
+        yield event
+    async for _, delta, entries in deltas([stream], task):
+        if isinstance(entries, Calls):
+            written = events.calls(entries.calls)
+        elif isinstance(entries, Reasoning):
+            written = events.reasoning(entries.text)
+        else:
+            shown = None if entries is None else logprobs_payload(service.tokenizer, entries, True)["content"]
+            written = events.text(delta, shown)
+        for event in written:
             yield event
-        async for _, delta, entries in deltas([stream], task):
-            if isinstance(entries, Calls):
-                written = events.calls(entries.calls)
-            elif isinstance(entries, Reasoning):
-                written = events.reasoning(entries.text)
-            else:
-                shown = None if entries is None else logprobs_payload(service.tokenizer, entries, True)["content"]
-                written = events.text(delta, shown)
-            for event in written:
-                yield event
-        for event in await ending(events, task):
-            yield event
-    finally:
-        if not task.done():
-            cancel.set()
+    for event in await ending(events, task):
+        yield event
 
 
 async def ending(events: Events, task: asyncio.Task) -> list[str]:

@@ -1,7 +1,7 @@
 """The request path of the server, one method per stage: `answer` (a completion or chat request, JSON or a stream)
 -> `translate` (every 400 decided there) -> `generate_groups` (admission and backpressure, one group of choices
 per prompt, the deadline) -> `echo` (a completion's prompt scored, `forerun.server.echo`) and `generate` (the
-worker) -> `forerun.server.shaping` (OpenAI's JSON and chunks).
+worker) -> `forerun.server.shaping` (OpenAI's JSON) or `forerun.server.chat_stream` (its chunks).
 
 Example (what the routes of `forerun.server.app` do):
     >>> service = Service(model, tokenizer, config)                       # doctest: +SKIP
@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import Awaitable
 from typing import Any
 
 from fastapi import Request
@@ -25,27 +25,17 @@ from forerun.decoder import Decoder, GenerationResult
 from forerun.prefixcache import PrefixCache
 from forerun.preparation import eos_ids_of
 from forerun.request import GenerationRequest
+from forerun.server.chat_stream import chat_events
 from forerun.server.config import ServerConfig, load_trie_cache, sampling_defaults
 from forerun.server.decoders import DecoderPool
 from forerun.server.echo import echoed, prompt_counts
-from forerun.server.errors import error_body, failed
+from forerun.server.errors import failed
+from forerun.server.messages import takes_developer
 from forerun.server.metrics import Metrics
 from forerun.server.pool import Abandoned, BatchWorker, ShuttingDown, Worker
 from forerun.server.schemas import ChatRequest, CompletionRequest
-from forerun.server.shaping import (
-    DONE,
-    Answer,
-    Echo,
-    calls_chunk,
-    chunk,
-    completion,
-    echo_payload,
-    event,
-    logprobs_payload,
-    opening,
-    usage,
-)
-from forerun.server.stream import Calls, Reasoning, TokenStream, deltas, started, targets_of
+from forerun.server.shaping import Answer, Echo, completion
+from forerun.server.stream import TokenStream, cancelling, started
 from forerun.server.translate import APIError, GenerationArgs, Limits, translate
 from forerun.template_kwargs import checked_template_kwargs, template_variables
 from forerun.thoughts import thought_marks
@@ -77,6 +67,7 @@ class Service:
             tools=takes_tools(tokenizer),
             short_call_ids=short_call_ids(tokenizer),
             call_mark=call_mark(tokenizer),
+            developer=takes_developer(tokenizer),
             template_variables=(variables := template_variables(tokenizer)),
             template_defaults=checked_template_kwargs(config.chat_template_kwargs, variables),
         )
@@ -166,7 +157,8 @@ class Service:
         task = asyncio.create_task(self.generate_groups(groups, request, streams, cancel))
         await started([stream for each in streams for stream in each], task, cancel)
         self.metrics.count(request.url.path, 200)
-        return StreamingResponse(self.sse(streams, task, cancel, args, answer), media_type="text/event-stream")
+        events = chat_events(self.tokenizer, streams, task, args, answer)
+        return StreamingResponse(cancelling(events, task, cancel), media_type="text/event-stream")
 
     async def generate_groups(
         self,
@@ -305,63 +297,6 @@ class Service:
 
     def timed_out(self) -> str:
         return f"the request took longer than the server's timeout of {self.config.request_timeout_s:g} s"
-
-    async def sse(
-        self, streams: list[list[TokenStream]], task: asyncio.Task, cancel: threading.Event, args, answer
-    ) -> AsyncIterator[str]:
-        """Server-sent events; if the client goes away mid-stream, the generation is cancelled."""
-        try:
-            async for item in self.events(streams, task, args, answer):
-                yield item
-        finally:
-            if not task.done():
-                cancel.set()
-
-    async def events(
-        self, streams: list[list[TokenStream]], task: asyncio.Task, args: GenerationArgs, answer: Answer
-    ) -> AsyncIterator[str]:
-        """Every choice's chunks as its generation writes them (greedy choices: the one generation's, each under
-        every index of its prompt; an echoed prompt first), then each choice's last chunk with its finish reason."""
-        choices = args.n * len(streams)
-        if answer.chat:
-            for index in range(choices):
-                yield opening(answer, index)
-        offsets, flat = [0] * choices, [stream for each in streams for stream in each]
-        targets = targets_of([len(each) for each in streams], args.n)
-        async for run, delta, entries in deltas(flat, task):
-            for index in targets[run]:
-                if isinstance(entries, Calls):
-                    yield calls_chunk(answer, entries.calls, index)
-                    continue
-                if isinstance(entries, Reasoning):
-                    logprobs = logprobs_payload(self.tokenizer, entries.entries, answer.chat)
-                    yield chunk(answer, None, logprobs=logprobs, index=index, reasoning=entries.text)
-                    continue
-                if isinstance(entries, Echo):
-                    logprobs = echo_payload(self.tokenizer, entries)
-                else:
-                    logprobs = logprobs_payload(self.tokenizer, entries, answer.chat, offsets[index])
-                yield chunk(answer, delta, logprobs=logprobs, index=index)
-                offsets[index] += len(delta)
-        try:
-            decoder, done = await task
-        except APIError as error:
-            yield event(error_body(error.status, error.message, error.param, error.kind))
-        except Exception as error:  # noqa: BLE001 - a stream ends with an error event and [DONE], never cut
-            failure = failed(error)
-            yield event(error_body(failure.status, failure.message, kind=failure.kind))
-        else:
-            results = [result for _, results in done for result in results]
-            extra = usage(results, decoder.method, prompt_counts(done))
-            for index, result in enumerate(results):
-                echo = done[index // args.n][0]
-                if result is None and echo is not None:  # the echoed prompt alone: nothing was streamed
-                    yield chunk(answer, echo.text, logprobs=echo_payload(self.tokenizer, echo), index=index)
-                reason = "length" if result is None else result.finish_reason
-                yield chunk(answer, None, reason, {"forerun": extra["forerun"]}, index=index)
-            if args.include_usage:  # as OpenAI: a last chunk with no choices carries the usage
-                yield chunk(answer, None, None, {"usage": extra["usage"]}, choices=False)
-        yield DONE
 
 
 async def all_or_none(runs: list[asyncio.Task], cancel: threading.Event) -> list:

@@ -204,3 +204,14 @@ async def started(streams: list[TokenStream], task: asyncio.Task, cancel: thread
         waiter.cancel()
     if not all(stream.started.is_set() for stream in streams) and task.done():
         await task  # it failed before its first step: APIError -> its status
+
+
+async def cancelling(events: AsyncIterator[str], task: asyncio.Task, cancel: threading.Event) -> AsyncIterator[str]:
+    """`events`, sent; if the client goes away mid-stream (the response stops reading them), the generation is
+    cancelled (`cancel`) after its current step."""
+    try:
+        async for item in events:
+            yield item
+    finally:
+        if not task.done():
+            cancel.set()

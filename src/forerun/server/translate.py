@@ -82,6 +82,9 @@ class Limits:
     """Whether it takes only 9-character call ids (`forerun.tool_specs.short_call_ids`): the calls answered get such."""
     call_mark: int | None = None
     """The special token its calls open with where the decoded text drops it (`forerun.tool_specs.call_mark`)."""
+    developer: bool = False
+    """Whether its chat template names the developer role (else such messages are system messages:
+    `forerun.server.messages.as_system`)."""
 
 
 @dataclass(frozen=True)
@@ -211,7 +214,7 @@ def translate(body: ChatRequest | CompletionRequest, limits: Limits) -> Generati
     unsupported(body)
     tools, tool_choice, parallel = tools_of(body, limits.tools) if chat else ((), "none", True)
     if chat:
-        prompts: list = [chat_messages(body)]
+        prompts: list = [chat_messages(body, limits.developer)]
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         field_name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     else:
