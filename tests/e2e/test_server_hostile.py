@@ -314,6 +314,34 @@ def test_hostile_responses_bodies_are_400s_naming_what_was_sent(guarded, raw, pa
     refused_naming(guarded[0], "/v1/responses", raw, param)
 
 
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"max_tokens": 4, "messages": [{"role": "user", "content": "a\\ud800b"}]}',
+        b'{"max_tokens": 4, "messages": [{"role": "assistant", "content": [{"type": "tool_use", "id": "t", '
+        b'"name": "f", "input": {"a": ' + b"[" * 3000 + b"]" * 3000 + b"}}]}]}",
+        b'{"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": 1}]}]}',
+        b'{"max_tokens": 4, "messages": [{"role": "user", "content": [null]}], "system": [1]}',
+        b'{"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "tools": [{"name": "f", '
+        b'"input_schema": {"type": "nope"}}], "tool_choice": {"type": "any"}}',
+        b'{"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "thinking": {"type": "enabled", '
+        b'"budget_tokens": "x", "x": 1}}',
+        b'{"max_tokens": -1, "messages": [{"role": "user", "content": "hi"}]}',
+        b'{"max_tokens": 4, "messages": []}',
+    ],
+)
+def test_hostile_anthropic_bodies_are_400s_in_anthropics_shape(guarded, raw):
+    response = httpx.post(
+        guarded[0].url + "/v1/messages",
+        content=raw,
+        headers={"x-api-key": KEY, "content-type": "application/json"},
+        timeout=60,
+    )
+    assert response.status_code == 400, response.text
+    body = response.json()
+    assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error" and body["error"]["message"]
+
+
 def test_schemathesis_finds_no_server_error(guarded):
     """A bounded property-based run over every operation of /openapi.json (with the key): no 5xx."""
     import schemathesis

@@ -132,6 +132,26 @@ def test_a_response_gives_the_thought_as_a_reasoning_item_and_takes_it_back(serv
     assert again.output_text == (chat.choices[0].message.content or "")
 
 
+def test_anthropics_thinking_blocks_and_its_thinking_switch(served):
+    """Anthropic's Messages API: the thought is a thinking block (streamed as thinking deltas), and `thinking`
+    disabled turns the template's `enable_thinking` off; each text plain generate's."""
+    import anthropic
+
+    server, model, tokenizer = served
+    client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
+    reasoning, content, _ = plain(model, tokenizer, ASK, biased=False)
+    assert reasoning and not content  # unbiased, the seed-0 model thinks past NEW tokens
+    message = client.messages.create(model=MODEL, max_tokens=NEW, messages=ASK)
+    assert [(b.type, b.thinking) for b in message.content] == [("thinking", reasoning)]
+    assert message.stop_reason == "max_tokens"
+    with client.messages.stream(model=MODEL, max_tokens=NEW, messages=ASK) as stream:
+        pieces = [event.thinking for event in stream if event.type == "thinking"]
+    assert "".join(pieces) == reasoning
+    off = client.messages.create(model=MODEL, max_tokens=NEW, messages=ASK, thinking={"type": "disabled"})
+    assert [b.type for b in off.content] == ["text"]
+    assert off.content[0].text == plain(model, tokenizer, ASK, False, enable_thinking=False)[1]
+
+
 def test_template_kwargs_turn_the_thought_off_and_unknown_ones_are_refused(served, client):
     server, model, tokenizer = served
     off = {"chat_template_kwargs": {"enable_thinking": False}}

@@ -1,13 +1,14 @@
-"""An OpenAI-compatible HTTP server around one model: completions and chat, streaming, metrics, a shared cache.
+"""An OpenAI-compatible HTTP server around one model (Anthropic's Messages API too): completions and chat,
+streaming, metrics, a shared cache.
 
 The layers: `schemas` (request bodies), `translate` (request -> a `GenerationRequest`, every 400 decided there),
 `pool` (the Decoders and the worker thread), `service` (the request path: admission, backpressure, deadline),
-`shaping` (OpenAI's JSON and stream chunks), `stream` (text deltas), `errors` (OpenAI-shaped errors), `metrics`,
-`tokens` (vLLM's /tokenize and /detokenize), `responses` (OpenAI's Responses API, stateless), and the routes
-below, which only hand over. In front of them the pure ASGI `guard` checks the Host header (no DNS rebinding
-against a local server), the API key (constant-time), and the body size while the body is read. Every request
-has one deadline, from arrival to the last token; a client that goes away, the deadline or shutdown cancel its
-generation after the current step.
+`shaping` (OpenAI's JSON and stream chunks), `stream` (text deltas), `errors` (errors in OpenAI's or Anthropic's
+shape), `metrics`, `tokens` (vLLM's /tokenize and /detokenize), `responses` (OpenAI's Responses API, stateless),
+`anthropic` (Anthropic's Messages API), and the routes below, which only hand over. In front of them the pure
+ASGI `guard` checks the Host header (no DNS rebinding against a local server), the API key (constant-time), and
+the body size while the body is read. Every request has one deadline, from arrival to the last token; a client
+that goes away, the deadline or shutdown cancel its generation after the current step.
 
 Example:
     forerun serve --method auto --cache trie.safetensors --port 8000
@@ -27,13 +28,16 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from forerun.server import anthropic
 from forerun.server.config import CacheError, ServerConfig  # noqa: F401 - re-exported
 from forerun.server.errors import install as install_error_handlers
 from forerun.server.guard import Guard
 from forerun.server.responses import respond
 from forerun.server.schemas import (
+    AnthropicRequest,
     ChatRequest,
     CompletionRequest,
+    CountTokensRequest,
     DetokenizeRequest,
     ErrorResponse,
     ResponsesRequest,
@@ -70,6 +74,8 @@ def create_app(model, tokenizer, config: ServerConfig, draft_model=None) -> Fast
     app.add_api_route("/v1/completions", completions, methods=["POST"], responses=RESPONSES)
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"], responses=RESPONSES)
     app.add_api_route("/v1/responses", responses, methods=["POST"], responses=RESPONSES)
+    app.add_api_route("/v1/messages", messages, methods=["POST"], responses=RESPONSES)
+    app.add_api_route("/v1/messages/count_tokens", count_tokens, methods=["POST"], responses=RESPONSES)
     app.add_api_route("/tokenize", tokenize, methods=["POST"], responses=RESPONSES)
     app.add_api_route("/detokenize", detokenize, methods=["POST"], responses=RESPONSES)
     app.openapi = lambda: openapi(app)
@@ -100,6 +106,14 @@ async def chat_completions(body: ChatRequest, request: Request):
 
 async def responses(body: ResponsesRequest, request: Request):
     return await respond(request.app.state.service, body, request)
+
+
+async def messages(body: AnthropicRequest, request: Request):
+    return await anthropic.respond(request.app.state.service, body, request)
+
+
+async def count_tokens(body: CountTokensRequest, request: Request) -> dict:
+    return await anthropic.count_tokens(request.app.state.service, body)
 
 
 async def tokenize(body: TokenizeRequest, request: Request) -> dict:

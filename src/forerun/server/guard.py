@@ -56,7 +56,7 @@ class Guard:
         """Answer before the body was read, and close the connection after the answer: a client that keeps
         sending (or trickling) a body it was refused must not hold the connection, nor reset its deadlines."""
         self.metrics.count(scope["path"], status)
-        response = error_response(status, message, kind=kind)
+        response = error_response(status, message, kind=kind, path=scope["path"])
         response.headers["connection"] = "close"
         await response(scope, self.idle_receive, send)
 
@@ -74,9 +74,12 @@ class Guard:
         return name is not None and name in self.hosts
 
     def authorised(self, headers: dict[bytes, bytes]) -> bool:
+        """The key as a `Bearer` token (OpenAI's clients), or in `x-api-key` (Anthropic's SDK, Claude Code)."""
         scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
         expected = self.config.api_key.encode()
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode("latin-1"), expected)
+        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode("latin-1"), expected):
+            return True
+        return b"x-api-key" in headers and hmac.compare_digest(headers[b"x-api-key"].strip(), expected)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -84,7 +87,7 @@ class Guard:
             return
         listed = scope.get("headers", [])
         headers = dict(listed)
-        for name in (b"host", b"authorization"):
+        for name in (b"host", b"authorization", b"x-api-key"):
             if sum(1 for key, _ in listed if key == name) > 1:  # which one counts is ambiguous: neither does
                 await self.reject(scope, send, 400, f"more than one {name.decode()} header")
                 return

@@ -11,6 +11,8 @@ ROUTES = (
     "/v1/completions",
     "/v1/chat/completions",
     "/v1/responses",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
     "/tokenize",
     "/detokenize",
 )

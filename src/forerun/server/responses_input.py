@@ -70,9 +70,10 @@ def chat_request(body: ResponsesRequest) -> tuple[ChatRequest, list[str]]:
         raise renamed(refuse(where, f"invalid request: {where}: {first['msg']}"), origins) from None
 
 
-def renamed(error: APIError, origins: list[str]) -> APIError:
-    """`error` (raised for the chat request `chat_request` made) naming the Responses field: 'messages[i]...' as
-    the item it came from (`origins[i]`), chat's field names as the Responses API's (`RENAMED`).
+def renamed(error: APIError, origins: list[str], names: dict[str, str] = RENAMED, listed: str = "input") -> APIError:
+    """`error` (raised for the chat request `chat_request` made) naming the field the client sent: 'messages[i]...'
+    as what it came from (`origins[i]`), chat's messages as a whole as `listed`, chat's field names as `names` say
+    (the Responses API's: `RENAMED`).
 
     Example:
         >>> renamed(APIError(400, "messages[1].content is missing", "messages[1].content"), ["instructions",
@@ -85,8 +86,8 @@ def renamed(error: APIError, origins: list[str]) -> APIError:
             return None
         text = re.sub(r"\bmessages\[(\d+)\]", lambda m: origins[int(m[1])] if int(m[1]) < len(origins) else m[0], text)
         text = re.sub(r"\b(input\[\d+\])\.tool_calls(\[\d+\])?", r"\1", text)  # the item itself: its call
-        text = re.sub(r"\bmessages\b", "input", text)
-        return re.sub(r"\b(" + "|".join(RENAMED) + r")\b", lambda m: RENAMED[m[1]], text)
+        text = re.sub(r"\bmessages\b(?!\[)", listed, text)
+        return re.sub(r"\b(" + "|".join(names) + r")\b", lambda m: names[m[1]], text)
 
     return APIError(error.status, named(error.message) or "", named(error.param), error.kind)
 

@@ -165,6 +165,45 @@ class ResponsesRequest(BaseModel):
         return given
 
 
+class AnthropicRequest(BaseModel):
+    """Anthropic's Messages API (`/v1/messages`, as Claude Code and the anthropic SDK send it): every field it
+    defines is named, so each is honoured or refused by name (`forerun.server.anthropic_input`)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: StrictStr | None = None
+    max_tokens: StrictInt
+    messages: list[Any] = Field(min_length=1, max_length=MAX_MESSAGES)
+    system: StrictStr | list[Any] | None = None
+    stop_sequences: list[StrictStr] | None = None
+    temperature: Number | None = None
+    top_p: Number | None = None
+    top_k: StrictInt | None = None
+    stream: StrictBool = False
+    tools: list[Any] | None = None
+    tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
+    service_tier: StrictStr | None = None
+    container: Any | None = None
+    mcp_servers: Any | None = None
+    context_management: Any | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    forerun: dict[str, Any] | None = None
+
+
+class CountTokensRequest(BaseModel):
+    """Anthropic's `/v1/messages/count_tokens`: the tokens a Messages request's prompt holds."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: StrictStr | None = None
+    messages: list[Any] = Field(min_length=1, max_length=MAX_MESSAGES)
+    system: StrictStr | list[Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
 class TokenizeRequest(BaseModel):
     """vLLM's `/tokenize`: a text prompt, or chat messages through the chat template (with its tools and
     variables), into the ids the model would read."""

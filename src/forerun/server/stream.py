@@ -72,7 +72,8 @@ class TokenStream:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.started = asyncio.Event()
         self.held = HeldText(stops)
-        self.prompt_seen = False
+        self.prompt_seen, self.prompt_tokens = False, 0
+        """Whether the prompt has come (the first `put`), and its tokens."""
         self.thoughts, self.watch = thoughts, None
         """The tokenizer's thought marks, and the answer's thought as it is written (`forerun.thoughts`)."""
         self.sent = ["", ""]
@@ -82,7 +83,7 @@ class TokenStream:
 
     def put(self, value) -> None:
         if not self.prompt_seen:  # transformers' convention: the prompt comes first
-            self.prompt_seen = True
+            self.prompt_seen, self.prompt_tokens = True, value.numel()
             if self.thoughts is not None:
                 self.watch = ThoughtWatch(self.tokenizer, self.thoughts, value.flatten().tolist())
             self.loop.call_soon_threadsafe(self.started.set)

@@ -1,0 +1,214 @@
+"""An Anthropic Messages request (`/v1/messages`) as the chat request it stands for: `system` and the messages'
+content blocks as chat messages (text, tool use and its results, thinking), its tools and `tool_choice` in chat's
+shape, so one path (`translate`) decides every 400, each naming the field the client sent (`renamed`).
+
+Example:
+    >>> body = AnthropicRequest(max_tokens=16, system="Be brief.", messages=[
+    ...     {"role": "user", "content": "What time is it?"},
+    ...     {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "now", "input": {}}]},
+    ...     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "noon"}]}])
+    >>> chat, origins = chat_request(body)
+    >>> [(m.role, m.content) for m in chat.messages], origins
+    ([('system', 'Be brief.'), ('user', 'What time is it?'), ('assistant', None), ('tool', 'noon')], ['system', \
+'messages[0]', 'messages[1]', 'messages[2]'])
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pydantic import ValidationError
+
+from forerun.server.fields import APIError, refuse
+from forerun.server.responses_input import renamed
+from forerun.server.schemas import AnthropicRequest, ChatRequest, CountTokensRequest
+
+NAMES = {
+    "max_completion_tokens": "max_tokens",
+    "stop": "stop_sequences",
+    "parallel_tool_calls": "tool_choice",
+    "response_format": "output_format",
+}
+"""Chat's field names in the errors `translate` raises, as Anthropic's API names them."""
+BLOCK_KEYS = {"type", "text", "cache_control", "citations"}
+"""A text block's keys: `cache_control` is taken and changes nothing (the prefix cache reads every shared head)."""
+
+
+def chat_request(
+    body: AnthropicRequest | CountTokensRequest, variables: frozenset[str] = frozenset()
+) -> tuple[ChatRequest, list[str]]:
+    """(the chat request `body` stands for, where each of its messages came from: 'system' or 'messages[j]'), or
+    an APIError naming the field that is wrong; `variables`: the chat template's (`thinking` sets its
+    `enable_thinking` where it reads one)."""
+    unsupported(body)
+    messages, origins = messages_of(body)
+    fields: dict[str, Any] = {"messages": messages, "tools": tools_of(body.tools),
+                              "chat_template_kwargs": template_kwargs_of(body, variables)}  # fmt: skip
+    fields |= tool_choice_of(body.tool_choice)
+    if isinstance(body, AnthropicRequest):
+        fields |= {
+            name: getattr(body, name) for name in ("model", "temperature", "top_p", "top_k", "stream", "forerun")
+        }
+        fields |= {"max_completion_tokens": body.max_tokens, "stop": body.stop_sequences}
+    try:
+        return ChatRequest(**{name: value for name, value in fields.items() if value is not None}), origins
+    except ValidationError as error:  # a value of the wrong type inside a field: named as the client sent it
+        first = error.errors()[0]
+        where = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in first["loc"]).lstrip(".")
+        raise named(refuse(where, f"invalid request: {where}: {first['msg']}"), origins) from None
+
+
+def named(error: APIError, origins: list[str]) -> APIError:
+    """`error` (raised for the chat request `chat_request` made) naming the field the client sent."""
+    return renamed(error, origins, NAMES, "messages")
+
+
+def unsupported(body: AnthropicRequest | CountTokensRequest) -> None:
+    """What this server cannot honour, refused by name: Anthropic's hosted containers and MCP servers."""
+    if isinstance(body, AnthropicRequest):
+        for name in ("container", "mcp_servers", "context_management"):
+            if getattr(body, name) is not None:
+                raise refuse(name, f"{name} is not supported: this server runs a text model, with function tools")
+        if body.service_tier not in (None, "auto", "standard_only"):
+            raise refuse("service_tier", "service_tier takes 'auto' or 'standard_only' (one tier)")
+
+
+def messages_of(body: AnthropicRequest | CountTokensRequest) -> tuple[list[dict], list[str]]:
+    """The chat messages of `system` and the messages' blocks, with the field each came from: a user's tool
+    results are tool messages (before the user's words), an assistant's blocks one message (its thinking the
+    thought, its text the content, its tool uses the calls)."""
+    messages: list[dict] = []
+    origins: list[str] = []
+    if body.system is not None:
+        messages.append({"role": "system", "content": text_of("system", body.system)})
+        origins.append("system")
+    for j, message in enumerate(body.messages):
+        where = f"messages[{j}]"
+        if not isinstance(message, dict) or set(message) - {"role", "content"}:
+            raise refuse(where, f"{where} must be an object with a role and content")
+        role, content = message.get("role"), message.get("content")
+        if role not in ("user", "assistant"):
+            raise refuse(f"{where}.role", f"{where}.role must be user or assistant, got {role!r:.40}")
+        blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
+        if not isinstance(blocks, list):
+            raise refuse(f"{where}.content", f"{where}.content must be a string or a list of content blocks")
+        shaped = users_blocks(where, blocks) if role == "user" else [assistants_blocks(where, blocks)]
+        messages += shaped
+        origins += [where] * len(shaped)
+    return messages, origins
+
+
+def users_blocks(where: str, blocks: list) -> list[dict]:
+    """A user's blocks as chat messages: each tool result a tool message, then the words (if any) a user's."""
+    results, words = [], []
+    for k, block in enumerate(blocks):
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "tool_result":
+            results.append(tool_result(f"{where}.content[{k}]", block))
+        else:
+            words.append(text_of(f"{where}.content[{k}]", [block]))
+    return [*results, *([{"role": "user", "content": "".join(words)}] if words or not results else [])]
+
+
+def assistants_blocks(where: str, blocks: list) -> dict:
+    """An assistant's blocks as one chat message: thinking as its thought, text as its content, tool uses as its
+    calls (their input as JSON text, as chat's calls carry it)."""
+    thoughts, words, calls = [], [], []
+    for k, block in enumerate(blocks):
+        at = f"{where}.content[{k}]"
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "thinking" and isinstance(block.get("thinking"), str):
+            thoughts.append(block["thinking"])
+        elif kind == "tool_use":
+            ident, name, given = block.get("id"), block.get("name"), block.get("input")
+            if not isinstance(ident, str) or not isinstance(name, str) or not isinstance(given, dict):
+                raise refuse(at, f"{at}: a tool_use block needs an id, a name and an input object")
+            calls.append({"id": ident, "type": "function", "function": {"name": name, "arguments": json.dumps(given)}})
+        else:
+            words.append(text_of(at, [block]))
+    message: dict = {"role": "assistant", "content": "".join(words) if words or not calls else None}
+    if calls:
+        message["tool_calls"] = calls
+    if thoughts:
+        message["reasoning_content"] = "\n\n".join(thoughts)
+    return message
+
+
+def tool_result(where: str, block: dict) -> dict:
+    """A tool_result block as a tool message, with its call's id (an error's text as it is: the model reads it)."""
+    if not isinstance(block.get("tool_use_id"), str) or set(block) - {"type", "tool_use_id", "content", "is_error",
+                                                                       "cache_control"}:  # fmt: skip
+        raise refuse(where, f"{where}: a tool_result block takes tool_use_id, content and is_error")
+    content = block.get("content", "")
+    return {"role": "tool", "content": text_of(f"{where}.content", content), "tool_call_id": block["tool_use_id"]}
+
+
+def text_of(where: str, content: Any) -> str:
+    """A string, or text blocks' texts joined (a system prompt's blocks apart by a blank line); images and
+    documents refused by name."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise refuse(where, f"{where} must be a string or a list of text blocks")
+    texts = []
+    for k, block in enumerate(content):
+        at = where if len(content) == 1 and where.endswith("]") else f"{where}[{k}]"
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind != "text":
+            why = "this server runs a text-only model (send text blocks)"
+            raise refuse(at, f"{at}: {kind!r:.40} blocks are not supported here: {why}")
+        if not isinstance(block.get("text"), str) or set(block) - BLOCK_KEYS:
+            raise refuse(at, f"{at}: a text block takes a string 'text' (and cache_control)")
+        texts.append(block["text"])
+    return ("\n\n" if where == "system" else "").join(texts)
+
+
+def tools_of(tools: list | None) -> list[dict] | None:
+    """Anthropic's client tools (`{"name", "description", "input_schema"}`) in chat's shape; its server tools (web
+    search, code execution, a computer) refused by name."""
+    if tools is None:
+        return None
+    shaped = []
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type", "custom") != "custom":
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            raise refuse(where, f"{where}: {kind!r:.40} tools are not supported: this server offers client tools")
+        unknown = sorted(set(tool) - {"type", "name", "description", "input_schema", "cache_control", "strict"})
+        if unknown:
+            raise refuse(where, f"{where}: unrecognized field(s) {unknown}")
+        function = {"name": tool.get("name"), "description": tool.get("description"),
+                    "parameters": tool.get("input_schema"), "strict": tool.get("strict")}  # fmt: skip
+        shaped.append({"type": "function", "function": {k: v for k, v in function.items() if v is not None}})
+    return shaped
+
+
+def tool_choice_of(choice: dict | None) -> dict:
+    """Anthropic's `tool_choice` as chat's `tool_choice` and `parallel_tool_calls`."""
+    if choice is None:
+        return {}
+    kind = choice.get("type")
+    unknown = set(choice) - {"type", "name", "disable_parallel_tool_use"}
+    if kind not in ("auto", "any", "tool", "none") or unknown or (kind == "tool") != ("name" in choice):
+        raise refuse("tool_choice", 'tool_choice takes {"type": "auto" | "any" | "none"} or {"type": "tool", "name"}')
+    shaped = {"auto": "auto", "any": "required", "none": "none"}.get(kind)
+    if kind == "tool":
+        shaped = {"type": "function", "function": {"name": choice["name"]}}
+    parallel = choice.get("disable_parallel_tool_use")
+    return {"tool_choice": shaped, "parallel_tool_calls": None if parallel is None else not parallel}
+
+
+def template_kwargs_of(body: AnthropicRequest | CountTokensRequest, variables: frozenset[str]) -> dict | None:
+    """`chat_template_kwargs`, with `thinking` as the template's `enable_thinking` where the template reads one
+    and the request does not set it itself (elsewhere the model thinks or not as it was taught); `budget_tokens`
+    is not held: `max_tokens` bounds the whole answer, thought included."""
+    kwargs = dict(body.chat_template_kwargs or {})
+    thinking = body.thinking
+    if thinking is None:
+        return kwargs or None
+    if thinking.get("type") not in ("enabled", "disabled", "adaptive") or set(thinking) - {"type", "budget_tokens"}:
+        raise refuse("thinking", 'thinking takes {"type": "enabled", "budget_tokens"}, "adaptive" or "disabled"')
+    if "enable_thinking" in variables:
+        kwargs.setdefault("enable_thinking", thinking["type"] != "disabled")
+    return kwargs or None

@@ -1,0 +1,139 @@
+"""Anthropic's Messages API on a live server (the embedded SmolLM2-135M-Instruct with the shipped `chatml-tools`
+template), driven by the official anthropic client and its stream helper: every answer is plain generate's text
+from the conversation the blocks stand for, its tool use the chat completion's call; errors come in Anthropic's
+shape, naming the field sent, and the key is taken in `x-api-key` as Anthropic's clients send it."""
+
+from __future__ import annotations
+
+import copy
+
+import anthropic
+import httpx
+import pytest
+from openai import OpenAI
+from test_server import MODEL, LiveServer
+
+import forerun
+from forerun.server import ServerConfig, create_app
+from forerun.tool_specs import shipped_template
+
+pytestmark = pytest.mark.real_model
+KEY = "k3y"
+WEATHER = {"name": "get_weather", "description": "The current weather in a city",
+           "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+                            "additionalProperties": False}}  # fmt: skip
+ASK = "What is the weather like in Paris today?"
+NEW = 24
+
+
+@pytest.fixture(scope="module")
+def served(smollm2):
+    model, tokenizer = smollm2
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.chat_template = shipped_template("chatml-tools")  # as `forerun serve --chat-template chatml-tools`
+    config = ServerConfig(MODEL, "auto", max_tokens_limit=64, api_key=KEY)
+    server = LiveServer(create_app(model, tokenizer, config))
+    yield server, model, tokenizer
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return anthropic.Anthropic(base_url=served[0].url, api_key=KEY, max_retries=0, timeout=120)
+
+
+def plain(served, messages, new: int = NEW, tools=None) -> forerun.GenerationResult:
+    _, model, tokenizer = served
+    return forerun.Decoder(model, tokenizer, "plain").generate(messages, new, tools=tools)
+
+
+def test_a_message_is_plain_generates_answer_streamed_or_not(served, client):
+    """`system` and the user's message as chat's; the text is plain generate's, `max_tokens` its stop reason, the
+    prompt's tokens split between read and cached; streamed through the SDK's helper, the same; counted first."""
+    messages = [{"role": "system", "content": "Answer in one sentence."}, {"role": "user", "content": ASK}]
+    expected = plain(served, messages)
+    assert expected.finish_reason == "length"
+    ask = {"model": MODEL, "max_tokens": NEW, "system": messages[0]["content"], "messages": messages[1:]}
+    counted = client.messages.count_tokens(**{k: v for k, v in ask.items() if k != "max_tokens"})
+    message = client.messages.create(**ask)
+    assert message.content[0].text == expected.text and message.stop_reason == "max_tokens"
+    assert message.usage.input_tokens + message.usage.cache_read_input_tokens == expected.prompt_len
+    assert counted.input_tokens == expected.prompt_len and message.usage.output_tokens == NEW
+    assert message.id.startswith("msg_") and message.model_extra["forerun"]["forwards"]
+    with client.messages.stream(**ask) as stream:
+        pieces = list(stream.text_stream)
+        final = stream.get_final_message()
+    assert "".join(pieces) == expected.text and len(pieces) > 1
+    assert final.content[0].text == expected.text and final.stop_reason == "max_tokens"
+
+
+def test_a_stop_sequence_ends_the_answer_and_is_named(served, client):
+    messages = [{"role": "user", "content": "Count from one to ten in words, separated by commas."}]
+    expected = plain(served, messages, 48).text
+    words = expected.split()
+    stop = words[len(words) // 2]  # a piece the answer holds: it ends where that piece first stands
+    message = client.messages.create(model=MODEL, max_tokens=48, messages=messages, stop_sequences=[stop])
+    assert message.stop_reason == "stop_sequence" and message.stop_sequence == stop
+    assert message.content[0].text == expected[: expected.index(stop)]
+
+
+def test_a_tool_use_is_the_chat_completions_call_and_its_result_goes_back(served, client):
+    """`tool_choice` any: a tool_use block holding the call the chat completion makes, streamed the same; the
+    tool's result sent back is the tool's message, and the answer plain generate's from that conversation."""
+    chat = OpenAI(base_url=served[0].url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    tool = {"type": "function", "function": {"name": WEATHER["name"], "description": WEATHER["description"],
+                                             "parameters": WEATHER["input_schema"]}}  # fmt: skip
+    made = chat.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": ASK}], tools=[tool],
+                                        tool_choice="required").choices[0].message.tool_calls[0].function  # fmt: skip
+    ask = {"model": MODEL, "max_tokens": 64, "messages": [{"role": "user", "content": ASK}], "tools": [WEATHER]}
+    message = client.messages.create(**ask, tool_choice={"type": "any"})
+    (use,) = message.content
+    assert use.type == "tool_use" and use.id.startswith("toolu_") and message.stop_reason == "tool_use"
+    assert (use.name, use.input) == (made.name, {"city": "Paris"}) and made.arguments == '{"city": "Paris"}'
+    with client.messages.stream(**ask, tool_choice={"type": "tool", "name": "get_weather"}) as stream:
+        final = stream.get_final_message()
+    assert final.content[0].input == use.input and final.stop_reason == "tool_use"
+    result = '{"sky": "clear", "celsius": 21}'
+    back = [
+        *ask["messages"],
+        {"role": "assistant", "content": [use.model_dump(exclude_none=True)]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": result}]},
+    ]
+    turns = [ask["messages"][0],
+             {"role": "assistant", "content": None, "tool_calls": [{"id": use.id, "type": "function",
+              "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+             {"role": "tool", "tool_call_id": use.id, "content": result}]  # fmt: skip
+    expected = plain(served, turns, 48, tools=[tool])
+    answer = client.messages.create(model=MODEL, max_tokens=48, messages=back, tools=[WEATHER])
+    assert expected.tool_calls == () and [block.type for block in answer.content] == ["text"]
+    assert answer.content[0].text == expected.text
+
+
+@pytest.mark.parametrize(
+    ("body", "fragment"),
+    [
+        ({"max_tokens": 100000}, "max_tokens must be between"),
+        ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "'image' blocks"),
+        ({"tools": [{"type": "bash_20250124", "name": "bash"}]}, "tools[0]"),
+        ({"extra_body": {"betas": ["x"]}}, "unrecognized request field 'betas'"),
+        ({"max_tokens": "8"}, "max_tokens"),
+    ],
+)
+def test_errors_come_in_anthropics_shape_naming_the_field(served, client, body, fragment):
+    sent = {"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}], **body}
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        client.messages.create(**sent)
+    error = refused.value.body
+    assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
+    assert fragment in error["error"]["message"], error
+
+
+def test_the_key_is_taken_as_anthropics_clients_send_it(served):
+    url = served[0].url + "/v1/messages"
+    body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}
+    wrong = httpx.post(url, json=body, headers={"x-api-key": "nope"}, timeout=60)
+    assert wrong.status_code == 401 and wrong.json()["error"]["type"] == "authentication_error"
+    twice = httpx.post(url, json=body, headers=[("x-api-key", KEY), ("x-api-key", KEY)], timeout=60)
+    assert twice.status_code == 400
+    bearer = httpx.post(url, json=body, headers={"authorization": f"Bearer {KEY}"}, timeout=60)
+    assert bearer.status_code == 200 and bearer.json()["type"] == "message"
