@@ -13,7 +13,7 @@ from anthropic.types import Message, RawMessageStreamEvent
 from pydantic import TypeAdapter
 
 from forerun.decoder import GenerationResult
-from forerun.server.anthropic_input import chat_request, named
+from forerun.server.anthropic_input import chat_request
 from forerun.server.anthropic_shaping import Events, Reply, answered, stop_of
 from forerun.server.fields import APIError
 from forerun.server.schemas import AnthropicRequest
@@ -87,10 +87,10 @@ def test_translates_errors_name_anthropics_fields():
     for fields, param in (({"max_tokens": 9}, "max_tokens"), ({"stop_sequences": ["a"] * 5}, "stop_sequences"),
                           ({"messages": [{"role": "user", "content": "a\ud800"}]}, "messages[0].content")):  # fmt: skip
         body = AnthropicRequest(**{"max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}], **fields})
-        chat, origins = chat_request(body)
+        chat, rename = chat_request(body)
         with pytest.raises(APIError) as refused:
             translate(chat, limits)
-        error = named(refused.value, origins)
+        error = rename(refused.value)
         assert error.param == param and error.message.startswith(param.split("[")[0]), error.message
 
 

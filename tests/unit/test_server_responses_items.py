@@ -15,7 +15,7 @@ from pydantic import TypeAdapter
 
 from forerun.decoder import GenerationResult
 from forerun.server.fields import APIError
-from forerun.server.responses_input import chat_request, renamed
+from forerun.server.responses_input import chat_request
 from forerun.server.responses_shaping import Events, Reply, answered, settings_of
 from forerun.server.schemas import ResponsesRequest
 from forerun.server.translate import Limits, translate
@@ -88,14 +88,14 @@ def test_each_refusal_names_the_responses_field(items, fields, param):
 
 def test_translates_errors_name_the_item_the_message_came_from():
     limits = Limits(model_name="m", max_tokens_limit=8)
-    chat, origins = chat_request(ResponsesRequest(input=[{"role": "user", "content": " "}], instructions=" "))
+    chat, rename = chat_request(ResponsesRequest(input=[{"role": "user", "content": " "}], instructions=" "))
     with pytest.raises(APIError) as refused:
         translate(chat, limits)
-    assert renamed(refused.value, origins).param == "input"
-    chat, origins = chat_request(ResponsesRequest(input="Hi", max_output_tokens=9))
+    assert rename(refused.value).param == "input"
+    chat, rename = chat_request(ResponsesRequest(input="Hi", max_output_tokens=9))
     with pytest.raises(APIError) as refused:
         translate(chat, limits)
-    error = renamed(refused.value, origins)
+    error = rename(refused.value)
     assert error.param == "max_output_tokens" and error.message.startswith("max_output_tokens must be")
     tool = {"type": "function", "name": "f", "parameters": {"type": "object"}, "strict": True}
     chat, _ = chat_request(ResponsesRequest(input="Hi", tools=[tool], tool_choice={"type": "function", "name": "f"}))

@@ -16,51 +16,46 @@ import asyncio
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from forerun.prompts import rendered
-from forerun.server.anthropic_input import chat_request, named
+from forerun.server.anthropic_input import chat_request
 from forerun.server.anthropic_shaping import Events, Reply, answered
 from forerun.server.errors import failed
 from forerun.server.fields import APIError
+from forerun.server.renaming import Renaming
 from forerun.server.schemas import AnthropicRequest, CountTokensRequest
-from forerun.server.stream import Calls, Reasoning, TokenStream, cancelling, deltas, started
+from forerun.server.stream import Calls, Reasoning, TokenStream, cancelling, deltas
 from forerun.server.translate import GenerationArgs, check_model, translate
-from forerun.tool_specs import parameters_of
 
 if TYPE_CHECKING:
     from forerun.server.service import Service
 
 
-def translated(service: Service, body: AnthropicRequest | CountTokensRequest) -> tuple[GenerationArgs, list[str]]:
-    """The generation `body` asks for and where its chat messages came from; a 400 names the field sent."""
-    chat, origins = chat_request(body, service.limits.template_variables)
+def translated(service: Service, body: AnthropicRequest | CountTokensRequest) -> tuple[GenerationArgs, Renaming]:
+    """The generation `body` asks for, and how its errors name the fields sent; a 400 names the field sent."""
+    chat, rename = chat_request(body, service.limits.template_variables)
     try:
-        return translate(chat, service.limits), origins
+        return translate(chat, service.limits), rename
     except APIError as error:
-        raise named(error, origins) from None
+        raise rename(error) from None
 
 
 async def respond(service: Service, body: AnthropicRequest, request: Request):
     """One Messages request: its message, or a stream of its events."""
     request.state.deadline = time.monotonic() + service.config.request_timeout_s
-    args, origins = translated(service, body)
+    args, rename = translated(service, body)
     reply = Reply(f"msg_{uuid.uuid4().hex[:24]}", service.config.model_name)
     cancel = threading.Event()
     if not args.stream:
-        decoder, done = await renaming(service.generate_groups([args], request, None, cancel), origins)
+        decoder, done = await rename.awaited(service.generate_groups([args], request, None, cancel))
         service.metrics.count(request.url.path, 200)
         return answered(reply, done[0][1][0], decoder.method, args.stop)
-    tools = parameters_of(args.tools) if args.tools and args.tool_choice != "none" else None
-    loop, mark = asyncio.get_running_loop(), service.limits.call_mark
-    stream = TokenStream(service.tokenizer, loop, args.stop, False, tools, mark, service.thoughts)
-    task = asyncio.create_task(renaming(service.generate_groups([args], request, [[stream]], cancel), origins))
-    await started([stream], task, cancel)
-    service.metrics.count(request.url.path, 200)
+    stream, task = await service.stream_one(args, request, cancel, rename)
     events = Events(Reply(reply.ident, reply.model, stream.prompt_tokens))
     return StreamingResponse(cancelling(streamed(events, stream, task, args.stop), task, cancel),
                              media_type="text/event-stream")  # fmt: skip
@@ -70,20 +65,12 @@ async def count_tokens(service: Service, body: CountTokensRequest) -> dict:
     """`/v1/messages/count_tokens`: the tokens the request's prompt holds, through the chat template with its
     tools, as a Messages request renders it."""
     check_model(body.model, service.limits)
-    args, origins = translated(service, body)
+    args, _ = translated(service, body)
     try:
         ids = await asyncio.to_thread(rendered, service.tokenizer, args.prompt, args.tools, args.chat_template_kwargs)
     except ValueError as error:
         raise APIError(400, str(error), "messages") from None
     return {"input_tokens": len(ids)}
-
-
-async def renaming(work: Awaitable, origins: list[str]) -> Any:
-    """`work`'s result, its 400s naming the fields sent (`named`)."""
-    try:
-        return await work
-    except APIError as error:
-        raise named(error, origins) from None
 
 
 async def streamed(events: Events, stream: TokenStream, task: asyncio.Task, stops: list[str]) -> AsyncIterator[str]:

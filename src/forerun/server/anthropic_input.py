@@ -1,14 +1,14 @@
 """An Anthropic Messages request (`/v1/messages`) as the chat request it stands for: `system` and the messages'
 content blocks as chat messages (text, tool use and its results, thinking), its tools and `tool_choice` in chat's
-shape, so one path (`translate`) decides every 400, each naming the field the client sent (`renamed`).
+shape, so one path (`translate`) decides every 400, each naming the field the client sent (`forerun.server.renaming`).
 
 Example:
     >>> body = AnthropicRequest(max_tokens=16, system="Be brief.", messages=[
     ...     {"role": "user", "content": "What time is it?"},
     ...     {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "now", "input": {}}]},
     ...     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "noon"}]}])
-    >>> chat, origins = chat_request(body)
-    >>> [(m.role, m.content) for m in chat.messages], origins
+    >>> chat, rename = chat_request(body)
+    >>> [(m.role, m.content) for m in chat.messages], rename.origins
     ([('system', 'Be brief.'), ('user', 'What time is it?'), ('assistant', None), ('tool', 'noon')], ['system', \
 'messages[0]', 'messages[1]', 'messages[2]'])
 """
@@ -18,10 +18,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pydantic import ValidationError
-
-from forerun.server.fields import APIError, refuse
-from forerun.server.responses_input import renamed
+from forerun.server.fields import refuse
+from forerun.server.renaming import Renaming
 from forerun.server.schemas import AnthropicRequest, ChatRequest, CountTokensRequest
 
 NAMES = {
@@ -37,10 +35,10 @@ BLOCK_KEYS = {"type", "text", "cache_control", "citations"}
 
 def chat_request(
     body: AnthropicRequest | CountTokensRequest, variables: frozenset[str] = frozenset()
-) -> tuple[ChatRequest, list[str]]:
-    """(the chat request `body` stands for, where each of its messages came from: 'system' or 'messages[j]'), or
-    an APIError naming the field that is wrong; `variables`: the chat template's (`thinking` sets its
-    `enable_thinking` where it reads one)."""
+) -> tuple[ChatRequest, Renaming]:
+    """(the chat request `body` stands for, how its errors name the fields sent: its messages came from 'system'
+    or 'messages[j]'), or an APIError naming the field that is wrong; `variables`: the chat template's
+    (`thinking` sets its `enable_thinking` where it reads one)."""
     unsupported(body)
     messages, origins = messages_of(body)
     fields: dict[str, Any] = {"messages": messages, "tools": tools_of(body.tools),
@@ -51,17 +49,8 @@ def chat_request(
             name: getattr(body, name) for name in ("model", "temperature", "top_p", "top_k", "stream", "forerun")
         }
         fields |= {"max_completion_tokens": body.max_tokens, "stop": body.stop_sequences}
-    try:
-        return ChatRequest(**{name: value for name, value in fields.items() if value is not None}), origins
-    except ValidationError as error:  # a value of the wrong type inside a field: named as the client sent it
-        first = error.errors()[0]
-        where = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in first["loc"]).lstrip(".")
-        raise named(refuse(where, f"invalid request: {where}: {first['msg']}"), origins) from None
-
-
-def named(error: APIError, origins: list[str]) -> APIError:
-    """`error` (raised for the chat request `chat_request` made) naming the field the client sent."""
-    return renamed(error, origins, NAMES, "messages")
+    rename = Renaming(origins, NAMES, "messages")
+    return rename.chat(fields), rename
 
 
 def unsupported(body: AnthropicRequest | CountTokensRequest) -> None:

@@ -14,21 +14,20 @@ import asyncio
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from forerun.server.errors import failed
 from forerun.server.fields import APIError
-from forerun.server.responses_input import chat_request, renamed
+from forerun.server.responses_input import chat_request
 from forerun.server.responses_shaping import Events, Reply, answered, settings_of
 from forerun.server.schemas import ResponsesRequest
 from forerun.server.shaping import logprobs_payload
-from forerun.server.stream import Calls, Reasoning, TokenStream, cancelling, deltas, started
+from forerun.server.stream import Calls, Reasoning, TokenStream, cancelling, deltas
 from forerun.server.translate import translate
-from forerun.tool_specs import parameters_of
 
 if TYPE_CHECKING:
     from forerun.server.service import Service
@@ -37,34 +36,21 @@ if TYPE_CHECKING:
 async def respond(service: Service, body: ResponsesRequest, request: Request):
     """One Responses API request: its response object, or a stream of its events."""
     request.state.deadline = time.monotonic() + service.config.request_timeout_s
-    chat, origins = chat_request(body)
+    chat, rename = chat_request(body)
     try:
         args = translate(chat, service.limits)
     except APIError as error:
-        raise renamed(error, origins) from None
+        raise rename(error) from None
     ident = f"resp_{uuid.uuid4().hex[:24]}"
     reply = Reply(ident, int(time.time()), service.config.model_name, settings_of(body), service.limits.short_call_ids)
     cancel, logprobs = threading.Event(), args.logprobs is not None
     if not args.stream:
-        decoder, done = await named(service.generate_groups([args], request, None, cancel), origins)
+        decoder, done = await rename.awaited(service.generate_groups([args], request, None, cancel))
         service.metrics.count(request.url.path, 200)
         return answered(reply, done[0][1][0], service.tokenizer, decoder.method, logprobs)
-    tools = parameters_of(args.tools) if args.tools and args.tool_choice != "none" else None
-    loop, mark = asyncio.get_running_loop(), service.limits.call_mark
-    stream = TokenStream(service.tokenizer, loop, args.stop, logprobs, tools, mark, service.thoughts)
-    task = asyncio.create_task(named(service.generate_groups([args], request, [[stream]], cancel), origins))
-    await started([stream], task, cancel)
-    service.metrics.count(request.url.path, 200)
+    stream, task = await service.stream_one(args, request, cancel, rename)
     events = streamed(service, Events(reply), stream, task)
     return StreamingResponse(cancelling(events, task, cancel), media_type="text/event-stream")
-
-
-async def named(work: Awaitable, origins: list[str]) -> Any:
-    """`work`'s result, its 400s naming the Responses fields (`renamed`)."""
-    try:
-        return await work
-    except APIError as error:
-        raise renamed(error, origins) from None
 
 
 async def streamed(service: Service, events: Events, stream: TokenStream, task: asyncio.Task) -> AsyncIterator[str]:

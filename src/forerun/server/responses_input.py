@@ -1,6 +1,6 @@
 """A Responses API request (`/v1/responses`) as the chat request it stands for: `instructions` and the `input`
 items as chat messages, its tools, `text.format` and `reasoning` in chat's shape, so one path (`translate`)
-decides every 400, and each error names the Responses field the client sent (`renamed`).
+decides every 400, and each error names the Responses field the client sent (`forerun.server.renaming`).
 
 Stateless, as vLLM's without its store: nothing is kept, so `previous_response_id`, `conversation`,
 `item_reference` and `background` are refused by name; a client sends the conversation's items each time (the
@@ -11,8 +11,8 @@ Example:
     ...                                {"type": "function_call", "call_id": "c1", "name": "now", "arguments": "{}"},
     ...                                {"type": "function_call_output", "call_id": "c1", "output": "noon"}],
     ...                         instructions="Be brief.", max_output_tokens=16)
-    >>> chat, origins = chat_request(body)
-    >>> [(m.role, m.content) for m in chat.messages], chat.max_completion_tokens, origins
+    >>> chat, rename = chat_request(body)
+    >>> [(m.role, m.content) for m in chat.messages], chat.max_completion_tokens, rename.origins
     ([('system', 'Be brief.'), ('user', 'Hi'), ('assistant', None), ('tool', 'noon')], 16, ['instructions', \
 'input[0]', 'input[1]', 'input[2]'])
 """
@@ -20,12 +20,10 @@ Example:
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
-from pydantic import ValidationError
-
-from forerun.server.fields import APIError, refuse
+from forerun.server.fields import refuse
+from forerun.server.renaming import Renaming
 from forerun.server.schemas import ChatRequest, ResponsesRequest
 
 INCLUDES = ("message.output_text.logprobs", "reasoning.encrypted_content")
@@ -42,9 +40,9 @@ RENAMED = {
 NOT_STORED = "responses are not stored here: send the conversation's items in input"
 
 
-def chat_request(body: ResponsesRequest) -> tuple[ChatRequest, list[str]]:
-    """(the chat request `body` stands for, where each of its messages came from: 'instructions' or 'input[j]'),
-    or an APIError naming the Responses field that is wrong."""
+def chat_request(body: ResponsesRequest) -> tuple[ChatRequest, Renaming]:
+    """(the chat request `body` stands for, how its errors name the Responses fields: its messages came from
+    'instructions' or 'input[j]'), or an APIError naming the Responses field that is wrong."""
     unsupported(body)
     messages, origins = messages_of(body)
     fields: dict[str, Any] = {
@@ -62,34 +60,8 @@ def chat_request(body: ResponsesRequest) -> tuple[ChatRequest, list[str]]:
         **logprobs_of(body),
         **reasoning_of(body.reasoning, body.chat_template_kwargs),
     }
-    try:
-        return ChatRequest(**{name: value for name, value in fields.items() if value is not None}), origins
-    except ValidationError as error:  # a value of the wrong type inside a field: named as the client sent it
-        first = error.errors()[0]
-        where = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in first["loc"]).lstrip(".")
-        raise renamed(refuse(where, f"invalid request: {where}: {first['msg']}"), origins) from None
-
-
-def renamed(error: APIError, origins: list[str], names: dict[str, str] = RENAMED, listed: str = "input") -> APIError:
-    """`error` (raised for the chat request `chat_request` made) naming the field the client sent: 'messages[i]...'
-    as what it came from (`origins[i]`), chat's messages as a whole as `listed`, chat's field names as `names` say
-    (the Responses API's: `RENAMED`).
-
-    Example:
-        >>> renamed(APIError(400, "messages[1].content is missing", "messages[1].content"), ["instructions",
-        ...         "input[0]"]).param
-        'input[0].content'
-    """
-
-    def named(text: str | None) -> str | None:
-        if text is None:
-            return None
-        text = re.sub(r"\bmessages\[(\d+)\]", lambda m: origins[int(m[1])] if int(m[1]) < len(origins) else m[0], text)
-        text = re.sub(r"\b(input\[\d+\])\.tool_calls(\[\d+\])?", r"\1", text)  # the item itself: its call
-        text = re.sub(r"\bmessages\b(?!\[)", listed, text)
-        return re.sub(r"\b(" + "|".join(names) + r")\b", lambda m: names[m[1]], text)
-
-    return APIError(error.status, named(error.message) or "", named(error.param), error.kind)
+    rename = Renaming(origins, RENAMED, "input")
+    return rename.chat(fields), rename
 
 
 def unsupported(body: ResponsesRequest) -> None:

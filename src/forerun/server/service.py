@@ -33,6 +33,7 @@ from forerun.server.errors import failed
 from forerun.server.messages import takes_developer
 from forerun.server.metrics import Metrics
 from forerun.server.pool import Abandoned, BatchWorker, ShuttingDown, Worker
+from forerun.server.renaming import Renaming
 from forerun.server.schemas import ChatRequest, CompletionRequest
 from forerun.server.shaping import Answer, Echo, completion
 from forerun.server.stream import TokenStream, cancelling, started
@@ -159,6 +160,22 @@ class Service:
         self.metrics.count(request.url.path, 200)
         events = chat_events(self.tokenizer, streams, task, args, answer)
         return StreamingResponse(cancelling(events, task, cancel), media_type="text/event-stream")
+
+    async def stream_one(
+        self, args: GenerationArgs, request: Request, cancel: threading.Event, rename: Renaming
+    ) -> tuple[TokenStream, asyncio.Task]:
+        """One chat generation streamed (a Responses or Messages request's): its stream, once it has begun (its
+        prompt checked, its place taken: a failure before is the request's own HTTP status), and the task whose
+        result ends it (`generate_groups`'), its errors named as the client's API names its fields (`rename`)."""
+        tools = parameters_of(args.tools) if args.tools and args.tool_choice != "none" else None
+        logprobs, mark = args.logprobs is not None, self.limits.call_mark
+        stream = TokenStream(
+            self.tokenizer, asyncio.get_running_loop(), args.stop, logprobs, tools, mark, self.thoughts
+        )
+        task = asyncio.create_task(rename.awaited(self.generate_groups([args], request, [[stream]], cancel)))
+        await started([stream], task, cancel)
+        self.metrics.count(request.url.path, 200)
+        return stream, task
 
     async def generate_groups(
         self,
