@@ -137,3 +137,25 @@ def test_the_key_is_taken_as_anthropics_clients_send_it(served):
     assert twice.status_code == 400
     bearer = httpx.post(url, json=body, headers={"authorization": f"Bearer {KEY}"}, timeout=60)
     assert bearer.status_code == 200 and bearer.json()["type"] == "message"
+
+
+def test_a_served_name_of_the_clients_own_is_taken(smollm2):
+    """`--served-model-name`: the first name is the model's in every answer, the others taken in a request's
+    `model` (Claude Code asks for its quick tasks by a model name of its own); any other name is a 404 naming
+    those served."""
+    model, tokenizer = smollm2
+    config = ServerConfig("local-coder", "plain", max_tokens_limit=8, aliases=("claude-haiku-4-5",))
+    server = LiveServer(create_app(model, tokenizer, config))
+    try:
+        listed = httpx.get(server.url + "/v1/models", timeout=10).json()["data"]
+        assert [entry["id"] for entry in listed] == ["local-coder", "claude-haiku-4-5"]
+        client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
+        message = client.messages.create(
+            model="claude-haiku-4-5", max_tokens=4, messages=[{"role": "user", "content": "Hi"}]
+        )
+        assert message.model == "local-coder" and message.content
+        with pytest.raises(anthropic.NotFoundError) as unknown:
+            client.messages.create(model="claude-opus-4-1", max_tokens=4, messages=[{"role": "user", "content": "Hi"}])
+        assert "'local-coder', 'claude-haiku-4-5'" in unknown.value.body["error"]["message"]
+    finally:
+        server.stop()

@@ -60,6 +60,12 @@ WARM_UP_TOKENS = typer.Option(
     help="On a GPU, capture every graph before serving, for texts (prompt + answer) of up to this many tokens, "
     "single rows and the batch's; 0: each at its first use, in some request's time",
 )
+SERVED_NAME = typer.Option(
+    [],
+    "--served-model-name",
+    help="The name the API reports the model by (default: --model's value); repeat it to take more names in a "
+    "request's model field (a client's own name for its model).",
+)
 REQUEST_METHODS = typer.Option(
     "any",
     "--request-methods",
@@ -87,6 +93,7 @@ def serve(
     prefill_chunk: int = PREFILL_CHUNK,
     warm_up_tokens: int = WARM_UP_TOKENS,
     request_methods: str = REQUEST_METHODS,
+    served_model_name: list[str] = SERVED_NAME,
     threads: int = THREADS,
     draft_model: str = DRAFT,
     draft_head: str = HEAD,
@@ -109,15 +116,17 @@ def serve(
     from forerun.tool_specs import calls_taught
 
     check_limits(port, max_tokens_limit, timeout, max_queue, max_batch, prefix_cache, prefill_chunk, warm_up_tokens)
+    names = served_names(served_model_name, model)
     spec = run_spec(model, method, knob, device, dtype, threads, draft_model, max_tree_nodes, quantize, draft_head,
                     compile_buckets, pack)  # fmt: skip
     config = ServerConfig(
-        model_name=model, method=spec.method, knobs=dict(spec.knobs), draft_head=spec.draft_head,
-        api_key=api_key or None, cache_path=cache or None, max_tokens_limit=max_tokens_limit,
-        request_timeout_s=timeout, allowed_hosts=tuple(allow_host) or None, max_queue=max_queue, max_batch=max_batch,
-        prefix_cache_tokens=prefix_cache, prefill_chunk=prefill_chunk, warm_up_tokens=warm_up_tokens,
-        request_methods=parse_request_methods(request_methods), max_tree_nodes=spec.max_tree_nodes,
-        compile_buckets=spec.compile_buckets, chat_template_kwargs=template_kwargs_of(chat_template_kwargs),
+        model_name=names[0], aliases=tuple(names[1:]), method=spec.method, knobs=dict(spec.knobs),
+        draft_head=spec.draft_head, api_key=api_key or None, cache_path=cache or None,
+        max_tokens_limit=max_tokens_limit, request_timeout_s=timeout, allowed_hosts=tuple(allow_host) or None,
+        max_queue=max_queue, max_batch=max_batch, prefix_cache_tokens=prefix_cache, prefill_chunk=prefill_chunk,
+        warm_up_tokens=warm_up_tokens, request_methods=parse_request_methods(request_methods),
+        max_tree_nodes=spec.max_tree_nodes, compile_buckets=spec.compile_buckets,
+        chat_template_kwargs=template_kwargs_of(chat_template_kwargs),
     )  # fmt: skip
     template = read_chat_template(chat_template) if chat_template else None
     lm, tokenizer, draft = spec.load()
@@ -135,6 +144,19 @@ def serve(
         app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5, http=guarded_h11()
     )
     GracefulServer(settings, drain=app.state.worker.shutdown).run()
+
+
+def served_names(given: list[str], model: str) -> list[str]:
+    """The names the API knows the model by: `--served-model-name`'s (each once, none empty), else `--model`'s.
+
+    Example:
+        >>> served_names([], "smollm2-135m"), served_names(["coder", "claude-haiku", "coder"], "/models/qwen")
+        (['smollm2-135m'], ['coder', 'claude-haiku'])
+    """
+    names = list(dict.fromkeys(given)) or [model]
+    if not all(name.strip() for name in names):
+        raise typer.BadParameter("a served model name is empty", param_hint="--served-model-name")
+    return names
 
 
 def check_limits(

@@ -92,8 +92,10 @@ async def metrics(request: Request) -> Response:
 
 
 async def models(request: Request) -> dict:
-    name = request.app.state.service.config.model_name
-    return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "forerun"}]}
+    config = request.app.state.service.config
+    names = (config.model_name, *config.aliases)
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "forerun"}
+                                       for name in names]}  # fmt: skip
 
 
 async def completions(body: CompletionRequest, request: Request):

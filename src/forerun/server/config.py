@@ -18,6 +18,7 @@ class ServerConfig:
     """Limits and defaults of one server."""
 
     model_name: str
+    """The name the API reports the model by (`serve --served-model-name`'s first, else `--model`'s value)."""
     method: str = DEFAULT_METHOD
     knobs: dict = field(default_factory=dict)
     draft_head: str | None = None
@@ -55,6 +56,9 @@ class ServerConfig:
     steps, minutes of compiling in the warm-up at start, once per process."""
     max_tree_nodes: int | None = None
     """Most tokens any request's forward may carry (`serve --max-tree-nodes`); None: what the curve affords."""
+    aliases: tuple[str, ...] = ()
+    """Other names a request's `model` may give it (`serve --served-model-name`'s others: a client's own name
+    for its model, such as the one Claude Code asks for its quick tasks); `/v1/models` lists them too."""
     chat_template_kwargs: dict = field(default_factory=dict)
     """Variables given to the chat template for every chat request (`serve --chat-template-kwargs`: Qwen3's
     `{"enable_thinking": false}`); a request's own `chat_template_kwargs` override them by name. Each must be one the

@@ -54,6 +54,7 @@ class Service:
         self.config, self.tokenizer = config, tokenizer
         self.limits = Limits(
             model_name=config.model_name,
+            aliases=config.aliases,
             method=config.method,
             knobs=dict(config.knobs),
             max_tokens_limit=config.max_tokens_limit,

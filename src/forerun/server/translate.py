@@ -54,6 +54,8 @@ class Limits:
     """What this server serves and allows."""
 
     model_name: str
+    aliases: tuple[str, ...] = ()
+    """Other names a request's `model` may give the model (`ServerConfig.aliases`)."""
     method: str = DEFAULT_METHOD
     knobs: dict = field(default_factory=dict)
     max_tokens_limit: int = 1024
@@ -283,8 +285,9 @@ def template_kwargs_of(body: ChatRequest, limits: Limits) -> dict[str, Any] | No
 
 def check_model(model: str | None, limits: Limits) -> None:
     """A request that names a model names the one served (404 otherwise)."""
-    if model not in (None, limits.model_name):
-        message = f"model {model!r} is not served here; this server runs {limits.model_name!r}"
+    if model not in (None, limits.model_name, *limits.aliases):
+        names = ", ".join(repr(name) for name in (limits.model_name, *limits.aliases))
+        message = f"model {model!r:.200} is not served here; this server runs {names}"
         raise APIError(404, message, "model", "not_found_error")
 
 
