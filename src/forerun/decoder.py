@@ -18,11 +18,7 @@ from functools import cached_property
 from pathlib import Path
 
 import torch
-from transformers import (
-    LogitsProcessorList,
-    PreTrainedTokenizerBase,
-    StoppingCriteriaList,
-)
+from transformers import LogitsProcessorList, PreTrainedTokenizerBase, StoppingCriteriaList
 
 from forerun.assembly import (
     check_causal,
@@ -226,10 +222,12 @@ class Decoder:
         chat: bool = False,
         tools: Sequence[dict] | None = None,
         template_kwargs: Mapping[str, object] | None = None,
+        continued: bool = False,
     ) -> torch.Tensor:
         """Prompt -> input_ids [1, L] on the host: a string (chat=True wraps it as one user message), messages, or
-        ids (`forerun.prompts`); `tools` shown by the chat template, `template_kwargs` given to it."""
-        return encode_prompt(self.model, self.tokenizer, prompt, chat, tools, template_kwargs)
+        ids (`forerun.prompts`); `tools` shown by the chat template, `template_kwargs` given to it; `continued`:
+        the last message left open (`GenerationRequest.continue_final_message`)."""
+        return encode_prompt(self.model, self.tokenizer, prompt, chat, tools, template_kwargs, continued)
 
     def generate(
         self,
@@ -352,7 +350,8 @@ class Decoder:
         own (one row at a time: per-request adaptation such as a draft model's length carries over).
         `prefixes`: scoped prefix-cache views by salt, shared by the rows of one batch."""
         eos = eos_ids_of(self.model, request.eos_token_id)
-        ids = self.encode(request.prompt, request.chat, request.shown_tools, request.chat_template_kwargs)
+        ids = self.encode(request.prompt, request.chat, request.shown_tools, request.chat_template_kwargs,
+                          request.continue_final_message)  # fmt: skip
         check_context(self.model, ids, request.max_new_tokens)
         salt = request.cache_salt or ""
         scoped = prefixes.get(salt) if prefixes is not None else None

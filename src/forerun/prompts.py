@@ -30,10 +30,12 @@ def encode_prompt(
     chat: bool = False,
     tools: Sequence[dict] | None = None,
     template_kwargs: Mapping[str, object] | None = None,
+    continued: bool = False,
 ) -> torch.Tensor:
     """Prompt -> input_ids [1, L] (long, on the host): a string (chat=True wraps it as one user message), messages,
     or ids (a list, or a [L] / [1, L] tensor); `tools` (checked, `forerun.tool_specs`) shown by the chat template,
-    `template_kwargs` given to it (`forerun.template_kwargs`: each a variable it reads)."""
+    `template_kwargs` given to it (`forerun.template_kwargs`: each a variable it reads); `continued`: the last
+    message is left open for the answer to continue, no new turn opened (`rendered`)."""
     if isinstance(prompt, (bytes, bytearray)):  # iterating bytes gives ints: it would pass as token ids
         raise ValueError("prompt is bytes: decode it to text first, or pass token ids as a list")
     if not isinstance(prompt, (torch.Tensor, str, list, tuple)):
@@ -47,7 +49,7 @@ def encode_prompt(
     if isinstance(prompt, torch.Tensor):
         ids = ids_of_tensor(prompt)
     elif isinstance(prompt, str) or messages:
-        ids = ids_of_text(model, tokenizer, prompt, chat, tools, template_kwargs)
+        ids = ids_of_text(model, tokenizer, prompt, chat, tools, template_kwargs, continued)
     else:
         values = list(prompt)
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
@@ -80,9 +82,10 @@ def ids_of_text(
     chat: bool,
     tools: Sequence[dict] | None = None,
     template_kwargs: Mapping[str, object] | None = None,
+    continued: bool = False,
 ) -> torch.Tensor:
     """Text or chat messages -> input_ids [1, L], through the tokenizer (and its chat template for messages, which
-    shows `tools` and is given `template_kwargs`)."""
+    shows `tools` and is given `template_kwargs`, the last message left open where `continued`)."""
     if tokenizer is None:
         raise ValueError("a text prompt needs a tokenizer; pass token ids or give Decoder a tokenizer")
     if isinstance(prompt, str) and not prompt.strip():
@@ -109,7 +112,7 @@ def ids_of_text(
             "forerun.tool_specs.shipped_template('chatml-tools'), --chat-template chatml-tools on the command line)"
         )
     kwargs = checked_template_kwargs(template_kwargs, template_variables(tokenizer)) if template_kwargs else {}
-    return torch.tensor([rendered(tokenizer, messages, tools, kwargs)])
+    return torch.tensor([rendered(tokenizer, messages, tools, kwargs, continued=continued)])
 
 
 def rendered(
@@ -118,16 +121,19 @@ def rendered(
     tools: Sequence[dict] | None = None,
     template_kwargs: Mapping[str, object] | None = None,
     generation_prompt: bool = True,
+    continued: bool = False,
 ) -> list[int]:
     """The ids of checked `messages` through the chat template (with `tools` and its checked `template_kwargs`),
-    the assistant's turn opened where `generation_prompt`: every prompt a chat gives, and `/tokenize`'s count. A
-    template that shows an assistant's calls only as its content (LFM2's) gets them written there."""
+    the assistant's turn opened where `generation_prompt`, or the last message left open where `continued`
+    (transformers' `continue_final_message`: the template's end of that turn cut off): every prompt a chat gives,
+    and `/tokenize`'s count. A template that shows an assistant's calls only as its content (LFM2's) gets them
+    written there."""
     try:
         if kind_of(templates(tokenizer)) == "pythonic":
             messages = into_content(messages)  # a call it cannot write is the messages' fault too
         return tokenizer.apply_chat_template(
-            list(messages), tools=list(tools) if tools else None, add_generation_prompt=generation_prompt,
-            return_dict=True, **(template_kwargs or {}),
+            list(messages), tools=list(tools) if tools else None, add_generation_prompt=generation_prompt and not
+            continued, continue_final_message=continued, return_dict=True, **(template_kwargs or {}),
         )["input_ids"]  # fmt: skip
     except Exception as error:  # the template runs on the caller's messages: its refusals are theirs
         raise ValueError(f"the chat template refused these messages: {error}") from error

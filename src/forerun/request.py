@@ -75,6 +75,9 @@ class GenerationRequest:
     chat_template_kwargs: Mapping[str, object] | None = None
     """Variables the chat template reads, given to it (Qwen3's `{"enable_thinking": False}`); each must be one it
     reads (`forerun.template_kwargs`)."""
+    continue_final_message: bool = False
+    """The last message, an assistant's, is continued: its text is the answer's beginning, the answer what follows
+    (Anthropic's prefill, vLLM's and transformers' `continue_final_message`); no new turn is opened after it."""
     prediction: str | tuple[int, ...] | None = None
     """Text or ids the answer is expected to resemble, drafted from (OpenAI's predicted outputs)."""
     logprobs: int | None = None
@@ -121,6 +124,8 @@ class GenerationRequest:
                 kind = type(self.chat_template_kwargs).__name__
                 raise ValueError(f"chat_template_kwargs must be a mapping of the template's variables, got {kind}")
             set_field("chat_template_kwargs", dict(self.chat_template_kwargs))
+        if self.continue_final_message is not False:
+            check_continued(self.prompt, self.continue_final_message)
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
             raise ValueError(f"cache_salt must be a string, got {type(self.cache_salt).__name__}")
 
@@ -221,3 +226,24 @@ def is_batch(prompt: object) -> bool:
     if isinstance(prompt, (list, tuple)) and prompt:
         return isinstance(prompt[0], (str, list, tuple, torch.Tensor, GenerationRequest))
     return False
+
+
+def check_continued(prompt: Prompt, continued: object) -> None:
+    """A request that continues its final message (`continue_final_message`) gives messages ending with an
+    assistant's text; else a ValueError saying what is wrong.
+
+    Example:
+        >>> check_continued([{"role": "user", "content": "Hi"}], True)
+        Traceback (most recent call last):
+        ...
+        ValueError: continue_final_message continues the last message, an assistant's; the last is a user's
+    """
+    if continued is not True:
+        raise ValueError(f"continue_final_message must be true or false, got {continued!r:.40}")
+    last = prompt[-1] if isinstance(prompt, Sequence) and not isinstance(prompt, str) and len(prompt) else None
+    if not isinstance(last, Mapping):
+        raise ValueError("continue_final_message needs chat messages, the last an assistant's")
+    if last.get("role") != "assistant" or not isinstance(last.get("content"), str) or not last["content"].strip():
+        role = last.get("role")
+        whose = f"a {role}'s" if isinstance(role, str) and role != "assistant" else "without text to continue"
+        raise ValueError(f"continue_final_message continues the last message, an assistant's; the last is {whose}")

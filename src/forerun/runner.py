@@ -4,7 +4,8 @@ Input rows: `{"id": ..., "prompt": "..."}` or `{"id": ..., "messages": [...]}`, 
 override the command's (`max_new_tokens`, `chat`, `stop`, `do_sample`, `temperature`, `top_p`, `top_k`, `min_p`,
 `repetition_penalty`, `frequency_penalty`, `presence_penalty`, `seed`; the penalties act on greedy rows too;
 `response_format`, OpenAI's, for JSON answers; `tools` and `tool_choice`, OpenAI's, for calls; `chat_template_kwargs`,
-variables the chat template reads, such as Qwen3's `enable_thinking`).
+variables the chat template reads, such as Qwen3's `enable_thinking`; `continue_final_message`, the last message an
+assistant's words that the answer continues).
 Output rows: `{"id", "text", "tokens", "prompt_tokens", "stats"}`, one per record, and `"tool_calls"` (each
 `{"name", "arguments"}`, the arguments as JSON text) where the record offered tools, `"reasoning"` and `"content"`
 where a reasoning model thought first (`forerun.thoughts`: the thought, and the answer after it);
@@ -49,7 +50,7 @@ from forerun.request import GenerationRequest
 
 SETTINGS = ("max_new_tokens", "chat", "stop", "do_sample", "temperature", "top_p", "top_k", "min_p",
             "repetition_penalty", *PENALTY_FIELDS, "seed", "response_format", "tools", "tool_choice",
-            "chat_template_kwargs")  # fmt: skip
+            "chat_template_kwargs", "continue_final_message")  # fmt: skip
 """Per-row settings a record may carry (they override the command's)."""
 
 
@@ -75,6 +76,7 @@ class Record:
         response_format = settings.pop("response_format", None)
         tools, tool_choice = settings.pop("tools", None), settings.pop("tool_choice", None)
         template_kwargs = settings.pop("chat_template_kwargs", None)
+        continued = settings.pop("continue_final_message", False)
         generation = {k: v for k, v in settings.items() if v is not None}
         do_sample = bool(generation.pop("do_sample", False))
         if not do_sample:  # the command's sampling settings idle; a repetition penalty acts on greedy rows too
@@ -91,6 +93,7 @@ class Record:
             tools=tools,
             tool_choice=tool_choice,
             chat_template_kwargs=template_kwargs,
+            continue_final_message=continued,
             **{k: v for k, v in penalties.items() if v is not None},  # request fields, not transformers settings
         )
 
@@ -285,13 +288,15 @@ def decode_records(decoder, records: list[Record], batch_size: int) -> Iterator[
     for record in records:
         try:
             request = record.request()
-            shown = {"tools": request.shown_tools, "template_kwargs": request.chat_template_kwargs}
+            shown = {"tools": request.shown_tools, "template_kwargs": request.chat_template_kwargs,
+                     "continued": request.continue_final_message}  # fmt: skip
             ids = decoder.check_prompt(record.prompt, request.max_new_tokens, request.chat, **shown)
             if request.held_format is not None:  # a schema no grammar holds fails its record here, not the run
                 decoder.grammars.compile(request.held_format, ids[0].tolist())
             # encoded once, here; a record with tools keeps its messages, which show them (its calls are read back
             # by the tools it was asked with)
-            requests.append(request if request.shown_tools else replace(request, prompt=ids, chat_template_kwargs=None))
+            encoded = replace(request, prompt=ids, chat_template_kwargs=None, continue_final_message=False)
+            requests.append(request if request.shown_tools else encoded)
             admitted.append(record)
         except ValueError as error:
             yield {"id": record.ident, "error": str(error)}

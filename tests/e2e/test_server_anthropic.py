@@ -159,3 +159,28 @@ def test_a_served_name_of_the_clients_own_is_taken(smollm2):
         assert "'local-coder', 'claude-haiku-4-5'" in unknown.value.body["error"]["message"]
     finally:
         server.stop()
+
+
+def test_a_prefilled_answer_is_continued_as_plain_generate_continues_it(served, client):
+    """Anthropic's prefill (the last message an assistant's words) and vLLM's `continue_final_message` in chat:
+    the answer is what follows those words, plain generate's from the template's rendering with them left open;
+    counted the same by count_tokens and /tokenize. `add_generation_prompt` false alone is refused by name."""
+    server, model, tokenizer = served
+    turns = [{"role": "user", "content": "Describe Paris in one sentence."},
+             {"role": "assistant", "content": "Paris is a city"}]  # fmt: skip
+    request = forerun.GenerationRequest(turns, NEW, continue_final_message=True)
+    expected = forerun.Decoder(model, tokenizer, "plain").generate(request)
+    message = client.messages.create(model=MODEL, max_tokens=NEW, messages=turns)
+    assert message.content[0].text == expected.text and expected.text != plain(served, turns[:1]).text
+    chat = OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    continued = {"continue_final_message": True, "add_generation_prompt": False}
+    answer = chat.chat.completions.create(model=MODEL, messages=turns, max_tokens=NEW, extra_body=continued)
+    assert answer.choices[0].message.content == expected.text
+    counted = client.messages.count_tokens(model=MODEL, messages=turns).input_tokens
+    tokenized = httpx.post(server.url + "/tokenize", json={"messages": turns, "continue_final_message": True},
+                           headers={"authorization": f"Bearer {KEY}"}, timeout=60).json()  # fmt: skip
+    assert counted == tokenized["count"] == expected.prompt_len
+    alone = {"model": MODEL, "messages": turns, "max_tokens": 4, "add_generation_prompt": False}
+    refused = httpx.post(server.url + "/v1/chat/completions", json=alone, headers={"authorization": f"Bearer {KEY}"},
+                         timeout=60)  # fmt: skip
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "add_generation_prompt"

@@ -372,3 +372,18 @@ def test_developer_messages_are_system_ones_unless_the_template_names_the_role()
         chat_template = {"default": "{{ messages }}", "tool_use": "{% if m.role == 'developer' %}{% endif %}"}
 
     assert takes_developer(Tokenizer()) and not takes_developer(type("T", (), {"chat_template": "{{ x }}"})())
+
+
+def test_continuing_the_last_message_is_checked_by_name():
+    """vLLM's `continue_final_message`: the last message must be an assistant's text; with
+    `add_generation_prompt` true too, or `add_generation_prompt` false alone, a 400 names the field."""
+    said = [*HI, {"role": "assistant", "content": "Hello"}]
+    assert chat(messages=said, continue_final_message=True).continued
+    assert not chat(messages=said).continued
+    for fields, param in (({"continue_final_message": True}, "continue_final_message"),
+                          ({"messages": said, "continue_final_message": True, "add_generation_prompt": True},
+                           "add_generation_prompt"),
+                          ({"messages": said, "add_generation_prompt": False}, "add_generation_prompt")):  # fmt: skip
+        with pytest.raises(APIError) as refused:
+            chat(**fields)
+        assert refused.value.param == param

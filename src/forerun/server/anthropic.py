@@ -67,7 +67,8 @@ async def count_tokens(service: Service, body: CountTokensRequest) -> dict:
     check_model(body.model, service.limits)
     args, _ = translated(service, body)
     try:
-        ids = await asyncio.to_thread(rendered, service.tokenizer, args.prompt, args.tools, args.chat_template_kwargs)
+        ids = await asyncio.to_thread(rendered, service.tokenizer, args.prompt, args.tools, args.chat_template_kwargs,
+                                      True, args.continued)  # fmt: skip
     except ValueError as error:
         raise APIError(400, str(error), "messages") from None
     return {"input_tokens": len(ids)}

@@ -44,6 +44,9 @@ def chat_request(
     fields: dict[str, Any] = {"messages": messages, "tools": tools_of(body.tools),
                               "chat_template_kwargs": template_kwargs_of(body, variables)}  # fmt: skip
     fields |= tool_choice_of(body.tool_choice)
+    last = messages[-1]
+    if last["role"] == "assistant" and isinstance(last["content"], str) and last["content"].strip():
+        fields["continue_final_message"] = True  # Anthropic's prefill: the answer continues the assistant's text
     if isinstance(body, AnthropicRequest):
         fields |= {
             name: getattr(body, name) for name in ("model", "temperature", "top_p", "top_k", "stream", "forerun")

@@ -108,6 +108,10 @@ class ChatRequest(CommonRequest):
     service_tier: StrictStr | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     """vLLM's, SGLang's and llama.cpp's: variables the chat template reads (Qwen3's `enable_thinking`)."""
+    continue_final_message: StrictBool | None = None
+    """vLLM's: the last message, an assistant's, is continued (its text the answer's beginning)."""
+    add_generation_prompt: StrictBool | None = None
+    """vLLM's: false with `continue_final_message` (no new assistant turn); the answer is always the assistant's."""
 
 
 class ResponsesRequest(BaseModel):
@@ -216,6 +220,8 @@ class TokenizeRequest(BaseModel):
     """A text prompt's: the tokenizer's own special tokens (a BOS) added, as a completion's prompt gets them."""
     add_generation_prompt: StrictBool = True
     """Messages': the assistant's turn opened after them, as a chat completion's prompt ends."""
+    continue_final_message: StrictBool = False
+    """Messages': the last one, an assistant's, left open, as a chat completion that continues it renders it."""
     tools: list[Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: StrictBool = False

@@ -34,11 +34,12 @@ async def tokenized(service, body: TokenizeRequest) -> dict:
             raise refuse("prompt", str(error)) from None
         ids = (await asyncio.to_thread(tokenizer, body.prompt, add_special_tokens=body.add_special_tokens))["input_ids"]
     else:
-        chat = ChatRequest(messages=body.messages, tools=body.tools, chat_template_kwargs=body.chat_template_kwargs)
+        chat = ChatRequest(messages=body.messages, tools=body.tools, chat_template_kwargs=body.chat_template_kwargs,
+                           continue_final_message=body.continue_final_message or None)  # fmt: skip
         args = translate(chat, service.limits)  # the messages, tools and variables a chat completion takes
         try:
             ids = await asyncio.to_thread(rendered, tokenizer, args.prompt, args.tools, args.chat_template_kwargs,
-                                          body.add_generation_prompt)  # fmt: skip
+                                          body.add_generation_prompt, body.continue_final_message)  # fmt: skip
         except ValueError as error:
             raise APIError(400, str(error), "messages") from None
     answer = {"count": len(ids), "max_model_len": service.limits.context, "tokens": ids}

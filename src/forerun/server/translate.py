@@ -21,7 +21,7 @@ from typing import Any
 
 from forerun.defaults import DEFAULT_METHOD
 from forerun.methods import parse_method, plan_method
-from forerun.request import GenerationRequest
+from forerun.request import GenerationRequest, check_continued
 from forerun.server.completion_prompts import prompts_of
 from forerun.server.fields import (
     APIError,
@@ -129,6 +129,8 @@ class GenerationArgs:
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     """A chat request's own variables for the chat template, checked (`forerun.template_kwargs`)."""
+    continued: bool = False
+    """The last message, an assistant's, is continued (`GenerationRequest.continue_final_message`)."""
 
     @property
     def runs(self) -> int:
@@ -164,6 +166,7 @@ class GenerationArgs:
             tool_choice=self.tool_choice,
             parallel_tool_calls=self.parallel_tool_calls,
             chat_template_kwargs=self.chat_template_kwargs,
+            continue_final_message=self.continued,
             streamer=streamer,
             cancel=cancel,
             **self.sampling,  # do_sample and the processors' settings
@@ -258,6 +261,7 @@ def translate(body: ChatRequest | CompletionRequest, limits: Limits) -> Generati
         tool_choice=tool_choice,
         parallel_tool_calls=parallel,
         chat_template_kwargs=template_kwargs_of(body, limits) if chat else None,
+        continued=chat and continued_of(body, prompts[0]),
     )
 
 
@@ -281,6 +285,23 @@ def template_kwargs_of(body: ChatRequest, limits: Limits) -> dict[str, Any] | No
         return checked_template_kwargs(kwargs, limits.template_variables)
     except ValueError as error:
         raise refuse(FIELD, str(error)) from None
+
+
+def continued_of(body: ChatRequest, messages: list[dict]) -> bool:
+    """Whether a chat request continues its last message (vLLM's `continue_final_message`, with
+    `add_generation_prompt` false or left out), checked: the last message is an assistant's text."""
+    if not body.continue_final_message:
+        if body.add_generation_prompt is False:
+            why = "the answer is the assistant's turn: to continue the last message, set continue_final_message"
+            raise refuse("add_generation_prompt", f"add_generation_prompt false alone is not supported: {why}")
+        return False
+    if body.add_generation_prompt:
+        raise refuse("add_generation_prompt", "add_generation_prompt and continue_final_message: give one")
+    try:
+        check_continued(messages, True)
+    except ValueError as error:
+        raise refuse("continue_final_message", str(error)) from None
+    return True
 
 
 def check_model(model: str | None, limits: Limits) -> None:
