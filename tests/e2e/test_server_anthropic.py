@@ -184,3 +184,30 @@ def test_a_prefilled_answer_is_continued_as_plain_generate_continues_it(served, 
     refused = httpx.post(server.url + "/v1/chat/completions", json=alone, headers={"authorization": f"Bearer {KEY}"},
                          timeout=60)  # fmt: skip
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "add_generation_prompt"
+
+
+def test_the_three_apis_share_the_batch_and_each_answer_is_its_own(served, client):
+    """A chat completion, a Responses request and a Messages request (streamed and not) at once, decoded side by
+    side in the continuous batch: each answer is plain generate's for its own conversation."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    server = served[0]
+    chat = OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    asks = ["Name three colours.", "Write a haiku about the sea.", "What is 2 + 2?", "Describe a cat."]
+    expected = [plain(served, [{"role": "user", "content": ask}]).text for ask in asks]
+
+    def streamed_message(ask: str) -> str:
+        with client.messages.stream(model=MODEL, max_tokens=NEW, messages=[{"role": "user", "content": ask}]) as s:
+            return "".join(s.text_stream)
+
+    calls = [
+        lambda: chat.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": asks[0]}],
+                                             max_tokens=NEW).choices[0].message.content,
+        lambda: chat.responses.create(model=MODEL, input=asks[1], max_output_tokens=NEW).output_text,
+        lambda: client.messages.create(model=MODEL, max_tokens=NEW,
+                                       messages=[{"role": "user", "content": asks[2]}]).content[0].text,
+        lambda: streamed_message(asks[3]),
+    ]  # fmt: skip
+    with ThreadPoolExecutor(len(calls)) as pool:
+        answers = list(pool.map(lambda call: call(), calls))
+    assert answers == expected
