@@ -387,3 +387,18 @@ def test_continuing_the_last_message_is_checked_by_name():
         with pytest.raises(APIError) as refused:
             chat(**fields)
         assert refused.value.param == param
+
+
+def test_a_suffix_is_a_fill_in_the_middle_prompt_where_the_tokenizer_has_the_marks():
+    """OpenAI's `suffix`: with the tokenizer's fill-in-the-middle marks, the prompt is prefix, suffix, middle in
+    those marks; one text prompt only, no echo; refused by name where the tokenizer has no such marks."""
+    from forerun.fim import FORMS
+
+    fim = Limits(model_name="tiny", max_tokens_limit=64, fim=FORMS[0])
+    args = translate(CompletionRequest(prompt="def f():\n    return ", suffix="\n\nf()"), fim)
+    assert args.prompt == "<|fim_prefix|>def f():\n    return <|fim_suffix|>\n\nf()<|fim_middle|>"
+    for fields, param in (({"prompt": ["a", "b"]}, "prompt"), ({"prompt": [1, 2]}, "prompt"),
+                          ({"echo": True}, "echo"), ({"suffix": "\udc00"}, "suffix")):  # fmt: skip
+        with pytest.raises(APIError) as refused:
+            translate(CompletionRequest(**{"prompt": "x", "suffix": "y", **fields}), fim)
+        assert refused.value.param == param

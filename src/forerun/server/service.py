@@ -22,6 +22,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from forerun.decoder import Decoder, GenerationResult
+from forerun.fim import fim_marks
 from forerun.prefixcache import PrefixCache
 from forerun.preparation import eos_ids_of
 from forerun.request import GenerationRequest
@@ -70,6 +71,7 @@ class Service:
             short_call_ids=short_call_ids(tokenizer),
             call_mark=call_mark(tokenizer),
             developer=takes_developer(tokenizer),
+            fim=fim_marks(tokenizer),
             template_variables=(variables := template_variables(tokenizer)),
             template_defaults=checked_template_kwargs(config.chat_template_kwargs, variables),
         )

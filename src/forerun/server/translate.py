@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from forerun.defaults import DEFAULT_METHOD
+from forerun.fim import FimMarks, infill_prompt
 from forerun.methods import parse_method, plan_method
 from forerun.request import GenerationRequest, check_continued
 from forerun.server.completion_prompts import prompts_of
@@ -27,6 +28,7 @@ from forerun.server.fields import (
     APIError,
     cache_salt_of,
     check_stream_options,
+    checked,
     eos_of,
     logit_bias_of,
     logprobs_of,
@@ -84,6 +86,8 @@ class Limits:
     """Whether it takes only 9-character call ids (`forerun.tool_specs.short_call_ids`): the calls answered get such."""
     call_mark: int | None = None
     """The special token its calls open with where the decoded text drops it (`forerun.tool_specs.call_mark`)."""
+    fim: FimMarks | None = None
+    """The tokenizer's fill-in-the-middle marks (`forerun.fim`): a completion's `suffix` is taken where it has them."""
     developer: bool = False
     """Whether its chat template names the developer role (else such messages are system messages:
     `forerun.server.messages.as_system`)."""
@@ -198,8 +202,7 @@ def unsupported(body: CommonRequest) -> None:
     else:
         if body.best_of not in (None, 1):
             checks.append(("best_of", body.best_of, f"best_of={body.best_of} is not supported: one choice (best_of=1)"))
-        if body.suffix:
-            checks.append(("suffix", body.suffix, "suffix (insertion) is not supported"))
+
     for name, value, message in checks:
         if value not in (None, [], {}):
             raise refuse(name, message)
@@ -224,6 +227,8 @@ def translate(body: ChatRequest | CompletionRequest, limits: Limits) -> Generati
         field_name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     else:
         prompts = prompts_of(body.prompt, limits.vocab_size)
+        if body.suffix:
+            prompts = [filled(body, prompts, limits.fim)]
         max_tokens, field_name = body.max_tokens, "max_tokens"
     if max_tokens is None:
         max_tokens = min(limits.default_max_tokens, limits.max_tokens_limit)
@@ -285,6 +290,19 @@ def template_kwargs_of(body: ChatRequest, limits: Limits) -> dict[str, Any] | No
         return checked_template_kwargs(kwargs, limits.template_variables)
     except ValueError as error:
         raise refuse(FIELD, str(error)) from None
+
+
+def filled(body: CompletionRequest, prompts: list, marks: FimMarks | None) -> str:
+    """A completion with a `suffix`: the fill-in-the-middle prompt of its one text prompt and the suffix, in the
+    tokenizer's own marks (`forerun.fim`); else a 400 naming the field."""
+    if marks is None:
+        why = "this model's tokenizer has no fill-in-the-middle tokens (<|fim_prefix|>, <fim_prefix>, ...)"
+        raise refuse("suffix", f"suffix is not supported: {why}")
+    if len(prompts) != 1 or not isinstance(prompts[0], str):
+        raise refuse("prompt", "a completion with a suffix takes one text prompt (the text before the gap)")
+    if body.echo:
+        raise refuse("echo", "echo and suffix cannot be used together")
+    return infill_prompt(marks, prompts[0], checked("suffix", body.suffix))
 
 
 def continued_of(body: ChatRequest, messages: list[dict]) -> bool:
