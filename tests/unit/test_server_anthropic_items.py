@@ -74,6 +74,8 @@ def test_tools_tool_choice_and_thinking_in_chats_shape():
         ({"tool_choice": {"type": "function"}}, "tool_choice"),
         ({"thinking": {"type": "on"}}, "thinking"),
         ({"mcp_servers": [{}]}, "mcp_servers"),
+        ({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "It is "}]},
+         "messages[1].content"),
     ],
 )  # fmt: skip
 def test_each_refusal_names_the_field_sent(fields, param):

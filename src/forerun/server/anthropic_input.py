@@ -46,6 +46,9 @@ def chat_request(
     fields |= tool_choice_of(body.tool_choice)
     last = messages[-1]
     if last["role"] == "assistant" and isinstance(last["content"], str) and last["content"].strip():
+        if last["content"] != last["content"].rstrip():  # the template would drop it: Anthropic refuses it too
+            where = f"{origins[-1]}.content"
+            raise refuse(where, f"{where}: a final assistant content (a prefill) cannot end with whitespace")
         fields["continue_final_message"] = True  # Anthropic's prefill: the answer continues the assistant's text
     if isinstance(body, AnthropicRequest):
         fields |= {

@@ -1,5 +1,6 @@
-"""Every error in OpenAI's shape (`{"error": {"message", "type", "param", "code"}}`), with the right status: the
-app's exception handlers, as plain functions (`install`), and the shapes the guard and streams use too."""
+"""Every error in OpenAI's shape (`{"error": {"message", "type", "param", "code"}}`), or in Anthropic's on its
+routes (`{"type": "error", "error": {"type", "message"}}`), with the right status: the app's exception handlers,
+as plain functions (`install`), and the shapes the guard and streams use too."""
 
 from __future__ import annotations
 
@@ -61,7 +62,7 @@ async def api_error(request: Request, error: APIError) -> JSONResponse:
 
 
 async def unexpected(request: Request, error: Exception) -> JSONResponse:
-    """Anything else still answers in OpenAI's shape, and is counted."""
+    """Anything else still answers in the route's shape (OpenAI's, Anthropic's), and is counted."""
     logger.error("forerun: %s %s failed: %r", request.method, request.url.path, error)
     request.app.state.metrics.count(request.url.path, 500)
     return error_response(500, f"internal error: {type(error).__name__}", kind="server_error", path=request.url.path)
