@@ -21,7 +21,7 @@ PREFIX, SUFFIX = "def add(a, b):\n    return ", "\n\nprint(add(1, 2))\nprint(add
 def served():
     tokenizer = byte_tokenizer()
     tokenizer.add_tokens(["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"], special_tokens=True)
-    model = tiny_model("qwen2", "sdpa", seed=0, vocab_size=len(tokenizer), max_position_embeddings=512)
+    model = tiny_model("qwen2", "sdpa", seed=0, vocab_size=len(tokenizer) + 16, max_position_embeddings=512)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     server = LiveServer(create_app(model, tokenizer, ServerConfig("tiny-coder", "auto", max_tokens_limit=24)))
     yield server, model, tokenizer
@@ -42,3 +42,23 @@ def test_a_suffix_fills_the_middle_as_plain_generate_does(served):
         assert client.completions.create(**body).choices[0].text == expected, method
         chunks = client.completions.create(**body, stream=True)
         assert "".join(chunk.choices[0].text for chunk in chunks if chunk.choices) == expected, method
+
+
+def test_the_command_line_fills_in_the_middle_and_refuses_a_model_without_the_marks(served, tmp_path):
+    """`forerun generate PREFIX --suffix SUFFIX`: the middle, plain generate's, on a model whose tokenizer has the
+    marks (saved as a folder); on the embedded SmolLM2 (no such marks) a refusal naming the option."""
+    from typer.testing import CliRunner
+
+    from forerun.cli import app
+
+    _, model, tokenizer = served
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    ids = tokenizer(infill_prompt(fim_marks(tokenizer), PREFIX, SUFFIX), return_tensors="pt").input_ids
+    expected = forerun.Decoder(model, tokenizer, "plain").generate(ids, 12)
+    run = CliRunner().invoke(app, ["generate", PREFIX, "--suffix", SUFFIX, "--model", str(tmp_path), "-n", "12",
+                                   "--threads", "1"])  # fmt: skip
+    assert run.exit_code == 0, run.output
+    assert run.output.endswith(expected.text + "\n\n") and expected.text.strip()
+    refused = CliRunner().invoke(app, ["generate", "def f(", "--suffix", ")\n", "-n", "4", "--threads", "1"])
+    assert refused.exit_code == 2 and "--suffix" in refused.output and "fill-in-the-middle" in refused.output

@@ -43,6 +43,9 @@ def generate(
     method: str = METHOD,
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n"),
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt as a user message with the chat template."),
+    suffix: str = typer.Option(
+        None, "--suffix", help="Fill in the middle: the text after the gap (the prompt is the text before it)."
+    ),
     stop: list[str] = typer.Option(
         [], "--stop", help="End the answer where this text appears (repeatable; the text shown ends before it)."
     ),
@@ -93,6 +96,7 @@ def generate(
     if template is not None:
         use_chat_template(tokenizer, template)
     decoder = spec.decoder(lm, tokenizer, draft)
+    prompt = prompt if suffix is None else infilled(tokenizer, prompt, suffix, chat)
     if offered:
         return print_calls(decoder.generate(prompt, max_new_tokens, chat=True, stop=tuple(stop), **offered, **options))
     from forerun.chat import AnswerStream, ConsoleStream  # imports torch: after the options are checked
@@ -106,6 +110,21 @@ def generate(
     console.print(legend(decoder.plan.names))
     console.print(result.stats.summary(), highlight=False)
     console.print(f"accepted length per step: {dict(sorted(result.stats.accepted_hist.items()))}", highlight=False)
+
+
+def infilled(tokenizer, prefix: str, suffix: str, chat: bool) -> str:
+    """`--suffix`: the fill-in-the-middle prompt of the text before and after the gap, in the tokenizer's own marks
+    (`forerun.fim`); a ValueError naming the option where it has none, or with --chat."""
+    from forerun.checks import check_text
+    from forerun.fim import fim_marks, infill_prompt
+
+    marks = fim_marks(tokenizer)
+    if marks is None:
+        raise ValueError("--suffix: this model's tokenizer has no fill-in-the-middle tokens (<|fim_prefix|>, ...)")
+    if chat:
+        raise ValueError("--suffix fills in the middle of a text: give it without --chat")
+    check_text("--suffix", suffix)
+    return infill_prompt(marks, prefix, suffix)
 
 
 def format_of(json_object: bool, json_schema: str | None) -> dict | None:
