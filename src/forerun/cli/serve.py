@@ -31,7 +31,9 @@ from forerun.cli.common import (
 
 HOST = typer.Option("127.0.0.1", "--host")
 PORT = typer.Option(8000, "--port")
-API_KEY = typer.Option("", "--api-key", help="Require 'Authorization: Bearer KEY' (all but /health).")
+API_KEY = typer.Option(
+    "", "--api-key", help="Require 'Authorization: Bearer KEY' or 'x-api-key: KEY' (all but /health)."
+)
 ALLOW_HOST = typer.Option(
     [],
     "--allow-host",
@@ -106,7 +108,8 @@ def serve(
     chat_template: str = CHAT_TEMPLATE,
     chat_template_kwargs: str = TEMPLATE_KWARGS,
 ) -> None:
-    """Serve the model over an OpenAI-compatible HTTP API (completions, chat, streaming, /metrics)."""
+    """Serve the model over an OpenAI-compatible HTTP API (completions, chat, the Responses API, streaming,
+    /metrics) and Anthropic's Messages API (/v1/messages, for its SDKs and Claude Code)."""
     import uvicorn
 
     from forerun.server import ServerConfig, create_app
