@@ -121,7 +121,7 @@ def test_streamed_events_accumulate_in_the_sdk_to_the_message():
     events = Events(Reply("msg_1", "m", 2))
     sent = [*events.opening(), *events.reasoning("H"), *events.reasoning("m"), *events.text("Hi"),
             *events.text("!"), *events.calls([ToolCall("now", '{"a": 1}')]),
-            *events.finish(answer("tool_calls", (ToolCall("now", '{"a": 1}'),)), "auto", [])]  # fmt: skip
+            *events.finish(answer("tool_calls", (ToolCall("now", '{"a": 1}'),)), "auto")]  # fmt: skip
     adapter, snapshot, buffers = TypeAdapter(RawMessageStreamEvent), None, {}
     for event in sent:
         kind, data = event.split("\n")[0].removeprefix("event: "), json.loads(event.split("data: ", 1)[1])
@@ -132,6 +132,6 @@ def test_streamed_events_accumulate_in_the_sdk_to_the_message():
     assert (snapshot.content[0].thinking, snapshot.content[1].text) == ("Hm", "Hi!")
     assert snapshot.content[2].input == {"a": 1} and snapshot.stop_reason == "tool_use"
     failed = Events(Reply("msg_2", "m"))
-    last = [*failed.opening(), *failed.text("Hi"), *failed.fail(500, "gone")]
+    last = [*failed.opening(), *failed.text("Hi"), *failed.fail(APIError(500, "gone"))]
     assert json.loads(last[-1].split("data: ", 1)[1]) == {"type": "error", "error": {"type": "api_error",
                                                                                      "message": "gone"}}  # fmt: skip

@@ -168,6 +168,7 @@ def test_an_empty_answer_is_an_empty_message_and_a_failure_keeps_what_was_writte
     parsed = replayed([*events.opening(), *events.finish(answer(thought=False), "plain")])
     assert parsed[-1].response.output[0].content[0].text == ""
     events = Events(Reply("resp_2", 5, "m", {"tools": [], "tool_choice": "auto", "parallel_tool_calls": True}))
-    parsed = replayed([*events.opening(), *events.text("Hi", None), *events.fail("gone", "server_error")])
+    gone = APIError(500, "gone", kind="server_error")
+    parsed = replayed([*events.opening(), *events.text("Hi", None), *events.fail(gone)])
     assert parsed[-1].type == "response.failed" and parsed[-1].response.error.message == "gone"
     assert parsed[-1].response.output[0].status == "incomplete"

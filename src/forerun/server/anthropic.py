@@ -16,7 +16,6 @@ import asyncio
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 from fastapi import Request
@@ -25,11 +24,10 @@ from fastapi.responses import StreamingResponse
 from forerun.prompts import rendered
 from forerun.server.anthropic_input import chat_request
 from forerun.server.anthropic_shaping import Events, Reply, answered
-from forerun.server.errors import failed
 from forerun.server.fields import APIError
 from forerun.server.renaming import Renaming
 from forerun.server.schemas import AnthropicRequest, CountTokensRequest
-from forerun.server.stream import Calls, Reasoning, TokenStream, cancelling, deltas
+from forerun.server.stream import cancelling, lone_events
 from forerun.server.translate import GenerationArgs, check_model, translate
 
 if TYPE_CHECKING:
@@ -56,9 +54,9 @@ async def respond(service: Service, body: AnthropicRequest, request: Request):
         service.metrics.count(request.url.path, 200)
         return answered(reply, done[0][1][0], decoder.method, args.stop)
     stream, task = await service.stream_one(args, request, cancel, rename)
-    events = Events(Reply(reply.ident, reply.model, stream.prompt_tokens))
-    return StreamingResponse(cancelling(streamed(events, stream, task, args.stop), task, cancel),
-                             media_type="text/event-stream")  # fmt: skip
+    events = Events(Reply(reply.ident, reply.model, stream.prompt_tokens), args.stop)
+    written = lone_events(events, stream, task, lambda entries: None)  # Anthropic's API has no logprobs
+    return StreamingResponse(cancelling(written, task, cancel), media_type="text/event-stream")
 
 
 async def count_tokens(service: Service, body: CountTokensRequest) -> dict:
@@ -72,29 +70,3 @@ async def count_tokens(service: Service, body: CountTokensRequest) -> dict:
     except ValueError as error:
         raise APIError(400, str(error), "messages") from None
     return {"input_tokens": len(ids)}
-
-
-async def streamed(events: Events, stream: TokenStream, task: asyncio.Task, stops: list[str]) -> AsyncIterator[str]:
-    """The message's events as its generation writes it, then its stop (or its error)."""
-    for event in events.opening():
-        yield event
-    async for _, delta, entries in deltas([stream], task):
-        if isinstance(entries, Calls):
-            written = events.calls(entries.calls)
-        elif isinstance(entries, Reasoning):
-            written = events.reasoning(entries.text)
-        else:
-            written = events.text(delta)
-        for event in written:
-            yield event
-    try:
-        decoder, done = await task
-    except APIError as error:
-        ending = events.fail(error.status, error.message)
-    except Exception as error:  # noqa: BLE001 - a stream ends with its failure told, never cut
-        failure = failed(error)
-        ending = events.fail(failure.status, failure.message)
-    else:
-        ending = events.finish(done[0][1][0], decoder.method, stops)
-    for event in ending:
-        yield event

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from forerun.decoder import GenerationResult
 from forerun.server.errors import anthropic_error
+from forerun.server.fields import APIError
 from forerun.server.shaping import usage
 from forerun.tool_calls import ToolCall
 
@@ -86,8 +87,9 @@ class Events:
     block started, its deltas, stopped (a thought, the words, then each call whole), then message_delta (the stop
     reason and usage) and message_stop."""
 
-    def __init__(self, reply: Reply) -> None:
-        self.reply = reply
+    def __init__(self, reply: Reply, stops: Sequence[str] = ()) -> None:
+        self.reply, self.stops = reply, stops
+        """The message and the request's stop sequences (`stop_of` names the one that ended it)."""
         self.blocks = 0
         """Blocks started so far (the next one's index)."""
         self.open: str | None = None
@@ -122,7 +124,8 @@ class Events:
         return [*events, self.event("content_block_delta", index=self.blocks,
                                     delta={"type": "thinking_delta", "thinking": delta})]  # fmt: skip
 
-    def text(self, delta: str) -> list[str]:
+    def text(self, delta: str, logprobs: list | None = None) -> list[str]:
+        """A words delta (Anthropic's API sends no log-probabilities: `logprobs` is not sent)."""
         events = self.opened("text")
         return [*events, self.event("content_block_delta", index=self.blocks,
                                     delta={"type": "text_delta", "text": delta})]  # fmt: skip
@@ -139,13 +142,13 @@ class Events:
             self.blocks += 1
         return events
 
-    def finish(self, result: GenerationResult, method: str, stops: Sequence[str]) -> list[str]:
+    def finish(self, result: GenerationResult, method: str) -> list[str]:
         """The last events: the open block stopped, the stop reason and usage, the message's stop."""
-        reason, sequence = stop_of(result, stops)
+        reason, sequence = stop_of(result, self.stops)
         used = usage_of(result, method)
         delta = {"stop_reason": reason, "stop_sequence": sequence}
         return [*self.closed(), self.event("message_delta", delta=delta, **used), self.event("message_stop")]
 
-    def fail(self, status: int, text: str) -> list[str]:
+    def fail(self, failure: APIError) -> list[str]:
         """The last event of a message that failed while it was written: Anthropic's error event."""
-        return [*self.closed(), self.event("error", error=anthropic_error(status, text)["error"])]
+        return [*self.closed(), self.event("error", error=anthropic_error(failure.status, failure.message)["error"])]

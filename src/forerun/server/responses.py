@@ -10,23 +10,20 @@ Example:
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from forerun.server.errors import failed
 from forerun.server.fields import APIError
 from forerun.server.responses_input import chat_request
 from forerun.server.responses_shaping import Events, Reply, answered, settings_of
 from forerun.server.schemas import ResponsesRequest
 from forerun.server.shaping import logprobs_payload
-from forerun.server.stream import Calls, Reasoning, TokenStream, cancelling, deltas
+from forerun.server.stream import cancelling, lone_events
 from forerun.server.translate import translate
 
 if TYPE_CHECKING:
@@ -49,35 +46,10 @@ async def respond(service: Service, body: ResponsesRequest, request: Request):
         service.metrics.count(request.url.path, 200)
         return answered(reply, done[0][1][0], service.tokenizer, decoder.method, logprobs)
     stream, task = await service.stream_one(args, request, cancel, rename)
-    events = streamed(service, Events(reply), stream, task)
+    events = lone_events(Events(reply), stream, task, lambda entries: shown(service.tokenizer, entries))
     return StreamingResponse(cancelling(events, task, cancel), media_type="text/event-stream")
 
 
-async def streamed(service: Service, events: Events, stream: TokenStream, task: asyncio.Task) -> AsyncIterator[str]:
-    """The response's events as its generation writes it, then its end (`ending`)."""
-    for event in events.opening():
-        yield event
-    async for _, delta, entries in deltas([stream], task):
-        if isinstance(entries, Calls):
-            written = events.calls(entries.calls)
-        elif isinstance(entries, Reasoning):
-            written = events.reasoning(entries.text)
-        else:
-            shown = None if entries is None else logprobs_payload(service.tokenizer, entries, True)["content"]
-            written = events.text(delta, shown)
-        for event in written:
-            yield event
-    for event in await ending(events, task):
-        yield event
-
-
-async def ending(events: Events, task: asyncio.Task) -> list[str]:
-    """The last events: the response completed (or incomplete), or failed with its error."""
-    try:
-        decoder, done = await task
-    except APIError as error:
-        return events.fail(error.message, error.kind)
-    except Exception as error:  # noqa: BLE001 - a stream ends with its failure told, never cut
-        failure = failed(error)
-        return events.fail(failure.message, failure.kind)
-    return events.finish(done[0][1][0], decoder.method)
+def shown(tokenizer, entries: list) -> list:
+    """A delta's log-probability entries as an output_text delta carries them (chat's `content` entries)."""
+    return logprobs_payload(tokenizer, entries, True)["content"]

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from forerun.decoder import GenerationResult
 from forerun.logprobs import entries_before
+from forerun.server.fields import APIError
 from forerun.server.schemas import ResponsesRequest
 from forerun.server.shaping import logprobs_payload, usage
 from forerun.tool_calls import ToolCall
@@ -246,9 +247,9 @@ class Events:
         done = response(self.reply, status, self.items, usage_of([result], method))
         return [*events, self.event(f"response.{status}", response=done)]
 
-    def fail(self, message: str, kind: str) -> list[str]:
+    def fail(self, failure: APIError) -> list[str]:
         """The last event of a response that failed while it was written (its items so far in it)."""
         events = self.closed("incomplete")
-        error = {"code": kind, "message": message}
+        error = {"code": failure.kind, "message": failure.message}
         failure = response(self.reply, "failed", self.items, None, error)
         return [*events, self.event("response.failed", response=failure)]

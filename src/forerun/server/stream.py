@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from forerun.logprobs import entries_before
+from forerun.server.errors import failed
+from forerun.server.fields import APIError
 from forerun.stopping import HeldText, first_stop
 from forerun.text import IncrementalText
 from forerun.thoughts import Thought, ThoughtMarks, ThoughtWatch, split
@@ -216,3 +219,43 @@ async def cancelling(events: AsyncIterator[str], task: asyncio.Task, cancel: thr
     finally:
         if not task.done():
             cancel.set()
+
+
+class LoneEvents(Protocol):
+    """A lone generation's stream in another API's events (`forerun.server.responses_shaping.Events`,
+    `forerun.server.anthropic_shaping.Events`): each call gives the events to send."""
+
+    def opening(self) -> list[str]: ...
+    def reasoning(self, delta: str) -> list[str]: ...
+    def text(self, delta: str, logprobs: list | None) -> list[str]: ...
+    def calls(self, calls: Sequence[ToolCall]) -> list[str]: ...
+    def finish(self, result: Any, method: str) -> list[str]: ...
+    def fail(self, error: APIError) -> list[str]: ...
+
+
+async def lone_events(
+    events: LoneEvents, stream: TokenStream, task: asyncio.Task, shown: Callable[[list], list | None]
+) -> AsyncIterator[str]:
+    """A Responses or Messages stream: its opening, then its thought, words and calls as the generation writes
+    them (`shown`: a delta's log-probability entries as the API sends them), then its end, or its failure told."""
+    for event in events.opening():
+        yield event
+    async for _, delta, entries in deltas([stream], task):
+        if isinstance(entries, Calls):
+            written = events.calls(entries.calls)
+        elif isinstance(entries, Reasoning):
+            written = events.reasoning(entries.text)
+        else:
+            written = events.text(delta, None if entries is None else shown(entries))
+        for event in written:
+            yield event
+    try:
+        decoder, done = await task
+    except APIError as error:
+        ending = events.fail(error)
+    except Exception as error:  # noqa: BLE001 - a stream ends with its failure told, never cut
+        ending = events.fail(failed(error))
+    else:
+        ending = events.finish(done[0][1][0], decoder.method)
+    for event in ending:
+        yield event
