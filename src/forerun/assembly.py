@@ -29,8 +29,9 @@ from forerun.costmodel.switch import FIRST_PROBE_STEPS
 from forerun.drafters.draft_model import DraftModelDrafter
 from forerun.feed_probe import check_feed
 from forerun.forward_inputs import check_cache_input, stateful
-from forerun.latency import curve_for
+from forerun.latency import batches_of, curve_for
 from forerun.methods import MethodPlan, plan_method
+from forerun.prefixcache import PrefixCache, Prefixes
 from forerun.rowstates import state_rows_support
 from forerun.tree import tree_support
 
@@ -254,3 +255,38 @@ def warm_graphs(
         drafts = [drafter for drafter in drafters if isinstance(drafter, DraftModelDrafter)]
         seconds += sum(drafter.warm(longest, rows=batch_size) for drafter in drafts)
     return seconds
+
+
+def with_batched_rows(
+    model: torch.nn.Module, budget: Budget, base: object, latency_cache: str | Path | None, measure: bool
+) -> Budget:
+    """`budget` whose curve prices batched rows too (`LatencyCurve.batch_cost`): measured on `base` the first time
+    (stored beside the curve under `latency_cache`), unless `measure` is False or the model is a hybrid, whose
+    rows verify no trees. Without batched rows a batch is priced as one row of as many tokens."""
+    curve = budget.curve
+    if curve is None or not measure or stateful(model) or curve.batched:
+        return budget
+    # on the base the curve was measured on: a static base's batches are its siblings' steps
+    if latency_cache is None:
+        budget.curve = curve.with_batches(batches_of(model, base))
+    else:
+        budget.curve = curve_for(model, latency_cache, batched=True, base=base)
+    return budget
+
+
+def scoped_prefixes(cache: PrefixCache, salt: str | None, views: dict[str, Prefixes] | None) -> Prefixes:
+    """The prefixes a request with `cache_salt=salt` may read: the whole cache without a salt, else its view for
+    that salt, made once per batch through `views` (salt -> view), so that a batch's rows of one salt share it.
+
+    Example:
+        >>> views = {}                                                        # doctest: +SKIP
+        >>> scoped_prefixes(cache, "tenant-a", views) is scoped_prefixes(cache, "tenant-a", views)  # doctest: +SKIP
+        True
+    """
+    salt = salt or ""
+    scoped = views.get(salt) if views is not None else None
+    if scoped is None:
+        scoped = cache.scoped(salt) if salt else cache
+        if views is not None:
+            views[salt] = scoped
+    return scoped

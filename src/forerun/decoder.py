@@ -30,8 +30,10 @@ from forerun.assembly import (
     prepare_head,
     price_costly,
     rows_together,
+    scoped_prefixes,
     verifying_base,
     warm_graphs,
+    with_batched_rows,
 )
 from forerun.base.chain import ChainBase
 from forerun.batch import fork
@@ -43,8 +45,7 @@ from forerun.defaults import DEFAULT_METHOD
 from forerun.drafters.base import Drafter
 from forerun.drafters.prediction import PredictionDrafter
 from forerun.engine import decode
-from forerun.forward_inputs import stateful
-from forerun.latency import DEFAULT_CACHE_DIR, batches_of, curve_for
+from forerun.latency import DEFAULT_CACHE_DIR
 from forerun.methods import MethodPlan
 from forerun.noise import GumbelNoise
 from forerun.prefixcache import PrefixCache, Prefixes
@@ -160,15 +161,8 @@ class Decoder:
         """The budget batches decide on: the cost model's curve with its batched row curves
         (`LatencyCurve.batch_cost`), measured the first time a batch runs and stored beside the curve. A curve given
         as `latency` is used as it is (without batched rows, a batch is priced as one row of as many tokens)."""
-        budget = self.budget
-        measure = self.latency is None and self.batches and not stateful(self.model)  # a hybrid's rows: no trees
-        if budget.curve is not None and measure and not budget.curve.batched:
-            # on the base the curve was measured on: a static base's batches are its siblings' steps
-            if self.latency_cache is None:
-                budget.curve = budget.curve.with_batches(batches_of(self.model, self.base))
-            else:
-                budget.curve = curve_for(self.model, self.latency_cache, batched=True, base=self.base)
-        return budget
+        measure = self.latency is None and self.batches  # a curve given is priced as it is
+        return with_batched_rows(self.model, self.budget, self.base, self.latency_cache, measure)
 
     def save_cache(self, path: str) -> None:
         """Save the cross-request state (the trie of method 'trie') with safetensors."""
@@ -353,12 +347,7 @@ class Decoder:
         ids = self.encode(request.prompt, request.chat, request.shown_tools, request.chat_template_kwargs,
                           request.continue_final_message)  # fmt: skip
         check_context(self.model, ids, request.max_new_tokens)
-        salt = request.cache_salt or ""
-        scoped = prefixes.get(salt) if prefixes is not None else None
-        if scoped is None:
-            scoped = self.prefixes.scoped(salt) if salt else self.prefixes
-            if prefixes is not None:
-                prefixes[salt] = scoped
+        scoped = scoped_prefixes(self.prefixes, request.cache_salt, prefixes)
         drafters = self.row_drafters(fork_drafters)
         prediction = None
         if request.prediction is not None:
