@@ -27,3 +27,31 @@ def queued(
         return items
     finally:
         loop.close()
+
+
+def sent_calls(items: list) -> tuple:
+    """The tool calls a stream's items sent (`forerun.tool_stream.CallPart`s joined: each call's name from its
+    first part, its arguments from every part in order); each call named once and ended once, nothing after."""
+    from forerun.tool_calls import ToolCall
+    from forerun.tool_stream import CallPart
+
+    calls: list[list] = []
+    for _, extra in items:
+        if not isinstance(extra, CallPart):
+            continue
+        if extra.name is not None:
+            assert extra.index == len(calls) and all(done for *_, done in calls)
+            calls.append([extra.name, "", False])
+        assert extra.index == len(calls) - 1 and not calls[-1][2], "a part of a call that ended or never began"
+        calls[-1][1] += extra.arguments
+        calls[-1][2] = extra.done
+    assert all(done for *_, done in calls)
+    return tuple(ToolCall(name, arguments) for name, arguments, _ in calls)
+
+
+def content_of(items: list) -> str:
+    """The content a stream's items sent (neither a thought's text nor a call's part)."""
+    from forerun.server.stream import Reasoning
+    from forerun.tool_stream import CallPart
+
+    return "".join(delta for delta, extra in items if not isinstance(extra, (Reasoning, CallPart)))

@@ -77,8 +77,12 @@ class ToolCall:
         """OpenAI's tool call object, with `ident` (by default a fresh id: `call_...`, or 9 letters and digits where
         `short`, as Mistral's chat templates take no others)."""
         function = {"name": self.name, "arguments": self.arguments}
-        fresh = uuid.uuid4().hex[:9] if short else f"call_{uuid.uuid4().hex[:24]}"
-        return {"id": ident or fresh, "type": "function", "function": function}
+        return {"id": ident or fresh_call_id(short), "type": "function", "function": function}
+
+
+def fresh_call_id(short: bool = False) -> str:
+    """A new call's id: `call_` and 24 hex digits, or 9 where `short` (Mistral's chat templates take no others)."""
+    return uuid.uuid4().hex[:9] if short else f"call_{uuid.uuid4().hex[:24]}"
 
 
 def read_calls(

@@ -69,9 +69,10 @@ def test_a_required_call_is_the_models_own_held_to_the_tools(served, client):
     assert response.forerun["tokens_per_forward"] > 1.5  # the call's text is drafted: names and keys from the prompt
 
 
-def test_a_named_call_streams_whole_after_the_role(served, client):
-    """Streamed, the call comes in one chunk (id, name, arguments), then the finish reason; the arguments are the
-    ones the named function takes, the same as the answer not streamed."""
+def test_a_named_call_streams_as_it_is_written(served, client):
+    """Streamed, the call's id and name come first, then its arguments in pieces as the model writes them (the
+    openai SDK's stream helper joins them), the same arguments as the answer not streamed, then the finish
+    reason; no content."""
     named = {"type": "function", "function": {"name": "add"}}
     ask = [{"role": "user", "content": "What is 17 plus 25?"}]
     whole = client.chat.completions.create(model=MODEL, messages=ask, tools=TOOLS, tool_choice=named)
@@ -79,12 +80,39 @@ def test_a_named_call_streams_whole_after_the_role(served, client):
                                                  stream=True))  # fmt: skip
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     assert deltas[0].role == "assistant" and not any(d.content for d in deltas)
-    (carrying,) = [d for d in deltas if d.tool_calls]
-    (call,) = carrying.tool_calls
-    assert call.index == 0 and call.function.name == "add"
-    assert json.loads(call.function.arguments) == {"a": 17, "b": 25}
-    assert whole.choices[0].message.tool_calls[0].function.arguments == call.function.arguments
+    pieces = [call for d in deltas if d.tool_calls for call in d.tool_calls]
+    assert len(pieces) >= 2 and all(piece.index == 0 for piece in pieces)  # a drafted step brings several tokens
+    assert pieces[0].id.startswith("call_") and pieces[0].function.name == "add"
+    assert all(piece.id is None and piece.function.name is None for piece in pieces[1:])
+    arguments = "".join(piece.function.arguments for piece in pieces)
+    assert arguments == whole.choices[0].message.tool_calls[0].function.arguments
+    assert json.loads(arguments) == {"a": 17, "b": 25}
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+    with client.chat.completions.stream(model=MODEL, messages=ask, tools=TOOLS, tool_choice=named) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_completion()
+    assert kinds.count("tool_calls.function.arguments.delta") >= 2 and "tool_calls.function.arguments.done" in kinds
+    assert final.choices[0].message.tool_calls[0].function.arguments == arguments
+
+
+def test_a_long_argument_streams_in_many_pieces_equal_to_the_whole(served, client):
+    """A note's text as the argument: its pieces come chunk by chunk (drafted steps bring several tokens each),
+    and joined they are the answer not streamed, which is plain generate's held text."""
+    _, model, tokenizer = served
+    note = {"type": "function", "function": {"name": "save_note", "description": "Save a note", "parameters": {
+        "type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}}  # fmt: skip
+    ask = [{"role": "user", "content": "Save a note that says: buy milk, eggs, bread and two apples."}]
+    named = {"type": "function", "function": {"name": "save_note"}}
+    whole = client.chat.completions.create(model=MODEL, messages=ask, tools=[note], tool_choice=named,
+                                           max_tokens=64)  # fmt: skip
+    chunks = client.chat.completions.create(model=MODEL, messages=ask, tools=[note], tool_choice=named,
+                                            max_tokens=64, stream=True)  # fmt: skip
+    pieces = [call.function.arguments for c in chunks if c.choices and c.choices[0].delta.tool_calls
+              for call in c.choices[0].delta.tool_calls]  # fmt: skip
+    text = held_generate(model, tokenizer, ask, named, tools=[note], new=64)
+    assert len(pieces) > 3 and "".join(pieces) in text and text.startswith('<tool_call>[{"name": "save_note"')
+    assert whole.choices[0].finish_reason == "tool_calls" and json.loads("".join(pieces))["text"]
+    assert "".join(pieces) == whole.choices[0].message.tool_calls[0].function.arguments
 
 
 def test_a_conversation_answers_with_the_tools_result(served, client):

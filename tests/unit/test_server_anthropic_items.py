@@ -21,6 +21,7 @@ from forerun.server.translate import Limits, translate
 from forerun.stats import GenerationStats
 from forerun.thoughts import Thought
 from forerun.tool_calls import ToolCall
+from forerun.tool_stream import CallPart
 
 USE = {"type": "tool_use", "id": "t1", "name": "now", "input": {"zone": "UTC"}}
 
@@ -120,17 +121,21 @@ def test_a_whole_message_is_the_sdks_message():
 def test_streamed_events_accumulate_in_the_sdk_to_the_message():
     events = Events(Reply("msg_1", "m", 2))
     sent = [*events.opening(), *events.reasoning("H"), *events.reasoning("m"), *events.text("Hi"),
-            *events.text("!"), *events.calls([ToolCall("now", '{"a": 1}')]),
-            *events.finish(answer("tool_calls", (ToolCall("now", '{"a": 1}'),)), "auto")]  # fmt: skip
+            *events.text("!"), *events.call(CallPart(0, "now", '{"a', False)),
+            *events.call(CallPart(0, None, '": 1', False)), *events.call(CallPart(0, None, "}", True)),
+            *events.call(CallPart(1, "now", "{}", True)),
+            *events.finish(answer("tool_calls", (ToolCall("now", '{"a": 1}'), ToolCall("now", "{}"))),
+                           "auto")]  # fmt: skip
     adapter, snapshot, buffers = TypeAdapter(RawMessageStreamEvent), None, {}
     for event in sent:
         kind, data = event.split("\n")[0].removeprefix("event: "), json.loads(event.split("data: ", 1)[1])
         parsed = adapter.validate_python(data)
         assert parsed.type == kind
         snapshot = accumulate_event(event=parsed, current_snapshot=snapshot, json_bufs=buffers)
-    assert [block.type for block in snapshot.content] == ["thinking", "text", "tool_use"]
+    assert [block.type for block in snapshot.content] == ["thinking", "text", "tool_use", "tool_use"]
     assert (snapshot.content[0].thinking, snapshot.content[1].text) == ("Hm", "Hi!")
-    assert snapshot.content[2].input == {"a": 1} and snapshot.stop_reason == "tool_use"
+    assert snapshot.content[2].input == {"a": 1} and snapshot.stop_reason == "tool_use"  # its input in 3 deltas
+    assert snapshot.content[3].input == {} and snapshot.content[2].id != snapshot.content[3].id
     failed = Events(Reply("msg_2", "m"))
     last = [*failed.opening(), *failed.text("Hi"), *failed.fail(APIError(500, "gone"))]
     assert json.loads(last[-1].split("data: ", 1)[1]) == {"type": "error", "error": {"type": "api_error",

@@ -22,6 +22,7 @@ from forerun.server.translate import Limits, translate
 from forerun.stats import GenerationStats
 from forerun.thoughts import Thought
 from forerun.tool_calls import ToolCall
+from forerun.tool_stream import CallPart
 
 CALL = {"type": "function_call", "call_id": "c1", "name": "now", "arguments": "{}"}
 THOUGHT = {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "Hm."}]}
@@ -151,14 +152,21 @@ def replayed(events: list[str]):
 def test_streamed_events_are_in_the_order_the_sdk_accumulates():
     events = Events(Reply("resp_1", 5, "m", {"tools": [], "tool_choice": "auto", "parallel_tool_calls": True}))
     sent = [*events.opening(), *events.reasoning("H"), *events.reasoning("m"), *events.text("Hi", None),
-            *events.text("!", None), *events.calls([ToolCall("now", "{}")]),
-            *events.finish(answer("tool_calls", (ToolCall("now", "{}"),)), "auto")]  # fmt: skip
+            *events.text("!", None), *events.call(CallPart(0, "now", "", False)),
+            *events.call(CallPart(0, None, "{", False)), *events.call(CallPart(0, None, "}", True)),
+            *events.call(CallPart(1, "add", '{"a": 1}', True)),
+            *events.finish(answer("tool_calls", (ToolCall("now", "{}"), ToolCall("add", '{"a": 1}'))),
+                           "auto")]  # fmt: skip
     parsed = replayed(sent)
     assert [e.sequence_number for e in parsed] == list(range(len(parsed)))
     final = parsed[-1].response
     assert final.status == "completed" and [item.type for item in final.output] == [
-        "reasoning", "message", "function_call"
+        "reasoning", "message", "function_call", "function_call"
     ]  # fmt: skip
+    assert [(item.name, item.arguments, item.status) for item in final.output[2:]] == [
+        ("now", "{}", "completed"), ("add", '{"a": 1}', "completed")
+    ]  # fmt: skip
+    assert sum(e.type == "response.function_call_arguments.delta" for e in parsed) == 3
     assert final.output[1].content[0].text == "Hi!" and final.output[0].content[0].text == "Hm"
     assert all(event.startswith(f"event: {e.type}\n") for event, e in zip(sent, parsed, strict=True))
 

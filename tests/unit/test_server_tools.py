@@ -14,6 +14,7 @@ from forerun.server.schemas import ChatRequest
 from forerun.server.translate import APIError, Limits, translate
 from forerun.stats import GenerationStats
 from forerun.tool_calls import ToolCall
+from forerun.tool_stream import CallPart
 
 TAKES = Limits(model_name="tiny", method="auto", max_tokens_limit=64, vocab_size=1000, tools=True)
 PLAIN = Limits(model_name="tiny", method="auto", max_tokens_limit=64, vocab_size=1000)
@@ -121,7 +122,11 @@ def test_a_response_carries_the_calls_its_content_and_reason():
     assert bare["choices"][0]["message"]["content"] is None
     words = shaping.completion(answer, [result("Sunny.", (), "stop")], "auto", Pieces())["choices"][0]
     assert words["message"] == {"role": "assistant", "content": "Sunny.", "refusal": None}  # no tool_calls key
-    event = json.loads(shaping.calls_chunk(answer, calls * 2, index=1)[6:])
-    (choice,) = event["choices"]
-    assert choice["index"] == 1 and [c["index"] for c in choice["delta"]["tool_calls"]] == [0, 1]
-    assert choice["delta"]["tool_calls"][1]["function"]["name"] == "get_weather" and event["object"].endswith("chunk")
+    first = json.loads(shaping.call_chunk(answer, CallPart(1, "get_weather", '{"ci', False), index=1)[6:])
+    (choice,) = first["choices"]
+    (opened,) = choice["delta"]["tool_calls"]
+    assert choice["index"] == 1 and opened["index"] == 1 and opened["id"].startswith("call_") and opened["type"]
+    assert opened["function"] == {"name": "get_weather", "arguments": '{"ci'} and first["object"].endswith("chunk")
+    later = json.loads(shaping.call_chunk(answer, CallPart(1, None, 'ty": "Oslo"}', True), index=1)[6:])
+    assert later["choices"][0]["delta"]["tool_calls"] == [{"index": 1, "function": {"arguments": 'ty": "Oslo"}'}}]
+    assert shaping.call_chunk(answer, CallPart(1, None, "", True)) is None  # a call's end alone carries nothing

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from streams import queued
+from streams import content_of, queued, sent_calls
 
 from forerun import GenerationResult
-from forerun.server.stream import Calls, Reasoning, TokenStream
+from forerun.server.stream import Reasoning, TokenStream
 from forerun.stats import GenerationStats
 from forerun.thoughts import Thought, ThoughtMarks, ThoughtWatch, opened_by, split, thought_in, thought_marks
 from forerun.tool_calls import ToolCall
@@ -108,9 +108,9 @@ def streamed(tokenizer, answer: str, prompt: str = "Hi", stops=(), tools=None) -
     stream = lambda loop: TokenStream(tokenizer, loop, list(stops), tools=tools, thoughts=marks)  # noqa: E731
     items = queued(stream, ids(tokenizer, prompt), ids(tokenizer, answer))
     reasoning = "".join(extra.text for _, extra in items if isinstance(extra, Reasoning))
-    content = "".join(delta for delta, extra in items if not isinstance(extra, (Reasoning, Calls)))
+    content = content_of(items)
     assert sum(isinstance(extra, Reasoning) for _, extra in items) > 1 or len(reasoning) < 3  # piece by piece
-    return reasoning, content, [call for _, extra in items if isinstance(extra, Calls) for call in extra.calls]
+    return reasoning, content, list(sent_calls(items))
 
 
 def test_a_chat_stream_sends_the_thought_as_reasoning_and_the_rest_as_content():

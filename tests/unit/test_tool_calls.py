@@ -7,10 +7,10 @@ import json
 
 import pytest
 import torch
-from streams import queued
+from streams import content_of, queued, sent_calls
 
 from forerun import GenerationRequest, GenerationResult
-from forerun.server.stream import Calls, TokenStream
+from forerun.server.stream import TokenStream
 from forerun.structured import Grammars
 from forerun.tool_calls import ToolCall, before_calls, read_calls
 from forerun.tool_grammar import calls_grammar
@@ -24,6 +24,7 @@ from forerun.tool_specs import (
     strictly_held,
     takes_tools,
 )
+from forerun.tool_stream import CallPart
 
 from tiny_models import byte_tokenizer
 from tool_templates import LLAMA3_JSON
@@ -223,22 +224,28 @@ def streamed(text: str, stops: list[str], pieces: int = 1) -> list:
                   pieces)  # fmt: skip
 
 
-def test_a_tools_stream_sends_content_as_it_comes_and_calls_whole_at_the_end():
+def test_a_tools_stream_sends_content_as_it_comes_and_calls_as_they_are_written():
+    """Words before a block stream; a call in it goes out as it is written (its name, then its arguments in
+    pieces); text that is not calls comes out whole at the end; bare calls come whole once read."""
     items = streamed(f"Let me look.\n<tool_call>{call('add', a=1, b=2)}</tool_call>", [])
-    content = "".join(delta for delta, extra in items if not isinstance(extra, Calls))
-    assert content == "Let me look.\n" and len(items) > 2  # streamed piece by piece, up to the block
-    assert isinstance(items[-1][1], Calls) and items[-1][1].calls == (ToolCall("add", '{"a": 1, "b": 2}'),)
+    assert content_of(items) == "Let me look.\n" and len(items) > 2  # streamed piece by piece, up to the block
+    assert sent_calls(items) == (ToolCall("add", '{"a": 1, "b": 2}'),)
+    parts = [extra for _, extra in items if isinstance(extra, CallPart)]
+    assert parts[0].name == "add" and len(parts) > 3  # the arguments a token at a time, as they were written
+    listed = streamed(f"<tool_call>[{call('add', a=1)}, {call('now')}]</tool_call>", [])
+    assert sent_calls(listed) == (ToolCall("add", '{"a": 1}'), ToolCall("now", "{}")) and content_of(listed) == ""
     plain = streamed("No <tool_call> here, a < b.", [])  # not calls: the held text comes out at the end, whole
-    assert "".join(delta for delta, _ in plain) == "No <tool_call> here, a < b."
-    assert not any(isinstance(extra, Calls) for _, extra in plain)
+    assert content_of(plain) == "No <tool_call> here, a < b." and sent_calls(plain) == ()
     stopped = streamed(f"Done.\n\n<tool_call>{call('now')}</tool_call>", ["\n\n"])  # a stop before the block
-    assert "".join(delta for delta, _ in stopped) == "Done." and not any(isinstance(e, Calls) for _, e in stopped)
+    assert content_of(stopped) == "Done." and sent_calls(stopped) == ()
+    inside = streamed(f"<tool_call>{call('add', a='x STOP y')}</tool_call>", ["STOP"])  # a stop in the arguments
+    assert content_of(inside) == "" and sent_calls(inside) == (ToolCall("add", '{"a": "x '),)
     bare = streamed(f" {call('add', a=1)}", [])  # the tags dropped: a call of an offered tool all the same
-    assert [extra.calls for _, extra in bare] == [(ToolCall("add", '{"a": 1}'),)]
+    assert [extra for _, extra in bare] == [CallPart(0, "add", '{"a": 1}', True)]
     json_answer = streamed('{"name": "Ada", "arguments": {}}', [])  # JSON, but no offered tool's call: content
     assert "".join(delta for delta, _ in json_answer) == '{"name": "Ada", "arguments": {}}' and len(json_answer) == 1
     fenced = streamed(f"```json\n{call('now')}\n```", [])
-    assert [extra.calls for _, extra in fenced] == [(ToolCall("now", "{}"),)]
+    assert sent_calls(fenced) == (ToolCall("now", "{}"),) and content_of(fenced) == ""
     code = streamed("```python\nprint(1)\n```", [])  # another fence: content as it comes
     assert "".join(delta for delta, _ in code) == "```python\nprint(1)\n```" and len(code) > 2
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from streams import queued
+from streams import content_of, queued, sent_calls
 
 from forerun.structured import Grammars
 from forerun.tool_calls import ToolCall, read_calls
@@ -182,7 +182,7 @@ def test_a_thought_or_words_before_mistrals_mark_are_content_and_the_calls_after
     from llguidance import LLMatcher
 
     from forerun import GenerationResult
-    from forerun.server.stream import Calls, TokenStream
+    from forerun.server.stream import TokenStream
     from forerun.stats import GenerationStats
     from forerun.tool_calls import marked_at
     from forerun.tool_specs import call_mark
@@ -204,8 +204,8 @@ def test_a_thought_or_words_before_mistrals_mark_are_content_and_the_calls_after
     assert result.content == "Add them.Let me add."
 
     items = queued(lambda loop: TokenStream(tokenizer, loop, [], tools=frozenset(names), mark=mark), [1, 2], ids)
-    assert "".join(delta for delta, extra in items if not isinstance(extra, Calls)) == "Add them.Let me add."
-    assert items[-1][1].calls == calls and len(items) > 2  # the words streamed as they came
+    assert content_of(items) == "Add them.Let me add."
+    assert sent_calls(items) == calls and len(items) > 2  # the words streamed as they came, the calls whole
 
     grammars = Grammars(tokenizer, len(tokenizer), tokenizer.eos_token_id)
     form = grammars.call_form()

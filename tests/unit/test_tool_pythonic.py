@@ -131,16 +131,15 @@ def test_a_stream_sends_the_words_around_the_calls_and_the_calls_whole(tokenizer
     """The calls come whole at the end (their marks decoded out); words before them stream as they come, and the
     words after them (LFM2 says what it is doing) come as content before the calls, as the whole answer's content
     reads."""
-    from streams import queued
+    from streams import content_of, queued, sent_calls
 
-    from forerun.server.stream import Calls, TokenStream
+    from forerun.server.stream import TokenStream
 
     mark = call_mark(tokenizer)
     for answer, words in (("<|tool_call_start|>[add(a=1)]<|tool_call_end|>Adding them.", "Adding them."),
                           ("Sure. <|tool_call_start|>[add(a=1)]<|tool_call_end|> Done.", "Sure. Done.")):  # fmt: skip
         ids = tokenizer.encode(answer, add_special_tokens=False)
         items = queued(lambda loop: TokenStream(tokenizer, loop, [], tools=frozenset(NAMES), mark=mark), [1], ids)
-        content = "".join(delta for delta, extra in items if not isinstance(extra, Calls))
-        assert content == words and items[-1][1].calls == (ToolCall("add", '{"a": 1}'),)
+        assert content_of(items) == words and sent_calls(items) == (ToolCall("add", '{"a": 1}'),)
         text = tokenizer.decode(ids, skip_special_tokens=True)
         assert read_calls(text, NAMES, text.index("["))[0] == words

@@ -20,6 +20,7 @@ from forerun.server.errors import anthropic_error
 from forerun.server.fields import APIError
 from forerun.server.shaping import usage
 from forerun.tool_calls import ToolCall
+from forerun.tool_stream import CallPart
 
 
 @dataclass(frozen=True)
@@ -59,9 +60,13 @@ def usage_of(result: GenerationResult, method: str) -> dict:
     }
 
 
+def fresh_tool_use_id() -> str:
+    return f"toolu_{uuid.uuid4().hex[:24]}"
+
+
 def tool_use(call: ToolCall) -> dict:
     """A call as a tool_use block, its input the arguments' object, with a fresh `toolu_` id."""
-    return {"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:24]}", "name": call.name,
+    return {"type": "tool_use", "id": fresh_tool_use_id(), "name": call.name,
             "input": json.loads(call.arguments)}  # fmt: skip
 
 
@@ -84,8 +89,8 @@ def answered(reply: Reply, result: GenerationResult, method: str, stops: Sequenc
 
 class Events:
     """The server-sent events of one streamed message, in Anthropic's order: message_start, then each content
-    block started, its deltas, stopped (a thought, the words, then each call whole), then message_delta (the stop
-    reason and usage) and message_stop."""
+    block started, its deltas, stopped (a thought, the words, then each call as it is written), then
+    message_delta (the stop reason and usage) and message_stop."""
 
     def __init__(self, reply: Reply, stops: Sequence[str] = ()) -> None:
         self.reply, self.stops = reply, stops
@@ -130,17 +135,18 @@ class Events:
         return [*events, self.event("content_block_delta", index=self.blocks,
                                     delta={"type": "text_delta", "text": delta})]  # fmt: skip
 
-    def calls(self, calls: Sequence[ToolCall]) -> list[str]:
-        """Each call as a tool_use block, its input in one delta (calls are read whole, at the answer's end)."""
-        events = self.closed()
-        for call in calls:
-            block = {**tool_use(call), "input": {}}
-            delta = {"type": "input_json_delta", "partial_json": call.arguments}
-            events += [self.event("content_block_start", index=self.blocks, content_block=block),
-                       self.event("content_block_delta", index=self.blocks, delta=delta),
-                       self.event("content_block_stop", index=self.blocks)]  # fmt: skip
-            self.blocks += 1
-        return events
+    def call(self, part: CallPart) -> list[str]:
+        """A piece of a call (`forerun.tool_stream`): its tool_use block started with its first piece (the open
+        block stopped first), its input's JSON as it is written, the block stopped with its last."""
+        events = []
+        if part.name is not None:
+            events, self.open = self.closed(), "tool_use"
+            block = {"type": "tool_use", "id": fresh_tool_use_id(), "name": part.name, "input": {}}
+            events.append(self.event("content_block_start", index=self.blocks, content_block=block))
+        if part.arguments:
+            delta = {"type": "input_json_delta", "partial_json": part.arguments}
+            events.append(self.event("content_block_delta", index=self.blocks, delta=delta))
+        return [*events, *self.closed()] if part.done else events
 
     def finish(self, result: GenerationResult, method: str) -> list[str]:
         """The last events: the open block stopped, the stop reason and usage, the message's stop."""

@@ -19,7 +19,7 @@ from forerun.server.shaping import (
     DONE,
     Answer,
     Echo,
-    calls_chunk,
+    call_chunk,
     chunk,
     echo_payload,
     event,
@@ -27,8 +27,9 @@ from forerun.server.shaping import (
     opening,
     usage,
 )
-from forerun.server.stream import Calls, Reasoning, TokenStream, deltas, targets_of
+from forerun.server.stream import Reasoning, TokenStream, deltas, targets_of
 from forerun.server.translate import GenerationArgs
+from forerun.tool_stream import CallPart
 
 
 async def chat_events(
@@ -44,8 +45,9 @@ async def chat_events(
     targets = targets_of([len(each) for each in streams], args.n)
     async for run, delta, entries in deltas(flat, task):
         for index in targets[run]:
-            if isinstance(entries, Calls):
-                yield calls_chunk(answer, entries.calls, index)
+            if isinstance(entries, CallPart):
+                if (carried := call_chunk(answer, entries, index)) is not None:
+                    yield carried
                 continue
             if isinstance(entries, Reasoning):
                 logprobs = logprobs_payload(tokenizer, entries.entries, answer.chat)

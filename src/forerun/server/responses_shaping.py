@@ -22,6 +22,7 @@ from forerun.server.fields import APIError
 from forerun.server.schemas import ResponsesRequest
 from forerun.server.shaping import logprobs_payload, usage
 from forerun.tool_calls import ToolCall
+from forerun.tool_stream import CallPart
 
 
 @dataclass(frozen=True)
@@ -156,7 +157,7 @@ def call_item(reply: Reply, call: ToolCall, k: int, ident: str, status: str = "c
 class Events:
     """The server-sent events of one streamed response, in the order OpenAI's SDKs check: the response created,
     then each output item added, its part's deltas, its part and item done (a thought first, the message, then
-    each call whole), then the response completed (or incomplete, or failed) with every item."""
+    each call as it is written), then the response completed (or incomplete, or failed) with every item."""
 
     def __init__(self, reply: Reply) -> None:
         self.reply, self.sequence = reply, 0
@@ -208,6 +209,8 @@ class Events:
         """The events that close the open item (none where none is open)."""
         if self.open is None:
             return []
+        if self.open["type"] == "function_call":
+            return self.call_closed(status)
         part, where = self.open["content"][0], self.where()
         if self.open["type"] == "message":
             part["logprobs"] = self.logprobs
@@ -222,21 +225,30 @@ class Events:
         self.open = None
         return events
 
-    def calls(self, calls: Sequence[ToolCall]) -> list[str]:
-        """Each call as an item of its own, its arguments in one delta (they are read whole, at the answer's end)."""
-        events = self.closed()
-        for k, call in enumerate(calls):
-            item = call_item(self.reply, call, k, call_id(self.reply, call))
-            where = {"item_id": item["id"], "output_index": len(self.items)}
-            added = {**item, "arguments": "", "status": "in_progress"}
-            events += [
-                self.event("response.output_item.added", output_index=where["output_index"], item=added),
-                self.event("response.function_call_arguments.delta", **where, delta=call.arguments),
-                self.event("response.function_call_arguments.done", **where, arguments=call.arguments, name=call.name),
-                self.event("response.output_item.done", output_index=where["output_index"], item=item),
-            ]
-            self.items.append(item)
+    def call_closed(self, status: str) -> list[str]:
+        """The events that close the open call's item: its arguments whole, the item done."""
+        item, where = self.open, self.where()
+        item["status"] = status
+        events = [self.event("response.function_call_arguments.done", **where, arguments=item["arguments"],
+                             name=item["name"]),
+                  self.event("response.output_item.done", output_index=where["output_index"], item=item)]  # fmt: skip
+        self.items.append(item)
+        self.open = None
         return events
+
+    def call(self, part: CallPart) -> list[str]:
+        """A piece of a call (`forerun.tool_stream`): its item added with its first piece (the open item closed
+        first), its arguments' deltas as they come, the item done with its last."""
+        events = []
+        if part.name is not None:
+            events = self.closed()
+            call = ToolCall(part.name, "")
+            self.open = call_item(self.reply, call, part.index, call_id(self.reply, call), "in_progress")
+            events.append(self.event("response.output_item.added", output_index=len(self.items), item=self.open))
+        if part.arguments:
+            self.open["arguments"] += part.arguments
+            events.append(self.event("response.function_call_arguments.delta", **self.where(), delta=part.arguments))
+        return [*events, *self.closed()] if part.done else events
 
     def finish(self, result: GenerationResult, method: str) -> list[str]:
         """The last events: the open item closed (an empty message where nothing was written), the response

@@ -16,7 +16,8 @@ from itertools import accumulate
 
 from forerun.decoder import GenerationResult
 from forerun.logprobs import TokenLogprob, entries_before
-from forerun.tool_calls import ToolCall
+from forerun.tool_calls import fresh_call_id
+from forerun.tool_stream import CallPart
 
 
 @dataclass(frozen=True)
@@ -212,10 +213,17 @@ def chunk(
     return f"data: {json.dumps(payload)}\n\n"
 
 
-def calls_chunk(answer: Answer, calls: Sequence[ToolCall], index: int = 0) -> str:
-    """A chat stream's chunk of choice `index` carrying its answer's tool calls, each whole."""
-    deltas = [{"index": k, **call.as_openai(short=answer.short_call_ids)} for k, call in enumerate(calls)]
-    choice = {"index": index, "delta": {"tool_calls": deltas}, "finish_reason": None, "logprobs": None}
+def call_chunk(answer: Answer, part: CallPart, index: int = 0) -> str | None:
+    """A chat stream's chunk of choice `index` carrying a piece of a tool call (`forerun.tool_stream.CallPart`): a
+    fresh id, the type and the name with its first piece, then its arguments as they come, as OpenAI streams them;
+    None for a piece that carries nothing (a call's end)."""
+    if part.name is None and not part.arguments:
+        return None
+    call: dict = {"index": part.index, "function": {"arguments": part.arguments}}
+    if part.name is not None:
+        call = {"index": part.index, "id": fresh_call_id(answer.short_call_ids), "type": "function",
+                "function": {"name": part.name, "arguments": part.arguments}}  # fmt: skip
+    choice = {"index": index, "delta": {"tool_calls": [call]}, "finish_reason": None, "logprobs": None}
     payload = {"id": answer.ident, "object": answer.chunk_kind, "created": answer.created, "model": answer.model}
     return f"data: {json.dumps({**payload, 'choices': [choice]})}\n\n"
 

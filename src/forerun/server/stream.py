@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -24,14 +24,8 @@ from forerun.server.fields import APIError
 from forerun.stopping import HeldText, first_stop
 from forerun.text import IncrementalText
 from forerun.thoughts import Thought, ThoughtMarks, ThoughtWatch, split
-from forerun.tool_calls import ToolCall, before_calls, marked_at, read_answer
-
-
-@dataclass(frozen=True)
-class Calls:
-    """A stream's last item where its answer made tool calls (`forerun.tool_calls`): sent as one chunk."""
-
-    calls: tuple[ToolCall, ...]
+from forerun.tool_calls import before_calls, marked_at, read_answer
+from forerun.tool_stream import CallPart, CallStream, whole_parts
 
 
 @dataclass(frozen=True)
@@ -48,7 +42,8 @@ class TokenStream:
     `started` is set once the generation has seen its prompt (checked, and given its place: the server sends the
     response's headers then). The entries ride with the delta their tokens' text is released in (none after a stop
     string); without logprobs asked, they are None. Where tools are offered, text from a possible `<tool_call>` on
-    is held until the answer ends: then it is content (no calls in it) or its calls (a `Calls` item). Where
+    is held: calls written in its blocks go out as they are written (`CallPart` items, `forerun.tool_stream`), and
+    once the answer ends the rest is content (no calls in it) or the calls not yet sent, whole. Where
     `thoughts` (a chat's), a thought the answer (or its prompt) opens goes out as `Reasoning` items, the answer
     after it as content; while only whitespace has come, whether a thought opens is not known and it is held."""
 
@@ -69,6 +64,8 @@ class TokenStream:
         self.mark, self.calls_at = mark, None
         """The special token a probed template's calls open with (`forerun.tool_specs.call_mark`), and where in the
         text it stood once the answer holds it (`forerun.tool_calls.marked_at`): the decoded text drops it."""
+        self.follower = CallStream(tools) if tools is not None and mark is None else None
+        """Follows the calls of `<tool_call>` blocks as they are written (None: calls are sent once read whole)."""
         self.entries: list | None = [] if logprobs else None
         """Entries of tokens whose text is not sent yet (`note_logprobs`)."""
         self.text = IncrementalText(tokenizer)
@@ -114,7 +111,7 @@ class TokenStream:
         thought = None if self.watch is None else self.watch.thought(len(text))
         after = 0 if thought is None else thought.after
         limit = len(text) if final or self.watch is None or not self.watch.undecided else 0
-        if self.tools is not None:  # tools offered: what may be a call is held until the answer is whole
+        if self.tools is not None:  # tools offered: what may be a call is not content until the answer is whole
             at = None if self.calls_at is None else self.calls_at - after
             if final:
                 cut = first_stop(text, self.held.stops)
@@ -122,13 +119,26 @@ class TokenStream:
                 words = found or ""
             held = before_calls(text[after:], bare=True, names=self.tools)
             held = held if at is None else min(held, max(at, 0))
-            limit = limit if final and not calls else min(limit, after + held)
+            began = calls or (self.follower is not None and self.follower.started)
+            limit = limit if final and not began else min(limit, after + held)
         self.unsent += len(self.held.release(text[:limit], final))
         self.send(text[: self.held.shown], thought)
-        if calls:
-            if words.startswith(self.sent[1]) and words[len(self.sent[1]) :]:  # LFM2's words after its calls
-                self.loop.call_soon_threadsafe(self.queue.put_nowait, (words[len(self.sent[1]) :], None))
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, ("", Calls(calls)))
+        if self.tools is None:
+            return
+        if calls and words.startswith(self.sent[1]) and words[len(self.sent[1]) :]:  # words after the calls
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (words[len(self.sent[1]) :], None))
+        for part in self.call_parts(text, thought, final, calls):
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, ("", part))
+
+    def call_parts(self, text: str, thought: Thought | None, final: bool, calls: tuple) -> list[CallPart]:
+        """The parts of calls to send now: those written since the last step, followed in the text as far as no
+        stop string can end it; once the answer is whole, the calls `calls` read from it not yet sent."""
+        if self.follower is None:
+            return whole_parts(calls) if final else []
+        cut = first_stop(text, self.held.stops)
+        shown = text[:cut] if cut is not None else text if final else text[: len(text) - self.held.holdback]
+        answer = split(shown, thought)[1]
+        return self.follower.finish(answer, calls) if final else self.follower.follow(answer)
 
     def send(self, shown: str, thought: Thought | None) -> None:
         """Queue what of the released text `shown` was not sent: its thought's part as `Reasoning`, the rest as
@@ -228,7 +238,7 @@ class LoneEvents(Protocol):
     def opening(self) -> list[str]: ...
     def reasoning(self, delta: str) -> list[str]: ...
     def text(self, delta: str, logprobs: list | None) -> list[str]: ...
-    def calls(self, calls: Sequence[ToolCall]) -> list[str]: ...
+    def call(self, part: CallPart) -> list[str]: ...
     def finish(self, result: Any, method: str) -> list[str]: ...
     def fail(self, error: APIError) -> list[str]: ...
 
@@ -241,8 +251,8 @@ async def lone_events(
     for event in events.opening():
         yield event
     async for _, delta, entries in deltas([stream], task):
-        if isinstance(entries, Calls):
-            written = events.calls(entries.calls)
+        if isinstance(entries, CallPart):
+            written = events.call(entries)
         elif isinstance(entries, Reasoning):
             written = events.reasoning(entries.text)
         else:
