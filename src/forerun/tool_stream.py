@@ -125,7 +125,8 @@ class CallStream:
         """Read on from `at` by one state; False where the answer must grow first (or following stopped)."""
         if self.state == "seek":
             found = answer.find(OPEN, self.at)
-            if found < 0:
+            if found < 0:  # read no further back next time than where a block could still begin
+                self.at = max(self.at, len(answer) - len(OPEN) + 1)
                 return False
             self.at, self.state = found + len(OPEN), "first"
             return True

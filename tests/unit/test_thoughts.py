@@ -13,6 +13,7 @@ from forerun.server.stream import Reasoning, TokenStream
 from forerun.stats import GenerationStats
 from forerun.thoughts import Thought, ThoughtMarks, ThoughtWatch, opened_by, split, thought_in, thought_marks
 from forerun.tool_calls import ToolCall
+from forerun.tool_stream import CallPart
 
 from tiny_models import byte_tokenizer
 
@@ -110,7 +111,9 @@ def streamed(tokenizer, answer: str, prompt: str = "Hi", stops=(), tools=None) -
     reasoning = "".join(extra.text for _, extra in items if isinstance(extra, Reasoning))
     content = content_of(items)
     assert sum(isinstance(extra, Reasoning) for _, extra in items) > 1 or len(reasoning) < 3  # piece by piece
-    return reasoning, content, list(sent_calls(items))
+    calls = list(sent_calls(items))
+    assert sum(1 for _, extra in items if isinstance(extra, CallPart)) > len(calls) or not calls  # as written
+    return reasoning, content, calls
 
 
 def test_a_chat_stream_sends_the_thought_as_reasoning_and_the_rest_as_content():
@@ -122,6 +125,8 @@ def test_a_chat_stream_sends_the_thought_as_reasoning_and_the_rest_as_content():
     assert streamed(tokenizer, "<think>ab</think>cd\n\nef", stops=["\n\n"])[:2] == ("ab", "cd")
     call = ToolCall("add", '{"a": 1}')
     assert streamed(tokenizer, f"<think>Add.</think>\n{ADD}", tools=frozenset({"add"})) == ("Add.", "", [call])
+    spaced = " " * 14 + f"<think>Add.</think>\n\n  {ADD}"  # whitespace before the thought, then before the call
+    assert streamed(tokenizer, spaced, tools=frozenset({"add"})) == ("Add.", "", [call])
     inside = f"<think>{ADD}</think>No."  # a call inside the thought is thinking, not a call
     assert streamed(tokenizer, inside, tools=frozenset({"add"})) == (ADD, "No.", [])
 

@@ -135,6 +135,8 @@ class TokenStream:
         stop string can end it; once the answer is whole, the calls `calls` read from it not yet sent."""
         if self.follower is None:
             return whole_parts(calls) if final else []
+        if not final and self.watch is not None and self.watch.undecided:  # where the answer begins is not known
+            return []
         cut = first_stop(text, self.held.stops)
         shown = text[:cut] if cut is not None else text if final else text[: len(text) - self.held.holdback]
         answer = split(shown, thought)[1]
