@@ -15,6 +15,7 @@ from test_server import MODEL, LiveServer
 
 import forerun
 from forerun.server import ServerConfig, create_app
+from forerun.server.context_edits import PLACEHOLDER
 from forerun.tool_specs import shipped_template
 
 pytestmark = pytest.mark.real_model
@@ -109,6 +110,38 @@ def test_a_tool_use_is_the_chat_completions_call_and_its_result_goes_back(served
     assert answer.content[0].text == expected.text
 
 
+def test_context_edits_as_claude_code_asks_answer_the_edited_conversation(served, client):
+    """`context_management` (Claude Code sends it): past the trigger the older tool result is the placeholder, and
+    the answer is the one to the conversation so edited by hand; the message, its stream's last delta (the SDK's
+    beta types) and count_tokens say what was cleared."""
+    asked = [{"role": "user", "content": "What is the weather like in Paris and in Lyon?"}]
+    for i, (city, said) in enumerate((("Paris", "Sunny and warm, " * 40), ("Lyon", "Rain."))):
+        call = {"type": "tool_use", "id": f"t{i}", "name": "get_weather", "input": {"city": city}}
+        answered = {"type": "tool_result", "tool_use_id": f"t{i}", "content": said}
+        asked += [{"role": "assistant", "content": [call]}, {"role": "user", "content": [answered]}]
+    edits = {"edits": [{"type": "clear_thinking_20251015", "keep": "all"},
+                       {"type": "clear_tool_uses_20250919", "trigger": {"type": "tool_uses", "value": 1},
+                        "keep": {"type": "tool_uses", "value": 1}}]}  # fmt: skip
+    ask = {"model": MODEL, "max_tokens": NEW, "tools": [WEATHER], "betas": ["context-management-2025-06-27"]}
+    by_hand = copy.deepcopy(asked)
+    by_hand[2]["content"][0]["content"] = PLACEHOLDER
+    expected = client.beta.messages.create(**ask, messages=by_hand)
+    message = client.beta.messages.create(**ask, messages=asked, context_management=edits)
+    assert [b.model_dump() for b in message.content] == [b.model_dump() for b in expected.content]
+    assert expected.context_management is None
+    (applied,) = message.context_management.applied_edits
+    assert (applied.type, applied.cleared_tool_uses) == ("clear_tool_uses_20250919", 1)
+    counted = client.beta.messages.count_tokens(**{k: v for k, v in ask.items() if k != "max_tokens"},
+                                                messages=asked, context_management=edits)  # fmt: skip
+    whole = client.messages.count_tokens(model=MODEL, tools=[WEATHER], messages=asked).input_tokens
+    assert counted.context_management.original_input_tokens == whole
+    assert whole - counted.input_tokens == applied.cleared_input_tokens > 100
+    with client.beta.messages.stream(**ask, messages=asked, context_management=edits) as stream:
+        final = stream.get_final_message()
+    assert final.context_management.applied_edits == message.context_management.applied_edits
+    assert [b.model_dump() for b in final.content] == [b.model_dump() for b in expected.content]
+
+
 @pytest.mark.parametrize(
     ("body", "fragment"),
     [
@@ -117,6 +150,7 @@ def test_a_tool_use_is_the_chat_completions_call_and_its_result_goes_back(served
         ({"tools": [{"type": "bash_20250124", "name": "bash"}]}, "tools[0]"),
         ({"extra_body": {"betas": ["x"]}}, "unrecognized request field 'betas'"),
         ({"max_tokens": "8"}, "max_tokens"),
+        ({"extra_body": {"context_management": {"edits": [{"type": "compact_20260112"}]}}}, "edits[0]: compaction"),
     ],
 )
 def test_errors_come_in_anthropics_shape_naming_the_field(served, client, body, fragment):

@@ -60,9 +60,10 @@ def chat_request(
 
 
 def unsupported(body: AnthropicRequest | CountTokensRequest) -> None:
-    """What this server cannot honour, refused by name: Anthropic's hosted containers and MCP servers."""
+    """What this server cannot honour, refused by name: Anthropic's hosted containers and MCP servers (context
+    edits are applied before, `forerun.server.context_edits`)."""
     if isinstance(body, AnthropicRequest):
-        for name in ("container", "mcp_servers", "context_management"):
+        for name in ("container", "mcp_servers"):
             if getattr(body, name) is not None:
                 raise refuse(name, f"{name} is not supported: this server runs a text model, with function tools")
         if body.service_tier not in (None, "auto", "standard_only"):

@@ -30,6 +30,8 @@ class Reply:
     ident: str
     model: str
     prompt_tokens: int = 0
+    edits: dict | None = None
+    """The request's context edits, as the answer's `context_management` tells them (None: none asked)."""
 
 
 def stop_of(result: GenerationResult, stops: Sequence[str]) -> tuple[str, str | None]:
@@ -71,9 +73,10 @@ def tool_use(call: ToolCall) -> dict:
 
 
 def message(reply: Reply, content: list[dict], stop: tuple[str | None, str | None], used: dict | None = None) -> dict:
+    edits = {} if reply.edits is None else {"context_management": reply.edits}
     return {"id": reply.ident, "type": "message", "role": "assistant", "model": reply.model, "content": content,
             "stop_reason": stop[0], "stop_sequence": stop[1],
-            **(used or {"usage": {"input_tokens": reply.prompt_tokens, "output_tokens": 0}})}  # fmt: skip
+            **(used or {"usage": {"input_tokens": reply.prompt_tokens, "output_tokens": 0}}), **edits}  # fmt: skip
 
 
 def answered(reply: Reply, result: GenerationResult, method: str, stops: Sequence[str]) -> dict:
@@ -153,7 +156,9 @@ class Events:
         reason, sequence = stop_of(result, self.stops)
         used = usage_of(result, method)
         delta = {"stop_reason": reason, "stop_sequence": sequence}
-        return [*self.closed(), self.event("message_delta", delta=delta, **used), self.event("message_stop")]
+        edits = {} if self.reply.edits is None else {"context_management": self.reply.edits}
+        ended = self.event("message_delta", delta=delta, **used, **edits)
+        return [*self.closed(), ended, self.event("message_stop")]
 
     def fail(self, failure: APIError) -> list[str]:
         """The last event of a message that failed while it was written: Anthropic's error event."""

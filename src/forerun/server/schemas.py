@@ -205,6 +205,7 @@ class CountTokensRequest(BaseModel):
     tools: list[Any] | None = None
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
+    context_management: Any | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
 
