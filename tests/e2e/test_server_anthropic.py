@@ -6,11 +6,15 @@ shape, naming the field sent, and the key is taken in `x-api-key` as Anthropic's
 from __future__ import annotations
 
 import copy
+import json
 
 import anthropic
 import httpx
 import pytest
+from anthropic.lib.streaming._beta_messages import accumulate_event
+from anthropic.types.beta import BetaRawMessageStreamEvent
 from openai import OpenAI
+from pydantic import TypeAdapter
 from test_server import MODEL, LiveServer
 
 import forerun
@@ -140,6 +144,50 @@ def test_context_edits_as_claude_code_asks_answer_the_edited_conversation(served
         final = stream.get_final_message()
     assert final.context_management.applied_edits == message.context_management.applied_edits
     assert [b.model_dump() for b in final.content] == [b.model_dump() for b in expected.content]
+
+
+def test_an_output_format_holds_the_answer_to_its_schema_as_chats_response_format(served, client):
+    """`output_config.format` (Anthropic's structured outputs): the text is the chat completion's under the same
+    schema as `response_format`, JSON that holds to it."""
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+              "additionalProperties": False}  # fmt: skip
+    chat = OpenAI(base_url=served[0].url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    made = chat.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": ASK}], max_tokens=48,
+        response_format={"type": "json_schema", "json_schema": {"name": "output", "schema": schema, "strict": True}},
+    ).choices[0].message.content  # fmt: skip
+    message = client.messages.create(model=MODEL, max_tokens=48, messages=[{"role": "user", "content": ASK}],
+                                     output_config={"format": {"type": "json_schema", "schema": schema}})  # fmt: skip
+    assert message.content[0].text == made and set(json.loads(made)) == {"city"}
+
+
+def test_a_request_shaped_as_claude_codes_is_answered_as_its_messages_alone(served, client):
+    """Claude Code's request: streamed to `?beta=true` with its beta header, a system prompt in cached blocks,
+    metadata, top-level cache_control, `output_config.effort`, adaptive thinking, `context_management`, tools with
+    `defer_loading` and `eager_input_streaming`: the answer is the one to its system prompt, messages and tools."""
+    system = [{"type": "text", "text": "You are a coding agent.", "cache_control": {"type": "ephemeral"}}]
+    ask = {"model": MODEL, "max_tokens": NEW, "system": system, "tools": [WEATHER],
+           "messages": [{"role": "user", "content": [{"type": "text", "text": ASK}]}]}  # fmt: skip
+    expected = client.messages.create(**ask)
+    body = {**ask, "stream": True, "metadata": {"user_id": "user_1_account_2_session_3"},
+            "cache_control": {"type": "ephemeral"}, "output_config": {"effort": "high"},
+            "thinking": {"type": "adaptive"}, "tools": [{**WEATHER, "defer_loading": False,
+                                                        "eager_input_streaming": True}],
+            "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]}}  # fmt: skip
+    headers = {"x-api-key": KEY, "anthropic-version": "2023-06-01",
+               "anthropic-beta": "claude-code-20250219,context-management-2025-06-27,effort-2025-11-24"}  # fmt: skip
+    url = served[0].url + "/v1/messages?beta=true"
+    with httpx.stream("POST", url, json=body, headers=headers, timeout=120) as response:
+        assert response.status_code == 200, response.read()
+        data = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")]
+    adapter, snapshot, buffers = TypeAdapter(BetaRawMessageStreamEvent), None, {}
+    for event in data:
+        snapshot = accumulate_event(event=adapter.validate_python(event), current_snapshot=snapshot,
+                                    json_bufs=buffers, request_headers=httpx.Headers())  # fmt: skip
+    assert [b.model_dump(exclude_none=True) for b in snapshot.content] == [
+        b.model_dump(exclude_none=True) for b in expected.content
+    ]  # fmt: skip
+    assert snapshot.stop_reason == expected.stop_reason and snapshot.context_management.applied_edits == []
 
 
 @pytest.mark.parametrize(

@@ -62,6 +62,38 @@ def test_tools_tool_choice_and_thinking_in_chats_shape():
     assert chat.chat_template_kwargs is None
 
 
+def test_claude_codes_fields_are_taken_effort_as_the_templates_and_a_format_as_a_json_schema():
+    """What Claude Code sends beside its messages: `output_config.effort` is the template's `reasoning_effort`
+    where it reads one (OpenAI's scale, max as high) and changes nothing elsewhere; `output_config.format` is
+    chat's `response_format`; speed, top-level cache_control, metadata and ids, and its tools' `defer_loading`,
+    `eager_input_streaming` and `input_examples` are taken."""
+    hi = [{"role": "user", "content": "Hi"}]
+    tool = {"name": "now", "input_schema": {"type": "object"}, "defer_loading": True, "eager_input_streaming": True,
+            "input_examples": [{}], "allowed_callers": ["direct"], "cache_control": {"type": "ephemeral"}}  # fmt: skip
+    body = AnthropicRequest(max_tokens=8, messages=hi, tools=[tool], output_config={"effort": "max"}, speed="fast",
+                            cache_control={"type": "ephemeral"}, metadata={"user_id": "u"}, inference_geo="us",
+                            diagnostics={}, user_profile_id="p", workspace_id="w",
+                            thinking={"type": "adaptive", "display": "summarized"})  # fmt: skip
+    chat, _ = chat_request(body, frozenset({"reasoning_effort"}))
+    assert chat.chat_template_kwargs == {"reasoning_effort": "high"} and chat.tools[0]["function"]["name"] == "now"
+    assert chat_request(body)[0].chat_template_kwargs is None
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}}
+    shaped = {"format": {"type": "json_schema", "schema": schema}}
+    chat, _ = chat_request(AnthropicRequest(max_tokens=8, messages=hi, output_config=shaped))
+    assert chat.response_format == {"type": "json_schema", "json_schema": {"name": "output", "schema": schema,
+                                                                           "strict": True}}  # fmt: skip
+
+
+def test_thinking_omitted_shows_an_empty_thinking_block():
+    reply = Reply("msg_1", "m", 2, thoughts=False)
+    assert Message.model_validate(answered(reply, answer(), "auto", []))  # the SDK's own type
+    assert answered(reply, answer(), "auto", [])["content"][0] == {"type": "thinking", "thinking": "",
+                                                                    "signature": ""}  # fmt: skip
+    events = Events(reply)
+    sent = [*events.opening(), *events.reasoning("Hm"), *events.text("Hi")]
+    assert not any("thinking_delta" in event for event in sent) and "content_block_start" in sent[1]
+
+
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
@@ -75,6 +107,13 @@ def test_tools_tool_choice_and_thinking_in_chats_shape():
         ({"tool_choice": {"type": "function"}}, "tool_choice"),
         ({"thinking": {"type": "on"}}, "thinking"),
         ({"mcp_servers": [{}]}, "mcp_servers"),
+        ({"output_config": {"effort": "extreme"}}, "output_config.effort"),
+        ({"output_config": {"task_budget": {"type": "tokens", "total": 9}}}, "output_config"),
+        ({"output_config": {"format": {"type": "json_schema"}}}, "output_config.format"),
+        ({"speed": "warp"}, "speed"),
+        ({"thinking": {"type": "adaptive", "display": "loud"}}, "thinking.display"),
+        ({"tools": [{"name": "f", "input_schema": {"type": "object"}, "allowed_callers": ["code_execution_20250825"]}]},
+         "tools[0].allowed_callers"),
         ({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "It is "}]},
          "messages[1].content"),
     ],

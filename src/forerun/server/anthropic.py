@@ -79,14 +79,15 @@ async def respond(service: Service, body: AnthropicRequest, request: Request):
     body, applied, _ = await asyncio.to_thread(context_edited, service, body)  # it may render the prompt
     args, rename = translated(service, body)
     edits = None if applied is None else {"applied_edits": applied}
-    reply = Reply(f"msg_{uuid.uuid4().hex[:24]}", service.config.model_name, edits=edits)
+    shown = (body.thinking or {}).get("display") != "omitted"
+    reply = Reply(f"msg_{uuid.uuid4().hex[:24]}", service.config.model_name, edits=edits, thoughts=shown)
     cancel = threading.Event()
     if not args.stream:
         decoder, done = await rename.awaited(service.generate_groups([args], request, None, cancel))
         service.metrics.count(request.url.path, 200)
         return answered(reply, done[0][1][0], decoder.method, args.stop)
     stream, task = await service.stream_one(args, request, cancel, rename)
-    events = Events(Reply(reply.ident, reply.model, stream.prompt_tokens, edits), args.stop)
+    events = Events(Reply(reply.ident, reply.model, stream.prompt_tokens, edits, shown), args.stop)
     written = lone_events(events, stream, task, lambda entries: None)  # Anthropic's API has no logprobs
     return StreamingResponse(cancelling(written, task, cancel), media_type="text/event-stream")
 

@@ -26,9 +26,25 @@ NAMES = {
     "max_completion_tokens": "max_tokens",
     "stop": "stop_sequences",
     "parallel_tool_calls": "tool_choice",
-    "response_format": "output_format",
+    "response_format": "output_config.format",
 }
 """Chat's field names in the errors `translate` raises, as Anthropic's API names them."""
+EFFORTS = {"low": "low", "medium": "medium", "high": "high", "xhigh": "high", "max": "high"}
+"""Anthropic's `output_config.effort` as a template's `reasoning_effort` (OpenAI's scale ends at high)."""
+TOOL_KEYS = {
+    "type",
+    "name",
+    "description",
+    "input_schema",
+    "cache_control",
+    "strict",
+    "defer_loading",
+    "eager_input_streaming",
+    "input_examples",
+    "allowed_callers",
+}
+"""A client tool's keys: every tool is shown to the model (`defer_loading` defers nothing: no tool search here),
+its input streams as it is written whatever `eager_input_streaming` says, and `input_examples` are not shown."""
 BLOCK_KEYS = {"type", "text", "cache_control", "citations"}
 """A text block's keys: `cache_control` is taken and changes nothing (the prefix cache reads every shared head)."""
 
@@ -44,6 +60,7 @@ def chat_request(
     fields: dict[str, Any] = {"messages": messages, "tools": tools_of(body.tools),
                               "chat_template_kwargs": template_kwargs_of(body, variables)}  # fmt: skip
     fields |= tool_choice_of(body.tool_choice)
+    fields |= format_of(body.output_config)
     last = messages[-1]
     if last["role"] == "assistant" and isinstance(last["content"], str) and last["content"].strip():
         if last["content"] != last["content"].rstrip():  # the template would drop it: Anthropic refuses it too
@@ -68,6 +85,11 @@ def unsupported(body: AnthropicRequest | CountTokensRequest) -> None:
                 raise refuse(name, f"{name} is not supported: this server runs a text model, with function tools")
         if body.service_tier not in (None, "auto", "standard_only"):
             raise refuse("service_tier", "service_tier takes 'auto' or 'standard_only' (one tier)")
+    if body.speed not in (None, "standard", "fast"):  # one speed here: as fast as this machine decodes
+        raise refuse("speed", "speed takes 'standard' or 'fast'")
+    if set(body.output_config or {}) - {"effort", "format"}:
+        unknown = sorted(set(body.output_config) - {"effort", "format"})
+        raise refuse("output_config", f"output_config takes effort and format; {unknown} are not supported here")
 
 
 def messages_of(body: AnthropicRequest | CountTokensRequest) -> tuple[list[dict], list[str]]:
@@ -171,9 +193,11 @@ def tools_of(tools: list | None) -> list[dict] | None:
         if not isinstance(tool, dict) or tool.get("type", "custom") != "custom":
             kind = tool.get("type") if isinstance(tool, dict) else None
             raise refuse(where, f"{where}: {kind!r:.40} tools are not supported: this server offers client tools")
-        unknown = sorted(set(tool) - {"type", "name", "description", "input_schema", "cache_control", "strict"})
+        unknown = sorted(set(tool) - TOOL_KEYS)
         if unknown:
             raise refuse(where, f"{where}: unrecognized field(s) {unknown}")
+        if tool.get("allowed_callers") not in (None, ["direct"]):
+            raise refuse(f"{where}.allowed_callers", f"{where}: only the model calls tools here (['direct'])")
         function = {"name": tool.get("name"), "description": tool.get("description"),
                     "parameters": tool.get("input_schema"), "strict": tool.get("strict")}  # fmt: skip
         shaped.append({"type": "function", "function": {k: v for k, v in function.items() if v is not None}})
@@ -200,11 +224,30 @@ def template_kwargs_of(body: AnthropicRequest | CountTokensRequest, variables: f
     and the request does not set it itself (elsewhere the model thinks or not as it was taught); `budget_tokens`
     is not held: `max_tokens` bounds the whole answer, thought included."""
     kwargs = dict(body.chat_template_kwargs or {})
+    effort = (body.output_config or {}).get("effort")
+    if effort is not None and effort not in EFFORTS:
+        raise refuse("output_config.effort", f"output_config.effort must be one of {', '.join(EFFORTS)}")
+    if effort is not None and "reasoning_effort" in variables:  # gpt-oss's template reads one; high is its most
+        kwargs.setdefault("reasoning_effort", EFFORTS[effort])
     thinking = body.thinking
     if thinking is None:
         return kwargs or None
-    if thinking.get("type") not in ("enabled", "disabled", "adaptive") or set(thinking) - {"type", "budget_tokens"}:
+    known = {"type", "budget_tokens", "display"}
+    if thinking.get("type") not in ("enabled", "disabled", "adaptive") or set(thinking) - known:
         raise refuse("thinking", 'thinking takes {"type": "enabled", "budget_tokens"}, "adaptive" or "disabled"')
+    if thinking.get("display") not in (None, "summarized", "omitted"):
+        raise refuse("thinking.display", "thinking.display takes 'summarized' or 'omitted'")
     if "enable_thinking" in variables:
         kwargs.setdefault("enable_thinking", thinking["type"] != "disabled")
     return kwargs or None
+
+
+def format_of(config: dict | None) -> dict:
+    """`output_config.format` (`{"type": "json_schema", "schema"}`) as chat's `response_format`."""
+    shape = (config or {}).get("format")
+    if shape is None:
+        return {}
+    if not isinstance(shape, dict) or shape.get("type") != "json_schema" or set(shape) != {"type", "schema"}:
+        raise refuse("output_config.format", 'output_config.format takes {"type": "json_schema", "schema": {...}}')
+    return {"response_format": {"type": "json_schema", "json_schema": {"name": "output", "schema": shape["schema"],
+                                                                       "strict": True}}}  # fmt: skip

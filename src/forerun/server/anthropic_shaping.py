@@ -32,6 +32,8 @@ class Reply:
     prompt_tokens: int = 0
     edits: dict | None = None
     """The request's context edits, as the answer's `context_management` tells them (None: none asked)."""
+    thoughts: bool = True
+    """Whether a thinking block shows its thought (`thinking.display: "omitted"`: empty, as Anthropic's)."""
 
 
 def stop_of(result: GenerationResult, stops: Sequence[str]) -> tuple[str, str | None]:
@@ -83,7 +85,7 @@ def answered(reply: Reply, result: GenerationResult, method: str, stops: Sequenc
     """The whole (not streamed) message of one generation: its thought, its words, its calls, in that order."""
     content = []
     if result.reasoning is not None:
-        content.append({"type": "thinking", "thinking": result.reasoning, "signature": ""})
+        content.append({"type": "thinking", "thinking": result.reasoning if reply.thoughts else "", "signature": ""})
     if result.content:
         content.append({"type": "text", "text": result.content})
     content += [tool_use(call) for call in result.tool_calls or ()]
@@ -129,6 +131,8 @@ class Events:
 
     def reasoning(self, delta: str) -> list[str]:
         events = self.opened("thinking")
+        if not self.reply.thoughts:
+            return events
         return [*events, self.event("content_block_delta", index=self.blocks,
                                     delta={"type": "thinking_delta", "thinking": delta})]  # fmt: skip
 

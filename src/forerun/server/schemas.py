@@ -191,6 +191,13 @@ class AnthropicRequest(BaseModel):
     container: Any | None = None
     mcp_servers: Any | None = None
     context_management: Any | None = None
+    output_config: dict[str, Any] | None = None
+    cache_control: dict[str, Any] | None = None
+    speed: StrictStr | None = None
+    inference_geo: StrictStr | None = None
+    diagnostics: dict[str, Any] | None = None
+    user_profile_id: StrictStr | None = None
+    workspace_id: StrictStr | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     forerun: dict[str, Any] | None = None
 
@@ -206,6 +213,11 @@ class CountTokensRequest(BaseModel):
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
     context_management: Any | None = None
+    output_config: dict[str, Any] | None = None
+    cache_control: dict[str, Any] | None = None
+    speed: StrictStr | None = None
+    user_profile_id: StrictStr | None = None
+    workspace_id: StrictStr | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
 
