@@ -9,8 +9,9 @@ Usage:
     .venv/bin/python benchmarks/server_load.py --clients 8 --requests 5 --max-tokens 64 --threads 1 \\
         --settings "plain:1,auto:1,auto:8"        # method:max_batch[:prefix_cache_tokens]
 
-A third field sets the server's prefix cache (`--prefix-cache`; default 4096 tokens, 0 = off, as before it
-existed): `prompt_lookup:1:0` is the one-at-a-time server as it was first shipped, with today's engine.
+A third field sets the server's prefix cache (`--prefix-cache`; 4096 tokens when not given, as these figures were
+first taken; 0 = off, as before it existed): `prompt_lookup:1:0` is the one-at-a-time server as it was first
+shipped, with today's engine.
 
 A setting `LABEL=URL` measures a server already running at URL instead, such as the server as it was before
 batching (an older checkout, its own process; start it with the same model, dtype and threads):

@@ -290,3 +290,41 @@ def scoped_prefixes(cache: PrefixCache, salt: str | None, views: dict[str, Prefi
         if views is not None:
             views[salt] = scoped
     return scoped
+
+
+PREFIX_BYTES = 2**30
+"""The keys and values a Decoder's prefix cache keeps by default, at most: 1 GiB."""
+
+
+def prefix_tokens(model: torch.nn.Module, minimum: int = 4096) -> int:
+    """The tokens a Decoder's prefix cache keeps by default: four of the model's contexts (a long conversation's
+    next turn and an agent's long prompt are read again, not prefilled), as many as `PREFIX_BYTES` of keys and
+    values hold, never fewer than `minimum`.
+
+    Example (SmolLM2-135M: 30 layers of 3 key/value heads of 64 values; 8,192 tokens of context):
+        >>> prefix_tokens(model)  # fp32: 46,080 bytes a token; four contexts fit in 1 GiB   # doctest: +SKIP
+        32768
+    """
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    layers = getattr(config, "num_hidden_layers", None) or 0
+    heads = getattr(config, "num_attention_heads", None) or 1
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or (getattr(config, "hidden_size", 0) or 0) // heads
+    width = getattr(getattr(model, "dtype", None), "itemsize", 4)  # the activations' (4-bit weights: bf16's)
+    per_token = max(layers * 2 * kv_heads * head_dim * width, 1)
+    context = getattr(config, "max_position_embeddings", None) or minimum
+    return max(minimum, min(4 * context, PREFIX_BYTES // per_token))
+
+
+def make_prefixes(model: torch.nn.Module, prefix_cache: PrefixCache | int | str | None) -> PrefixCache:
+    """A Decoder's prefix cache: the one given (shared), or one of that many tokens ("auto": `prefix_tokens`;
+    0 or None: off)."""
+    if isinstance(prefix_cache, PrefixCache):
+        return prefix_cache
+    if isinstance(prefix_cache, str):
+        if prefix_cache != "auto":
+            raise ValueError(
+                f"prefix_cache must be 'auto', a number of tokens or a PrefixCache, got {prefix_cache!r:.40}"
+            )
+        return PrefixCache(prefix_tokens(model))
+    return PrefixCache(prefix_cache or 0)

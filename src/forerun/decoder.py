@@ -25,6 +25,7 @@ from forerun.assembly import (
     check_vocabulary,
     make_base,
     make_budget,
+    make_prefixes,
     method_plan,
     prepare_draft,
     prepare_head,
@@ -86,8 +87,8 @@ class Decoder:
 
     `prefix_cache`: the KV of text this Decoder has read (prompts and answers) is kept for up to this many tokens,
     and a prompt that begins the same way (a shared system prompt, the next turn of a conversation) prefills only
-    the rest (`forerun.prefixcache`); a `PrefixCache` to share one between Decoders of the same model; 0 or None:
-    off.
+    the rest (`forerun.prefixcache`); "auto": four of the model's contexts, within 1 GiB of keys and values
+    (`assembly.prefix_tokens`); a `PrefixCache` to share one between Decoders of the same model; 0 or None: off.
     """
 
     def __init__(
@@ -108,7 +109,7 @@ class Decoder:
         draft_model: torch.nn.Module | str | None = None,
         draft_tokenizer: PreTrainedTokenizerBase | None = None,
         draft_head: str | Path | torch.nn.Module | None = None,
-        prefix_cache: PrefixCache | int | None = DEFAULT_PREFIX_TOKENS,
+        prefix_cache: PrefixCache | int | str | None = "auto",
         **knobs: object,
     ) -> None:
         if latency is not None and not isinstance(latency, LatencyCurve):
@@ -117,7 +118,7 @@ class Decoder:
         self.lock = threading.RLock()
         """Held while a call decodes: calls from several threads take turns (batch requests to decode them together)."""
         self.model, self.tokenizer = model, tokenizer
-        self.prefixes = prefix_cache if isinstance(prefix_cache, PrefixCache) else PrefixCache(prefix_cache or 0)
+        self.prefixes = make_prefixes(model, prefix_cache)
         device_type = next(model.parameters()).device.type
         self.plan = method_plan(method, knobs, device_type, draft_head)
         self.method = self.plan.text

@@ -10,6 +10,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 import forerun
+from forerun.assembly import prefix_tokens
 from forerun.costmodel import LatencyCurve
 from forerun.prefixcache import MIN_REUSE, PrefixCache
 from forerun.request import GenerationRequest
@@ -193,8 +194,10 @@ def test_decoders_can_share_one_prefix_cache_or_have_none():
     prompt = torch.cat(conversation(0), dim=1)
     first.generate(prompt, 4, eos_token_id=[])
     assert second.generate(prompt, 4, eos_token_id=[]).stats.cached_prompt_tokens == prompt.shape[1] - 1
-    with pytest.raises(ValueError, match="a whole number of tokens"):
+    with pytest.raises(ValueError, match="'auto', a number of tokens or a PrefixCache"):
         forerun.Decoder(model, None, "plain", prefix_cache="lots")
+    with pytest.raises(ValueError, match="a whole number of tokens"):
+        forerun.Decoder(model, None, "plain", prefix_cache=-1)
     off = forerun.Decoder(model, None, "plain", prefix_cache=0)
     off.generate(prompt, 4, eos_token_id=[])
     assert off.generate(prompt, 4, eos_token_id=[]).stats.cached_prompt_tokens == 0
@@ -315,3 +318,22 @@ def test_scores_go_with_the_text_they_score_whichever_entry_keeps_it():
     held.store([1, 2, 3, 4, 5, 6], filled(6), 6, scores=scores)  # a head of a held text: it takes them on
     (entry,) = held.entries
     assert len(entry.tokens) == 8 and entry.scores == scores
+
+
+def test_by_default_a_decoder_keeps_four_contexts_within_a_gib_and_a_long_prompt_is_read_again():
+    """`prefix_cache="auto"` (the default): four of the model's contexts where their keys and values fit in
+    1 GiB, else as many as fit, never fewer than 4096 tokens; a prompt past the old 4096-token default is kept,
+    and the next turn that begins with it (an agent's long prompt) prefills only what is new, plain generate's."""
+    small = tiny_model("llama", "sdpa", max_position_embeddings=8192)  # 2 layers, 2 heads of 16: 256 B a token
+    assert prefix_tokens(small) == 4 * 8192 and forerun.Decoder(small, None, "plain").prefixes.max_tokens == 32768
+    wide = tiny_model("llama", "sdpa", max_position_embeddings=8192, num_hidden_layers=4, num_attention_heads=32,
+                      num_key_value_heads=32, head_dim=128)  # fmt: skip
+    assert prefix_tokens(wide) == 2**30 // (4 * 2 * 32 * 128 * 4) == 8192  # 128 KiB a token: 1 GiB holds one context
+    assert prefix_tokens(tiny_model("llama", "sdpa")) == 4096  # a 512-token context: at least 4096
+    decoder = forerun.Decoder(small, None, "plain")
+    prompt = torch.randint(3, VOCAB, (1, 5000), generator=torch.Generator().manual_seed(5))
+    first = decoder.generate(prompt, NEW, eos_token_id=[])
+    follow_up = torch.cat([first.sequences, torch.randint(3, VOCAB, (1, 6))], dim=1)
+    expected = small.generate(follow_up, max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
+    result = decoder.generate(follow_up, NEW, eos_token_id=[])
+    assert torch.equal(result.sequences, expected) and result.stats.cached_prompt_tokens >= 5000 + NEW - 1

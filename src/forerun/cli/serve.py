@@ -48,7 +48,10 @@ MAX_QUEUE = typer.Option(
 )
 MAX_BATCH = typer.Option(8, "--max-batch", help="Requests decoded together (1 = one at a time).")
 PREFIX_CACHE = typer.Option(
-    4096, "--prefix-cache", help="Tokens of KV kept for prompts that begin alike (system prompt, next turn); 0: off"
+    None,
+    "--prefix-cache",
+    help="Tokens of KV kept for prompts that begin alike (system prompt, next turn); 0: off. Default: four of the "
+    "model's contexts, within 1 GiB of keys and values",
 )
 PREFILL_CHUNK = typer.Option(
     256,
@@ -91,7 +94,7 @@ def serve(
     timeout: float = TIMEOUT,
     max_queue: int = MAX_QUEUE,
     max_batch: int = MAX_BATCH,
-    prefix_cache: int = PREFIX_CACHE,
+    prefix_cache: int | None = PREFIX_CACHE,
     prefill_chunk: int = PREFILL_CHUNK,
     warm_up_tokens: int = WARM_UP_TOKENS,
     request_methods: str = REQUEST_METHODS,
@@ -168,7 +171,7 @@ def check_limits(
     timeout: float,
     max_queue: int,
     max_batch: int,
-    prefix_cache: int,
+    prefix_cache: int | None,
     prefill_chunk: int,
     warm_up_tokens: int,
 ) -> None:
@@ -186,7 +189,7 @@ def check_limits(
         or max_tokens_limit < 1
         or not 0 < timeout < float("inf")
         or min(max_queue, max_batch) < 1
-        or min(prefix_cache, prefill_chunk, warm_up_tokens) < 0
+        or min(prefix_cache or 0, prefill_chunk, warm_up_tokens) < 0
     ):
         raise ValueError(
             "--port must be in [1, 65535], --max-tokens-limit, --max-queue and --max-batch >= 1, --prefix-cache, "

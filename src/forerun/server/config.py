@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from forerun.decoder import DEFAULT_PREFIX_TOKENS, Decoder
+from forerun.decoder import Decoder
 from forerun.defaults import DEFAULT_METHOD
 from forerun.server.decoders import DecoderPool
 from forerun.server.pool import DEFAULT_PREFILL_CHUNK
@@ -42,8 +42,9 @@ class ServerConfig:
     Retry-After (backpressure)."""
     max_batch: int = 8
     """Most requests decoded together (continuous batching); 1 = one at a time, in arrival order."""
-    prefix_cache_tokens: int = DEFAULT_PREFIX_TOKENS
-    """Tokens of KV kept for prompts that begin alike (system prompts, next turns), shared by every method; 0: off."""
+    prefix_cache_tokens: int | None = None
+    """Tokens of KV kept for prompts that begin alike (system prompts, next turns), shared by every method; None:
+    four of the model's contexts within 1 GiB of keys and values (`forerun.assembly.prefix_tokens`); 0: off."""
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     """Prompt tokens a request joining the running batch feeds between two of its steps; 0: whole prompts at once
     (a long prompt then stops every other stream for its whole prefill)."""

@@ -21,9 +21,9 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from forerun.assembly import make_prefixes
 from forerun.decoder import Decoder, GenerationResult
 from forerun.fim import fim_marks
-from forerun.prefixcache import PrefixCache
 from forerun.preparation import eos_ids_of
 from forerun.request import GenerationRequest
 from forerun.server.chat_stream import chat_events
@@ -77,8 +77,9 @@ class Service:
         )
         self.thoughts = thought_marks(tokenizer)
         """The marks of a reasoning model's thought, which chat answers send apart (`forerun.thoughts`)."""
+        prefixes = "auto" if config.prefix_cache_tokens is None else config.prefix_cache_tokens
         self.pool = DecoderPool(
-            model, tokenizer, config.method, config.knobs, draft_model, PrefixCache(config.prefix_cache_tokens),
+            model, tokenizer, config.method, config.knobs, draft_model, make_prefixes(model, prefixes),
             config.max_tree_nodes, config.draft_head, config.compile_buckets,
         )  # fmt: skip
         self.pool.get(config.method, {})  # a bad method or knob fails now
