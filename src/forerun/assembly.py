@@ -302,8 +302,8 @@ def prefix_tokens(model: torch.nn.Module, minimum: int = 4096) -> int:
     values hold, never fewer than `minimum`.
 
     Example (SmolLM2-135M: 30 layers of 3 key/value heads of 64 values; 8,192 tokens of context):
-        >>> prefix_tokens(model)  # fp32: 46,080 bytes a token; four contexts fit in 1 GiB   # doctest: +SKIP
-        32768
+        >>> prefix_tokens(model)  # fp32: 46,080 bytes a token, 23,301 in 1 GiB (bf16: 4 contexts)  # doctest: +SKIP
+        23301
     """
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     layers = getattr(config, "num_hidden_layers", None) or 0

@@ -65,10 +65,6 @@ from forerun.verify import Sampling
 logger = logging.getLogger(__name__)
 
 
-DEFAULT_PREFIX_TOKENS = 4096
-"""Tokens of KV a Decoder keeps for prompts that begin alike (SmolLM2-135M fp32: 46 KB a token, 189 MB)."""
-
-
 class Decoder:
     """A model, its tokenizer and the drafters of one method expression; reuse it across requests (pools, tries
     and the cost model's calibration learn).

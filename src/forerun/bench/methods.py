@@ -11,12 +11,16 @@ import re
 from dataclasses import dataclass, field
 
 from forerun.bench.peers import PEER_METHODS
-from forerun.decoder import DEFAULT_PREFIX_TOKENS
 from forerun.methods import METHODS, parse_knob_pairs, plan_method
 
 HF_METHODS = ("hf_prompt_lookup", "hf_assisted")
 OTHER_METHODS = HF_METHODS + PEER_METHODS
 """Methods that are not forerun's: their knobs are not forerun knobs, no Decoder is built for them."""
+
+
+BENCH_PREFIX_TOKENS = 4096
+"""The prefix cache a benchmarked method's decoder keeps (tokens): the size its figures were first taken with
+(its prompts are short: only their chat template's head is read again)."""
 
 
 @dataclass(frozen=True)
@@ -30,7 +34,7 @@ class BenchMethod:
     adaptive: bool | None = None
     predict: bool = False
     """Pass each prompt's prediction (the `edit` dataset's original code) to `generate(prediction=...)`."""
-    prefix_cache: int = DEFAULT_PREFIX_TOKENS
+    prefix_cache: int = BENCH_PREFIX_TOKENS
     """The decoder's prefix cache in tokens (`auto[prefix_cache=0]`: every prompt prefilled in full, as generate)."""
 
     def needs_draft(self) -> bool:
@@ -56,7 +60,7 @@ def parse_methods(text: str) -> list[BenchMethod]:
         warm = knobs.pop("warm", 0)
         adaptive = knobs.pop("adaptive", None)
         predict = bool(knobs.pop("predict", False))
-        prefix_cache = knobs.pop("prefix_cache", DEFAULT_PREFIX_TOKENS)
+        prefix_cache = knobs.pop("prefix_cache", BENCH_PREFIX_TOKENS)
         if isinstance(prefix_cache, bool) or not isinstance(prefix_cache, int) or prefix_cache < 0:
             raise ValueError(f"{label}: prefix_cache takes a number of tokens >= 0, got {prefix_cache!r}")
         if predict and name in OTHER_METHODS:
