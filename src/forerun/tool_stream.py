@@ -4,10 +4,12 @@ it comes, not after the answer).
 
 Followed as they are written: JSON calls in `<tool_call>` blocks (Qwen2.5, Qwen3, Hermes, SmolLM2), one call or a
 list of them a block, each written name first (`{"name": "f", "arguments": {...}}`, as their templates teach and
-a required call's grammar writes). Anything else (a call whose arguments come first or as a JSON string, Qwen3.5's
-XML, bare or marked calls) stops the following, and what was not sent comes whole once the answer has been read
-(`forerun.tool_calls.read_calls`). A call's arguments go out as the model wrote them (the whole answer's
-`arguments` is the same object, written as `json.dumps` writes it). The text is only ever read, never changed.
+a required call's grammar writes), their arguments as the model wrote them; and Qwen3.5's and Qwen3-Coder's XML
+calls (`forerun.tool_xml`), their arguments as the JSON object `json.dumps` writes of them: a string parameter's
+text as it comes, any other value once its element closes (it is typed by the function's schema). Anything else
+(a call whose arguments come first or as a JSON string, bare or marked calls) stops the following, and what was
+not sent comes whole once the answer has been read (`forerun.tool_calls.read_calls`). The text is only ever read,
+never changed.
 
 Example (the answer growing by a few characters; each part: the call's index, its name on its first part, the
 arguments written since, and whether the call is whole):
@@ -23,13 +25,14 @@ arguments written since, and whether the call is whole):
 from __future__ import annotations
 
 import json
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import regex
 
 from forerun.tool_calls import ToolCall
 from forerun.tool_specs import CLOSE, OPEN
+from forerun.tool_xml import typed
 
 CALL = r'\{\s*"name"\s*:\s*"([A-Za-z0-9_-]{1,64})"\s*,\s*"(?:arguments|parameters)"\s*:\s*\{'
 """A call written name first, up to its arguments' opening brace."""
@@ -37,6 +40,11 @@ FIRST = regex.compile(r"\s*(\[\s*)?" + CALL)
 """A block's first call, perhaps the first of a list."""
 NEXT = regex.compile(r"\s*,\s*" + CALL)
 """The next call of a block's list."""
+XML_FIRST = regex.compile(r"\s*<function=([A-Za-z0-9_-]{1,64})>\n")
+"""A block's XML call, up to its first parameter."""
+XML_PARAMETER = regex.compile(r"\s*<parameter=([^>\n]{1,256})>\n")
+XML_END = regex.compile(r"\s*</function>\s*" + regex.escape(CLOSE))
+VALUE_END = "\n</parameter>"
 OBJECT_END = regex.compile(r"\s*\}")
 LIST_END = regex.compile(r"\s*\]\s*" + regex.escape(CLOSE))
 BLOCK_END = regex.compile(r"\s*" + regex.escape(CLOSE))
@@ -112,6 +120,8 @@ class CallStream:
         self.done = 0
         """Calls whose last part was sent."""
         self.scan: ObjectEnd | None = None
+        self.value: tuple[int, object] | None = None
+        """Where the XML parameter being read began, and its schema."""
 
     def follow(self, answer: str) -> list[CallPart]:
         """The parts of calls written since the last call, `answer` being the answer's text so far after its
@@ -132,10 +142,17 @@ class CallStream:
             return True
         if self.state == "arguments":
             return self.arguments(answer, parts)
+        if self.state in ("xml", "value"):
+            return self.xml_parameter(answer, parts) if self.state == "xml" else self.xml_value(answer, parts)
         pattern = {"first": FIRST, "next": NEXT, "end": OBJECT_END}.get(self.state)
         if pattern is None:  # "after"
             return self.after(answer)
         match = pattern.match(answer, self.at, partial=True)
+        if self.state == "first" and (match is None or match.partial):
+            xml = XML_FIRST.match(answer, self.at, partial=True)
+            if xml is not None and not xml.partial:
+                return self.xml_call(xml, parts)
+            match = match if match is not None else xml
         if match is None or match.partial:
             self.state = "stopped" if match is None else self.state
             return False
@@ -169,6 +186,66 @@ class CallStream:
             return False
         self.state = "end"
         return True
+
+    def xml_call(self, match: regex.Match, parts: list[CallPart]) -> bool:
+        """An XML call begins: its name is sent, its parameters are read next."""
+        name = match.group(1)
+        if name not in self.names:
+            self.state = "stopped"
+            return False
+        self.started.append([name, ""])
+        parts.append(CallPart(len(self.started) - 1, name, "", False))
+        self.at, self.state = match.end(), "xml"
+        return True
+
+    def xml_parameter(self, answer: str, parts: list[CallPart]) -> bool:
+        """Between an XML call's parameters: the next one's key is sent (a string's opening quote too), or the
+        call ends (`}`) with its block."""
+        sent = self.started[-1][1]
+        opened = XML_PARAMETER.match(answer, self.at, partial=True)
+        if opened is not None and not opened.partial:
+            key = opened.group(1)
+            schema = parameter_schema(self.names, self.started[-1][0], key)
+            text = ("{" if not sent else ", ") + json.dumps(key, ensure_ascii=False) + ": "
+            text += '"' if is_string(schema) else ""
+            self.send(text, parts)
+            self.at, self.state, self.value = opened.end(), "value", (opened.end(), schema)
+            return True
+        ended = XML_END.match(answer, self.at, partial=True)
+        if ended is not None and not ended.partial:
+            self.send("}" if sent else "{}", parts, done=True)
+            self.at, self.state = ended.end(), "seek"
+            return True
+        self.state = self.state if opened is not None or ended is not None else "stopped"
+        return False
+
+    def xml_value(self, answer: str, parts: list[CallPart]) -> bool:
+        """An XML parameter's value: a string's text as it comes (less an end that may be its closing tag's
+        beginning), any other value once its element closes, typed by its schema as `forerun.tool_xml` reads it."""
+        start, schema = self.value
+        end = answer.find(VALUE_END, self.at)  # text before `at` was sent, or holds no closing tag
+        if not is_string(schema):
+            if end < 0:
+                self.at = max(self.at, len(answer) - len(VALUE_END) + 1)
+                return False
+            self.send(json.dumps(typed(answer[start:end], schema), ensure_ascii=False), parts)
+            self.at, self.state = end + len(VALUE_END), "xml"
+            return True
+        upto = end if end >= 0 else len(answer) - held_back(answer, VALUE_END)
+        if upto > self.at:
+            self.send(json.dumps(answer[self.at : upto], ensure_ascii=False)[1:-1], parts)
+            self.at = upto
+        if end < 0:
+            return False
+        self.send('"', parts)
+        self.at, self.state = end + len(VALUE_END), "xml"
+        return True
+
+    def send(self, text: str, parts: list[CallPart], done: bool = False) -> None:
+        """A piece of the open call's arguments, sent (`done`: its last)."""
+        self.started[-1][1] += text
+        parts.append(CallPart(len(self.started) - 1, None, text, done))
+        self.done += done
 
     def after(self, answer: str) -> bool:
         """After a call: the list's next call, or the block's end (then the next block is sought)."""
@@ -204,6 +281,32 @@ class CallStream:
             if name != call.name or not is_object(sent) or json.loads(sent) != json.loads(call.arguments):
                 return False
         return True
+
+
+def parameter_schema(names: Collection[str], name: str, key: str) -> object:
+    """The schema of function `name`'s parameter `key` where `names` maps the tools to their parameters' schemas
+    (`forerun.server.stream.TokenStream.tools`), else None."""
+    function = names.get(name) if isinstance(names, Mapping) else None
+    properties = function.get("properties") if isinstance(function, Mapping) else None
+    return properties.get(key) if isinstance(properties, Mapping) else None
+
+
+def is_string(schema: object) -> bool:
+    """Whether a parameter's value is read as it is written (`forerun.tool_xml.typed`: a string's)."""
+    return isinstance(schema, Mapping) and schema.get("type") == "string"
+
+
+def held_back(text: str, closing: str) -> int:
+    """How many of `text`'s last characters may be the beginning of `closing` (held until it is known).
+
+    Example:
+        >>> held_back("Paris\\n</par", "\\n</parameter>"), held_back("Paris", "\\n</parameter>")
+        (6, 0)
+    """
+    for length in range(min(len(closing) - 1, len(text)), 0, -1):
+        if text.endswith(closing[:length]):
+            return length
+    return 0
 
 
 def merged(parts: list[CallPart]) -> list[CallPart]:

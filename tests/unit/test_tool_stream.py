@@ -77,13 +77,12 @@ def test_a_long_argument_goes_out_as_it_is_written():
 
 
 def test_calls_not_written_name_first_come_whole_at_the_end():
-    """Arguments before the name, arguments as a JSON string, Qwen3.5's XML, a function not offered, bare JSON:
+    """Arguments before the name, arguments as a JSON string, a function not offered (JSON or XML), bare JSON:
     nothing is followed, and the calls read come whole, one part each, after the stream."""
-    xml = "<tool_call>\n<function=add>\n<parameter=a>\n1\n</parameter>\n</function>\n</tool_call>"
     answers = [
         '<tool_call>{"arguments": {"a": 1}, "name": "add"}</tool_call>',
         '<tool_call>{"name": "add", "arguments": "{\\"a\\": 1}"}</tool_call>',
-        xml,
+        "<tool_call>\n<function=other>\n<parameter=a>\n1\n</parameter>\n</function>\n</tool_call>",
         '<tool_call>{"name": "other", "arguments": {"a": 1}}</tool_call>',
         '{"name": "add", "arguments": {"a": 1}}',
     ]
@@ -130,3 +129,41 @@ def test_hostile_arguments_are_read_once_and_never_raise():
     stream = CallStream(NAMES)
     sent = sum(len(part.arguments) for at in range(0, len(long), 5) for part in stream.follow(long[: at + 5]))
     assert sent == 200_000 + len('{"a": ""}') and stream.scan.at <= len(long)
+
+
+SCHEMAS = {"write_file": {"type": "object", "properties": {"path": {"type": "string"}, "text": {"type": "string"},
+                                                           "mode": {"type": "integer"}, "tags": {"type": "array"}}},
+           "add": {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}}}  # fmt: skip
+
+
+def xml(name: str, **values: str) -> str:
+    """One XML call as Qwen3.5's template writes it."""
+    written = "".join(f"<parameter={key}>\n{value}\n</parameter>\n" for key, value in values.items())
+    return f"<tool_call>\n<function={name}>\n{written}</function>\n</tool_call>"
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_xml_calls_stream_as_the_json_read_from_the_whole_answer(seed):
+    """Qwen3.5's XML calls: the name first, a string parameter's text as it comes (a closing tag's beginning held
+    back, quotes and newlines escaped as JSON), a typed value once its element closes; joined, the arguments are
+    exactly the `arguments` read from the whole answer (`json.dumps` of the typed values), nothing sent at the end."""
+    answer = "I will write it.\n" + xml("write_file", path="a.py", text=CODE + "\n</para", mode="420",
+                                         tags='["x", 1]') + "\n" + xml("add", a="1.5", b="2")  # fmt: skip
+    parts = streamed(answer, seed, names=SCHEMAS)
+    read = read_calls(answer, SCHEMAS)[1]
+    assert joined(parts) == list(read) and len(read) == 2
+    assert json.loads(read[0].arguments) == {"path": "a.py", "text": CODE + "\n</para", "mode": 420, "tags": ["x", 1]}
+    text = [part.arguments for part in parts if part.index == 0 and part.arguments]
+    assert len(text) > 10  # the file's text in pieces as it was written
+    empty = xml("add")
+    assert (
+        joined(streamed(empty, seed, names=SCHEMAS)) == [ToolCall("add", "{}")] == list(read_calls(empty, SCHEMAS)[1])
+    )
+
+
+def test_xml_calls_without_schemas_send_their_values_once_read():
+    """Offered by name only (no schemas): no value is known to be a string, so each goes whole once its element
+    closes, typed as `forerun.tool_xml` reads it."""
+    answer = xml("add", a="1", b="two")
+    parts = streamed(answer, names={"add"})
+    assert joined(parts) == list(read_calls(answer, {"add"})[1]) == [ToolCall("add", '{"a": 1, "b": "two"}')]

@@ -148,3 +148,20 @@ def test_a_prompt_whose_template_closed_the_thought_takes_its_call_at_once():
                                                **kwargs)["input_ids"]  # fmt: skip
         matcher = grammars.constraint(held, len(prompt), ends, prompt).fresh()
         assert (matcher.consume_tokens(call) and matcher.is_accepting()) == at_once, kwargs
+
+
+def test_a_stream_sends_an_xml_call_as_it_is_written(tokenizer):
+    """A server stream (`TokenStream`, the tools' schemas given as a chat request gives them): the words before the
+    call as content, then the call's name, its string value in pieces as its bytes come, its number once read;
+    joined, the arguments `read_calls` reads from the whole answer."""
+    from streams import content_of, queued, sent_calls
+
+    from forerun.server.stream import TokenStream
+    from forerun.tool_stream import CallPart
+
+    schemas = parameters_of(TOOLS)
+    answer = "Checking.\n" + xml("add", a="3", b="2.5", note='Saint-Étienne, "the green"\nand more', tags='["x"]')
+    ids = tokenizer.encode(answer, add_special_tokens=False)
+    items = queued(lambda loop: TokenStream(tokenizer, loop, [], tools=schemas), [1], ids)
+    assert content_of(items) == "Checking.\n" and sent_calls(items) == read_calls(answer, schemas)[1]
+    assert sum(isinstance(extra, CallPart) for _, extra in items) > 10
