@@ -238,6 +238,8 @@ def test_a_tools_stream_sends_content_as_it_comes_and_calls_as_they_are_written(
     assert content_of(plain) == "No <tool_call> here, a < b." and sent_calls(plain) == ()
     stopped = streamed(f"Done.\n\n<tool_call>{call('now')}</tool_call>", ["\n\n"])  # a stop before the block
     assert content_of(stopped) == "Done." and sent_calls(stopped) == ()
+    cut = streamed(f"<tool_call>{call('add', a=1)}</tool_call>\n<tool_call>{call('add', a=2)[:-4]}", [])
+    assert sent_calls(cut) == (ToolCall("add", '{"a": 1}'), ToolCall("add", '{"a":')) and content_of(cut) == ""
     inside = streamed(f"<tool_call>{call('add', a='x STOP y')}</tool_call>", ["STOP"])  # a stop in the arguments
     assert content_of(inside) == "" and sent_calls(inside) == (ToolCall("add", '{"a": "x '),)
     bare = streamed(f" {call('add', a=1)}", [])  # the tags dropped: a call of an offered tool all the same

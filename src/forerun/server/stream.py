@@ -125,9 +125,12 @@ class TokenStream:
         self.send(text[: self.held.shown], thought)
         if self.tools is None:
             return
-        if calls and words.startswith(self.sent[1]) and words[len(self.sent[1]) :]:  # words after the calls
+        parts = self.call_parts(text, thought, final, calls)
+        # words after the calls, unless they hold a call that was streamed but not read (cut off: sent already)
+        agreed = self.follower is None or self.follower.agrees(calls)
+        if calls and agreed and words.startswith(self.sent[1]) and words[len(self.sent[1]) :]:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, (words[len(self.sent[1]) :], None))
-        for part in self.call_parts(text, thought, final, calls):
+        for part in parts:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, ("", part))
 
     def call_parts(self, text: str, thought: Thought | None, final: bool, calls: tuple) -> list[CallPart]:
