@@ -328,6 +328,17 @@ def test_hostile_responses_bodies_are_400s_naming_what_was_sent(guarded, raw, pa
         b'"budget_tokens": "x", "x": 1}}',
         b'{"max_tokens": -1, "messages": [{"role": "user", "content": "hi"}]}',
         b'{"max_tokens": 4, "messages": []}',
+        b'{"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", '
+        b'"content": "x"}]}, "oops"], "context_management": {"edits": [{"type": "clear_tool_uses_20250919", '
+        b'"trigger": {"type": "input_tokens", "value": 0}, "keep": {"type": "tool_uses", "value": 0}}]}}',
+        b'{"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "context_management": {"edits": ['
+        + b'{"type": "clear_thinking_20251015"},' * 99
+        + b'{"type": "clear_thinking_20251015"}]}}',
+        b'{"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "context_management": {"edits": '
+        b'[{"type": "clear_tool_uses_20250919", "keep": {"type": "tool_uses", "value": 1e999}}]}}',
+        b'{"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "output_config": {"format": '
+        b'{"type": "json_schema", "schema": {"type": "nope"}}}}',
+        b'{"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "output_config": {"effort": ["max"]}}',
     ],
 )
 def test_hostile_anthropic_bodies_are_400s_in_anthropics_shape(guarded, raw):

@@ -83,6 +83,7 @@ def test_edits_are_read_with_anthropics_defaults_and_bad_ones_name_their_field()
     assert edits_of(None) == () and edits_of({}) == ()
     bad = {
         "context_management": [],
+        "context_management.edits": {"edits": [{"type": "clear_thinking_20251015"}] * 9},
         "context_management.edits[0].type": {"edits": [{"type": "compact_20260112"}]},
         "context_management.edits[1].type": {"edits": [{"type": "clear_thinking_20251015"}, {"type": "x"}]},
         "context_management.edits[0]": {"edits": [{"type": "clear_tool_uses_20250919", "placeholder": "-"}]},
@@ -102,6 +103,8 @@ def test_hostile_messages_are_left_for_the_request_check():
     """Messages that are not objects, blocks that are not, a tool use without an id: edits skip them and the
     request's own check refuses them later; nothing raises here."""
     odd = ["text", {"role": "assistant", "content": ["x", {"type": "tool_use"}]}, {"role": "user", "content": 5},
-           {"role": "user"}, *CONVERSATION]  # fmt: skip
-    edited, _ = apply_edits(odd, (ClearToolUses(("tool_uses", 0), 0), ClearThinking(0)), chars)
+           {"role": "user"}, {"role": "assistant", "content": [{"type": "tool_use", "id": [1], "name": {}}]},
+           {"role": "user", "content": [{"type": "tool_result", "tool_use_id": [1]}]}, *CONVERSATION]  # fmt: skip
+    edits = (ClearToolUses(("tool_uses", 0), 0, exclude=frozenset({"x"}), clear_inputs=True), ClearThinking(0))
+    edited, _ = apply_edits(odd, edits, chars)
     assert edited[0] == "text" and edited[2] == {"role": "user", "content": 5}

@@ -225,7 +225,7 @@ def template_kwargs_of(body: AnthropicRequest | CountTokensRequest, variables: f
     is not held: `max_tokens` bounds the whole answer, thought included."""
     kwargs = dict(body.chat_template_kwargs or {})
     effort = (body.output_config or {}).get("effort")
-    if effort is not None and effort not in EFFORTS:
+    if effort is not None and (not isinstance(effort, str) or effort not in EFFORTS):
         raise refuse("output_config.effort", f"output_config.effort must be one of {', '.join(EFFORTS)}")
     if effort is not None and "reasoning_effort" in variables:  # gpt-oss's template reads one; high is its most
         kwargs.setdefault("reasoning_effort", EFFORTS[effort])

@@ -28,6 +28,8 @@ from forerun.server.fields import refuse
 PLACEHOLDER = "[This tool result was cleared to save context.]"
 """What a cleared tool result says, so that the model knows a result was there."""
 WHERE = "context_management"
+MAX_EDITS = 8
+"""Edits one request may ask for (Anthropic's API has two kinds, each given once)."""
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,8 @@ def edits_of(config: Any) -> tuple[Edit, ...]:
         return ()
     if not isinstance(config, dict) or set(config) - {"edits"} or not isinstance(config.get("edits", []), list):
         raise refuse(WHERE, f'{WHERE} takes {{"edits": [...]}}')
+    if len(config.get("edits", [])) > MAX_EDITS:  # each edit reads every message: a bound, not a loop to order
+        raise refuse(f"{WHERE}.edits", f"{WHERE}.edits takes at most {MAX_EDITS} edits")
     return tuple(edit_of(f"{WHERE}.edits[{i}]", edit) for i, edit in enumerate(config.get("edits", [])))
 
 
@@ -182,7 +186,8 @@ def clear_tool_uses(messages: list, edit: ClearToolUses, count: Callable[[list],
     messages as they were where the trigger is not passed or too few tokens would go."""
     uses = [(i, block) for i, message in enumerate(messages) if isinstance(message, dict)
             and message.get("role") == "assistant" and isinstance(message.get("content"), list)
-            for block in message["content"] if block_type(block) == "tool_use"]  # fmt: skip
+            for block in message["content"] if block_type(block) == "tool_use"
+            and isinstance(block.get("id"), str) and isinstance(block.get("name"), str)]  # fmt: skip
     kind, threshold = edit.trigger
     gone = [(i, block) for i, block in uses[: max(len(uses) - edit.keep, 0)] if block.get("name") not in edit.exclude]
     if not gone or (len(uses) if kind == "tool_uses" else count(messages)) <= threshold:
@@ -204,10 +209,15 @@ def cleared(message: dict, ids: set, inputs: set) -> dict:
         return message
     blocks = []
     for block in content:
-        if block_type(block) == "tool_result" and block.get("tool_use_id") in ids:
+        if block_type(block) == "tool_result" and str_in(block.get("tool_use_id"), ids):
             block = {**block, "content": PLACEHOLDER}
             block.pop("is_error", None)
-        elif block_type(block) == "tool_use" and block.get("id") in inputs:
+        elif block_type(block) == "tool_use" and str_in(block.get("id"), inputs):
             block = {**block, "input": {}}
         blocks.append(block)
     return message if blocks == content else {**message, "content": blocks}
+
+
+def str_in(value: Any, names: set) -> bool:
+    """Whether `value` is one of `names`' strings (a client's list or object is none of them, and not hashed)."""
+    return isinstance(value, str) and value in names
