@@ -191,3 +191,19 @@ writes `<|tool_call_start|>[name(key=value)]<|tool_call_end|>`); the words are o
 LFM2_MARKS = ["<|tool_call_start|>", "<|tool_call_end|>", "<|tool_list_start|>", "<|tool_list_end|>",
               "<|tool_response_start|>", "<|tool_response_end|>"]  # fmt: skip
 """LFM2's special tokens of its tool calls."""
+
+
+def held_answer(model, tokenizer, messages, tools, choice, new: int, parallel: bool = True) -> str:
+    """Plain generate's answer to `messages` with `tools` shown, held by the request's constraint (a required or
+    named call's grammar), decoded as a server decodes it: what a server's call is compared with."""
+    from transformers import LogitsProcessorList
+
+    import forerun
+
+    decoder = forerun.Decoder(model, tokenizer, "plain")
+    request = forerun.GenerationRequest(messages, new, tools=tools, tool_choice=choice, parallel_tool_calls=parallel)
+    ids = decoder.encode(messages, tools=tools)
+    constraint = decoder.grammars.constraint(request.held_format, ids.shape[1], frozenset({tokenizer.eos_token_id}))
+    out = model.generate(ids, max_new_tokens=new, do_sample=False, logits_processor=LogitsProcessorList([constraint]),
+                         pad_token_id=0)  # fmt: skip
+    return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)

@@ -10,14 +10,12 @@ import httpx
 import pytest
 from openai import OpenAI
 from test_server import LiveServer
-from transformers import LogitsProcessorList
 
-import forerun
 from forerun.server import ServerConfig, create_app
 from forerun.tool_pythonic import pythonic_calls
 
 from tiny_models import byte_tokenizer, tiny_model
-from tool_templates import LFM2_MARKS, LFM2_PYTHONIC
+from tool_templates import LFM2_MARKS, LFM2_PYTHONIC, held_answer
 
 ADD = {"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {
     "a": {"type": "integer", "minimum": 0, "maximum": 9}, "unit": {"enum": ["m", "s"]}},
@@ -38,17 +36,6 @@ def served():
     server.stop()
 
 
-def held_text(model, tokenizer) -> str:
-    """Plain generate's answer held to one call of `add`, its marks decoded out."""
-    decoder = forerun.Decoder(model, tokenizer, "plain")
-    request = forerun.GenerationRequest(ASK, NEW, tools=[ADD], tool_choice="required", parallel_tool_calls=False)
-    ids = decoder.encode(ASK, tools=[ADD])
-    constraint = decoder.grammars.constraint(request.held_format, ids.shape[1], frozenset({tokenizer.eos_token_id}))
-    out = model.generate(ids, max_new_tokens=NEW, do_sample=False, logits_processor=LogitsProcessorList([constraint]),
-                         pad_token_id=0)  # fmt: skip
-    return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
-
-
 def test_a_required_call_is_generates_held_text_streamed_whole_and_shown_back(served):
     server, model, tokenizer = served
     client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
@@ -56,7 +43,7 @@ def test_a_required_call_is_generates_held_text_streamed_whole_and_shown_back(se
     response = client.chat.completions.create(model="tiny-lfm2", messages=ASK, **one)
     (call,) = response.choices[0].message.tool_calls
     assert response.choices[0].finish_reason == "tool_calls" and response.choices[0].message.content is None
-    text = held_text(model, tokenizer)
+    text = held_answer(model, tokenizer, ASK, [ADD], "required", NEW, parallel=False)
     assert pythonic_calls(text) == [(call.function.name, json.loads(call.function.arguments))], text
     chunks = list(client.chat.completions.create(model="tiny-lfm2", messages=ASK, stream=True, **one))
     streamed = [d.tool_calls for c in chunks if c.choices and (d := c.choices[0].delta).tool_calls]
