@@ -306,14 +306,25 @@ def prefix_tokens(model: torch.nn.Module, minimum: int = 4096) -> int:
         23301
     """
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    context = getattr(config, "max_position_embeddings", None) or minimum
+    return max(minimum, min(4 * context, PREFIX_BYTES // kv_bytes_per_token(model)))
+
+
+def kv_bytes_per_token(model: torch.nn.Module) -> int:
+    """The bytes of keys and values a token takes in `model`'s cache: every layer's key and value heads, in the
+    activations' dtype (4-bit weights: bf16's), as a plain full-attention model holds them.
+
+    Example (SmolLM2-135M in fp32: 30 layers x 2 x 3 heads x 64 values x 4 bytes):
+        >>> kv_bytes_per_token(model)                                                  # doctest: +SKIP
+        46080
+    """
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     layers = getattr(config, "num_hidden_layers", None) or 0
     heads = getattr(config, "num_attention_heads", None) or 1
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or (getattr(config, "hidden_size", 0) or 0) // heads
-    width = getattr(getattr(model, "dtype", None), "itemsize", 4)  # the activations' (4-bit weights: bf16's)
-    per_token = max(layers * 2 * kv_heads * head_dim * width, 1)
-    context = getattr(config, "max_position_embeddings", None) or minimum
-    return max(minimum, min(4 * context, PREFIX_BYTES // per_token))
+    width = getattr(getattr(model, "dtype", None), "itemsize", 4)
+    return max(layers * 2 * kv_heads * head_dim * width, 1)
 
 
 def make_prefixes(model: torch.nn.Module, prefix_cache: PrefixCache | int | str | None) -> PrefixCache:

@@ -10,7 +10,8 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 import forerun
-from forerun.assembly import prefix_tokens
+from forerun.assembly import kv_bytes_per_token, prefix_tokens
+from forerun.cli.serve import prefix_told
 from forerun.costmodel import LatencyCurve
 from forerun.prefixcache import MIN_REUSE, PrefixCache
 from forerun.request import GenerationRequest
@@ -324,8 +325,11 @@ def test_by_default_a_decoder_keeps_four_contexts_within_a_gib_and_a_long_prompt
     """`prefix_cache="auto"` (the default): four of the model's contexts where their keys and values fit in
     1 GiB, else as many as fit, never fewer than 4096 tokens; a prompt past the old 4096-token default is kept,
     and the next turn that begins with it (an agent's long prompt) prefills only what is new, plain generate's."""
-    small = tiny_model("llama", "sdpa", max_position_embeddings=8192)  # 2 layers, 2 heads of 16: 256 B a token
+    small = tiny_model("llama", "sdpa", max_position_embeddings=8192)  # 2 layers, 2 key/value heads of 16
     assert prefix_tokens(small) == 4 * 8192 and forerun.Decoder(small, None, "plain").prefixes.max_tokens == 32768
+    assert kv_bytes_per_token(small) == 2 * 2 * 2 * 16 * 4 == 512  # and what `forerun serve` says at start:
+    assert prefix_told(32768, small) == "32,768 tokens (at most 17 MB of keys and values)"
+    assert prefix_told(0, small) == "off"
     wide = tiny_model("llama", "sdpa", max_position_embeddings=8192, num_hidden_layers=4, num_attention_heads=32,
                       num_key_value_heads=32, head_dim=128)  # fmt: skip
     assert prefix_tokens(wide) == 2**30 // (4 * 2 * 32 * 128 * 4) == 8192  # 128 KiB a token: 1 GiB holds one context

@@ -118,8 +118,6 @@ def serve(
     from forerun.server import ServerConfig, create_app
     from forerun.server.lifecycle import GracefulServer
     from forerun.server.protocol import guarded_h11
-    from forerun.thoughts import thoughts_told
-    from forerun.tool_specs import calls_taught
 
     check_limits(port, max_tokens_limit, timeout, max_queue, max_batch, prefix_cache, prefill_chunk, warm_up_tokens)
     names = served_names(served_model_name, model)
@@ -140,8 +138,7 @@ def serve(
         use_chat_template(tokenizer, template)
     with console.status("preparing the server (latency curves measured once per model, dtype and device; graphs)"):
         app = create_app(lm, tokenizer, config, draft)  # a bad cache file or knob stops here, in one line
-    console.print(f"tool calls: {calls_taught(tokenizer)}", markup=False)  # marks such as [TOOL_CALLS]
-    console.print(f"thoughts: {thoughts_told(tokenizer)}", markup=False)
+    told_at_start(tokenizer, lm, app.state.pool.prefixes.max_tokens)
     freeze_start_up()  # the model, its tokenizer and the captured graphs: no full collection walks them again
     # On SIGTERM/SIGINT: stop accepting, give open requests 5 s, answer those left with 503 (streams: an error
     # event and [DONE]); the trie is saved after. guarded_h11: uvicorn's h11 with a deadline for request heads and
@@ -150,6 +147,33 @@ def serve(
         app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5, http=guarded_h11()
     )
     GracefulServer(settings, drain=app.state.worker.shutdown).run()
+
+
+def told_at_start(tokenizer, model, prefix_tokens: int) -> None:
+    """What the server says before it listens: the tool calls and thoughts its chat template teaches, and its
+    prefix cache."""
+    from forerun.thoughts import thoughts_told
+    from forerun.tool_specs import calls_taught
+
+    console.print(f"tool calls: {calls_taught(tokenizer)}", markup=False)  # marks such as [TOOL_CALLS]
+    console.print(f"thoughts: {thoughts_told(tokenizer)}", markup=False)
+    console.print(f"prefix cache: {prefix_told(prefix_tokens, model)}", markup=False)
+
+
+def prefix_told(tokens: int, model) -> str:
+    """What `forerun serve` says at start of its prefix cache: how many tokens it keeps, and their keys' and values'
+    size at most (`forerun.assembly.prefix_tokens`' reckoning).
+
+    Example:
+        >>> prefix_told(0, None), prefix_told(4096, model)      # doctest: +SKIP
+        ('off', '4,096 tokens (at most 189 MB of keys and values)')
+    """
+    from forerun.assembly import kv_bytes_per_token
+
+    if not tokens:
+        return "off"
+    held = tokens * kv_bytes_per_token(model)
+    return f"{tokens:,} tokens (at most {held / 1e6:,.0f} MB of keys and values)"
 
 
 def served_names(given: list[str], model: str) -> list[str]:
