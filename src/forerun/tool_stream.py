@@ -6,10 +6,11 @@ Followed as they are written: JSON calls in `<tool_call>` blocks (Qwen2.5, Qwen3
 list of them a block, each written name first (`{"name": "f", "arguments": {...}}`, as their templates teach and
 a required call's grammar writes), their arguments as the model wrote them; and Qwen3.5's and Qwen3-Coder's XML
 calls (`forerun.tool_xml`), their arguments as the JSON object `json.dumps` writes of them: a string parameter's
-text as it comes, any other value once its element closes (it is typed by the function's schema). Anything else
-(a call whose arguments come first or as a JSON string, bare or marked calls) stops the following, and what was
-not sent comes whole once the answer has been read (`forerun.tool_calls.read_calls`). The text is only ever read,
-never changed.
+text as it comes, any other value once its element closes (it is typed by the function's schema); and calls after a
+mark the decoded text dropped (`mark_at`: Mistral's `[TOOL_CALLS]`), as a JSON list or one object, or as names each
+followed by their arguments (`[TOOL_CALLS]name[ARGS]{...}`). Anything else (a call whose arguments come first or as
+a JSON string, bare JSON without a mark, LFM2's Python calls) stops the following, and what was not sent comes
+whole once the answer has been read (`forerun.tool_calls.read_calls`). The text is only ever read, never changed.
 
 Example (the answer growing by a few characters; each part: the call's index, its name on its first part, the
 arguments written since, and whether the call is whole):
@@ -40,6 +41,10 @@ FIRST = regex.compile(r"\s*(\[\s*)?" + CALL)
 """A block's first call, perhaps the first of a list."""
 NEXT = regex.compile(r"\s*,\s*" + CALL)
 """The next call of a block's list."""
+NAMED = regex.compile(r"\s*([A-Za-z0-9_-]{1,64})\{")
+"""A call after a mark the decoded text dropped, as Mistral's newer templates write it (`[TOOL_CALLS]name[ARGS]{`,
+the marks decoded out): its name, up to its arguments' opening brace."""
+BARE_LIST_END = regex.compile(r"\s*\]")
 XML_FIRST = regex.compile(r"\s*<function=([A-Za-z0-9_-]{1,64})>\n")
 """A block's XML call, up to its first parameter."""
 XML_PARAMETER = regex.compile(r"\s*<parameter=([^>\n]{1,256})>\n")
@@ -122,6 +127,16 @@ class CallStream:
         self.scan: ObjectEnd | None = None
         self.value: tuple[int, object] | None = None
         """Where the XML parameter being read began, and its schema."""
+        self.marked, self.named = False, False
+        """Whether the calls follow a mark the decoded text dropped (`mark_at`: no block around them), and whether
+        the open call was written as its name, then its arguments (Mistral's newer form)."""
+
+    def mark_at(self, at: int) -> None:
+        """The calls begin at `at`, after a mark the decoded text dropped (Mistral's `[TOOL_CALLS]`, where
+        `forerun.tool_calls.marked_at` found it): read from there as JSON (a list or one object, name first) or as
+        names each followed by their arguments. Nothing changes once a block has been found or a call sent."""
+        if self.state == "seek" and not self.started:
+            self.at, self.state, self.marked = at, "marked", True
 
     def follow(self, answer: str) -> list[CallPart]:
         """The parts of calls written since the last call, `answer` being the answer's text so far after its
@@ -142,6 +157,8 @@ class CallStream:
             return True
         if self.state == "arguments":
             return self.arguments(answer, parts)
+        if self.state in ("marked", "named"):
+            return self.marked_call(answer, parts)
         if self.state in ("xml", "value"):
             return self.xml_parameter(answer, parts) if self.state == "xml" else self.xml_value(answer, parts)
         pattern = {"first": FIRST, "next": NEXT, "end": OBJECT_END}.get(self.state)
@@ -166,10 +183,31 @@ class CallStream:
             self.state = "stopped"
             return False
         self.listed = self.listed if self.state == "next" else match.group(1) is not None
+        self.begin(name, match.end() - 1, parts)
+        return True
+
+    def begin(self, name: str, brace: int, parts: list[CallPart], named: bool = False) -> None:
+        """A call of `name` begins: its name is sent, its arguments (from the brace at `brace`) are read next."""
         self.started.append([name, ""])
         parts.append(CallPart(len(self.started) - 1, name, "", False))
-        self.at, self.state, self.scan = match.end() - 1, "arguments", ObjectEnd(match.end() - 1)
-        return True
+        self.at, self.state, self.scan, self.named = brace, "arguments", ObjectEnd(brace), named
+
+    def marked_call(self, answer: str, parts: list[CallPart]) -> bool:
+        """After a mark ("marked": JSON or a named call) or a named call ("named": another named call): the next
+        call begins, or following waits for more text, or stops where none can begin."""
+        json_call = FIRST.match(answer, self.at, partial=True) if self.state == "marked" else None
+        if json_call is not None and not json_call.partial:
+            self.state = "first"
+            return True
+        named = NAMED.match(answer, self.at, partial=True)
+        if named is not None and not named.partial:
+            if named.group(1) not in self.names:
+                self.state = "stopped"
+                return False
+            self.begin(named.group(1), named.end() - 1, parts, named=True)
+            return True
+        self.state = self.state if json_call is not None or named is not None else "stopped"
+        return False
 
     def arguments(self, answer: str, parts: list[CallPart]) -> bool:
         """Send the open call's arguments written so far; on to its closing brace once they are whole JSON."""
@@ -184,6 +222,11 @@ class CallStream:
         if not is_object(self.started[-1][1]):
             self.state = "stopped"
             return False
+        if self.named:  # the call is whole with its arguments; another may follow
+            parts.append(CallPart(len(self.started) - 1, None, "", True))
+            self.done += 1
+            self.state = "named"
+            return True
         self.state = "end"
         return True
 
@@ -250,12 +293,14 @@ class CallStream:
     def after(self, answer: str) -> bool:
         """After a call: the list's next call, or the block's end (then the next block is sought)."""
         ends = [(LIST_END, "seek"), (NEXT, "next")] if self.listed else [(BLOCK_END, "seek")]
+        if self.marked:  # no block around the calls: a list ends with its bracket, one object with itself
+            ends = [(BARE_LIST_END, "stopped"), (NEXT, "next")] if self.listed else []
         waiting = False
         for pattern, state in ends:
             match = pattern.match(answer, self.at, partial=True)
             if match is not None and not match.partial:
-                self.at, self.state = (match.end(), state) if state == "seek" else (self.at, state)
-                return True
+                self.at, self.state = (self.at, state) if state == "next" else (match.end(), state)
+                return state != "stopped"
             waiting = waiting or match is not None
         self.state = self.state if waiting else "stopped"
         return False

@@ -336,8 +336,9 @@ def test_a_mistral_template_makes_calls_after_its_own_token_with_ids_it_takes_ba
         text = held_generate(model, tokenizer, ASK, "required", parallel=False)
         assert text == f' [{{"name": "{call.function.name}", "arguments": {call.function.arguments}}}]', text
         chunks = list(client.chat.completions.create(model=MODEL, messages=ASK, stream=True, **one))
-        streamed = [d.tool_calls for c in chunks if c.choices and (d := c.choices[0].delta).tool_calls]
-        assert len(streamed) == 1 and len(streamed[0][0].id) == 9
+        streamed = [d.tool_calls[0] for c in chunks if c.choices and (d := c.choices[0].delta).tool_calls]
+        assert len(streamed[0].id) == 9 and all(piece.id is None for piece in streamed[1:])  # the id once, first
+        assert "".join(piece.function.arguments for piece in streamed) == call.function.arguments
         made = {"id": call.id, "type": "function", "function": {"name": call.function.name,
                                                                  "arguments": call.function.arguments}}  # fmt: skip
         turns = [*ASK, {"role": "assistant", "content": None, "tool_calls": [made]},
@@ -350,10 +351,11 @@ def test_a_mistral_template_makes_calls_after_its_own_token_with_ids_it_takes_ba
         server.stop()
 
 
-def test_mistrals_newer_calls_name_their_function_between_marks_and_stream_whole(smollm2):
+def test_mistrals_newer_calls_name_their_function_between_marks_and_stream_as_written(smollm2):
     """A template teaching Mistral's newer calls (`[TOOL_CALLS]name[ARGS]{...}`; two of SmolLM2's own special tokens
     stand in for the marks): a required call, streamed or not, is plain generate's held text, read from the
-    answer the marks are decoded out of (`name{...}`), which no content chunk shows; the conversation goes on."""
+    answer the marks are decoded out of (`name{...}`), which no content chunk shows; streamed (`plain`: a token a
+    step), its arguments come in pieces; the conversation goes on."""
     model, tokenizer = smollm2
     tokenizer = copy.deepcopy(tokenizer)
     template = MISTRAL_NAMED.replace("[TOOL_CALLS]", "<jupyter_code>").replace("[ARGS]", "<jupyter_output>")
@@ -367,10 +369,12 @@ def test_mistrals_newer_calls_name_their_function_between_marks_and_stream_whole
         assert response.choices[0].finish_reason == "tool_calls" and response.choices[0].message.content is None
         text = held_generate(model, tokenizer, ASK, "required", parallel=False)
         assert text == f"{call.function.name}{call.function.arguments}", text
-        chunks = list(client.chat.completions.create(model=MODEL, messages=ASK, stream=True, **one))
+        plain = {"forerun": {"method": "plain"}}
+        chunks = list(client.chat.completions.create(model=MODEL, messages=ASK, stream=True, extra_body=plain, **one))
         content = "".join(d.content or "" for c in chunks if c.choices and (d := c.choices[0].delta))
-        streamed = [d.tool_calls for c in chunks if c.choices and (d := c.choices[0].delta).tool_calls]
-        assert content == "" and streamed[0][0].function.arguments == call.function.arguments
+        streamed = [d.tool_calls[0] for c in chunks if c.choices and (d := c.choices[0].delta).tool_calls]
+        assert content == "" and streamed[0].function.name == call.function.name and len(streamed) > 3
+        assert "".join(piece.function.arguments for piece in streamed) == call.function.arguments
         made = {"id": call.id, "type": "function", "function": {"name": call.function.name,
                                                                  "arguments": call.function.arguments}}  # fmt: skip
         turns = [*ASK, {"role": "assistant", "content": None, "tool_calls": [made]},

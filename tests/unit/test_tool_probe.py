@@ -186,6 +186,7 @@ def test_a_thought_or_words_before_mistrals_mark_are_content_and_the_calls_after
     from forerun.stats import GenerationStats
     from forerun.tool_calls import marked_at
     from forerun.tool_specs import call_mark
+    from forerun.tool_stream import CallPart
 
     tokenizer = tokenizer_of(MISTRAL_NAMED, "[TOOL_CALLS]", "[ARGS]", "[THINK]", "[/THINK]")
     mark, names = call_mark(tokenizer), {"add", "now"}
@@ -205,7 +206,8 @@ def test_a_thought_or_words_before_mistrals_mark_are_content_and_the_calls_after
 
     items = queued(lambda loop: TokenStream(tokenizer, loop, [], tools=frozenset(names), mark=mark), [1, 2], ids)
     assert content_of(items) == "Add them.Let me add."
-    assert sent_calls(items) == calls and len(items) > 2  # the words streamed as they came, the calls whole
+    assert sent_calls(items) == calls and len(items) > 2  # the words streamed as they came
+    assert sum(isinstance(extra, CallPart) for _, extra in items) > 3  # the call as it was written, a token a time
 
     grammars = Grammars(tokenizer, len(tokenizer), tokenizer.eos_token_id)
     form = grammars.call_form()

@@ -167,3 +167,35 @@ def test_xml_calls_without_schemas_send_their_values_once_read():
     answer = xml("add", a="1", b="two")
     parts = streamed(answer, names={"add"})
     assert joined(parts) == list(read_calls(answer, {"add"})[1]) == [ToolCall("add", '{"a": 1, "b": "two"}')]
+
+
+def streamed_after_mark(answer: str, at: int, names=NAMES, seed: int = 0) -> list[CallPart]:
+    """Every part a stream sends for `answer` whose calls begin at `at`, after a mark the decoded text dropped."""
+    stream, parts, upto = CallStream(names), [], 0
+    pick = random.Random(seed)
+    while upto < len(answer):
+        upto = min(len(answer), upto + pick.randint(1, 7))
+        if upto >= at:
+            stream.mark_at(at)
+        parts += stream.follow(answer[:upto])
+    stream.mark_at(at)
+    return parts + stream.finish(answer, read_calls(answer, names, at)[1])
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_calls_after_a_mark_stream_as_mistrals_templates_write_them(seed):
+    """After `[TOOL_CALLS]` (decoded out): Mistral's newer `name[ARGS]{...}` calls one after another, and v0.3's JSON
+    list; each goes out as it is written, joined the calls `read_calls` reads from the mark on. LFM2's Python list
+    (after its own mark) and a function not offered are not followed: they come whole at the end."""
+    words = "Let me add."
+    for calls in ('add{"a": 1, "b": 2}write_file{"path": "x", "text": "' + "y" * 60 + '"}',
+                  ' [{"name": "add", "arguments": {"a": 1}}, {"name": "get_weather", "arguments": {"city": "Oslo"}}]',
+                  '{"name": "add", "arguments": {"a": 1}}'):  # fmt: skip
+        answer = words + calls
+        parts = streamed_after_mark(answer, len(words), seed=seed)
+        read = read_calls(answer, NAMES, len(words))[1]
+        assert read and same(joined(parts), read), calls
+        assert len([part for part in parts if part.arguments]) > len(read), calls  # in pieces, not whole
+    python = words + "[add(a=1)]"
+    assert streamed_after_mark(python, len(words), seed=seed) == [CallPart(0, "add", '{"a": 1}', True)]
+    assert streamed_after_mark(words + 'other{"a": 1}', len(words), seed=seed) == []

@@ -64,8 +64,8 @@ class TokenStream:
         self.mark, self.calls_at = mark, None
         """The special token a probed template's calls open with (`forerun.tool_specs.call_mark`), and where in the
         text it stood once the answer holds it (`forerun.tool_calls.marked_at`): the decoded text drops it."""
-        self.follower = CallStream(tools) if tools is not None and mark is None else None
-        """Follows the calls of `<tool_call>` blocks as they are written (None: calls are sent once read whole)."""
+        self.follower = CallStream(tools) if tools is not None else None
+        """Follows the calls of `<tool_call>` blocks, or after the mark, as they are written (None: no tools)."""
         self.entries: list | None = [] if logprobs else None
         """Entries of tokens whose text is not sent yet (`note_logprobs`)."""
         self.text = IncrementalText(tokenizer)
@@ -143,6 +143,8 @@ class TokenStream:
         cut = first_stop(text, self.held.stops)
         shown = text[:cut] if cut is not None else text if final else text[: len(text) - self.held.holdback]
         answer = split(shown, thought)[1]
+        if self.calls_at is not None and 0 <= self.calls_at - (len(shown) - len(answer)) <= len(answer):
+            self.follower.mark_at(self.calls_at - (len(shown) - len(answer)))
         return self.follower.finish(answer, calls) if final else self.follower.follow(answer)
 
     def send(self, shown: str, thought: Thought | None) -> None:
