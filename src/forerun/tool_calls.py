@@ -249,7 +249,17 @@ def before_calls(text: str, bare: bool = False, names: Collection[str] = ()) -> 
     start = text.find(OPEN)
     if start >= 0:
         return start
-    for length in range(min(len(OPEN) - 1, len(text)), 0, -1):
-        if text.endswith(OPEN[:length]):
-            return len(text) - length
-    return len(text)
+    return len(text) - held_back(text, OPEN)
+
+
+def held_back(text: str, closing: str) -> int:
+    """How many of `text`'s last characters may be the beginning of `closing` (held until it is known).
+
+    Example:
+        >>> held_back("Paris\\n</par", "\\n</parameter>"), held_back("Paris", "\\n</parameter>")
+        (6, 0)
+    """
+    for length in range(min(len(closing) - 1, len(text)), 0, -1):
+        if text.endswith(closing[:length]):
+            return length
+    return 0

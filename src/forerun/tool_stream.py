@@ -31,9 +31,9 @@ from dataclasses import dataclass
 
 import regex
 
-from forerun.tool_calls import ToolCall
+from forerun.tool_calls import ToolCall, held_back
 from forerun.tool_specs import CLOSE, OPEN
-from forerun.tool_xml import typed
+from forerun.tool_xml import properties_of, typed
 
 CALL = r'\{\s*"name"\s*:\s*"([A-Za-z0-9_-]{1,64})"\s*,\s*"(?:arguments|parameters)"\s*:\s*\{'
 """A call written name first, up to its arguments' opening brace."""
@@ -248,7 +248,7 @@ class CallStream:
         opened = XML_PARAMETER.match(answer, self.at, partial=True)
         if opened is not None and not opened.partial:
             key = opened.group(1)
-            schema = parameter_schema(self.names, self.started[-1][0], key)
+            schema = properties_of(self.names, self.started[-1][0]).get(key)
             text = ("{" if not sent else ", ") + json.dumps(key, ensure_ascii=False) + ": "
             text += '"' if is_string(schema) else ""
             self.send(text, parts)
@@ -328,30 +328,9 @@ class CallStream:
         return True
 
 
-def parameter_schema(names: Collection[str], name: str, key: str) -> object:
-    """The schema of function `name`'s parameter `key` where `names` maps the tools to their parameters' schemas
-    (`forerun.server.stream.TokenStream.tools`), else None."""
-    function = names.get(name) if isinstance(names, Mapping) else None
-    properties = function.get("properties") if isinstance(function, Mapping) else None
-    return properties.get(key) if isinstance(properties, Mapping) else None
-
-
 def is_string(schema: object) -> bool:
     """Whether a parameter's value is read as it is written (`forerun.tool_xml.typed`: a string's)."""
     return isinstance(schema, Mapping) and schema.get("type") == "string"
-
-
-def held_back(text: str, closing: str) -> int:
-    """How many of `text`'s last characters may be the beginning of `closing` (held until it is known).
-
-    Example:
-        >>> held_back("Paris\\n</par", "\\n</parameter>"), held_back("Paris", "\\n</parameter>")
-        (6, 0)
-    """
-    for length in range(min(len(closing) - 1, len(text)), 0, -1):
-        if text.endswith(closing[:length]):
-            return length
-    return 0
 
 
 def merged(parts: list[CallPart]) -> list[CallPart]:

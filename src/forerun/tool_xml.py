@@ -37,8 +37,7 @@ def xml_call(body: str, names: Collection[str]) -> tuple[str, dict] | None:
     call = CALL.fullmatch(body)
     if call is None:
         return None
-    schemas = names.get(call.group(1)) if isinstance(names, Mapping) else None
-    properties = (schemas or {}).get("properties", {}) if isinstance(schemas, Mapping) else {}
+    properties = properties_of(names, call.group(1))
     arguments, at, inner = {}, 0, call.group(2)
     for parameter in PARAMETER.finditer(inner):
         if inner[at : parameter.start()].strip():
@@ -48,6 +47,14 @@ def xml_call(body: str, names: Collection[str]) -> tuple[str, dict] | None:
     if inner[at:].strip():
         return None
     return call.group(1), arguments
+
+
+def properties_of(names: Collection[str], name: str) -> Mapping:
+    """Function `name`'s parameters' schemas by key, where `names` maps the tools to their parameters' schemas
+    (else none known: {})."""
+    schema = names.get(name) if isinstance(names, Mapping) else None
+    properties = schema.get("properties") if isinstance(schema, Mapping) else None
+    return properties if isinstance(properties, Mapping) else {}
 
 
 def typed(value: str, schema: object) -> object:

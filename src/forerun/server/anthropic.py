@@ -62,15 +62,14 @@ def context_edited(service: Service, body: Body) -> tuple[Body, list[dict] | Non
     if body.context_management is None:
         return body, None, None
     edits = edits_of(body.context_management)
-    kept = body.model_copy(update={"context_management": None})
     counts: dict[int, int] = {}
 
     def count(messages: list) -> int:
-        counts[id(messages)] = prompt_tokens(service, kept.model_copy(update={"messages": messages}))
+        counts[id(messages)] = prompt_tokens(service, body.model_copy(update={"messages": messages}))
         return counts[id(messages)]
 
     messages, applied = apply_edits(body.messages, edits, count)
-    return kept.model_copy(update={"messages": messages}), applied, counts.get(id(body.messages))
+    return body.model_copy(update={"messages": messages}), applied, counts.get(id(body.messages))
 
 
 async def respond(service: Service, body: AnthropicRequest, request: Request):

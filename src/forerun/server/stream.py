@@ -25,7 +25,7 @@ from forerun.stopping import HeldText, first_stop
 from forerun.text import IncrementalText
 from forerun.thoughts import Thought, ThoughtMarks, ThoughtWatch, split
 from forerun.tool_calls import before_calls, marked_at, read_answer
-from forerun.tool_stream import CallPart, CallStream, whole_parts
+from forerun.tool_stream import CallPart, CallStream
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,7 @@ class TokenStream:
                 words = found or ""
             held = before_calls(text[after:], bare=True, names=self.tools)
             held = held if at is None else min(held, max(at, 0))
-            began = calls or (self.follower is not None and self.follower.started)
+            began = calls or self.follower.started
             limit = limit if final and not began else min(limit, after + held)
         self.unsent += len(self.held.release(text[:limit], final))
         self.send(text[: self.held.shown], thought)
@@ -127,8 +127,7 @@ class TokenStream:
             return
         parts = self.call_parts(text, thought, final, calls)
         # words after the calls, unless they hold a call that was streamed but not read (cut off: sent already)
-        agreed = self.follower is None or self.follower.agrees(calls)
-        if calls and agreed and words.startswith(self.sent[1]) and words[len(self.sent[1]) :]:
+        if calls and self.follower.agrees(calls) and words.startswith(self.sent[1]) and words[len(self.sent[1]) :]:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, (words[len(self.sent[1]) :], None))
         for part in parts:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, ("", part))
@@ -136,8 +135,6 @@ class TokenStream:
     def call_parts(self, text: str, thought: Thought | None, final: bool, calls: tuple) -> list[CallPart]:
         """The parts of calls to send now: those written since the last step, followed in the text as far as no
         stop string can end it; once the answer is whole, the calls `calls` read from it not yet sent."""
-        if self.follower is None:
-            return whole_parts(calls) if final else []
         if not final and self.watch is not None and self.watch.undecided:  # where the answer begins is not known
             return []
         cut = first_stop(text, self.held.stops)
