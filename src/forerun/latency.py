@@ -79,12 +79,13 @@ def curve_settings(model: torch.nn.Module) -> dict[str, object]:
     )  # only then: names kept
 
 
-def weights_settings(model: torch.nn.Module) -> dict[str, str]:
+def weights_settings(model: torch.nn.Module) -> dict[str, object]:
     """{'weights': 'int4'} for quantized weights (their curve is their own), else {} (existing names kept); with
     'kernels': 'direct' where their layers call the kernel themselves (`forerun.base.kernels`: a step without the
-    subclass's dispatch costs less, so a curve measured through it misprices one); 'packed': True where dense layers
-    are laid out for oneDNN (`forerun.base.packed`), with 'rows' where they compute a few rows as more
-    (`forerun.base.packed_rows`)."""
+    subclass's dispatch costs less, so a curve measured through it misprices one), and 'wide_rows' where they take
+    that many rows or more through unpacked weights (`forerun.base.unpacked`: a batch's wide steps cost less);
+    'packed': True where dense layers are laid out for oneDNN (`forerun.base.packed`), with 'rows' where they
+    compute a few rows as more (`forerun.base.packed_rows`)."""
     kind = weights_kind(model)
     laid_out = {"packed": True} if packed(model) else {}  # oneDNN's layout: cheaper forwards, trees the most
     table = row_table(model)
@@ -92,8 +93,10 @@ def weights_settings(model: torch.nn.Module) -> dict[str, str]:
         laid_out["rows"] = list(table)
     if not kind:
         return laid_out
-    direct = any(isinstance(module, KernelLinear) for module in model.modules())
-    return {"weights": kind} | ({"kernels": "direct"} if direct else {}) | laid_out
+    direct = [module for module in model.modules() if isinstance(module, KernelLinear)]
+    wide = sorted({layer.wide.rows for layer in direct if layer.wide is not None})
+    wide = {"wide_rows": wide[0]} if wide else {}
+    return {"weights": kind} | ({"kernels": "direct"} | wide if direct else {}) | laid_out
 
 
 def masked_gqa(model: torch.nn.Module) -> bool:

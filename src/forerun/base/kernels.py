@@ -20,6 +20,8 @@ from collections.abc import Callable
 
 import torch
 
+from forerun.base.unpacked import INT8_WIDE_ROWS, WIDE_ROWS, Wide, int4_wide, int8_wide, layout_holds, native_bf16
+
 aten = torch.ops.aten
 
 
@@ -27,43 +29,65 @@ class KernelLinear(torch.nn.Linear):
     """A linear layer whose product is one ATen weight-only kernel: x [..., in] (bf16) -> [..., out].
 
     `weight` stays the packed tensor subclass it was built from (so the model still reads as quantized and saves
-    as before); `product` and `operands` are what its `F.linear` would have called, looked up once."""
+    as before); `product` and `operands` are what its `F.linear` would have called, looked up once. `wide`, where
+    given, multiplies its number of rows or more instead (`forerun.base.unpacked`: the weights unpacked, one dense
+    product), on the same operands."""
 
-    def __init__(self, linear: torch.nn.Linear, product: Callable[..., torch.Tensor], operands: tuple) -> None:
+    def __init__(
+        self, linear: torch.nn.Linear, product: Callable[..., torch.Tensor], operands: tuple, wide: Wide | None = None
+    ) -> None:
         super().__init__(linear.in_features, linear.out_features, bias=False, device="meta")
         self.weight = linear.weight
         self.bias = linear.bias
         self.product = product
         self.operands = operands
+        self.wide = wide
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.product(x.reshape(-1, self.in_features).contiguous(), *self.operands)
+        flat = x.reshape(-1, self.in_features)
+        if self.wide is not None and flat.shape[0] >= self.wide.rows:
+            out = self.wide.product(flat, *self.operands)
+        else:
+            out = self.product(flat.contiguous(), *self.operands)
         if out.shape[-1] != self.out_features:  # a kernel that padded its output columns
             out = out[:, : self.out_features]
         out = out.reshape(*x.shape[:-1], self.out_features)
         return out + self.bias if self.bias is not None else out
 
 
-def kernel_of(weight: torch.Tensor) -> tuple[Callable[..., torch.Tensor], tuple] | None:
-    """The ATen kernel and its weight operands for a packed `weight`, or None where it is not one forerun knows
-    (dense, or a torchao layout with more than the plain bf16-activation path)."""
+Found = tuple[Callable[..., torch.Tensor], tuple, Wide | None]
+
+
+def kernel_of(weight: torch.Tensor, unpack_int4: bool = True, unpack_int8: bool = True) -> Found | None:
+    """The ATen kernel, its weight operands and the product for many rows (`forerun.base.unpacked`; None where the
+    weight's kind is not to be unpacked) for a packed `weight`, or None where it is not one forerun knows (dense,
+    or a torchao layout with more than the plain bf16-activation path)."""
     name = type(weight).__name__
     if name == "Int4OpaqueTensor":
         plain = weight.act_mapping_type is None and weight.act_pre_scale is None and weight.block_size[0] == 1
         if plain:
-            return aten._weight_int4pack_mm_for_cpu, (weight.qdata, weight.block_size[1], weight.scale_and_zero)
+            operands = (weight.qdata, weight.block_size[1], weight.scale_and_zero)
+            return aten._weight_int4pack_mm_for_cpu, operands, Wide(int4_wide, WIDE_ROWS) if unpack_int4 else None
         return None
     if name == "Int8RowTensor":
-        return aten._weight_int8pack_mm, (weight.qdata, weight.scale)
+        return (
+            aten._weight_int8pack_mm,
+            (weight.qdata, weight.scale),
+            Wide(int8_wide, INT8_WIDE_ROWS) if unpack_int8 else None,
+        )
     return None
 
 
 def direct_kernels(model: torch.nn.Module) -> int:
     """Replace, in place, every linear layer of `model` whose weight is a packed weight `kernel_of` knows by a
-    KernelLinear over the same weight; returns how many were replaced."""
+    KernelLinear over the same weight, taking many rows through unpacked weights where the CPU multiplies bf16
+    natively (`unpacked.native_bf16`) and, for 4-bit weights, this PyTorch packs them as forerun reads them
+    (`unpacked.layout_holds`); returns how many were replaced."""
+    unpack = native_bf16()
+    unpack_int4 = unpack and layout_holds()
 
     def direct(layer: torch.nn.Linear) -> torch.nn.Module | None:
-        found = kernel_of(layer.weight)
+        found = kernel_of(layer.weight, unpack_int4, unpack)
         return None if found is None else KernelLinear(layer, *found)
 
     return replace_linears(model, direct)
