@@ -152,6 +152,21 @@ def test_streamed_chunks_carry_the_logprobs_of_their_tokens(smollm2, client):
     assert text == whole.choices[0].message.content
 
 
+def test_a_streamed_answer_carries_its_end_tokens_logprob(client):
+    """The end token writes no text, yet the answer not streamed lists its entry: the stream sends it too, in a
+    last chunk without text (decoded a token a step, it comes in a step of its own)."""
+    messages = [{"role": "user", "content": "What is the capital of France? One word."}]
+    ask = {"model": MODEL, "messages": messages, "max_tokens": 32, "temperature": 0, "logprobs": True,
+           "extra_body": {"forerun": {"method": "plain"}}}  # fmt: skip
+    whole = client.chat.completions.create(**ask)
+    chunks = list(client.chat.completions.create(**ask, stream=True))
+    streamed = [entry for c in chunks if c.choices and c.choices[0].logprobs for entry in c.choices[0].logprobs.content]
+    expected = whole.choices[0].logprobs.content
+    assert whole.choices[0].finish_reason == "stop" and expected[-1].token == "<|im_end|>"
+    assert [(e.token, round(e.logprob, 4)) for e in streamed] == [(e.token, round(e.logprob, 4)) for e in expected]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
+
+
 def test_logit_bias_is_what_transformers_sequence_bias_writes(smollm2, client):
     """OpenAI's logit_bias: a banned token (-100) and a favoured one, the answer plain generate's with
     `sequence_bias` (and not plain generate's own)."""

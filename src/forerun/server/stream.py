@@ -122,7 +122,7 @@ class TokenStream:
             began = calls or self.follower.started
             limit = limit if final and not began else min(limit, after + held)
         self.unsent += len(self.held.release(text[:limit], final))
-        self.send(text[: self.held.shown], thought)
+        self.send(text[: self.held.shown], thought, final)
         if self.tools is None:
             return
         parts = self.call_parts(text, thought, final, calls)
@@ -144,13 +144,18 @@ class TokenStream:
             self.follower.mark_at(self.calls_at - (len(shown) - len(answer)))
         return self.follower.finish(answer, calls) if final else self.follower.follow(answer)
 
-    def send(self, shown: str, thought: Thought | None) -> None:
+    def send(self, shown: str, thought: Thought | None, final: bool = False) -> None:
         """Queue what of the released text `shown` was not sent: its thought's part as `Reasoning`, the rest as
-        content (the thought's marks and the whitespace at its ends are neither)."""
+        content (the thought's marks and the whitespace at its ends are neither). At the end, the entries of tokens
+        that wrote nothing (an end token) go out with no text, as the answer not streamed lists them."""
         reasoning, content = split(shown, thought) if thought is not None else (None, shown)
         deltas = [(now or "")[len(sent) :] for now, sent in zip((reasoning, content), self.sent, strict=True)]
         self.sent = [(reasoning or ""), content]
         if not any(deltas):
+            if final and self.entries:
+                entries, self.unsent = self.released(self.unsent, self.held.stopped), 0
+                if entries:
+                    self.loop.call_soon_threadsafe(self.queue.put_nowait, ("", entries))
             return
         entries = self.released(self.unsent, self.held.stopped)
         self.unsent = 0
