@@ -38,13 +38,13 @@ import torch
 from forerun.measured import cpuinfo
 
 WIDE_ROWS = 96
-"""Rows from which a 4-bit layer unpacks its weights and multiplies them dense. Unpacking a 1536 x 576 matrix costs
-about what the 4-bit kernel spends on ~25 of its rows, and each row costs the kernel ~2.5x what it costs the dense
-product: over a decoder layer of SmolLM2-135M the two meet at 64 rows, and at 96 the unpacked way costs 0.78x
-(docs/benchmarks.md). Above a CPU tree's 64 nodes, so a single row's steps never take it."""
+"""Rows from which a 4-bit layer unpacks its weights and multiplies them dense. Unpacking a matrix costs what the
+4-bit kernel spends on a few dozen of its rows, and each further row costs the kernel ~2.5x what it costs the dense
+product: over a decoder layer of SmolLM2-135M the two meet at 64 rows (docs/benchmarks.md), and 96 leaves a margin
+above a CPU tree's 64 nodes, so a single row's steps never take it."""
 INT8_WIDE_ROWS = 24
 """The same for 8-bit weights, whose codes become bf16 in one cast (a quarter of the 4-bit unpacking): the two
-meet near 14 rows, and at 24 the unpacked way costs 0.74x (docs/benchmarks.md), trees of a single row included."""
+meet near 14 rows (docs/benchmarks.md); from 24, trees of a single row included."""
 BLOCK = 64
 """Output rows per block of the packed 4-bit layout."""
 CHUNK_WEIGHTS = 1 << 20
@@ -106,19 +106,22 @@ def affine(codes: torch.Tensor, group: int, scale_and_zero: torch.Tensor) -> tor
 
 
 def int4_wide(x: torch.Tensor, packed: torch.Tensor, group: int, scale_and_zero: torch.Tensor) -> torch.Tensor:
-    """x [M, K] (bf16) times a packed 4-bit weight, as dense products of a chunk of output rows at a time (about
-    CHUNK_WEIGHTS weights, whole blocks): [M, N]."""
-    chunk = max(BLOCK, CHUNK_WEIGHTS // x.shape[-1] // BLOCK * BLOCK)
-    parts = [
-        x @ int4_transposed(packed[start : start + chunk], group, scale_and_zero[:, start : start + chunk])
-        for start in range(0, packed.shape[0], chunk)
-    ]
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+    """x [M, K] (bf16) times a packed 4-bit weight, its weights unpacked a chunk at a time (`by_chunks`): [M, N]."""
+    return by_chunks(x, packed.shape[0], lambda a, b: x @ int4_transposed(packed[a:b], group, scale_and_zero[:, a:b]))
 
 
 def int8_wide(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [M, K] (bf16) times int8 `codes` [N, K] with a bf16 `scale` [N] per output row: [M, N]."""
-    return torch.nn.functional.linear(x, codes.to(x.dtype)) * scale
+    """x [M, K] (bf16) times int8 `codes` [N, K] with a bf16 `scale` [N] per output row, the codes cast a chunk at a
+    time (`by_chunks`): [M, N]."""
+    return by_chunks(x, codes.shape[0], lambda a, b: torch.nn.functional.linear(x, codes[a:b].to(x.dtype)) * scale[a:b])
+
+
+def by_chunks(x: torch.Tensor, rows: int, product: Callable[[int, int], torch.Tensor]) -> torch.Tensor:
+    """x [M, K] times a weight of `rows` output rows, as `product(start, stop)` [M, stop - start] of a chunk of
+    them at a time (about CHUNK_WEIGHTS weights, in whole blocks), joined: [M, rows]."""
+    chunk = max(BLOCK, CHUNK_WEIGHTS // x.shape[-1] // BLOCK * BLOCK)
+    parts = [product(start, min(start + chunk, rows)) for start in range(0, rows, chunk)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
 
 def native_bf16() -> bool:
