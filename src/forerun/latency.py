@@ -94,8 +94,8 @@ def weights_settings(model: torch.nn.Module) -> dict[str, object]:
     if not kind:
         return laid_out
     direct = [module for module in model.modules() if isinstance(module, KernelLinear)]
-    wide = sorted({layer.wide.rows for layer in direct if layer.wide is not None})
-    wide = {"wide_rows": wide[0]} if wide else {}
+    rows = [layer.wide.rows for layer in direct if layer.wide is not None]
+    wide = {"wide_rows": min(rows)} if rows else {}
     return {"weights": kind} | ({"kernels": "direct"} | wide if direct else {}) | laid_out
 
 

@@ -61,16 +61,11 @@ class Wide:
 
 
 def int4_codes(packed: torch.Tensor) -> torch.Tensor:
-    """The codes [N, K] (uint8, 0..15) of a packed [N, K/2] 4-bit weight (the module docstring's layout)."""
+    """The codes [N, K] (uint8, 0..15) of a packed [N, K/2] 4-bit weight (the module docstring's layout): its
+    weights with scale 1 and zero 8, one group a row (`int4_transposed` alone reads the layout)."""
     rows, half = packed.shape
-    columns, whole = 2 * half, rows // BLOCK * BLOCK
-    flat = packed.reshape(-1)
-    blocks = flat[: whole * half].view(rows // BLOCK, columns, BLOCK // 2)
-    codes = torch.stack((blocks & 15, blocks >> 4), 1).permute(0, 1, 3, 2).reshape(whole, columns)
-    if whole == rows:
-        return codes
-    tail = flat[whole * half :].view(columns, (rows - whole) // 2)
-    return torch.cat((codes, torch.stack((tail & 15, tail >> 4), -1).reshape(columns, rows - whole).T))
+    unit = torch.tensor([1.0, 8.0], dtype=torch.bfloat16).expand(1, rows, 2)
+    return int4_transposed(packed, 2 * half, unit).T.to(torch.uint8)
 
 
 def int4_weights(packed: torch.Tensor, group: int, scale_and_zero: torch.Tensor) -> torch.Tensor:
