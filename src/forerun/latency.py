@@ -27,7 +27,7 @@ from forerun.attention import sdpa_like
 from forerun.base.chain import copy_states, put_back
 from forerun.base.kernels import KernelLinear
 from forerun.base.packed import packed, row_table
-from forerun.base.weights import weights_kind
+from forerun.base.weights import dense, output_matrix, weights_kind
 from forerun.costmodel import LatencyCurve
 from forerun.head import LogitsHead
 from forerun.kvcache import plain_layers, roomy_cache
@@ -82,10 +82,11 @@ def curve_settings(model: torch.nn.Module) -> dict[str, object]:
 def weights_settings(model: torch.nn.Module) -> dict[str, object]:
     """{'weights': 'int4'} for quantized weights (their curve is their own), else {} (existing names kept); with
     'kernels': 'direct' where their layers call the kernel themselves (`forerun.base.kernels`: a step without the
-    subclass's dispatch costs less, so a curve measured through it misprices one), and 'wide_rows' where they take
-    that many rows or more through unpacked weights (`forerun.base.unpacked`: a batch's wide steps cost less);
-    'packed': True where dense layers are laid out for oneDNN (`forerun.base.packed`), with 'rows' where they
-    compute a few rows as more (`forerun.base.packed_rows`)."""
+    subclass's dispatch costs less, so a curve measured through it misprices one), 'wide_rows' where they take
+    that many rows or more through unpacked weights (`forerun.base.unpacked`: a batch's wide steps cost less), and
+    'output': 'dense' where the output matrix is (`quantize_weights` leaves it so); 'packed': True where dense
+    layers are laid out for oneDNN (`forerun.base.packed`), with 'rows' where they compute a few rows as more
+    (`forerun.base.packed_rows`)."""
     kind = weights_kind(model)
     laid_out = {"packed": True} if packed(model) else {}  # oneDNN's layout: cheaper forwards, trees the most
     table = row_table(model)
@@ -96,7 +97,9 @@ def weights_settings(model: torch.nn.Module) -> dict[str, object]:
     direct = [module for module in model.modules() if isinstance(module, KernelLinear)]
     rows = [layer.wide.rows for layer in direct if layer.wide is not None]
     wide = {"wide_rows": min(rows)} if rows else {}
-    return {"weights": kind} | ({"kernels": "direct"} | wide if direct else {}) | laid_out
+    output = output_matrix(model)
+    dense_output = {"output": "dense"} if output is not None and dense(output.weight) else {}
+    return {"weights": kind} | ({"kernels": "direct"} | wide if direct else {}) | laid_out | dense_output
 
 
 def masked_gqa(model: torch.nn.Module) -> bool:

@@ -121,7 +121,7 @@ def load_model(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load (model, tokenizer) offline; GGUF weights are dequantized to `dtype` (a torch dtype, "fp32", "bf16",
     "fp16", or "auto": bf16 on a CUDA device or with `quantize`, fp32 elsewhere). `quantize="int4"`: every linear
-    layer's weights kept in 4 bits, groups of 32, on the CPU (`forerun.base.weights`); a GGUF file's Q4_0/Q4_1
+    layer's weights kept in 4 bits, groups of 32, on the CPU (`forerun.base.weights`); a GGUF file's Q4_0/Q4_1/Q4_K
     codes are kept as they are (`forerun.base.gguf_codes`). `quantize="int8"`: 8 bits, one scale per row.
     `attn_implementation="auto"`: sdpa with grouped key/value heads read in place, computed in fp32 for bf16/fp16
     weights on the CPU (`forerun.attention`), eager for families transformers has no sdpa for; any name
@@ -145,7 +145,7 @@ def load_model(
     model.to(device).eval()
     if quantize is not None:
         location, gguf_file = resolve(name)
-        if gguf_file and quantize == "int4":  # the file's own Q4_0/Q4_1 codes, not quantized a second time
+        if gguf_file and quantize == "int4":  # the file's own 4-bit codes (Q4_0, Q4_1, Q4_K), not quantized again
             gguf = Path(location) / gguf_file
             keep_codes(model, gguf, index_for(gguf, dtype, cache_dir))
         quantize_weights(model, quantize)

@@ -139,7 +139,8 @@ def test_quantized_layers_stay_quantized_and_the_curve_key_names_the_layout():
     model = tiny_model("llama", "sdpa").to(torch.bfloat16)
     unpacked = curve_settings(model)
     quantize_weights(model, "int8")
-    assert pack_weights(model) == 0 and weights_kind(model) == "int8"  # every layer holds 8-bit codes
+    assert pack_weights(model) == 1 and weights_kind(model) == "int8"  # 8-bit codes in every layer but the output
+    assert isinstance(model.lm_head, PackedLinear) and curve_settings(model)["output"] == "dense"
     laid_out = packed_model("llama", "fp32")
     assert curve_settings(laid_out)["packed"] is True and "packed" not in unpacked
     assert weights_kind(laid_out) is None  # dense weights: fp32 steps are still timed, not priced

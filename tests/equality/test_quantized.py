@@ -5,6 +5,7 @@ tie, as for bf16."""
 from __future__ import annotations
 
 import functools
+import logging
 
 import pytest
 import torch
@@ -88,14 +89,17 @@ def test_int4_weights_are_their_own_curve_and_bad_settings_are_refused():
 
 
 @pytest.mark.parametrize("bits", ["int4", "int8"])
-def test_linear_subclasses_with_their_own_product_stay_dense(bits):
+def test_linear_subclasses_with_their_own_product_stay_dense(bits, caplog):
     """Falcon's layers are `FalconLinear`s computing `input @ weight.T`, which a quantized weight does not
-    implement: they keep dense weights (a 4-bit one had failed the first forward), its output matrix is quantized,
-    the model reads as quantized, and forerun's first differences from its plain generate are ties."""
-    model = int4_model("falcon", bits)
+    implement: they keep dense weights (a 4-bit one had failed the first forward). Its output matrix stays dense,
+    as every model's does, so nothing of it is quantized, which is said; forerun's first differences from its plain
+    generate are ties (bf16)."""
+    with caplog.at_level(logging.WARNING, logger="forerun.base.weights"):
+        model = quantize_weights(tiny_model("falcon", "sdpa").to(torch.bfloat16), bits)
+    assert f"quantize='{bits}': no linear layer of FalconForCausalLM can hold it" in caplog.text
     attention = model.transformer.h[0].self_attention
     assert type(attention.query_key_value).__name__ == "FalconLinear" and dense(attention.query_key_value.weight)
-    assert not dense(model.lm_head.weight) and weights_kind(model) == bits
+    assert dense(model.lm_head.weight) and weights_kind(model) is None
     decoder = forerun.Decoder(model, None, "prompt_lookup", latency=CURVE)
     for prompt in prompts(2):
         _, divergence = against_generate(decoder, model, prompt, 24)
@@ -137,6 +141,8 @@ def test_layers_call_their_kernel_directly_with_the_subclass_numbers(bits):
 
     model = int4_model("llama", bits)
     layers = [module for module in model.modules() if isinstance(module, torch.nn.Linear)]
+    assert type(model.lm_head) is torch.nn.Linear and dense(model.lm_head.weight)  # the output matrix stays dense
+    layers = [layer for layer in layers if layer is not model.lm_head]
     assert layers and all(type(layer) is KernelLinear for layer in layers)
     assert direct_kernels(model) == 0  # already direct: nothing left to replace
     generator = torch.Generator().manual_seed(0)

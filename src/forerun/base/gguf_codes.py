@@ -1,14 +1,16 @@
-"""A GGUF file's own 4-bit codes kept: Q4_0 and Q4_1 blocks become torchao's CPU int4 weights as they are.
+"""A GGUF file's own 4-bit codes kept: Q4_0, Q4_1 and Q4_K blocks become torchao's CPU int4 weights as they are.
 
 A Q4 block holds 32 weights of one row as 4-bit codes q in [0, 15] and one or two fp16 numbers: Q4_0 means
-w = d * (q - 8), Q4_1 means w = d * q + m. tinygemm's int4 layout (`_weight_int4pack_mm_for_cpu`, behind
+w = d * (q - 8), Q4_1 means w = d * q + m. A Q4_K super-block (llama.cpp's K-quants; Q4_K_M files hold most of their
+matrices so) holds 256 weights as 8 groups of 32 codes, each group with a 6-bit scale s and a 6-bit minimum n under
+two fp16 numbers: w = d * s * q - dmin * n. tinygemm's int4 layout (`_weight_int4pack_mm_for_cpu`, behind
 torchao's `Int4OpaqueTensor`) holds the same groups of 32 as w = scale * (q - 8) + zero. So the file's codes are
-kept unchanged, with scale = d and zero = 0 (Q4_0) or m + 8d (Q4_1), both rounded to bf16 (the kernel's scale and
-zero dtype; fp16's 10 fraction bits become 7). Quantizing the dequantized weights again would choose its own
-codes: on SmolLM2-135M's Q4_1 file they differ in ~1 weight of 8 (`forerun.base.gguf_codes.compare`).
+kept unchanged, with scale = d, d or d * s and zero = 0, m + 8d or 8 * scale - dmin * n, rounded to bf16 (the
+kernel's scale and zero dtype; fp16's 10 fraction bits become 7). Quantizing the dequantized weights again would
+choose its own codes: on SmolLM2-135M's Q4_1 file they differ in ~1 weight of 8.
 
-What is not a Q4 block (llama.cpp's Q8_0 embedding, the output matrix tied to it, K-quants) is quantized by torchao
-from the dequantized weights, as `quantize="int4"` does for any other model.
+What is not a 4-bit block (llama.cpp's Q8_0 embedding, the output matrix tied to it, a Q4_K_M file's Q6_K matrices)
+is quantized by torchao from the dequantized weights, as `quantize="int4"` does for any other model.
 
 Example:
     >>> model, tokenizer = load_model("smollm2-135m", quantize="int4")       # doctest: +SKIP
@@ -30,9 +32,13 @@ from forerun.measured import read_json, write_json
 logger = logging.getLogger(__name__)
 
 GROUP = 32
-"""Weights per Q4 block, and per tinygemm group."""
-BLOCK_BYTES = {"Q4_0": 2 + GROUP // 2, "Q4_1": 4 + GROUP // 2}
-"""Bytes per block: d (fp16), m (fp16, Q4_1 only), then 16 bytes of 32 codes."""
+"""Weights per Q4 block, per Q4_K group, and per tinygemm group."""
+SUPER = 256
+"""Weights per Q4_K super-block (8 groups)."""
+BLOCK_BYTES = {"Q4_0": 2 + GROUP // 2, "Q4_1": 4 + GROUP // 2, "Q4_K": 4 + 12 + SUPER // 2}
+"""Bytes per block: d (fp16), m (fp16, Q4_1 only), then 16 bytes of 32 codes; a Q4_K super-block: d and dmin
+(fp16), 12 bytes of 8 packed 6-bit scales and minima, then 128 bytes of 256 codes."""
+BLOCK_WEIGHTS = {"Q4_0": GROUP, "Q4_1": GROUP, "Q4_K": SUPER}
 TOLERANCE = 2**-6
 """Largest difference, relative to the block's largest weight, between a kept block and the dense weight
 transformers dequantized from the same file (bf16 rounding of scale and zero: at most ~2^-8 of it)."""
@@ -53,7 +59,7 @@ class Codes:
 
 
 def block_codes(raw: np.ndarray, kind: str, rows: int, columns: int) -> Codes:
-    """Unpack a Q4_0/Q4_1 tensor's raw bytes (rows x columns weights, row-major blocks of 32) into Codes.
+    """Unpack a Q4_0/Q4_1/Q4_K tensor's raw bytes (rows x columns weights, row-major blocks) into Codes.
 
     Example: one Q4_1 block with d = 0.5, m = -1 whose codes are 0, 1, ..., 15, 0, 1, ..., 15:
         >>> head = np.array([0.5, -1.0], dtype=np.float16).view(np.uint8)
@@ -62,17 +68,46 @@ def block_codes(raw: np.ndarray, kind: str, rows: int, columns: int) -> Codes:
         >>> got.codes[0, :3].tolist(), got.scale.item(), got.zero.item(), got.dequantized()[0, :3].tolist()
         ([0, 1, 2], 0.5, 3.0, [-1.0, -0.5, 0.0])
     """
-    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows * columns // GROUP, BLOCK_BYTES[kind])
-    d = blocks[:, :2].copy().view(np.float16).astype(np.float32)[:, 0]
-    packed = blocks[:, BLOCK_BYTES[kind] - GROUP // 2 :]
-    codes = np.concatenate([packed & 0x0F, packed >> 4], axis=1).astype(np.int32)  # elements 0-15, then 16-31
-    m = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)[:, 0] if kind == "Q4_1" else -8 * d
+    count = rows * columns // BLOCK_WEIGHTS[kind]
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(count, BLOCK_BYTES[kind])
+    codes, scale, zero = super_groups(blocks) if kind == "Q4_K" else simple_groups(blocks, kind)
     groups = columns // GROUP
     return Codes(
-        torch.from_numpy(codes.reshape(rows, columns)),
-        torch.from_numpy(d.reshape(rows, groups)),
-        torch.from_numpy((m + 8 * d).reshape(rows, groups)),
+        torch.from_numpy(codes.astype(np.int32).reshape(rows, columns)),
+        torch.from_numpy(scale.reshape(rows, groups)),
+        torch.from_numpy(zero.reshape(rows, groups)),
     )
+
+
+Groups = tuple[np.ndarray, np.ndarray, np.ndarray]
+"""Per group of 32 weights, in the tensor's order: codes [groups, 32] (uint8, 0..15), scale and zero [groups]
+(fp32, unrounded: w = scale * (q - 8) + zero)."""
+
+
+def simple_groups(blocks: np.ndarray, kind: str) -> Groups:
+    """Q4_0/Q4_1 blocks [n, 18 or 20] (uint8) as Groups: a block is a group."""
+    d = blocks[:, :2].copy().view(np.float16).astype(np.float32)[:, 0]
+    packed = blocks[:, BLOCK_BYTES[kind] - GROUP // 2 :]
+    codes = np.concatenate([packed & 0x0F, packed >> 4], axis=1)  # elements 0-15, then 16-31
+    m = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)[:, 0] if kind == "Q4_1" else -8 * d
+    return codes, d, m + 8 * d
+
+
+def super_groups(blocks: np.ndarray) -> Groups:
+    """Q4_K super-blocks [n, 144] (uint8) as Groups, 8 per super-block. Its 128 code bytes hold the groups in
+    pairs: 32 bytes whose low nibbles are group 2j and high nibbles group 2j + 1 (llama.cpp's
+    `dequantize_row_q4_K`); the 6-bit scales and minima are unpacked by gguf's own reader."""
+    from gguf.quants import Q4_K
+
+    count = blocks.shape[0]
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)  # [n, 1]
+    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    scales, minima = Q4_K.get_scale_min(blocks[:, 4:16].copy())  # [n, 8] each
+    packed = blocks[:, 16:].reshape(count, 4, 1, GROUP)
+    codes = np.concatenate([packed & 0x0F, packed >> 4], axis=2).reshape(count * 8, GROUP)
+    scale = (d * scales.astype(np.float32)).reshape(-1)
+    low = (dmin * minima.astype(np.float32)).reshape(-1)
+    return codes, scale, 8 * scale - low
 
 
 def int4_weight(codes: Codes) -> torch.nn.Parameter:
@@ -172,7 +207,7 @@ def places_of(path: Path, index: Path | None) -> Places:
 
 
 def keep_codes(model: torch.nn.Module, path: Path | str, index: Path | None = None) -> Kept:
-    """Give every linear layer of `model` (loaded dense from the GGUF file `path`) whose tensor is Q4_0/Q4_1 the
+    """Give every linear layer of `model` (loaded dense from the GGUF file `path`) whose tensor is Q4_0/Q4_1/Q4_K the
     file's codes; the others are left as they are (listed with the reason). A block that does not match the dense
     weight transformers loaded (an unexpected layout) is left too, never kept wrong. `index`: where the file's
     tensor places are kept between loads (`places_of`; None: read from the file each time)."""
@@ -217,8 +252,8 @@ def why_not(module: torch.nn.Linear, place: Place | None) -> str | None:
     kind = place.kind
     if kind not in BLOCK_BYTES:
         return f"stored as {kind}"
-    if module.weight.shape[1] % GROUP or type(module.weight) is not torch.nn.Parameter:
-        return "not a dense matrix with rows in groups of 32"
+    if module.weight.shape[1] % BLOCK_WEIGHTS[kind] or type(module.weight) is not torch.nn.Parameter:
+        return f"not a dense matrix with rows in blocks of {BLOCK_WEIGHTS[kind]}"
     return None
 
 

@@ -69,10 +69,10 @@ def _linear(func, types, args, kwargs):
     return out + bias if bias is not None else out
 
 
-def quantize_int8(model: torch.nn.Module) -> torch.nn.Module:
-    """Give every dense linear layer of `model` (bf16) 8-bit weights, in place (`plain_linear` ones: a subclass's
-    own product is not the int8 kernel's)."""
+def quantize_int8(model: torch.nn.Module, skip: tuple[torch.nn.Module, ...] = ()) -> torch.nn.Module:
+    """Give every dense linear layer of `model` (bf16) but those in `skip` 8-bit weights, in place (`plain_linear`
+    ones: a subclass's own product is not the int8 kernel's)."""
     for module in model.modules():
-        if plain_linear(module) and type(module.weight) in (torch.Tensor, torch.nn.Parameter):
+        if plain_linear(module) and type(module.weight) in (torch.Tensor, torch.nn.Parameter) and module not in skip:
             module.weight = torch.nn.Parameter(Int8RowTensor.from_hp(module.weight.detach()), requires_grad=False)
     return model
