@@ -92,8 +92,8 @@ def test_the_embedded_q4_1_file_keeps_its_codes_in_every_layer():
 def test_the_int4_model_chooses_the_files_next_tokens():
     # What the output matrix in 4 bits cost: SmolLM2-135M's int4 model chose the fp32 model's next token on 89% of
     # the positions of real text (its other matrices in 4 bits alone: 97%, as bf16 weights do). Kept dense, it must
-    # stay near the file's model; the 4-bit output matrix is the negative control.
-    torch.set_num_threads(1)
+    # stay near the file's model; the 4-bit output matrix is the negative control (here: 97.7% against 92.2% of
+    # 485 positions, on 1 and 2 threads alike).
     reference, tokenizer = forerun.load_model("smollm2-135m", dtype="fp32", pack=False)
     int4, _ = forerun.load_model("smollm2-135m", quantize="int4")
     assert dense(int4.get_output_embeddings().weight)
@@ -106,8 +106,9 @@ def test_the_int4_model_chooses_the_files_next_tokens():
         for name, model in (("int4", int4), ("output_int4", output_int4)):
             same = sum(int((model(x).logits.argmax(-1) == reference(x).logits.argmax(-1)).sum()) for x in ids)
             shares[name] = {"argmax_agrees": same / sum(x.shape[1] for x in ids)}
-    assert shares["int4"]["argmax_agrees"] >= 0.95, shares
-    assert shares["output_int4"]["argmax_agrees"] < 0.93, shares  # the control: the measure sees 4-bit logits
+    assert shares["int4"]["argmax_agrees"] >= 0.96, shares
+    # the control: the measure sees a 4-bit output matrix
+    assert shares["output_int4"]["argmax_agrees"] <= shares["int4"]["argmax_agrees"] - 0.03, shares
 
 
 def test_places_round_trip_and_read_their_bytes(tmp_path):
@@ -120,13 +121,19 @@ def test_places_round_trip_and_read_their_bytes(tmp_path):
 
 
 def same_int4(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    """Whether two models hold the same weights: 4-bit ones code for code, dense ones (the output matrix, laid out
+    for oneDNN where the CPU multiplies bf16 natively) value for value."""
     pairs = [(x.weight, y.weight) for x, y in zip(a.modules(), b.modules(), strict=True) if hasattr(x, "weight")]
     return all(
         torch.equal(x.qdata, y.qdata) and torch.equal(x.scale_and_zero, y.scale_and_zero)
         if hasattr(x, "qdata")
-        else torch.equal(x, y)
+        else torch.equal(plain(x), plain(y))
         for x, y in pairs
     )
+
+
+def plain(weight: torch.Tensor) -> torch.Tensor:
+    return weight.to_dense() if weight.layout == torch._mkldnn else weight
 
 
 @pytest.mark.real_model

@@ -39,6 +39,7 @@ BLOCK_BYTES = {"Q4_0": 2 + GROUP // 2, "Q4_1": 4 + GROUP // 2, "Q4_K": 4 + 12 + 
 """Bytes per block: d (fp16), m (fp16, Q4_1 only), then 16 bytes of 32 codes; a Q4_K super-block: d and dmin
 (fp16), 12 bytes of 8 packed 6-bit scales and minima, then 128 bytes of 256 codes."""
 BLOCK_WEIGHTS = {"Q4_0": GROUP, "Q4_1": GROUP, "Q4_K": SUPER}
+"""Weights per block of each kind: a row's length must be a multiple of it."""
 TOLERANCE = 2**-6
 """Largest difference, relative to the block's largest weight, between a kept block and the dense weight
 transformers dequantized from the same file (bf16 rounding of scale and zero: at most ~2^-8 of it)."""
