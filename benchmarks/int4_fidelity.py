@@ -33,20 +33,19 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache
+from step_overhead import stepper  # a sibling script (`python benchmarks/x.py` puts its folder first)
 
 from forerun.base.gguf_codes import keep_codes
+from forerun.base.kernels import KernelLinear
 from forerun.base.unpacked import int4_weights
 from forerun.base.weights import quantize_weights
 from forerun.bench.datasets import package_file, read_jsonl
 from forerun.models import load_model, resolve
 
 
-def weights_of(layer: torch.nn.Module) -> torch.Tensor:
-    """A 4-bit layer's weights [out, in] in fp32, as its kernel multiplies them."""
-    weight = layer.weight
-    full = int4_weights(weight.qdata, weight.block_size[1], weight.scale_and_zero)
-    return full[: layer.out_features, : layer.in_features].float()
+def weights_of(layer: KernelLinear) -> torch.Tensor:
+    """A 4-bit layer's weights [out, in] in fp32, as its kernel multiplies them (its own operands)."""
+    return int4_weights(*layer.operands)[: layer.out_features, : layer.in_features].float()
 
 
 def weight_distances(reference: torch.nn.Module, models: dict, names) -> dict:
@@ -58,7 +57,7 @@ def weight_distances(reference: torch.nn.Module, models: dict, names) -> dict:
         weight = exact[name].weight.detach().float()
         for way, modules in layers.items():
             layer = modules[name]
-            other = weights_of(layer) if hasattr(layer.weight, "qdata") else layer.weight.detach().float()
+            other = weights_of(layer) if isinstance(layer, KernelLinear) else layer.weight.detach().float()
             squares[way] += float((other - weight).pow(2).sum())
         count += weight.numel()
     return {way: (total / count) ** 0.5 for way, total in squares.items()} | {"layers": len(names)}
@@ -88,19 +87,6 @@ def next_tokens(reference: torch.nn.Module, models: dict, tokenizer, prompts: li
     return shares | {"positions": positions}
 
 
-def stepper(model: torch.nn.Module, ids: torch.Tensor, tokens: int):
-    """One forward of `tokens` tokens after 200 cached ones of `ids`, the cache cropped back after it."""
-    cache = DynamicCache()
-    model(ids[:, :200], past_key_values=cache, use_cache=True)
-    fed, positions = ids[:, 200 : 200 + tokens], torch.arange(200, 200 + tokens)[None]
-
-    def step() -> None:
-        model(input_ids=fed, past_key_values=cache, use_cache=True, position_ids=positions)
-        cache.crop(-tokens)
-
-    return step
-
-
 def step_times(name: str, repeats: int) -> list[dict]:
     """ms per forward of 1, 4 and 16 tokens, the output matrix dense (`load_model`'s) and in 4 bits."""
     dense_output, _ = load_model(name, quantize="int4")
@@ -109,7 +95,8 @@ def step_times(name: str, repeats: int) -> list[dict]:
     ids = torch.randint(100, 1000, (1, 216), generator=torch.Generator().manual_seed(0))
     rows = []
     for tokens in (1, 4, 16):
-        steps = {way: stepper(model, ids, tokens) for way, model in (("dense", dense_output), ("int4", output_int4))}
+        ways = (("dense", dense_output), ("int4", output_int4))
+        steps = {way: stepper(model, model.forward, ids, 200, tokens) for way, model in ways}
         times: dict[str, list[float]] = {way: [] for way in steps}
         for _ in range(repeats + 1):  # the first round warms
             for way, step in steps.items():
