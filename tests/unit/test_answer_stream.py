@@ -11,8 +11,6 @@ from rich.console import Console
 from forerun.chat import AnswerStream
 from forerun.stopping import HeldText, first_stop
 
-pytestmark = pytest.mark.real_model
-
 
 def shown_steps(tokenizer, text: str, stops: tuple[str, ...], per_put: int = 1) -> list[str]:
     """What the console holds after the prompt, after each put of `per_put` tokens of `text`, and after the end."""
@@ -28,6 +26,7 @@ def shown_steps(tokenizer, text: str, stops: tuple[str, ...], per_put: int = 1) 
     return [*steps, out.getvalue()]
 
 
+@pytest.mark.real_model
 def test_an_answer_shows_while_it_is_written_and_ends_before_its_stop_string(smollm2):
     _, tokenizer = smollm2
     text = "def add(a, b):\n    return a + b\n\nprint(add(1, 2))"
