@@ -197,15 +197,18 @@ def test_logprobs_equal_the_log_softmax_of_plain_generate_logits(model):
     prompt = prompts(1)[0]
     out = plain(model, prompt, output_logits=True, return_dict_in_generate=True)
     expected = [torch.log_softmax(row[0].float(), -1) for row in out.logits]
-    for method in ("plain", "prompt_lookup", "auto"):
+    accepted = 0
+    for method in ("plain", "prompt_lookup", "jacobi", "auto"):  # chains, and a window whose kept nodes skip others
         result = forerun.Decoder(model, None, method, latency=CURVE).generate(prompt, 30, eos_token_id=[], logprobs=3)
         assert torch.equal(result.sequences, out.sequences)
         assert len(result.logprobs) == 30 and result.stats.forwards <= 30
+        accepted += result.stats.accepted
         for entry, row, token in zip(result.logprobs, expected, result.new_tokens, strict=True):
             assert entry.token == token
             assert entry.logprob == pytest.approx(float(row[token]), abs=1e-4)
             assert [t for t, _ in entry.top] == row.topk(3).indices.tolist()
             assert [v for _, v in entry.top] == pytest.approx(row.topk(3).values.tolist(), abs=1e-4)
+    assert accepted > 0  # drafted tokens were accepted: their logprobs come from the nodes they were chosen at
     sampled = forerun.Decoder(model, None, "trie").generate(
         prompt, 6, do_sample=True, seed=1, logprobs=0, eos_token_id=[]
     )  # no end of text: six tokens whatever the seed draws
