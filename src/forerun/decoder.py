@@ -37,6 +37,7 @@ from forerun.assembly import (
     with_batched_rows,
 )
 from forerun.base.chain import ChainBase
+from forerun.base.weights import vocabulary_rows
 from forerun.batch import fork
 from forerun.batched import decode_rows
 from forerun.checks import check_batch_size, check_warm_up
@@ -141,7 +142,7 @@ class Decoder:
             # Extra tokens cost little here: the drafters propose wide trees, the cost model cuts each step's
             # (bf16 on a CPU with bf16 units, SmolLM2 greedy: 1.91x -> 2.03x plain generate in forwards' cost)
             self.plan = self.plan.for_flat_curve()
-        vocab = model.get_output_embeddings().weight.shape[0]
+        vocab = vocabulary_rows(model)
         self.drafters = list(
             self.plan.build(self.draft_model, vocab, self.draft_head) if drafters is None else drafters
         )
@@ -172,7 +173,7 @@ class Decoder:
         from forerun.drafters.trie import TokenTrie
 
         drafter = self.trie_drafter()
-        vocab = self.model.get_output_embeddings().weight.shape[0]
+        vocab = vocabulary_rows(self.model)
         trie = TokenTrie.load(path, drafter.config.max_nodes, vocab)
         with self.lock:
             drafter.trie = trie

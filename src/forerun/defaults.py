@@ -5,7 +5,7 @@ before (and without) torch, transformers or any model code is imported.
 
 Example:
     >>> DEFAULT_MODEL, DEFAULT_METHOD, QUANTIZATIONS
-    ('smollm2-135m', 'prompt_lookup', ('int4', 'int8'))
+    ('smollm2-135m', 'prompt_lookup', ('int4', 'int8', 'w8a8'))
 """
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -13,5 +13,7 @@ DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_METHOD = "prompt_lookup"
 """What every command, the Decoder and the server draft with unless told otherwise: no state learned across
 requests, and on a GPU ahead of `auto`, whose host time per step is larger (docs/benchmarks.md, "GPU")."""
-QUANTIZATIONS = ("int4", "int8")
+QUANTIZATIONS = ("int4", "int8", "w8a8")
 """What `load_model(..., quantize=)` takes (None: the weights as loaded)."""
+BF16_QUANTIZATIONS = ("int4", "int8")
+"""Those computing in bf16 (dtype "auto" picks it); w8a8 computes in fp32 around its integer products."""

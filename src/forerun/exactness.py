@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 import torch
 from transformers import DynamicCache
 
+from forerun.base.weights import weights_kind
 from forerun.forward_inputs import cache_argument
 from forerun.kvcache import keep_accepted
 from forerun.tree import TokenTree, pack, tree_support
@@ -32,12 +33,36 @@ TIE_ULPS = 2.0
 """Most units in the last place between the two logits for a first difference to count as a tie."""
 
 
-def ulp(value: float, dtype: torch.dtype) -> float:
-    """One unit in the last place of `dtype` at the magnitude of `value` (the spacing of representable numbers)."""
+W8A8_EPS = 2.0**-6
+"""The relative spacing ties are judged at around 8-bit activations (`forerun.base.row_int8`): an 8-bit step at half a
+row's largest value, twice bf16's. An activation within fp32's rounding of a quantization step rounds either way in
+a tree's forward and in generate's (and in generate's own batch of two), moving the logits by up to ~2.3 bf16 ulps
+on Qwen2.5-1.5B (docs/exactness.md)."""
+
+
+def resolution(model: torch.nn.Module) -> torch.dtype | float:
+    """What `model`'s ties are judged in (`ulp`): its dtype, but `W8A8_EPS` for fp32 around 8-bit activations.
+
+    Example:
+        >>> resolution(torch.nn.Linear(2, 2)), resolution(torch.nn.Linear(2, 2).to(torch.float16))
+        (torch.float32, torch.float16)
+    """
+    dtype = next(model.parameters()).dtype
+    return W8A8_EPS if dtype == torch.float32 and weights_kind(model) == "w8a8" else dtype
+
+
+def ulp(value: float, dtype: torch.dtype | float) -> float:
+    """One unit in the last place of `dtype` at the magnitude of `value` (the spacing of representable numbers); a
+    float `dtype` is a relative spacing itself (`W8A8_EPS`).
+
+    Example:
+        >>> ulp(3.0, torch.bfloat16), ulp(3.0, W8A8_EPS)
+        (0.015625, 0.03125)
+    """
     magnitude = abs(float(value))
-    eps = torch.finfo(dtype).eps
+    eps = dtype if isinstance(dtype, float) else torch.finfo(dtype).eps
     if magnitude == 0.0:
-        return torch.finfo(dtype).tiny
+        return torch.finfo(torch.float32 if isinstance(dtype, float) else dtype).tiny
     return 2.0 ** math.floor(math.log2(magnitude)) * eps
 
 
@@ -63,7 +88,7 @@ def first_divergence(
     reference: Sequence[int],
     other: Sequence[int],
     reference_logits: torch.Tensor | Sequence[torch.Tensor],
-    dtype: torch.dtype,
+    dtype: torch.dtype | float,
 ) -> Divergence | None:
     """None when `other` follows `reference` (new tokens only) as far as both go; else the first difference.
 
@@ -95,7 +120,7 @@ def judged_by_one_forward(
     text = torch.tensor([list(reference[: divergence.position])], dtype=prompt.dtype, device=prompt.device)
     with torch.inference_mode():
         logits = model(torch.cat([prompt, text], dim=1)).logits[0, -1]
-    found = first_divergence([divergence.reference_token], [divergence.token], [logits], model.dtype)
+    found = first_divergence([divergence.reference_token], [divergence.token], [logits], resolution(model))
     assert found is not None  # the two tokens differ
     # a negative margin: one forward ranks the other token first, which is a tie by any reading
     return replace(found, position=divergence.position)
@@ -145,7 +170,7 @@ def judged_in_company(
             inputs = {"attention_mask": packed.attention_mask, "position_ids": packed.position_ids, argument: cache}
             logits = model(input_ids=packed.input_ids, use_cache=True, **inputs).logits[0, 0]
             keep_accepted(cache, head, [])
-            found = first_divergence([divergence.reference_token], [divergence.token], [logits], model.dtype)
+            found = first_divergence([divergence.reference_token], [divergence.token], [logits], resolution(model))
             assert found is not None  # the two tokens differ
             readings.append(found)
     return replace(min(readings, key=lambda found: found.ulps), position=divergence.position)

@@ -98,7 +98,7 @@ def weights_settings(model: torch.nn.Module) -> dict[str, object]:
     rows = [layer.wide.rows for layer in direct if layer.wide is not None]
     wide = {"wide_rows": min(rows)} if rows else {}
     output = output_matrix(model)
-    dense_output = {"output": "dense"} if output is not None and dense(output.weight) else {}
+    dense_output = {"output": "dense"} if output is not None and dense(getattr(output, "weight", None)) else {}
     return {"weights": kind} | ({"kernels": "direct"} | wide if direct else {}) | laid_out | dense_output
 
 

@@ -18,9 +18,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTra
 from forerun.attention import pick_attention
 from forerun.base.gguf_codes import keep_codes
 from forerun.base.packed import check_pack, lay_out_rows, pack_weights, packable
+from forerun.base.row_int8 import calibration_texts
 from forerun.base.weights import check_quantize, quantize_weights
 from forerun.converted import index_for, load_gguf
-from forerun.defaults import DEFAULT_MODEL
+from forerun.defaults import BF16_QUANTIZATIONS, DEFAULT_MODEL
 from forerun.fetch import DEFAULT_MODELS_DIR, FETCHABLE
 from forerun.measured import DEFAULT_CACHE_DIR
 
@@ -120,9 +121,11 @@ def load_model(
     cache_dir: Path | str | None = DEFAULT_CACHE_DIR,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load (model, tokenizer) offline; GGUF weights are dequantized to `dtype` (a torch dtype, "fp32", "bf16",
-    "fp16", or "auto": bf16 on a CUDA device or with `quantize`, fp32 elsewhere). `quantize="int4"`: every linear
-    layer's weights kept in 4 bits, groups of 32, on the CPU (`forerun.base.weights`); a GGUF file's Q4_0/Q4_1/Q4_K
-    codes are kept as they are (`forerun.base.gguf_codes`). `quantize="int8"`: 8 bits, one scale per row.
+    "fp16", or "auto": bf16 on a CUDA device or with `quantize` "int4" or "int8", fp32 elsewhere). `quantize="int4"`:
+    every linear layer's weights kept in 4 bits, groups of 32, on the CPU (`forerun.base.weights`); a GGUF file's
+    Q4_0/Q4_1/Q4_K codes are kept as they are (`forerun.base.gguf_codes`). `quantize="int8"`: 8 bits, one scale per
+    row.
+    `quantize="w8a8"`: 8-bit weights and activations, integer products, fp32 around them (`forerun.base.row_int8`).
     `attn_implementation="auto"`: sdpa with grouped key/value heads read in place, computed in fp32 for bf16/fp16
     weights on the CPU (`forerun.attention`), eager for families transformers has no sdpa for; any name
     transformers takes. `pack`: dense linear layers laid out once
@@ -135,8 +138,9 @@ def load_model(
     Raises FileNotFoundError with the install command when an embedded model's package is missing, ValueError
     for a dtype forerun does not run in.
     """
-    if dtype == "auto":  # a GPU's own precision; a CPU's exact one (int4 weights compute in bf16)
-        dtype = torch.bfloat16 if torch.device(device).type == "cuda" or quantize else torch.float32
+    if dtype == "auto":  # a GPU's own precision; a CPU's exact one (4- and 8-bit weights compute in bf16)
+        half = torch.device(device).type == "cuda" or quantize in BF16_QUANTIZATIONS
+        dtype = torch.bfloat16 if half else torch.float32
     dtype = as_dtype(dtype)
     check_quantize(quantize, device, dtype)
     check_pack(bool(pack), device, dtype)
@@ -148,7 +152,7 @@ def load_model(
         if gguf_file and quantize == "int4":  # the file's own 4-bit codes (Q4_0, Q4_1, Q4_K), not quantized again
             gguf = Path(location) / gguf_file
             keep_codes(model, gguf, index_for(gguf, dtype, cache_dir))
-        quantize_weights(model, quantize)
+        quantize_weights(model, quantize, calibration_texts(tokenizer) if quantize == "w8a8" else None)
     if packable(device, dtype) if pack is None else pack:
         pack_weights(model)
         lay_out_rows(model, cache_dir)  # a few rows computed as more where this CPU does that faster

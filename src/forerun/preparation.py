@@ -22,6 +22,7 @@ from transformers import (
     StopStringCriteria,
 )
 
+from forerun.base.weights import vocabulary_rows
 from forerun.checks import check_decoding_mode, row_seeds
 from forerun.penalties import OccurrencePenalty
 from forerun.prompts import check_kinds
@@ -48,7 +49,7 @@ def eos_ids_of(model: torch.nn.Module, eos_token_id: int | Sequence[int] | None)
     ids = [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id
     if not given:
         return frozenset(ids)
-    vocab = model.get_output_embeddings().weight.shape[0]
+    vocab = vocabulary_rows(model)
     if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple, set, frozenset)):
         raise ValueError(f"eos_token_id must be a token id or a list of token ids, got {eos_token_id!r:.40}")
     for token in ids:

@@ -25,7 +25,7 @@ from forerun.attention import SDPA_FP32, SDPA_GROUPED
 from forerun.base.packed import check_pack
 from forerun.base.weights import check_quantize
 from forerun.config import EngineConfig
-from forerun.defaults import DEFAULT_METHOD, DEFAULT_MODEL
+from forerun.defaults import BF16_QUANTIZATIONS, DEFAULT_METHOD, DEFAULT_MODEL
 from forerun.methods import MethodPlan, plan_method
 from forerun.models import DTYPES
 
@@ -77,7 +77,8 @@ class RunSpec:
     threads: int = 0
     """torch threads (0 = torch's default), pinned before the model loads."""
     quantize: str | None = None
-    """'int4' or 'int8': every linear layer's weights in 4 or 8 bits (CPU, bf16 activations; `forerun.base.weights`)."""
+    """'int4' or 'int8': every linear layer's weights in 4 or 8 bits (CPU, bf16 activations; `forerun.base.weights`);
+    'w8a8': 8-bit weights and activations, integer products, fp32 around them (`forerun.base.row_int8`)."""
     attention: str = "auto"
     """auto (sdpa with grouped heads read in place, computed in fp32 for bf16/fp16 on the CPU: `forerun.attention`),
     sdpa (transformers' own), eager, SDPA_FP32 or SDPA_GROUPED."""
@@ -89,7 +90,7 @@ class RunSpec:
 
     def __post_init__(self) -> None:
         if self.dtype == "auto":
-            bf16 = parse_device(self.device).type == "cuda" or self.quantize is not None
+            bf16 = parse_device(self.device).type == "cuda" or self.quantize in BF16_QUANTIZATIONS
             object.__setattr__(self, "dtype", "bf16" if bf16 else "fp32")
         check_quantize(self.quantize, self.device, DTYPES.get(self.dtype, torch.float32))
         if self.dtype not in DTYPES:

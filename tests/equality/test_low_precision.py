@@ -21,7 +21,7 @@ from forerun.base.packed import PackedLinear, packable
 from forerun.base.weights import weights_kind
 from forerun.costmodel import LatencyCurve
 from forerun.engine import decode
-from forerun.exactness import TIE_ULPS, first_divergence, judged_by_one_forward, judged_in_company, ulp
+from forerun.exactness import TIE_ULPS, first_divergence, judged_by_one_forward, judged_in_company, resolution, ulp
 from forerun.noise import GumbelNoise
 from forerun.row import RowJob
 from forerun.transcript import Transcript
@@ -55,7 +55,7 @@ def against_generate(decoder, model, prompt, new_tokens=NEW_TOKENS):
     generate's own logits (`forerun.exactness`)."""
     expected, logits = reference(model, prompt, new_tokens)
     result = decoder.generate(prompt, new_tokens, eos_token_id=[])
-    return result, first_divergence(expected, result.new_tokens, logits, model.dtype)
+    return result, first_divergence(expected, result.new_tokens, logits, resolution(model))
 
 
 def test_ulp_of_each_dtype():
@@ -187,7 +187,7 @@ def real_model_ties(model, tokenizer, new_tokens: int) -> int:
             )["input_ids"]
             expected, logits = reference(model, ids, new_tokens, stop_at_eos=True)
             got = decoder.generate(ids, new_tokens).new_tokens
-            divergence = first_divergence(expected, got, logits, model.dtype)
+            divergence = first_divergence(expected, got, logits, resolution(model))
             # The contract's second half: beyond TIE_ULPS on generate's own logits, a first difference must still be
             # a tie on one forward over the same text, or one that plain generate makes itself in a batch of two
             # (its noise floor: "List the planets..." flips at position 25 at 3 ulp in plain generate beside another

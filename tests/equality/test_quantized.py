@@ -1,6 +1,6 @@
-"""4- and 8-bit weights (torchao's CPU int4 layout; int8 codes with a scale per row; bf16 activations): forerun on a
-quantized model against plain generate of the same quantized model. Every first difference must sit on a numerical
-tie, as for bf16."""
+"""4- and 8-bit weights (torchao's CPU int4 layout; int8 codes with a scale per row; bf16 activations) and 8-bit
+weights with 8-bit activations (w8a8, fp32 around them): forerun on a quantized model against plain generate of the
+same quantized model. Every first difference must sit on a numerical tie, as for bf16 (w8a8: at bf16's resolution)."""
 
 from __future__ import annotations
 
@@ -9,24 +9,32 @@ import logging
 
 import pytest
 import torch
-from test_low_precision import CURVE, against_generate, real_model_ties
+from test_low_precision import CURVE, against_generate, real_model_ties, reference
 
 import forerun
+from forerun.base.row_int8 import exact_sums
 from forerun.base.weights import check_quantize, dense, quantize_weights, weights_kind
 from forerun.drafters.eagle3 import load_head
 from forerun.drafters.eagle3.runner import HeadRunner
+from forerun.exactness import W8A8_EPS, first_divergence, resolution
 from forerun.latency import curve_settings
 
 from eagle3_heads import write_head
-from tiny_models import prompts, tiny_model
+from tiny_models import VOCAB, prompts, tiny_model
 
 
-@functools.lru_cache(maxsize=4)
+@functools.lru_cache(maxsize=6)
 def int4_model(family: str, bits: str = "int4") -> torch.nn.Module:
+    if bits == "w8a8":  # fp32 around integer products, smoothed on random texts' activations
+        texts = [torch.randint(0, VOCAB, (1, 48), generator=torch.Generator().manual_seed(i)) for i in range(3)]
+        return quantize_weights(tiny_model(family, "sdpa"), bits, texts)
     return quantize_weights(tiny_model(family, "sdpa").to(torch.bfloat16), bits)
 
 
-@pytest.mark.parametrize("bits", ["int4", "int8"])
+w8a8_runs = pytest.mark.skipif(not exact_sums(), reason="this CPU's integer product saturates (no AVX-512 VNNI)")
+
+
+@pytest.mark.parametrize("bits", ["int4", "int8", pytest.param("w8a8", marks=w8a8_runs)])
 @pytest.mark.parametrize("method", ["prompt_lookup", "auto"])
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_quantized_first_differences_are_ties(family, method, bits):
@@ -126,6 +134,29 @@ def test_int8_weights_are_within_a_step_of_the_dense_ones():
     product = torch.nn.functional.linear(x, quantized)  # PyTorch's int8 kernel, through the subclass
     expected = x.float() @ quantized.dequantize().float().T
     assert float((product.float() - expected).abs().max()) <= 2**-7 * float(expected.abs().max())  # a bf16 step
+
+
+@w8a8_runs
+def test_w8a8_rows_of_a_batch_differ_from_each_prompt_alone_only_at_ties():
+    """A batch's rows (padded trees, one ragged cache) against plain generate of each prompt alone; the rows'
+    integer products do not depend on the rows beside them."""
+    model = int4_model("llama", "w8a8")
+    rows = [p[0].tolist() for p in prompts(3)]
+    decoder = forerun.Decoder(model, None, "auto", latency=CURVE.with_batches([(2, CURVE), (4, CURVE)]))
+    results = decoder.generate(rows, 32, eos_token_id=[])
+    for row, result in zip(rows, results, strict=True):
+        expected, logits = reference(model, torch.tensor([row]), 32)
+        divergence = first_divergence(expected, result.new_tokens, logits, resolution(model))
+        assert divergence is None or divergence.is_tie, divergence
+    assert sum(result.stats.accepted for result in results) > 0  # trees were verified in the batch
+
+
+@pytest.mark.real_model
+@w8a8_runs
+def test_real_model_with_w8a8_differs_only_at_ties():
+    model, tokenizer = forerun.load_model("smollm2-135m", quantize="w8a8")
+    assert model.dtype == torch.float32 and weights_kind(model) == "w8a8" and resolution(model) == W8A8_EPS
+    assert real_model_ties(model, tokenizer, 64) >= 1
 
 
 @pytest.mark.real_model

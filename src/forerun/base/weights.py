@@ -28,6 +28,7 @@ import logging
 import torch
 
 from forerun.base.kernels import direct_kernels, plain_linear
+from forerun.base.row_int8 import RowInt8Linear, exact_sums, quantize_w8a8
 from forerun.defaults import QUANTIZATIONS
 
 logger = logging.getLogger(__name__)
@@ -46,10 +47,24 @@ def check_quantize(quantize: str | None, device: str, dtype: torch.dtype) -> Non
         raise ValueError(f"quantize must be one of {', '.join(QUANTIZATIONS)} or None, got {quantize!r}")
     if torch.device(device).type != "cpu":
         raise ValueError(f"quantize={quantize!r} uses torchao's CPU layout; the model is on {device}")
+    if quantize == "w8a8":
+        check_w8a8(dtype)
+        return
     if dtype != torch.bfloat16:
         raise ValueError(f"quantize={quantize!r} computes in bf16 (give dtype='bf16' or 'auto'), got {dtype}")
     if not quantizable():
         raise ValueError(f"quantize={quantize!r} needs torchao: pip install 'forerun[quantize]' (torchao==0.18.0)")
+
+
+def check_w8a8(dtype: torch.dtype) -> None:
+    """A ValueError naming what is missing unless 8-bit activations run here in `dtype` (`forerun.base.row_int8`)."""
+    if dtype != torch.float32:
+        raise ValueError(f"quantize='w8a8' computes in fp32 around its integer products (give dtype='fp32' or 'auto'), "
+                         f"got {dtype}")  # fmt: skip
+    if "fbgemm" not in torch.backends.quantized.supported_engines:
+        raise ValueError("quantize='w8a8' needs fbgemm's integer product, which this PyTorch (not x86) lacks")
+    if not exact_sums():
+        raise ValueError("quantize='w8a8' needs AVX-512 VNNI or AMX: this CPU's integer product saturates its sums")
 
 
 def quantizable() -> bool:
@@ -57,11 +72,19 @@ def quantizable() -> bool:
     return importlib.util.find_spec("torchao") is not None
 
 
-def quantize_weights(model: torch.nn.Module, quantize: str) -> torch.nn.Module:
+def quantize_weights(
+    model: torch.nn.Module, quantize: str, calibration: list[torch.Tensor] | None = None
+) -> torch.nn.Module:
     """Quantize `model`'s dense linear layers in place (`plain_linear` ones; for int4, those whose input width is a
     multiple of GROUP_SIZE and whose output count a multiple of INT4_ROWS) but its output matrix (`output_matrix`);
     layers already holding quantized weights (a GGUF file's kept codes: `forerun.base.gguf_codes`) stay as they are.
-    Every quantized layer then calls its kernel directly (`forerun.base.kernels`: the same numbers, less Python)."""
+    Every quantized layer then calls its kernel directly (`forerun.base.kernels`: the same numbers, less Python).
+    "w8a8": every layer, the output matrix too, smoothed on the activations of `calibration` (token ids [1, n]
+    each; `forerun.base.row_int8.calibration_texts`)."""
+    if quantize == "w8a8":
+        if not calibration:
+            raise ValueError("quantize='w8a8' measures activations on calibration texts: none were given")
+        return quantize_w8a8(model, calibration)
     output = output_matrix(model)
     if quantize == "int8":
         from forerun.base.int8 import quantize_int8
@@ -92,6 +115,18 @@ def output_matrix(model: torch.nn.Module) -> torch.nn.Module | None:
     """
     named = getattr(model, "get_output_embeddings", None)
     return named() if callable(named) else None
+
+
+def vocabulary_rows(model: torch.nn.Module) -> int:
+    """How many logits `model`'s output matrix gives (its rows; an 8-bit-activation layer holds no `weight`).
+
+    Example:
+        >>> vocabulary_rows(type("M", (), {"get_output_embeddings": lambda self: torch.nn.Linear(4, 9)})())
+        9
+    """
+    matrix = model.get_output_embeddings()
+    rows = getattr(matrix, "out_features", None)
+    return int(rows) if rows is not None else int(matrix.weight.shape[0])
 
 
 def int4_fits(layer: torch.nn.Linear) -> bool:
@@ -137,15 +172,17 @@ def looked_up(model: torch.nn.Module) -> tuple[torch.nn.Module, ...]:
     return () if tied else (embedding,)
 
 
-def kind_of(layer: torch.nn.Linear) -> str:
+def kind_of(layer: torch.nn.Module) -> str:
     """'int8' or 'int4': the kind of a quantized linear layer's weights."""
     return "int8" if type(layer.weight).__name__ == "Int8RowTensor" else "int4"
 
 
 def weights_kind(model: torch.nn.Module) -> str | None:
-    """'int4' or 'int8' where the model's linear layers hold quantized weights (any of them: some may stay dense,
-    `quantize_weights`), else None (part of a latency curve's key)."""
+    """'int4', 'int8' or 'w8a8' where the model's linear layers hold quantized weights (any of them: some may stay
+    dense, `quantize_weights`), else None (part of a latency curve's key)."""
     for module in model.modules():
+        if isinstance(module, RowInt8Linear):
+            return "w8a8"
         if isinstance(module, torch.nn.Linear) and not dense(module.weight):
             return kind_of(module)
     return None

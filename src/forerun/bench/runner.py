@@ -46,7 +46,7 @@ from forerun.bench.peers import DENSE_PEERS, PEER_METHODS, DenseGeneratePeer, Ll
 from forerun.bench.records import NOISE_FLOOR, REFERENCE, Record
 from forerun.costmodel import LatencyCurve
 from forerun.decoder import Decoder
-from forerun.exactness import first_divergence, tie_reading
+from forerun.exactness import first_divergence, resolution, tie_reading
 from forerun.latency import synchronize
 
 
@@ -189,7 +189,7 @@ class Run:
     @property
     def exact(self) -> bool:
         """fp32: greedy runs must be token for token identical; lower precision: identical up to ties."""
-        return self.model.dtype == torch.float32
+        return resolution(self.model) == torch.float32
 
     def judge(self, ids: torch.Tensor, reference: torch.Tensor, out: torch.Tensor) -> dict:
         """A greedy output against the reference, as `Record` fields: `identical`, and in low precision the tie
@@ -213,7 +213,9 @@ class Run:
             self.reference_logits[key] = [row[0].cpu() for row in again.logits]
         start = ids.shape[1]
         expected = reference[0, start:].tolist()
-        divergence = first_divergence(expected, out[0, start:].tolist(), self.reference_logits[key], self.model.dtype)
+        divergence = first_divergence(
+            expected, out[0, start:].tolist(), self.reference_logits[key], resolution(self.model)
+        )
         if divergence is None:  # the same tokens, one of them longer
             return {"identical": False, "tie_ulps": 0.0}
         reading = None if divergence.is_tie else tie_reading(self.model, ids, expected, divergence)

@@ -85,7 +85,8 @@ DEVICE = typer.Option("cpu", "--device", help="cpu, cuda, cuda:1 ...")
 QUANTIZE = typer.Option(
     "",
     "--quantize",
-    help="int4 | int8: every linear layer's weights in 4 or 8 bits (CPU, bf16 activations); empty: as loaded.",
+    help="int4 | int8: every linear layer's weights in 4 or 8 bits (CPU, bf16 activations) | w8a8: 8-bit weights "
+    "and activations, integer products (CPU with AVX-512 VNNI or AMX, fp32 around them); empty: as loaded.",
 )
 ATTENTION = typer.Option(
     "auto",

@@ -21,8 +21,8 @@ OUT = typer.Option("bench-results/latency", "--out")
 DTYPES = typer.Option(
     "fp32",
     "--dtype",
-    help="fp32, bf16, int8 or int4 (8- or 4-bit weights, bf16 activations), or several: fp32,bf16,int8,int4 "
-    "(one plot).",
+    help="fp32, bf16, int8 or int4 (8- or 4-bit weights, bf16 activations), w8a8 (8-bit weights and activations), "
+    "or several: fp32,bf16,int8,int4 (one plot).",
 )
 ROWS = typer.Option(
     "2,4,8", "--rows", help="Rows per forward for the batched curves (what batches decide on); '' for none."
@@ -64,7 +64,8 @@ def curve(
     if threads < 1:
         raise ValueError("--threads must be >= 1")
     writable_folder(out)
-    quantized = {label: {"dtype": "bf16", "quantize": label} for label in QUANTIZATIONS}  # int4: bf16 activations
+    # int4, int8: bf16 activations; w8a8: fp32 around its integer products
+    quantized = {label: {"dtype": "fp32" if label == "w8a8" else "bf16", "quantize": label} for label in QUANTIZATIONS}
     specs = {
         label: RunSpec(model=model, method="plain", device=device, threads=threads, attention=attention, pack=pack,
                        **quantized.get(label, {"dtype": label}))

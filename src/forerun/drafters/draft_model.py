@@ -37,6 +37,7 @@ import time
 import torch
 from torch import nn
 
+from forerun.base.weights import vocabulary_rows
 from forerun.config import DraftModelConfig, PromptLookupConfig
 from forerun.drafters.base import DraftContext, MethodSpec, StepOutcome, cut_at_eos
 from forerun.drafters.draft_cache import SLOTS_AHEAD, DraftCache, GrowingDraftCache, SlotDraftCache, slot_pool
@@ -263,7 +264,7 @@ def fit_rows(logits: torch.Tensor, vocab: int) -> torch.Tensor:
 
 
 def output_rows(model: nn.Module) -> int:
-    return model.get_output_embeddings().weight.shape[0]
+    return vocabulary_rows(model)
 
 
 def model_name(model: nn.Module) -> str:

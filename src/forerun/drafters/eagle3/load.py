@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import LlamaConfig
 
-from forerun.base.weights import quantizable, quantize_weights, weights_kind
+from forerun.base.weights import quantizable, quantize_weights, vocabulary_rows, weights_kind
 from forerun.drafters.eagle3.head import Eagle3Head, default_aux_layers
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -66,10 +66,10 @@ def head_dtype(target_dtype: torch.dtype, device_type: str, bf16_units: bool | N
 
 
 def head_weights(target_kind: str | None, dtype: torch.dtype, device_type: str, torchao: bool) -> str | None:
-    """The kind of weights a head's linear layers take (None: dense): the target's where it is quantized; int4 for
-    a dense target where the head computes in bf16 on a CPU and torchao is installed. On a CPU a head forward is
-    bound by reading its weights, as a small target's is: int4 reads a quarter of bf16's bytes, and torchao's int4
-    products of a few rows are no slower than bf16's (the benchmarks page, "EAGLE-3", measures both).
+    """The kind of weights a head's linear layers take (None: dense): the target's where it holds 4- or 8-bit
+    weights; int4 for another target where the head computes in bf16 on a CPU and torchao is installed. On a CPU a
+    head forward is bound by reading its weights, as a small target's is: int4 reads a quarter of bf16's bytes, and
+    torchao's int4 products of a few rows are no slower than bf16's (the benchmarks page, "EAGLE-3", measures both).
 
     Example:
         >>> head_weights(None, torch.bfloat16, "cpu", torchao=True), head_weights("int8", torch.bfloat16, "cpu", True)
@@ -77,7 +77,7 @@ def head_weights(target_kind: str | None, dtype: torch.dtype, device_type: str, 
         >>> head_weights(None, torch.float32, "cpu", True), head_weights(None, torch.bfloat16, "cuda", True)
         (None, None)
     """
-    if target_kind is not None:
+    if target_kind is not None and target_kind != "w8a8":  # a head's few rows gain nothing from 8-bit activations
         return target_kind
     return "int4" if torchao and device_type == "cpu" and dtype == torch.bfloat16 else None
 
@@ -103,7 +103,7 @@ def load_head(
     config = LlamaConfig.from_dict(raw)
     target_config = target.config.get_text_config()
     target_hidden = raw.get("target_hidden_size", raw["hidden_size"])
-    vocab = target.get_output_embeddings().weight.shape[0]
+    vocab = vocabulary_rows(target)
     check(
         target_hidden == target_config.hidden_size,
         config_file,

@@ -35,6 +35,7 @@ import torch
 from safetensors.torch import save_file
 
 from forerun.base.packed import dense_matrix
+from forerun.base.weights import vocabulary_rows
 from forerun.drafters.eagle3.head import Eagle3Head, HeadCache, default_aux_layers, head_config
 from forerun.drafters.eagle3.readings import Pack, Reading, draft_vocabulary, packs, read_texts
 
@@ -74,7 +75,7 @@ def stdlib_texts() -> list[str]:
 def new_head(model, used: torch.Tensor, layers: tuple[int, ...]) -> Eagle3Head:
     """A head shaped like one of the target's layers, over draft vocabulary `used` (target ids, sorted)."""
     config = model.config
-    vocab = model.get_output_embeddings().weight.shape[0]
+    vocab = vocabulary_rows(model)
     head_conf = head_config(config.hidden_size, config.num_attention_heads, config.num_key_value_heads, vocab,
                             len(used), config.hidden_size)  # fmt: skip
     head_conf.intermediate_size = config.intermediate_size
@@ -231,7 +232,7 @@ def train_loop(model, readings: list[Reading], layers, out: Path, config: TrainC
     """Train on all readings but every 20th (held out, when there are 20 or more) for `config.seconds`; save."""
     held = readings[::20] if len(readings) >= 20 else []
     trained_on = [r for i, r in enumerate(readings) if not held or i % 20]
-    vocab = model.get_output_embeddings().weight.shape[0]
+    vocab = vocabulary_rows(model)
     if start is None:
         used = draft_vocabulary(trained_on, vocab, config.draft_vocab)
         head = new_head(model, used, layers)
