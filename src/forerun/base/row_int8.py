@@ -129,14 +129,12 @@ def quantize_w8a8(model: torch.nn.Module, texts: list[torch.Tensor]) -> torch.nn
     if not exact_sums():
         raise ValueError("quantize='w8a8' needs AVX-512 VNNI or AMX: this CPU's integer product saturates its sums")
     ranges = activation_ranges(model, texts)
-    names = {module: name for name, module in model.named_modules()}
-    swaps = []
-    for parent in model.modules():
-        for child_name, child in parent.named_children():
-            if plain_linear(child):
-                swaps.append((parent, child_name, RowInt8Linear(child, ranges.get(names[child]))))
-    for parent, child_name, layer in swaps:  # a tied output matrix is untied: the embedding keeps its weights
-        setattr(parent, child_name, layer)
+    places = [(name, child) for name, parent in model.named_modules() for child, layer in parent.named_children()
+              if plain_linear(layer)]  # fmt: skip
+    for name, child in places:  # one at a time, by name: each fp32 matrix is let go as its codes are made
+        parent = model.get_submodule(name)
+        full = f"{name}.{child}" if name else child
+        setattr(parent, child, RowInt8Linear(getattr(parent, child), ranges.get(full)))  # a tied output: untied
     return model
 
 

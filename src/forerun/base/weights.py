@@ -46,7 +46,7 @@ def check_quantize(quantize: str | None, device: str, dtype: torch.dtype) -> Non
     if quantize not in QUANTIZATIONS:
         raise ValueError(f"quantize must be one of {', '.join(QUANTIZATIONS)} or None, got {quantize!r}")
     if torch.device(device).type != "cpu":
-        raise ValueError(f"quantize={quantize!r} uses torchao's CPU layout; the model is on {device}")
+        raise ValueError(f"quantize={quantize!r} runs on the CPU's kernels; the model is on {device}")
     if quantize == "w8a8":
         check_w8a8(dtype)
         return
@@ -59,8 +59,8 @@ def check_quantize(quantize: str | None, device: str, dtype: torch.dtype) -> Non
 def check_w8a8(dtype: torch.dtype) -> None:
     """A ValueError naming what is missing unless 8-bit activations run here in `dtype` (`forerun.base.row_int8`)."""
     if dtype != torch.float32:
-        raise ValueError(f"quantize='w8a8' computes in fp32 around its integer products (give dtype='fp32' or 'auto'), "
-                         f"got {dtype}")  # fmt: skip
+        given = f"give dtype='fp32' or 'auto', got {dtype}"
+        raise ValueError(f"quantize='w8a8' computes in fp32 around its integer products ({given})")
     if "fbgemm" not in torch.backends.quantized.supported_engines:
         raise ValueError("quantize='w8a8' needs fbgemm's integer product, which this PyTorch (not x86) lacks")
     if not exact_sums():
