@@ -92,18 +92,23 @@ def step_times(name: str, repeats: int) -> list[dict]:
     dense_output, _ = load_model(name, quantize="int4")
     output_int4, _ = load_model(name, quantize="int4", pack=False)
     output_int4.lm_head = quantize_weights(torch.nn.Sequential(output_int4.lm_head), "int4")[0]
+    return interleaved_steps({"dense": dense_output, "int4": output_int4}, repeats, prefix="output_")
+
+
+def interleaved_steps(models: dict[str, torch.nn.Module], repeats: int, prefix: str = "") -> list[dict]:
+    """Per count of tokens fed (1, 4, 16) after 200 cached: each of `models`' forward in turn, `repeats` rounds
+    after a warming one, the fastest in ms under `{prefix}{name}_ms`."""
     ids = torch.randint(100, 1000, (1, 216), generator=torch.Generator().manual_seed(0))
     rows = []
     for tokens in (1, 4, 16):
-        ways = (("dense", dense_output), ("int4", output_int4))
-        steps = {way: stepper(model, model.forward, ids, 200, tokens) for way, model in ways}
+        steps = {way: stepper(model, model.forward, ids, 200, tokens) for way, model in models.items()}
         times: dict[str, list[float]] = {way: [] for way in steps}
         for _ in range(repeats + 1):  # the first round warms
             for way, step in steps.items():
                 started = time.perf_counter()
                 step()
                 times[way].append(time.perf_counter() - started)
-        rows.append({"tokens": tokens} | {f"output_{w}_ms": round(min(t[1:]) * 1e3, 2) for w, t in times.items()})
+        rows.append({"tokens": tokens} | {f"{prefix}{w}_ms": round(min(t[1:]) * 1e3, 2) for w, t in times.items()})
         print(rows[-1], flush=True)
     return rows
 

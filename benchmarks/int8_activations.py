@@ -31,10 +31,13 @@ import time
 from pathlib import Path
 
 import torch
-from int4_fidelity import next_tokens, texts  # sibling scripts (`python benchmarks/x.py` puts its folder first)
-from step_overhead import stepper
+from int4_fidelity import (  # sibling scripts (`python benchmarks/x.py` puts its folder first)
+    interleaved_steps,
+    next_tokens,
+    texts,
+)
 
-from forerun.base.kernels import plain_linear
+from forerun.base.kernels import replace_linears
 from forerun.base.row_int8 import LEVELS, RowInt8Linear
 from forerun.models import load_model
 
@@ -42,14 +45,7 @@ from forerun.models import load_model
 def rows_only(model: torch.nn.Module) -> torch.nn.Module:
     """Every plain linear layer of fp32 `model` (the output matrix too) as a RowInt8Linear without measured
     activations: a row's one scale for all its channels (the control for smoothing)."""
-    swaps = [
-        (parent, name, RowInt8Linear(child))
-        for parent in model.modules()
-        for name, child in parent.named_children()
-        if plain_linear(child)
-    ]
-    for parent, name, layer in swaps:
-        setattr(parent, name, layer)
+    replace_linears(model, RowInt8Linear)
     return model
 
 
@@ -111,20 +107,7 @@ def products(copies: int = 24) -> dict:
 
 def steps(name: str, repeats: int) -> list[dict]:
     """ms per forward of 1, 4 and 16 tokens after 200 cached: `load_model`'s int4 and w8a8."""
-    models = {way: load_model(name, quantize=way)[0] for way in ("int4", "w8a8")}
-    ids = torch.randint(100, 1000, (1, 216), generator=torch.Generator().manual_seed(0))
-    found = []
-    for tokens in (1, 4, 16):
-        ways = {way: stepper(model, model.forward, ids, 200, tokens) for way, model in models.items()}
-        times: dict[str, list[float]] = {way: [] for way in ways}
-        for _ in range(repeats + 1):  # the first round warms
-            for way, step in ways.items():
-                started = time.perf_counter()
-                step()
-                times[way].append(time.perf_counter() - started)
-        found.append({"tokens": tokens} | {f"{w}_ms": round(min(t[1:]) * 1e3, 2) for w, t in times.items()})
-        print(found[-1], flush=True)
-    return found
+    return interleaved_steps({way: load_model(name, quantize=way)[0] for way in ("int4", "w8a8")}, repeats)
 
 
 def fidelity(name: str, n: int, length: int) -> dict:
