@@ -342,7 +342,7 @@ def test_cli_bench_batch_sizes_table_checks_every_row(model, tokenizer, tmp_path
     data = json.loads((out / "batched.json").read_text())
     rows = {(r["batch_size"], r["method"]): r for r in data["rows"]}
     assert set(rows) == {(b, m) for b in (1, 3) for m in ("generate", "prompt_lookup", "auto")}
-    assert all(r["identical_rows"] == r["rows"] == 4 for r in rows.values())
+    assert all(r["identical_rows"] == r["rows"] == 4 and r["beyond"] == [] for r in rows.values())
     assert "| 3 | auto |" in (out / "batched.md").read_text() and data["settings"]["refill"] is True
     chunked = CliRunner().invoke(
         app, [*args, "--methods", "auto", "--batch-size", "3", "--no-refill", "--rounds", "2", "--out", str(out)]

@@ -5,8 +5,9 @@ order), each batch lasting as long as its longest row. forerun decodes the same 
 a finished row's place going to the next prompt (`--refill`, the default: what `forerun run --batch-size b` does),
 or in generate's very batches, interleaved batch by batch (`--no-refill`). Reported per (b, method): new tokens
 per second over all prompts, the ratio against plain batched generate at the same b, tokens per forward (per row),
-and whether every row is identical to plain batched generate's row (fp32: it must be; bf16: rows may differ at
-numerical ties, see forerun.exactness).
+and how many rows are identical to plain batched generate's, first differ at a numerical tie, or neither (fp32: every
+row must be identical; bf16, 4-bit weights and w8a8: a row may first differ at a tie, judged on the model's logits
+for generate's text, `row_verdict`; `forerun.exactness`).
 
 Example:
     forerun bench --batch-size 1,2,4,8 --methods plain,prompt_lookup,auto --n 4 --max-new-tokens 64
@@ -14,14 +15,19 @@ Example:
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
 from forerun.bench.datasets import BenchPrompt
 from forerun.decoder import Decoder
+from forerun.exactness import Divergence, resolution, tie_reading
+
+Judge = Callable[[BenchPrompt, list[int], list[int]], str]
+"""(prompt, generate's row, forerun's row) -> "identical", "tie" or "other" (`row_verdict`)."""
 
 
 @dataclass
@@ -35,7 +41,11 @@ class BatchRow:
     forwards: int = 0
     """Summed over rows: each row counts the forwards it took part in."""
     identical_rows: int = 0
+    tied_rows: int = 0
+    """Rows whose first difference from generate's is a numerical tie (low precision only)."""
     rows: int = 0
+    beyond: list[str] = field(default_factory=list)
+    """The prompts whose row differs from generate's other than at a tie: what the contract forbids."""
 
     @property
     def tokens_per_second(self) -> float:
@@ -64,6 +74,26 @@ def new_rows(sequences: torch.Tensor, prompt_width: int, pad_id: int, eos: set[i
         cut = next((i + 1 for i, token in enumerate(row) if token in eos), len(row))
         out.append(row[:cut])
     return out
+
+
+def row_verdict(model, tokenizer, prompt: BenchPrompt, expected: list[int], got: list[int]) -> str:
+    """forerun's row `got` against plain batched generate's `expected` (new tokens, EOS included): "identical",
+    "tie" where the first difference is a numerical tie on the model's logits for generate's text before it (one
+    forward over it, or fed as a tree's root: `exactness.tie_reading`; the batch's own logits are not kept), else
+    "other". fp32 (not w8a8) holds rows to identity: any difference is "other", and so is a row that is only shorter
+    or longer than generate's (a stop misplaced, not a rounding).
+
+    Example: `row_verdict(model, tokenizer, prompt, [5, 7, 2], [5, 9, 2])` reads the model's logits after the prompt
+    and token 5, and calls it "tie" where tokens 7 and 9 score within `TIE_ULPS` there.
+    """
+    if got == expected:
+        return "identical"
+    position = next((i for i, (a, b) in enumerate(zip(expected, got, strict=False)) if a != b), None)
+    if position is None or resolution(model) == torch.float32:
+        return "other"
+    ids = left_padded(tokenizer, [prompt], model.device)["input_ids"]
+    unread = Divergence(position, expected[position], got[position], margin=math.nan, ulps=math.inf)
+    return "tie" if tie_reading(model, ids, expected, unread) is not None else "other"
 
 
 def run_batched(
@@ -113,6 +143,10 @@ def run_round(
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos or {0})
     reference = BatchRow(size, "generate")
     cells = {name: BatchRow(size, name) for name in decoders}
+
+    def judge(prompt: BenchPrompt, expected: list[int], got: list[int]) -> str:
+        return row_verdict(model, tokenizer, prompt, expected, got)
+
     expected: list[list[int]] = []
     for start in range(0, len(prompts), size):
         chunk = prompts[start : start + size]
@@ -130,9 +164,9 @@ def run_round(
         if step:
             step(f"b={size} generate")
         if not refill:
-            time_decoders(decoders, cells, chunk, rows, size, max_new_tokens, step)
+            time_decoders(decoders, cells, chunk, rows, size, max_new_tokens, step, judge)
     if refill:
-        time_decoders(decoders, cells, prompts, expected, size, max_new_tokens, step)
+        time_decoders(decoders, cells, prompts, expected, size, max_new_tokens, step, judge)
     return [reference, *cells.values()]
 
 
@@ -144,27 +178,33 @@ def time_decoders(
     size: int,
     max_new_tokens: int,
     step: Callable[[str], None] | None,
+    judge: Judge,
 ) -> None:
-    """Each decoder on `prompts` (at most `size` rows at once), timed and checked row by row into its cell."""
+    """Each decoder on `prompts` (at most `size` rows at once), timed, then each row judged (`judge`, untimed)
+    against generate's into its cell."""
     messages = [list(p.messages) for p in prompts]
     for name, decoder in decoders.items():
         began = time.perf_counter()
         out = decoder.generate(messages, max_new_tokens, batch_size=size)
         cell = cells[name]
         cell.seconds += time.perf_counter() - began
-        for result, tokens in zip(out, expected, strict=True):
+        for prompt, result, tokens in zip(prompts, out, expected, strict=True):
             cell.new_tokens += len(result.new_tokens)
             cell.forwards += result.stats.forwards
             cell.rows += 1
-            cell.identical_rows += result.new_tokens == tokens
+            verdict = judge(prompt, tokens, list(result.new_tokens))
+            cell.identical_rows += verdict == "identical"
+            cell.tied_rows += verdict == "tie"
+            if verdict == "other":
+                cell.beyond.append(prompt.id)
         if step:
             step(f"b={size} {name}")
 
 
 def markdown_table(rows: Sequence[BatchRow]) -> str:
-    """| batch | method | tok/s | vs generate | tokens/forward | identical rows |"""
+    """| batch | method | tok/s | vs generate | tokens/forward | identical / tie / other rows |"""
     lines = [
-        "| batch | method | tok/s | vs batched generate | tokens/forward (per row) | identical rows |",
+        "| batch | method | tok/s | vs batched generate | tokens/forward (per row) | identical / tie / other rows |",
         "|---:|---|---:|---:|---:|---:|",
     ]
     base = {row.batch_size: row.tokens_per_second for row in rows if row.method == "generate"}
@@ -173,6 +213,6 @@ def markdown_table(rows: Sequence[BatchRow]) -> str:
         per_forward = "-" if row.method == "generate" else f"{row.tokens_per_forward:.2f}"
         lines.append(
             f"| {row.batch_size} | {row.method} | {row.tokens_per_second:.1f} | {ratio:.2f}x | {per_forward} | "
-            f"{row.identical_rows}/{row.rows} |"
+            f"{row.identical_rows} / {row.tied_rows} / {len(row.beyond)} |"
         )
     return "\n".join(lines)

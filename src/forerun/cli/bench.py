@@ -244,6 +244,7 @@ def bench_batched(
     """`forerun bench --batch-size ...`: the batched table (forerun.bench.batched), written as JSON and Markdown."""
     import json
 
+    from forerun.base.weights import weights_kind
     from forerun.bench.batched import markdown_table, run_batched
     from forerun.bench.methods import OTHER_METHODS
     from forerun.decoder import Decoder
@@ -285,15 +286,15 @@ def bench_batched(
     out.mkdir(parents=True, exist_ok=True)
     (out / "batched.md").write_text(table + "\n", encoding="utf-8")
     settings = {"batch_sizes": sizes, "prompts": len(prompts), "max_new_tokens": max_new_tokens, "dtype": dtype,
-                "threads": threads, "refill": refill, "rounds": rounds, "latency_curve": curve.as_dict()}  # fmt: skip
+                "weights": weights_kind(lm), "threads": threads, "refill": refill, "rounds": rounds,
+                "latency_curve": curve.as_dict()}  # fmt: skip
     (out / "batched.json").write_text(json.dumps({"settings": settings, "rows": [r.as_dict() for r in rows]}, indent=1))
     console.print(f"wrote {out / 'batched.md'} and {out / 'batched.json'}")
-    mismatched = [r for r in rows if r.identical_rows != r.rows]
-    if mismatched and dtype == "fp32":
-        for row in mismatched:
-            errors.print(
-                f"[bold red]MISMATCH[/]: b={row.batch_size} {row.method}: {row.identical_rows}/{row.rows} rows"
-            )
+    mismatched = [r for r in rows if r.beyond]
+    for row in mismatched:
+        where = ", ".join(row.beyond)
+        errors.print(f"[bold red]MISMATCH[/]: b={row.batch_size} {row.method}: beyond a tie on {escape(where)}")
+    if mismatched:
         raise typer.Exit(1)
 
 
