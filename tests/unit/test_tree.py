@@ -93,6 +93,22 @@ def test_candidates_fuse_probes_do_not():
     probe = tree.add(0, 4, role="probe")
     assert probe == 3 and len(tree) == 4
     assert tree.candidate_children(0) == [1]
+    with pytest.raises(IndexError, match="parent 4 is not a node of a tree of 4 nodes"):
+        tree.add(4, 9)
+
+
+def test_a_fused_candidate_keeps_the_likelier_estimate():
+    """Two drafters guessing the same token: the cost model prices the node at the higher of their scores, whichever
+    came first, through `add` and through `graft`."""
+    tree = TokenTree.rooted_at(1)
+    node = tree.add(0, 4, score=0.3)
+    assert tree.add(0, 4, score=0.8) == node and tree.scores[node] == 0.8
+    assert tree.add(0, 4, score=0.1) == node and tree.scores[node] == 0.8
+    other = TokenTree.rooted_at(1)
+    other.add_chain(0, [4, 5], scores=[0.9, 0.2])
+    tree.add(node, 5, score=0.6)
+    tree.graft(other)
+    assert tree.scores == [1.0, 0.9, 0.6]
 
 
 def test_graft_fuses_shared_prefixes_and_respects_budget():
