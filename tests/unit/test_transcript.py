@@ -11,6 +11,8 @@ from transformers import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaLi
 from forerun.stopping import StopStrings
 from forerun.transcript import Transcript, simple_limits
 
+from tiny_models import char_tokenizer
+
 
 def criteria(max_length: int, eos: list[int]) -> StoppingCriteriaList:
     found = StoppingCriteriaList([MaxLengthCriteria(max_length=max_length)])
@@ -40,3 +42,17 @@ def test_other_criteria_are_called():
     stopping.append(StopStrings.__new__(StopStrings))  # any criterion beyond length and EOS
     assert simple_limits(stopping) is None
     assert simple_limits(criteria(9, [])) == (9, frozenset())
+
+
+def test_stop_strings_find_the_longest_stop_whole_and_a_special_tokens_text():
+    """The criterion decodes only the last tokens (the longest stop's length and a few): a long stop beside a short
+    one is still found whole, and a special token's text stops too (decoded with the specials)."""
+    tokenizer = char_tokenizer()
+    long_stop = "abcdefghijklmnopq"  # 17 tokens here, one a character
+    text = tokenizer("z" * 30 + long_stop, add_special_tokens=False, return_tensors="pt").input_ids
+    prompt = torch.tensor([[1, 3]])
+    stop = StopStrings(tokenizer, ["x", long_stop], prompt_len=2)
+    assert stop(torch.cat([prompt, text], dim=1), None).tolist() == [True]
+    assert stop(torch.cat([prompt, text[:, :-1]], dim=1), None).tolist() == [False]
+    ended = torch.cat([prompt, text[:, :3], torch.tensor([[tokenizer.eos_token_id]])], dim=1)
+    assert StopStrings(tokenizer, ["<eos>"], prompt_len=2)(ended, None).tolist() == [True]
