@@ -259,6 +259,29 @@ def tiny_model(family: str, attn_implementation: str = "sdpa", seed: int = 0, **
     return model.eval()
 
 
+def embedded_tokenizer():
+    """The embedded SmolLM2-135M's own tokenizer, read offline from its GGUF file."""
+    from transformers import AutoTokenizer
+
+    from forerun.models import resolve
+
+    location, gguf_file = resolve("smollm2-135m")
+    return AutoTokenizer.from_pretrained(location, gguf_file=gguf_file, local_files_only=True)
+
+
+def real_vocab_llama(tokenizer, **config: object) -> torch.nn.Module:
+    """A tiny random llama (2 layers, hidden 32) over `tokenizer`'s whole vocabulary, fp32, seeded 0, eval mode:
+    what the benchmark's tests run the real chat template through (`config`: settings over these)."""
+    settings = dict(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=2048, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **settings | config), dtype=torch.float32)
+    return model.eval()
+
+
 def prompts(count: int, length: int = 24, seed: int = 0) -> list[torch.Tensor]:
     """Random prompts [1, length] over ids 3..VOCAB-1, with repeats so prompt lookup finds matches."""
     generator = torch.Generator().manual_seed(seed)

@@ -6,7 +6,6 @@ import json
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from typer.testing import CliRunner
 
 from forerun.base.packed import packable, packed
@@ -21,6 +20,8 @@ from forerun.latency import SIZES, measure_curve
 from forerun.measured import device_name
 from forerun.models import DTYPES, load_model, resolve
 
+from tiny_models import embedded_tokenizer, real_vocab_llama
+
 EXPECTED_COUNTS = {
     "gsm8k": 1319,
     "humaneval": 164,
@@ -34,27 +35,13 @@ EXPECTED_COUNTS = {
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    location, gguf_file = resolve("smollm2-135m")
-    return AutoTokenizer.from_pretrained(location, gguf_file=gguf_file, local_files_only=True)
+    return embedded_tokenizer()
 
 
 @pytest.fixture(scope="module")
 def model(tokenizer):
     """A tiny random llama with the real tokenizer's vocabulary: the runner applies the real chat template."""
-    config = AutoConfig.for_model(
-        "llama",
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    return real_vocab_llama(tokenizer)
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED_COUNTS))

@@ -5,32 +5,25 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from typer.testing import CliRunner
 
 from forerun.bench import batched
 from forerun.bench.batched import BatchRow, left_padded, markdown_table, row_verdict, time_decoders
 from forerun.bench.datasets import load_dataset
 from forerun.cli import app
-from forerun.models import resolve
+
+from tiny_models import embedded_tokenizer, real_vocab_llama
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    location, gguf_file = resolve("smollm2-135m")
-    return AutoTokenizer.from_pretrained(location, gguf_file=gguf_file, local_files_only=True)
+    return embedded_tokenizer()
 
 
 @pytest.fixture(scope="module")
 def model(tokenizer):
     """A tiny random llama with the real tokenizer's vocabulary and an output matrix of its own (not tied)."""
-    config = AutoConfig.for_model(
-        "llama", vocab_size=len(tokenizer), hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    return real_vocab_llama(tokenizer, tie_word_embeddings=False)
 
 
 def greedy(model, tokenizer, prompt, tokens: int = 6) -> list[int]:
