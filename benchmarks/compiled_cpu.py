@@ -5,7 +5,9 @@ static base with compiled buckets (`Decoder(..., static_cache=True, compile_buck
 What a Python user on a CPU gets from compiling: the compiling is timed apart (the Decoder's latency curve and
 `warm_up` compile every bucket), then every run starts on a frozen heap (`gc.freeze`, as `forerun serve` does: compiling
 leaves millions of objects). fp32 compiled products round otherwise than eager ones (logits within ~1e-4), so a
-first difference there is judged as a tie or not (`forerun.exactness`), as low precision's are.
+first difference there is judged as a tie or not (`forerun.exactness`), as low precision's are. Every base runs on
+transformers' own linear layers (`load_model(pack=False)`): inductor cannot compile through weights laid out for
+oneDNN, which `load_model` does by default on CPUs with AVX-512.
 
     python benchmarks/compiled_cpu.py --dataset gsm8k,humaneval,mbpp,typehints --n 3 --threads 1 \
         --out benchmarks/results/compiled-cpu-fp32-epyc-avx2.json
@@ -34,7 +36,7 @@ BASES = {"growing cache": {}, "static": {"static_cache": True},
 
 def run(datasets: list[str], n: int, method: str, dtype: str, new_tokens: int) -> dict:
     """Per base ('generate' too): tokens, seconds, per-prompt speedups over generate, and how outputs compared."""
-    model, tokenizer = forerun.load_model("smollm2-135m", dtype=dtype)
+    model, tokenizer = forerun.load_model("smollm2-135m", dtype=dtype, pack=False)
     prompts = [encode(tokenizer, p, model.device) for name in datasets for p in load_dataset(name, n)]
     made, longest = {}, max(ids.shape[1] for ids in prompts) + new_tokens
     for label, options in BASES.items():

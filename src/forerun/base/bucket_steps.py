@@ -131,3 +131,19 @@ def compiled_copy(function: FunctionType) -> Callable[..., Outputs]:
     """
     skip_module_guards = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
     return torch.compile(own_function(function), options=skip_module_guards)
+
+
+def refuse_laid_out(model: torch.nn.Module) -> None:
+    """Raise ValueError where `model` holds weights laid out for oneDNN (`forerun.base.packed`: what `load_model`
+    does by default on a CPU with AVX-512): inductor reads every weight as a dense tensor, and would fail on the
+    first compiled step, minutes in, on tensors without storage. Loaded with `pack=False` the same model compiles.
+
+    Example:
+        >>> refuse_laid_out(torch.nn.Linear(4, 4))  # dense weights: nothing to refuse
+    """
+    laid_out = next((name for name, p in model.named_parameters() if p.layout == torch._mkldnn), None)
+    if laid_out is not None:
+        raise ValueError(
+            f"compile_buckets cannot compile a model whose weights are laid out for oneDNN ({laid_out}: "
+            "forerun.load_model does that on CPUs with AVX-512); load it with forerun.load_model(..., pack=False)"
+        )

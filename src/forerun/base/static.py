@@ -50,7 +50,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
 from forerun.base import static_timing
-from forerun.base.bucket_steps import BucketStep, Outputs, capture, compiled_copy, new_step
+from forerun.base.bucket_steps import BucketStep, Outputs, capture, compiled_copy, new_step, refuse_laid_out
 from forerun.base.dynamic import TreeLogits
 from forerun.base.place_prefixes import seed_place, store_place
 from forerun.base.prompt_feed import Fed, feed_places
@@ -128,7 +128,8 @@ class StaticBase:
         self.features = tuple(features)
         if graph_features(model, self.features) != self.features:
             raise ValueError(f"features are read from layers 0..{self.layers - 2}, got {list(features)}")
-        if program is None and compiled:
+        if compiled and program is None:
+            refuse_laid_out(model)
             program = compiled_copy(StaticBase.bucket_forward)
         self.program, self.compiled = program, program is not None
         self.step_forward: Callable[[int, torch.Tensor, bool], Outputs] = (
