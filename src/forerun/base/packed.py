@@ -12,8 +12,9 @@ model (`load_model(pack=False)` gives transformers' own layers).
 `weight` becomes the laid-out tensor itself (layout `torch._mkldnn`, same shape, dtype and bytes), so the model
 holds no second copy of its linear layers; an output matrix tied to the input embedding gets a laid-out copy of its
 own (the embedding stays dense, looked up by row). `.to_dense()` gives the original matrix back exactly
-(`dense_matrix`). A packed model stays on the CPU and does not train; under autocast or with gradients the layer
-multiplies its dense matrix.
+(`dense_matrix`). A packed model saves, loads, copies and pickles as any model (its state dict holds the matrices
+dense); cast to another dtype or moved off the CPU, they become dense again. It does not train: under autocast or
+with gradients the layer multiplies its dense matrix.
 
 Example (a [64, 32] layer: 64 outputs, 32 inputs):
     >>> model = torch.nn.Sequential(torch.nn.Linear(32, 64))
@@ -23,6 +24,8 @@ Example (a [64, 32] layer: 64 outputs, 32 inputs):
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -45,8 +48,7 @@ class PackedLinear(torch.nn.Linear):
 
     def __init__(self, linear: torch.nn.Linear) -> None:
         super().__init__(linear.in_features, linear.out_features, bias=False, device="meta")
-        laid_out = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), PACKED_ROWS)
-        self.weight = torch.nn.Parameter(laid_out, requires_grad=False)
+        self.weight = lay_out(linear.weight)
         self.bias = linear.bias
         self.rows: tuple[int, ...] = ()
 
@@ -68,6 +70,56 @@ class PackedLinear(torch.nn.Linear):
             padded = torch.cat([flat, flat.new_zeros(rows - count, self.in_features)])
             return self.product(padded)[:count].reshape(*x.shape[:-1], self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+
+    # What any nn.Module does (save, load, copy, pickle, cast, move) works on the matrix as it is dense: a laid-out
+    # tensor has no storage, and oneDNN's layout casts to nothing else. The layout stays where the matrix does.
+
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "weight"] = dense_matrix(self)  # a checkpoint any Linear loads
+
+    def _load_from_state_dict(self, *args: object, **kwargs: object) -> None:
+        with dense_weight(self):
+            super()._load_from_state_dict(*args, **kwargs)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> PackedLinear:
+        with dense_weight(self):
+            return super()._apply(fn, recurse)
+
+    def __getstate__(self) -> dict:
+        """Pickled and deep-copied with its matrix dense (`__setstate__` lays the copy's out again)."""
+        state = self.__dict__.copy()
+        state["_parameters"] = {**self._parameters, "weight": torch.nn.Parameter(dense_matrix(self), False)}
+        state["laid_out"] = self.weight.layout == torch._mkldnn
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        laid_out = state.pop("laid_out", False)
+        super().__setstate__(state)
+        if laid_out:
+            self.weight = lay_out(self.weight)
+
+
+def lay_out(matrix: torch.Tensor) -> torch.nn.Parameter:
+    """`matrix` [out, in] in oneDNN's blocked layout, as a frozen parameter (`PackedLinear.weight`)."""
+    return torch.nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(matrix.detach(), PACKED_ROWS), False)
+
+
+@contextmanager
+def dense_weight(layer: PackedLinear) -> Iterator[None]:
+    """`layer`'s matrix dense inside; after, laid out again if it was and still can be: on the CPU in its dtype (cast
+    or moved, it stays dense, and `forward` multiplies it as `F.linear` does)."""
+    weight = layer.weight
+    if weight.layout != torch._mkldnn:
+        yield
+        return
+    layer.weight = torch.nn.Parameter(weight.to_dense(), False)
+    try:
+        yield
+    finally:
+        now = layer.weight
+        if now.device.type == "cpu" and now.dtype == weight.dtype and now.layout == torch.strided:
+            layer.weight = lay_out(now)
 
 
 def packable(device: torch.device | str, dtype: torch.dtype) -> bool:
