@@ -42,9 +42,13 @@ class KernelLinear(torch.nn.Linear):
         self.product = product
         self.operands = operands
         self.wide = wide
+        self.activations = linear.weight.dtype
+        """What the kernel multiplies (bf16): a model cast to another dtype hands it rows of that one."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
+        flat, cast = x.reshape(-1, self.in_features), x.dtype != self.activations
+        if cast:  # compared, not `.to` every call: a step calls ~200 of these layers
+            flat = flat.to(self.activations)
         if self.wide is not None and flat.shape[0] >= self.wide.rows:
             out = self.wide.product(flat, *self.operands)
         else:
@@ -52,7 +56,32 @@ class KernelLinear(torch.nn.Linear):
         if out.shape[-1] != self.out_features:  # a kernel that padded its output columns
             out = out[:, : self.out_features]
         out = out.reshape(*x.shape[:-1], self.out_features)
+        if cast:
+            out = out.to(x.dtype)
         return out + self.bias if self.bias is not None else out
+
+    def __getstate__(self) -> dict:
+        """Pickled and deep-copied with its kernel by name (an operator object does not pickle)."""
+        return {**self.__dict__, "product": operator_name(self.product)}
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__({**state, "product": operator_named(state["product"])})
+
+
+def operator_name(op: Callable[..., torch.Tensor]) -> str:
+    """An ATen or quantized operator's qualified name, e.g. "aten::_weight_int8pack_mm" (`operator_named`'s)."""
+    return op._qualified_op_name  # type: ignore[attr-defined]
+
+
+def operator_named(name: str) -> Callable[..., torch.Tensor]:
+    """The operator `operator_name` named.
+
+    Example:
+        >>> operator_named("aten::_weight_int8pack_mm") is torch.ops.aten._weight_int8pack_mm
+        True
+    """
+    namespace, op = name.split("::")
+    return getattr(getattr(torch.ops, namespace), op)
 
 
 Found = tuple[Callable[..., torch.Tensor], tuple, Wide | None]
