@@ -86,3 +86,13 @@ def test_a_cast_leaves_the_matrices_dense_in_the_new_dtype_and_a_no_op_keeps_the
     assert not any(laid_out(packed))
     assert {p.dtype for p in packed.parameters()} == {torch.bfloat16}
     torch.testing.assert_close(logits(packed), logits(dense.to(torch.bfloat16)), rtol=0, atol=0)
+
+
+def test_a_matrix_tied_again_to_the_embedding_stays_tied_in_a_copy():
+    """transformers' `tie_weights` may hand a laid-out output layer the embedding's dense matrix again: a copy keeps
+    the two one parameter, as a copy of the dense model does."""
+    packed, _ = packed_llama()
+    packed.lm_head.weight = packed.model.embed_tokens.weight
+    twin = copy.deepcopy(packed)
+    assert twin.lm_head.weight is twin.model.embed_tokens.weight
+    assert torch.equal(logits(twin), logits(packed))

@@ -87,10 +87,12 @@ class PackedLinear(torch.nn.Linear):
             return super()._apply(fn, recurse)
 
     def __getstate__(self) -> dict:
-        """Pickled and deep-copied with its matrix dense (`__setstate__` lays the copy's out again)."""
+        """Pickled and deep-copied with its matrix dense (`__setstate__` lays the copy's out again); a matrix tied
+        again to a dense one (`forward`'s first case) as it is, still tied in the copy."""
         state = self.__dict__.copy()
-        state["_parameters"] = {**self._parameters, "weight": torch.nn.Parameter(dense_matrix(self), False)}
-        state["laid_out"] = self.weight.layout == torch._mkldnn
+        if self.weight.layout == torch._mkldnn:
+            state["_parameters"] = {**self._parameters, "weight": torch.nn.Parameter(self.weight.to_dense(), False)}
+            state["laid_out"] = True
         return state
 
     def __setstate__(self, state: dict) -> None:
