@@ -100,6 +100,11 @@ def resolve(name: str, models_dir: Path = DEFAULT_MODELS_DIR) -> tuple[str, str 
             raise FileNotFoundError(f"GGUF file not found: {path}")
         return str(path.parent), path.name
     if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(
+                f"{path} holds no config.json: not a model folder (one save_pretrained wrote); give such a folder, "
+                "a .gguf file, an alias or a hub id"
+            )
         return str(path), None
     if "/" in name and not path.exists():
         if name.startswith(("/", ".", "~")) or name.count("/") > 1:  # a path, not an org/name hub id
@@ -142,6 +147,8 @@ def load_model(
         half = torch.device(device).type == "cuda" or quantize in BF16_QUANTIZATIONS
         dtype = torch.bfloat16 if half else torch.float32
     dtype = as_dtype(dtype)
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r}, but this PyTorch ({torch.__version__}) sees no CUDA device")
     check_quantize(quantize, device, dtype)
     check_pack(bool(pack), device, dtype)
     attention = pick_attention(attn_implementation, device, dtype)

@@ -74,3 +74,20 @@ def test_known_models_and_clear_errors(tmp_path):
         with pytest.raises(FileNotFoundError, match="no such model folder"):
             resolve(missing, tmp_path)
     assert resolve("org/name", tmp_path) == ("org/name", None)  # a hub id: read from the local cache only
+
+
+def test_a_folder_without_a_config_or_a_card_without_cuda_is_named_before_anything_loads(tmp_path):
+    """A folder with no config.json failed inside the tokenizer ("Couldn't instantiate the backend tokenizer"), and
+    device="cuda" without CUDA in PyTorch's own assertion after the model was read."""
+    import torch
+
+    from forerun.models import load_model
+
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="holds no config.json"):
+        resolve(str(tmp_path / "empty"), tmp_path)
+    (tmp_path / "empty" / "config.json").write_text("{}")
+    assert resolve(str(tmp_path / "empty"), tmp_path) == (str(tmp_path / "empty"), None)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="sees no CUDA device"):
+            load_model(str(tmp_path / "nowhere.gguf"), device="cuda")
