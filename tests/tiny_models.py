@@ -338,3 +338,14 @@ def char_tokenizer(size: int = VOCAB):
     response_format (`forerun.structured`) over a tiny model's own vocabulary."""
     vocab = {token: i for i, token in enumerate(CHARACTERS[:size])}
     return fast_tokenizer(vocab, [], bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
+
+
+def quantized_tiny(family: str, bits: str) -> torch.nn.Module:
+    """A tiny model of `family` with forerun's `bits` weights: int4 / int8 over bf16, or w8a8 (fp32 around integer
+    products) smoothed on three random texts' activations."""
+    from forerun.base.weights import quantize_weights
+
+    if bits == "w8a8":
+        texts = [torch.randint(0, VOCAB, (1, 48), generator=torch.Generator().manual_seed(i)) for i in range(3)]
+        return quantize_weights(tiny_model(family, "sdpa"), bits, texts)
+    return quantize_weights(tiny_model(family, "sdpa").to(torch.bfloat16), bits)

@@ -20,15 +20,12 @@ from forerun.exactness import W8A8_EPS, first_divergence, resolution
 from forerun.latency import curve_settings
 
 from eagle3_heads import write_head
-from tiny_models import VOCAB, prompts, tiny_model
+from tiny_models import VOCAB, prompts, quantized_tiny, tiny_model
 
 
 @functools.lru_cache(maxsize=6)
 def int4_model(family: str, bits: str = "int4") -> torch.nn.Module:
-    if bits == "w8a8":  # fp32 around integer products, smoothed on random texts' activations
-        texts = [torch.randint(0, VOCAB, (1, 48), generator=torch.Generator().manual_seed(i)) for i in range(3)]
-        return quantize_weights(tiny_model(family, "sdpa"), bits, texts)
-    return quantize_weights(tiny_model(family, "sdpa").to(torch.bfloat16), bits)
+    return quantized_tiny(family, bits)
 
 
 w8a8_runs = pytest.mark.skipif(not exact_sums(), reason="this CPU's integer product saturates (no AVX-512 VNNI)")

@@ -12,19 +12,15 @@ import torch
 
 from forerun.base.kernels import KernelLinear
 from forerun.base.row_int8 import RowInt8Linear, exact_sums
-from forerun.base.weights import quantize_weights
 
-from tiny_models import VOCAB, tiny_model
+from tiny_models import quantized_tiny
 
 IDS = torch.tensor([[3, 17, 42, 9, 88, 5]])
 BITS = ["int4", "int8", pytest.param("w8a8", marks=pytest.mark.skipif(not exact_sums(), reason="no AVX-512 VNNI"))]
 
 
 def quantized(bits: str) -> torch.nn.Module:
-    if bits == "w8a8":
-        texts = [torch.randint(0, VOCAB, (1, 48), generator=torch.Generator().manual_seed(i)) for i in range(3)]
-        return quantize_weights(tiny_model("llama", "sdpa"), bits, texts)
-    return quantize_weights(tiny_model("llama", "sdpa").to(torch.bfloat16), bits)
+    return quantized_tiny("llama", bits)
 
 
 def logits(model: torch.nn.Module) -> torch.Tensor:

@@ -25,7 +25,18 @@ from forerun.base.unpacked import INT8_WIDE_ROWS, WIDE_ROWS, Wide, int4_wide, in
 aten = torch.ops.aten
 
 
-class KernelLinear(torch.nn.Linear):
+class NamedProduct:
+    """A layer whose `product` is an operator object (no pickle takes one): pickled and deep-copied with the
+    operator by name (`operator_name`), looked up again when read back. First among a module's bases."""
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "product": operator_name(self.product)}  # type: ignore[attr-defined]
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__({**state, "product": operator_named(state["product"])})  # type: ignore[misc]
+
+
+class KernelLinear(NamedProduct, torch.nn.Linear):
     """A linear layer whose product is one ATen weight-only kernel: x [..., in] (bf16) -> [..., out].
 
     `weight` stays the packed tensor subclass it was built from (so the model still reads as quantized and saves
@@ -59,13 +70,6 @@ class KernelLinear(torch.nn.Linear):
         if cast:
             out = out.to(x.dtype)
         return out + self.bias if self.bias is not None else out
-
-    def __getstate__(self) -> dict:
-        """Pickled and deep-copied with its kernel by name (an operator object does not pickle)."""
-        return {**self.__dict__, "product": operator_name(self.product)}
-
-    def __setstate__(self, state: dict) -> None:
-        super().__setstate__({**state, "product": operator_named(state["product"])})
 
 
 def operator_name(op: Callable[..., torch.Tensor]) -> str:

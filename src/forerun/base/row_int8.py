@@ -35,7 +35,7 @@ from importlib import resources
 
 import torch
 
-from forerun.base.kernels import operator_name, operator_named, plain_linear
+from forerun.base.kernels import NamedProduct, plain_linear
 
 LEVELS = 127
 """A row's codes lie in [-127, 127]: u8 values 1..255 around fbgemm's zero point 128."""
@@ -44,7 +44,7 @@ MIGRATION = 0.5
 its weights."""
 
 
-class RowInt8Linear(torch.nn.Module):
+class RowInt8Linear(NamedProduct, torch.nn.Module):
     """y [..., out] = q(x / m) @ q(W m)^T + bias: an integer product, q a row's own scale (activations) or an output
     row's (weights), m [in] the smoothing (`ranges`: each input channel's largest |x| measured; None: m = 1)."""
 
@@ -76,13 +76,6 @@ class RowInt8Linear(torch.nn.Module):
             f"{prefix.rstrip('.')}: a w8a8 layer's weights are fbgemm's packed codes, which no checkpoint holds "
             "(state_dict, save_pretrained); save the model before quantizing it (forerun.load_model without quantize=)"
         )
-
-    def __getstate__(self) -> dict:
-        """Pickled and deep-copied with its product by name (an operator object does not pickle)."""
-        return {**self.__dict__, "product": operator_name(self.product)}
-
-    def __setstate__(self, state: dict) -> None:
-        super().__setstate__({**state, "product": operator_named(state["product"])})
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, smoothed={self.inverse is not None}"
