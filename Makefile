@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 
 $(BIN)/python:
 	@$(PY) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || \
-		{ echo "forerun needs Python 3.11+ (transformers 5.24 does), $(PY) is older: make PY=python3.11 ..."; exit 1; }
+		{ echo "forerun needs Python 3.11+ (transformers 5.25 does), $(PY) is older: make PY=python3.11 ..."; exit 1; }
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 

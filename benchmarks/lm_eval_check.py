@@ -13,7 +13,7 @@ how many generations are identical.
 The harness pulls many packages (datasets, evaluate, accelerate, ...): install it in a venv of its own and name
 its `lm_eval` here.
 
-    python3 -m venv /tmp/lmv && /tmp/lmv/bin/pip install torch==2.13.0 "lm_eval[api]==0.4.13" transformers==5.24.0 \
+    python3 -m venv /tmp/lmv && /tmp/lmv/bin/pip install torch==2.13.0 "lm_eval[api]==0.4.13" transformers==5.25.0 \
         accelerate
     .venv/bin/python benchmarks/lm_eval_check.py --lm-eval /tmp/lmv/bin/lm_eval --n 60 \
         --out benchmarks/results/lm-eval-check-epyc-avx512.json

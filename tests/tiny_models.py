@@ -148,7 +148,6 @@ STATEFUL_FAMILIES: dict[str, dict] = {
         "num_experts": 2,
         "mamba_d_state": 8,
         "mamba_dt_rank": 8,
-        "use_mamba_kernels": False,
     },
     "bamba": {**LLAMA_LIKE, "attn_layer_indices": [1], **SSM, "mamba_chunk_size": 16},
     "granitemoehybrid": {
@@ -195,7 +194,6 @@ STATEFUL_FAMILIES: dict[str, dict] = {
         n_mamba_heads=2,
         attn_layer_period=2,
         attn_layer_offset=1,
-        use_mamba_kernels=False,
     ),
     "zamba2": dict(
         hidden_size=64,

@@ -91,8 +91,9 @@ def check_cache_input(model: torch.nn.Module) -> None:
 
 def stateful(model: torch.nn.Module) -> bool:
     """Whether `model` keeps recurrent or convolution states (state-space, linear-attention or short-convolution
-    layers) besides or instead of per-token keys and values: transformers' own flag (`_is_stateful`, which its
-    assisted generation refuses), or such a layer in the cache its config lays out (LFM2's convolutions)."""
+    layers) besides or instead of per-token keys and values: such a layer in the cache its config lays out (a
+    hybrid's linear-attention or convolution layers), or the model's own `_is_stateful` flag (transformers set it
+    before 5.25; a hub model's own code may still)."""
     if getattr(model, "_is_stateful", False):
         return True
     # the config's layer types, read as transformers' DynamicCache maps them to layer classes (building that

@@ -48,7 +48,7 @@ def hf_generate(
     """A `custom_generate` callable. `forerun_decoder` reuses a Decoder (its pools, tries and calibration persist);
     else one is built from `forerun_method` and `forerun_knobs` for this call.
 
-    Streaming: transformers (5.23, 5.24) forwards only the callable's own new keyword arguments, so `streamer=` never
+    Streaming: transformers (5.23 to 5.25) forwards only the callable's own new keyword arguments, so `streamer=` never
     reaches a custom_generate callable (it only receives the prompt). Pass `forerun_streamer=` instead: it gets the
     prompt, then the new tokens as they are committed, then `end()`.
 

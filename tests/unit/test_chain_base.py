@@ -115,7 +115,9 @@ def test_convolution_windows_are_cut_back_and_nothing_is_fed_again():
             if extra:
                 base.fed.append(0)  # the windows cut as if one more token had been rejected: a wrong state
             assert base.commit(6, [0, 1]) == 0 and base.pending == []
-            assert base.cache.get_seq_length() == 8
+            windows = state_layers(base.cache)
+            assert {int(layer.get_seq_length()) for layer in base.cache.layers if layer not in windows} == {8}
+            assert {int(layer.get_seq_length()) for layer in windows} == {8 - extra}  # the windows' own count
             assert all(not layer.record_past for layer in state_layers(base.cache))
             widths = {t.shape[-1] for layer in state_layers(base.cache) for t in layer.conv_states.values()}
             assert widths == {model.config.conv_L_cache}

@@ -40,8 +40,9 @@ from forerun.kvcache import cut, keep_everything, roomy_cache
 from forerun.prefixcache import MIN_REUSE, Prefixes
 from forerun.tree import TokenTree, is_chain
 
-StateCopy = list[tuple[dict, dict, dict] | None]
-"""Per cache layer: copies of its convolution and recurrent states and their flags (None: a layer without any)."""
+StateCopy = list[tuple[dict, dict, dict, torch.Tensor] | None]
+"""Per cache layer: copies of its convolution and recurrent states, their flags and the count of tokens it has read
+(None: a layer without any)."""
 
 
 def copy_states(cache: DynamicCache) -> StateCopy:
@@ -57,7 +58,7 @@ def copy_states(cache: DynamicCache) -> StateCopy:
         }
         conv = {i: None if t is None else t.clone() for i, t in layer.conv_states.items()}
         recurrent = {i: None if t is None else t.clone() for i, t in layer.recurrent_states.items()}
-        copies.append((conv, recurrent, flags))
+        copies.append((conv, recurrent, flags, layer.cumulative_length_linear.clone()))
     return copies
 
 
@@ -66,11 +67,12 @@ def put_back(cache: DynamicCache, copies: StateCopy, length: int) -> None:
     attention layer back to its first `length` entries."""
     for layer, copied in zip(cache.layers, copies, strict=True):
         if copied is not None:
-            conv, recurrent, flags = copied
+            conv, recurrent, flags, count = copied
             layer.conv_states.update(conv)  # the copies themselves: they are not used again
             layer.recurrent_states.update(recurrent)
             for name, values in flags.items():
                 getattr(layer, name).update(values)
+            layer.cumulative_length_linear.copy_(count)  # the cache's length where its first layer has states
         if isinstance(layer, DynamicLayer) and layer.is_initialized:
             cut(layer, length)
 
@@ -84,7 +86,16 @@ def croppable(cache: DynamicCache) -> bool:
     """Whether every state of `cache` is a convolution window that transformers can record and cut back (LFM2),
     its layers set up by a first forward: then no rejected guess needs the states copied and put back."""
     layers = state_layers(cache)
-    return bool(layers) and all(layer.is_croppable for layer in layers)
+    return bool(layers) and all(windows_only(layer) for layer in layers)
+
+
+def windows_only(layer: LinearAttentionCacheLayerMixin) -> bool:
+    """Whether `layer`'s states, set up by a first forward, are convolution windows and no recurrent state: its
+    recorded inputs cut back (`crop`) without anything else to restore. (transformers 5.25 calls every such layer
+    croppable: it restores a recurrent state from a history that only some models' forwards write.)"""
+    if any(layer.is_recurrent_states_initialized.values()):
+        return False
+    return any(layer.is_conv_states_initialized.values())
 
 
 def before_guesses(cache: DynamicCache, nodes: int) -> tuple[bool, StateCopy | None]:

@@ -28,7 +28,7 @@ errors = Console(stderr=True)
 
 def versions() -> str:
     """forerun's version and those of what it runs on, read from the installed packages' metadata (nothing
-    imported): what a bug report needs. Example: 'forerun 0.1.0 (torch 2.13.0, transformers 5.24.0, python 3.11.7)'."""
+    imported): what a bug report needs. Example: 'forerun 0.1.0 (torch 2.13.0, transformers 5.25.0, python 3.11.7)'."""
     from importlib.metadata import PackageNotFoundError, version
 
     def of(name: str) -> str:
