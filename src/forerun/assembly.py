@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from forerun.base.chain import ChainBase, chain_support, crops_states
+from forerun.base.chain import ChainBase, chain_support, crops_states, records_states
 from forerun.base.static import StaticBase, graph_features, static_support
 from forerun.base.weights import weights_kind
 from forerun.batch import batchable
@@ -140,8 +140,9 @@ def verifying_base(model: torch.nn.Module, base: StaticBase | None) -> tuple[Sta
         reason = tree_support(model)
         return base, check_feed(model, trees=reason is None) or reason
     check_feed(model, trees=False)
-    reason = chain_support(model)
-    return (ChainBase(model) if reason is None else base), reason
+    records = records_states(model)  # a partly accepted chain's states cut back, not put back and fed again
+    reason = chain_support(model, records)
+    return (ChainBase(model, records) if reason is None else base), reason
 
 
 def make_budget(
@@ -183,7 +184,7 @@ def make_budget(
         reproducible=reproducible,
         switch=DraftSwitch(probing=FIRST_PROBE_STEPS, paired=True),
         chain=chain,
-        refeeds=not (chain and crops_states(model)),
+        refeeds=not (chain and (crops_states(model) or (isinstance(base, ChainBase) and base.records))),
     )
 
 

@@ -24,11 +24,12 @@ import torch
 from transformers import DynamicCache
 
 from forerun.attention import sdpa_like
-from forerun.base.chain import copy_states, put_back
+from forerun.base.chain import before_guesses, copy_states, cut_back, put_back, records_states
 from forerun.base.kernels import KernelLinear
 from forerun.base.packed import packed, row_table
 from forerun.base.weights import dense, output_matrix, weights_kind
 from forerun.costmodel import LatencyCurve
+from forerun.forward_inputs import stateful
 from forerun.head import LogitsHead
 from forerun.kvcache import plain_layers, roomy_cache
 from forerun.measured import (
@@ -76,6 +77,7 @@ def curve_settings(model: torch.nn.Module) -> dict[str, object]:
         }
         | ({"sdpa_masked_gqa": True} if masked_gqa(model) else {})
         | weights_settings(model)
+        | ({"chains": "recorded"} if stateful(model) and records_states(model) else {})  # a curve of its own
     )  # only then: names kept
 
 
@@ -170,13 +172,17 @@ def time_forwards(
     head(1, input_ids=ids[:, :context], cache=cache, use_cache=True)
     shape = f"{rows} rows x " if rows > 1 else ""
     what = f"timing forwards of {shape}{sizes[0]}-{sizes[-1]} tokens (once per model, dtype, device and threads)"
-    cost = fastest(sizes, lambda n: time_one(head, cache, ids, rows, n, context), repeats, what)
+    records = not plain_layers(cache) and records_states(model)  # a hybrid's chains cut back, nothing copied
+    cost = fastest(sizes, lambda n: time_one(head, cache, ids, rows, n, context, records), repeats, what)
     return LatencyCurve(tuple(sizes), tuple(cost[n] for n in sizes))
 
 
-def time_one(head: LogitsHead, cache: DynamicCache, ids: torch.Tensor, rows: int, n: int, context: int) -> float:
+def time_one(
+    head: LogitsHead, cache: DynamicCache, ids: torch.Tensor, rows: int, n: int, context: int, records: bool = False
+) -> float:
     """Seconds of one forward of `rows` x `n` tokens (`ids[:, context : context + n]`) after `context` cached
-    tokens per row, the cache cropped back after it."""
+    tokens per row, the cache cropped back after it (a hybrid's chain: its states copied first and put back, or,
+    `records`, recorded through the forward and cut back, as `forerun.base.chain` steps)."""
     model, device = head.model, ids.device
     attention = getattr(model.config, "_attn_implementation", None) or "eager"
     positions = torch.arange(context, context + n, device=device).expand(rows, n)
@@ -189,7 +195,8 @@ def time_one(head: LogitsHead, cache: DynamicCache, ids: torch.Tensor, rows: int
     copies = copy_states(cache) if chained and n == 1 else None  # a 1-token step copies nothing: not timed
     synchronize(device)
     started = time.perf_counter()
-    if chained and n > 1:
+    recording = chained and n > 1 and before_guesses(cache, n, records)[0]  # timed, as a chain's step records
+    if chained and n > 1 and not recording:
         copies = copy_states(cache)  # a chain's step copies the states first: timed
     head(input_ids=ids[:, context : context + n], cache=cache, position_ids=positions, use_cache=True,
          **masked)  # fmt: skip
@@ -197,6 +204,8 @@ def time_one(head: LogitsHead, cache: DynamicCache, ids: torch.Tensor, rows: int
     seconds = time.perf_counter() - started
     if copies is not None:
         put_back(cache, copies, context)
+    elif recording:
+        cut_back(cache, n, context)
     else:
         cache.crop(-n)  # back to the context (negative: drop the last n)
     return seconds

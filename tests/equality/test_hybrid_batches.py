@@ -56,16 +56,16 @@ def test_a_hybrids_rows_decode_together_exactly(family):
     decoder = forerun.Decoder(model, None, "auto", latency=CURVE, latency_cache=None)
     assert decoder.batches
     results = dict(decoder.generate_each(requests, batch_size=3))
-    chains = family not in {"jamba", "mamba", "falcon_mamba"}  # whose chains' logits differ: one token a forward
     for index, want in enumerate(expected):
         assert torch.equal(results[index].sequences, want), index
         reason = results[index].stats.fallback_reason  # LFM2's windows are cut back row by row: chains together
         assert reason is None if family == "lfm2" else "one token each a step" in reason
-    # the last row decodes its tail alone, feeding chains of guesses where the model can
-    assert any(r.stats.fed_tokens > r.stats.forwards for r in results.values()) == chains
+    # the last row decodes its tail alone, feeding chains of guesses (Jamba's and Mamba's too: their chains' tokens
+    # are fed as their steps are, their states recorded)
+    assert any(r.stats.fed_tokens > r.stats.forwards for r in results.values())
     alone = decoder.generate(requests[0].prompt, 20, eos_token_id=[])  # a lone row verifies chains where it can
     assert torch.equal(alone.sequences, expected[0])
-    assert (alone.stats.fallback_reason is None) == chains
+    assert alone.stats.fallback_reason is None
 
 
 @pytest.mark.parametrize("family", ["qwen3_5_text", "jamba", "lfm2"])

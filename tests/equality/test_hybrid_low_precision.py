@@ -53,13 +53,13 @@ def divergences(model: torch.nn.Module, decoder: forerun.Decoder) -> list:
 
 @pytest.mark.parametrize("family", sorted(STATEFUL_FAMILIES) + sorted(STATE_SPACE_FAMILIES))
 def test_a_hybrid_in_bf16_differs_from_generate_only_at_ties(family):
-    """Falcon-Mamba's chains differ by 0.17 of the spread and decode one token per forward; Mamba's by 5e-3 in fp32
-    (one token per forward there), below rounding in bf16, where its chains are verified."""
+    """Every chain but RecurrentGemma's is verified, its tokens fed as steps and their states recorded (Falcon-Mamba's
+    chains, scanned at once, had differed by 0.17 of the spread and it decoded one token per forward)."""
     model = low(family, "bf16")
     decoder = forerun.Decoder(model, None, "auto", latency=CURVE, latency_cache=None)
     found = divergences(model, decoder)
     assert all(d is None or d.is_tie for d in found), found
-    assert (decoder.fallback_reason is None) == (family not in {"recurrent_gemma", "falcon_mamba"})
+    assert (decoder.fallback_reason is None) == (family != "recurrent_gemma")
 
 
 @pytest.mark.parametrize("family", ["qwen3_5_text", "nemotron_h", "lfm2", "recurrent_gemma"])

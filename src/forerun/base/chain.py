@@ -16,7 +16,10 @@ right. The cost model prices those tokens (`CostModel.chain`), so a chain is fed
 A model whose states are convolution windows only (LFM2: the last few inputs of each short convolution, no
 recurrent state) needs neither: transformers records a layer's inputs during a step (`activate_past_recording`)
 and cuts the window back to end at the last accepted token (`crop`), as keys and values are cut, so nothing is
-fed again (`croppable`; `CostModel.refeeds` is then off).
+fed again (`croppable`; `CostModel.refeeds` is then off). So does a model whose forward, asked to, writes the
+recurrent state after each of a step's last tokens into its cache (transformers 5.25: Qwen3.5, Qwen3-Next,
+Nemotron-H, Granite 4, Bamba, Falcon-H1, Zamba 2, OLMo hybrid, Mamba2; `records_states` finds out): `crop` puts
+back the state after the last accepted token.
 
 Example:
     >>> base = ChainBase(model)                                            # doctest: +SKIP
@@ -98,17 +101,30 @@ def windows_only(layer: LinearAttentionCacheLayerMixin) -> bool:
     return any(layer.is_conv_states_initialized.values())
 
 
-def before_guesses(cache: DynamicCache, nodes: int) -> tuple[bool, StateCopy | None]:
-    """What lets a step of `nodes` tokens (a root, then guesses) be rolled back: its convolution windows recorded
-    through the forward (`croppable`; `cut_back` drops what was rejected): (True, None); else every state copied
-    (`put_back`): (False, copies). A root alone needs neither: (False, None)."""
+def before_guesses(cache: DynamicCache, nodes: int, records: bool = False) -> tuple[bool, StateCopy | None]:
+    """What lets a step of `nodes` tokens (a root, then guesses) be rolled back: its states recorded through the
+    forward (convolution windows, `croppable`; or, `records`, the model writes each of the last `nodes` tokens'
+    recurrent states too: `records_states`), `cut_back` dropping what was rejected: (True, None); else every state
+    copied (`put_back`): (False, copies). A root alone needs neither: (False, None)."""
     if nodes <= 1:
         return False, None
-    if croppable(cache):
+    if croppable(cache) or (records and bool(state_layers(cache))):
         for layer in state_layers(cache):
-            layer.activate_past_recording()
+            layer.activate_past_recording(recurrent_states_to_keep=nodes)
         return True, None
     return False, copy_states(cache)
+
+
+def recorded(cache: DynamicCache, nodes: int) -> bool:
+    """Whether the last forward wrote the recurrent states after each of its last `nodes` tokens into every layer
+    of `cache` that has them (`crop` can then put any of them back), and some layer has them."""
+    counts = [
+        len(layer.recurrent_states_history[i])
+        for layer in state_layers(cache)
+        for i, initialized in layer.is_recurrent_states_initialized.items()
+        if initialized
+    ]
+    return bool(counts) and all(count == nodes for count in counts)
 
 
 def cut_back(cache: DynamicCache, rejected: int, length: int) -> None:
@@ -143,8 +159,11 @@ class ChainBase:
     chains = True
     """Trees must be chains (the engine and the budget read this)."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, records: bool = False) -> None:
         self.model = model
+        self.records = records
+        """Whether the model's forward writes each guess's recurrent state, asked to (`records_states`): a chain
+        accepted in part then has its states cut back, nothing fed again."""
         self.head = LogitsHead(model)
         self.cache = roomy_cache(model.config)
         self.copies: StateCopy | None = None
@@ -187,7 +206,7 @@ class ChainBase:
         self.start = prefix_len + len(tree) - len(self.fed)
         if self.shared is not None:
             self.read_shared_head()
-        self.recorded, self.copies = before_guesses(self.cache, len(tree))
+        self.recorded, self.copies = before_guesses(self.cache, len(tree), self.records)
         device = next(self.model.parameters()).device
         logits = self.head(
             len(tree),
@@ -244,19 +263,19 @@ class ChainBase:
             prefixes.keep_whole(tokens[:held], copy.deepcopy(self.cache))
 
 
-def chain_support(model: torch.nn.Module) -> str | None:
+def chain_support(model: torch.nn.Module, records: bool = False) -> str | None:
     """None where `model` (with recurrent states) verifies chains exactly on a `ChainBase`, else why not: its cache
     holds something that cannot be copied or cut, or a chain's logits there differ from the model's own forward over
     the same tokens (beyond `feed_probe.allowed_share`; a state-space model whose multi-token forward is another
     computation than its one-token step). The probe, over 12 tokens: a prefill of 5, a chain of 4 with its last
-    guess rejected (the states put back), a chain of 2 after the 3 accepted fed again, accepted whole, and a chain of
-    2 after it, each against one plain forward over the text."""
+    guess rejected (the states put back, or cut back where `records`), a chain of 2 after the 3 accepted (fed again
+    where put back), accepted whole, and a chain of 2 after it, each against one plain forward over the text."""
     from forerun.feed_probe import allowed_share, own_logits, probe_ids, share_of_spread  # noqa: PLC0415 - where it runs
 
     name = type(model).__name__
     ids = probe_ids(model)
     ids = [*ids, *ids[:2]]
-    base = ChainBase(model)
+    base = ChainBase(model, records)
     if (reason := base.begin(len(ids))) is not None:
         return reason
     try:
@@ -293,6 +312,30 @@ def crops_states(model: torch.nn.Module) -> bool:
     with torch.inference_mode():
         base.forward(TokenTree.rooted_at(ids[2]), 2, ids[:2])
     return croppable(base.cache)
+
+
+def records_states(model: torch.nn.Module) -> bool:
+    """Whether `model`'s forward over several tokens, its cache recording (`activate_past_recording`), writes the
+    recurrent state after each of the last tokens asked for (transformers 5.25 does for the families its assisted
+    generation serves), so that `crop` can put back the state after any of them; read off a 3-token step after a
+    2-token prefill. False for a model without recurrent states (LFM2's windows: `croppable`)."""
+    from forerun.feed_probe import probe_ids  # noqa: PLC0415 - as in chain_support
+
+    ids = probe_ids(model)[:5]
+    cache = roomy_cache(model.config)
+    if chain_cache_reason(cache, len(ids), type(model).__name__) is not None:
+        return False
+    device, head = next(model.parameters()).device, LogitsHead(model)
+    try:
+        with torch.inference_mode():
+            for start, end in ((0, 2), (2, 5)):
+                for layer in state_layers(cache) if start else ():  # the prefill set them up
+                    layer.activate_past_recording(recurrent_states_to_keep=end - start)
+                fed = {"input_ids": torch.tensor([ids[start:end]], device=device), "cache": cache, "use_cache": True}
+                head(1, position_ids=torch.arange(start, end, device=device)[None], **fed)
+    except Exception:  # noqa: BLE001 - any failure means: not this way
+        return False
+    return recorded(cache, 3)
 
 
 def chain_of(tokens: Sequence[int]) -> TokenTree:

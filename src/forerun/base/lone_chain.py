@@ -8,8 +8,9 @@ server's only request, the last row of `generate([...])`) pads for no one: it fe
 guesses, its states copied first. Where the target rejects part of the chain, the states are put back, the step's
 keys cut, and the accepted tokens wait (`pending`) to be fed again in front of the next step's. Before another row
 joins, they are fed alone (`DynamicRows.flush`); the rows then step one token each. States that are convolution
-windows only (LFM2) are recorded through the step and cut back to the last accepted token instead, as the keys
-are: nothing waits (`forerun.base.chain.croppable`).
+windows only (LFM2), or recurrent states the model writes after each guess where asked (`records`,
+`forerun.base.chain.records_states`), are recorded through the step and cut back to the last accepted token
+instead, as the keys are: nothing waits.
 
     lone row:      cache [p0 .. p{L-1}]   fed  r g1 g2 g3               states copied first
     g2 rejected:   states put back, keys cut to L; pending r g1; the target's t is the next root
@@ -43,7 +44,9 @@ from forerun.tree import TokenTree, is_chain
 class LoneChain:
     """The lone row's chain step: what it feeds (`begin`) and what stays after verification (`commit`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, records: bool = False) -> None:
+        self.records = records
+        """Whether the model writes each guess's recurrent state, asked to (`forerun.base.chain.records_states`)."""
         self.pending: list[int] = []
         """Accepted tokens the cache has not read (a partly accepted chain's head): fed before the next step's."""
         self.start = 0
@@ -68,7 +71,7 @@ class LoneChain:
             raise ValueError(f"a model with recurrent states verifies chains only; got a tree of {len(tree)} nodes")
         self.fed, self.nodes = [*self.pending, *tree.tokens], len(tree)
         self.start = prefix_len - len(self.pending)
-        self.recorded, self.copies = before_guesses(cache, len(tree))
+        self.recorded, self.copies = before_guesses(cache, len(tree), self.records)
         return self.start, chain_of(self.fed)
 
     def commit(self, cache: DynamicCache, slots: int, path_len: int) -> int:

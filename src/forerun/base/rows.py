@@ -133,8 +133,8 @@ class DynamicRows:
     features: tuple[int, ...] = ()  # hooks read them: every forward here runs the model's modules
     side_by_side = False
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model = model
+    def __init__(self, model: torch.nn.Module, records: bool = False) -> None:
+        self.model, self.records = model, records  # records: a hybrid's lone row cuts its chains' states back
         self.cache = RowCache(model.config)
         layers = self.cache.cache.layers  # none yet where the config lays none out: layers then come as they are fed
         states_alone = [has_states(layer) and not isinstance(layer, DynamicLayer) for layer in layers]
@@ -143,7 +143,7 @@ class DynamicRows:
         self.attention = model.config._attn_implementation or "eager"
         self.head = LogitsHead(model)
         """The batch's forwards (its first prefill decides how the logits of a few positions are computed)."""
-        self.chain = LoneChain()
+        self.chain = LoneChain(records)
         """A hybrid's lone row: its chains (`forerun.base.lone_chain`)."""
         self.recorded = False  # this step's windows are recorded, to be cut back row by row at `keep`
 
@@ -256,12 +256,12 @@ class DynamicRows:
                 held = length - self.waiting  # a lone row's: what its cache has read
                 prefixes.keep_whole(tokens[:held], self.cache.row(places[index]))
         if len(leaving) == len(places):
-            self.cache, self.chain = RowCache(self.model.config), LoneChain()
+            self.cache, self.chain = RowCache(self.model.config), LoneChain(self.records)
         else:  # their places are kept for rows that join before the next step (`RowCache.refill`)
             self.cache.vacate([places[index] for index, *_ in leaving])
 
     def without_rows(self) -> DynamicRows:
-        return DynamicRows(self.model)  # a joining row's cache is its own until it is admitted
+        return DynamicRows(self.model, self.records)  # a joining row's cache is its own until it is admitted
 
     def pack(
         self, prefix_lens: Sequence[int], trees: Sequence[TokenTree], nodes: int

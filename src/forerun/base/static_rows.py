@@ -16,9 +16,10 @@ from collections.abc import Sequence
 
 import torch
 
+from forerun.base.chain import ChainBase
 from forerun.base.dynamic import TreeLogits
 from forerun.base.place_prefixes import seed_place, store_place
-from forerun.base.rows import Leaving, RowsLogits
+from forerun.base.rows import DynamicRows, Leaving, RowsLogits, SharedRows
 from forerun.base.static import StaticBase
 from forerun.prefixcache import Prefixes
 from forerun.tree import TokenTree
@@ -125,10 +126,13 @@ class StaticRows:
         return fresh
 
 
-def static_rows(base: StaticBase | None, places: int, max_len: int) -> StaticRows | None:
+def static_rows(base: StaticBase | ChainBase | None, places: int, max_len: int) -> SharedRows | None:
     """Rows on `base`'s sibling of `places` places for texts of up to `max_len` tokens (it grows for longer ones),
-    or None where there is no static base or it cannot serve them (then the batch takes the growing cache)."""
-    if not isinstance(base, StaticBase):  # none, or a hybrid's chain base: its batches take the growing cache
+    or None where there is no static base or it cannot serve them (then the batch takes the growing cache); a
+    hybrid's chain base: the growing cache, its lone row cutting its chains' states back as the base does."""
+    if isinstance(base, ChainBase):
+        return DynamicRows(base.model, base.records)
+    if not isinstance(base, StaticBase):
         return None
     sibling = base.sibling(places)
     return StaticRows(sibling) if sibling.begin(max_len) is None else None
