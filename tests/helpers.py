@@ -1,9 +1,13 @@
-"""Test drafters with known behaviour: an oracle that knows the answer, and a random one that never helps."""
+"""Test drafters with known behaviour (an oracle that knows the answer, a random one that never helps), and a
+hybrid's chain step kept in part."""
 
 from __future__ import annotations
 
 import random
 
+import torch
+
+from forerun.base.chain import ChainBase, chain_of
 from forerun.drafters.base import DraftContext, StepOutcome
 from forerun.tree import TokenTree
 
@@ -79,3 +83,17 @@ def chat_ids(tokenizer, text: str):
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)[
         "input_ids"
     ]
+
+
+def keep_half_a_chain(base: ChainBase, ids: list[int], extra: int = 0) -> None:
+    """On a begun chain base whose states are recorded through a step: ids[:5] read with the root ids[5], then a
+    chain of 4 (ids[6], ids[7] and two wrong guesses) of which 2 are kept, its states cut back (`extra`: one token
+    further, as if it had been rejected too: a wrong state). Nothing waits to be fed again."""
+    with torch.inference_mode():
+        base.forward(TokenTree.rooted_at(ids[5]), 5, ids[:5])
+        base.commit(5, [0])
+        base.forward(chain_of([ids[6], ids[7], 3, 4]), 6, ())
+        assert base.recorded and base.copies is None
+        if extra:
+            base.fed.append(0)
+        assert base.commit(6, [0, 1]) == 0 and base.pending == []

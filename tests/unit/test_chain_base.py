@@ -14,6 +14,7 @@ from forerun.latency import measure_curve
 from forerun.prefixcache import PrefixCache
 from forerun.tree import TokenTree, is_chain
 
+from helpers import keep_half_a_chain
 from tiny_models import prompts, tiny_model
 
 FLAT = LatencyCurve((1, 64), (10.0, 10.5))
@@ -107,14 +108,8 @@ def test_convolution_windows_are_cut_back_and_nothing_is_fed_again():
     for extra in (0, 1):
         base = ChainBase(model)
         base.begin(32)
+        keep_half_a_chain(base, ids, extra)
         with torch.inference_mode():
-            base.forward(TokenTree.rooted_at(ids[5]), 5, ids[:5])
-            base.commit(5, [0])
-            base.forward(chain_of([ids[6], ids[7], 3, 4]), 6, ())
-            assert base.recorded and base.copies is None
-            if extra:
-                base.fed.append(0)  # the windows cut as if one more token had been rejected: a wrong state
-            assert base.commit(6, [0, 1]) == 0 and base.pending == []
             windows = state_layers(base.cache)
             assert {int(layer.get_seq_length()) for layer in base.cache.layers if layer not in windows} == {8}
             assert {int(layer.get_seq_length()) for layer in windows} == {8 - extra}  # the windows' own count

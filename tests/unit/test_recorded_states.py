@@ -10,8 +10,8 @@ import forerun
 from forerun.base.chain import ChainBase, chain_of, records_states, state_layers
 from forerun.feed_probe import own_logits, share_of_spread
 from forerun.latency import curve_settings
-from forerun.tree import TokenTree
 
+from helpers import keep_half_a_chain
 from tiny_models import prompts, tiny_model
 
 
@@ -36,14 +36,8 @@ def test_a_chain_accepted_in_part_has_its_states_cut_back():
     for extra in (0, 1):
         base = ChainBase(model, records=True)
         base.begin(32)
+        keep_half_a_chain(base, ids, extra)
         with torch.inference_mode():
-            base.forward(TokenTree.rooted_at(ids[5]), 5, ids[:5])
-            base.commit(5, [0])
-            base.forward(chain_of([ids[6], ids[7], 3, 4]), 6, ())
-            assert base.recorded and base.copies is None
-            if extra:
-                base.fed.append(0)  # as if one more token had been rejected
-            assert base.commit(6, [0, 1]) == 0 and base.pending == []
             assert all(not layer.record_past for layer in state_layers(base.cache))
             got = base.forward(chain_of(ids[8:]), 8, ()).logits
         shares.append(share_of_spread(got, own_logits(model, ids)[8:]))

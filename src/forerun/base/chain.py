@@ -18,8 +18,8 @@ recurrent state) needs neither: transformers records a layer's inputs during a s
 and cuts the window back to end at the last accepted token (`crop`), as keys and values are cut, so nothing is
 fed again (`croppable`; `CostModel.refeeds` is then off). So does a model whose forward, asked to, writes the
 recurrent state after each of a step's last tokens into its cache (transformers 5.25: Qwen3.5, Qwen3-Next,
-Nemotron-H, Granite 4, Bamba, Falcon-H1, Zamba 2, OLMo hybrid, Mamba2; `records_states` finds out): `crop` puts
-back the state after the last accepted token.
+Nemotron-H, Granite 4, Bamba, Falcon-H1, Zamba 2, OLMo hybrid, Jamba, Mamba, Mamba2, Falcon-Mamba; not Zamba;
+`records_states` finds out): `crop` puts back the state after the last accepted token.
 
 Example:
     >>> base = ChainBase(model)                                            # doctest: +SKIP
@@ -128,10 +128,10 @@ def recorded(cache: DynamicCache, nodes: int) -> bool:
 
 
 def cut_back(cache: DynamicCache, rejected: int, length: int) -> None:
-    """After a forward whose windows were recorded (`before_guesses`): every convolution window to end at the last
-    token kept (`rejected` fed tokens dropped, the window back to its kernel's width), recording off (a 1-token step
-    then updates the window in place, as plain decoding's does); every attention layer to its first `length`
-    entries."""
+    """After a forward whose states were recorded (`before_guesses`): every convolution window to end at the last
+    token kept (`rejected` fed tokens dropped, the window back to its kernel's width) and every recorded recurrent
+    state to the one after it, recording off (a 1-token step then updates the states in place, as plain decoding's
+    does); every attention layer to its first `length` entries."""
     for layer in cache.layers:
         if isinstance(layer, LinearAttentionCacheLayerMixin):
             layer.crop(-rejected)
