@@ -184,7 +184,7 @@ def make_budget(
         reproducible=reproducible,
         switch=DraftSwitch(probing=FIRST_PROBE_STEPS, paired=True),
         chain=chain,
-        refeeds=not (chain and (crops_states(model) or (isinstance(base, ChainBase) and base.records))),
+        refeeds=not (chain and ((isinstance(base, ChainBase) and base.records) or crops_states(model))),
     )
 
 

@@ -195,9 +195,9 @@ def time_one(
     copies = copy_states(cache) if chained and n == 1 else None  # a 1-token step copies nothing: not timed
     synchronize(device)
     started = time.perf_counter()
-    recording = chained and n > 1 and before_guesses(cache, n, records)[0]  # timed, as a chain's step records
-    if chained and n > 1 and not recording:
-        copies = copy_states(cache)  # a chain's step copies the states first: timed
+    recording = False
+    if chained and n > 1:  # a chain's step records its states or copies them first: timed
+        recording, copies = before_guesses(cache, n, records)
     head(input_ids=ids[:, context : context + n], cache=cache, position_ids=positions, use_cache=True,
          **masked)  # fmt: skip
     synchronize(device)
@@ -219,7 +219,12 @@ def batches_of(model: torch.nn.Module, base: object | None) -> tuple[tuple[int, 
 
 
 def curve_path(model: torch.nn.Module, cache_dir: Path | str = DEFAULT_CACHE_DIR, base: object | None = None) -> Path:
-    return Path(cache_dir).expanduser() / "latency" / f"{curve_key(base_settings(model, base))}.json"
+    return settings_path(base_settings(model, base), cache_dir)
+
+
+def settings_path(settings: dict[str, object], cache_dir: Path | str) -> Path:
+    """Where the curve of `settings` is kept under `cache_dir`."""
+    return Path(cache_dir).expanduser() / "latency" / f"{curve_key(settings)}.json"
 
 
 def base_settings(model: torch.nn.Module, base: object | None) -> dict[str, object]:
@@ -287,7 +292,8 @@ def curve_for(
     if cache_dir is None:
         curve = measure()
         return curve.with_batches(batches_of(model, base)) if batched else curve
-    path = curve_path(model, cache_dir, base)
+    settings = base_settings(model, base)  # once: a hybrid's are read off a probe forward (`records_states`)
+    path = settings_path(settings, cache_dir)
     curve = kept_as_measured(load_curve(path), base)
     missing = curve is None or (batched and not curve.batched)
     if curve is None:
@@ -296,7 +302,7 @@ def curve_for(
         curve = curve.with_batches(batches_of(model, base))
     if missing:
         try:
-            save_curve(curve, path, base_settings(model, base))
+            save_curve(curve, path, settings)
         except OSError:
             pass  # a read-only home: the curve still serves this process
     return curve
