@@ -97,3 +97,10 @@ def keep_half_a_chain(base: ChainBase, ids: list[int], extra: int = 0) -> None:
         if extra:
             base.fed.append(0)
         assert base.commit(6, [0, 1]) == 0 and base.pending == []
+
+
+def without_recording(monkeypatch) -> None:
+    """Decoders made after this take their model's forward for one that writes no guess's recurrent state (as
+    transformers' Zamba's): a chain accepted in part has its states put back from a copy and its head fed again,
+    and a batch's rows feed one token each."""
+    monkeypatch.setattr("forerun.assembly.records_states", lambda model: False)

@@ -42,7 +42,7 @@ END = 2
 STATE_GAP = 1e-4
 """Most a greedy fp32 hybrid row's logprobs may stand from generate's own (`judge`): on the tiny hybrids a state
 slightly wrong can leave the text as it was (windows cut back by the first row's count moved a tiny LFM2's logprobs
-by 3.5e-4 and no token: `test_window_batches.py`'s control), while rounding moves them by ~1e-6."""
+by 3.5e-4 and no token: `test_batched_chains.py`'s control), while rounding moves them by ~1e-6."""
 
 
 def draw_case(

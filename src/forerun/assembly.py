@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from forerun.base.chain import ChainBase, chain_support, crops_states, records_states
+from forerun.base.chain import ChainBase, chain_support, crops_states, reads_on, records_states
 from forerun.base.static import StaticBase, graph_features, static_support
 from forerun.base.weights import weights_kind
 from forerun.batch import batchable
@@ -225,14 +225,14 @@ def check_vocabulary(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase 
         )
 
 
-def rows_together(model: torch.nn.Module, fallback_reason: str | None) -> bool:
+def rows_together(model: torch.nn.Module, fallback_reason: str | None, records: bool = False) -> bool:
     """Whether `model`'s rows decode together in a batch: where its cache holds ragged rows and its trees are
-    verified (`fallback_reason`, the Decoder's, is None: a row's positions are its own in a batch too); a hybrid's,
-    one token per row a step (a lone row chains; LFM2's rows chain together), where the probe finds each row's
-    logits its own (`rowstates.state_rows_support`)."""
+    verified (`fallback_reason`, the Decoder's, is None: a row's positions are its own in a batch too); a hybrid's
+    (its rows chaining together where its states are windows, or recorded: `records`; else one token per row a
+    step), where the probe finds each row's logits its own (`rowstates.state_rows_support`)."""
     if not stateful(model):
         return fallback_reason is None and batchable(model)
-    reason = state_rows_support(model)
+    reason = state_rows_support(model, records)
     if reason is not None:
         logger.info("forerun: a batch's rows decode one after another: %s", reason)
     return reason is None
@@ -328,9 +328,21 @@ def kv_bytes_per_token(model: torch.nn.Module) -> int:
     return max(layers * 2 * kv_heads * head_dim * width, 1)
 
 
-def make_prefixes(model: torch.nn.Module, prefix_cache: PrefixCache | int | str | None) -> PrefixCache:
+def reads_on_states(model: torch.nn.Module) -> bool:
+    """Whether `model`, fed several tokens after its cache, reads them as one forward over the whole text would: any
+    model without recurrent states; a hybrid where the probe finds so (`forerun.base.chain.reads_on`). Where not,
+    its prompts are read whole: no prefix cache, no chunks."""
+    if not stateful(model) or reads_on(model):
+        return True
+    logger.info("forerun: %s loses its states read on after its cache: prompts read whole", type(model).__name__)
+    return False
+
+
+def make_prefixes(model: torch.nn.Module, prefix_cache: PrefixCache | int | str | None, reads: bool) -> PrefixCache:
     """A Decoder's prefix cache: the one given (shared), or one of that many tokens ("auto": `prefix_tokens`;
-    0 or None: off)."""
+    0 or None: off); off where the model cannot read a prompt on from a stored cache (`reads`: `reads_on_states`)."""
+    if not reads:
+        return PrefixCache(0)
     if isinstance(prefix_cache, PrefixCache):
         return prefix_cache
     if isinstance(prefix_cache, str):

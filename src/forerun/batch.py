@@ -88,8 +88,8 @@ class Batch(JoiningRows):
         self.rows: list[RowRun] = []
         self.shared: SharedRows = DynamicRows(model) if shared is None else shared
         self.chains = stateful(model)
-        """A hybrid's rows: a row alone verifies chains (`forerun.base.lone_chain`), rows together one token each
-        a step (`forerun.rowstates`), or chains side by side where their states are windows (LFM2)."""
+        """A hybrid's rows: a row alone verifies chains (`forerun.base.lone_chain`); rows together, chains side by
+        side where their states are recorded (`SharedRows.chains_together`), else one token each a step."""
         self.policy = BatchPolicy(closed)
         """How the rows draft together (`forerun.costmodel.batch`)."""
         self.unlearned: Deferred = []

@@ -30,8 +30,9 @@ from forerun.taps import LayerTaps, feature_layers
 from forerun.tree import TokenTree
 
 ONE_TOKEN = (
-    "a batch's rows of a model with recurrent states verify one token each a step while other rows decode beside "
-    "them (a state cannot step back to a rejected guess; alone, a row verifies chains)"
+    "a batch's rows of a model with recurrent states that its forward does not record verify one token each a "
+    "step while other rows decode beside them (a state cannot step back to a rejected guess; alone, a row verifies "
+    "chains)"
 )
 
 

@@ -30,6 +30,7 @@ from forerun.assembly import (
     prepare_draft,
     prepare_head,
     price_costly,
+    reads_on_states,
     rows_together,
     scoped_prefixes,
     verifying_base,
@@ -56,7 +57,7 @@ from forerun.prompts import check_context, encode_prediction, encode_prompt
 from forerun.request import GenerationRequest, Prompt, is_batch
 from forerun.result import GenerationResult
 from forerun.row import RowJob
-from forerun.scoring import Entries, score_prompt
+from forerun.scoring import DEFAULT_CHUNK, Entries, score_prompt
 from forerun.stats import GenerationStats
 from forerun.structured import Grammars
 from forerun.taps import feature_layers
@@ -115,7 +116,10 @@ class Decoder:
         self.lock = threading.RLock()
         """Held while a call decodes: calls from several threads take turns (batch requests to decode them together)."""
         self.model, self.tokenizer = model, tokenizer
-        self.prefixes = make_prefixes(model, prefix_cache)
+        self.reads_on = reads_on_states(model)
+        """Whether a prompt may be read on from a stored cache or in chunks (a hybrid whose scan over several tokens
+        loses its states reads every prompt whole: `assembly.reads_on_states`)."""
+        self.prefixes = make_prefixes(model, prefix_cache, self.reads_on)
         device_type = next(model.parameters()).device.type
         self.plan = method_plan(method, knobs, device_type, draft_head)
         self.method = self.plan.text
@@ -329,7 +333,7 @@ class Decoder:
         from the prefix cache, and the prompt left there."""
         ids = self.check_prompt(prompt, 0, chat)
         with self.lock:
-            return score_prompt(self.model, ids, top, keep=self.prefixes)
+            return score_prompt(self.model, ids, top, DEFAULT_CHUNK if self.reads_on else None, keep=self.prefixes)
 
     def prepare(
         self, request: GenerationRequest, fork_drafters: bool = True, prefixes: dict[str, Prefixes] | None = None
@@ -390,18 +394,19 @@ class Decoder:
         return fork(self.drafters) if fork_drafters else list(self.drafters)
 
     def told(self, stats: GenerationStats) -> GenerationStats:
-        """`stats` with why this model verified no guesses, where a request drafting would have drafted."""
-        if stats.fallback_reason is None and self.fallback_reason is not None and self.drafters:
+        """`stats` with why this model verified no guesses, where a request drafting would have drafted (the model's
+        reason, over a batch's: a row of a hybrid whose chains are not exact verifies none alone either)."""
+        if self.fallback_reason is not None and self.drafters:
             stats.fallback_reason = self.fallback_reason
         return stats
 
     @cached_property
     def batches(self) -> bool:
         """Whether rows decode together (`generate_each`, a server's continuous batch): where the model's cache can
-        hold ragged rows and its trees are verified (a row's positions are its own there too); a hybrid's rows,
-        one token each a step (a lone row chains; LFM2's rows chain together), where a batch gives them their own
-        logits (`rowstates.state_rows_support`, probed at the first batch)."""
-        return rows_together(self.model, self.fallback_reason)
+        hold ragged rows and its trees are verified (a row's positions are its own there too); a hybrid's rows
+        (chaining together where their states are windows or recorded, else one token each a step), where a batch
+        gives them their own logits (`rowstates.state_rows_support`, probed at the first batch)."""
+        return rows_together(self.model, self.fallback_reason, getattr(self.base, "records", False))
 
     def result(self, prepared: Prepared, stats: GenerationStats) -> GenerationResult:
         """A finished row's GenerationResult."""

@@ -102,7 +102,7 @@ class RowCache:
     def keep(self, kept: Sequence[Sequence[int]], nodes: int, windows_cut: bool = False) -> None:
         """After a forward of `nodes` padded tree nodes per row: keep each row's path `kept[row]` (node indices,
         root first), gathered to the front of the new slots; the cache grows by the longest path. A hybrid's rows
-        only once their states are cut back to their paths (`windows_cut`: `rowstates.cut_windows`)."""
+        only once their states are cut back to their paths (`windows_cut`: `rowstates.cut_states`)."""
         slots, longest = self.slots, max(len(path) for path in kept)
         if nodes == 1:  # the roots alone: they already sit where they belong
             self.keep_all(1)

@@ -4,10 +4,11 @@ A hybrid (Qwen3.5, Granite 4, Nemotron-H, Jamba, ...) keeps, beside each attenti
 that a forward advances through every token it is fed: `[rows, ...]` tensors with no slot axis. In a batch they
 need none of the slot bookkeeping the keys need (padding, holes, compaction): a row's states are its row of each
 tensor. A joining row's own cache is appended (or written into a vacant place), a leaving row's row is dropped,
-and a row's own states are sliced out for the prefix cache. A batch of such rows feeds one token per row a step:
-a rejected guess cannot be taken out of a state, and the rows' chains would have to be put back row by row (a row
-alone in its batch verifies chains: `forerun.base.lone_chain`). States that are convolution windows only (LFM2)
-are recorded through a step of the rows' chains and cut back row by row (`cut_windows`).
+and a row's own states are sliced out for the prefix cache. A rejected guess cannot be taken out of a state: the
+rows' chains are fed side by side with the states recorded through the step (LFM2's convolution windows, and the
+recurrent state after each token where the model's forward writes it: `forerun.base.chain.records_states`), then
+each row's are cut back to its own last kept token (`cut_states`). Where the states cannot be recorded, rows
+beside others feed one token each (a row alone in its batch verifies chains: `forerun.base.lone_chain`).
 
     layer with states, 3 rows          conv_states[0] [3, channels, kernel]   recurrent_states[0] [3, heads, dk, dv]
     row 1 leaves, a row joins there    conv_states[0][1] = the new row's      recurrent_states[0][1] = the new row's
@@ -103,6 +104,35 @@ def cut_windows(layer: LinearAttentionCacheLayerMixin, rejected: Sequence[int]) 
     layer.record_past = False
 
 
+def cut_states(layer: LinearAttentionCacheLayerMixin, rejected: Sequence[int]) -> None:
+    """After a forward whose states were recorded (`activate_past_recording`, each of the fed tokens' recurrent
+    state kept: `forerun.base.chain.records_states`): row b's recurrent state becomes the one after its last kept
+    token (its last `rejected[b]` fed tokens dropped), its convolution window ends there (`cut_windows`); the
+    history dropped, recording off. transformers' `crop` puts every row back alike.
+
+    The history holds the state before the step, then after each fed token but the last (which the state is):
+    [before, after 1, .., after n-1], each [rows, ...]; row b takes entry n - rejected[b] of them and the state.
+
+    Example (one state of 2 rows, 3 tokens fed; row 0 keeps 1 of them, row 1 all 3):
+        >>> from transformers.cache_utils import LinearAttentionLayer
+        >>> layer = LinearAttentionLayer(); layer.is_recurrent_states_initialized[0] = True
+        >>> layer.recurrent_states[0] = torch.tensor([[3.0], [13.0]])
+        >>> layer.recurrent_states_history = {0: [torch.tensor([[0.0], [10.0]]), torch.tensor([[1.0], [11.0]]),
+        ...                                       torch.tensor([[2.0], [12.0]])]}
+        >>> cut_states(layer, [2, 0]); layer.recurrent_states[0].tolist(), layer.recurrent_states_history[0]
+        ([[1.0], [13.0]], [])
+    """
+    for index, initialized in layer.is_recurrent_states_initialized.items():
+        if not initialized:
+            continue
+        state = layer.recurrent_states[index]
+        after = torch.stack([*layer.recurrent_states_history[index], state])  # [n + 1, rows, ...]
+        picks = len(after) - 1 - torch.tensor(rejected, device=state.device)
+        state.copy_(after[picks, torch.arange(len(rejected), device=state.device)])  # in place: a static address
+        layer.recurrent_states_history[index] = []
+    cut_windows(layer, rejected)
+
+
 def row_cache(cache: DynamicCache, row: int, slots: torch.Tensor) -> DynamicCache:
     """Row `row` of a batch's hybrid cache as a one-row cache of the same layer kinds: each attention layer's keys
     and values at `slots` (that row's visible ones, in order: [1, heads, len(slots), dim]), each state its row
@@ -130,7 +160,7 @@ def one_row(layer: object, row: int, slots: torch.Tensor) -> object:
     return mine
 
 
-def state_rows_support(model: torch.nn.Module) -> str | None:
+def state_rows_support(model: torch.nn.Module, records: bool = False) -> str | None:
     """None where a batch of `model`'s rows (a model with recurrent states) gives each row the logits of its own
     forward, else why not. The probe, as a batch runs: three prompts of 6, 10 and 8 tokens prefilled alone and
     spliced in (attention layers left-padded, states appended), one step of every row; the second row leaves, a
@@ -145,7 +175,7 @@ def state_rows_support(model: torch.nn.Module) -> str | None:
 
     ids = probe_ids(model)
     texts = [ids[:6], ids[2:], ids[1:9], ids[3:8]]
-    rows, shares = DynamicRows(model), []
+    rows, shares = DynamicRows(model, records), []
 
     def join(text: list[int]) -> None:
         own, _ = rows.open(None, text, len(text) + 4)

@@ -522,10 +522,9 @@ def test_a_next_turn_in_the_worker_reads_only_its_new_message(static):
 
 @pytest.mark.parametrize("family", ["qwen3_5_text", "lfm2"])
 def test_a_hybrids_concurrent_clients_share_its_batch(smollm2, family):
-    """A hybrid (Qwen3.5's layout, random weights) served to 4 concurrent clients: they share the batch, one token
-    per row a step (its states a row each; LFM2's rows feed chains together, their windows cut back row by row),
-    and every answer is plain generate's for its prompt alone. A request alone in the batch then verifies chains of
-    guesses."""
+    """A hybrid (Qwen3.5's layout, random weights) served to 4 concurrent clients: they share the batch (its states
+    a row each, the rows' chains side by side, each row's states cut back to its own last kept token), and every
+    answer is plain generate's for its prompt alone. A request alone in the batch verifies chains of guesses too."""
     _, tokenizer = smollm2
     model = tiny_model(family, vocab_size=len(tokenizer))
     app = create_app(model, tokenizer, ServerConfig(MODEL, "auto", max_batch=4, max_tokens_limit=64))
@@ -605,3 +604,23 @@ def test_a_hybrids_lone_stream_cut_off_and_requests_joining_it_keep_their_own_an
     for index, answer in ((1, second), (2, third)):
         messages = [{"role": "user", "content": QUESTIONS[index]}]
         assert answer == plain_text((model, tokenizer), messages=messages, max_new_tokens=32), index
+
+
+@pytest.mark.parametrize(("family", "chunk"), [("jamba", None), ("qwen3_5_text", 8)])
+def test_a_served_hybrid_that_loses_its_states_reads_each_prompt_whole(smollm2, family, chunk):
+    """Jamba's scan over several tokens starts from no state (`forerun.base.chain.reads_on`): served, its prompts
+    join the batch whole, not in chunks (Qwen3.5's in chunks of 8), and an answer to a prompt of several chunks is
+    plain generate's."""
+    _, tokenizer = smollm2
+    model = tiny_model(family, vocab_size=len(tokenizer))
+    app = create_app(model, tokenizer, ServerConfig(MODEL, "auto", max_batch=4, max_tokens_limit=64, prefill_chunk=8))
+    assert app.state.worker.prefill_chunk == chunk
+    server = LiveServer(app)
+    try:
+        prompt = "def fibonacci(n):\n    if n < 2:\n        return n\n    return"
+        reply = httpx.post(
+            server.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 12, "temperature": 0}, timeout=120
+        )
+    finally:
+        server.stop()
+    assert reply.json()["choices"][0]["text"] == plain_text((model, tokenizer), prompt=prompt, max_new_tokens=12)

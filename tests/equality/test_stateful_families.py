@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from random_case import plain_greedy
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import forerun
 from forerun.costmodel import LatencyCurve
 from forerun.forward_inputs import cache_argument, forward_parameters
 
+from helpers import without_recording
 from tiny_models import COMMON, STATE_SPACE_FAMILIES, STATEFUL_FAMILIES, LetterTokenizer, prompts, tiny_model
 
 CURVE = LatencyCurve((1, 2, 4, 8, 16, 32, 64), (1.0, 1.0, 1.0, 1.2, 1.4, 1.9, 2.9))
@@ -19,7 +21,8 @@ CURVE = LatencyCurve((1, 2, 4, 8, 16, 32, 64), (1.0, 1.0, 1.0, 1.2, 1.4, 1.9, 2.
 
 
 def plain(model, prompt, new_tokens=24):
-    return model.generate(prompt, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    """generate's greedy text, every prompt token read as text (a next turn's prompt may hold the pad id 0)."""
+    return plain_greedy(model, prompt, new_tokens)
 
 
 def assert_batched_and_dropin_equal(model, decoder, texts, expected) -> None:
@@ -33,27 +36,28 @@ def assert_batched_and_dropin_equal(model, decoder, texts, expected) -> None:
     assert torch.equal(dropin, expected[1])
 
 
-PLAIN_ONLY = {"recurrent_gemma": 0.04}
+PLAIN_ONLY = {"recurrent_gemma": 0.04, "zamba": 3.5e-4}
 """Hybrids whose chain of tokens after their states gives other logits than one forward over the text (this share
 of the logits' spread, measured; fp32's allowance is 1e-4): their multi-token forward is another computation than
-their one-token step. They decode one token per forward. (Jamba's was too, 0.00027 of the spread, until its chain's
-tokens were fed as its steps are, their states recorded: transformers 5.25.)"""
+their one-token step (Zamba's scans its Mamba layers from no state: what it read before is lost). They decode one
+token per forward. (Jamba's was too, 0.00027 of the spread, until its chain's tokens were fed as its steps are,
+their states recorded: transformers 5.25.)"""
 CHAIN_FAMILIES = sorted(set(STATEFUL_FAMILIES) - set(PLAIN_ONLY))
-PUT_BACK = {"zamba"}
-"""Whose forward does not write a guess's recurrent state into the cache (transformers 5.25 has the others do, asked
-to: `forerun.base.chain.records_states`): a partly accepted chain's states are put back and its head fed again.
-The others' are cut back (LFM2's convolution windows, everyone else's recurrent states), nothing fed again."""
+RECORDING = [("qwen3_next", True), ("qwen3_next", False), ("lfm2", True)]
+"""Families, and whether their forward's recording of each guess's recurrent state is used: where it is not
+(`helpers.without_recording`, as for a model whose forward writes none), a partly accepted chain's states are put
+back from a copy and its head fed again; else cut back (LFM2's convolution windows, the others' recurrent states),
+nothing fed again."""
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 @pytest.mark.parametrize("family", CHAIN_FAMILIES)
 def test_a_hybrid_with_recurrent_states_verifies_chains_exactly(family, attention):
-    """Bamba, Falcon-H1, Granite 4, Jamba, LFM2, Nemotron-H, OLMo hybrid, Qwen3.5, Qwen3-Next, Zamba, Zamba 2:
-    their recurrent states cannot step back to a rejected guess by themselves. Each step verifies one chain: where
-    part of it is rejected, the states are cut back to the last accepted token (recorded through the step: LFM2's
-    convolution windows, and every recurrent state a model's forward writes where asked) or, Zamba's, put back
-    from a copy and the accepted head fed again. Alone, batched (row by row) and through the drop-in, the text is
-    generate's, in fewer forwards; eager attention and sdpa."""
+    """Bamba, Falcon-H1, Granite 4, Jamba, LFM2, Nemotron-H, OLMo hybrid, Qwen3.5, Qwen3-Next, Zamba 2: their
+    recurrent states cannot step back to a rejected guess by themselves. Each step verifies one chain: where part
+    of it is rejected, the states are cut back to the last accepted token (recorded through the step: LFM2's
+    convolution windows, and every recurrent state a model's forward writes where asked). Alone, batched (rows'
+    chains side by side) and through the drop-in, the text is generate's, in fewer forwards; eager and sdpa."""
     model = tiny_model(family, attention)
     texts = prompts(3, length=24)
     expected = [plain(model, p) for p in texts]
@@ -68,15 +72,35 @@ def test_a_hybrid_with_recurrent_states_verifies_chains_exactly(family, attentio
     assert torch.equal(predicted.sequences, expected[0])
     stats = predicted.stats
     assert stats.accepted >= 12 and stats.forwards < 14, stats.summary()
-    assert (stats.fed_again > 0) == (family in PUT_BACK), stats.summary()
+    assert stats.fed_again == 0, stats.summary()
     assert_batched_and_dropin_equal(model, decoder, texts, expected)
 
 
-@pytest.mark.parametrize("family", ["qwen3_next", "lfm2"])
-def test_a_hybrid_samples_the_same_text_whatever_drafted_it(family):
+@pytest.mark.parametrize("family", ["qwen3_5_text", "nemotron_h"])
+def test_a_hybrid_whose_forward_does_not_record_puts_its_states_back(family, monkeypatch):
+    """Where a model's forward writes no guess's recurrent state (`helpers.without_recording`), a chain accepted
+    in part has every state put back from a copy taken before it, and its accepted head fed again in front of the
+    next step: the text is generate's, alone and batched (rows one token each, a lone row chaining)."""
+    without_recording(monkeypatch)
+    model = tiny_model(family)
+    texts = prompts(3, length=24)
+    expected = [plain(model, p) for p in texts]
+    decoder = forerun.Decoder(model, None, "auto", latency=CURVE, latency_cache=None)
+    answer = expected[0][0, 24:].tolist()
+    wrong = [token if i % 5 != 3 else 3 + (token - 2) % (model.config.vocab_size - 3) for i, token in enumerate(answer)]
+    predicted = decoder.generate(texts[0], 24, eos_token_id=[], prediction=wrong)
+    assert torch.equal(predicted.sequences, expected[0])
+    assert predicted.stats.accepted >= 12 and predicted.stats.fed_again > 0, predicted.stats.summary()
+    assert_batched_and_dropin_equal(model, decoder, texts, expected)
+
+
+@pytest.mark.parametrize(("family", "records"), RECORDING)
+def test_a_hybrid_samples_the_same_text_whatever_drafted_it(family, records, monkeypatch):
     """A seed fixes the text: chains draw, at every position, what `plain` draws there (the step's noise is the
     position's), so the chains put back leave no trace in what is sampled. The guesses: `plain`'s own sample as a
     prediction, every fifth token wrong, beside prompt lookup."""
+    if not records:
+        without_recording(monkeypatch)
     model = tiny_model(family)
     options = dict(do_sample=True, temperature=0.8, top_p=0.95, eos_token_id=[])
     drafting = forerun.Decoder(model, None, "prompt_lookup", latency=CURVE, latency_cache=None)
@@ -87,12 +111,12 @@ def test_a_hybrid_samples_the_same_text_whatever_drafted_it(family):
         guessed = drafting.generate(text, 24, seed=seed, prediction=wrong, **options)
         assert torch.equal(guessed.sequences, alone.sequences)
         assert guessed.stats.accepted >= 4, guessed.stats.summary()
-        assert (guessed.stats.fed_again > 0) == (family in PUT_BACK), guessed.stats.summary()
+        assert (guessed.stats.fed_again > 0) == (not records), guessed.stats.summary()
 
 
 @pytest.mark.parametrize("family", sorted(PLAIN_ONLY))
 def test_a_hybrid_whose_chains_differ_decodes_one_token_per_forward(family):
-    """Jamba's and RecurrentGemma's forward over several tokens after their states is not their one-token
+    """Zamba's and RecurrentGemma's forward over several tokens after their states is not their one-token
     step: they decode plainly, exactly, and the Decoder says why, alone and batched."""
     model = tiny_model(family)
     texts = prompts(2, length=24)
@@ -236,11 +260,13 @@ def test_a_hybrids_next_turn_starts_from_the_cache_of_the_last(family):
     assert torch.equal(third.sequences, plain(model, changed)) and third.stats.cached_prompt_tokens == 0
 
 
-@pytest.mark.parametrize("family", ["qwen3_next", "zamba", "lfm2"])
-def test_a_turn_ending_on_a_chain_accepted_in_part_seeds_the_next_with_all_it_read(family):
+@pytest.mark.parametrize(("family", "records"), RECORDING)
+def test_a_turn_ending_on_a_chain_accepted_in_part_seeds_the_next_with_all_it_read(family, records, monkeypatch):
     """Every step a chain, every fourth guess wrong: what the cache has read when the answer ends (LFM2: its
-    windows cut back after each chain, the last included; Qwen3-Next: its recurrent states cut back; Zamba: the
-    states put back and accepted heads fed again) seeds the next turn, and nothing more."""
+    windows cut back after each chain, the last included; Qwen3-Next: its recurrent states cut back, or, not
+    recorded, put back and accepted heads fed again) seeds the next turn, and nothing more."""
+    if not records:
+        without_recording(monkeypatch)
     model = tiny_model(family)
     text = prompts(1, length=24)[0]
     answer = plain(model, text, 24)[0, 24:].tolist()
@@ -249,19 +275,21 @@ def test_a_turn_ending_on_a_chain_accepted_in_part_seeds_the_next_with_all_it_re
     first = decoder.generate(text, 24, eos_token_id=[], prediction=wrong)
     assert torch.equal(first.sequences, plain(model, text)) and first.stats.forwards < 24
     waiting = len(decoder.base.pending)  # accepted tokens the cache had not read yet
-    assert waiting == 0 if family not in PUT_BACK else first.stats.fed_again > 0
+    assert waiting == 0 if records else first.stats.fed_again > 0
     following = torch.cat([first.sequences, torch.tensor([[5, 6, 7, 8, 9]])], dim=1)
     second = decoder.generate(following, 16, eos_token_id=[])
     assert torch.equal(second.sequences, plain(model, following, 16))
     assert second.stats.cached_prompt_tokens == 24 + 24 - 1 - waiting  # the answer's last token was never fed
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_text", "zamba", "lfm2"])
-def test_an_answer_ending_with_tokens_waiting_seeds_the_next_turn_with_what_was_read(family):
-    """A chain right for two tokens, then wrong, where the target writes its EOS: the answer ends there. Zamba's
-    states were put back before the two accepted tokens (they wait to be fed), so the kept cache is the prompt's;
-    Qwen3.5's recurrent states and LFM2's windows were cut back after them, so it is the prompt and the two. The
-    next turn reads the rest."""
+@pytest.mark.parametrize(("family", "records"), [("qwen3_5_text", True), ("qwen3_5_text", False), ("lfm2", True)])
+def test_an_answer_ending_with_tokens_waiting_seeds_the_next_turn_with_what_was_read(family, records, monkeypatch):
+    """A chain right for two tokens, then wrong, where the target writes its EOS: the answer ends there. States
+    put back (not recorded) are the prompt's, the two accepted tokens waiting to be fed, so the kept cache is the
+    prompt's; Qwen3.5's recorded recurrent states and LFM2's windows were cut back after them, so it is the prompt
+    and the two. The next turn reads the rest."""
+    if not records:
+        without_recording(monkeypatch)
     model = tiny_model(family)
     text = prompts(1, length=24, seed=3)[0]
     answer = plain(model, text, 3)[0, 24:].tolist()
@@ -273,7 +301,7 @@ def test_an_answer_ending_with_tokens_waiting_seeds_the_next_turn_with_what_was_
     following = torch.cat([first.sequences, torch.tensor([[5, 6, 7]])], dim=1)
     second = decoder.generate(following, 12, eos_token_id=[])
     assert torch.equal(second.sequences, plain(model, following, 12))
-    assert second.stats.cached_prompt_tokens == (24 if family in PUT_BACK else 26)
+    assert second.stats.cached_prompt_tokens == (26 if records else 24)
 
 
 @pytest.mark.parametrize("family", ["qwen3_5_text", "nemotron_h"])

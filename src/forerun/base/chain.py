@@ -338,6 +338,29 @@ def records_states(model: torch.nn.Module) -> bool:
     return recorded(cache, 3)
 
 
+def reads_on(model: torch.nn.Module) -> bool:
+    """Whether `model` (with recurrent states), fed several tokens after its cache, gives the logits of one forward
+    over the whole text: a prompt then reads on from a stored cache (the prefix cache), in chunks (a server's
+    prefill, a scored prompt) or after a chain's head. Not where its scan over several tokens starts from no state
+    (transformers' Jamba, Zamba, Bamba, Mamba, Falcon-Mamba and RecurrentGemma lose what they had read: 3e-4 to 0.7
+    of the logits' spread, measured on tiny models); their prompts are then read whole. A prefill of 5 probe tokens,
+    then 5 more, against one forward over the 10 (beyond `feed_probe.allowed_share`)."""
+    from forerun.feed_probe import allowed_share, own_logits, probe_ids, share_of_spread  # noqa: PLC0415 - as above
+
+    ids = probe_ids(model)[:10]
+    cache = roomy_cache(model.config)
+    device, head = next(model.parameters()).device, LogitsHead(model)
+    try:
+        with torch.inference_mode():
+            for start, end in ((0, 5), (5, 10)):
+                fed = {"input_ids": torch.tensor([ids[start:end]], device=device), "cache": cache, "use_cache": True}
+                got = head(5, position_ids=torch.arange(start, end, device=device)[None], **fed)[0]
+            want = own_logits(model, ids)[5:]
+    except Exception:  # noqa: BLE001 - any failure means: not this way
+        return False
+    return share_of_spread(got, want) <= allowed_share(model, states=True)
+
+
 def chain_of(tokens: Sequence[int]) -> TokenTree:
     """The tree of `tokens[0]` and the rest as one line of candidates."""
     tree = TokenTree.rooted_at(tokens[0])

@@ -1,9 +1,10 @@
 """A hybrid batch's lone row verifying chains: what `forerun.base.rows.DynamicRows` keeps so that a model with
 recurrent states drafts in a batch of one row as it does alone on a `forerun.base.chain.ChainBase`.
 
-Rows of a hybrid that decode together feed one token each a step (`forerun.rowstates`): a rejected guess cannot be
-taken out of a row's state, and padding a shorter row would advance its state too (windows alone, LFM2's, are cut
-back row by row instead: `DynamicRows.chains_together`). A row alone in its batch (a
+Rows of a hybrid whose states cannot be recorded through a step feed one token each a step beside others
+(`forerun.rowstates`): a rejected guess cannot be taken out of a row's state, and padding a shorter row would
+advance its state too (recorded states are cut back row by row instead: `DynamicRows.chains_together`). A row
+alone in its batch (a
 server's only request, the last row of `generate([...])`) pads for no one: it feeds its root and a chain of
 guesses, its states copied first. Where the target rejects part of the chain, the states are put back, the step's
 keys cut, and the accepted tokens wait (`pending`) to be fed again in front of the next step's. Before another row

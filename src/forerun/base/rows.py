@@ -35,7 +35,7 @@ from forerun.head import LogitsHead
 from forerun.kvcache import keep_accepted
 from forerun.prefixcache import Prefixes
 from forerun.rowcache import RowCache
-from forerun.rowstates import cut_windows, has_states
+from forerun.rowstates import cut_states, has_states
 from forerun.tree import TokenTree, as_attention_mask, is_chain
 
 Leaving = tuple[int, Prefixes | None, list[int], int]
@@ -145,7 +145,7 @@ class DynamicRows:
         """The batch's forwards (its first prefill decides how the logits of a few positions are computed)."""
         self.chain = LoneChain(records)
         """A hybrid's lone row: its chains (`forerun.base.lone_chain`)."""
-        self.recorded = False  # this step's windows are recorded, to be cut back row by row at `keep`
+        self.recorded = False  # this step's states are recorded, to be cut back row by row at `keep`
 
     @property
     def slots(self) -> int:
@@ -153,10 +153,11 @@ class DynamicRows:
 
     @property
     def chains_together(self) -> bool:
-        """A hybrid whose states are convolution windows only (LFM2): its rows feed chains side by side, padded at
-        their ends, and each row's windows are cut back to its own last kept token (`rowstates.cut_windows`), its
-        rejected keys left as holes. Other states cannot be put back row by row: those rows feed one token each."""
-        return self.cache.states and croppable(self.cache.cache)
+        """A hybrid whose states are convolution windows only (LFM2), or whose forward writes each fed token's
+        recurrent state where asked (`records`): its rows feed chains side by side, padded at their ends, and each
+        row's states are cut back to its own last kept token (`rowstates.cut_states`), its rejected keys left as
+        holes. States put back from a copy would need a copy per row: those rows feed one token each."""
+        return self.cache.states and (self.records or croppable(self.cache.cache))
 
     @property
     def waiting(self) -> int:
@@ -202,10 +203,10 @@ class DynamicRows:
             prefix_lens, trees, nodes = [start], [fed], len(fed)
         elif self.chain.pending:
             raise RuntimeError("a lone row's waiting tokens must be fed before other rows join (`flush`)")
-        elif self.cache.states and nodes > 1:  # rows' chains side by side: each row's windows cut back at `keep`
+        elif self.cache.states and nodes > 1:  # rows' chains side by side: each row's states cut back at `keep`
             if not (self.chains_together and all(map(is_chain, trees))):
-                raise RuntimeError("a hybrid's rows feed chains together only where their states are windows")
-            self.recorded, _ = before_guesses(self.cache.cache, nodes)  # windows: recorded, nothing copied
+                raise RuntimeError("a hybrid's rows feed chains together only where their states are recorded")
+            self.recorded, _ = before_guesses(self.cache.cache, nodes, self.records)  # recorded, nothing copied
         logits = self.run(prefix_lens, trees, nodes, keep)[:, -(keep or nodes) :]  # [rows, nodes, vocab]
         return RowsLogits(logits, range(len(trees)), device_argmax(logits), None)
 
@@ -239,7 +240,7 @@ class DynamicRows:
         cut, self.recorded = self.recorded, False
         if cut:  # padding fed after a shorter chain is dropped with its rejected guesses
             for layer in state_layers(self.cache.cache):
-                cut_windows(layer, [nodes - len(path) for path in kept])
+                cut_states(layer, [nodes - len(path) for path in kept])
         self.cache.keep(kept, nodes, windows_cut=cut)
 
     def compact(self) -> None:

@@ -79,7 +79,7 @@ class Service:
         """The marks of a reasoning model's thought, which chat answers send apart (`forerun.thoughts`)."""
         prefixes = "auto" if config.prefix_cache_tokens is None else config.prefix_cache_tokens
         self.pool = DecoderPool(
-            model, tokenizer, config.method, config.knobs, draft_model, make_prefixes(model, prefixes),
+            model, tokenizer, config.method, config.knobs, draft_model, make_prefixes(model, prefixes, reads=True),
             config.max_tree_nodes, config.draft_head, config.compile_buckets,
         )  # fmt: skip
         self.pool.get(config.method, {})  # a bad method or knob fails now
@@ -114,7 +114,8 @@ class Service:
             # batch_budget: the curve's batched rows are measured now (once per model and device, then read from
             # disk), not while the first clients wait
             budget = decoder.batch_budget()
-            return BatchWorker(model, budget, self.config.max_batch, self.config.prefill_chunk, decoder.base)
+            chunk = self.config.prefill_chunk if decoder.reads_on else 0  # a hybrid losing its states: whole
+            return BatchWorker(model, budget, self.config.max_batch, chunk, decoder.base)
         return Worker()  # one at a time (also for models whose cache cannot hold ragged rows)
 
     def shutdown(self) -> None:
@@ -247,7 +248,7 @@ class Service:
     async def echo(self, args: GenerationArgs, decoder: Decoder, cancel: threading.Event, why: dict) -> Echo:
         """The prompt shown before a completion (`echo`), its tokens scored on the worker where logprobs are asked
         (a chunk at a time, the batch's rows stepping between chunks), in a place `admit` took for it."""
-        chunk = self.config.prefill_chunk or None
+        chunk = (self.config.prefill_chunk or None) if decoder.reads_on else None
         keep = decoder.prefixes.scoped(args.cache_salt)  # a scored head read from there; the prompt left there
         pieces = self.worker.run_pieces(lambda: echoed(decoder, args.prompt, args.logprobs, chunk, keep), cancel)
         return await self.on_worker(pieces, "prompt", why)

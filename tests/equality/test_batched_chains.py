@@ -1,8 +1,10 @@
-"""LFM2's rows feed chains of guesses together: its states are short convolution windows, which a batch records
-through the step and cuts back row by row to each row's last kept token (`forerun.rowstates.cut_windows`), as the
-rows' rejected keys are left as holes. A shorter chain is padded at its end (what follows a token never reaches
-it through a causal convolution). Every row writes generate's text; hybrids with recurrent states still feed one
-token per row a step (tests/equality/test_hybrid_batches.py)."""
+"""A hybrid's rows feed chains of guesses together where their states are recorded through the step: LFM2's short
+convolution windows, and the recurrent states that Qwen3.5's, Jamba's, Nemotron-H's and Mamba's forwards write
+after each token where asked (`forerun.base.chain.records_states`). The batch cuts each row's states back to its
+own last kept token (`forerun.rowstates.cut_states`), as the rows' rejected keys are left as holes. A shorter chain
+is padded at its end (what follows a token never reaches it through a causal layer). Every row writes generate's
+text; a hybrid whose forward does not record (Zamba) still feeds one token per row a step
+(tests/equality/test_hybrid_batches.py)."""
 
 from __future__ import annotations
 
@@ -10,15 +12,17 @@ from dataclasses import replace
 
 import pytest
 import torch
-from test_hybrid_batches import CURVE, plain, ragged_requests
+from test_hybrid_batches import CURVE, plain, ragged_requests, state_space
 
 import forerun
 from forerun.base.chain import chain_of
 from forerun.base.rows import DynamicRows
+from forerun.base.static_rows import static_rows
 from forerun.batch import Batch
 from forerun.rowstates import state_rows_support
 from forerun.tree import TokenTree
 
+from helpers import without_recording
 from tiny_models import LetterTokenizer, tiny_model
 
 
@@ -36,7 +40,7 @@ def predicted(requests, expected, every: list[int]) -> list[forerun.GenerationRe
 def together(model, decoder, requests) -> tuple[list[forerun.GenerationResult], list[list[int]]]:
     """The requests in one batch: their results and, per step while every row is in it, the tokens each wrote."""
     prepared = [decoder.prepare(request) for request in requests]
-    batch, gains = Batch(model, decoder.budget), []
+    batch, gains = Batch(model, decoder.budget, shared=static_rows(decoder.base, len(prepared), 64)), []
     rows = [batch.add(each.job) for each in prepared]
     while batch.rows:
         before = [len(each.job.transcript.sources) for each in prepared]
@@ -57,12 +61,21 @@ def logprob_gap(model, results, requests) -> float:
     return max(gaps)
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "eager"])
-def test_lfm2_rows_feed_chains_together_each_cut_back_to_its_own(attention):
+RECORDED = [("lfm2", "sdpa"), ("lfm2", "eager"), ("qwen3_5_text", "sdpa"), ("qwen3_5_text", "eager"), ("jamba", "sdpa"),
+            ("nemotron_h", "sdpa"), ("falcon_h1", "sdpa"), ("mamba", None), ("mamba2", None)]  # fmt: skip
+"""Families whose rows chain together, and an attention implementation (None: a state-space model, none)."""
+
+
+def recorded_model(family: str, attention: str | None) -> torch.nn.Module:
+    return state_space(family) if attention is None else tiny_model(family, attn_implementation=attention)
+
+
+@pytest.mark.parametrize(("family", "attention"), RECORDED)
+def test_a_hybrids_rows_feed_chains_together_each_cut_back_to_its_own(family, attention):
     """Three rows predicted wrong every 3rd, 4th and 5th token: steps where the rows keep chains of different
-    lengths together, each row's text generate's, its logprobs within 1e-5 of reading the text whole (a window
+    lengths together, each row's text generate's, its logprobs within 1e-5 of reading the text whole (a state
     cut back a token off reads another text)."""
-    model = tiny_model("lfm2", attn_implementation=attention)
+    model = recorded_model(family, attention)
     decoder = forerun.Decoder(model, None, "prompt_lookup", latency=CURVE, latency_cache=None)
     requests, expected = ragged_requests(model)
     asked = predicted(requests[2:], expected[2:], [3, 4, 5])
@@ -73,23 +86,25 @@ def test_lfm2_rows_feed_chains_together_each_cut_back_to_its_own(attention):
     assert logprob_gap(model, results, asked) < 1e-5
 
 
-def test_windows_cut_back_alike_read_another_text(monkeypatch):
-    """The negative control: every row's windows cut back by the first row's count (as transformers' `crop` cuts
+@pytest.mark.parametrize("family", ["lfm2", "qwen3_5_text"])
+def test_states_cut_back_alike_read_another_text(family, monkeypatch):
+    """The negative control: every row's states cut back by the first row's count (as transformers' `crop` cuts
     a batch) read another text for some row, and the probe finds it."""
-    model = tiny_model("lfm2")
+    model = tiny_model(family)
     requests, expected = ragged_requests(model)
-    cut = forerun.base.rows.cut_windows
+    cut = forerun.base.rows.cut_states
     alike = lambda layer, rejected: cut(layer, [rejected[0]] * len(rejected))  # noqa: E731
-    monkeypatch.setattr("forerun.base.rows.cut_windows", alike)
+    monkeypatch.setattr("forerun.base.rows.cut_states", alike)
     decoder = forerun.Decoder(model, None, "prompt_lookup", latency=CURVE, latency_cache=None)
     asked = predicted(requests[2:], expected[2:], [3, 4, 5])
     assert logprob_gap(model, together(model, decoder, asked)[0], asked) > 1e-4
-    assert "other logits than their own" in state_rows_support(model)
+    assert "other logits than their own" in state_rows_support(model, family != "lfm2")
 
 
-def test_lfm2_sampled_rows_drafting_together_write_their_seeds_text():
+@pytest.mark.parametrize("family", ["lfm2", "qwen3_5_text"])
+def test_sampled_rows_drafting_together_write_their_seeds_text(family):
     """Seeded sampled rows feeding chains together write what each writes alone with its seed."""
-    model = tiny_model("lfm2")
+    model = tiny_model(family)
     decoder = forerun.Decoder(model, None, "auto", latency=CURVE, latency_cache=None, prefix_cache=0)
     requests, _ = ragged_requests(model)
     sampled = [forerun.GenerationRequest.of(r.prompt, 24, eos_token_id=[], do_sample=True, seed=7 + i,
@@ -112,9 +127,10 @@ def test_lfm2_rows_on_a_static_budget_share_its_nodes_as_chains():
     assert all(torch.equal(r.sequences, want) for r, want in zip(results, expected[2:], strict=True))
 
 
-def test_a_hybrid_with_recurrent_states_keeps_to_one_token_a_row():
-    """Qwen3.5's recurrent states cannot be cut back row by row: its rows feed one token each, and a forward of
-    chains on its rows is refused, not decoded wrong."""
+def test_a_hybrid_whose_forward_does_not_record_keeps_to_one_token_a_row(monkeypatch):
+    """Where a model's forward writes no token's recurrent state (`helpers.without_recording`), its rows feed one
+    token each, and a forward of chains on its rows is refused, not decoded wrong."""
+    without_recording(monkeypatch)
     model = tiny_model("qwen3_5_text")
     decoder = forerun.Decoder(model, None, "prompt_lookup", latency=CURVE, latency_cache=None)
     requests, expected = ragged_requests(model)
@@ -128,7 +144,7 @@ def test_a_hybrid_with_recurrent_states_keeps_to_one_token_a_row():
             rows.feed(own, TokenTree.rooted_at(text[-1]), len(text) - 1, text[:-1])
             rows.admit(own, len(text) - 1, [0], None, text)
         assert not rows.chains_together
-        with pytest.raises(RuntimeError, match="only where their states are windows"):
+        with pytest.raises(RuntimeError, match="only where their states are recorded"):
             rows.forward([4, 3], [chain_of([1, 2]), chain_of([5])], 2)
 
 
