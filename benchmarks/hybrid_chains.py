@@ -12,12 +12,13 @@ also a conversation's next turn (the first turn's prompt and answer, then a new 
 prefix cache holding the first turn's whole cache, states included, and without. `--shared`: a system prompt of that
 many tokens before three users' messages; the third's prefill with the prefix cache (the second kept the cache after
 the head it shared with the first) and without. `--batch`: that many prompts at once (a comma list) in one batch
-with prompt lookup (LFM2's rows draft together, Qwen3.5's feed one token each), the same batch with one token per
-row a step (`plain`), the same prompts one after another (forerun and `generate` alone) and `generate` with the
-prompts left-padded into one batch; rounds interleaved; `--batch-every k`: also the batch with each row's answer
-predicted, every k-th token wrong. `--lone`: each prediction also decoded as a batching server decodes its only
-request, a row alone in a `Batch` (chains, `forerun.base.lone_chain`), beside a single run, both without a prefix
-cache (before, such a row fed one token a step: `forerun plain`'s rate).
+with prompt lookup (the rows' chains side by side, each row's states cut back to its own), the same batch with one
+token per row a step (`plain`: what a batch of Qwen3.5's rows fed before), the same prompts one after another
+(forerun and `generate` alone) and `generate` with the prompts left-padded into one batch; rounds interleaved;
+`--batch-every k`: also the batch with each row's answer predicted, every k-th token wrong. `--lone`: each
+prediction also decoded as a batching server decodes its only request, a row alone in a `Batch` (chains,
+`forerun.base.lone_chain`), beside a single run, both without a prefix cache (before, such a row fed one token a
+step: `forerun plain`'s rate).
 
 Usage:
     .venv/bin/python benchmarks/hybrid_chains.py --threads 1 --out benchmarks/results/hybrid-chains-epyc.json

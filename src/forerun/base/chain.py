@@ -342,9 +342,9 @@ def reads_on(model: torch.nn.Module) -> bool:
     """Whether `model` (with recurrent states), fed several tokens after its cache, gives the logits of one forward
     over the whole text: a prompt then reads on from a stored cache (the prefix cache), in chunks (a server's
     prefill, a scored prompt) or after a chain's head. Not where its scan over several tokens starts from no state
-    (transformers' Jamba, Zamba, Bamba, Mamba, Falcon-Mamba and RecurrentGemma lose what they had read: 3e-4 to 0.7
-    of the logits' spread, measured on tiny models); their prompts are then read whole. A prefill of 5 probe tokens,
-    then 5 more, against one forward over the 10 (beyond `feed_probe.allowed_share`)."""
+    (transformers' Jamba, Zamba, Mamba, Falcon-Mamba and RecurrentGemma lose what they had read: 3e-4 to 0.7 of the
+    logits' spread, measured on tiny models); their prompts are then read whole. A prefill of 5 probe tokens, then 5
+    more, against one forward over the 10 (beyond `feed_probe.allowed_share`)."""
     from forerun.feed_probe import allowed_share, own_logits, probe_ids, share_of_spread  # noqa: PLC0415 - as above
 
     ids = probe_ids(model)[:10]
