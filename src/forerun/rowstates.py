@@ -125,10 +125,10 @@ def cut_states(layer: LinearAttentionCacheLayerMixin, rejected: Sequence[int]) -
     for index, initialized in layer.is_recurrent_states_initialized.items():
         if not initialized:
             continue
-        state = layer.recurrent_states[index]
-        after = torch.stack([*layer.recurrent_states_history[index], state])  # [n + 1, rows, ...]
-        picks = len(after) - 1 - torch.tensor(rejected, device=state.device)
-        state.copy_(after[picks, torch.arange(len(rejected), device=state.device)])  # in place: a static address
+        state, history = layer.recurrent_states[index], layer.recurrent_states_history[index]
+        for row, dropped in enumerate(rejected):  # row by row: no [n + 1, rows, ...] copy of the whole history
+            if dropped:
+                state[row].copy_(history[len(history) - dropped][row])  # in place: the state's address stays
         layer.recurrent_states_history[index] = []
     cut_windows(layer, rejected)
 

@@ -101,6 +101,22 @@ def test_states_cut_back_alike_read_another_text(family, monkeypatch):
     assert "other logits than their own" in state_rows_support(model, family != "lfm2")
 
 
+def test_recurrent_states_left_uncut_read_another_text(monkeypatch):
+    """The negative control for recurrent states: each row's windows cut back but its recurrent state left after
+    the whole padded step (its history dropped) reads another text."""
+    model = tiny_model("qwen3_5_text")
+
+    def windows_only(layer, rejected) -> None:
+        layer.recurrent_states_history = {index: [] for index in layer.recurrent_states_history}
+        forerun.rowstates.cut_windows(layer, rejected)
+
+    monkeypatch.setattr("forerun.base.rows.cut_states", windows_only)
+    decoder = forerun.Decoder(model, None, "prompt_lookup", latency=CURVE, latency_cache=None)
+    requests, expected = ragged_requests(model)
+    asked = predicted(requests[2:], expected[2:], [3, 4, 5])
+    assert logprob_gap(model, together(model, decoder, asked)[0], asked) > 1e-2
+
+
 @pytest.mark.parametrize("family", ["lfm2", "qwen3_5_text"])
 def test_sampled_rows_drafting_together_write_their_seeds_text(family):
     """Seeded sampled rows feeding chains together write what each writes alone with its seed."""
