@@ -25,6 +25,13 @@ def plain(model, prompt, new_tokens=24):
     return plain_greedy(model, prompt, new_tokens)
 
 
+def fifth_wrong(model, want: torch.Tensor) -> list[int]:
+    """generate's answer in `want` (after a 24-token prompt) with every fifth token changed: a prediction whose
+    chains are accepted whole, in part and not at all."""
+    vocab = model.config.vocab_size
+    return [token if i % 5 != 3 else 3 + (token - 2) % (vocab - 3) for i, token in enumerate(want[0, 24:].tolist())]
+
+
 def assert_batched_and_dropin_equal(model, decoder, texts, expected) -> None:
     """`texts` as one batch, and the second through the drop-in, write `expected` (generate's, 24 tokens)."""
     batch = decoder.generate(texts, 24, eos_token_id=[])
@@ -66,8 +73,7 @@ def test_a_hybrid_with_recurrent_states_verifies_chains_exactly(family, attentio
     assert all(torch.equal(r.sequences, want) for r, want in zip(results, expected, strict=True))
     assert all(r.stats.fallback_reason is None and r.stats.fed_tokens > r.stats.forwards for r in results)
     # a prediction right but for every fifth token: chains accepted whole, in part (states put back) and not at all
-    answer = expected[0][0, 24:].tolist()
-    wrong = [token if i % 5 != 3 else 3 + (token - 2) % (model.config.vocab_size - 3) for i, token in enumerate(answer)]
+    wrong = fifth_wrong(model, expected[0])
     predicted = decoder.generate(texts[0], 24, eos_token_id=[], prediction=wrong)
     assert torch.equal(predicted.sequences, expected[0])
     stats = predicted.stats
@@ -86,8 +92,7 @@ def test_a_hybrid_whose_forward_does_not_record_puts_its_states_back(family, mon
     texts = prompts(3, length=24)
     expected = [plain(model, p) for p in texts]
     decoder = forerun.Decoder(model, None, "auto", latency=CURVE, latency_cache=None)
-    answer = expected[0][0, 24:].tolist()
-    wrong = [token if i % 5 != 3 else 3 + (token - 2) % (model.config.vocab_size - 3) for i, token in enumerate(answer)]
+    wrong = fifth_wrong(model, expected[0])
     predicted = decoder.generate(texts[0], 24, eos_token_id=[], prediction=wrong)
     assert torch.equal(predicted.sequences, expected[0])
     assert predicted.stats.accepted >= 12 and predicted.stats.fed_again > 0, predicted.stats.summary()
@@ -106,8 +111,7 @@ def test_a_hybrid_samples_the_same_text_whatever_drafted_it(family, records, mon
     drafting = forerun.Decoder(model, None, "prompt_lookup", latency=CURVE, latency_cache=None)
     for seed, text in enumerate(prompts(3, length=24)):
         alone = forerun.Decoder(model, None, "plain").generate(text, 24, seed=seed, **options)
-        answer = alone.sequences[0, 24:].tolist()
-        wrong = [t if i % 5 != 3 else 3 + (t - 2) % (model.config.vocab_size - 3) for i, t in enumerate(answer)]
+        wrong = fifth_wrong(model, alone.sequences)
         guessed = drafting.generate(text, 24, seed=seed, prediction=wrong, **options)
         assert torch.equal(guessed.sequences, alone.sequences)
         assert guessed.stats.accepted >= 4, guessed.stats.summary()
@@ -154,8 +158,7 @@ def test_a_state_space_model_decodes_exactly(family):
     texts = prompts(2, length=24)
     expected = [plain(model, text) for text in texts]
     decoder = forerun.Decoder(model, None, "auto", latency=CURVE, latency_cache=None)
-    answer = expected[0][0, 24:].tolist()
-    wrong = [token if i % 5 != 3 else 3 + (token - 2) % (model.config.vocab_size - 3) for i, token in enumerate(answer)]
+    wrong = fifth_wrong(model, expected[0])
     predicted = decoder.generate(texts[0], 24, eos_token_id=[], prediction=wrong)
     assert torch.equal(predicted.sequences, expected[0])
     if family in CHAIN_STATE_SPACE:
