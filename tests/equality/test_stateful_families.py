@@ -32,6 +32,16 @@ def fifth_wrong(model, want: torch.Tensor) -> list[int]:
     return [token if i % 5 != 3 else 3 + (token - 2) % (vocab - 3) for i, token in enumerate(want[0, 24:].tolist())]
 
 
+def predicted_run(model, rows: int) -> tuple[list, list, forerun.Decoder, forerun.GenerationResult]:
+    """`rows` prompts, generate's texts for them, an `auto` Decoder on the flat curve, and the first prompt decoded
+    with its answer predicted, every fifth token wrong (`fifth_wrong`)."""
+    texts = prompts(rows, length=24)
+    expected = [plain(model, text) for text in texts]
+    decoder = forerun.Decoder(model, None, "auto", latency=CURVE, latency_cache=None)
+    predicted = decoder.generate(texts[0], 24, eos_token_id=[], prediction=fifth_wrong(model, expected[0]))
+    return texts, expected, decoder, predicted
+
+
 def assert_batched_and_dropin_equal(model, decoder, texts, expected) -> None:
     """`texts` as one batch, and the second through the drop-in, write `expected` (generate's, 24 tokens)."""
     batch = decoder.generate(texts, 24, eos_token_id=[])
@@ -72,7 +82,7 @@ def test_a_hybrid_with_recurrent_states_verifies_chains_exactly(family, attentio
     results = [decoder.generate(text, 24, eos_token_id=[]) for text in texts]
     assert all(torch.equal(r.sequences, want) for r, want in zip(results, expected, strict=True))
     assert all(r.stats.fallback_reason is None and r.stats.fed_tokens > r.stats.forwards for r in results)
-    # a prediction right but for every fifth token: chains accepted whole, in part (states put back) and not at all
+    # a prediction right but for every fifth token: chains accepted whole, in part (states cut back) and not at all
     wrong = fifth_wrong(model, expected[0])
     predicted = decoder.generate(texts[0], 24, eos_token_id=[], prediction=wrong)
     assert torch.equal(predicted.sequences, expected[0])
@@ -89,11 +99,7 @@ def test_a_hybrid_whose_forward_does_not_record_puts_its_states_back(family, mon
     next step: the text is generate's, alone and batched (rows one token each, a lone row chaining)."""
     without_recording(monkeypatch)
     model = tiny_model(family)
-    texts = prompts(3, length=24)
-    expected = [plain(model, p) for p in texts]
-    decoder = forerun.Decoder(model, None, "auto", latency=CURVE, latency_cache=None)
-    wrong = fifth_wrong(model, expected[0])
-    predicted = decoder.generate(texts[0], 24, eos_token_id=[], prediction=wrong)
+    texts, expected, decoder, predicted = predicted_run(model, 3)
     assert torch.equal(predicted.sequences, expected[0])
     assert predicted.stats.accepted >= 12 and predicted.stats.fed_again > 0, predicted.stats.summary()
     assert_batched_and_dropin_equal(model, decoder, texts, expected)
@@ -155,11 +161,7 @@ def test_a_state_space_model_decodes_exactly(family):
         with pytest.raises(ValueError, match=rf"{type(model).__name__}\.forward takes no transformers cache.*`cache_"):
             forerun.Decoder(model, None, "plain")
         return
-    texts = prompts(2, length=24)
-    expected = [plain(model, text) for text in texts]
-    decoder = forerun.Decoder(model, None, "auto", latency=CURVE, latency_cache=None)
-    wrong = fifth_wrong(model, expected[0])
-    predicted = decoder.generate(texts[0], 24, eos_token_id=[], prediction=wrong)
+    texts, expected, decoder, predicted = predicted_run(model, 2)
     assert torch.equal(predicted.sequences, expected[0])
     if family in CHAIN_STATE_SPACE:
         assert predicted.stats.fallback_reason is None and predicted.stats.fed_again == 0, predicted.stats.summary()
