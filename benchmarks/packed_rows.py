@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 import forerun
-from forerun.base.packed import PackedLinear, row_table
+from forerun.base.packed import PackedLinear, products, row_table
 from forerun.base.packed_rows import rows_for
 from forerun.bench.datasets import load_dataset
 from forerun.bench.runner import encode
@@ -48,8 +48,7 @@ def timed(call, *args, **kwargs):
 def configured(dtype: str, method: str):
     """The model, its tokenizer, the two configurations ({name: row table}) and a Decoder of `method` for each."""
     model, tokenizer = forerun.load_model("smollm2-135m", dtype=dtype)
-    layers = [layer for layer in model.modules() if isinstance(layer, PackedLinear)]
-    table = row_table(model) or rows_for(layers)  # bf16: measured here (load_model gives only fp32 layers one)
+    table = row_table(model) or rows_for(products(model))  # bf16: measured here (load_model gives only fp32 layers one)
     configs = {"as asked": (), "table": table}
     decoders = {}
     for name, rows in configs.items():

@@ -27,6 +27,7 @@ from forerun.attention import sdpa_like
 from forerun.base.chain import before_guesses, copy_states, cut_back, put_back, records_states
 from forerun.base.kernels import KernelLinear
 from forerun.base.packed import packed, row_table
+from forerun.base.stacked import stacked
 from forerun.base.weights import dense, output_matrix, weights_kind
 from forerun.costmodel import LatencyCurve
 from forerun.forward_inputs import stateful
@@ -87,10 +88,12 @@ def weights_settings(model: torch.nn.Module) -> dict[str, object]:
     subclass's dispatch costs less, so a curve measured through it misprices one), 'wide_rows' where they take
     that many rows or more through unpacked weights (`forerun.base.unpacked`: a batch's wide steps cost less), and
     'output': 'dense' where the output matrix is (`quantize_weights` leaves it so); 'packed': True where dense
-    layers are laid out for oneDNN (`forerun.base.packed`), with 'rows' where they compute a few rows as more
-    (`forerun.base.packed_rows`)."""
+    layers are laid out for oneDNN (`forerun.base.packed`), 'stacked' where siblings are laid out as one matrix
+    (`forerun.base.stacked`), and 'rows' where they compute a few rows as more (`forerun.base.packed_rows`)."""
     kind = weights_kind(model)
     laid_out = {"packed": True} if packed(model) else {}  # oneDNN's layout: cheaper forwards, trees the most
+    if stacked(model):  # siblings in one product each: cheaper forwards again
+        laid_out["stacked"] = True
     table = row_table(model)
     if any(n != m for m, n in enumerate(table)):  # a few rows computed as more: another curve
         laid_out["rows"] = list(table)

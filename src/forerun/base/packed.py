@@ -24,6 +24,7 @@ Example (a [64, 32] layer: 64 outputs, 32 inputs):
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -159,16 +160,50 @@ def check_pack(pack: bool, device: torch.device | str, dtype: torch.dtype) -> No
         )
 
 
-def pack_weights(model: torch.nn.Module) -> int:
+def pack_weights(model: torch.nn.Module, stack: bool = True) -> int:
     """Replace, in place, every dense fp32/bf16 linear layer of `model` by a PackedLinear over its matrix laid
-    out; returns how many. Quantized layers (`forerun.base.weights`) stay as they are."""
+    out; returns how many. Quantized layers (`forerun.base.weights`) stay as they are. `stack`: sibling layers
+    reading the same input laid out as one matrix too (`forerun.base.stacked`: one product where there were
+    several, the same numbers). Layers whose matrix the model's own code reads stay dense (`read_by_hand`)."""
+    by_hand = read_by_hand(model)
 
     def laid_out(layer: torch.nn.Linear) -> PackedLinear | None:
         weight = layer.weight
-        plain = type(weight) is torch.nn.Parameter and weight.layout == torch.strided
+        plain = type(weight) is torch.nn.Parameter and weight.layout == torch.strided and id(layer) not in by_hand
         return PackedLinear(layer) if plain and weight.dtype in DTYPES and weight.device.type == "cpu" else None
 
-    return replace_linears(model, laid_out)
+    count = replace_linears(model, laid_out)
+    if stack:
+        from forerun.base.stacked import stack_siblings  # it builds on PackedLinear
+
+        stack_siblings(model)
+    return count
+
+
+def read_by_hand(model: torch.nn.Module) -> set[int]:
+    """The ids of `model`'s linear layers whose matrix the code of the module holding them reads itself, not through
+    the layer (Mamba's and Jamba's mixers compute `self.dt_proj.weight @ time_step`): a laid-out matrix has no
+    storage such code could read.
+
+    Example (transformers' Mamba mixer multiplies its `dt_proj` by hand; a Sequential reads nothing so):
+        >>> from transformers import MambaConfig, MambaForCausalLM
+        >>> mamba = MambaForCausalLM(MambaConfig(hidden_size=16, num_hidden_layers=1, state_size=4, vocab_size=32))
+        >>> read_by_hand(mamba) >= {id(mamba.backbone.layers[0].mixer.dt_proj)}, read_by_hand(torch.nn.Sequential())
+        (True, set())
+    """
+    sources: dict[type, str] = {}
+    found = set()
+    for parent in model.modules():
+        kind = type(parent)
+        if kind not in sources:
+            try:
+                sources[kind] = inspect.getsource(kind)
+            except (OSError, TypeError):  # defined where no source is kept: nothing known to read by hand
+                sources[kind] = ""
+        for name, child in parent.named_children():
+            if isinstance(child, torch.nn.Linear) and f"self.{name}.weight" in sources[kind]:
+                found.add(id(child))
+    return found
 
 
 def lay_out_rows(model: torch.nn.Module, cache_dir: Path | str | None = DEFAULT_CACHE_DIR) -> tuple[int, ...]:
@@ -177,8 +212,7 @@ def lay_out_rows(model: torch.nn.Module, cache_dir: Path | str | None = DEFAULT_
 
     fp32 only: in bf16 on the AVX-512 EPYC the layers alone measured 2 rows cheaper computed as 4, but end to end
     generate gained nothing and `auto` lost 4-5% (`benchmarks/packed_rows.py`), where fp32 generate gained 5-10%."""
-    layers = [module for module in model.modules() if isinstance(module, PackedLinear)]
-    layers = [layer for layer in layers if layer.weight.layout == torch._mkldnn]
+    layers = [layer for layer in products(model) if layer.weight.layout == torch._mkldnn]
     if not layers or any(layer.weight.dtype != torch.float32 for layer in layers):
         return ()
     table = rows_for(layers, cache_dir)
@@ -189,7 +223,19 @@ def lay_out_rows(model: torch.nn.Module, cache_dir: Path | str | None = DEFAULT_
 
 def row_table(model: torch.nn.Module) -> tuple[int, ...]:
     """The row table `model`'s laid-out layers compute by (empty: as many rows as asked)."""
-    return next((module.rows for module in model.modules() if isinstance(module, PackedLinear)), ())
+    return next((layer.rows for layer in products(model)), ())
+
+
+def products(model: torch.nn.Module) -> list[PackedLinear]:
+    """The laid-out products a forward of `model` computes: each stack's once (`forerun.base.stacked`), and every
+    layer not stacked."""
+    found: dict[int, PackedLinear] = {}
+    for module in model.modules():
+        if isinstance(module, PackedLinear):
+            stack = getattr(module, "stack", None)  # a stacked sibling computes its stack's product
+            layer = module if stack is None else stack.layer
+            found.setdefault(id(layer), layer)
+    return list(found.values())
 
 
 def packed(model: torch.nn.Module) -> bool:
