@@ -1,13 +1,16 @@
-"""Sibling layers stacked (`forerun.base.stacked`: a layer's q, k, v and its gate, up projections laid out as one
-matrix each) against the same laid-out layers apart, interleaved in one process on a CPU with oneDNN's layout.
+"""Sibling layers stacked (`forerun.base.stacked`: a layer's q, k, v and its gate, up projections multiplied as one
+matrix each) against the same layers apart, interleaved in one process on a CPU: laid out for oneDNN (fp32, bf16),
+or 4- and 8-bit codes (`--quantize int4`, `int8`).
 
-Two models of the same weights: `load_model`'s (stacked) and one whose layers are laid out apart
-(`pack_weights(stack=False)`). First one forward by tokens fed after 200 cached (the fastest of `--repeats`, the two
-models in turn, same logits asserted); then, for every prompt, plain `generate` and forerun `auto` on each model in
-turn. Prints milliseconds per forward, tokens per second over all prompts (the prefill included), whether the two
-models' generate wrote the same tokens, and how many `auto` outputs equal their model's generate (fp32: all).
+Two models of the same weights: `load_model`'s (stacked) and the same with every sibling given its own product
+again (`unstack_siblings`; laid out, its row table measured for its own layers). First one forward by tokens fed
+after 200 cached (the fastest of `--repeats`, the two models in turn, same logits asserted); then, for every
+prompt, plain `generate` and forerun `auto` on each model in turn. Prints milliseconds per forward, tokens per
+second over all prompts (the prefill included), whether the two models' generate wrote the same tokens, and how
+many `auto` outputs equal their model's generate (fp32: all; otherwise or first differ at a tie).
 
     python benchmarks/stacked_ab.py --dtype fp32 --n 3 --threads 1 --out benchmarks/results/stacked-ab-fp32-epyc.json
+    python benchmarks/stacked_ab.py --quantize int4 --n 3 --threads 1 --out benchmarks/results/stacked-ab-int4-epyc.json
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ import torch
 from transformers import DynamicCache
 
 import forerun
-from forerun.base.packed import lay_out_rows, pack_weights
+from forerun.base.packed import lay_out_rows
+from forerun.base.stacked import unstack_siblings
 from forerun.bench.datasets import load_dataset
 from forerun.exactness import first_divergence
 from forerun.measured import machine_label
@@ -30,11 +34,11 @@ DATASETS = ("gsm8k", "humaneval", "mbpp", "typehints")
 CACHED = 200
 
 
-def models(dtype: str) -> dict[str, tuple[torch.nn.Module, object]]:
-    stacked = forerun.load_model("smollm2-135m", dtype=dtype)
-    apart, tokenizer = forerun.load_model("smollm2-135m", dtype=dtype, pack=False)
-    pack_weights(apart, stack=False)
-    lay_out_rows(apart)
+def models(dtype: str, quantize: str | None) -> dict[str, tuple[torch.nn.Module, object]]:
+    stacked = forerun.load_model("smollm2-135m", dtype=dtype, quantize=quantize)
+    apart, tokenizer = forerun.load_model("smollm2-135m", dtype=dtype, quantize=quantize)
+    assert unstack_siblings(apart) > 0, "nothing was stacked"
+    lay_out_rows(apart)  # fp32: the table for its own layers
     return {"apart": (apart, tokenizer), "stacked": stacked}
 
 
@@ -96,7 +100,8 @@ def decode(named: dict, n: int, new_tokens: int) -> tuple[dict, dict, dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dtype", default="fp32", help="fp32 or bf16")
+    parser.add_argument("--dtype", default="auto", help="fp32 or bf16 (auto: fp32, bf16 with --quantize)")
+    parser.add_argument("--quantize", default=None, help="int4 or int8 weights")
     parser.add_argument("--n", type=int, default=3, help="prompts per dataset (4 datasets)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=15)
@@ -104,9 +109,9 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    named = models(args.dtype)
+    named = models(args.dtype, args.quantize)
     machine = machine_label(torch.device("cpu"))
-    print(f"{machine}, {args.threads} thread(s), {args.dtype}")
+    print(f"{machine}, {args.threads} thread(s), {args.dtype}, quantize={args.quantize}")
     steps = forwards(named, (1, 2, 4, 8, 16), args.repeats)
     for n in steps["apart"]:
         apart, stacked = steps["apart"][n], steps["stacked"][n]
@@ -116,8 +121,9 @@ def main() -> None:
         print(f"{label:18s} {rate:6.1f} tokens/s")
     prompts = args.n * len(DATASETS)
     print(f"auto equal to its model's generate (bf16: or a tie): {exact} of {prompts}; generate alike: {alike}")
-    record = {"machine": machine, "threads": args.threads, "dtype": args.dtype, "prompts": prompts,
-              "forward_ms": steps, "tokens_per_second": rates, "auto_exact": exact, **alike}  # fmt: skip
+    record = {"machine": machine, "threads": args.threads, "dtype": args.dtype, "quantize": args.quantize,
+              "prompts": prompts, "forward_ms": steps, "tokens_per_second": rates, "auto_exact": exact,
+              **alike}  # fmt: skip
     if args.out:
         Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
 
