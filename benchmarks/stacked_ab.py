@@ -1,16 +1,15 @@
-"""Sibling layers stacked (`forerun.base.stacked`: a layer's q, k, v and its gate, up projections multiplied as one
-matrix each) against the same layers apart, interleaved in one process on a CPU: laid out for oneDNN (fp32, bf16),
-or 4- and 8-bit codes (`--quantize int4`, `int8`).
+"""Sibling layers stacked (`forerun.base.stacked`: a layer's q, k, v and its gate, up projections laid out as one
+matrix each) against the same layers laid out apart, interleaved in one process on a CPU with oneDNN's layout.
 
 Two models of the same weights: `load_model`'s (stacked) and the same with every sibling given its own product
 again (`unstack_siblings`; laid out, its row table measured for its own layers). First one forward by tokens fed
 after 200 cached (the fastest of `--repeats`, the two models in turn, same logits asserted); then, for every
 prompt, plain `generate` and forerun `auto` on each model in turn. Prints milliseconds per forward, tokens per
 second over all prompts (the prefill included), whether the two models' generate wrote the same tokens, and how
-many `auto` outputs equal their model's generate (fp32: all; otherwise or first differ at a tie).
+many `auto` outputs equal their model's generate (fp32: all; bf16: or first differ at a tie).
 
     python benchmarks/stacked_ab.py --dtype fp32 --n 3 --threads 1 --out benchmarks/results/stacked-ab-fp32-epyc.json
-    python benchmarks/stacked_ab.py --quantize int4 --n 3 --threads 1 --out benchmarks/results/stacked-ab-int4-epyc.json
+    python benchmarks/stacked_ab.py --dtype bf16 --n 3 --threads 1 --out benchmarks/results/stacked-ab-bf16-epyc.json
 """
 
 from __future__ import annotations
@@ -34,9 +33,9 @@ DATASETS = ("gsm8k", "humaneval", "mbpp", "typehints")
 CACHED = 200
 
 
-def models(dtype: str, quantize: str | None) -> dict[str, tuple[torch.nn.Module, object]]:
-    stacked = forerun.load_model("smollm2-135m", dtype=dtype, quantize=quantize)
-    apart, tokenizer = forerun.load_model("smollm2-135m", dtype=dtype, quantize=quantize)
+def models(dtype: str) -> dict[str, tuple[torch.nn.Module, object]]:
+    stacked = forerun.load_model("smollm2-135m", dtype=dtype)
+    apart, tokenizer = forerun.load_model("smollm2-135m", dtype=dtype)
     assert unstack_siblings(apart) > 0, "nothing was stacked"
     lay_out_rows(apart)  # fp32: the table for its own layers
     return {"apart": (apart, tokenizer), "stacked": stacked}
@@ -67,14 +66,14 @@ def forwards(named: dict, fed: tuple[int, ...], repeats: int) -> dict[str, dict[
 
 def decode(named: dict, n: int, new_tokens: int) -> tuple[dict, dict, dict]:
     """(tokens/s per "method model", per model how many `auto` outputs equal its generate's or first differ at a
-    tie, how many prompts the two models' generate wrote alike)."""
+    tie, {how many prompts the two models' generate wrote alike, `auto`'s tokens per forward per model})."""
     tokenizer = named["apart"][1]
     decoders = {name: forerun.Decoder(model, tokenizer, "auto") for name, (model, _) in named.items()}
     prompts = [p for name in DATASETS for p in load_dataset(name, n)]
     for decoder in decoders.values():  # warm-up: curves, the output matrix's layout, first calls
         decoder.generate(list(prompts[0].messages), 16)
     totals = {f"{kind} {name}": [0, 0.0] for name in named for kind in ("generate", "auto")}
-    exact, alike = dict.fromkeys(named, 0), 0
+    exact, alike, forwards = dict.fromkeys(named, 0), 0, dict.fromkeys(named, 0)
     for prompt in prompts:
         ids = tokenizer.apply_chat_template(
             list(prompt.messages), add_generation_prompt=True, return_tensors="pt", return_dict=True
@@ -92,16 +91,24 @@ def decode(named: dict, n: int, new_tokens: int) -> tuple[dict, dict, dict]:
             result = decoders[name].generate(ids, new_tokens)
             totals[f"auto {name}"][1] += time.perf_counter() - started
             totals[f"auto {name}"][0] += len(result.new_tokens)
+            forwards[name] += result.stats.forwards
             divergence = first_divergence(expected, result.new_tokens, [row[0] for row in out.logits], model.dtype)
             exact[name] += divergence is None or (model.dtype != torch.float32 and divergence.is_tie)
         alike += written[0] == written[1]
-    return {label: tokens / seconds for label, (tokens, seconds) in totals.items()}, exact, {"alike": alike}
+    per_forward = {name: totals[f"auto {name}"][0] / forwards[name] for name in named}
+    return (
+        {label: tokens / seconds for label, (tokens, seconds) in totals.items()},
+        exact,
+        {
+            "alike": alike,
+            "auto_tokens_per_forward": per_forward,
+        },
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dtype", default="auto", help="fp32 or bf16 (auto: fp32, bf16 with --quantize)")
-    parser.add_argument("--quantize", default=None, help="int4 or int8 weights")
+    parser.add_argument("--dtype", default="fp32", help="fp32 or bf16")
     parser.add_argument("--n", type=int, default=3, help="prompts per dataset (4 datasets)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=15)
@@ -109,9 +116,9 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    named = models(args.dtype, args.quantize)
+    named = models(args.dtype)
     machine = machine_label(torch.device("cpu"))
-    print(f"{machine}, {args.threads} thread(s), {args.dtype}, quantize={args.quantize}")
+    print(f"{machine}, {args.threads} thread(s), {args.dtype}")
     steps = forwards(named, (1, 2, 4, 8, 16), args.repeats)
     for n in steps["apart"]:
         apart, stacked = steps["apart"][n], steps["stacked"][n]
@@ -121,7 +128,7 @@ def main() -> None:
         print(f"{label:18s} {rate:6.1f} tokens/s")
     prompts = args.n * len(DATASETS)
     print(f"auto equal to its model's generate (bf16: or a tie): {exact} of {prompts}; generate alike: {alike}")
-    record = {"machine": machine, "threads": args.threads, "dtype": args.dtype, "quantize": args.quantize,
+    record = {"machine": machine, "threads": args.threads, "dtype": args.dtype,
               "prompts": prompts, "forward_ms": steps, "tokens_per_second": rates, "auto_exact": exact,
               **alike}  # fmt: skip
     if args.out:

@@ -13,8 +13,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from forerun.base.packed import PackedLinear, bf16_kernels, dense_matrix, lay_out_rows, pack_weights, products
-from forerun.base.stacked import StackedKernel, StackedLinear, packed_stack, stack_siblings, stacked, unstack_siblings
-from forerun.base.weights import quantize_weights, read_bytes
+from forerun.base.stacked import StackedLinear, packed_stack, stack_siblings, stacked, unstack_siblings
 
 from tiny_models import (
     COMMON,
@@ -23,7 +22,6 @@ from tiny_models import (
     NO_SDPA,
     STATE_SPACE_FAMILIES,
     STATEFUL_FAMILIES,
-    quantized_tiny,
     tiny_model,
 )
 
@@ -106,7 +104,7 @@ def test_nothing_stays_held_after_a_forward_and_each_matrix_is_held_once():
     prompt_then_step(together)
     stacks = {id(m.stack): m.stack for m in together.modules() if isinstance(m, StackedLinear)}
     assert len(stacks) == 2 * together.config.num_hidden_layers
-    assert all(stack.input is None and stack.output is None for stack in stacks.values())
+    assert all(stack.last is None for stack in stacks.values())
     assert len(products(together)) == len(products(apart)) - 3 * together.config.num_hidden_layers
 
     def held(model: torch.nn.Module) -> int:  # parameters shared by siblings count once
@@ -164,47 +162,9 @@ def test_stacking_takes_only_alike_laid_out_siblings():
     assert stack_siblings(block) == 1 and stack_siblings(block) == 0  # once
 
 
-WHOLE_BLOCKS = {"num_key_value_heads": 4, "intermediate_size": 128}
-"""Sizes whose siblings fill whole blocks of the 4-bit layout's 64 rows (the tiny models' k, v and gate have 32 or
-96 rows: their codes would interleave otherwise)."""
-
-
-def quantized(family: str, bits: str) -> torch.nn.Module:
-    return quantize_weights(tiny_model(family, **WHOLE_BLOCKS).to(torch.bfloat16), bits)
-
-
-@pytest.mark.parametrize("bits", ["int4", "int8"])
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3_5_text"])
-def test_4_and_8_bit_siblings_compute_the_same_logits_stacked(family, bits):
-    """Through the kernel for a few rows and through unpacked weights for many (a prompt of 120 tokens)."""
-    together = quantized(family, bits)
-    apart = copy.deepcopy(together)
-    siblings = sum(isinstance(m, StackedKernel) for m in together.modules())
-    assert siblings >= 5 and unstack_siblings(apart) == siblings and not stacked(apart)
-    long = torch.randint(3, 90, (1, 120), generator=torch.Generator().manual_seed(0))
-    for ids in (IDS, long):
-        with torch.inference_mode():
-            assert torch.equal(together(ids).logits, apart(ids).logits), (family, bits, ids.shape)
-    assert all(torch.equal(a, b) for a, b in zip(prompt_then_step(together), prompt_then_step(apart), strict=True))
-    assert read_bytes(together) == read_bytes(apart)
-
-
-def test_4_bit_siblings_that_would_interleave_stay_apart():
-    """k and v of 32 rows (gate of 96) do not fill the 4-bit layout's blocks of 64: stacked, their columns came out
-    wrong (checked on a product before stacking); 8-bit rows stack whatever their count."""
-    model = quantized_tiny("llama", "int4")
-    assert not stacked(model)
-    assert stacked(quantized_tiny("llama", "int8"))
-
-
-def test_stacked_codes_are_held_once():
-    model = quantized("llama", "int4")
-    attention = model.model.layers[0].self_attn
-    stack = attention.q_proj.stack
-    assert attention.k_proj.stack is stack and attention.v_proj.stack is stack
-    codes = stack.layer.weight.qdata
-    for sibling in (attention.q_proj, attention.k_proj, attention.v_proj):
-        assert sibling.weight.qdata.untyped_storage().data_ptr() == codes.untyped_storage().data_ptr()
-        assert sibling.weight.scale_and_zero.untyped_storage().data_ptr() == (
-            stack.layer.weight.scale_and_zero.untyped_storage().data_ptr()
-        )
+def test_unstacked_siblings_have_their_own_matrices_and_the_same_numbers():
+    together, apart = laid_out_pair("qwen2")
+    expected = prompt_then_step(together)
+    assert unstack_siblings(together) == 5 * together.config.num_hidden_layers and not stacked(together)
+    assert len(products(together)) == len(products(apart))
+    assert all(torch.equal(a, b) for a, b in zip(prompt_then_step(together), expected, strict=True))

@@ -3,16 +3,19 @@ as one matrix: one oneDNN product where there were three or two.
 
 Each laid-out product costs oneDNN some 20 microseconds of its own on a CPU, whatever its size, and a small model's
 decode step calls ~200 of them: stacking the siblings' matrices (their rows one after another) takes 90 calls off
-SmolLM2-135M's step (docs/benchmarks.md). Each output column of the stacked product is the dot product of the same
-input row with the same matrix row as the sibling's own, so each sibling's columns are the numbers its own product
-gives (checked by the tests in fp32 and bf16, 1 to 130 rows). Plain generate of a model loaded this way runs the
-same layers, so forerun's text is still compared with the same model's.
+SmolLM2-135M's step, a 1-token forward 1.10x as fast in fp32 and bf16 (docs/benchmarks.md). Each output column of
+the stacked product is the dot product of the same input row with the same matrix row as the sibling's own, so each
+sibling's columns are the numbers its own product gives; each stack is checked on a product before it is used
+(`agrees`), and the tests check every family in fp32 and bf16. Plain generate of a model loaded this way runs the
+same layers, so forerun's text is still compared with the same model's. (4- and 8-bit siblings stacked the same way
+measured no faster: their kernels' calls cost little beside their products. They stay apart.)
 
 The siblings stay in the model's tree as `StackedLinear` layers under their own names: the first one called with a
 new input computes the stacked product (`Stack.columns`), the others take their columns of it, and the product is
 let go once each has (a sibling fed another input computes the product again: slower, never wrong). A stacked model
 holds one copy of each matrix, saves, loads, copies and pickles as before (its state dict holds each sibling's own
-matrix, dense), and a cast or a move that changes anything gives each sibling its own matrix again.
+matrix, dense), and a cast or a move that changes anything gives each sibling its own matrix again;
+`unstack_siblings` gives them their own products back.
 
 Example (a block whose q, k and v read the same input; stacked: one laid-out matrix of 4 + 2 + 2 rows):
     >>> from forerun.base.packed import pack_weights
@@ -34,8 +37,6 @@ from collections.abc import Callable
 
 import torch
 
-from forerun.base.int8 import Int8RowTensor
-from forerun.base.kernels import KernelLinear, kernel_of
 from forerun.base.packed import PackedLinear, dense_matrix, lay_out
 
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -44,33 +45,41 @@ projections; a gated MLP's two)."""
 
 
 class Stack:
-    """One product over the siblings' matrices stacked [sum of outs, in] (`layer`, outside the model's tree: a
-    PackedLinear, or a KernelLinear over 4- or 8-bit codes), and the product of the last input it multiplied, kept
-    until each of its `members` has taken its columns."""
+    """One product over the siblings' matrices stacked [sum of outs, in] and laid out (`layer`, a PackedLinear
+    outside the model's tree), and the product of the last input it multiplied, kept until each of its `members`
+    has taken its columns.
 
-    def __init__(self, layer: torch.nn.Module, members: int) -> None:
+    `last` is one tuple (the input, its version, the product, the siblings yet to take it), read and replaced whole:
+    forwards of one model in several threads at once may compute a product again, never take another input's."""
+
+    def __init__(self, layer: PackedLinear, members: int) -> None:
         self.layer = layer
         self.members = members
-        self.input: torch.Tensor | None = None
-        self.version = 0
-        self.output: torch.Tensor | None = None
-        self.left = 0
+        self.last: tuple[torch.Tensor, int, torch.Tensor, int] | None = None
 
     def columns(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor:
         """Columns [start, end) of the stacked product of x [..., in]: [..., end - start], contiguous (as the
         sibling's own product is: an elementwise operator after it, GELU's tanh approximation, rounds a strided
         view's elements otherwise, 1 ulp apart)."""
-        version = 0 if x.is_inference() else x._version  # an input changed in place is another input
-        if x is not self.input or version != self.version or not self.left:
-            self.input, self.version, self.output, self.left = x, version, self.layer(x), self.members
-        output = self.output
-        self.left -= 1
-        if not self.left:  # every sibling has its columns: the product (a prompt's can be large) is let go
-            self.input = self.output = None
+        last, version = self.last, input_version(x)
+        if last is not None and last[0] is x and last[1] == version:
+            output, left = last[2], last[3] - 1
+        else:
+            output, left = self.layer(x), self.members - 1
+        # every sibling has its columns: the product (a prompt's can be large) is let go
+        self.last = (x, version, output, left) if left > 0 else None
         return output[..., start:end].contiguous()
 
 
-def stand_in(siblings: list[torch.nn.Linear], weight: torch.Tensor) -> torch.nn.Linear:
+def input_version(x: torch.Tensor) -> int:
+    """x's count of in-place changes (an input changed in place is another input); 0 for an inference tensor, which
+    keeps none, and inside a compiled graph, which cannot trace it (the input's identity is what tells there)."""
+    if torch.compiler.is_compiling() or x.is_inference():
+        return 0
+    return x._version
+
+
+def stand_in(siblings: list[PackedLinear], weight: torch.Tensor) -> torch.nn.Linear:
     """A linear layer over `weight`, the siblings' matrices stacked, and their biases stacked (all or none)."""
     layer = torch.nn.Linear(siblings[0].in_features, int(weight.shape[0]), bias=False, device="meta")
     layer.weight = torch.nn.Parameter(weight, False)
@@ -88,9 +97,9 @@ def packed_stack(siblings: list[PackedLinear]) -> Stack | None:
 
 @torch.inference_mode()
 def agrees(layer: torch.nn.Module, siblings: list[torch.nn.Module], dtype: torch.dtype) -> bool:
-    """Whether `layer`'s product gives each sibling's own numbers in its columns (1 and 3 rows of a seeded input).
-    A kernel's packed layout may interleave rows in blocks (4-bit codes: 64 rows), so stacked codes are right only
-    where each sibling but the last fills whole blocks: checked, not assumed."""
+    """Whether `layer`'s product gives each sibling's own numbers in its columns (1 and 3 rows of a seeded input):
+    oneDNN picks its kernel by the matrix's shape, so this is checked, not assumed (a stack that disagrees is not
+    used; 4-bit codes, stacked, came out wrong where a sibling did not fill whole blocks of the layout's rows)."""
     for rows in (1, 3):
         x = torch.randn(rows, layer.in_features, generator=torch.Generator().manual_seed(rows)).to(dtype)
         out, start = layer(x), 0
@@ -176,128 +185,49 @@ class StackedLinear(PackedLinear):
         self.__setstate__(state)
 
 
-class StackedKernel(KernelLinear):
-    """One sibling of a Stack over 4- or 8-bit codes: x [..., in] -> [..., out], columns [start, start + out) of the
-    stack's product. It keeps its own quantized `weight` (saved, read and counted as before), whose codes and scales
-    are views of the stack's: the model holds them once."""
-
-    def __init__(self, layer: KernelLinear, stack: Stack, start: int) -> None:
-        super().__init__(layer, layer.product, layer.operands, layer.wide)
-        self.stack = stack
-        self.start = start
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.stack.columns(x, self.start, self.start + self.out_features)
-
-
-def kernel_stack(siblings: list[KernelLinear]) -> Stack | None:
-    """The siblings' codes and scales stacked (rows one after another) into one quantized weight multiplied by the
-    same kernel; each sibling's weight then holds views of them (`viewed`). None where it disagrees (`agrees`)."""
-    weights = [sibling.weight for sibling in siblings]
-    if type(weights[0]) is Int8RowTensor:
-        weight: torch.Tensor = Int8RowTensor(
-            torch.cat([w.qdata for w in weights]), torch.cat([w.scale for w in weights])
-        )
-    else:  # torchao's Int4OpaqueTensor: codes [out, in / 2], scales and zeros [in / group, out, 2]
-        weight = type(weights[0])(
-            torch.cat([w.qdata for w in weights]),
-            torch.cat([w.scale_and_zero for w in weights], dim=1),
-            weights[0].block_size,
-            torch.Size([sum(w.shape[0] for w in weights), weights[0].shape[1]]),
-        )
-    product, operands, _ = kernel_of(weight)  # type: ignore[misc]
-    layer = KernelLinear(stand_in(siblings, weight), product, operands, siblings[0].wide)
-    if not agrees(layer, siblings, layer.activations):
-        return None
-    start = 0
-    for sibling in siblings:
-        viewed(sibling, weight, start)
-        start += sibling.out_features
-    return Stack(layer, len(siblings))
-
-
-def viewed(sibling: KernelLinear, stacked: torch.Tensor, start: int) -> None:
-    """Point `sibling`'s weight (and the operands its own product would take) at its rows of `stacked`."""
-    rows, weight = slice(start, start + sibling.out_features), sibling.weight
-    weight.qdata = stacked.qdata[rows]
-    if isinstance(weight, Int8RowTensor):
-        weight.scale = stacked.scale[rows]
-    else:
-        weight.scale_and_zero = stacked.scale_and_zero[:, rows]
-    sibling.operands = kernel_of(weight)[1]  # type: ignore[index]
-
-
-BUILDS = {"laid out": (packed_stack, StackedLinear), "kernel": (kernel_stack, StackedKernel)}
-"""What a stack of each kind is built by, and its siblings' layer."""
-
-
 def stack_siblings(model: torch.nn.Module) -> int:
-    """Stack, in place, each set of `SIBLINGS` of `model` held alike (`stackable`); returns how many stacks."""
+    """Stack, in place, each set of `SIBLINGS` of `model` laid out alike (`stackable`) whose stacked product
+    agrees with theirs; returns how many stacks."""
     stacks = 0
     for parent in list(model.modules()):
         for names in SIBLINGS:
             siblings = [getattr(parent, name, None) for name in names]
-            kind = stackable(siblings)
-            if kind is None:
+            if not stackable(siblings):
                 continue
-            build, sibling_layer = BUILDS[kind]
-            stack, start = build(siblings), 0  # type: ignore[arg-type]
+            stack, start = packed_stack(siblings), 0  # type: ignore[arg-type]
             if stack is None:
                 continue
             for name, layer in zip(names, siblings, strict=True):
-                setattr(parent, name, sibling_layer(layer, stack, start))  # type: ignore[operator]
+                setattr(parent, name, StackedLinear(layer, stack, start))  # type: ignore[arg-type]
                 start += layer.out_features  # type: ignore[union-attr]
             stacks += 1
     return stacks
 
 
-def stackable(layers: list[object]) -> str | None:
-    """ "laid out" where `layers` are PackedLinear layers (not stacked yet) with laid-out matrices of one dtype,
-    "kernel" where they are KernelLinear layers of one kind of codes and one kernel (groups, rows taken unpacked,
-    activations); None otherwise, or where their inputs differ in width or some have a bias and others none."""
-    kinds = {type(layer) for layer in layers}
-    if kinds not in ({PackedLinear}, {KernelLinear}) or len({layer.in_features for layer in layers}) != 1:  # type: ignore[attr-defined]
-        return None
-    if len({layer.bias is None for layer in layers}) != 1:  # type: ignore[attr-defined]
-        return None
-    weights = [layer.weight for layer in layers]  # type: ignore[attr-defined]
-    if kinds == {PackedLinear}:
-        laid_out = all(weight.layout == torch._mkldnn for weight in weights)
-        return "laid out" if laid_out and len({weight.dtype for weight in weights}) == 1 else None
-    if len({type(weight) for weight in weights}) != 1:
-        return None
-    alike = {(layer.product, group(layer), layer.wide, layer.activations) for layer in layers}  # type: ignore[attr-defined]
-    known = type(weights[0]) is Int8RowTensor or kernel_of(weights[0]) is not None
-    return "kernel" if known and len(alike) == 1 and all(w.qdata.is_contiguous() for w in weights) else None
+def stackable(layers: list[object]) -> bool:
+    """Whether `layers` are PackedLinear layers (not stacked yet) with laid-out matrices of one dtype over inputs of
+    one width, and a bias on all or none."""
+    if not all(type(layer) is PackedLinear for layer in layers):
+        return False
+    alike: list[PackedLinear] = layers  # type: ignore[assignment]
+    weights = [layer.weight for layer in alike]
+    return (
+        all(weight.layout == torch._mkldnn for weight in weights)
+        and len({weight.dtype for weight in weights}) == 1
+        and len({layer.in_features for layer in alike}) == 1
+        and len({layer.bias is None for layer in alike}) == 1
+    )
 
 
 def unstack_siblings(model: torch.nn.Module) -> int:
-    """Give every stacked sibling of `model` its own product again (a PackedLinear over its own laid-out matrix, a
-    KernelLinear over its own codes, copied out of the stack's); returns how many. The numbers stay the same."""
-    count = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, StackedLinear):
-                child.unstack()
-            elif isinstance(child, StackedKernel):
-                weight = child.weight
-                for attribute in ("qdata", "scale", "scale_and_zero"):
-                    if hasattr(weight, attribute):
-                        setattr(
-                            weight, attribute, getattr(weight, attribute).clone(memory_format=torch.contiguous_format)
-                        )
-                setattr(parent, name, KernelLinear(child, child.product, kernel_of(weight)[1], child.wide))  # type: ignore[index]
-            else:
-                continue
-            count += 1
-    return count
-
-
-def group(layer: KernelLinear) -> int | None:
-    """The weights a scale covers in `layer`'s 4-bit codes (its kernel's group size); None for 8-bit rows."""
-    return next((operand for operand in layer.operands if isinstance(operand, int)), None)
+    """Give every stacked sibling of `model` its own laid-out matrix again (a PackedLinear, copied out of the
+    stack's); returns how many. The numbers stay the same."""
+    siblings = [module for module in model.modules() if isinstance(module, StackedLinear)]
+    for sibling in siblings:
+        sibling.unstack()
+    return len(siblings)
 
 
 def stacked(model: torch.nn.Module) -> bool:
     """Whether any of `model`'s sibling layers are stacked."""
-    return any(isinstance(module, (StackedLinear, StackedKernel)) for module in model.modules())
+    return any(isinstance(module, StackedLinear) for module in model.modules())

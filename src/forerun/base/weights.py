@@ -29,7 +29,6 @@ import torch
 
 from forerun.base.kernels import direct_kernels, plain_linear
 from forerun.base.row_int8 import RowInt8Linear, exact_sums, quantize_w8a8
-from forerun.base.stacked import stack_siblings
 from forerun.defaults import QUANTIZATIONS
 
 logger = logging.getLogger(__name__)
@@ -79,8 +78,7 @@ def quantize_weights(
     """Quantize `model`'s dense linear layers in place (`plain_linear` ones; for int4, those whose input width is a
     multiple of GROUP_SIZE and whose output count a multiple of INT4_ROWS) but its output matrix (`output_matrix`);
     layers already holding quantized weights (a GGUF file's kept codes: `forerun.base.gguf_codes`) stay as they are.
-    Every quantized layer then calls its kernel directly (`forerun.base.kernels`: the same numbers, less Python), and
-    siblings reading the same input share one call (`forerun.base.stacked`: their codes stacked, the same numbers).
+    Every quantized layer then calls its kernel directly (`forerun.base.kernels`: the same numbers, less Python).
     "w8a8": every layer, the output matrix too, smoothed on the activations of `calibration` (token ids [1, n]
     each; `forerun.base.row_int8.calibration_texts`)."""
     if quantize == "w8a8":
@@ -102,7 +100,6 @@ def quantize_weights(
         config = PrototypeInt4WeightOnlyConfig(group_size=GROUP_SIZE, set_inductor_config=False)
         quantize_(model, config, filter_fn=fits)
     direct_kernels(model)
-    stack_siblings(model)  # q, k, v (gate, up) multiplied as one: fewer kernel calls, the same numbers
     if weights_kind(model) is None:  # e.g. Falcon: its own linear classes, and the output matrix stays dense
         logger.warning("quantize=%r: no linear layer of %s can hold it; it stays dense", quantize, type(model).__name__)
     return model

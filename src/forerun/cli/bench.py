@@ -205,10 +205,12 @@ def measured_settings(lm, curve) -> dict:
     import torch
 
     from forerun.base.packed import packed
+    from forerun.base.stacked import stacked
     from forerun.measured import machine_label
 
     return {
         "packed": packed(lm),
+        "stacked": stacked(lm),
         "machine_label": machine_label(lm.device),
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name(lm.device) if lm.device.type == "cuda" else "cpu",
