@@ -1,14 +1,14 @@
 """Sibling layers that read the same input (a layer's q, k and v projections; its gate and up projections) laid out
 as one matrix: one oneDNN product where there were three or two.
 
-Each laid-out product costs oneDNN some 20 microseconds of its own on a CPU, whatever its size, and a small model's
-decode step calls ~200 of them: stacking the siblings' matrices (their rows one after another) takes 90 calls off
-SmolLM2-135M's step, a 1-token forward 1.10x as fast in fp32 and bf16 (docs/benchmarks.md). Each output column of
-the stacked product is the dot product of the same input row with the same matrix row as the sibling's own, so each
-sibling's columns are the numbers its own product gives; each stack is checked on a product before it is used
-(`agrees`), and the tests check every family in fp32 and bf16. Plain generate of a model loaded this way runs the
-same layers, so forerun's text is still compared with the same model's. (4- and 8-bit siblings stacked the same way
-measured no faster: their kernels' calls cost little beside their products. They stay apart.)
+Each laid-out product costs oneDNN a part of its own on a CPU whatever its size, and a small model's decode step
+calls ~200 of them: stacking the siblings' matrices (their rows one after another) takes 90 calls off
+SmolLM2-135M's step, and its 1-token forward is measurably faster (docs/benchmarks.md, "Siblings in one product").
+Each output column of the stacked product is the dot product of the same input row with the same matrix row as the
+sibling's own, so each sibling's columns are the numbers its own product gives; each stack is checked on a product
+before it is used (`agrees`), and the tests check every family in fp32 and bf16. Plain generate of a model loaded
+this way runs the same layers, so forerun's text is still compared with the same model's. (4- and 8-bit siblings
+stacked the same way measured no faster: their kernels' calls cost little beside their products. They stay apart.)
 
 The siblings stay in the model's tree as `StackedLinear` layers under their own names: the first one called with a
 new input computes the stacked product (`Stack.columns`), the others take their columns of it, and the product is
