@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import platform
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
@@ -85,6 +86,7 @@ def fastest(items: Sequence[T], seconds_of: Callable[[T], float], repeats: int, 
             for item in samples:
                 samples[item].append(seconds_of(item))
                 bar.update()
+    sys.stderr.flush()  # the bar's last "\r", written there at its close unflushed, would follow later output
     return {item: min(times[1:]) for item, times in samples.items()}
 
 
