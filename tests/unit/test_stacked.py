@@ -100,7 +100,7 @@ def test_a_sibling_fed_another_input_or_a_changed_one_is_computed_anew():
 
 
 def test_nothing_stays_held_after_a_forward_and_each_matrix_is_held_once():
-    together, apart = laid_out_pair("llama")
+    together, apart = laid_out_pair("qwen2")  # biases on q, k and v
     prompt_then_step(together)
     stacks = {id(m.stack): m.stack for m in together.modules() if isinstance(m, StackedLinear)}
     assert len(stacks) == 2 * together.config.num_hidden_layers

@@ -113,14 +113,14 @@ def agrees(layer: torch.nn.Module, siblings: list[torch.nn.Module], dtype: torch
 class StackedLinear(PackedLinear):
     """One sibling of a Stack: x [..., in] -> [..., out], columns [start, start + out) of the stack's product.
 
-    `weight` is the stack's laid-out matrix, shared by the siblings (the model holds it once); everything that
+    `weight` (and `bias`) are the stack's, shared by the siblings (the model holds them once); everything that
     reads or changes a layer's own matrix (a state dict written or loaded, a cast or move, a copy, a pickle) sees
     the sibling's own rows of it, exactly the matrix it had before it was stacked."""
 
     def __init__(self, layer: PackedLinear, stack: Stack, start: int) -> None:
         torch.nn.Linear.__init__(self, layer.in_features, layer.out_features, bias=False, device="meta")
         self.weight = stack.layer.weight
-        self.bias = None
+        self.bias = stack.layer.bias  # shared as the matrix is: the model's parameters hold each once
         self.stack = stack
         self.start = start
 
