@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from forerun.latency import measure_curve
-from forerun.measured import device_name
+from forerun.measured import machine_label
 from forerun.models import load_model
 
 SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32, 64)
@@ -67,7 +67,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     results = {dtype: measure(dtype, SIZES, args.rounds, args.context) for dtype in args.dtype.split(",")}
-    cpu = f"{device_name(torch.device('cpu'))} ({torch.backends.cpu.get_cpu_capability()})"
+    cpu = machine_label(torch.device("cpu"))
     settings = {"model": "smollm2-135m", "cpu": cpu, "threads": args.threads, "context": args.context,
                 "rounds": args.rounds, "torch": torch.__version__}  # fmt: skip
     args.out.write_text(json.dumps({"settings": settings, "sizes": SIZES, "ms": results}, indent=1))

@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTra
 
 from forerun.attention import pick_attention
 from forerun.base.gguf_codes import keep_codes
+from forerun.base.pack_choice import pack_pays
 from forerun.base.packed import check_pack, lay_out_rows, pack_weights, packable
 from forerun.base.row_int8 import calibration_texts
 from forerun.base.weights import check_quantize, quantize_weights
@@ -134,8 +135,10 @@ def load_model(
     `attn_implementation="auto"`: sdpa with grouped key/value heads read in place, computed in fp32 for bf16/fp16
     weights on the CPU (`forerun.attention`), eager for families transformers has no sdpa for; any name
     transformers takes. `pack`: dense linear layers laid out once
-    for oneDNN's kernels (`forerun.base.packed`); None: where measured faster (a CPU with AVX-512, fp32 or bf16),
-    False: transformers' own layers, as plain `from_pretrained` gives them. Laid-out layers compute a product of a
+    for oneDNN's kernels (`forerun.base.packed`); None: on a CPU with AVX-512 (fp32, or bf16 where oneDNN has its
+    kernels) where one row passed through the layers measured no slower laid out (`forerun.base.pack_choice`, once
+    per model shapes, dtype and thread count, kept under `cache_dir`), False: transformers' own layers, as plain
+    `from_pretrained` gives them. Laid-out layers compute a product of a
     few rows as more rows where this CPU measured that faster (`forerun.base.packed_rows`, kept under `cache_dir`).
     A GGUF file is converted once per dtype and kept under `cache_dir` (`forerun.converted`: later loads take a
     fraction of a second, the same weights); None: converted at every load, nothing written.
@@ -160,7 +163,9 @@ def load_model(
             gguf = Path(location) / gguf_file
             keep_codes(model, gguf, index_for(gguf, dtype, cache_dir))
         quantize_weights(model, quantize, calibration_texts(tokenizer) if quantize == "w8a8" else None)
-    if packable(device, dtype) if pack is None else pack:
+    if pack is None:  # laid out where this CPU passes a row through the layers no slower so
+        pack = packable(device, dtype) and pack_pays(model, cache_dir)
+    if pack:
         pack_weights(model)
         lay_out_rows(model, cache_dir)  # a few rows computed as more where this CPU does that faster
     return model, tokenizer

@@ -269,7 +269,7 @@ def test_batched_curves_are_measured_plotted_and_stored_by_the_curve_command(mod
     assert result.exit_code == 0, result.output
     (path,) = kept.glob("*.json")
     assert json.loads(path.read_text())["sizes"] == list(SIZES)
-    if packable("cpu", torch.float32):  # load_model laid the layers out and measured their row table
+    if packable("cpu", torch.float32):  # load_model timed the layers laid out, with their row table
         assert list((tmp_path / "home" / ".cache" / "forerun" / "packed-rows").glob("float32-*.json"))
 
 

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from forerun.base.kernels import replace_linears
+from forerun.base.kernels import plain_linear, replace_linears
 from forerun.base.packed_rows import rows_for
 from forerun.measured import DEFAULT_CACHE_DIR
 
@@ -126,8 +126,9 @@ def dense_weight(layer: PackedLinear) -> Iterator[None]:
 
 
 def packable(device: torch.device | str, dtype: torch.dtype) -> bool:
-    """Whether `pack_weights` lays out a model on `device` in `dtype` by default: a CPU with AVX-512 (where it
-    was measured faster), fp32, or bf16 where oneDNN has bf16 kernels for it."""
+    """Whether `load_model` may lay out a model on `device` in `dtype` by default: a CPU with AVX-512, fp32, or
+    bf16 where oneDNN has bf16 kernels for it; it does where a row passes through the layers no slower laid out
+    (`forerun.base.pack_choice.pack_pays`, measured on this CPU)."""
     if torch.device(device).type != "cpu" or dtype not in DTYPES or not torch.backends.mkldnn.is_available():
         return False
     if torch.backends.cpu.get_cpu_capability() != "AVX512":  # AVX2 only: trees cheaper, 1 token dearer, `auto` level
@@ -166,18 +167,22 @@ def pack_weights(model: torch.nn.Module, stack: bool = True) -> int:
     reading the same input laid out as one matrix too (`forerun.base.stacked`: one product where there were
     several, the same numbers). Layers whose matrix the model's own code reads stay dense (`read_by_hand`)."""
     by_hand = read_by_hand(model)
-
-    def laid_out(layer: torch.nn.Linear) -> PackedLinear | None:
-        weight = layer.weight
-        plain = type(weight) is torch.nn.Parameter and weight.layout == torch.strided and id(layer) not in by_hand
-        return PackedLinear(layer) if plain and weight.dtype in DTYPES and weight.device.type == "cpu" else None
-
-    count = replace_linears(model, laid_out)
+    count = replace_linears(model, lambda layer: PackedLinear(layer) if layable(layer, by_hand) else None)
     if stack:
         from forerun.base.stacked import stack_siblings  # it builds on PackedLinear
 
         stack_siblings(model)
     return count
+
+
+def layable(layer: torch.nn.Module, by_hand: set[int]) -> bool:
+    """Whether `pack_weights` lays `layer` out: a plain `torch.nn.Linear` (`kernels.plain_linear`) with a dense
+    fp32/bf16 matrix on the CPU, not among the ids `by_hand` (`read_by_hand`)."""
+    if not plain_linear(layer) or id(layer) in by_hand:
+        return False
+    weight = layer.weight
+    dense = type(weight) is torch.nn.Parameter and weight.layout == torch.strided
+    return dense and weight.dtype in DTYPES and weight.device.type == "cpu"
 
 
 def read_by_hand(model: torch.nn.Module) -> set[int]:
