@@ -23,9 +23,9 @@ from tiny_models import VOCAB, tiny_model
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch")
 
-LLAMA_LAYERS = ["lm_head"] + [f"model.layers.{i}.{part}" for i in range(2) for part in (
+LLAMA_LAYERS = [f"model.layers.{i}.{part}" for i in range(2) for part in (
     "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]  # the root's own first, as `named_modules` goes  # fmt: skip
+    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")] + ["lm_head"]  # the root's own last  # fmt: skip
 
 
 def llama(**config: object) -> torch.nn.Module:
@@ -39,10 +39,12 @@ def weight_bytes(module: torch.nn.Module) -> int:
 def test_the_probe_takes_whole_modules_in_order_within_its_budget():
     model = llama()
     assert [name for name, _ in probe_layers(model)] == LLAMA_LAYERS
-    head, attention = weight_bytes(model.lm_head), weight_bytes(model.model.layers[0].self_attn)
-    first = [name for name, _ in probe_layers(model, budget=head + attention + 1)]
-    assert first == LLAMA_LAYERS[:5]  # q, k, v, o: the attention module whole, the MLP's siblings not split
-    assert [name for name, _ in probe_layers(model, budget=1)] == ["lm_head"]  # at least one module
+    attention = weight_bytes(model.model.layers[0].self_attn)
+    first = [name for name, _ in probe_layers(model, budget=attention + 1)]
+    assert first == LLAMA_LAYERS[:4]  # q, k, v, o: the attention module whole, the MLP's siblings not split
+    assert [name for name, _ in probe_layers(model, budget=1)] == first  # at least one module
+    body = sum(weight_bytes(model.get_submodule(name)) for name in LLAMA_LAYERS[:-1])
+    assert [name for name, _ in probe_layers(model, budget=body)] == LLAMA_LAYERS[:-1]  # no room for the output
     assert probe_layers(model.to(torch.float16)) == []  # nothing `pack_weights` lays out
 
 
@@ -54,8 +56,9 @@ def test_the_probe_leaves_out_layers_the_model_reads_by_hand():
     assert "backbone.layers.0.mixer.in_proj" in names and not [n for n in names if n.endswith("dt_proj")]
 
 
-def test_measuring_leaves_the_model_as_it_was():
-    model = llama(tie_word_embeddings=True)
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: q, k and v with biases, stacked in the probe
+def test_measuring_leaves_the_model_as_it_was(family):
+    model = tiny_model(family, num_hidden_layers=2, tie_word_embeddings=True)
     parameters = {name: (p, p.detach().clone()) for name, p in model.named_parameters()}
     ids = torch.tensor([[3, 17, 42, 9]])
     with torch.inference_mode():
@@ -92,7 +95,7 @@ def test_the_answer_follows_the_timings_and_is_kept(monkeypatch, tmp_path, laid_
     (path,) = (tmp_path / "packed-choice").glob("float32-t*.json")
     stored = json.loads(path.read_text())
     assert stored["pack"] is pays and stored["ms"] == {"dense": 1000.0, "laid out": laid_out * 1000}
-    assert stored["settings"]["layers"][0] == [model.config.vocab_size, model.config.hidden_size, False]
+    assert stored["settings"]["layers"][-1] == [model.config.vocab_size, model.config.hidden_size, False]
     timings(monkeypatch, 1.0, 2.0 if pays else 0.5)  # another answer, were it measured again
     assert pack_pays(model, tmp_path) is pays  # read, not measured
 

@@ -9,9 +9,10 @@ the model's own layers, then copies of them laid out and stacked as `pack_weight
 two passes timed in turn, and the probe let go: the model itself is not touched.
 
 The probe holds whole modules' layers (siblings stay together, so they stack as in the model), module by module as
-`named_modules` visits them, up to `PROBE_BYTES` of weights: enough to read them from memory rather than from a cache,
-as a forward does, while the laid-out copies add at most that much memory for the few seconds of measuring. The
-answer is kept under `~/.cache/forerun/packed-choice/`, per layer shapes, dtype, CPU, thread count and torch version.
+`named_modules` visits them (the output matrix last), up to `PROBE_BYTES` of weights: enough to read them from
+memory rather than from a cache, as a forward does, while the laid-out copies add at most that much memory for the
+few seconds of measuring. The answer is kept under `~/.cache/forerun/packed-choice/`, per layer shapes, dtype, CPU,
+thread count and torch version.
 
 Example (a model of two small layers; the answer depends on this CPU):
     >>> model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 64))
@@ -38,18 +39,20 @@ LAYOUTS = ("dense", "laid out")
 
 def probe_layers(model: torch.nn.Module, budget: int = PROBE_BYTES) -> list[tuple[str, torch.nn.Linear]]:
     """(qualified name, layer) of the layers `pack_weights` would lay out, each module's together, modules taken
-    as `named_modules` visits them (the root's output matrix first) while their weights fit in `budget` bytes (at
-    least one module)."""
-    by_hand, taken, size = read_by_hand(model), [], 0
+    as `named_modules` visits them, the root's own (an output matrix) last, while their weights fit in `budget`
+    bytes (at least one module): the repeated blocks first, the bulk of a large model's weights."""
+    by_hand, groups = read_by_hand(model), []
     for parent_name, parent in model.named_modules():
         layers = [(name, child) for name, child in parent.named_children() if layable(child, by_hand)]
-        weight = sum(layer.weight.numel() * layer.weight.element_size() for _, layer in layers)
-        if not layers:
-            continue
+        if layers:
+            groups.append([(f"{parent_name}.{name}" if parent_name else name, layer) for name, layer in layers])
+    groups.sort(key=lambda group: "." not in group[0][0])  # stable: the root's own layers (no dot) after the rest
+    taken, size = [], 0
+    for group in groups:
+        weight = sum(layer.weight.numel() * layer.weight.element_size() for _, layer in group)
         if taken and size + weight > budget:
             break
-        taken += [(f"{parent_name}.{name}" if parent_name else name, layer) for name, layer in layers]
-        size += weight
+        taken, size = taken + group, size + weight
     return taken
 
 
