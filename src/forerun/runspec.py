@@ -85,8 +85,8 @@ class RunSpec:
     compile_buckets: bool = False
     """A CUDA device's single rows: each bucket's forward compiled before it is captured (`EngineConfig`)."""
     pack: str = "auto"
-    """on | off | auto: dense linear layers laid out once for oneDNN's kernels (`forerun.base.packed`); auto: where
-    measured faster (a CPU with AVX-512, fp32 or bf16)."""
+    """on | off | auto: dense linear layers laid out once for oneDNN's kernels (`forerun.base.packed`); auto: on a
+    CPU with AVX-512 (fp32 or bf16) where one row through them measured no slower so (`forerun.base.pack_choice`)."""
 
     def __post_init__(self) -> None:
         if self.dtype == "auto":

@@ -103,7 +103,7 @@ PACK = typer.Option(
     "auto",
     "--pack",
     help="auto | on | off: dense linear layers laid out once for oneDNN's CPU kernels (auto: on a CPU with AVX-512, "
-    "fp32 or bf16; off: transformers' own layers).",
+    "fp32 or bf16, where measured no slower at the first load; off: transformers' own layers).",
 )
 THREADS = typer.Option(0, "--threads", help="torch threads (0 = torch's default).")
 PINNED_THREADS = typer.Option(1, "--threads", help="torch threads, pinned for the whole run (measurements).")
