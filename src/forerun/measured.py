@@ -101,6 +101,29 @@ def settings_digest(settings: dict) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def layers_measured(kind: str, weight: torch.Tensor, layers: list, version: int, cache_dir: Path | str | None
+                    ) -> tuple[dict, Path | None]:  # fmt: skip
+    """(settings, file) of a measurement of `kind` over some linear layers (`layers`: their shapes, as JSON), whose
+    first matrix is `weight`: what it depends on (the shapes, dtype, machine, thread count, torch version, the
+    measurement's `version`), and the file it is kept in under `cache_dir` (None: nowhere).
+
+    Example:
+        >>> settings, path = layers_measured("kind", torch.ones(2, 3), [[2, 3]], 1, "/tmp/c")
+        >>> settings["dtype"], path.parent.name, path.name.startswith(f"float32-t{torch.get_num_threads()}-")
+        ('float32', 'kind', True)
+    """
+    settings = {
+        "layers": layers,
+        "dtype": str(weight.dtype).removeprefix("torch."),
+        "device": machine_label(weight.device),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "version": version,
+    }
+    name = f"{settings['dtype']}-t{settings['threads']}-{settings_digest(settings)}.json"
+    return settings, None if cache_dir is None else Path(cache_dir).expanduser() / kind / name
+
+
 def write_json(path: Path, data: dict) -> None:
     """Write `data` as JSON through a temporary file renamed over `path`: readers never see half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)

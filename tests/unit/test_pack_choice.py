@@ -142,3 +142,14 @@ def test_load_model_lays_out_by_the_answer(monkeypatch, tmp_path):
     asked.clear()
     assert not packed(forerun.load_model(folder, pack=False, cache_dir=tmp_path)[0])
     assert packed(forerun.load_model(folder, pack=True, cache_dir=tmp_path)[0]) and asked == []  # told: not asked
+
+
+def test_a_whole_models_probe_measures_the_row_table_the_model_then_reads(tmp_path):
+    from forerun.base.packed import lay_out_rows, pack_weights
+
+    model = llama()
+    pack_pays(model, tmp_path)  # measured: its probe's laid-out layers get a row table
+    assert len(list((tmp_path / "packed-rows").glob("float32-*.json"))) == 1
+    pack_weights(model)
+    lay_out_rows(model, tmp_path)  # the same products in the same order: read, not measured again
+    assert len(list((tmp_path / "packed-rows").glob("float32-*.json"))) == 1

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from forerun.base.packed import lay_out_rows, layable, pack_weights, read_by_hand
-from forerun.measured import DEFAULT_CACHE_DIR, fastest, machine_label, read_json, settings_digest, write_json
+from forerun.measured import DEFAULT_CACHE_DIR, fastest, layers_measured, read_json, write_json
 
 PROBE_BYTES = 1 << 30
 """The most weight bytes the probe holds (its laid-out copies as many again, while measuring)."""
@@ -63,17 +63,8 @@ def pack_pays(model: torch.nn.Module, cache_dir: Path | str | None = DEFAULT_CAC
     probe = probe_layers(model)
     if not probe:
         return False
-    weight = probe[0][1].weight
-    settings = {
-        "layers": [[layer.out_features, layer.in_features, layer.bias is not None] for _, layer in probe],
-        "dtype": str(weight.dtype).removeprefix("torch."),
-        "device": machine_label(weight.device),
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "version": VERSION,
-    }
-    name = f"{settings['dtype']}-t{settings['threads']}-{settings_digest(settings)}.json"
-    path = None if cache_dir is None else Path(cache_dir).expanduser() / "packed-choice" / name
+    shapes = [[layer.out_features, layer.in_features, layer.bias is not None] for _, layer in probe]
+    settings, path = layers_measured("packed-choice", probe[0][1].weight, shapes, VERSION, cache_dir)
     stored = read_json(path) if path is not None else None
     if stored is not None and isinstance(stored.get("pack"), bool):
         return stored["pack"]
@@ -99,6 +90,8 @@ def time_layouts(
     for qualified, layer in probe:
         parent, _, name = qualified.rpartition(".")
         stand_ins.setdefault(parent, torch.nn.Module()).add_module(name, layer)
+    # in the probe's order, the model's own (its output matrix after its blocks): a whole model's products come in
+    # the order they do in the model, so the row table measured here is the one `load_model` then reads
     holder = torch.nn.ModuleList(stand_ins.values())
     pack_weights(holder)  # the stand-ins get laid-out copies; the model keeps its own layers
     lay_out_rows(holder, cache_dir)

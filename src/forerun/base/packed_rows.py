@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from forerun.measured import DEFAULT_CACHE_DIR, device_name, fastest, read_json, settings_digest, write_json
+from forerun.measured import DEFAULT_CACHE_DIR, fastest, layers_measured, read_json, write_json
 
 MOST_ROWS = 8
 """Products of up to this many rows may be computed as more rows (up to this many)."""
@@ -89,17 +89,8 @@ def measure_table(layers: list[torch.nn.Module]) -> tuple[tuple[int, ...], dict[
 def rows_for(layers: list[torch.nn.Module], cache_dir: Path | str | None = DEFAULT_CACHE_DIR) -> tuple[int, ...]:
     """The row table (`fastest_rows`) for these laid-out `layers`: read from `cache_dir`, else measured now and
     stored there (None: measured, nothing read or written)."""
-    weight = layers[0].weight
-    settings = {
-        "layers": [[layer.out_features, layer.in_features] for layer in layers],
-        "dtype": str(weight.dtype).removeprefix("torch."),
-        "device": device_name(weight.device),
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "version": VERSION,
-    }
-    name = f"{settings['dtype']}-t{settings['threads']}-{settings_digest(settings)}.json"
-    path = None if cache_dir is None else Path(cache_dir).expanduser() / "packed-rows" / name
+    shapes = [[layer.out_features, layer.in_features] for layer in layers]
+    settings, path = layers_measured("packed-rows", layers[0].weight, shapes, VERSION, cache_dir)
     stored = read_json(path) if path is not None else None
     table = stored.get("rows") if stored is not None else None
     if valid(table):
