@@ -27,6 +27,7 @@ from forerun.attention import sdpa_like
 from forerun.base.chain import before_guesses, copy_states, cut_back, put_back, records_states
 from forerun.base.kernels import KernelLinear
 from forerun.base.packed import packed, row_table
+from forerun.base.row_int8 import TILE_ROWS, RowInt8Linear
 from forerun.base.stacked import stacked
 from forerun.base.weights import dense, output_matrix, weights_kind
 from forerun.costmodel import LatencyCurve
@@ -87,7 +88,8 @@ def weights_settings(model: torch.nn.Module) -> dict[str, object]:
     'kernels': 'direct' where their layers call the kernel themselves (`forerun.base.kernels`: a step without the
     subclass's dispatch costs less, so a curve measured through it misprices one), 'wide_rows' where they take
     that many rows or more through unpacked weights (`forerun.base.unpacked`: a batch's wide steps cost less), and
-    'output': 'dense' where the output matrix is (`quantize_weights` leaves it so); 'packed': True where dense
+    'output': 'dense' where the output matrix is (`quantize_weights` leaves it so); 'tile_rows' where 8-bit
+    activations take that many rows or more through AMX's tiles (`forerun.base.row_int8`); 'packed': True where dense
     layers are laid out for oneDNN (`forerun.base.packed`), 'stacked' where siblings are laid out as one matrix
     (`forerun.base.stacked`), and 'rows' where they compute a few rows as more (`forerun.base.packed_rows`)."""
     kind = weights_kind(model)
@@ -102,9 +104,11 @@ def weights_settings(model: torch.nn.Module) -> dict[str, object]:
     direct = [module for module in model.modules() if isinstance(module, KernelLinear)]
     rows = [layer.wide.rows for layer in direct if layer.wide is not None]
     wide = {"wide_rows": min(rows)} if rows else {}
+    tiled = any(isinstance(module, RowInt8Linear) and module.tiles for module in model.modules())
+    tiles = {"tile_rows": TILE_ROWS} if tiled else {}  # trees through AMX's tiles: cheaper, a curve of their own
     output = output_matrix(model)
     dense_output = {"output": "dense"} if output is not None and dense(getattr(output, "weight", None)) else {}
-    return {"weights": kind} | ({"kernels": "direct"} | wide if direct else {}) | laid_out | dense_output
+    return {"weights": kind} | ({"kernels": "direct"} | wide if direct else {}) | tiles | laid_out | dense_output
 
 
 def masked_gqa(model: torch.nn.Module) -> bool:

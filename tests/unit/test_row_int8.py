@@ -3,10 +3,20 @@ smoothed where measured, and the model around them judged as quantized."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
-from forerun.base.row_int8 import LEVELS, RowInt8Linear, activation_ranges, exact_sums, packed_rows
+from forerun.base.row_int8 import (
+    LEVELS,
+    TILE_ROWS,
+    RowInt8Linear,
+    activation_ranges,
+    exact_sums,
+    int8_tiles,
+    packed_rows,
+)
 from forerun.base.weights import check_quantize, quantize_weights, vocabulary_rows, weights_kind
 from forerun.exactness import W8A8_EPS, resolution
 from forerun.latency import curve_settings
@@ -60,6 +70,27 @@ def test_rows_together_equal_rows_alone(measured):
     assert torch.equal(layer(x.reshape(3, 3, 128)), together.reshape(3, 3, 48))  # [batch, nodes, in]
 
 
+@pytest.mark.skipif(not int8_tiles(), reason="no AMX int8 tiles on this CPU")
+@pytest.mark.parametrize("measured", [False, True])
+def test_trees_through_amx_tiles_give_fbgemms_numbers_row_by_row(measured):
+    """From TILE_ROWS rows on, products go through oneDNN's integer product (AMX): the same integer sums and scales
+    as fbgemm's, so the same numbers, row by row; fewer rows stay with fbgemm. Rows at the extreme codes too."""
+    ranges = torch.rand(1536) + 0.1 if measured else None
+    tiled = RowInt8Linear(linear(1536, 80, bias=True), ranges, tiles=True)
+    plain = RowInt8Linear(linear(1536, 80, bias=True), ranges, tiles=False)
+    x = torch.randn(37, 1536) * 3
+    x[0], x[1] = 1e3, -1e3  # every code +-127: integer sums past 2^24, rounded to fp32 alike
+    assert torch.equal(tiled(x[: TILE_ROWS - 1]), plain(x[: TILE_ROWS - 1])) and tiled.tiled is None  # fbgemm
+    for rows in (TILE_ROWS, 9, 16, 37):
+        assert torch.equal(tiled(x[:rows]), plain(x[:rows])), rows
+    assert tiled.tiled is not None and tiled.tiled[0] is tiled.packed
+    assert torch.allclose(tiled(x).double(), integer_reference(tiled, x), rtol=1e-6, atol=1e-5)
+    twin = copy.deepcopy(tiled)  # oneDNN's packing has no storage to copy: made again at first use
+    assert twin.tiled is None and torch.equal(twin(x), tiled(x)) and twin.tiled is not None
+    tiled.packed = packed_rows(torch.randn(80, 1536))  # weights replaced: packed for oneDNN again
+    assert torch.allclose(tiled(x[:8]).double(), integer_reference(tiled, x[:8]), rtol=1e-6, atol=1e-5)
+
+
 def test_measured_outliers_are_smoothed_nearer_the_dense_product():
     """An input channel 50x the rest crushes a row's one scale; measured, part of its range moves into the weights.
     Unmeasured (the control), the same layer sits far from the dense product."""
@@ -83,6 +114,10 @@ def test_a_model_in_w8a8_reads_as_such_and_keeps_its_embedding():
     assert weights_kind(model) == "w8a8" and vocabulary_rows(model) == VOCAB
     assert resolution(model) == W8A8_EPS  # ties judged at an 8-bit activation's resolution
     assert curve_settings(model)["weights"] == "w8a8"  # a curve of its own
+    assert curve_settings(model).get("tile_rows") == (TILE_ROWS if int8_tiles() else None)  # trees on AMX: another
+    for layer in [m for m in model.modules() if isinstance(m, RowInt8Linear)]:
+        layer.tiles = False
+    assert "tile_rows" not in curve_settings(model)
     assert torch.equal(model.get_input_embeddings().weight, embedding)  # looked up as it was
     assert not any(type(m) is torch.nn.Linear for m in model.modules())
 

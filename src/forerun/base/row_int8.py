@@ -16,6 +16,10 @@ activations").
   (Quantizing the 32 widest channels apart, in a second narrow product, cost ~1/3 more time a layer and did not
   bring Qwen2.5-1.5B nearer the fp32 model: docs/benchmarks.md.)
 
+On a CPU with AMX's int8 tiles, products of `TILE_ROWS` rows or more go through oneDNN's u8 x s8 product instead
+(`torch.ops.onednn.qlinear_pointwise`, packed from fbgemm's codes at first use): the same integer sums scaled by the
+same fp32 scales, so the same numbers, for a cost that hardly grows with the rows.
+
 Every other operation (attention, norms, the embedding) stays fp32. An activation that falls within fp32's rounding
 of a quantization step may round either way in a tree's forward and in plain generate's, so forerun on such a
 model is held to the tie contract at bf16's resolution (about an 8-bit activation's), not fp32 token for token.
@@ -36,7 +40,12 @@ from importlib import resources
 import torch
 
 from forerun.base.kernels import NamedProduct, plain_linear
+from forerun.measured import cpuinfo
 
+TILE_ROWS = 4
+"""Products of at least this many rows go through oneDNN's integer product where the CPU has AMX's int8 tiles:
+there 16 rows cost it about what one does, where fbgemm's cost grows with the rows; fbgemm's stays faster for one
+or two (docs/benchmarks.md, "8-bit activations")."""
 LEVELS = 127
 """A row's codes lie in [-127, 127]: u8 values 1..255 around fbgemm's zero point 128."""
 MIGRATION = 0.5
@@ -48,8 +57,10 @@ class RowInt8Linear(NamedProduct, torch.nn.Module):
     """y [..., out] = q(x / m) @ q(W m)^T + bias: an integer product, q a row's own scale (activations) or an output
     row's (weights), m [in] the smoothing (`ranges`: each input channel's largest |x| measured; None: m = 1)."""
 
-    def __init__(self, linear: torch.nn.Linear, ranges: torch.Tensor | None = None) -> None:
+    def __init__(self, linear: torch.nn.Linear, ranges: torch.Tensor | None = None, tiles: bool | None = None) -> None:
         super().__init__()
+        self.tiles = int8_tiles() if tiles is None else tiles  # products of TILE_ROWS rows or more through oneDNN
+        self.tiled: tuple | None = None  # (the fbgemm packing it was made from, oneDNN's packing, scales, zeros)
         weight = linear.weight.detach().float()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.inverse = None
@@ -65,10 +76,30 @@ class RowInt8Linear(NamedProduct, torch.nn.Module):
         if self.inverse is not None:
             flat = flat * self.inverse
         scale = flat.abs().amax(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / LEVELS
-        out = self.product((flat / scale).round_(), 1.0, LEVELS + 1, self.packed) * scale
+        codes = (flat / scale).round_()
+        if self.tiles and codes.shape[0] >= TILE_ROWS:
+            out = self.tiled_product(codes) * scale
+        else:
+            out = self.product(codes, 1.0, LEVELS + 1, self.packed) * scale
         if self.bias is not None:
             out = out + self.bias
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def tiled_product(self, codes: torch.Tensor) -> torch.Tensor:
+        """oneDNN's product of `codes` [rows, in] (integers in [-127, 127], in fp32) by the same int8 weights as
+        fbgemm's packing: the same integer sums, scaled by the same fp32 weight scales, so the same numbers. Packed
+        for oneDNN at first use, from fbgemm's packing (again if that was replaced)."""
+        if self.tiled is None or self.tiled[0] is not self.packed:
+            self.tiled = (self.packed, *tile_packing(self.packed))
+        _, weights, scales, zeros = self.tiled
+        rows = (codes + (LEVELS + 1)).to(torch.uint8)
+        return torch.ops.onednn.qlinear_pointwise(
+            rows, 1.0, LEVELS + 1, weights, scales, zeros, None, 1.0, 0, torch.float32, "none", [], ""
+        )
+
+    def __getstate__(self) -> dict:
+        """Pickled and deep-copied without oneDNN's packing (a tensor with no storage): made again at first use."""
+        return {**super().__getstate__(), "tiled": None}
 
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
         # the codes are an fbgemm object, no parameter: a checkpoint would silently hold no weights for this layer
@@ -96,6 +127,20 @@ def packed_rows(weight: torch.Tensor) -> torch.ScriptObject:
         warnings.simplefilter("ignore", UserWarning)
         codes = torch.quantize_per_channel(weight, scale.double(), zeros, 0, torch.qint8)
     return torch.ops.quantized.linear_prepack(codes, None)
+
+
+def tile_packing(packed: torch.ScriptObject) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """oneDNN's packing of the int8 weights in fbgemm's `packed`, with their fp32 scales and zero points [out]."""
+    weights = torch.ops.quantized.linear_unpack(packed)[0]
+    scales = weights.q_per_channel_scales().float()
+    zeros = torch.zeros(scales.shape, dtype=torch.int32)
+    return torch.ops.onednn.qlinear_prepack(weights.int_repr(), None), scales, zeros
+
+
+def int8_tiles() -> bool:
+    """Whether this CPU has AMX's int8 tiles and PyTorch oneDNN's integer product for them."""
+    has_op = torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")
+    return has_op and "amx_int8" in cpuinfo("flags").split()
 
 
 def exact_sums() -> bool:
@@ -138,10 +183,11 @@ def quantize_w8a8(model: torch.nn.Module, texts: list[torch.Tensor]) -> torch.nn
     ranges = activation_ranges(model, texts)
     places = [(name, child) for name, parent in model.named_modules() for child, layer in parent.named_children()
               if plain_linear(layer)]  # fmt: skip
+    tiles = int8_tiles()
     for name, child in places:  # one at a time, by name: each fp32 matrix is let go as its codes are made
         parent = model.get_submodule(name)
         full = f"{name}.{child}" if name else child
-        setattr(parent, child, RowInt8Linear(getattr(parent, child), ranges.get(full)))  # a tied output: untied
+        setattr(parent, child, RowInt8Linear(getattr(parent, child), ranges.get(full), tiles))  # a tied one: untied
     return model
 
 
