@@ -5,8 +5,8 @@ and oneDNN's u8 x s8 product (`torch.ops.onednn.qlinear_pointwise`: AMX's int8 t
 Each cell is the fastest of --repeats passes through 30 layers' products (q, k, v stacked; o; gate and up stacked;
 down: 120 matrices, weights read from memory as in a forward) of `rows` rows, random weights. The integer kernels
 take rows already in codes (each row quantized on its own, as `forerun.base.row_int8` does, so the kernel's scale for
-the input is 1); the cost of quantizing the rows is not in these figures. Both integer kernels must give the same
-integer sums: their outputs are compared.
+the input is 1), through `row_int8`'s own packings and calls; the cost of quantizing the rows is not in these
+figures. Both integer kernels must give the same numbers: their outputs are compared.
 
     python benchmarks/int8_kernels.py --threads 1 --out benchmarks/results/int8-kernels-xeon-amx.json
 """
@@ -20,6 +20,9 @@ from pathlib import Path
 
 import torch
 
+from forerun.base.packed import lay_out
+from forerun.base.row_int8 import packed_rows, tile_packing, tile_product
+from forerun.base.row_int8 import product as fbgemm_product
 from forerun.measured import machine_label
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30
@@ -43,24 +46,11 @@ def kernels(weights: list[torch.Tensor], rows: int) -> dict[str, tuple[list, lis
     inputs = [torch.randn(1, rows, w.shape[1], generator=torch.Generator().manual_seed(i)) for i, w in
               enumerate(weights)]  # fmt: skip
     codes = [torch.randint(-127, 128, x.shape, generator=torch.Generator().manual_seed(7)).float() for x in inputs]
-    scales = [w.abs().amax(1) / 127 for w in weights]
-    laid = [torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 16) for w in weights]
+    laid = [lay_out(w.bfloat16()) for w in weights]
     dense = [w.bfloat16() for w in weights]
-    weight_codes = [torch.round(w / s[:, None]).to(torch.int8) for w, s in zip(weights, scales, strict=True)]
-    fbgemm = [  # the same codes for both integer kernels
-        torch.ops.quantized.linear_prepack(
-            torch._make_per_channel_quantized_tensor(c, s.double(), torch.zeros(len(s), dtype=torch.long), 0), None
-        )
-        for c, s in zip(weight_codes, scales, strict=True)
-    ]
-    onednn = [torch.ops.onednn.qlinear_prepack(c, [1, rows, c.shape[1]]) for c in weight_codes]
-    fbgemm_op = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32
-
-    def onednn_product(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        zero = torch.zeros(scale.shape, dtype=torch.int32)
-        return torch.ops.onednn.qlinear_pointwise(
-            x, 1.0, 128, packed, scale, zero, None, 1.0, 0, torch.float32, "none", [], ""
-        )
+    fbgemm = [packed_rows(w) for w in weights]  # `quantize="w8a8"`'s codes and packings, both kernels' the same
+    onednn = [tile_packing(p) for p in fbgemm]
+    fbgemm_op = fbgemm_product()
 
     return {
         "bf16 laid out": (
@@ -72,10 +62,7 @@ def kernels(weights: list[torch.Tensor], rows: int) -> dict[str, tuple[list, lis
             [x.bfloat16() for x in inputs],
         ),  # fmt: skip
         "w8a8 fbgemm": ([lambda x, p=p: fbgemm_op(x, 1.0, 128, p) for p in fbgemm], codes),
-        "w8a8 oneDNN": (
-            [lambda x, p=p, s=s: onednn_product(x, p, s) for p, s in zip(onednn, scales, strict=True)],
-            [(c + 128).to(torch.uint8) for c in codes],
-        ),  # fmt: skip
+        "w8a8 oneDNN": ([lambda x, t=t: tile_product(x, t) for t in onednn], codes),
     }
 
 
@@ -94,7 +81,7 @@ def main() -> None:
     for rows in [int(r) for r in args.rows.split(",")]:
         found = kernels(weights, rows)
         (fb, fb_in), (dn, dn_in) = found["w8a8 fbgemm"], found["w8a8 oneDNN"]
-        same = all(torch.allclose(fb[i](fb_in[i]), dn[i](dn_in[i]), rtol=1e-5, atol=1e-4) for i in range(4))
+        same = all(torch.equal(fb[i](fb_in[i]), dn[i](dn_in[i])) for i in range(4))  # bitwise
         assert same, "fbgemm's and oneDNN's integer products differ"
         for name, (products, inputs) in found.items():
             ms.setdefault(name, {})[rows] = fastest_pass(products, inputs, args.repeats)

@@ -44,8 +44,9 @@ from forerun.measured import cpuinfo
 
 TILE_ROWS = 4
 """Products of at least this many rows go through oneDNN's integer product where the CPU has AMX's int8 tiles:
-there 16 rows cost it about what one does, where fbgemm's cost grows with the rows; fbgemm's stays faster for one
-or two (docs/benchmarks.md, "8-bit activations")."""
+there 16 rows cost it little more than one, where fbgemm's cost grows with the rows; fbgemm's stays faster for one
+or two, and a 1.5B model's forward of 4 tokens measured faster through oneDNN (docs/benchmarks.md, "8-bit
+activations")."""
 LEVELS = 127
 """A row's codes lie in [-127, 127]: u8 values 1..255 around fbgemm's zero point 128."""
 MIGRATION = 0.5
@@ -60,7 +61,7 @@ class RowInt8Linear(NamedProduct, torch.nn.Module):
     def __init__(self, linear: torch.nn.Linear, ranges: torch.Tensor | None = None, tiles: bool | None = None) -> None:
         super().__init__()
         self.tiles = int8_tiles() if tiles is None else tiles  # products of TILE_ROWS rows or more through oneDNN
-        self.tiled: tuple | None = None  # (the fbgemm packing it was made from, oneDNN's packing, scales, zeros)
+        self.tiled: tuple | None = None  # (the fbgemm packing it was made from, `tile_packing` of it)
         weight = linear.weight.detach().float()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.inverse = None
@@ -90,12 +91,8 @@ class RowInt8Linear(NamedProduct, torch.nn.Module):
         fbgemm's packing: the same integer sums, scaled by the same fp32 weight scales, so the same numbers. Packed
         for oneDNN at first use, from fbgemm's packing (again if that was replaced)."""
         if self.tiled is None or self.tiled[0] is not self.packed:
-            self.tiled = (self.packed, *tile_packing(self.packed))
-        _, weights, scales, zeros = self.tiled
-        rows = (codes + (LEVELS + 1)).to(torch.uint8)
-        return torch.ops.onednn.qlinear_pointwise(
-            rows, 1.0, LEVELS + 1, weights, scales, zeros, None, 1.0, 0, torch.float32, "none", [], ""
-        )
+            self.tiled = (self.packed, tile_packing(self.packed))
+        return tile_product(codes, self.tiled[1])
 
     def __getstate__(self) -> dict:
         """Pickled and deep-copied without oneDNN's packing (a tensor with no storage): made again at first use."""
@@ -135,6 +132,16 @@ def tile_packing(packed: torch.ScriptObject) -> tuple[torch.Tensor, torch.Tensor
     scales = weights.q_per_channel_scales().float()
     zeros = torch.zeros(scales.shape, dtype=torch.int32)
     return torch.ops.onednn.qlinear_prepack(weights.int_repr(), None), scales, zeros
+
+
+def tile_product(codes: torch.Tensor, tiled: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """oneDNN's product of `codes` [rows, in] (integers in [-127, 127], in fp32) by the weights `tiled`
+    (`tile_packing`): exact integer sums times each output row's fp32 scale, [rows, out] in fp32."""
+    weights, scales, zeros = tiled
+    rows = (codes + (LEVELS + 1)).to(torch.uint8)  # u8 around the zero point, as fbgemm's product takes them
+    return torch.ops.onednn.qlinear_pointwise(
+        rows, 1.0, LEVELS + 1, weights, scales, zeros, None, 1.0, 0, torch.float32, "none", [], ""
+    )
 
 
 def int8_tiles() -> bool:
