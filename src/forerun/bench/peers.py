@@ -17,6 +17,9 @@ Example:
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Collection, Sequence
 from pathlib import Path
@@ -29,6 +32,32 @@ PEER_METHODS = ("llama_cpp", "llama_cpp_lookup", *DENSE_PEERS)
 LOOKUP_TOKENS = 10
 """Tokens per guess of llama.cpp's prompt lookup, as transformers' `prompt_lookup_num_tokens=10` in this bench."""
 CONTEXT = 4096
+PROBE = (
+    "import sys; from llama_cpp import Llama; "
+    "llm = Llama(sys.argv[1], n_ctx=64, n_threads=int(sys.argv[2]), n_threads_batch=int(sys.argv[2]), verbose=False); "
+    "llm.eval(llm.tokenize(b'Hello there, how are you?'))"
+)
+"""llama.cpp reading a prompt of a few tokens, in a child process (`child_crash`)."""
+WITHOUT_AMX = (
+    'CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON '
+    "-DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX512_VBMI=ON -DGGML_AMX_TILE=OFF "
+    '-DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" pip install --force-reinstall --no-deps llama-cpp-python==0.3.36'
+)
+"""llama-cpp-python rebuilt without llama.cpp's AMX kernels, which crashed on prompts on a Xeon with AMX."""
+
+
+def child_crash(command: Sequence[str], timeout: float = 600.0) -> str | None:
+    """Run `command` in a child process; the signal's name where it died of one (a native library's crash), else
+    None. A crash in this process would take a whole benchmark's results with it.
+
+    Example:
+        >>> child_crash([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"])
+        'SIGSEGV'
+        >>> child_crash([sys.executable, "-c", "pass"]) is None
+        True
+    """
+    done = subprocess.run(list(command), capture_output=True, timeout=timeout, check=False)
+    return signal.Signals(-done.returncode).name if done.returncode < 0 else None
 
 
 class LlamaCppPeer:
@@ -42,6 +71,12 @@ class LlamaCppPeer:
             raise ValueError(
                 "llama_cpp methods need llama-cpp-python: pip install 'forerun[peers]' (it builds llama.cpp, minutes)"
             ) from None
+        crash = child_crash([sys.executable, "-c", PROBE, str(gguf), str(threads)])
+        if crash is not None:
+            raise ValueError(
+                f"llama.cpp died of {crash} reading a short prompt of {gguf} (in a child process, before anything "
+                f"ran). Its AMX kernels did so on a Xeon with AMX; rebuilt without them it ran: {WITHOUT_AMX}"
+            )
         draft = LlamaPromptLookupDecoding(num_pred_tokens=LOOKUP_TOKENS) if lookup else None
         self.llm = Llama(
             str(gguf), n_ctx=CONTEXT, n_threads=threads, n_threads_batch=threads, draft_model=draft, verbose=False
