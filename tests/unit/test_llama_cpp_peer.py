@@ -11,9 +11,10 @@ import pytest
 from forerun.bench import peers
 
 
-@pytest.fixture
-def fake_llama_cpp(monkeypatch):
-    """A stand-in llama_cpp package: records the models it was asked for (the real one builds llama.cpp)."""
+@pytest.fixture(params=[b"AVX512 = 1 | AMX_INT8 = 1 | ", b"AVX512 = 1 | "], ids=["amx", "no-amx"])
+def fake_llama_cpp(monkeypatch, request):
+    """A stand-in llama_cpp package, built with or without AMX's kernels: records the models it was asked for (the
+    real one builds llama.cpp)."""
     made = []
 
     class Llama:
@@ -21,7 +22,7 @@ def fake_llama_cpp(monkeypatch):
             made.append((path, settings))
 
     package = types.ModuleType("llama_cpp")
-    package.Llama = Llama
+    package.Llama, package.llama_print_system_info = Llama, lambda: request.param
     speculative = types.ModuleType("llama_cpp.llama_speculative")
     speculative.LlamaPromptLookupDecoding = lambda num_pred_tokens: ("lookup", num_pred_tokens)
     monkeypatch.setitem(sys.modules, "llama_cpp", package)
@@ -34,7 +35,9 @@ def test_a_crash_in_the_probe_is_an_error_naming_the_file_and_the_rebuild(monkey
     monkeypatch.setattr(peers, "child_crash", lambda command: probed.append(command) or "SIGSEGV")
     with pytest.raises(ValueError, match="SIGSEGV") as raised:
         peers.LlamaCppPeer("model.Q4_1.gguf", threads=2, lookup=False)
-    assert "model.Q4_1.gguf" in str(raised.value) and "-DGGML_AMX_INT8=OFF" in str(raised.value)
+    amx = b"AMX" in sys.modules["llama_cpp"].llama_print_system_info()
+    assert "model.Q4_1.gguf" in str(raised.value)
+    assert ("-DGGML_AMX_INT8=OFF" in str(raised.value)) == amx  # the rebuild is advised where it has AMX's kernels
     assert probed[0][-2:] == ["model.Q4_1.gguf", "2"] and probed[0][0] == sys.executable
     assert fake_llama_cpp == []  # nothing loaded in this process
 

@@ -61,11 +61,12 @@ def child_crash(command: Sequence[str], timeout: float = 600.0) -> str | None:
 
 
 class LlamaCppPeer:
-    """One llama.cpp model of a GGUF file: greedy decoding of token ids, timed with its prefill."""
+    """One llama.cpp model of a GGUF file: greedy decoding of token ids, timed with its prefill. llama.cpp first
+    reads a short prompt in a child process (`PROBE`): a crash of its native code there is an error saying so."""
 
     def __init__(self, gguf: str | Path, threads: int, lookup: bool) -> None:
         try:
-            from llama_cpp import Llama
+            from llama_cpp import Llama, llama_print_system_info
             from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
         except ImportError:
             raise ValueError(
@@ -73,9 +74,11 @@ class LlamaCppPeer:
             ) from None
         crash = child_crash([sys.executable, "-c", PROBE, str(gguf), str(threads)])
         if crash is not None:
+            amx = b"AMX" in llama_print_system_info()  # this build's kernels
             raise ValueError(
                 f"llama.cpp died of {crash} reading a short prompt of {gguf} (in a child process, before anything "
-                f"ran). Its AMX kernels did so on a Xeon with AMX; rebuilt without them it ran: {WITHOUT_AMX}"
+                "ran)."
+                + (f" Its AMX kernels did so on a Xeon; rebuilt without them it ran: {WITHOUT_AMX}" if amx else "")
             )
         draft = LlamaPromptLookupDecoding(num_pred_tokens=LOOKUP_TOKENS) if lookup else None
         self.llm = Llama(
