@@ -2,11 +2,16 @@
 
 transformers' `DynamicLayer` concatenates every forward's new keys and values onto the whole layer (a copy of the
 cache, every layer, every step); forerun's `RoomyLayer` (the growing cache of every row, `DynamicBase` and
-`RowCache`) writes them into spare slots. Each cell is the fastest of --repeats 1-token forwards after `context`
-cached tokens, the two caches interleaved in one process; their logits must be identical (asserted).
+`RowCache`) writes them into spare slots. A half-precision model attending in fp32 on the CPU (bf16, int4) has
+forerun keep them in fp32 as well (`RoomyLayer(upcast=True)`), where the attention would cast the whole cache up
+every forward; `in_place_own_dtype` is the in-place cache without that. Each cell is the fastest of --repeats
+1-token forwards after `context` cached tokens, the caches interleaved in one process; their logits must be
+identical (asserted).
 
     python benchmarks/cache_growth.py --configs fp32,int4 --threads 1 \
         --out benchmarks/results/cache-growth-epyc-avx512.json
+    python benchmarks/cache_growth.py --configs bf16,int4 --threads 1 \
+        --out benchmarks/results/cache-growth-fp32-entries-xeon-amx.json
 """
 
 from __future__ import annotations
@@ -41,17 +46,25 @@ def stepper(model: torch.nn.Module, cache: DynamicCache, ids: torch.Tensor, cont
     return step
 
 
+def own_dtype(cache: DynamicCache) -> DynamicCache:
+    """`cache` with its in-place layers keeping entries in the model's dtype (as before fp32 entries)."""
+    for layer in cache.layers:
+        layer.upcast = False
+    return cache
+
+
 def measure(model: torch.nn.Module, repeats: int) -> list[dict]:
     """One row per context: the fastest step of each cache (ms) and their ratio."""
     ids = torch.randint(100, 1000, (1, max(CONTEXTS) + 1), generator=torch.Generator().manual_seed(0))
     rows = []
     for context in CONTEXTS:
-        steps = {
-            "concatenating": stepper(model, DynamicCache(config=model.config), ids, context),
-            "in_place": stepper(model, roomy_cache(model.config), ids, context),
-        }
+        caches = {"concatenating": DynamicCache(config=model.config), "in_place": roomy_cache(model.config)}
+        if any(getattr(layer, "upcast", False) for layer in caches["in_place"].layers):
+            caches["in_place_own_dtype"] = own_dtype(roomy_cache(model.config))
+        steps = {name: stepper(model, cache, ids, context) for name, cache in caches.items()}
         first = {name: step() for name, step in steps.items()}
-        assert torch.equal(first["concatenating"], first["in_place"]), "the in-place cache changed the logits"
+        for name, logits in first.items():
+            assert torch.equal(first["concatenating"], logits), f"the {name} cache changed the logits"
         times: dict[str, list[float]] = {name: [] for name in steps}
         for _ in range(repeats):
             for name, step in steps.items():
@@ -59,10 +72,12 @@ def measure(model: torch.nn.Module, repeats: int) -> list[dict]:
                 step()
                 times[name].append(time.perf_counter() - started)
         best = {name: min(t) * 1e3 for name, t in times.items()}
+        own = best.get("in_place_own_dtype")
         rows.append(
             {"context": context}
             | {f"{name}_ms": round(ms, 2) for name, ms in best.items()}
             | {"speedup": round(best["concatenating"] / best["in_place"], 3)}
+            | ({} if own is None else {"fp32_entries_speedup": round(own / best["in_place"], 3)})
         )
         print(rows[-1], flush=True)
     return rows

@@ -18,6 +18,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
 
+from forerun.attention import SDPA_FP32
+
 
 class UnsupportedCacheError(ValueError):
     """The model's cache cannot drop rejected tree nodes, so tree decoding would give wrong text."""
@@ -123,11 +125,25 @@ class RoomyLayer(DynamicLayer):
         >>> keys, _ = layer.update(torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4))
         >>> keys.shape[2], keys.data_ptr() == layer.buffers[0].data_ptr()   # written in place
         (4, True)
+
+    `upcast=True` (a half-precision model whose attention computes in fp32 on the CPU, `attention.SDPA_FP32`):
+    half-precision entries are kept in fp32, cast once as they are written, where the attention would cast the
+    whole layer up again every forward. The same numbers (a bf16 or fp16 value is exact in fp32), twice the memory:
+        >>> layer = RoomyLayer(upcast=True)
+        >>> keys, _ = layer.update(torch.ones(1, 2, 3, 4, dtype=torch.bfloat16), torch.ones(1, 2, 3, 4))
+        >>> keys.dtype, layer.written
+        (torch.float32, torch.bfloat16)
     """
+
+    def __init__(self, upcast: bool = False, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.upcast = upcast
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
         self.buffers: list[torch.Tensor | None] = [None, None]
+        self.written = key_states.dtype
+        """The dtype the model writes (the entries' own precision: a prefix cache keeps them in it)."""
 
     def appended(self, which: int, current: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
         """`current` [rows, heads, length, dim] followed by `new` [rows, heads, n, dim], as a view of a buffer."""
@@ -143,7 +159,8 @@ class RoomyLayer(DynamicLayer):
             and total <= buffer.shape[-2]
         )
         if not in_place:
-            buffer = new.new_empty((*new.shape[:2], total + max(ROOM, total // 4), new.shape[-1]))
+            dtype = torch.float32 if self.upcast and new.dtype in HALF else new.dtype
+            buffer = new.new_empty((*new.shape[:2], total + max(ROOM, total // 4), new.shape[-1]), dtype=dtype)
             if length:
                 buffer[:, :, :length] = current
             self.buffers[which] = buffer
@@ -165,8 +182,20 @@ FULL_LAYERS = (DynamicLayer, RoomyLayer)
 which subclass `DynamicLayer` too)."""
 
 
+HALF = (torch.bfloat16, torch.float16)
+
+
 def roomy_cache(config) -> DynamicCache:
-    """A DynamicCache for `config` whose full-attention layers are `RoomyLayer`s (sliding ones stay as they are)."""
+    """A DynamicCache for `config` whose full-attention layers are `RoomyLayer`s (sliding ones stay as they are),
+    keeping half-precision entries in fp32 where the model attends in fp32 (`RoomyLayer`'s `upcast`)."""
     cache = DynamicCache(config=config)
-    cache.layers = [RoomyLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    upcast = getattr(config, "_attn_implementation", None) == SDPA_FP32 and not latent(config)
+    cache.layers = [RoomyLayer(upcast) if type(layer) is DynamicLayer else layer for layer in cache.layers]
     return cache
+
+
+def latent(config) -> bool:
+    """Whether the model caches latents that a layer expands into keys and values after the cache (multi-head latent
+    attention, DeepSeek-V3's and GLM-4.7-Flash's `kv_lora_rank`): its entries must stay in the model's dtype."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(text, "kv_lora_rank", None) is not None

@@ -250,9 +250,18 @@ class PrefixCache:
         whole = plain_layers(cache) and bool(cache.layers) and all(layer.is_initialized for layer in cache.layers)
         length = min(length, cache.get_seq_length() if whole else 0)
         layers = [(layer.keys, layer.values) for layer in cache.layers] if whole else []
-        self.keep(tokens, layers, length, salt, scores)
+        written = getattr(cache.layers[0], "written", None) if whole else None  # a `RoomyLayer` kept in fp32
+        self.keep(tokens, layers, length, salt, scores, written)
 
-    def keep(self, tokens: list[int], layers: Layers, length: int, salt: str = "", scores: tuple | None = None) -> None:
+    def keep(
+        self,
+        tokens: list[int],
+        layers: Layers,
+        length: int,
+        salt: str = "",
+        scores: tuple | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         """Keep the KV of `tokens[:length]`: per layer (keys, values) [rows, kv_heads, >= length, head_dim], or
         every layer's in one tensor [layers, 2, rows, kv_heads, >= length, head_dim] (a static base's buffer), of
         which row 0's first `length` positions are copied; for later requests with the same `salt`. `scores`: the
@@ -273,7 +282,7 @@ class PrefixCache:
                     self.entries.append(entry)
                     entry.scores = longest(entry.scores, scores)
                     return
-        keys, values, block = copied(layers, length)
+        keys, values, block = copied(layers, length, dtype)
         with self.lock:
             heads = [
                 e for e in self.entries
@@ -310,12 +319,15 @@ def alternatives(scores: tuple) -> int:
     return next((len(entry.top) for entry in scores if entry is not None), 0)
 
 
-def copied(layers: Layers, length: int) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor | None]:
-    """Row 0's first `length` keys and values of `layers` (`Layers`), copied: per layer [1, kv_heads, length,
-    head_dim], and the one tensor they are views of, where `layers` is one."""
+def copied(
+    layers: Layers, length: int, dtype: torch.dtype | None = None
+) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor | None]:
+    """Row 0's first `length` keys and values of `layers` (`Layers`), copied (per layer, in `dtype` where given:
+    the model's own, for layers kept in fp32): per layer [1, kv_heads, length, head_dim], and the one tensor they
+    are views of, where `layers` is one."""
     if not isinstance(layers, torch.Tensor):
-        keys = [keys[:1, :, :length].clone() for keys, _ in layers]
-        return keys, [values[:1, :, :length].clone() for _, values in layers], None
+        keys = [keys[:1, :, :length].to(dtype or keys.dtype, copy=True) for keys, _ in layers]
+        return keys, [values[:1, :, :length].to(dtype or values.dtype, copy=True) for _, values in layers], None
     block = layers[:, :, 0, :, :length].clone()  # [layers, 2, kv_heads, length, head_dim]: one copy, not two a layer
     return [layer[0, None] for layer in block], [layer[1, None] for layer in block], block
 
