@@ -2,11 +2,11 @@
 
 transformers' `DynamicLayer` concatenates every forward's new keys and values onto the whole layer (a copy of the
 cache, every layer, every step); forerun's `RoomyLayer` (the growing cache of every row, `DynamicBase` and
-`RowCache`) writes them into spare slots. A half-precision model attending in fp32 on the CPU (bf16, int4) has
-forerun keep them in fp32 as well (`RoomyLayer(upcast=True)`), where the attention would cast the whole cache up
-every forward; `in_place_own_dtype` is the in-place cache without that. Each cell is the fastest of --repeats
-1-token forwards after `context` cached tokens, the caches interleaved in one process; their logits must be
-identical (asserted).
+`RowCache`) writes them into spare slots. The half-precision configs (bf16, int4) attend in fp32 here, as
+`load_model` has them where a CPU measured that faster; forerun then keeps their entries in fp32 too
+(`RoomyLayer`'s `upcast`), where the attention would cast the whole cache up every forward; `in_place_own_dtype` is
+the in-place cache without that. Each cell is the fastest of --repeats 1-token forwards after `context` cached
+tokens, the caches interleaved in one process; their logits must be identical (asserted).
 
     python benchmarks/cache_growth.py --configs fp32,int4 --threads 1 \
         --out benchmarks/results/cache-growth-epyc-avx512.json
@@ -29,7 +29,12 @@ from forerun.kvcache import roomy_cache
 from forerun.models import load_model
 
 CONTEXTS = (200, 1000, 2000, 4000)
-CONFIGS = {"fp32": {"dtype": "fp32"}, "bf16": {"dtype": "bf16"}, "int4": {"dtype": "bf16", "quantize": "int4"}}
+FP32_ATTENTION = {"attn_implementation": "forerun_sdpa_fp32"}  # the half configs attend in fp32 on any CPU
+CONFIGS = {
+    "fp32": {"dtype": "fp32"},
+    "bf16": {"dtype": "bf16"} | FP32_ATTENTION,
+    "int4": {"dtype": "bf16", "quantize": "int4"} | FP32_ATTENTION,
+}
 
 
 def stepper(model: torch.nn.Module, cache: DynamicCache, ids: torch.Tensor, context: int):

@@ -21,7 +21,8 @@ accurate of the two.
 It is registered with transformers' own extension points (`AttentionInterface`, `AttentionMaskInterface`) under
 one name, so a model loaded with it runs it in `model.generate` as in forerun: forerun's text is compared with
 plain generate of the same model, as always. `forerun.load_model(attn_implementation="auto")` picks it for bf16 and
-fp16 on the CPU (docs/benchmarks.md has the latency curves both ways).
+fp16 on a CPU that measured it faster than the model's own dtype (`forerun.attention_choice`: on an Intel Xeon with
+AMX the bf16 kernel has no such fixed cost and is the faster; docs/benchmarks.md has both).
 
 Example:
     >>> model, tokenizer = load_model("smollm2-135m", dtype="bf16")               # doctest: +SKIP
@@ -191,7 +192,9 @@ def register() -> str:
 
 def pick_attention(attn_implementation: str, device: str, dtype: torch.dtype) -> str:
     """The implementation `load_model` asks transformers for: "auto" is SDPA_FP32 for bf16/fp16 on the CPU, else
-    SDPA_GROUPED; any other name is passed through (forerun's are registered first when asked for by name).
+    SDPA_GROUPED (`load_model` then keeps SDPA_FP32 only where this CPU measured it faster than SDPA_GROUPED in the
+    model's dtype: `forerun.attention_choice`); any other name is passed through (forerun's are registered first
+    when asked for by name).
 
     Example:
         >>> pick_attention("auto", "cpu", torch.bfloat16), pick_attention("auto", "cpu", torch.float32)

@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from forerun.attention import pick_attention
+from forerun.attention import SDPA_FP32, SDPA_GROUPED, pick_attention
+from forerun.attention_choice import half_attention_pays
 from forerun.base.gguf_codes import keep_codes
 from forerun.base.pack_choice import pack_pays
 from forerun.base.packed import check_pack, lay_out_rows, pack_weights, packable
@@ -133,8 +134,9 @@ def load_model(
     row.
     `quantize="w8a8"`: 8-bit weights and activations, integer products, fp32 around them (`forerun.base.row_int8`).
     `attn_implementation="auto"`: sdpa with grouped key/value heads read in place, computed in fp32 for bf16/fp16
-    weights on the CPU (`forerun.attention`), eager for families transformers has no sdpa for; any name
-    transformers takes. `pack`: dense linear layers laid out once
+    weights on a CPU that measured that faster (`forerun.attention`, `forerun.attention_choice`: once per head
+    shapes, dtype and thread count, kept under `cache_dir`), eager for families transformers has no sdpa for; any
+    name transformers takes. `pack`: dense linear layers laid out once
     for oneDNN's kernels (`forerun.base.packed`); None: on a CPU with AVX-512 (fp32, or bf16 where oneDNN has its
     kernels) where one row passed through the layers measured no slower laid out (`forerun.base.pack_choice`, once
     per model shapes, dtype and thread count, kept under `cache_dir`), False: transformers' own layers, as plain
@@ -157,6 +159,9 @@ def load_model(
     attention = pick_attention(attn_implementation, device, dtype)
     model, tokenizer = read_model(name, dtype, attention, cache_dir, eager_if_no_sdpa=attn_implementation == "auto")
     model.to(device).eval()
+    if attn_implementation == "auto" and model.config._attn_implementation == SDPA_FP32:
+        if half_attention_pays(model.config, dtype, cache_dir):  # this CPU attends as fast in the model's dtype
+            model.set_attn_implementation(SDPA_GROUPED)
     if quantize is not None:
         location, gguf_file = resolve(name)
         if gguf_file and quantize == "int4":  # the file's own 4-bit codes (Q4_0, Q4_1, Q4_K), not quantized again

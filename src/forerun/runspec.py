@@ -80,7 +80,8 @@ class RunSpec:
     """'int4' or 'int8': every linear layer's weights in 4 or 8 bits (CPU, bf16 activations; `forerun.base.weights`);
     'w8a8': 8-bit weights and activations, integer products, fp32 around them (`forerun.base.row_int8`)."""
     attention: str = "auto"
-    """auto (sdpa with grouped heads read in place, computed in fp32 for bf16/fp16 on the CPU: `forerun.attention`),
+    """auto (sdpa with grouped heads read in place, computed in fp32 for bf16/fp16 on a CPU that measured that
+    faster: `forerun.attention`, `forerun.attention_choice`),
     sdpa (transformers' own), eager, SDPA_FP32 or SDPA_GROUPED."""
     compile_buckets: bool = False
     """A CUDA device's single rows: each bucket's forward compiled before it is captured (`EngineConfig`)."""

@@ -19,6 +19,7 @@ from forerun.attention import (
     row_starts,
     sdpa_in_fp32,
 )
+from forerun.attention_choice import half_attention_pays
 from forerun.forward_inputs import cache_argument
 from forerun.latency import curve_settings
 from forerun.tree import tree_support
@@ -163,9 +164,10 @@ def test_a_tree_mask_reaches_the_fp32_kernel():
 
 
 @pytest.mark.real_model
-def test_the_real_model_loads_with_fp32_attention_in_bf16():
+def test_the_real_model_attends_in_bf16_as_this_cpu_measured():
     model, _ = forerun.load_model("smollm2-135m", dtype="bf16")
-    assert model.config._attn_implementation == SDPA_FP32
+    half = half_attention_pays(model.config, torch.bfloat16)  # the answer load_model read (or measured)
+    assert model.config._attn_implementation == (SDPA_GROUPED if half else SDPA_FP32)
 
 
 def test_padding_reaches_the_fp32_kernel():

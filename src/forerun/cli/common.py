@@ -92,7 +92,7 @@ ATTENTION = typer.Option(
     "auto",
     "--attention",
     help="auto (forerun_sdpa: sdpa reading grouped key/value heads in place; forerun_sdpa_fp32 for bf16/fp16 on a "
-    "CPU) | sdpa (transformers' own) | eager | forerun_sdpa | forerun_sdpa_fp32.",
+    "CPU that measured it faster) | sdpa (transformers' own) | eager | forerun_sdpa | forerun_sdpa_fp32.",
 )
 DTYPE = typer.Option(
     "auto",
