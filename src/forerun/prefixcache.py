@@ -250,7 +250,8 @@ class PrefixCache:
         whole = plain_layers(cache) and bool(cache.layers) and all(layer.is_initialized for layer in cache.layers)
         length = min(length, cache.get_seq_length() if whole else 0)
         layers = [(layer.keys, layer.values) for layer in cache.layers] if whole else []
-        written = getattr(cache.layers[0], "written", None) if whole else None  # a `RoomyLayer` kept in fp32
+        # the model's own dtype, where a `RoomyLayer` holds its entries in fp32 (`kvcache.RoomyLayer`'s `upcast`)
+        written = next((layer.written for layer in cache.layers if hasattr(layer, "written")), None)
         self.keep(tokens, layers, length, salt, scores, written)
 
     def keep(
@@ -264,8 +265,9 @@ class PrefixCache:
     ) -> None:
         """Keep the KV of `tokens[:length]`: per layer (keys, values) [rows, kv_heads, >= length, head_dim], or
         every layer's in one tensor [layers, 2, rows, kv_heads, >= length, head_dim] (a static base's buffer), of
-        which row 0's first `length` positions are copied; for later requests with the same `salt`. `scores`: the
-        log-probability entries of the tokens (`Entry.scores`).
+        which row 0's first `length` positions are copied (in `dtype` where given: the model's own, for layers held
+        in fp32); for later requests with the same `salt`. `scores`: the log-probability entries of the tokens
+        (`Entry.scores`).
 
         An entry that is a head of the new one is replaced by it; a new one that is a head of a held entry adds
         nothing (both under the same salt). Scores go with the text they score: the longer entry keeps the

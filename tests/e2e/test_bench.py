@@ -14,7 +14,8 @@ from forerun.bench.latency import write_curves
 from forerun.bench.methods import parse_methods
 from forerun.bench.peers import DenseGeneratePeer
 from forerun.bench.records import NOISE_FLOOR, Record, load_records, mismatch_lines, noise_floor_lines
-from forerun.bench.runner import encode, run_interleaved
+from forerun.bench.report import PARTIAL
+from forerun.bench.runner import Run, encode, run_interleaved
 from forerun.cli import app
 from forerun.latency import SIZES, measure_curve
 from forerun.measured import device_name
@@ -220,9 +221,33 @@ def test_cli_bench_writes_tables_json_and_plots(model, tokenizer, tmp_path):
     assert "| trie[warm=1] |" in (out / "results.md").read_text()
     for png in ("speedup.png", "accepted_hist.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
+    assert not (out / PARTIAL).exists()  # the whole run is in results.json
     sampled = CliRunner().invoke(app, [*args[:-1], str(tmp_path / "sampled"), "--sample"])
     assert sampled.exit_code == 0, sampled.output
     assert "n/a (sampled)" in (tmp_path / "sampled" / "results.md").read_text()
+
+
+def test_a_run_cut_short_keeps_every_prompt_it_finished(model, tokenizer, tmp_path, monkeypatch):
+    folder = tmp_path / "tiny"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    one = Run.one
+
+    def dies_on_the_second_prompt(self, ids, spec, decoder, prompt, *rest):
+        if prompt.id == "GSM8K/1":
+            raise RuntimeError("a peer died")  # as a native crash would end the run there
+        return one(self, ids, spec, decoder, prompt, *rest)
+
+    monkeypatch.setattr(Run, "one", dies_on_the_second_prompt)
+    out = tmp_path / "results"
+    args = ["bench", "--model", str(folder), "--dataset", "gsm8k", "--n", "2", "--max-new-tokens", "5"]
+    result = CliRunner().invoke(app, [*args, "--methods", "plain,prompt_lookup", "--out", str(out)])
+    assert result.exit_code != 0 and not (out / "results.json").exists()
+    kept = load_records(out / PARTIAL)  # what --include reads
+    assert [(r.prompt_id, r.method) for r in kept] == [
+        ("GSM8K/0", "generate"), ("GSM8K/0", "plain"), ("GSM8K/0", "prompt_lookup")
+    ]  # fmt: skip
+    assert json.loads((out / PARTIAL).read_text())["settings"]["n"] == 2
 
 
 def test_latency_curve_shape_and_outputs(model, tmp_path):

@@ -16,6 +16,7 @@ from rich.table import Table
 
 from forerun.bench.peers import PEER_METHODS
 from forerun.bench.records import Record
+from forerun.measured import write_json
 
 IDENTICAL = {True: "yes", False: "NO", None: "n/a (sampled)"}
 
@@ -158,13 +159,31 @@ def overview(summary: dict[str, dict[str, dict]]) -> str:
     return "\n".join(lines)
 
 
-def write_outputs(records: list[Record], summary: dict, settings: dict, out: Path) -> list[Path]:
-    """results.json, results.md, speedup.png, accepted_hist.png under `out`."""
-    out.mkdir(parents=True, exist_ok=True)
-    settings = {
+PARTIAL = "results.partial.json"
+"""What a run has finished so far, under its `--out` folder: every prompt whose methods all ran (`write_partial`),
+gone once results.json is written. A run cut short (a peer's native crash, a kill) keeps them; `--include` reads
+the file as it reads a results.json."""
+
+
+def write_partial(records: list[Record], settings: dict, out: Path) -> Path:
+    """`records` so far, as results.json holds them (no summary), written whole over `out`/PARTIAL."""
+    path = out / PARTIAL
+    write_json(path, {"settings": run_settings(settings), "records": [asdict(r) for r in records]})
+    return path
+
+
+def run_settings(settings: dict) -> dict:
+    """`settings` with the machine, Python and the day (kept where given)."""
+    return {
         **settings, "machine": platform.machine(), "python": platform.python_version(),
         "date": settings.get("date") or datetime.date.today().isoformat(),
     }  # fmt: skip
+
+
+def write_outputs(records: list[Record], summary: dict, settings: dict, out: Path) -> list[Path]:
+    """results.json, results.md, speedup.png, accepted_hist.png under `out` (and the partial results go)."""
+    out.mkdir(parents=True, exist_ok=True)
+    settings = run_settings(settings)
     paths = [out / "results.json", out / "results.md", out / "speedup.png", out / "accepted_hist.png"]
     paths[0].write_text(
         json.dumps({"settings": settings, "summary": summary, "records": [asdict(r) for r in records]}, indent=1)
@@ -172,6 +191,7 @@ def write_outputs(records: list[Record], summary: dict, settings: dict, out: Pat
     paths[1].write_text(overview(summary) + "\n\n" + markdown(summary))
     plot_speedups(summary, paths[2], figure_title(settings))
     plot_histograms(records, paths[3], figure_title(settings))
+    (out / PARTIAL).unlink(missing_ok=True)
     return paths
 
 

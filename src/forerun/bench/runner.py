@@ -68,6 +68,7 @@ def run_interleaved(
     draft_head: torch.nn.Module | None = None,
     compile_buckets: bool = False,
     source: str | None = None,
+    on_prompt: Callable[[list[Record]], None] | None = None,
 ) -> list[Record]:
     """Run reference + every spec on each prompt in turn; returns one Record per (prompt, method).
 
@@ -78,7 +79,8 @@ def run_interleaved(
     `gguf`, `threads`: the model's GGUF file and the thread count, for the llama.cpp methods; `source`: the model's
     name or path, which generate_bf16 and generate_fp32 load again with transformers' own layers.
     `draft_head`: the EAGLE-3 head of method eagle3, which `auto` then drafts with too. `compile_buckets`: a card's
-    decoders compile each bucket before capturing it (`EngineConfig.compile_buckets`).
+    decoders compile each bucket before capturing it (`EngineConfig.compile_buckets`). `on_prompt(records so far)`
+    after each prompt's every run (the CLI keeps them on disk: a crash loses at most the prompt under way).
     """
     needing = [s.label for s in specs if s.needs_draft()]
     if needing and draft_model is None:
@@ -93,7 +95,7 @@ def run_interleaved(
     for decoder in decoders.values():  # a card's graphs, every bucket captured before anything is timed
         decoder.warm_up(longest + max_new_tokens)
     warm_up(model, tokenizer, decoders, prompts[0], draft_model, peers)
-    return prompt_records(run, tokenizer, prompts, specs, decoders, on_step)
+    return prompt_records(run, tokenizer, prompts, specs, decoders, on_step, on_prompt)
 
 
 def build_decoders(
@@ -133,9 +135,11 @@ def prompt_records(
     specs: Sequence[BenchMethod],
     decoders: dict[str, Decoder],
     on_step: Callable[[str, str], None] | None,
+    on_prompt: Callable[[list[Record]], None] | None = None,
 ) -> list[Record]:
     """Each prompt in turn: plain generate (the reference), in greedy low precision its noise floor, then every
-    method; a conversation's later turns follow plain generate's own earlier answers."""
+    method; a conversation's later turns follow plain generate's own earlier answers. `on_prompt(records so far)`
+    after each prompt."""
     model = run.model
     histories: dict[str, list[dict]] = {}  # conversation -> its turns so far, with plain generate's answers
     records = []
@@ -160,6 +164,8 @@ def prompt_records(
             records.append(run.one(ids, spec, decoders.get(spec.label), prompt, reference, ref_seconds))
             if on_step:
                 on_step(prompt.id, spec.label)
+        if on_prompt:
+            on_prompt(list(records))
     return records
 
 

@@ -35,7 +35,11 @@ DATASET = typer.Option(
 PROMPTS = typer.Option(5, "--n", help="Prompts per dataset.")
 METHODS = typer.Option(QUICK_METHODS, "--methods", help="e.g. plain,hf_prompt_lookup,auto,jacobi[window=4]")
 NEW_TOKENS = typer.Option(256, "--max-new-tokens")
-OUT = typer.Option("bench-results", "--out", help="Folder for results.json/.md and PNG plots.")
+OUT = typer.Option(
+    "bench-results",
+    "--out",
+    help="Folder for results.json/.md and PNG plots (results.partial.json holds the prompts finished while it runs).",
+)
 QUICK = typer.Option(False, "--quick", help="10 prompts (5 GSM8K + 5 HumanEval), the quick method set.")
 SAMPLED = typer.Option(False, "--sample", help="Sampled runs (temperature/top-p) instead of greedy.")
 SAMPLED_TEMPERATURE = typer.Option(0.7, "--temperature", help="With --sample.")
@@ -93,6 +97,7 @@ def bench(
     from forerun.bench.datasets import load_dataset
     from forerun.bench.methods import parse_methods
     from forerun.bench.records import load_records
+    from forerun.bench.report import write_partial
     from forerun.runspec import RunSpec
 
     if quick:
@@ -118,15 +123,16 @@ def bench(
         )
         return
     announce(f"{escape(model)} {dtype}", len(prompts), max_new_tokens, sampling, threads, device, draft_model, specs)
-    run = {"sampling": sampling, "seed": seed, "draft_model": draft, "latency": curve, "gguf": gguf_of(model),
-           "threads": threads, "draft_head": head, "compile_buckets": compile_buckets, "source": model}  # fmt: skip
-    records = run_with_progress(lm, tokenizer, prompts, specs, max_new_tokens, dataset, n, run)
     settings = {
         "model": model, "datasets": dataset, "n": n, "methods": methods, "max_new_tokens": max_new_tokens,
         "threads": threads, "dtype": dtype, "quantize": quantize or None, "sampling": sampling,
         "seed": seed if sampling else None, "draft_model": draft_model or None, "draft_head": draft_head or None,
-    }  # fmt: skip
-    report_single(records, included, settings | measured_settings(lm, curve), Path(out))
+    } | measured_settings(lm, curve)  # fmt: skip
+    run = {"sampling": sampling, "seed": seed, "draft_model": draft, "latency": curve, "gguf": gguf_of(model),
+           "threads": threads, "draft_head": head, "compile_buckets": compile_buckets, "source": model,
+           "on_prompt": lambda so_far: write_partial(so_far, settings, Path(out))}  # fmt: skip
+    records = run_with_progress(lm, tokenizer, prompts, specs, max_new_tokens, dataset, n, run)
+    report_single(records, included, settings, Path(out))
 
 
 def announce(
