@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -25,25 +26,12 @@ from forerun.kvcache import roomy_cache
 from forerun.measured import machine_label
 from forerun.models import load_model
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cache_growth import stepper  # noqa: E402
+
 SHAPES = ((200, 1), (200, 8), (1000, 1), (1000, 8), (4000, 1), (4000, 8))
 """(cached tokens, tokens fed) per cell."""
 WAYS = {"fp32": SDPA_FP32, "own dtype": SDPA_GROUPED}
-
-
-def stepper(model: torch.nn.Module, ids: torch.Tensor, context: int, tokens: int):
-    """A function running one forward of `tokens` tokens after `context` cached ones (then dropping them)."""
-    cache = roomy_cache(model.config)
-    for start in range(0, context, 256):
-        model(ids[:, start : min(start + 256, context)], past_key_values=cache, use_cache=True)
-    fed, positions = ids[:, context : context + tokens], torch.arange(context, context + tokens)[None]
-
-    def step() -> torch.Tensor:
-        logits = model(input_ids=fed, past_key_values=cache, use_cache=True, position_ids=positions).logits
-        for layer in cache.layers:  # a view of the leading slots: the in-place cache writes there again
-            layer.keys, layer.values = layer.keys[..., :context, :], layer.values[..., :context, :]
-        return logits
-
-    return step
 
 
 @torch.inference_mode()
@@ -51,7 +39,7 @@ def measure(models: dict[str, torch.nn.Module], repeats: int) -> list[dict]:
     ids = torch.randint(100, 1000, (1, max(c + t for c, t in SHAPES)), generator=torch.Generator().manual_seed(0))
     rows = []
     for context, tokens in SHAPES:
-        steps = {way: stepper(model, ids, context, tokens) for way, model in models.items()}
+        steps = {way: stepper(model, roomy_cache(model.config), ids, context, tokens) for way, model in models.items()}
         first = {way: step().float() for way, step in steps.items()}
         best = dict.fromkeys(steps, float("inf"))
         for _ in range(repeats):

@@ -37,10 +37,12 @@ CONFIGS = {
 }
 
 
-def stepper(model: torch.nn.Module, cache: DynamicCache, ids: torch.Tensor, context: int):
-    """A function running one 1-token forward after `context` cached tokens (then dropping it); returns logits."""
-    model(ids[:, :context], past_key_values=cache, use_cache=True)
-    fed, positions = ids[:, context : context + 1], torch.tensor([[context]])
+def stepper(model: torch.nn.Module, cache: DynamicCache, ids: torch.Tensor, context: int, tokens: int = 1):
+    """A function running one forward of `tokens` tokens after `context` cached ones (the text read into `cache` in
+    chunks first; the step's entries dropped after it); returns its logits."""
+    for start in range(0, context, 256):
+        model(ids[:, start : min(start + 256, context)], past_key_values=cache, use_cache=True)
+    fed, positions = ids[:, context : context + tokens], torch.arange(context, context + tokens)[None]
 
     def step() -> torch.Tensor:
         logits = model(input_ids=fed, past_key_values=cache, use_cache=True, position_ids=positions).logits
