@@ -10,13 +10,13 @@ the products are the same ones.
 
 Half precision on the CPU:
 
-PyTorch's CPU flash-attention kernel in bf16 costs a fixed ~0.1 ms a call whatever the query's length (a decode
-step of a 30-layer model pays it 30 times), while the same kernel in fp32 costs a fifth of that for one query and
-about the same for a tree of 32. Casting the query, keys and values up (a few hundred cached rows of 64 values per
-head) and the output back down is cheaper than the difference; forerun's own growing cache keeps such a model's
-entries in fp32 already (`kvcache.RoomyLayer`'s `upcast`), so only the new ones are cast. The products before and
-after stay in the model's dtype; only the softmax(QK^T)V in between is computed in fp32, which is also the more
-accurate of the two.
+PyTorch's CPU flash-attention kernel in bf16 costs a fixed ~0.1 ms a call whatever the query's length on an
+AVX-512 EPYC (a decode step of a 30-layer model pays it 30 times), while the same kernel in fp32 costs a fifth of
+that for one query and about the same for a tree of 32. Casting the query, keys and values up (a few hundred cached
+rows of 64 values per head) and the output back down is cheaper than the difference; forerun's own growing cache
+keeps such a model's entries in fp32 already (`kvcache.RoomyLayer`'s `upcast`), so only the new ones are cast. The
+products before and after stay in the model's dtype; only the softmax(QK^T)V in between is computed in fp32, which
+is also the more accurate of the two.
 
 It is registered with transformers' own extension points (`AttentionInterface`, `AttentionMaskInterface`) under
 one name, so a model loaded with it runs it in `model.generate` as in forerun: forerun's text is compared with

@@ -37,7 +37,8 @@ SIZES = ((256, 1), (256, 8), (1024, 1), (1024, 8))
 """(cached keys, queries) of the calls timed: a step and a small tree, after a short and a longer text (the latency
 curve is measured after 256 cached tokens)."""
 PROBE_BYTES = 256 << 20
-"""The most bytes of fp32 keys and values the probe holds per size (layers beyond it are not rotated through)."""
+"""The most bytes of fp32 keys and values the probe holds, all sizes together (a share each; layers beyond a
+size's share are not rotated through), beside half as many in the model's dtype."""
 MAX_LAYERS = 32
 REPEATS = 5
 VERSION = 1
@@ -107,7 +108,7 @@ def time_attention(shapes: dict[str, object], dtype: torch.dtype) -> dict[str, f
     for cached, queries in SIZES:
         keys = cached + queries
         per_layer = 2 * kv_heads * keys * width * 4
-        layers = max(1, min(int(shapes["layers"]), MAX_LAYERS, PROBE_BYTES // per_layer))
+        layers = max(1, min(int(shapes["layers"]), MAX_LAYERS, PROBE_BYTES // len(SIZES) // per_layer))
         query = torch.randn(1, heads, queries, width, generator=draws).to(dtype)
         mask = torch.ones(1, 1, queries, keys, dtype=torch.bool)
         for _ in range(layers):

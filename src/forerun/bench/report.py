@@ -165,11 +165,12 @@ gone once results.json is written. A run cut short (a peer's native crash, a kil
 the file as it reads a results.json."""
 
 
-def write_partial(records: list[Record], settings: dict, out: Path) -> Path:
+def write_partial(records: list[Record], settings: dict, out: Path) -> None:
     """`records` so far, as results.json holds them (no summary), written whole over `out`/PARTIAL."""
-    path = out / PARTIAL
-    write_json(path, {"settings": run_settings(settings), "records": [asdict(r) for r in records]})
-    return path
+    try:
+        write_json(out / PARTIAL, {"settings": run_settings(settings), "records": [asdict(r) for r in records]})
+    except OSError:
+        pass  # a full disk must not end the run: results.json, written at its end, says what failed
 
 
 def run_settings(settings: dict) -> dict:
