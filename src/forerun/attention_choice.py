@@ -45,12 +45,15 @@ VERSION = 1
 WAYS = ("fp32", "own dtype")
 
 
-def attention_shapes(config) -> dict[str, object]:
+def attention_shapes(config) -> dict[str, object] | None:
     """What the measurement depends on of a model's config: layers, query and key/value heads, head width, and
-    whether it caches latents (then its cache holds them in the model's dtype, `kvcache.latent`)."""
+    whether it caches latents (then its cache holds them in the model's dtype, `kvcache.latent`); None where the
+    config names no heads that group evenly (nothing to measure: the model keeps the attention it was given)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = int(text.num_attention_heads)
+    heads = int(getattr(text, "num_attention_heads", None) or 0)
     kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+    if not heads or not kv_heads or heads % kv_heads:
+        return None
     head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
     layers = int(text.num_hidden_layers)
     return {"layers": layers, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "latent": latent(config)}
@@ -61,6 +64,8 @@ def half_attention_pays(config, dtype: torch.dtype, cache_dir: Path | str | None
     fp32: read from `cache_dir`, else measured now (`time_attention`, well under a second for a small model) and
     stored there (None: measured, nothing read or written)."""
     settings, path = choice_file(config, dtype, cache_dir)
+    if settings["shapes"] is None:
+        return False
     stored = read_json(path) if path is not None else None
     if stored is not None and isinstance(stored.get("half"), bool):
         return stored["half"]

@@ -9,7 +9,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
-from transformers import PreTrainedTokenizerFast
+from transformers import AutoConfig, PreTrainedTokenizerFast
 
 import forerun
 from forerun import attention_choice, models
@@ -17,7 +17,15 @@ from forerun.attention import SDPA_FP32, SDPA_GROUPED, register
 from forerun.attention_choice import attention_shapes, choice_file, half_attention_pays, time_attention
 from forerun.kvcache import roomy_cache
 
-from tiny_models import VOCAB, tiny_model
+from tiny_models import (
+    COMMON,
+    FAMILIES,
+    MORE_FAMILIES,
+    STATE_SPACE_FAMILIES,
+    STATEFUL_FAMILIES,
+    VOCAB,
+    tiny_model,
+)
 
 IDS = torch.tensor([[3, 17, 42, 9, 88, 5, 61, 2]])
 
@@ -29,6 +37,15 @@ def test_the_shapes_are_the_models_heads():
     assert shapes["kv_heads"] == config.num_key_value_heads and not shapes["latent"]
     assert shapes["head_dim"] == config.hidden_size // config.num_attention_heads
     assert attention_shapes(tiny_model("deepseek_v3").config)["latent"]
+
+
+def test_every_familys_config_gives_shapes_or_none():
+    for family, own in (FAMILIES | MORE_FAMILIES | STATEFUL_FAMILIES).items():
+        shapes = attention_shapes(AutoConfig.for_model(family, **COMMON, **own))
+        assert shapes is not None and shapes["heads"] % shapes["kv_heads"] == 0, family
+    for family, own in STATE_SPACE_FAMILIES.items():  # no attention heads: nothing measured, nothing switched
+        config = AutoConfig.for_model(family, **COMMON, **own)
+        assert attention_shapes(config) is None and not half_attention_pays(config, torch.bfloat16, None), family
 
 
 def test_both_ways_are_timed_on_every_size():
