@@ -31,7 +31,7 @@ import torch
 
 from forerun.attention import grouped_sdpa, sdpa_in_fp32
 from forerun.kvcache import latent
-from forerun.measured import DEFAULT_CACHE_DIR, fastest, machine_label, read_json, settings_digest, write_json
+from forerun.measured import DEFAULT_CACHE_DIR, fastest, kept_answer, measurement_file
 
 SIZES = ((256, 1), (256, 8), (1024, 1), (1024, 8))
 """(cached keys, queries) of the calls timed: a step and a small tree, after a short and a longer text (the latency
@@ -66,32 +66,19 @@ def half_attention_pays(config, dtype: torch.dtype, cache_dir: Path | str | None
     settings, path = choice_file(config, dtype, cache_dir)
     if settings["shapes"] is None:
         return False
-    stored = read_json(path) if path is not None else None
-    if stored is not None and isinstance(stored.get("half"), bool):
-        return stored["half"]
-    seconds = time_attention(settings["shapes"], dtype)
-    pays = seconds["own dtype"] <= seconds["fp32"]
-    if path is not None:
-        try:
-            write_json(path, {"settings": settings, "half": pays, "ms": {w: s * 1e3 for w, s in seconds.items()}})
-        except OSError:
-            pass  # a read-only home: the answer still serves this load
-    return pays
+
+    def measure() -> tuple[bool, dict]:
+        seconds = time_attention(settings["shapes"], dtype)
+        return seconds["own dtype"] <= seconds["fp32"], {"ms": {w: s * 1e3 for w, s in seconds.items()}}
+
+    return kept_answer(path, settings, "half", lambda answer: isinstance(answer, bool), measure)
 
 
 def choice_file(config, dtype: torch.dtype, cache_dir: Path | str | None) -> tuple[dict, Path | None]:
     """(settings, file) of the choice for a model of `config` in `dtype` on this CPU: what it depends on, and where
     it is kept under `cache_dir` (None: nowhere)."""
-    settings = {
-        "shapes": attention_shapes(config),
-        "dtype": str(dtype).removeprefix("torch."),
-        "device": machine_label(torch.device("cpu")),
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "version": VERSION,
-    }
-    name = f"{settings['dtype']}-t{settings['threads']}-{settings_digest(settings)}.json"
-    return settings, None if cache_dir is None else Path(cache_dir).expanduser() / "attention-choice" / name
+    what = {"shapes": attention_shapes(config)}
+    return measurement_file("attention-choice", what, dtype, torch.device("cpu"), VERSION, cache_dir)
 
 
 class Heads(torch.nn.Module):

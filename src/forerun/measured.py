@@ -112,16 +112,46 @@ def layers_measured(kind: str, weight: torch.Tensor, layers: list, version: int,
         >>> settings["dtype"], path.parent.name, path.name.startswith(f"float32-t{torch.get_num_threads()}-")
         ('float32', 'kind', True)
     """
+    return measurement_file(kind, {"layers": layers}, weight.dtype, weight.device, version, cache_dir)
+
+
+def measurement_file(kind: str, what: dict, dtype: torch.dtype, device: torch.device, version: int,
+                     cache_dir: Path | str | None) -> tuple[dict, Path | None]:  # fmt: skip
+    """(settings, file) of a measurement of `kind` of `what` (its shapes, as JSON) in `dtype` on `device`: `what`
+    with the dtype, the machine, the thread count, torch's version and the measurement's `version`, and the file it
+    is kept in under `cache_dir` (None: nowhere), named by them."""
     settings = {
-        "layers": layers,
-        "dtype": str(weight.dtype).removeprefix("torch."),
-        "device": machine_label(weight.device),
+        **what,
+        "dtype": str(dtype).removeprefix("torch."),
+        "device": machine_label(device),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "version": version,
     }
     name = f"{settings['dtype']}-t{settings['threads']}-{settings_digest(settings)}.json"
     return settings, None if cache_dir is None else Path(cache_dir).expanduser() / kind / name
+
+
+def kept_answer(path: Path | None, settings: dict, key: str, valid: Callable[[object], bool],
+                measure: Callable[[], tuple[T, dict]]) -> T:  # fmt: skip
+    """The answer stored under `key` at `path` where it is `valid`; else `measure()`'s (answer, record of how it was
+    measured), stored there with `settings` (a read-only home: not stored; None: nowhere). A damaged file is
+    measured again.
+
+    Example:
+        >>> kept_answer(None, {}, "pack", lambda v: isinstance(v, bool), lambda: (True, {}))
+        True
+    """
+    stored = read_json(path) if path is not None else None
+    if stored is not None and valid(stored.get(key)):
+        return stored[key]
+    answer, record = measure()
+    if path is not None:
+        try:
+            write_json(path, {"settings": settings, key: answer, **record})
+        except OSError:
+            pass  # a read-only home: the answer still serves this process
+    return answer
 
 
 def write_json(path: Path, data: dict) -> None:

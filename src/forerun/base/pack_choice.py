@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from forerun.base.packed import lay_out_rows, layable, pack_weights, read_by_hand
-from forerun.measured import DEFAULT_CACHE_DIR, fastest, layers_measured, read_json, write_json
+from forerun.measured import DEFAULT_CACHE_DIR, fastest, kept_answer, layers_measured
 
 PROBE_BYTES = 1 << 30
 """The most weight bytes the probe holds (its laid-out copies as many again, while measuring)."""
@@ -65,18 +65,12 @@ def pack_pays(model: torch.nn.Module, cache_dir: Path | str | None = DEFAULT_CAC
         return False
     shapes = [[layer.out_features, layer.in_features, layer.bias is not None] for _, layer in probe]
     settings, path = layers_measured("packed-choice", probe[0][1].weight, shapes, VERSION, cache_dir)
-    stored = read_json(path) if path is not None else None
-    if stored is not None and isinstance(stored.get("pack"), bool):
-        return stored["pack"]
-    seconds = time_layouts(probe, cache_dir)
-    pays = seconds["laid out"] <= seconds["dense"]
-    if path is not None:
-        record = {"pack": pays, "ms": {layout: s * 1e3 for layout, s in seconds.items()}}
-        try:
-            write_json(path, {"settings": settings, **record})
-        except OSError:
-            pass  # a read-only home: the answer still serves this load
-    return pays
+
+    def measure() -> tuple[bool, dict]:
+        seconds = time_layouts(probe, cache_dir)
+        return seconds["laid out"] <= seconds["dense"], {"ms": {layout: s * 1e3 for layout, s in seconds.items()}}
+
+    return kept_answer(path, settings, "pack", lambda answer: isinstance(answer, bool), measure)
 
 
 @torch.inference_mode()

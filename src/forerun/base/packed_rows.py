@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from forerun.measured import DEFAULT_CACHE_DIR, fastest, layers_measured, read_json, write_json
+from forerun.measured import DEFAULT_CACHE_DIR, fastest, kept_answer, layers_measured
 
 MOST_ROWS = 8
 """Products of up to this many rows may be computed as more rows (up to this many)."""
@@ -91,19 +91,13 @@ def rows_for(layers: list[torch.nn.Module], cache_dir: Path | str | None = DEFAU
     stored there (None: measured, nothing read or written)."""
     shapes = [[layer.out_features, layer.in_features] for layer in layers]
     settings, path = layers_measured("packed-rows", layers[0].weight, shapes, VERSION, cache_dir)
-    stored = read_json(path) if path is not None else None
-    table = stored.get("rows") if stored is not None else None
-    if valid(table):
-        return tuple(table)
-    table, plain, as_chosen = measure_table(layers)
-    if path is not None:
-        record = {"rows": list(table), "ms": {m: s * 1e3 for m, s in plain.items()}}
-        record["ms_as_more"] = {m: s * 1e3 for m, s in as_chosen.items()}
-        try:
-            write_json(path, {"settings": settings, **record})
-        except OSError:
-            pass  # a read-only home: the table still serves this process
-    return table
+
+    def measure() -> tuple[list[int], dict]:
+        table, plain, as_chosen = measure_table(layers)
+        ms = {"ms": {m: s * 1e3 for m, s in plain.items()}, "ms_as_more": {m: s * 1e3 for m, s in as_chosen.items()}}
+        return list(table), ms
+
+    return tuple(kept_answer(path, settings, "rows", valid, measure))
 
 
 def valid(table: object) -> bool:
